@@ -1,0 +1,70 @@
+"""Layout-invariant initialisation: a tensor's values depend only on (seed, global name, element index).
+
+Each element's value comes from a counter-based hash of its global flat index, so a rank holding any
+slice (tensor-parallel, sharded) computes exactly that slice without materialising the rest.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _key(seed: int, name: str) -> np.uint64:
+    h = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return np.uint64(int.from_bytes(h, "little"))
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    # splitmix64 finaliser; uint64 arithmetic wraps, which is what we want
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _flat_indices(global_shape, slices) -> np.ndarray:
+    """Global C-order flat indices of the elements in `slices`, built from per-dim aranges."""
+    idx = np.zeros((1,) * len(global_shape), dtype=np.uint64)
+    stride = 1
+    for d in reversed(range(len(global_shape))):
+        s = slices[d]
+        shape = [1] * len(global_shape)
+        shape[d] = s.stop - s.start
+        idx = idx + (np.arange(s.start, s.stop, dtype=np.uint64) * np.uint64(stride)).reshape(shape)
+        stride *= global_shape[d]
+    return idx
+
+
+def normal_slice(seed: int, name: str, global_shape, slices, std: float) -> np.ndarray:
+    """Standard-normal * std values (float64, host) of the given slice of a tensor."""
+    idx = _flat_indices(global_shape, slices)
+    base = _key(seed, name) + (idx * np.uint64(2) + np.uint64(1)) * _GOLDEN
+    u1 = ((_mix(base) >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53   # (0, 1]
+    u2 = (_mix(base + _GOLDEN) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53  # [0, 1)
+    return std * np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+
+
+def init_tensor(spec, seed: int, slices=None) -> np.ndarray:
+    """Host float64 values of `slices` (default: whole tensor) of the tensor described by spec."""
+    slices = slices or tuple(slice(0, n) for n in spec.global_shape)
+    shape = tuple(s.stop - s.start for s in slices)
+    if spec.init == "zeros":
+        return np.zeros(shape)
+    if spec.init == "ones":
+        return np.ones(shape)
+    if spec.init == "normal":
+        return normal_slice(seed, spec.name, spec.global_shape, slices, spec.std)
+    raise ValueError(f"tensor {spec.name}: unknown init {spec.init!r}")
+
+
+def init_flat(buf, seed: int, r=None) -> None:
+    """Fill a FlatBuffer (or only the part of it inside Range r) with layout-invariant values."""
+    lay = buf.layout
+    names = [(n, lay.ranges[n], 0) for n in lay.names] if r is None else list(lay.tensors_in(r))
+    for name, part, off in names:
+        spec = lay.by_name[name]
+        vals = init_tensor(spec, seed, spec.tp_slices(lay.tp_rank, lay.tp_size)).reshape(-1)
+        chunk = vals[off:off + part.size]
+        buf.data[part.slice] = buf.xp.asarray(chunk, dtype=buf.data.dtype)

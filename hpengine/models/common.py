@@ -1,0 +1,107 @@
+"""What models share: the tensor-parallel hooks a block is handed (identities for one rank), the
+pieces every model has (token embedding, final layernorm + head + loss) and the MLP sub-block.
+
+Tensor parallelism reaches a model only through a `tp` object like LocalTP; the real one lives in
+strategies/tensor_parallel.py.
+"""
+from __future__ import annotations
+
+from ..buffers import ParamSpec
+from ..nn import (cross_entropy_backward, cross_entropy_forward, embedding_backward,
+                  embedding_forward, gelu_backward, gelu_forward, layernorm_backward,
+                  layernorm_forward, linear_backward, linear_forward)
+
+
+class LocalTP:
+    """Tensor-parallel hooks for tp = 1: every conjugate pair is the identity."""
+    rank, size = 0, 1
+
+    def copy_fwd(self, x):       # copy_to_tp: identity forward ...
+        return x
+
+    def copy_bwd(self, dx):      # ... allreduce backward
+        return dx
+
+    def reduce_fwd(self, x):     # reduce_from_tp: allreduce forward ...
+        return x
+
+    def reduce_bwd(self, dx):    # ... identity backward
+        return dx
+
+    def cross_entropy_forward(self, xp, logits, targets, norm):
+        return cross_entropy_forward(xp, logits, targets, norm)
+
+    def cross_entropy_backward(self, xp, cache):
+        return cross_entropy_backward(xp, cache)
+
+
+def embed_specs(V, C):
+    return [ParamSpec("wte", (V, C), tp_dim=0, decay=True, block="embed")]
+
+
+def head_specs(V, C, tied):
+    specs = [ParamSpec("ln_f.w", (C,), decay=False, init="ones", block="head"),
+             ParamSpec("ln_f.b", (C,), decay=False, init="zeros", block="head")]
+    if not tied:
+        specs.append(ParamSpec("lm_head.w", (C, V), tp_dim=1, block="head"))
+    return specs
+
+
+def mlp_specs(p, C, F, std, proj_std):
+    # column-split first linear, row-split second (Megatron); second bias added after the reduce
+    return [ParamSpec(f"{p}.fc.w", (C, F), tp_dim=1, std=std, block=p.split(".mlp")[0]),
+            ParamSpec(f"{p}.fc.b", (F,), tp_dim=0, decay=False, init="zeros", block=p.split(".mlp")[0]),
+            ParamSpec(f"{p}.proj.w", (F, C), tp_dim=0, std=proj_std, block=p.split(".mlp")[0]),
+            ParamSpec(f"{p}.proj.b", (C,), decay=False, init="zeros", block=p.split(".mlp")[0])]
+
+
+def tok_embed_forward(xp, P, idx, tp):
+    # idx: (B, T) -> (B, T, C); each tp rank looks up its vocab slice, the sum restores full rows
+    w = P["wte"]
+    e, cache = embedding_forward(xp, idx, w, vocab_start=tp.rank * w.shape[0])
+    return tp.reduce_fwd(e), cache
+
+
+def tok_embed_backward(xp, dx, cache, G, tp):
+    embedding_backward(xp, tp.reduce_bwd(dx), cache, G["wte"])
+
+
+def head_weight(P, G, tied):
+    if tied:
+        return P["wte"].T, (G["wte"].T if G is not None else None)
+    return P["lm_head.w"], (G["lm_head.w"] if G is not None else None)
+
+
+def head_forward(xp, P, x, targets, norm, tp, tied):
+    # x: (B, T, C) -> loss (this rank's share of the global-mean loss)
+    h, c_ln = layernorm_forward(xp, x, P["ln_f.w"], P["ln_f.b"])
+    w, _ = head_weight(P, None, tied)
+    logits, c_lin = linear_forward(xp, tp.copy_fwd(h), w)
+    loss, c_ce = tp.cross_entropy_forward(xp, logits, targets, norm)
+    return loss, (c_ln, c_lin, c_ce)
+
+
+def head_backward(xp, cache, G, tp, tied, P):
+    c_ln, c_lin, c_ce = cache
+    dlogits = tp.cross_entropy_backward(xp, c_ce)
+    _, dw = head_weight(P, G, tied)
+    dh = tp.copy_bwd(linear_backward(xp, dlogits, c_lin, dw))
+    return layernorm_backward(xp, dh, c_ln, G["ln_f.w"], G["ln_f.b"])
+
+
+def mlp_forward(xp, P, p, x, tp):
+    # x: (B, T, C) -> (B, T, C), the residual branch only
+    h, c1 = linear_forward(xp, tp.copy_fwd(x), P[f"{p}.fc.w"], P[f"{p}.fc.b"])
+    g, c2 = gelu_forward(xp, h)
+    o, c3 = linear_forward(xp, g, P[f"{p}.proj.w"])
+    o = tp.reduce_fwd(o)
+    o += P[f"{p}.proj.b"]
+    return o, (c1, c2, c3)
+
+
+def mlp_backward(xp, do, cache, G, p, tp):
+    c1, c2, c3 = cache
+    G[f"{p}.proj.b"] += do.reshape(-1, do.shape[-1]).sum(axis=0)
+    dg = linear_backward(xp, tp.reduce_bwd(do), c3, G[f"{p}.proj.w"])
+    dh = gelu_backward(xp, dg, c2)
+    return tp.copy_bwd(linear_backward(xp, dh, c1, G[f"{p}.fc.w"], G[f"{p}.fc.b"]))

@@ -1,0 +1,90 @@
+"""Pre-LayerNorm GPT-2 style decoder: parameter specs and the forward/backward of its blocks.
+
+Blocks are "embed" (token + position embedding), "h.0" .. "h.{L-1}" (attention + MLP) and "head"
+(final layernorm, output projection — tied to the token embedding or not — and the loss).
+"""
+from __future__ import annotations
+
+import math
+
+from ..buffers import ParamSpec
+from ..nn import attention_backward, attention_forward, layernorm_backward, layernorm_forward, \
+    linear_backward, linear_forward
+from .common import (embed_specs, head_backward, head_forward, head_specs, mlp_backward, mlp_forward,
+                     mlp_specs, tok_embed_backward, tok_embed_forward)
+
+
+class GPT:
+    def __init__(self, mcfg):
+        self.cfg = mcfg
+        self.V, self.T, self.C = mcfg.vocab_size, mcfg.seq_len, mcfg.d_model
+        self.L, self.H, self.F = mcfg.n_layers, mcfg.n_heads, mcfg.ffn_mult * mcfg.d_model
+        self.tied = mcfg.tie_head
+        self.std = mcfg.init_std
+        self.n_layers = self.L
+
+    def block_names(self) -> list[str]:
+        return ["embed"] + [f"h.{i}" for i in range(self.L)] + ["head"]
+
+    def specs(self, block: str) -> list[ParamSpec]:
+        C, std = self.C, self.std
+        if block == "embed":
+            return embed_specs(self.V, C) + [ParamSpec("wpe", (self.T, C), block="embed")]
+        if block == "head":
+            return head_specs(self.V, C, self.tied)
+        p, proj_std = block, std / math.sqrt(2 * self.L)  # GPT-2: residual projections scaled down
+        ln = lambda n: [ParamSpec(f"{p}.{n}.w", (C,), decay=False, init="ones", block=p),  # noqa: E731
+                        ParamSpec(f"{p}.{n}.b", (C,), decay=False, init="zeros", block=p)]
+        return (ln("ln1")
+                + [ParamSpec(f"{p}.attn.qkv.w", (C, 3 * C), tp_dim=1, std=std, block=p),
+                   ParamSpec(f"{p}.attn.qkv.b", (3 * C,), tp_dim=0, decay=False, init="zeros", block=p),
+                   ParamSpec(f"{p}.attn.proj.w", (C, C), tp_dim=0, std=proj_std, block=p),
+                   ParamSpec(f"{p}.attn.proj.b", (C,), decay=False, init="zeros", block=p)]
+                + ln("ln2") + mlp_specs(f"{p}.mlp", C, self.F, std, proj_std))
+
+    def all_specs(self) -> list[ParamSpec]:
+        return [s for b in self.block_names() for s in self.specs(b)]
+
+    # --- blocks -------------------------------------------------------------------------------
+    def embed_forward(self, xp, P, idx, tp):
+        # idx: (B, T) -> x: (B, T, C)
+        x, cache = tok_embed_forward(xp, P, idx, tp)
+        x += P["wpe"][: idx.shape[1]]
+        return x, cache
+
+    def embed_backward(self, xp, dx, cache, G, tp):
+        G["wpe"][: dx.shape[1]] += dx.sum(axis=0)
+        tok_embed_backward(xp, dx, cache, G, tp)
+
+    def layer_forward(self, xp, P, i, x, tp):
+        # x: (B, T, C) -> (B, T, C)
+        p = f"h.{i}"
+        h, c_ln1 = layernorm_forward(xp, x, P[f"{p}.ln1.w"], P[f"{p}.ln1.b"])
+        qkv, c_qkv = linear_forward(xp, tp.copy_fwd(h), P[f"{p}.attn.qkv.w"], P[f"{p}.attn.qkv.b"])
+        a, c_att = attention_forward(xp, qkv, self.H // tp.size)
+        o, c_proj = linear_forward(xp, a, P[f"{p}.attn.proj.w"])
+        o = tp.reduce_fwd(o)
+        o += P[f"{p}.attn.proj.b"]
+        x1 = x + o
+        h2, c_ln2 = layernorm_forward(xp, x1, P[f"{p}.ln2.w"], P[f"{p}.ln2.b"])
+        m, c_mlp = mlp_forward(xp, P, f"{p}.mlp", h2, tp)
+        x1 += m
+        return x1, (c_ln1, c_qkv, c_att, c_proj, c_ln2, c_mlp)
+
+    def layer_backward(self, xp, dy, cache, G, i, tp):
+        p = f"h.{i}"
+        c_ln1, c_qkv, c_att, c_proj, c_ln2, c_mlp = cache
+        dh2 = mlp_backward(xp, dy, c_mlp, G, f"{p}.mlp", tp)
+        dx1 = dy + layernorm_backward(xp, dh2, c_ln2, G[f"{p}.ln2.w"], G[f"{p}.ln2.b"])
+        G[f"{p}.attn.proj.b"] += dx1.reshape(-1, self.C).sum(axis=0)
+        da = linear_backward(xp, tp.reduce_bwd(dx1), c_proj, G[f"{p}.attn.proj.w"])
+        dqkv = attention_backward(xp, da, c_att)
+        dh = tp.copy_bwd(linear_backward(xp, dqkv, c_qkv, G[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.b"]))
+        dx1 += layernorm_backward(xp, dh, c_ln1, G[f"{p}.ln1.w"], G[f"{p}.ln1.b"])
+        return dx1
+
+    def head_forward(self, xp, P, x, targets, norm, tp):
+        return head_forward(xp, P, x, targets, norm, tp, self.tied)
+
+    def head_backward(self, xp, cache, G, tp, P):
+        return head_backward(xp, cache, G, tp, self.tied, P)

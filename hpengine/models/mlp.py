@@ -1,0 +1,61 @@
+"""A small residual MLP over token embeddings (no attention): the fast model for tests.
+
+Same block interface as GPT: "embed", "h.0" .. "h.{L-1}" (x + MLP(LayerNorm(x))), "head".
+"""
+from __future__ import annotations
+
+import math
+
+from ..buffers import ParamSpec
+from ..nn import layernorm_backward, layernorm_forward
+from .common import (embed_specs, head_backward, head_forward, head_specs, mlp_backward, mlp_forward,
+                     mlp_specs, tok_embed_backward, tok_embed_forward)
+
+
+class MLP:
+    def __init__(self, mcfg):
+        self.cfg = mcfg
+        self.V, self.C, self.L = mcfg.vocab_size, mcfg.d_model, mcfg.n_layers
+        self.F, self.tied, self.std = mcfg.ffn_mult * mcfg.d_model, mcfg.tie_head, mcfg.init_std
+        self.n_layers = self.L
+
+    def block_names(self) -> list[str]:
+        return ["embed"] + [f"h.{i}" for i in range(self.L)] + ["head"]
+
+    def specs(self, block: str) -> list[ParamSpec]:
+        C = self.C
+        if block == "embed":
+            return embed_specs(self.V, C)
+        if block == "head":
+            return head_specs(self.V, C, self.tied)
+        return ([ParamSpec(f"{block}.ln.w", (C,), decay=False, init="ones", block=block),
+                 ParamSpec(f"{block}.ln.b", (C,), decay=False, init="zeros", block=block)]
+                + mlp_specs(f"{block}.mlp", C, self.F, self.std, self.std / math.sqrt(2 * self.L)))
+
+    def all_specs(self) -> list[ParamSpec]:
+        return [s for b in self.block_names() for s in self.specs(b)]
+
+    def embed_forward(self, xp, P, idx, tp):
+        return tok_embed_forward(xp, P, idx, tp)
+
+    def embed_backward(self, xp, dx, cache, G, tp):
+        tok_embed_backward(xp, dx, cache, G, tp)
+
+    def layer_forward(self, xp, P, i, x, tp):
+        # x: (B, T, C) -> (B, T, C)
+        p = f"h.{i}"
+        h, c_ln = layernorm_forward(xp, x, P[f"{p}.ln.w"], P[f"{p}.ln.b"])
+        m, c_mlp = mlp_forward(xp, P, f"{p}.mlp", h, tp)
+        return x + m, (c_ln, c_mlp)
+
+    def layer_backward(self, xp, dy, cache, G, i, tp):
+        p = f"h.{i}"
+        c_ln, c_mlp = cache
+        dh = mlp_backward(xp, dy, c_mlp, G, f"{p}.mlp", tp)
+        return dy + layernorm_backward(xp, dh, c_ln, G[f"{p}.ln.w"], G[f"{p}.ln.b"])
+
+    def head_forward(self, xp, P, x, targets, norm, tp):
+        return head_forward(xp, P, x, targets, norm, tp, self.tied)
+
+    def head_backward(self, xp, cache, G, tp, P):
+        return head_backward(xp, cache, G, tp, self.tied, P)

@@ -1,0 +1,20 @@
+"""Layer library: pure forward/backward function pairs over an array module `xp`.
+
+Backwards accumulate (+=) into the gradient views they are handed and return
+the input gradient; see DESIGN.md section 4.
+"""
+from .activation import gelu_backward, gelu_forward, relu_backward, relu_forward
+from .attention import attention_backward, attention_forward
+from .embedding import embedding_backward, embedding_forward
+from .layernorm import layernorm_backward, layernorm_forward
+from .linear import linear_backward, linear_forward
+from .loss import cross_entropy_backward, cross_entropy_forward
+
+__all__ = [
+    "linear_forward", "linear_backward",
+    "embedding_forward", "embedding_backward",
+    "layernorm_forward", "layernorm_backward",
+    "gelu_forward", "gelu_backward", "relu_forward", "relu_backward",
+    "attention_forward", "attention_backward",
+    "cross_entropy_forward", "cross_entropy_backward",
+]

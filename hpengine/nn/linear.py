@@ -1,0 +1,24 @@
+"""Dense (affine) layer: y = x @ w + b over any number of leading dims.
+
+Leading dims are folded into one so every product is a single 2-D GEMM.
+"""
+
+
+def linear_forward(xp, x, w, b=None):
+    # x: (..., C), w: (C, OC), b: (OC,) or None -> y: (..., OC)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    y = x2 @ w
+    if b is not None:
+        y += b
+    return y.reshape(*lead, w.shape[1]), (x2, w, lead)
+
+
+def linear_backward(xp, dy, cache, dw, db=None):
+    # dy: (..., OC), dw: (C, OC), db: (OC,) or None -> dx: (..., C)
+    x2, w, lead = cache
+    dy2 = dy.reshape(-1, w.shape[1])
+    dw += x2.T @ dy2
+    if db is not None:
+        db += dy2.sum(axis=0)
+    return (dy2 @ w.T).reshape(*lead, w.shape[0])

@@ -1,0 +1,69 @@
+"""The device mesh: axes tp, sharding, dp, pp with their degrees and order; rank <-> coordinates;
+every Comm.Split, made once. The first axis in `order` is innermost (neighbouring ranks).
+"""
+from __future__ import annotations
+
+from math import prod
+
+AXES = ("tp", "sharding", "dp", "pp")
+SWITCH_OF_AXIS = {"tp": "tensor_parallel", "sharding": "sharding", "dp": "data_parallel", "pp": "pipeline"}
+
+
+class TopologyError(ValueError):
+    pass
+
+
+def resolve_degrees(world: int, requested: dict) -> dict:
+    """Replace the one degree of -1 by the ranks left over; check the product is the world size."""
+    listing = lambda d: ", ".join(f"{a}={d[a]}" for a in AXES)  # noqa: E731
+    free = [a for a in AXES if requested[a] == -1]
+    if len(free) > 1:
+        raise TopologyError(f"only one degree may be -1 (the ranks left over), got {listing(requested)} "
+                            f"on a world of {world} ranks")
+    fixed = prod(requested[a] for a in AXES if a not in free)
+    degrees = dict(requested)
+    if free:
+        if world % fixed:
+            raise TopologyError(f"degrees {listing(requested)}: the fixed degrees multiply to {fixed}, "
+                                f"which does not divide the world size {world}")
+        degrees[free[0]] = world // fixed
+    if prod(degrees.values()) != world:
+        raise TopologyError(f"degrees {listing(degrees)} multiply to {prod(degrees.values())} but the world "
+                            f"size is {world}; make the product equal the number of ranks (mpiexec -n)")
+    return degrees
+
+
+class Mesh:
+    """Coordinates of every rank and one communicator per axis (ranks differing only along it)."""
+
+    def __init__(self, world_comm, degrees: dict, order=AXES, wrap=None):
+        self.world = world_comm
+        self.rank, self.size = world_comm.Get_rank(), world_comm.Get_size()
+        self.degrees = resolve_degrees(self.size, degrees)
+        if sorted(order) != sorted(AXES):
+            raise TopologyError(f"mesh.order = {list(order)}: must be a permutation of {list(AXES)}")
+        self.order = tuple(order)
+        self.strides, s = {}, 1
+        for a in self.order:
+            self.strides[a] = s
+            s *= self.degrees[a]
+        self.coords = self.coords_of(self.rank)
+        wrap = wrap or (lambda c, axis: c)
+        self.comms = {}
+        for a in self.order:  # same order of Split calls on every rank
+            color = sum(self.coords[b] * self.strides[b] for b in AXES if b != a)
+            self.comms[a] = wrap(world_comm.Split(color, self.coords[a]), a)
+
+    def coords_of(self, rank: int) -> dict:
+        return {a: (rank // self.strides[a]) % self.degrees[a] for a in AXES}
+
+    def rank_of(self, coords: dict) -> int:
+        return sum(coords[a] * self.strides[a] for a in AXES)
+
+    def prefix(self) -> str:
+        c = self.coords
+        return f"[r{self.rank} dp{c['dp']} sh{c['sharding']} pp{c['pp']} tp{c['tp']}]"
+
+    def describe(self) -> str:
+        degs = " x ".join(f"{a}={self.degrees[a]}" for a in reversed(self.order))
+        return f"mesh {degs} (order innermost first: {', '.join(self.order)}) on {self.size} ranks"

@@ -1,0 +1,141 @@
+"""The training loop: run folder, logging, evaluation cadence, metrics.jsonl, final summary.
+
+Launch with `hpengine train CONFIG` (one process) or `mpiexec -n N hpengine train CONFIG`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from mpi4py import MPI
+
+from .backend import make_backend
+from .comm import Comm
+from .config import enabled_strategies, strategy_degree, to_toml
+from .data import TokenDataset, ensure_default_corpus
+from .engine import Engine
+from .strategies import NOT_IMPLEMENTED
+from .topology import AXES, SWITCH_OF_AXIS, Mesh
+
+log = logging.getLogger("hpengine")
+
+
+class RunError(RuntimeError):
+    """A user-facing problem with the run (folder, unimplemented switch); one clear line."""
+
+
+def check_implemented(cfg) -> None:
+    missing = [n for n in enabled_strategies(cfg) if n in NOT_IMPLEMENTED]
+    if missing:
+        raise RunError(f"strategy.{missing[0]}.enable = true, but the {missing[0]} strategy is not "
+                       f"implemented yet in this version of hpengine; set it to false")
+
+
+def setup_logging(mesh) -> None:
+    logger = logging.getLogger("hpengine")
+    logger.handlers.clear()
+    h = logging.StreamHandler(sys.stdout)
+    h.setFormatter(logging.Formatter(f"{mesh.prefix()} %(message)s"))
+    logger.addHandler(h)
+    logger.setLevel(logging.INFO if mesh.rank == 0 else logging.WARNING)
+    logger.propagate = False
+
+
+def resolve_data_path(cfg, world) -> str:
+    if cfg.data.path:
+        return cfg.data.path
+    path = None
+    if world.Get_rank() == 0:  # one rank builds the cached corpus; the rest wait and read it
+        try:
+            path = str(ensure_default_corpus())
+        except Exception as exc:  # noqa: BLE001 - forwarded to every rank below
+            path = exc
+    path = world.bcast(path, root=0)
+    if isinstance(path, Exception):
+        raise path
+    return path
+
+
+def prepare_run_dir(cfg, world) -> Path:
+    out = Path(cfg.train.out_dir)
+    err = None
+    if world.Get_rank() == 0:
+        if (out / "metrics.jsonl").exists() or (out / "config.toml").exists():
+            err = (f"train.out_dir = '{out}' already holds results (metrics.jsonl/config.toml); "
+                   f"choose a new folder, e.g. --set train.out_dir={out}-2")
+        else:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.toml").write_text(to_toml(cfg))
+    err = world.bcast(err, root=0)
+    if err:
+        raise RunError(err)
+    return out
+
+
+def build(cfg, world=None):
+    """Mesh, backend, dataset and engine for this rank (validation before any collective)."""
+    world = world or MPI.COMM_WORLD
+    check_implemented(cfg)
+    degrees = {a: strategy_degree(cfg, SWITCH_OF_AXIS[a]) for a in AXES}
+    backend = make_backend(cfg.runtime.backend, cfg.model.dtype)
+    mesh = Mesh(world, degrees, cfg.mesh.order, wrap=lambda c, a: Comm(c, a, backend))
+    setup_logging(mesh)
+    data = TokenDataset(resolve_data_path(cfg, world), cfg.model.seq_len, cfg.model.vocab_size,
+                        cfg.data.val_fraction)
+    return Engine(cfg, mesh, backend, data)
+
+
+def _fmt(m: dict) -> str:
+    s = (f"step {m['step'] + 1:>5} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f}"
+         f" | {m['tokens_per_s']:,.0f} tok/s | {m['step_ms']:.0f} ms")
+    return s + (f" | val {m['val_loss']:.4f}" if "val_loss" in m else "")
+
+
+def train(cfg, world=None) -> dict:
+    """Run cfg.train.steps optimizer steps; returns the final summary (same on every rank)."""
+    world = world or MPI.COMM_WORLD
+    eng = build(cfg, world)
+    out = prepare_run_dir(cfg, world)
+    rank0 = world.Get_rank() == 0
+    log.info("%s", eng.mesh.describe())
+    log.info("model %s: %s parameters, %d blocks, dtype %s, backend %s", cfg.model.kind,
+             f"{eng.n_params():,}", len(eng.blocks), cfg.model.dtype, eng.be.name)
+    metrics_f = open(out / "metrics.jsonl", "w") if rank0 else None
+    bar = rank0 and sys.stdout.isatty()
+    t_start, history = time.perf_counter(), []
+    try:
+        for step in range(cfg.train.steps):
+            m = eng.train_step(step)
+            ev = cfg.train.eval_every
+            if ev and ((step + 1) % ev == 0 or step + 1 == cfg.train.steps):
+                m["val_loss"] = eng.evaluate()
+            history.append(m)
+            if rank0:
+                metrics_f.write(json.dumps(m) + "\n")
+                metrics_f.flush()
+                if (step + 1) % cfg.train.log_every == 0 or step == 0 or "val_loss" in m:
+                    log.info("%s", _fmt(m))
+                elif bar:
+                    print(f"\r  step {step + 1}/{cfg.train.steps} loss {m['loss']:.4f}", end="", flush=True)
+    finally:
+        if metrics_f:
+            metrics_f.close()
+    return summarize(eng, history, time.perf_counter() - t_start, out)
+
+
+def summarize(eng, history, wall, out) -> dict:
+    toks = [m["tokens_per_s"] for m in history[1:]] or [history[0]["tokens_per_s"]]
+    vals = [m["val_loss"] for m in history if "val_loss" in m]
+    summary = {"steps": len(history), "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
+               "final_val_loss": vals[-1] if vals else None, "wall_s": wall,
+               "median_tokens_per_s": sorted(toks)[len(toks) // 2], **eng.memory(), "out_dir": str(out)}
+    log.info("done: %d steps in %.1f s | loss %.4f -> %.4f | val %s | median %s tok/s | peak RSS %.0f MiB",
+             summary["steps"], wall, summary["first_loss"], summary["final_loss"],
+             f"{summary['final_val_loss']:.4f}" if vals else "-",
+             f"{summary['median_tokens_per_s']:,.0f}", summary["peak_rss_bytes"] / 2**20)
+    if eng.mesh.rank == 0:
+        (Path(out) / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
