@@ -22,8 +22,17 @@ $(STAMP): setup.cfg pyproject.toml
 train: $(STAMP)
 	$(BIN)/hpengine train configs/default.toml --set train.out_dir=runs/default-$$(date +%Y%m%d-%H%M%S)
 
-test: $(STAMP)
+test: test-unit test-mpi
+
+test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/unit
+
+# the same MPI suite at every world size; tests read the size and skip together what does not fit
+test-mpi: $(STAMP)
+	for n in 1 2 4; do \
+	  echo "== tests/mpi under mpiexec -n $$n"; \
+	  $(MPIEXEC) -n $$n $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/mpi || exit 1; \
+	done
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_core.py

@@ -21,6 +21,8 @@ class ParamSpec:
     init: str = "normal"          # "normal" | "zeros" | "ones"
     std: float = 0.02
     block: str = ""               # the block that uses it: "embed", "h.3", "head", ...
+    init_key: str = ""            # name the initial values are keyed on ("" = name)
+    seed: int | None = None       # seed of the model it belongs to (None = the run's seed)
 
     def tp_slices(self, tp_rank: int = 0, tp_size: int = 1) -> tuple:
         """The global index slices this tp rank holds (whole tensor when replicated)."""

@@ -45,10 +45,15 @@ class Comm:
         return self.c.Iallreduce(MPI.IN_PLACE, arr, op=op)
 
     def ireduce(self, send, recv, root: int, op=MPI.SUM):
-        """Non-blocking reduce of `send` into `recv` on `root` (recv may be None elsewhere)."""
+        """Non-blocking reduce of `send` into `recv` on `root` (recv ignored elsewhere; recv is send
+        means in place on the root)."""
         self._sync()
         self._count("reduce", send)
-        return self.c.Ireduce(send, recv if self.rank == root else None, op=op, root=root)
+        if self.rank != root:
+            return self.c.Ireduce(send, None, op=op, root=root)
+        if recv is send:
+            return self.c.Ireduce(MPI.IN_PLACE, send, op=op, root=root)
+        return self.c.Ireduce(send, recv, op=op, root=root)
 
     def allgatherv_(self, arr, counts, displs):
         """Every rank contributes arr[displs[r]:displs[r]+counts[r]]; all get the whole arr."""
@@ -98,3 +103,9 @@ def waitall(reqs) -> None:
     reqs = [r for r in reqs if r is not None]
     if reqs:
         MPI.Request.Waitall(reqs)
+
+
+def testall(reqs) -> bool:
+    """Let MPI progress outstanding requests (MPICH advances non-blocking collectives only inside
+    MPI calls); True when all are complete."""
+    return bool(MPI.Request.Testall(reqs)) if reqs else True

@@ -98,6 +98,10 @@ class TrainConfig:
     eval_batches: int = _f(4, "validation batches per evaluation", check=_POS)
     log_every: int = _f(10, "log a metrics line every N steps", check=_POS)
     out_dir: str = _f("runs/default", "run folder (refused if it already holds results)")
+    models: int = _f(1, "train this many models in one job, sharing one partition and one set of "
+                        "collectives (seed claim 6)", check=_POS)
+    model_seeds: list[int] = _f([], "per-model seeds (init and data); empty = seed, seed+1, ...")
+    model_lrs: list[float] = _f([], "per-model peak learning rates; empty = optim.lr for every model")
 
 
 @dataclass
@@ -341,6 +345,14 @@ def validate(cfg: Config) -> None:
     if m.kind == "gpt" and m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}: "
                           "d_model must be a multiple of n_heads")
+    t = cfg.train
+    for key in ("model_seeds", "model_lrs"):
+        got = getattr(t, key)
+        if got and len(got) != t.models:
+            raise ConfigError(f"train.{key} has {len(got)} entries but train.models = {t.models}: "
+                              f"give one per model or leave it empty")
+    if any(lr < 0 for lr in t.model_lrs):
+        raise ConfigError(f"train.model_lrs = {t.model_lrs}: every learning rate must be >= 0")
 
 
 def _validate_section(obj: Any, cls, prefix: str) -> None:

@@ -55,7 +55,8 @@ def init_tensor(spec, seed: int, slices=None) -> np.ndarray:
     if spec.init == "ones":
         return np.ones(shape)
     if spec.init == "normal":
-        return normal_slice(seed, spec.name, spec.global_shape, slices, spec.std)
+        seed = seed if spec.seed is None else spec.seed
+        return normal_slice(seed, spec.init_key or spec.name, spec.global_shape, slices, spec.std)
     raise ValueError(f"tensor {spec.name}: unknown init {spec.init!r}")
 
 
@@ -68,3 +69,13 @@ def init_flat(buf, seed: int, r=None) -> None:
         vals = init_tensor(spec, seed, spec.tp_slices(lay.tp_rank, lay.tp_size)).reshape(-1)
         chunk = vals[off:off + part.size]
         buf.data[part.slice] = buf.xp.asarray(chunk, dtype=buf.data.dtype)
+
+
+def init_range(layout, seed: int, r, xp, dtype):
+    """Layout-invariant values of flat Range r only (what a stage-3 owner stores)."""
+    out = np.zeros(r.size)
+    for name, part, off in layout.tensors_in(r):
+        spec = layout.by_name[name]
+        vals = init_tensor(spec, seed, spec.tp_slices(layout.tp_rank, layout.tp_size)).reshape(-1)
+        out[part.start - r.start:part.stop - r.start] = vals[off:off + part.size]
+    return xp.asarray(out, dtype=dtype)

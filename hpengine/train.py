@@ -75,6 +75,22 @@ def prepare_run_dir(cfg, world) -> Path:
     return out
 
 
+def check_batch(cfg, mesh) -> None:
+    """DESIGN §6 batch arithmetic: every division exact, or the config is rejected."""
+    d = mesh.degrees
+    replicas = d["dp"] * d["sharding"]
+    gb = cfg.train.global_batch
+    if gb % replicas:
+        raise RunError(f"train.global_batch = {gb} is not divisible by dp x sharding = {d['dp']} x "
+                       f"{d['sharding']} = {replicas}; use a multiple of {replicas}")
+    gm = cfg.strategy.gradient_merge
+    k = gm.k_steps if gm.enable else 1
+    if (gb // replicas) % k:
+        raise RunError(f"a replica's share of the batch ({gb} / {replicas} = {gb // replicas}) is not divisible "
+                       f"by strategy.gradient_merge.k_steps = {k}; make global_batch a multiple of "
+                       f"{replicas * k}")
+
+
 def build(cfg, world=None):
     """Mesh, backend, dataset and engine for this rank (validation before any collective)."""
     world = world or MPI.COMM_WORLD
@@ -83,13 +99,22 @@ def build(cfg, world=None):
     backend = make_backend(cfg.runtime.backend, cfg.model.dtype)
     mesh = Mesh(world, degrees, cfg.mesh.order, wrap=lambda c, a: Comm(c, a, backend))
     setup_logging(mesh)
+    check_batch(cfg, mesh)
     data = TokenDataset(resolve_data_path(cfg, world), cfg.model.seq_len, cfg.model.vocab_size,
                         cfg.data.val_fraction)
     return Engine(cfg, mesh, backend, data)
 
 
+def _lines(m: dict) -> list[dict]:
+    """metrics.jsonl lines of one step: one, or one per model (with a `model` field)."""
+    if "models" not in m:
+        return [m]
+    common = {k: v for k, v in m.items() if k not in ("models", "loss", "lr", "grad_norm", "val_loss")}
+    return [{**common, **pm} for pm in m["models"]]
+
+
 def _fmt(m: dict) -> str:
-    s = (f"step {m['step'] + 1:>5} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f}"
+    s = ("" if "model" not in m else f"model {m['model']} | ") + (f"step {m['step'] + 1:>5} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f}"
          f" | {m['tokens_per_s']:,.0f} tok/s | {m['step_ms']:.0f} ms")
     return s + (f" | val {m['val_loss']:.4f}" if "val_loss" in m else "")
 
@@ -101,6 +126,10 @@ def train(cfg, world=None) -> dict:
     out = prepare_run_dir(cfg, world)
     rank0 = world.Get_rank() == 0
     log.info("%s", eng.mesh.describe())
+    if hasattr(eng.sync, "ranges"):
+        sizes = [r.size for r in eng.sync.ranges]
+        log.info("sharding stage %d, partition %s: %d owners, shares %s elements, imbalance %.3f",
+                 eng.sync.stage, cfg.strategy.sharding.partition, len(sizes), sizes, eng.sync.imbalance)
     log.info("model %s: %s parameters, %d blocks, dtype %s, backend %s", cfg.model.kind,
              f"{eng.n_params():,}", len(eng.blocks), cfg.model.dtype, eng.be.name)
     metrics_f = open(out / "metrics.jsonl", "w") if rank0 else None
@@ -111,19 +140,34 @@ def train(cfg, world=None) -> dict:
             m = eng.train_step(step)
             ev = cfg.train.eval_every
             if ev and ((step + 1) % ev == 0 or step + 1 == cfg.train.steps):
-                m["val_loss"] = eng.evaluate()
+                vals = eng.evaluate()
+                m["val_loss"] = vals[0]
+                for pm, v in zip(m.get("models", []), vals):
+                    pm["val_loss"] = v
             history.append(m)
+            if step == 0:
+                log_memory(eng)
             if rank0:
-                metrics_f.write(json.dumps(m) + "\n")
+                for line in _lines(m):
+                    metrics_f.write(json.dumps(line) + "\n")
                 metrics_f.flush()
                 if (step + 1) % cfg.train.log_every == 0 or step == 0 or "val_loss" in m:
-                    log.info("%s", _fmt(m))
+                    for line in _lines(m):
+                        log.info("%s", _fmt(line))
                 elif bar:
                     print(f"\r  step {step + 1}/{cfg.train.steps} loss {m['loss']:.4f}", end="", flush=True)
     finally:
         if metrics_f:
             metrics_f.close()
     return summarize(eng, history, time.perf_counter() - t_start, out)
+
+
+def log_memory(eng) -> None:
+    mem = eng.memory()
+    mib = lambda k: mem[k] / 2**20  # noqa: E731
+    log.info("memory per rank: params %.2f MiB, grads %.2f MiB, optimizer %.2f MiB, transient peak "
+             "%.2f MiB, peak RSS %.0f MiB", mib("param_bytes"), mib("grad_bytes"), mib("optim_bytes"),
+             mib("transient_peak_bytes"), mib("peak_rss_bytes"))
 
 
 def summarize(eng, history, wall, out) -> dict:

@@ -1,0 +1,175 @@
+"""Sharding (ZeRO stages 1-3) over the element-count partition of CN115114927A.
+
+The stage's flat buffer is cut into one Range per sharding rank ("tensor": whole tensors, balanced by
+element count; "flat": equal ranges). Each finished block's gradient is reduced straight to the owners
+of its parts; an owner then averages across dp, runs AdamW on its range and shares the result.
+Stage 1 keeps full gradients and parameters, stage 2 only the owned gradient, stage 3 only the owned
+parameters too (a block's parameters are gathered just in time, the next block's prefetched).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..buffers import FlatBuffer, Layout, imbalance, partition
+from ..comm import testall, waitall
+from ..init import init_range
+from .base import LocalSync, Merged
+
+
+class ShardedSync(LocalSync):
+    def __init__(self, engine, sh_comm, dp_comm, stage: int, mode: str):
+        lay = engine.layout
+        self.sh, self.dp, self.stage = sh_comm, dp_comm, stage
+        self.ranges = partition([lay.ranges[n].size for n in lay.names], sh_comm.size, mode)
+        super().__init__(engine, full_grads=stage == 1, full_params=stage < 3)
+        self.owned = own = self.ranges[sh_comm.rank]
+        self.imbalance = imbalance(self.ranges)
+        self.block_layouts = {b: Layout(v, lay.tp_rank, lay.tp_size) for b, v in engine.block_specs.items() if v}
+        self.deps = engine.block_deps
+        self.parts = {b: [(r, p) for r, R in enumerate(self.ranges) if (p := br.intersect(R))]
+                      for b, br in engine.block_ranges.items()}
+        if stage >= 2:
+            self.gshard = self.xp.zeros(own.size, dtype=self.dtype)
+        if stage == 3:
+            self.pshard = init_range(lay, engine.cfg.train.seed, own, self.xp, self.dtype)
+        self.gtemp, self.inflight, self.gathered = {}, [], {}
+        self.wait_s = self.sync_s = 0.0
+
+    # --- gradients --------------------------------------------------------------------------------
+    def _gtemp(self, b):
+        if b not in self.gtemp:
+            self.gtemp[b] = FlatBuffer(self.block_layouts[b], self.xp, self.dtype)
+            self._track(self.gtemp[b].data.nbytes)
+        return self.gtemp[b]
+
+    def grads_for(self, block):
+        if self.stage == 1:
+            return self.grads
+        bufs = [self._gtemp(b) for b in [block] + self.deps.get(block, [])]
+        return bufs[0] if len(bufs) == 1 else Merged(bufs)
+
+    def begin_step(self):
+        self._finish_gathers()
+        if self.stage == 1:
+            self.grads.zero()
+
+    def block_done(self, block):
+        if not self.last or block not in self.parts:
+            return
+        t0, own, br = time.perf_counter(), self.owned, self.e.block_ranges[block]
+        reqs = []
+        for r, p in self.parts[block]:
+            if self.stage == 1:
+                buf = self.grads.data[p.slice]
+                reqs.append(self.sh.ireduce(buf, buf, root=r))
+            else:
+                src = self.gtemp[block].data[p.start - br.start:p.stop - br.start]
+                dst = self.gshard[p.start - own.start:p.stop - own.start] if r == self.sh.rank else None
+                reqs.append(self.sh.ireduce(src, dst, root=r))
+        self.inflight.append((reqs, block))
+        self._progress()
+        self.sync_s += time.perf_counter() - t0
+
+    def _progress(self):
+        """Advance the reductions in flight; free the temporary gradients of finished blocks."""
+        keep = []
+        for reqs, b in self.inflight:
+            if testall(reqs):
+                self._free_gtemp(b)
+            else:
+                keep.append((reqs, b))
+        self.inflight = keep
+
+    def _free_gtemp(self, b):
+        buf = self.gtemp.pop(b, None)
+        if buf is not None:
+            self.transient -= buf.data.nbytes
+
+    def reduce_grads(self):
+        t0 = time.perf_counter()
+        for reqs, b in self.inflight:
+            waitall(reqs)
+            self._free_gtemp(b)
+        self.inflight = []
+        g = self.grads.data[self.owned.slice] if self.stage == 1 else self.gshard
+        if self.dp.size > 1:       # owners of the same range in different replicas average it
+            self.dp.allreduce_(g)
+        self.wait_s += time.perf_counter() - t0
+        self.sync_s += time.perf_counter() - t0
+        return g
+
+    def norm_allreduce(self, sq):
+        return list(self.sh.allreduce_(np.array(sq, dtype=np.float64)))
+
+    def loss_allreduce(self, losses):
+        v = self.sh.allreduce_(np.array(losses, dtype=np.float64))
+        return list(self.dp.allreduce_(v))
+
+    # --- parameters -------------------------------------------------------------------------------
+    def owned_params(self):
+        return self.pshard if self.stage == 3 else self.params.data[self.owned.slice]
+
+    def share_params(self):
+        if self.stage == 3:
+            self._finish_gathers()   # gathered copies predate this update
+        else:
+            counts = [r.size for r in self.ranges]
+            displs = [r.start for r in self.ranges]
+            self.sh.allgatherv_(self.params.data, counts, displs)
+
+    def _start_gather(self, b):
+        br, own = self.e.block_ranges[b], self.owned
+        buf = FlatBuffer(self.block_layouts[b], self.xp, self.dtype)
+        mine = own.intersect(br)
+        if mine is not None:
+            buf.data[mine.start - br.start:mine.stop - br.start] = \
+                self.pshard[mine.start - own.start:mine.stop - own.start]
+        cuts = [R.intersect(br) for R in self.ranges]
+        counts = [c.size if c else 0 for c in cuts]
+        displs = [c.start - br.start if c else 0 for c in cuts]
+        self.gathered[b] = (buf, self.sh.iallgatherv_(buf.data, counts, displs))
+        self._track(buf.data.nbytes)
+
+    def params_for(self, block, nxt=None):
+        if self.stage < 3:
+            return self.params
+        need = [block] + self.deps.get(block, [])
+        for b in need:
+            if b not in self.gathered:
+                self._start_gather(b)
+        waitall([self.gathered[b][1] for b in need])
+        if nxt is not None and nxt not in self.gathered:
+            self._start_gather(nxt)   # prefetch: overlaps the next block's gather with this compute
+        bufs = [self.gathered[b][0] for b in need]
+        return bufs[0] if len(bufs) == 1 else Merged(bufs)
+
+    def release(self, block):
+        if self.stage < 3:
+            return
+        for b in [block] + self.deps.get(block, []):
+            item = self.gathered.get(b)
+            if item is not None and item[1].Test():
+                del self.gathered[b]
+                self.transient -= item[0].data.nbytes
+
+    def _finish_gathers(self):
+        waitall([req for _, req in self.gathered.values()])
+        for buf, _ in self.gathered.values():
+            self.transient -= buf.data.nbytes
+        self.gathered = {}
+
+    def full_params(self) -> np.ndarray:
+        if self.stage < 3:
+            return super().full_params()
+        full = self.xp.zeros(self.layout.total, dtype=self.dtype)
+        full[self.owned.slice] = self.pshard
+        self.sh.allgatherv_(full, [r.size for r in self.ranges], [r.start for r in self.ranges])
+        return self.e.be.to_host(full)
+
+    def param_bytes(self) -> int:
+        return int(self.pshard.nbytes if self.stage == 3 else self.params.data.nbytes)
+
+    def grad_bytes(self) -> int:
+        return int(self.grads.data.nbytes if self.stage == 1 else self.gshard.nbytes)

@@ -1,0 +1,43 @@
+"""MPI test harness: the same suite runs under `mpiexec -n 1, 2, 4`. A failure on any rank aborts the
+whole job at once (the other ranks may be waiting in a collective), so a failure never hangs.
+Tests read the world size; layouts that do not fit skip on every rank together."""
+import os
+import sys
+import tempfile
+
+import pytest
+from mpi4py import MPI
+
+WORLD = MPI.COMM_WORLD
+
+TEXT = (b"The quick brown fox jumps over the lazy dog. " * 40
+        + bytes(range(32, 127)) * 20 + b"def f(x):\n    return x * 2\n" * 60)
+
+
+def pytest_runtest_makereport(item, call):
+    if call.excinfo is not None and call.when == "call" and WORLD.Get_size() > 1:
+        if call.excinfo.errisinstance(pytest.skip.Exception):
+            return
+        sys.stderr.write(f"\n[rank {WORLD.Get_rank()}] {item.nodeid} failed:\n{call.excinfo.getrepr(style='short')}\n"
+                         "aborting the MPI job so no rank hangs\n")
+        sys.stderr.flush()
+        WORLD.Abort(1)
+
+
+@pytest.fixture(scope="session")
+def world():
+    return WORLD
+
+
+@pytest.fixture(scope="session")
+def corpus():
+    """A small HDF5 token file, written once by rank 0 into a folder every rank can see."""
+    from hpengine.data import build_corpus
+    path = None
+    if WORLD.Get_rank() == 0:
+        d = tempfile.mkdtemp(prefix="hpengine-mpi-")
+        src = os.path.join(d, "text.txt")
+        with open(src, "wb") as f:
+            f.write(TEXT)
+        path = build_corpus([src], os.path.join(d, "corpus.h5"))["path"]
+    return str(WORLD.bcast(path, root=0))

@@ -1,0 +1,40 @@
+"""Shared pieces of the MPI tests: tiny configs, running N steps, the one-process reference."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpengine.config import load_config
+from hpengine.train import build
+
+TINY = ["model.kind=gpt", "model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.seq_len=8",
+        "model.dtype=float64", "train.global_batch=8", "optim.warmup_steps=2", "optim.lr=1e-2",
+        "train.steps=5", "optim.clip_grad_norm=1.0"]
+
+
+def config(corpus, *extra):
+    return load_config(None, TINY + [f"data.path={corpus}", *extra])
+
+
+def run(cfg, comm, steps=5):
+    """Train `steps` steps; returns (losses per step [per model], full flat params on the host)."""
+    eng = build(cfg, comm)
+    losses = []
+    for s in range(steps):
+        m = eng.train_step(s)
+        losses.append([pm["loss"] for pm in m["models"]] if "models" in m else [m["loss"]])
+    return np.array(losses), eng.full_params(), eng
+
+
+def reference(corpus, *extra):
+    """The same run on one process (every rank computes it on COMM_SELF)."""
+    return run(config(corpus, *extra), MPI.COMM_SELF)
+
+
+def need(cond: bool, why: str):
+    """Skip on every rank together (the condition depends only on the world size)."""
+    if not cond:
+        pytest.skip(why)
+
+
+def assert_same(got, want, rtol=1e-10):
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-13)
