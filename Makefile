@@ -20,7 +20,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(BIN)/hpengine train configs/default.toml --set train.out_dir=runs/default-$$(date +%Y%m%d-%H%M%S)
+	$(MPIEXEC) -n $(NP) $(BIN)/hpengine train configs/default.toml --set train.out_dir=runs/default-$$(date +%Y%m%d-%H%M%S)
 
 test: test-unit test-mpi
 

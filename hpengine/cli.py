@@ -39,7 +39,7 @@ def _cmd_train(a) -> int:
     from .config import load_config
     from .train import train
     if a.resume:
-        raise _known()("--resume: checkpoints are not implemented yet in this version of hpengine")
+        raise _NotYet("--resume: checkpoints are not implemented yet in this version of hpengine")
     train(load_config(a.config, a.overrides))
     return 0
 

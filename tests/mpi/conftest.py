@@ -2,6 +2,7 @@
 whole job at once (the other ranks may be waiting in a collective), so a failure never hangs.
 Tests read the world size; layouts that do not fit skip on every rank together."""
 import os
+import shutil
 import sys
 import tempfile
 
@@ -40,4 +41,8 @@ def corpus():
         with open(src, "wb") as f:
             f.write(TEXT)
         path = build_corpus([src], os.path.join(d, "corpus.h5"))["path"]
-    return str(WORLD.bcast(path, root=0))
+    path = str(WORLD.bcast(path, root=0))
+    yield path
+    WORLD.Barrier()
+    if WORLD.Get_rank() == 0:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)

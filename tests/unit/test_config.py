@@ -60,10 +60,14 @@ def test_every_field_has_a_doc():
 
 def test_default_toml_loads_and_lists_every_strategy():
     cfg = load_config(DEFAULT_TOML)
-    assert cfg == Config(), "configs/default.toml spells out the defaults"
+    # the main job (make train, 4 ranks): dp x sharding stage 2; every other key at its default
+    want = Config()
+    want.strategy.data_parallel.enable = True
+    want.strategy.sharding.enable, want.strategy.sharding.degree, want.strategy.sharding.stage = True, 2, 2
+    assert cfg == want, "configs/default.toml spells out the defaults apart from the main job's switches"
     raw = tomllib.loads(DEFAULT_TOML.read_text())
     assert set(raw["strategy"]) == {f.name for f in dataclasses.fields(C.StrategyConfig)}
-    assert all(table["enable"] is False for table in raw["strategy"].values())
+    assert {n for n, t in raw["strategy"].items() if t["enable"]} == {"data_parallel", "sharding"}
     assert set(leaf_keys(raw)) == set(leaf_keys(C.to_dict(cfg))), "default.toml shows every key"
 
 

@@ -33,9 +33,10 @@ def test_degrees_not_matching_world_fail_on_every_rank(tmp_path):
     p, dt = _run(["-n", "2", str(BIN / "hpengine"), "train", "--set", "strategy.sharding.enable=true",
                   "--set", "strategy.sharding.degree=3", "--set", f"train.out_dir={tmp_path}/r"])
     assert p.returncode != 0 and dt < 30
-    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("hpengine: error:")]
-    assert len(lines) == 2 and lines[0] == lines[1]            # the same line from each rank
-    assert "sharding=3" in lines[0] and "world size is 2" in lines[0]
+    # the same line from each rank (the two ranks' writes may interleave on the shared stderr)
+    assert p.stderr.count("hpengine: error:") == 2
+    msg = "multiply to 3 but the world size is 2"
+    assert p.stderr.count(msg) == 2 and "sharding=3" in p.stderr
     assert "Traceback" not in p.stderr
 
 

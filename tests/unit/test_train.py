@@ -1,0 +1,267 @@
+"""End-to-end tests of the one-process training loop and of the command line: a short run learns and
+writes its run folder; bad input of every kind ends with exit status 2 and one clear stderr line."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from hpengine.cli import main
+from hpengine.config import load_config
+from hpengine.data import SEPARATOR, TokenDataset
+from hpengine.optim import lr_at
+from hpengine.strategies import NOT_IMPLEMENTED
+from hpengine.train import train
+
+TINY = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_layers=2",
+        "model.n_heads=2", "train.global_batch=4", "runtime.backend='numpy'"]
+KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_ms"}
+
+
+def tiny(data, out, *extra):
+    return TINY + [f"data.path={data}", f"train.out_dir={out}", *extra]
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------- (a) a short run learns
+
+def test_short_run_learns_and_writes_its_run_folder(tmp_path, small_corpus):
+    out = tmp_path / "run"
+    cfg = load_config(None, tiny(small_corpus, out, "model.dtype='float32'", "optim.lr=3e-3",
+                                 "optim.warmup_steps=5", "optim.schedule='constant'", "train.steps=60",
+                                 "train.eval_every=20", "train.log_every=10"))
+    summary = train(cfg)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(60))
+    for r in rows:
+        evaluated = (r["step"] + 1) % 20 == 0
+        assert set(r) == KEYS | ({"val_loss"} if evaluated else set()), r
+        assert all(isinstance(r[k], (int, float)) and math.isfinite(r[k]) for k in r)
+        assert r["lr"] == pytest.approx(lr_at(r["step"], cfg.optim, 60), rel=1e-12)
+        assert r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["step_ms"] > 0
+    first, last = rows[0]["loss"], rows[-1]["loss"]
+    assert abs(first - math.log(256)) < 0.3
+    assert last < 0.7 * first, f"loss {first:.3f} -> {last:.3f}: the model did not learn"
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(vals) == 3 and vals[-1] < vals[0] < first
+    assert summary["first_loss"] == first and summary["final_loss"] == last
+    assert summary["final_val_loss"] == vals[-1] and summary["steps"] == 60
+    # the resolved config is in the run folder and reads back to the same Config
+    assert load_config(out / "config.toml") == cfg
+
+
+# ---------------------------------------------------------------- (b) bad input through the CLI
+
+def only_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1, f"expected exactly one stderr line, got:\n{err}"
+    assert lines[0].startswith("hpengine: error: "), lines[0]
+    return lines[0]
+
+
+def run_cli(args, capsys) -> str:
+    code = main(args)
+    msg = only_error_line(capsys)
+    assert code == 2, msg
+    return msg
+
+
+def no_results(out: Path) -> bool:
+    return not (out / "metrics.jsonl").exists() and not (out / "config.toml").exists()
+
+
+def train_args(tmp_path, data, *extra):
+    out = tmp_path / "run"
+    args = ["train"]
+    for item in tiny(data, out, "train.steps=2", "train.eval_every=0", *extra):
+        args += ["--set", item]
+    return args, out
+
+
+def test_missing_data_file(tmp_path, capsys):
+    missing = tmp_path / "nowhere" / "tokens.h5"
+    args, out = train_args(tmp_path, missing)
+    msg = run_cli(args, capsys)
+    assert str(missing) in msg and "not found" in msg
+    assert no_results(out)
+
+
+def test_hdf5_without_tokens(tmp_path, capsys):
+    path = tmp_path / "ids.h5"
+    with h5py.File(path, "w") as h5:
+        h5["ids"] = np.arange(100, dtype=np.uint8)
+    args, out = train_args(tmp_path, path)
+    msg = run_cli(args, capsys)
+    assert str(path) in msg and "'tokens'" in msg and "ids" in msg
+    assert no_results(out)
+
+
+def test_token_ids_beyond_vocab(tmp_path, capsys):
+    path = tmp_path / "bytes.h5"
+    with h5py.File(path, "w") as h5:   # no vocab_size attribute: the token values themselves are checked
+        h5["tokens"] = (np.arange(5000) % 200).astype(np.uint8)
+    args, out = train_args(tmp_path, path, "model.vocab_size=64")
+    msg = run_cli(args, capsys)
+    assert str(path) in msg and "199" in msg and "vocab_size=64" in msg
+    assert no_results(out)
+
+
+def test_corpus_built_for_a_larger_vocab(tmp_path, capsys, small_corpus):
+    args, out = train_args(tmp_path, small_corpus, "model.vocab_size=64")
+    msg = run_cli(args, capsys)
+    assert str(small_corpus) in msg and "vocab_size" in msg and "64" in msg
+    assert no_results(out)
+
+
+def test_toml_syntax_error(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nd_model = 16\n[train\nsteps = 2\n")
+    msg = run_cli(["train", str(bad)], capsys)
+    assert str(bad) in msg and "line 3" in msg
+
+
+def test_config_file_not_found(tmp_path, capsys):
+    missing = tmp_path / "missing.toml"
+    msg = run_cli(["train", str(missing)], capsys)
+    assert str(missing) in msg
+
+
+def test_negative_lr(tmp_path, capsys, small_corpus):
+    args, out = train_args(tmp_path, small_corpus, "optim.lr=-0.001")
+    msg = run_cli(args, capsys)
+    assert "optim.lr" in msg and "-0.001" in msg and ">= 0" in msg
+    assert not out.exists()
+
+
+def test_seq_len_longer_than_the_data(tmp_path, capsys):
+    path = tmp_path / "short.h5"
+    with h5py.File(path, "w") as h5:
+        h5["tokens"] = np.arange(60, dtype=np.uint8)
+    args, out = train_args(tmp_path, path, "model.seq_len=64")
+    msg = run_cli(args, capsys)
+    assert str(path) in msg and "seq_len" in msg
+    assert no_results(out)
+
+
+@pytest.mark.parametrize("item,key", [("model.d_modle=16", "model.d_modle"),
+                                      ("optim.learning_rate=1", "optim.learning_rate"),
+                                      ("strategy.zero.enable=true", "strategy.zero")])
+def test_unknown_key_on_the_command_line(tmp_path, capsys, small_corpus, item, key):
+    args, out = train_args(tmp_path, small_corpus, item)
+    msg = run_cli(args, capsys)
+    assert f"'{key}'" in msg and "unknown key" in msg
+    assert not out.exists()
+
+
+def test_unknown_key_in_the_file(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[train]\nsteps = 2\nbatch = 4\n")
+    msg = run_cli(["train", str(cfg)], capsys)
+    assert str(cfg) in msg and "'train.batch'" in msg and "global_batch" in msg
+
+
+def test_strategy_without_implementation(tmp_path, capsys, small_corpus):
+    if not NOT_IMPLEMENTED:
+        pytest.skip("every strategy is implemented")
+    name = "pipeline" if "pipeline" in NOT_IMPLEMENTED else sorted(NOT_IMPLEMENTED)[0]
+    args, out = train_args(tmp_path, small_corpus, f"strategy.{name}.enable=true")
+    msg = run_cli(args, capsys)
+    assert f"strategy.{name}" in msg and "not implemented" in msg
+    assert not out.exists()
+
+
+def test_resume_from_a_missing_checkpoint(tmp_path, capsys, small_corpus):
+    args, out = train_args(tmp_path, small_corpus)
+    msg = run_cli(args + ["--resume", str(tmp_path / "no-such-checkpoint")], capsys)
+    assert "--resume" in msg
+    assert no_results(out)
+
+
+# ---------------------------------------------------------------- (c) the run folder is protected
+
+def test_run_folder_with_results_is_refused_and_left_alone(tmp_path, capsys, small_corpus):
+    args, out = train_args(tmp_path, small_corpus)
+    assert main(args) == 0
+    capsys.readouterr()
+    metrics, config = (out / "metrics.jsonl").read_bytes(), (out / "config.toml").read_bytes()
+    assert len(metrics.splitlines()) == 2
+    again = args + ["--set", "train.steps=3"]
+    msg = run_cli(again, capsys)
+    assert str(out) in msg and "train.out_dir" in msg
+    assert (out / "metrics.jsonl").read_bytes() == metrics
+    assert (out / "config.toml").read_bytes() == config
+
+
+def test_existing_empty_folder_is_accepted(tmp_path, capsys, small_corpus):
+    args, out = train_args(tmp_path, small_corpus)
+    out.mkdir()
+    assert main(args) == 0
+    assert capsys.readouterr().err == ""
+    assert len(read_metrics(out)) == 2
+
+
+# ---------------------------------------------------------------- (d) data build
+
+def test_data_build_writes_a_loadable_file(tmp_path, capsys):
+    src = tmp_path / "texts"
+    (src / "sub").mkdir(parents=True)
+    (src / "one.txt").write_bytes(b"first file " * 20)
+    (src / "sub" / "two.py").write_bytes(b"x = 1\n" * 30)
+    out = tmp_path / "built" / "X.h5"
+    assert main(["data", "build", "--out", str(out), str(src)]) == 0
+    io = capsys.readouterr()
+    assert io.err == "" and str(out) in io.out and "2 files" in io.out
+    want = b"first file " * 20 + SEPARATOR + b"x = 1\n" * 30
+    ds = TokenDataset(out, seq_len=8, vocab_size=256, val_fraction=0.1)
+    assert ds.tokens.tobytes() == want
+    x, y = ds.batch("train", 0, 1, 4)
+    assert x.shape == y.shape == (4, 8)
+
+
+def test_data_build_missing_source(tmp_path, capsys):
+    out = tmp_path / "X.h5"
+    msg = run_cli(["data", "build", "--out", str(out), str(tmp_path / "absent")], capsys)
+    assert "absent" in msg and not out.exists()
+
+
+# ---------------------------------------------------------------- (e) the console script
+
+def console_script() -> Path:
+    exe = Path(sys.executable).parent / "hpengine"
+    if not exe.exists():
+        pytest.skip(f"no console script next to {sys.executable} (package not installed?)")
+    return exe
+
+
+def run_script(args, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HPENGINE_CACHE=str(tmp_path / "cache"))
+    return subprocess.run([str(console_script()), *args], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+
+
+def test_console_script_trains(tmp_path, small_corpus):
+    args, out = train_args(tmp_path, small_corpus)
+    res = run_script(args, tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ""
+    assert [r["step"] for r in read_metrics(out)] == [0, 1]
+    assert "step" in res.stdout and "loss" in res.stdout
+
+
+def test_console_script_exit_status_on_bad_config(tmp_path, small_corpus):
+    args, out = train_args(tmp_path, small_corpus, "optim.lr=-1")
+    res = run_script(args, tmp_path)
+    assert res.returncode == 2
+    assert res.stderr.splitlines() == [res.stderr.strip()] and res.stderr.startswith("hpengine: error: ")
+    assert "optim.lr" in res.stderr
