@@ -17,6 +17,8 @@ from ..comm import testall, waitall
 from ..init import init_range
 from .base import LocalSync, Merged
 
+MAX_INFLIGHT = 2   # blocks whose gradient reduction may be in flight at once (stages 2 and 3)
+
 
 class ShardedSync(LocalSync):
     def __init__(self, engine, sh_comm, dp_comm, stage: int, mode: str):
@@ -70,6 +72,10 @@ class ShardedSync(LocalSync):
                 reqs.append(self.sh.ireduce(src, dst, root=r))
         self.inflight.append((reqs, block))
         self._progress()
+        while self.stage >= 2 and len(self.inflight) > MAX_INFLIGHT:   # bound the temporary gradients
+            old_reqs, old_block = self.inflight.pop(0)
+            waitall(old_reqs)
+            self._free_gtemp(old_block)
         self.sync_s += time.perf_counter() - t0
 
     def _progress(self):
