@@ -70,8 +70,9 @@ def _known():
     from .config import ConfigError
     from .data import DataError
     from .topology import TopologyError
+    from .strategies.pipeline import PipelineError
     from .train import RunError
-    return (ConfigError, DataError, TopologyError, RunError, BackendError, _NotYet)
+    return (ConfigError, DataError, TopologyError, RunError, BackendError, PipelineError, _NotYet)
 
 
 def main(argv=None) -> int:

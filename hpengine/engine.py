@@ -15,6 +15,7 @@ from .buffers import Layout, Range
 from .models import LocalTP, build_model
 from .optim import AdamW, clip_coefficient, lr_at, sum_of_squares
 from .strategies import make_grad_sync
+from .strategies.pipeline import PipelineExecutor, split_blocks
 
 log = logging.getLogger("hpengine")
 
@@ -42,6 +43,7 @@ class Slot:
     lr: float
     blocks: list
     range: Range = None
+    chunks: list = None
 
 
 class Engine:
@@ -58,25 +60,53 @@ class Engine:
         for s in self.slots:
             s.range = Range(self.block_ranges[s.blocks[0]].start, self.block_ranges[s.blocks[-1]].stop)
         # blocks that also read another block's tensors (a tied head reads the token embedding)
-        self.block_deps = {s.prefix + "head": [s.prefix + "embed"] for s in self.slots if cfg.model.tie_head}
+        self.block_deps = {s.prefix + "head": [s.prefix + "embed"] for s in self.slots
+                           if cfg.model.tie_head and s.prefix + "embed" in s.blocks and s.prefix + "head" in s.blocks}
+        self.tied = self._tied_blocks(cfg)
         self.sync = make_grad_sync(cfg, mesh, self)
+        self.sync.deferred = set(self.tied)
+        self.norm_exclude = [self.layout.ranges[b[:-4] + "wte"] for b in self.tied if b.endswith("head")]
         self.opts = self._build_optimizers()
         self.replicas = mesh.degrees["dp"] * mesh.degrees["sharding"]
         self.replica = mesh.coords["dp"] * mesh.degrees["sharding"] + mesh.coords["sharding"]
         self.share = cfg.train.global_batch // self.replicas
         self.k = cfg.strategy.gradient_merge.k_steps if cfg.strategy.gradient_merge.enable else 1
+        pc = cfg.strategy.pipeline
+        self.m = pc.micro_batches if pc.enable else 1
+        self.pp = mesh.comms["pp"]
+        self.pipe = PipelineExecutor(self, self.pp, None, mesh.degrees["pp"], pc.virtual_stages if pc.enable else 1,
+                                     self.m, pc.schedule if pc.enable else "fthenb")
+
+    def _tied_blocks(self, cfg):
+        """With a tied head split across pipeline stages, the first stage's embed block and the last
+        stage's head block (holding a copy of wte) sum their wte gradients before the usual sync."""
+        if not cfg.model.tie_head or self.mesh.degrees["pp"] == 1:
+            return []
+        pp, last = self.mesh.coords["pp"], self.mesh.degrees["pp"] - 1
+        return [s.prefix + b for s in self.slots for b in (["embed"] if pp == 0 else []) +
+                (["head"] if pp == last else [])]
 
     def _build_slots(self, cfg):
-        t = cfg.train
+        t, pc = cfg.train, cfg.strategy.pipeline
         seeds = t.model_seeds or [t.seed + i for i in range(t.models)]
         lrs = t.model_lrs or [cfg.optim.lr] * t.models
+        p, v = self.mesh.degrees["pp"], (pc.virtual_stages if pc.enable else 1)
         slots, specs = [], []
         for i in range(t.models):
             model, prefix = build_model(cfg.model), (f"m{i}." if t.models > 1 else "")
-            slots.append(Slot(i, model, prefix, seeds[i], lrs[i], [prefix + b for b in model.block_names()]))
-            specs += [dataclasses.replace(sp, name=prefix + sp.name, block=prefix + b, init_key=sp.name,
-                                          seed=seeds[i])
-                      for b in model.block_names() for sp in model.specs(b)]
+            count = lambda b, m=model: sum(int(np.prod(sp.global_shape)) for sp in m.specs(b))  # noqa: E731
+            chunks = split_blocks(model, p, v, pc.split if pc.enable else "uniform", count)
+            here = [chunks[c * p + self.mesh.coords["pp"]] for c in range(v)]
+            mine = [b for ch in here for b in ch]
+            slot = Slot(i, model, prefix, seeds[i], lrs[i], [prefix + b for b in mine])
+            slot.chunks = here
+            slots.append(slot)
+            for b in mine:
+                bspecs = model.specs(b)
+                if b == "head" and model.tied and "embed" not in mine:   # the last stage's copy of wte
+                    bspecs = [dataclasses.replace(model.specs("embed")[0], block="head")] + bspecs
+                specs += [dataclasses.replace(sp, name=prefix + sp.name, block=prefix + b, init_key=sp.name,
+                                              seed=seeds[i]) for sp in bspecs]
         return slots, specs
 
     def _build_optimizers(self):
@@ -97,30 +127,42 @@ class Engine:
         buf = self.sync.grads_for(slot.prefix + b)
         return Prefixed(buf, slot.prefix) if slot.prefix else buf
 
-    def forward_backward(self, slot, x, y, norm: float, grad: bool = True) -> float:
-        """One pass of one model over rows x, y; returns its share of the global-mean loss."""
-        xp, m, tp, sync = self.xp, slot.model, self.tp, self.sync
-        names = m.block_names()
-        h, c_emb = m.embed_forward(xp, self._P(slot, "embed", names[1]), x, tp)
-        sync.release(slot.prefix + "embed")
-        caches = []
-        for i in range(m.n_layers):
-            h, c = m.layer_forward(xp, self._P(slot, f"h.{i}", names[i + 2]), i, h, tp)
-            sync.release(slot.prefix + f"h.{i}")
+    def chunk_forward(self, slot, chunk, h, y, norm: float, grad: bool = True):
+        """Forward of one chunk (consecutive block names) of one model; the head returns the loss."""
+        xp, m, tp, sync, caches = self.xp, slot.model, self.tp, self.sync, []
+        for n, b in enumerate(chunk):
+            nxt = chunk[n + 1] if n + 1 < len(chunk) else None
+            if b == "embed":
+                h, c = m.embed_forward(xp, self._P(slot, b, nxt), h, tp)
+            elif b == "head":
+                h, c = m.head_forward(xp, self._P(slot, b), h, y, norm, tp)
+            else:
+                h, c = m.layer_forward(xp, self._P(slot, b, nxt), int(b[2:]), h, tp)
+            sync.release(slot.prefix + b)
             caches.append(c if grad else None)
-        loss, c_head = m.head_forward(xp, self._P(slot, "head"), h, y, norm, tp)
-        if not grad:
-            sync.release(slot.prefix + "head")
-            return float(loss)
-        dh = m.head_backward(xp, c_head, self._G(slot, "head"), tp, self._P(slot, "head", names[-2]))
-        self._done(slot, "head")
-        for i in reversed(range(m.n_layers)):
-            dh = m.layer_backward(xp, dh, caches[i], self._G(slot, f"h.{i}"), i, tp)
-            caches[i] = None
-            self._done(slot, f"h.{i}")
-        m.embed_backward(xp, dh, c_emb, self._G(slot, "embed"), tp)
-        self._done(slot, "embed")
-        return float(loss)
+        return h, caches
+
+    def chunk_backward(self, slot, chunk, d, caches):
+        """Backward of one chunk; returns the gradient of its input (None for the embedding)."""
+        xp, m, tp = self.xp, slot.model, self.tp
+        for n in reversed(range(len(chunk))):
+            b, c = chunk[n], caches[n]
+            caches[n] = None
+            if b == "head":
+                d = m.head_backward(xp, c, self._G(slot, b), tp, self._P(slot, b, chunk[n - 1] if n else None))
+            elif b == "embed":
+                m.embed_backward(xp, d, c, self._G(slot, b), tp)
+                d = None
+            else:
+                d = m.layer_backward(xp, d, c, self._G(slot, b), int(b[2:]), tp)
+            self._done(slot, b)
+        return d
+
+    def forward_backward(self, slot, x, y, norm: float, grad: bool = True, last_pass: bool = True) -> float:
+        """One pass of one model over rows x, y (split into micro-batches, through the pipeline when it
+        is on); returns this rank's share of the global-mean loss."""
+        self.pipe.chunks = slot.chunks
+        return self.pipe.run(slot, x, y, norm, last_pass, grad)
 
     def _done(self, slot, b):
         self.sync.release(slot.prefix + b)
@@ -142,14 +184,14 @@ class Engine:
         self.sync.begin_step()
         losses, rows = [0.0] * len(self.slots), self.share // self.k
         for j in range(self.k):
-            self.sync.begin_pass(last=(j == self.k - 1))
             for s, (x, y) in zip(self.slots, batches):
                 part = slice(j * rows, (j + 1) * rows)
-                losses[s.index] += self.forward_backward(s, x[part], y[part], norm)
+                losses[s.index] += self.forward_backward(s, x[part], y[part], norm, last_pass=(j == self.k - 1))
+        self._sum_tied()
         g, own = self.sync.reduce_grads(), self.sync.owned
         segs = [own.intersect(s.range) for s in self.slots]
-        sq = [sum_of_squares(self.xp, g[r.start - own.start:r.stop - own.start]) if r else 0.0 for r in segs]
-        norms = [float(np.sqrt(v)) for v in self.sync.norm_allreduce(sq)]
+        sq = [self._sumsq(g, r) for r in segs]
+        norms = [float(np.sqrt(v)) for v in self.pp.allreduce_(np.array(self.sync.norm_allreduce(sq)))]
         p = self.sync.owned_params()
         lr_scale = lr_at(step, cfg.optim, cfg.train.steps) / cfg.optim.lr if cfg.optim.lr else 0.0
         for s, r, opt in zip(self.slots, segs, self.opts):
@@ -158,7 +200,7 @@ class Engine:
                 sl = slice(r.start - own.start, r.stop - own.start)
                 opt.step(p[sl], g[sl], s.lr * lr_scale, coef)
         self.sync.share_params()
-        losses = self.sync.loss_allreduce(losses)
+        losses = list(self.pp.allreduce_(np.array(self.sync.loss_allreduce(losses))))
         self.be.sync()
         dt = time.perf_counter() - t0
         per = [{"model": s.index, "loss": losses[s.index], "lr": s.lr * lr_scale, "grad_norm": norms[s.index]}
@@ -179,7 +221,27 @@ class Engine:
             for i in range(cfg.train.eval_batches):
                 x, y = self._rows("val", i, s.seed)
                 totals[s.index] += self.forward_backward(s, x, y, norm, grad=False)
-        return self.sync.loss_allreduce(totals)
+        return list(self.pp.allreduce_(np.array(self.sync.loss_allreduce(totals))))
+
+    def _sum_tied(self):
+        """Sum the tied embedding's gradient between the first and last pipeline stage, then run the
+        gradient sync of those blocks (deferred until now)."""
+        if self.tied:
+            for b in self.tied:
+                self.mesh.comms["tied"].allreduce_(self.sync.grads_for(b)[b[:-len(b.split(".")[-1])] + "wte"])
+        self.sync.flush_deferred()
+
+    def _sumsq(self, g, r):
+        """Squared norm of the owned gradient in r, counting the last stage's wte copy zero times."""
+        if r is None:
+            return 0.0
+        own = self.sync.owned
+        total = sum_of_squares(self.xp, g[r.start - own.start:r.stop - own.start])
+        for ex in self.norm_exclude:
+            cut = ex.intersect(r)
+            if cut is not None:
+                total -= sum_of_squares(self.xp, g[cut.start - own.start:cut.stop - own.start])
+        return total
 
     # --- state and accounting -------------------------------------------------------------------
     def full_params(self) -> np.ndarray:
@@ -191,6 +253,11 @@ class Engine:
                 "optim_bytes": sum(o.nbytes() for o in self.opts if o is not None),
                 "transient_peak_bytes": self.sync.transient_peak,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+    def reference_order(self):
+        """Every model's specs in one-process layout order (all stages), for comparing runs."""
+        return [sp for s in self.slots for b in s.model.block_names()
+                for sp in [dataclasses.replace(x, name=s.prefix + x.name) for x in s.model.specs(b)]]
 
     def n_params(self) -> int:
         return sum(int(np.prod(s.global_shape)) for s in self.layout.specs)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from math import prod
 
+from mpi4py import MPI
+
 AXES = ("tp", "sharding", "dp", "pp")
 SWITCH_OF_AXIS = {"tp": "tensor_parallel", "sharding": "sharding", "dp": "data_parallel", "pp": "pipeline"}
 
@@ -53,6 +55,12 @@ class Mesh:
         for a in self.order:  # same order of Split calls on every rank
             color = sum(self.coords[b] * self.strides[b] for b in AXES if b != a)
             self.comms[a] = wrap(world_comm.Split(color, self.coords[a]), a)
+        self.comms["tied"] = None
+        if self.degrees["pp"] > 1:   # first and last pipeline stage: the tied embedding's two copies
+            ends = self.coords["pp"] in (0, self.degrees["pp"] - 1)
+            color = sum(self.coords[b] * self.strides[b] for b in AXES if b != "pp") if ends else MPI.UNDEFINED
+            c = world_comm.Split(color, self.coords["pp"])
+            self.comms["tied"] = wrap(c, "tied") if ends else None
 
     def coords_of(self, rank: int) -> dict:
         return {a: (rank // self.strides[a]) % self.degrees[a] for a in AXES}

@@ -83,12 +83,23 @@ def check_batch(cfg, mesh) -> None:
     if gb % replicas:
         raise RunError(f"train.global_batch = {gb} is not divisible by dp x sharding = {d['dp']} x "
                        f"{d['sharding']} = {replicas}; use a multiple of {replicas}")
-    gm = cfg.strategy.gradient_merge
+    gm, pc = cfg.strategy.gradient_merge, cfg.strategy.pipeline
     k = gm.k_steps if gm.enable else 1
-    if (gb // replicas) % k:
+    m = pc.micro_batches if pc.enable else 1
+    if (gb // replicas) % (k * m):
         raise RunError(f"a replica's share of the batch ({gb} / {replicas} = {gb // replicas}) is not divisible "
-                       f"by strategy.gradient_merge.k_steps = {k}; make global_batch a multiple of "
-                       f"{replicas * k}")
+                       f"by gradient_merge.k_steps x pipeline.micro_batches = {k} x {m}; make global_batch a "
+                       f"multiple of {replicas * k * m}")
+    p = d["pp"]
+    if pc.enable and pc.schedule == "interleaved":
+        if pc.virtual_stages < 2:
+            raise RunError(f"pipeline.schedule = 'interleaved' needs pipeline.virtual_stages >= 2, got "
+                           f"{pc.virtual_stages}")
+        if m % p:
+            raise RunError(f"pipeline.schedule = 'interleaved' needs pipeline.micro_batches ({m}) to be a "
+                           f"multiple of pipeline.degree ({p})")
+    elif pc.enable and pc.virtual_stages != 1:
+        raise RunError(f"pipeline.virtual_stages = {pc.virtual_stages} needs pipeline.schedule = 'interleaved'")
 
 
 def build(cfg, world=None):
@@ -159,6 +170,7 @@ def train(cfg, world=None) -> dict:
     finally:
         if metrics_f:
             metrics_f.close()
+    log_pipeline(eng, cfg)
     return summarize(eng, history, time.perf_counter() - t_start, out)
 
 
@@ -168,6 +180,20 @@ def log_memory(eng) -> None:
     log.info("memory per rank: params %.2f MiB, grads %.2f MiB, optimizer %.2f MiB, transient peak "
              "%.2f MiB, peak RSS %.0f MiB", mib("param_bytes"), mib("grad_bytes"), mib("optim_bytes"),
              mib("transient_peak_bytes"), mib("peak_rss_bytes"))
+
+
+def log_pipeline(eng, cfg) -> None:
+    """Measured bubble (idle share of the executor's wall time) per stage next to the theory."""
+    from .strategies.schedules import bubble_fraction
+    pc, pipe = cfg.strategy.pipeline, eng.pipe
+    if not pc.enable or pipe.wall_s == 0:
+        return
+    bubble = 1.0 - pipe.busy_s / pipe.wall_s
+    stats = eng.pp.allgather_obj((bubble, pipe.peak_live))
+    theory = bubble_fraction(pc.schedule, eng.mesh.degrees["pp"], eng.m, pc.virtual_stages)
+    log.info("pipeline %s p=%d m=%d v=%d: measured bubble per stage %s (theory %.3f); peak live activation "
+             "caches per stage %s", pc.schedule, eng.mesh.degrees["pp"], eng.m, pc.virtual_stages,
+             [round(b, 3) for b, _ in stats], theory, [n for _, n in stats])
 
 
 def summarize(eng, history, wall, out) -> dict:

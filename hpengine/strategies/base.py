@@ -45,6 +45,7 @@ class LocalSync:
         if full_grads:
             self.grads = FlatBuffer(self.layout, self.xp, self.dtype)
         self.last = True
+        self.deferred, self.pending = set(), []
         self.transient = self.transient_peak = 0
 
     def _track(self, nbytes: int) -> None:
@@ -69,6 +70,20 @@ class LocalSync:
         self.last = last
 
     def block_done(self, block):
+        """Backward has finished `block` for this pass; start its sync unless it is deferred (a tied
+        embedding whose gradient is first summed across pipeline stages)."""
+        if block in self.deferred:
+            if self.last:
+                self.pending.append(block)
+            return
+        self._reduce_block(block)
+
+    def flush_deferred(self):
+        for b in self.pending:
+            self._reduce_block(b)
+        self.pending = []
+
+    def _reduce_block(self, block):
         pass
 
     def reduce_grads(self):

@@ -49,7 +49,7 @@ class DataParallelSync(LocalSync):
         self.reqs = []
         self.remaining = {i: len(bs) for i, (_, bs) in enumerate(self.buckets)}
 
-    def block_done(self, block):
+    def _reduce_block(self, block):
         if not self.last or block not in self.bucket_of:
             return
         i = self.bucket_of[block]

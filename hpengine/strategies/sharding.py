@@ -57,7 +57,7 @@ class ShardedSync(LocalSync):
         if self.stage == 1:
             self.grads.zero()
 
-    def block_done(self, block):
+    def _reduce_block(self, block):
         if not self.last or block not in self.parts:
             return
         t0, own, br = time.perf_counter(), self.owned, self.e.block_ranges[block]

@@ -1,0 +1,156 @@
+"""Pipeline schedules as data: per-stage lists of forward/backward actions (GPipe F-then-B, 1F1B,
+Megatron's interleaved 1F1B), their theoretical bubble, the activations they hold, and a dataflow
+simulation of all stages together that proves a schedule free of deadlock and measures its bubble.
+The pipeline executor only walks these lists; nothing here touches MPI.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("fthenb", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One unit of pipeline work on a stage: forward or backward of micro-batch `mb` through local
+    model chunk `chunk` (virtual stage chunk * p + stage; always 0 unless interleaved)."""
+    kind: str
+    mb: int
+    chunk: int = 0
+
+    def __str__(self):
+        return f"{self.kind}{self.mb}" + (f".c{self.chunk}" if self.chunk else "")
+
+
+def _check(p, m, stage):
+    if p < 1:
+        raise ValueError(f"pipeline size p={p} must be >= 1")
+    if m < 1:
+        raise ValueError(f"number of micro-batches m={m} must be >= 1")
+    if not 0 <= stage < p:
+        raise ValueError(f"stage={stage} must be in 0..{p - 1} for p={p}")
+
+
+def _check_interleaved(p, m, v):
+    if v < 2:
+        raise ValueError(f"interleaved schedule needs v >= 2 model chunks per stage, got v={v}")
+    if m % p != 0:
+        raise ValueError(f"interleaved schedule needs m % p == 0 (micro-batches go through the "
+                         f"chunks in groups of p), got m={m}, p={p}")
+
+
+def _warmup_steady_cooldown(fwd, bwd, warmup):
+    """`warmup` forwards, then alternate one forward / one backward, then the remaining backwards."""
+    steady = len(fwd) - warmup
+    out = list(fwd[:warmup])
+    for i in range(steady):
+        out += [fwd[warmup + i], bwd[i]]
+    return out + list(bwd[steady:])
+
+
+def fthenb(p: int, m: int, stage: int) -> list[Action]:
+    """GPipe: every forward, then every backward; holds all m micro-batches' activations."""
+    _check(p, m, stage)
+    return [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
+
+
+def one_f_one_b(p: int, m: int, stage: int) -> list[Action]:
+    """1F1B (PipeDream-flush, Megatron's non-interleaved schedule). Stage s runs p - s - 1 warm-up
+    forwards so the first backward reaches it just as its own pipe is full; it then holds at most
+    min(p - s, m) micro-batches instead of m."""
+    _check(p, m, stage)
+    warmup = min(p - stage - 1, m)
+    return _warmup_steady_cooldown([Action("F", i) for i in range(m)],
+                                   [Action("B", i) for i in range(m)], warmup)
+
+
+def interleaved(p: int, m: int, stage: int, v: int) -> list[Action]:
+    """Megatron-LM (2021) interleaved 1F1B: local chunk c is virtual stage c * p + stage. The k-th
+    forward takes micro-batches in groups of p through chunk 0, then the same group through chunk 1,
+    ...; backwards walk the chunks in reverse. Same ordering as Megatron's
+    forward_backward_pipelining_with_interleaving (with microbatch group size p)."""
+    _check(p, m, stage)
+    _check_interleaved(p, m, v)
+    total = m * v
+
+    def unit(k, forward):
+        group, pos = divmod(k, p * v)
+        chunk = pos // p if forward else v - 1 - pos // p
+        return Action("F" if forward else "B", group * p + k % p, chunk)
+
+    # (v - 1) * p forwards fill every chunk but the last; 2 * (p - stage - 1) more cover the round
+    # trip of the first micro-batch to the pipe's end and back. Megatron also makes m == p all
+    # warm-up; simulate() gives the same step time without that, and later stages then hold
+    # fewer activations, so that special case is not copied.
+    warmup = min((p - stage - 1) * 2 + (v - 1) * p, total)
+    return _warmup_steady_cooldown([unit(k, True) for k in range(total)],
+                                   [unit(k, False) for k in range(total)], warmup)
+
+
+def make_schedule(name: str, p: int, m: int, stage: int, v: int = 1) -> list[Action]:
+    """The action list of `stage` for schedule `name` ("fthenb" | "1f1b" | "interleaved")."""
+    if name == "interleaved":
+        return interleaved(p, m, stage, v)
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+    if v != 1:
+        raise ValueError(f"schedule {name!r} has one model chunk per stage, got v={v} "
+                         f"(use 'interleaved' for v >= 2)")
+    return fthenb(p, m, stage) if name == "fthenb" else one_f_one_b(p, m, stage)
+
+
+def bubble_fraction(name: str, p: int, m: int, v: int = 1) -> float:
+    """Theoretical idle fraction with equal forward and backward cost: the p - 1 fill/drain slots
+    over the whole step; interleaving shrinks each slot to 1/v of a stage's work."""
+    make_schedule(name, p, m, 0, v)  # validates all inputs the same way
+    work = v * m if name == "interleaved" else m
+    return (p - 1) / (work + p - 1)
+
+
+def peak_in_flight(actions) -> int:
+    """Most (micro-batch, chunk) pairs whose forward ran and backward has not: activation caches held."""
+    held, peak = set(), 0
+    for a in actions:
+        if a.kind == "F":
+            held.add((a.mb, a.chunk))
+            peak = max(peak, len(held))
+        else:
+            held.discard((a.mb, a.chunk))
+    return peak
+
+
+def _ready(a, stage, p, last, done):
+    """Whether action `a` on `stage` has its inputs: they count only once produced in an earlier round."""
+    g = a.chunk * p + stage
+    if a.kind == "F":
+        return g == 0 or ("F", a.mb, g - 1) in done
+    return ("F", a.mb, g) in done and (g == last or ("B", a.mb, g + 1) in done)
+
+
+def simulate(p: int, m: int, name: str, v: int = 1, *, actions=None) -> dict:
+    """Run every stage's list together, one unit-time action per stage per round, each stage blocked
+    on its next action until that action's input (the neighbour's forward or backward output) exists.
+    `actions` (one list per stage) replaces the named schedule, e.g. to test a broken one.
+    Returns {"rounds", "busy", "bubble"}; raises RuntimeError("deadlock ...") if all stages stall."""
+    if actions is None:
+        actions = [make_schedule(name, p, m, s, v) for s in range(p)]
+    if len(actions) != p:
+        raise ValueError(f"need one action list per stage: got {len(actions)} for p={p}")
+    last = p * v - 1
+    pos, done, rounds = [0] * p, set(), 0
+    while any(pos[s] < len(actions[s]) for s in range(p)):
+        # Decide on the state at the start of the round so that no output is consumed the round it
+        # is produced (one round of latency per hop, as a send/recv pair would have).
+        run = [s for s in range(p)
+               if pos[s] < len(actions[s]) and _ready(actions[s][pos[s]], s, p, last, done)]
+        if not run:
+            stuck = ", ".join(f"stage {s} waits at {actions[s][pos[s]]}"
+                              for s in range(p) if pos[s] < len(actions[s]))
+            raise RuntimeError(f"deadlock after {rounds} rounds ({name}, p={p}, m={m}, v={v}): {stuck}")
+        for s in run:
+            a = actions[s][pos[s]]
+            done.add((a.kind, a.mb, a.chunk * p + s))
+            pos[s] += 1
+        rounds += 1
+    busy = [len(acts) for acts in actions]
+    return {"rounds": rounds, "busy": busy, "bubble": 1 - sum(busy) / (p * rounds) if rounds else 0.0}

@@ -1,0 +1,59 @@
+"""Pipeline parallel trains exactly like one process: every schedule at pp = world size, pipeline with
+data parallel and with sharding stages 1-3, and a tied head split across the first and last stage."""
+import pytest
+
+from helpers import assert_same, config, need, reference, run
+
+LAYERS = ["model.n_layers=8"]   # enough blocks for 4 stages x 2 virtual stages
+
+
+@pytest.mark.parametrize("schedule,v", [("fthenb", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_pipeline_schedules(corpus, world, schedule, v):
+    n = world.Get_size()
+    need(n > 1, "pipeline needs >= 2 ranks")
+    cfg = config(corpus, *LAYERS, "strategy.pipeline.enable=true", f"strategy.pipeline.degree={n}",
+                 f"strategy.pipeline.schedule={schedule}", f"strategy.pipeline.virtual_stages={v}",
+                 "strategy.pipeline.micro_batches=4", "train.global_batch=8")
+    losses, params, eng = run(cfg, world)
+    ref_l, ref_p, ref = reference(corpus, *LAYERS)
+    assert_same(losses, ref_l)
+    assert_same(gather_stages(world, eng, params), ref_p)
+    if schedule == "1f1b":
+        assert eng.pipe.peak_live <= n
+
+
+def gather_stages(world, eng, params):
+    """The whole model's flat parameters in one-process order, from every stage's own flat buffer."""
+    import numpy as np
+    named = {name: params[eng.layout.ranges[name].slice] for name in eng.layout.names
+             if not (name == "wte" and eng.tied and eng.mesh.coords["pp"] > 0)}
+    allnamed = {}
+    for d in world.allgather(named):
+        allnamed.update(d)
+    return np.concatenate([allnamed[s.name].ravel() for s in eng.reference_order()])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_pipeline_with_sharding(corpus, world, stage):
+    n = world.Get_size()
+    need(n == 4, "pp 2 x sharding 2 needs 4 ranks")
+    cfg = config(corpus, *LAYERS, "strategy.pipeline.enable=true", "strategy.pipeline.degree=2",
+                 "strategy.pipeline.micro_batches=2", "strategy.sharding.enable=true",
+                 "strategy.sharding.degree=2", f"strategy.sharding.stage={stage}")
+    losses, params, eng = run(cfg, world)
+    ref_l, ref_p, _ = reference(corpus, *LAYERS)
+    assert_same(losses, ref_l)
+    assert_same(gather_stages(world, eng, params), ref_p)
+
+
+def test_pipeline_with_data_parallel_and_tied_head(corpus, world):
+    n = world.Get_size()
+    need(n in (2, 4), "pp 2 (x dp 2) needs 2 or 4 ranks")
+    cfg = config(corpus, *LAYERS, "model.tie_head=true", "strategy.pipeline.enable=true",
+                 "strategy.pipeline.degree=2", "strategy.pipeline.micro_batches=2",
+                 "strategy.pipeline.schedule=1f1b", "strategy.data_parallel.enable=true",
+                 "strategy.data_parallel.degree=-1")
+    losses, params, eng = run(cfg, world)
+    ref_l, ref_p, _ = reference(corpus, *LAYERS, "model.tie_head=true")
+    assert_same(losses, ref_l)
+    assert_same(gather_stages(world, eng, params), ref_p)
