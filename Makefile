@@ -29,7 +29,7 @@ test-unit: $(STAMP)
 
 # the same MPI suite at every world size; tests read the size and skip together what does not fit
 test-mpi: $(STAMP)
-	for n in 1 2 4; do \
+	for n in 1 2 4 8; do \
 	  echo "== tests/mpi under mpiexec -n $$n"; \
 	  $(MPIEXEC) -n $$n $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/mpi || exit 1; \
 	done

@@ -23,6 +23,7 @@ class ParamSpec:
     block: str = ""               # the block that uses it: "embed", "h.3", "head", ...
     init_key: str = ""            # name the initial values are keyed on ("" = name)
     seed: int | None = None       # seed of the model it belongs to (None = the run's seed)
+    true_shape: tuple | None = None   # unpadded shape when a dim is padded for tp (padding inits to 0)
 
     def tp_slices(self, tp_rank: int = 0, tp_size: int = 1) -> tuple:
         """The global index slices this tp rank holds (whole tensor when replicated)."""

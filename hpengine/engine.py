@@ -16,6 +16,7 @@ from .models import LocalTP, build_model
 from .optim import AdamW, clip_coefficient, lr_at, sum_of_squares
 from .strategies import make_grad_sync
 from .strategies.pipeline import PipelineExecutor, split_blocks
+from .strategies.tensor_parallel import TensorParallel
 
 log = logging.getLogger("hpengine")
 
@@ -50,7 +51,8 @@ class Engine:
     def __init__(self, cfg, mesh, backend, dataset):
         self.cfg, self.mesh, self.be, self.data = cfg, mesh, backend, dataset
         self.xp = backend.xp
-        self.tp = LocalTP()
+        tpc = mesh.comms["tp"]
+        self.tp = TensorParallel(tpc, cfg.model.vocab_size) if tpc.size > 1 else LocalTP()
         self.slots, specs = self._build_slots(cfg)
         self.layout = Layout(specs, self.tp.rank, self.tp.size)
         self.blocks = [b for s in self.slots for b in s.blocks]
@@ -65,7 +67,11 @@ class Engine:
         self.tied = self._tied_blocks(cfg)
         self.sync = make_grad_sync(cfg, mesh, self)
         self.sync.deferred = set(self.tied)
+        # every parameter counts once in the global norm: not the last stage's wte copy, and a tensor
+        # replicated across tp only on tp rank 0
         self.norm_exclude = [self.layout.ranges[b[:-4] + "wte"] for b in self.tied if b.endswith("head")]
+        if self.tp.rank > 0:
+            self.norm_exclude += [self.layout.ranges[sp.name] for sp in specs if sp.tp_dim is None]
         self.opts = self._build_optimizers()
         self.replicas = mesh.degrees["dp"] * mesh.degrees["sharding"]
         self.replica = mesh.coords["dp"] * mesh.degrees["sharding"] + mesh.coords["sharding"]
@@ -93,7 +99,7 @@ class Engine:
         p, v = self.mesh.degrees["pp"], (pc.virtual_stages if pc.enable else 1)
         slots, specs = [], []
         for i in range(t.models):
-            model, prefix = build_model(cfg.model), (f"m{i}." if t.models > 1 else "")
+            model, prefix = build_model(cfg.model, self.tp.size), (f"m{i}." if t.models > 1 else "")
             count = lambda b, m=model: sum(int(np.prod(sp.global_shape)) for sp in m.specs(b))  # noqa: E731
             chunks = split_blocks(model, p, v, pc.split if pc.enable else "uniform", count)
             here = [chunks[c * p + self.mesh.coords["pp"]] for c in range(v)]
@@ -191,7 +197,8 @@ class Engine:
         g, own = self.sync.reduce_grads(), self.sync.owned
         segs = [own.intersect(s.range) for s in self.slots]
         sq = [self._sumsq(g, r) for r in segs]
-        norms = [float(np.sqrt(v)) for v in self.pp.allreduce_(np.array(self.sync.norm_allreduce(sq)))]
+        sq = self.pp.allreduce_(np.array(self.sync.norm_allreduce(sq)))
+        norms = [float(np.sqrt(v)) for v in self.mesh.comms["tp"].allreduce_(sq)]
         p = self.sync.owned_params()
         lr_scale = lr_at(step, cfg.optim, cfg.train.steps) / cfg.optim.lr if cfg.optim.lr else 0.0
         for s, r, opt in zip(self.slots, segs, self.opts):
@@ -253,6 +260,23 @@ class Engine:
                 "optim_bytes": sum(o.nbytes() for o in self.opts if o is not None),
                 "transient_peak_bytes": self.sync.transient_peak,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+    def named_params(self) -> dict:
+        """Every tensor of every model as its whole global array (host), assembled across sharding,
+        tp slices and pipeline stages — collective over the world; for comparing layouts."""
+        flat, lay = self.full_params(), self.layout
+        local = {n: flat[lay.ranges[n].slice].reshape(lay.shapes[n]) for n in lay.names
+                 if not any(lay.ranges[n] == ex for ex in self.norm_exclude[:len(self.tied)] if n.endswith("wte"))}
+        parts = self.mesh.comms["tp"].allgather_obj(local)
+        whole = {}
+        for n in local:
+            sp = lay.by_name[n]
+            a = parts[0][n] if sp.tp_dim is None else np.concatenate([p[n] for p in parts], axis=sp.tp_dim)
+            whole[n] = a[tuple(slice(0, k) for k in sp.true_shape)] if sp.true_shape else a
+        out = {}
+        for d in self.pp.allgather_obj(whole):
+            out.update(d)
+        return out
 
     def reference_order(self):
         """Every model's specs in one-process layout order (all stages), for comparing runs."""

@@ -56,7 +56,15 @@ def init_tensor(spec, seed: int, slices=None) -> np.ndarray:
         return np.ones(shape)
     if spec.init == "normal":
         seed = seed if spec.seed is None else spec.seed
-        return normal_slice(seed, spec.init_key or spec.name, spec.global_shape, slices, spec.std)
+        if spec.true_shape is None:
+            return normal_slice(seed, spec.init_key or spec.name, spec.global_shape, slices, spec.std)
+        # padded tensor: values keyed on the unpadded shape (so they equal the unpadded run's), pads 0
+        out = np.zeros(shape)
+        inner = tuple(slice(s.start, min(s.stop, n)) for s, n in zip(slices, spec.true_shape))
+        if all(s.stop > s.start for s in inner):
+            dst = tuple(slice(0, s.stop - s.start) for s in inner)
+            out[dst] = normal_slice(seed, spec.init_key or spec.name, spec.true_shape, inner, spec.std)
+        return out
     raise ValueError(f"tensor {spec.name}: unknown init {spec.init!r}")
 
 

@@ -90,6 +90,13 @@ def check_batch(cfg, mesh) -> None:
         raise RunError(f"a replica's share of the batch ({gb} / {replicas} = {gb // replicas}) is not divisible "
                        f"by gradient_merge.k_steps x pipeline.micro_batches = {k} x {m}; make global_batch a "
                        f"multiple of {replicas * k * m}")
+    tp, mc = d["tp"], cfg.model
+    F = mc.ffn_mult * mc.d_model
+    heads = mc.n_heads if mc.kind == "gpt" else tp
+    if tp > 1 and (heads % tp or F % tp or mc.d_model % tp):
+        raise RunError(f"tensor_parallel.degree = {tp} must divide model.n_heads = {mc.n_heads}, the ffn width "
+                       f"ffn_mult x d_model = {F} and model.d_model = {mc.d_model}"
+                       + (f" (and cannot exceed the {mc.n_heads} heads)" if tp > mc.n_heads else ""))
     p = d["pp"]
     if pc.enable and pc.schedule == "interleaved":
         if pc.virtual_stages < 2:

@@ -4,12 +4,12 @@ from .gpt import GPT
 from .mlp import MLP
 
 
-def build_model(mcfg):
-    """The model object for a [model] config section."""
+def build_model(mcfg, tp_size: int = 1):
+    """The model object for a [model] config section (vocabulary padded to a multiple of tp_size)."""
     if mcfg.kind == "gpt":
-        return GPT(mcfg)
+        return GPT(mcfg, tp_size)
     if mcfg.kind == "mlp":
-        return MLP(mcfg)
+        return MLP(mcfg, tp_size)
     raise ValueError(f"model.kind = {mcfg.kind!r}: valid values are 'gpt', 'mlp'")
 
 

@@ -7,6 +7,8 @@ strategies/tensor_parallel.py.
 from __future__ import annotations
 
 from ..buffers import ParamSpec
+
+__all__ = ["LocalTP", "padded_vocab"]
 from ..nn import (cross_entropy_backward, cross_entropy_forward, embedding_backward,
                   embedding_forward, gelu_backward, gelu_forward, layernorm_backward,
                   layernorm_forward, linear_backward, linear_forward)
@@ -35,15 +37,24 @@ class LocalTP:
         return cross_entropy_backward(xp, cache)
 
 
-def embed_specs(V, C):
-    return [ParamSpec("wte", (V, C), tp_dim=0, decay=True, block="embed")]
+def padded_vocab(V, multiple):
+    """The vocabulary rounded up so tensor parallelism splits it evenly."""
+    return -(-V // multiple) * multiple
 
 
-def head_specs(V, C, tied):
+def embed_specs(V, C, Vp=None):
+    Vp = Vp or V
+    return [ParamSpec("wte", (Vp, C), tp_dim=0, decay=True, block="embed",
+                      true_shape=(V, C) if Vp != V else None)]
+
+
+def head_specs(V, C, tied, Vp=None):
+    Vp = Vp or V
     specs = [ParamSpec("ln_f.w", (C,), decay=False, init="ones", block="head"),
              ParamSpec("ln_f.b", (C,), decay=False, init="zeros", block="head")]
     if not tied:
-        specs.append(ParamSpec("lm_head.w", (C, V), tp_dim=1, block="head"))
+        specs.append(ParamSpec("lm_head.w", (C, Vp), tp_dim=1, block="head",
+                               true_shape=(C, V) if Vp != V else None))
     return specs
 
 

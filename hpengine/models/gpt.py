@@ -10,13 +10,14 @@ import math
 from ..buffers import ParamSpec
 from ..nn import attention_backward, attention_forward, layernorm_backward, layernorm_forward, \
     linear_backward, linear_forward
-from .common import (embed_specs, head_backward, head_forward, head_specs, mlp_backward, mlp_forward,
+from .common import (padded_vocab, embed_specs, head_backward, head_forward, head_specs, mlp_backward, mlp_forward,
                      mlp_specs, tok_embed_backward, tok_embed_forward)
 
 
 class GPT:
-    def __init__(self, mcfg):
+    def __init__(self, mcfg, tp_size: int = 1):
         self.cfg = mcfg
+        self.Vp = padded_vocab(mcfg.vocab_size, tp_size)
         self.V, self.T, self.C = mcfg.vocab_size, mcfg.seq_len, mcfg.d_model
         self.L, self.H, self.F = mcfg.n_layers, mcfg.n_heads, mcfg.ffn_mult * mcfg.d_model
         self.tied = mcfg.tie_head
@@ -29,9 +30,9 @@ class GPT:
     def specs(self, block: str) -> list[ParamSpec]:
         C, std = self.C, self.std
         if block == "embed":
-            return embed_specs(self.V, C) + [ParamSpec("wpe", (self.T, C), block="embed")]
+            return embed_specs(self.V, C, self.Vp) + [ParamSpec("wpe", (self.T, C), block="embed")]
         if block == "head":
-            return head_specs(self.V, C, self.tied)
+            return head_specs(self.V, C, self.tied, self.Vp)
         p, proj_std = block, std / math.sqrt(2 * self.L)  # GPT-2: residual projections scaled down
         ln = lambda n: [ParamSpec(f"{p}.{n}.w", (C,), decay=False, init="ones", block=p),  # noqa: E731
                         ParamSpec(f"{p}.{n}.b", (C,), decay=False, init="zeros", block=p)]
@@ -65,7 +66,8 @@ class GPT:
         o, c_proj = linear_forward(xp, a, P[f"{p}.attn.proj.w"])
         o = tp.reduce_fwd(o)
         o += P[f"{p}.attn.proj.b"]
-        x1 = x + o
+        o += x                  # o is ours: the residual sum needs no new array
+        x1 = o
         h2, c_ln2 = layernorm_forward(xp, x1, P[f"{p}.ln2.w"], P[f"{p}.ln2.b"])
         m, c_mlp = mlp_forward(xp, P, f"{p}.mlp", h2, tp)
         x1 += m
@@ -75,7 +77,8 @@ class GPT:
         p = f"h.{i}"
         c_ln1, c_qkv, c_att, c_proj, c_ln2, c_mlp = cache
         dh2 = mlp_backward(xp, dy, c_mlp, G, f"{p}.mlp", tp)
-        dx1 = dy + layernorm_backward(xp, dh2, c_ln2, G[f"{p}.ln2.w"], G[f"{p}.ln2.b"])
+        dx1 = layernorm_backward(xp, dh2, c_ln2, G[f"{p}.ln2.w"], G[f"{p}.ln2.b"])
+        dx1 += dy
         G[f"{p}.attn.proj.b"] += dx1.reshape(-1, self.C).sum(axis=0)
         da = linear_backward(xp, tp.reduce_bwd(dx1), c_proj, G[f"{p}.attn.proj.w"])
         dqkv = attention_backward(xp, da, c_att)

@@ -8,13 +8,14 @@ import math
 
 from ..buffers import ParamSpec
 from ..nn import layernorm_backward, layernorm_forward
-from .common import (embed_specs, head_backward, head_forward, head_specs, mlp_backward, mlp_forward,
+from .common import (padded_vocab, embed_specs, head_backward, head_forward, head_specs, mlp_backward, mlp_forward,
                      mlp_specs, tok_embed_backward, tok_embed_forward)
 
 
 class MLP:
-    def __init__(self, mcfg):
+    def __init__(self, mcfg, tp_size: int = 1):
         self.cfg = mcfg
+        self.Vp = padded_vocab(mcfg.vocab_size, tp_size)
         self.V, self.C, self.L = mcfg.vocab_size, mcfg.d_model, mcfg.n_layers
         self.F, self.tied, self.std = mcfg.ffn_mult * mcfg.d_model, mcfg.tie_head, mcfg.init_std
         self.n_layers = self.L
@@ -25,9 +26,9 @@ class MLP:
     def specs(self, block: str) -> list[ParamSpec]:
         C = self.C
         if block == "embed":
-            return embed_specs(self.V, C)
+            return embed_specs(self.V, C, self.Vp)
         if block == "head":
-            return head_specs(self.V, C, self.tied)
+            return head_specs(self.V, C, self.tied, self.Vp)
         return ([ParamSpec(f"{block}.ln.w", (C,), decay=False, init="ones", block=block),
                  ParamSpec(f"{block}.ln.b", (C,), decay=False, init="zeros", block=block)]
                 + mlp_specs(f"{block}.mlp", C, self.F, self.std, self.std / math.sqrt(2 * self.L)))

@@ -4,7 +4,7 @@ from .base import LocalSync
 from .data_parallel import DataParallelSync
 from .sharding import ShardedSync
 
-NOT_IMPLEMENTED = {"tensor_parallel", "recompute", "amp"}
+NOT_IMPLEMENTED = {"recompute", "amp"}
 
 
 def make_grad_sync(cfg, mesh, engine):

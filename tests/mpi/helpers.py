@@ -16,13 +16,19 @@ def config(corpus, *extra):
 
 
 def run(cfg, comm, steps=5):
-    """Train `steps` steps; returns (losses per step [per model], full flat params on the host)."""
+    """Train `steps` steps; returns (losses per step [per model], {name: whole tensor}, engine)."""
     eng = build(cfg, comm)
     losses = []
     for s in range(steps):
         m = eng.train_step(s)
         losses.append([pm["loss"] for pm in m["models"]] if "models" in m else [m["loss"]])
-    return np.array(losses), eng.full_params(), eng
+    return np.array(losses), eng.named_params(), eng
+
+
+def assert_same_params(got: dict, want: dict, rtol=1e-10):
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=1e-13, err_msg=name)
 
 
 def reference(corpus, *extra):

@@ -1,0 +1,72 @@
+"""Tensor parallel (Megatron 2019/2021): the conjugate communication pairs a block is handed, and the
+vocabulary-parallel cross-entropy that never gathers the full logits.
+
+copy_to_tp is the identity forward and an allreduce backward; reduce_from_tp the reverse. A column-split
+linear sits after copy_to_tp, a row-split linear before reduce_from_tp, so per layer and micro-batch the
+forward costs two allreduces of B·T·C values and the backward two more.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+
+class TensorParallel:
+    """The hooks of tp rank `comm.rank` of `comm.size`; `vocab` is the unpadded vocabulary size."""
+
+    def __init__(self, comm, vocab: int):
+        self.comm, self.rank, self.size, self.vocab = comm, comm.rank, comm.size, vocab
+
+    # --- the conjugate pairs ------------------------------------------------------------------
+    def copy_fwd(self, x):        # copy_to_tp
+        return x
+
+    def copy_bwd(self, dx):
+        return self.comm.allreduce_(np.ascontiguousarray(dx) if not dx.flags.c_contiguous else dx)
+
+    def reduce_fwd(self, x):      # reduce_from_tp
+        return self.comm.allreduce_(np.ascontiguousarray(x) if not x.flags.c_contiguous else x)
+
+    def reduce_bwd(self, dx):
+        return dx
+
+    def gather_fwd(self, x):      # gather_from_tp: concatenate the last dim; backward keeps this rank's slice
+        parts = self.comm.allgather_obj(x)
+        return np.concatenate(parts, axis=-1)
+
+    def scatter_fwd(self, x):     # scatter_to_tp: this rank's slice of the last dim; backward gathers
+        k = x.shape[-1] // self.size
+        return np.ascontiguousarray(x[..., self.rank * k:(self.rank + 1) * k])
+
+    # --- vocabulary-parallel cross-entropy ------------------------------------------------------
+    def cross_entropy_forward(self, xp, logits, targets, norm):
+        # logits: (B, T, V/tp) this rank's vocabulary slice; targets: (B, T) global ids
+        Vl = logits.shape[-1]
+        start = self.rank * Vl
+        pad = start + Vl - self.vocab
+        if pad > 0:                              # padded vocabulary entries never win the softmax
+            logits[..., Vl - pad:] = -np.inf
+        m = logits.max(axis=-1, keepdims=True)
+        self.comm.allreduce_(m, op=MPI.MAX)
+        local = targets - start
+        inside = (local >= 0) & (local < Vl)
+        zt = xp.take_along_axis(logits, xp.where(inside, local, 0)[..., None], axis=-1)[..., 0]
+        zt = xp.where(inside, zt - m[..., 0], 0.0)
+        p = logits - m
+        xp.exp(p, out=p)
+        s = p.sum(axis=-1)
+        both = xp.stack([s, zt])                 # one allreduce for the sum of exps and the target logit
+        self.comm.allreduce_(both)
+        s, zt = both[0], both[1]
+        loss = (xp.log(s) - zt).sum() * (1.0 / float(norm))
+        p /= s[..., None]
+        return loss, (p, local, inside, float(norm))
+
+    def cross_entropy_backward(self, xp, cache):
+        p, local, inside, norm = cache
+        scale = 1.0 / norm
+        d = p * scale
+        d2 = d.reshape(-1, d.shape[-1])
+        rows = xp.nonzero(inside.reshape(-1))[0]
+        d2[rows, local.reshape(-1)[rows]] -= scale
+        return d
