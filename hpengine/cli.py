@@ -68,11 +68,14 @@ def _known():
     """Exception types that mean 'the user asked for something wrong' (one line, exit 2)."""
     from .backend import BackendError
     from .config import ConfigError
+    from .engine import NonFiniteError
+    from .launch import LaunchError
     from .data import DataError
     from .topology import TopologyError
     from .strategies.pipeline import PipelineError
     from .train import RunError
-    return (ConfigError, DataError, TopologyError, RunError, BackendError, PipelineError, _NotYet)
+    return (ConfigError, DataError, TopologyError, RunError, BackendError, PipelineError, NonFiniteError,
+            LaunchError, _NotYet)
 
 
 def main(argv=None) -> int:
@@ -96,8 +99,10 @@ def main(argv=None) -> int:
 
 def _abort() -> int:
     from mpi4py import MPI
+    from .launch import where
     w = MPI.COMM_WORLD
-    sys.stderr.write(f"hpengine: rank {w.Get_rank()} of {w.Get_size()} failed:\n{traceback.format_exc()}")
+    who = f"rank {w.Get_rank()} of {w.Get_size()}" + (f" {where()}" if where() else "")
+    sys.stderr.write(f"hpengine: {who} failed:\n{traceback.format_exc()}")
     sys.stderr.flush()
     if w.Get_size() > 1:
         w.Abort(1)

@@ -11,14 +11,23 @@ import time
 
 import numpy as np
 
+from mpi4py import MPI
+
 from .buffers import Layout, Range
+from .comm import Comm
+from .init import init_range
 from .models import LocalTP, build_model
 from .optim import AdamW, clip_coefficient, lr_at, sum_of_squares
 from .strategies import make_grad_sync
+from .strategies.amp import LossScaler
 from .strategies.pipeline import PipelineExecutor, split_blocks
 from .strategies.tensor_parallel import TensorParallel
 
 log = logging.getLogger("hpengine")
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or inf reached the loss or gradients (outside amp's loss scaling)."""
 
 
 class Prefixed:
@@ -32,6 +41,30 @@ class Prefixed:
 
     def __setitem__(self, name, value):
         self.buf[self.prefix + name] = value
+
+
+@dataclasses.dataclass
+class Recompute:
+    """The cache of a recomputed block: just its input."""
+    x: object
+
+
+def cache_nbytes(obj, skip_roots: set, seen=None) -> int:
+    """Bytes of the distinct arrays inside a nested cache, skipping views of parameter storage."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, (tuple, list)):
+        return sum(cache_nbytes(o, skip_roots, seen) for o in obj)
+    if isinstance(obj, Recompute):
+        return cache_nbytes(obj.x, skip_roots, seen)
+    if not hasattr(obj, "nbytes") or not hasattr(obj, "base"):
+        return 0
+    root = obj
+    while getattr(root, "base", None) is not None:
+        root = root.base
+    if id(root) in skip_roots or id(root) in seen:
+        return 0
+    seen.add(id(root))
+    return int(root.nbytes)
 
 
 @dataclasses.dataclass
@@ -66,6 +99,11 @@ class Engine:
                            if cfg.model.tie_head and s.prefix + "embed" in s.blocks and s.prefix + "head" in s.blocks}
         self.tied = self._tied_blocks(cfg)
         self.sync = make_grad_sync(cfg, mesh, self)
+        self.world = Comm(mesh.world, "world", backend)
+        self.scaler = LossScaler(cfg.strategy.amp) if cfg.strategy.amp.enable else None
+        # amp: float32 master weights of the owned range, from the exact (unrounded) initial values
+        self.master = (init_range(self.layout, cfg.train.seed, self.sync.owned, self.xp, np.float32)
+                       if self.scaler else None)
         self.sync.deferred = set(self.tied)
         # every parameter counts once in the global norm: not the last stage's wte copy, and a tensor
         # replicated across tp only on tp rank 0
@@ -77,6 +115,7 @@ class Engine:
         self.replica = mesh.coords["dp"] * mesh.degrees["sharding"] + mesh.coords["sharding"]
         self.share = cfg.train.global_batch // self.replicas
         self.k = cfg.strategy.gradient_merge.k_steps if cfg.strategy.gradient_merge.enable else 1
+        self.cache_bytes = self.cache_peak = 0
         pc = cfg.strategy.pipeline
         self.m = pc.micro_batches if pc.enable else 1
         self.pp = mesh.comms["pp"]
@@ -120,8 +159,9 @@ class Engine:
         out = []
         for s in self.slots:
             seg = own.intersect(s.range)
+            dtype = np.float32 if self.scaler else self.be.dtype
             out.append(None if seg is None else
-                       AdamW(self.xp, self.layout, seg, self.be.dtype, tuple(o.betas), o.eps, o.weight_decay))
+                       AdamW(self.xp, self.layout, seg, dtype, tuple(o.betas), o.eps, o.weight_decay))
         return out
 
     # --- forward / backward ---------------------------------------------------------------------
@@ -134,35 +174,60 @@ class Engine:
         return Prefixed(buf, slot.prefix) if slot.prefix else buf
 
     def chunk_forward(self, slot, chunk, h, y, norm: float, grad: bool = True):
-        """Forward of one chunk (consecutive block names) of one model; the head returns the loss."""
+        """Forward of one chunk (consecutive block names) of one model; the head returns the loss.
+        A recomputed block keeps only its input; backward rebuilds its activations."""
         xp, m, tp, sync, caches = self.xp, slot.model, self.tp, self.sync, []
         for n, b in enumerate(chunk):
             nxt = chunk[n + 1] if n + 1 < len(chunk) else None
+            h_in = h
             if b == "embed":
                 h, c = m.embed_forward(xp, self._P(slot, b, nxt), h, tp)
             elif b == "head":
                 h, c = m.head_forward(xp, self._P(slot, b), h, y, norm, tp)
             else:
                 h, c = m.layer_forward(xp, self._P(slot, b, nxt), int(b[2:]), h, tp)
+                if self._recomputed(b):
+                    c = Recompute(h_in)
             sync.release(slot.prefix + b)
             caches.append(c if grad else None)
+        if grad:
+            self._count_caches(caches, +1)
         return h, caches
 
     def chunk_backward(self, slot, chunk, d, caches):
         """Backward of one chunk; returns the gradient of its input (None for the embedding)."""
         xp, m, tp = self.xp, slot.model, self.tp
+        self._count_caches(caches, -1)
         for n in reversed(range(len(chunk))):
             b, c = chunk[n], caches[n]
             caches[n] = None
             if b == "head":
-                d = m.head_backward(xp, c, self._G(slot, b), tp, self._P(slot, b, chunk[n - 1] if n else None))
+                d = m.head_backward(xp, c, self._G(slot, b), tp, self._P(slot, b, chunk[n - 1] if n else None),
+                                    self.scaler.scale if self.scaler else 1.0)
             elif b == "embed":
                 m.embed_backward(xp, d, c, self._G(slot, b), tp)
                 d = None
             else:
-                d = m.layer_backward(xp, d, c, self._G(slot, b), int(b[2:]), tp)
+                i = int(b[2:])
+                if isinstance(c, Recompute):     # rebuild this block's activations from its input
+                    _, c = m.layer_forward(xp, self._P(slot, b), i, c.x, tp)
+                    self.sync.release(slot.prefix + b)
+                d = m.layer_backward(xp, d, c, self._G(slot, b), i, tp)
             self._done(slot, b)
         return d
+
+    def _recomputed(self, block: str) -> bool:
+        rc = self.cfg.strategy.recompute
+        return rc.enable and int(block[2:]) % rc.every == 0
+
+    def _count_caches(self, caches, sign: int) -> None:
+        """Bytes of live activation caches (parameters they reference are not counted)."""
+        self.cache_bytes += sign * cache_nbytes(caches, self._param_roots())
+        self.cache_peak = max(self.cache_peak, self.cache_bytes)
+
+    def _param_roots(self) -> set:
+        roots = {id(self.sync.params.data)} if self.sync.params is not None else set()
+        return roots | {id(buf.data) for buf, _ in getattr(self.sync, "gathered", {}).values()}
 
     def forward_backward(self, slot, x, y, norm: float, grad: bool = True, last_pass: bool = True) -> float:
         """One pass of one model over rows x, y (split into micro-batches, through the pipeline when it
@@ -195,17 +260,27 @@ class Engine:
                 losses[s.index] += self.forward_backward(s, x[part], y[part], norm, last_pass=(j == self.k - 1))
         self._sum_tied()
         g, own = self.sync.reduce_grads(), self.sync.owned
+        if self.scaler is not None:
+            g = self._unscale(g)
+            if g is None:          # overflow somewhere: every rank skips this step together
+                return self._skipped_step(step, t0, losses)
         segs = [own.intersect(s.range) for s in self.slots]
         sq = [self._sumsq(g, r) for r in segs]
         sq = self.pp.allreduce_(np.array(self.sync.norm_allreduce(sq)))
         norms = [float(np.sqrt(v)) for v in self.mesh.comms["tp"].allreduce_(sq)]
-        p = self.sync.owned_params()
+        if not np.isfinite(norms).all():      # the same reduced values on every rank: a collective decision
+            self._report_non_finite(step, losses, g)
+        p = self.sync.owned_params() if self.master is None else self.master
         lr_scale = lr_at(step, cfg.optim, cfg.train.steps) / cfg.optim.lr if cfg.optim.lr else 0.0
         for s, r, opt in zip(self.slots, segs, self.opts):
             if opt is not None:
                 coef = clip_coefficient(norms[s.index], cfg.optim.clip_grad_norm)
                 sl = slice(r.start - own.start, r.stop - own.start)
                 opt.step(p[sl], g[sl], s.lr * lr_scale, coef)
+        if self.master is not None:
+            self.sync.owned_params()[...] = self.master      # the float16 compute copy
+        if self.scaler is not None:
+            self.scaler.update(True)
         self.sync.share_params()
         losses = list(self.pp.allreduce_(np.array(self.sync.loss_allreduce(losses))))
         self.be.sync()
@@ -215,8 +290,41 @@ class Engine:
         toks = cfg.train.global_batch * cfg.model.seq_len * len(self.slots)
         out = {"step": step, **{k: v for k, v in per[0].items() if k != "model"},
                "tokens_per_s": toks / dt, "step_ms": dt * 1e3}
+        if self.scaler is not None:
+            out["loss_scale"] = self.scaler.scale
         if len(self.slots) > 1:
             out["models"] = per
+        return out
+
+    def _report_non_finite(self, step, losses, g):
+        """A NaN/inf loss or gradient is reported with the step and the ranks that saw it, never trained on."""
+        bad = not (np.isfinite(losses).all() and bool(self.xp.isfinite(g).all()))
+        ranks = [r for r, b in enumerate(self.world.allgather_obj(bad)) if b]
+        raise NonFiniteError(f"step {step + 1}: non-finite loss or gradient on rank(s) {ranks} "
+                             f"(losses here: {losses}); stopping instead of training on it")
+
+    def _unscale(self, g):
+        """float32 unscaled copy of the owned gradient, or None when any rank saw inf/nan."""
+        finite = bool(self.xp.isfinite(g).all())
+        if not self.world.allreduce_obj(finite, op=MPI.LAND):
+            return None
+        g32 = g.astype(np.float32)
+        g32 *= 1.0 / self.scaler.scale
+        return g32
+
+    def _skipped_step(self, step, t0, losses):
+        self.scaler.update(False)
+        log.warning("step %d: gradient overflow, step skipped on every rank; loss scale -> %g",
+                    step + 1, self.scaler.scale)
+        self.sync.share_params()
+        losses = list(self.pp.allreduce_(np.array(self.sync.loss_allreduce(losses))))
+        dt = time.perf_counter() - t0
+        toks = self.cfg.train.global_batch * self.cfg.model.seq_len * len(self.slots)
+        out = {"step": step, "loss": losses[0], "lr": 0.0, "grad_norm": float("inf"), "tokens_per_s": toks / dt,
+               "step_ms": dt * 1e3, "loss_scale": self.scaler.scale, "skipped": True}
+        if len(self.slots) > 1:
+            out["models"] = [{"model": s.index, "loss": losses[s.index], "lr": 0.0, "grad_norm": float("inf")}
+                             for s in self.slots]
         return out
 
     def evaluate(self) -> list[float]:
@@ -257,8 +365,10 @@ class Engine:
 
     def memory(self) -> dict:
         return {"param_bytes": self.sync.param_bytes(), "grad_bytes": self.sync.grad_bytes(),
-                "optim_bytes": sum(o.nbytes() for o in self.opts if o is not None),
+                "optim_bytes": sum(o.nbytes() for o in self.opts if o is not None)
+                + (int(self.master.nbytes) if self.master is not None else 0),
                 "transient_peak_bytes": self.sync.transient_peak,
+                "activation_peak_bytes": self.cache_peak,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
     def named_params(self) -> dict:

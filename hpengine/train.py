@@ -12,6 +12,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
+from . import launch
 from .backend import make_backend
 from .comm import Comm
 from .config import enabled_strategies, strategy_degree, to_toml
@@ -90,6 +91,17 @@ def check_batch(cfg, mesh) -> None:
         raise RunError(f"a replica's share of the batch ({gb} / {replicas} = {gb // replicas}) is not divisible "
                        f"by gradient_merge.k_steps x pipeline.micro_batches = {k} x {m}; make global_batch a "
                        f"multiple of {replicas * k * m}")
+    amp = cfg.strategy.amp
+    if amp.enable and amp.dtype == "bfloat16":
+        raise RunError("strategy.amp.dtype = 'bfloat16' is not available: NumPy and CuPy have no bfloat16 arithmetic "
+                       "(ml_dtypes' bfloat16 matmul returns float32, so layers would silently run in float32); "
+                       "use 'float16'")
+    if amp.enable and cfg.model.dtype != "float32":
+        raise RunError(f"strategy.amp needs model.dtype = 'float32' (the master weights), got '{cfg.model.dtype}'")
+    rc = cfg.strategy.recompute
+    if rc.enable and rc.every > cfg.model.n_layers:
+        raise RunError(f"strategy.recompute.every = {rc.every} is larger than the block count "
+                       f"model.n_layers = {cfg.model.n_layers}; use 1..{cfg.model.n_layers}")
     tp, mc = d["tp"], cfg.model
     F = mc.ffn_mult * mc.d_model
     heads = mc.n_heads if mc.kind == "gpt" else tp
@@ -112,9 +124,10 @@ def check_batch(cfg, mesh) -> None:
 def build(cfg, world=None):
     """Mesh, backend, dataset and engine for this rank (validation before any collective)."""
     world = world or MPI.COMM_WORLD
+    launch.check_world(world)
     check_implemented(cfg)
     degrees = {a: strategy_degree(cfg, SWITCH_OF_AXIS[a]) for a in AXES}
-    backend = make_backend(cfg.runtime.backend, cfg.model.dtype)
+    backend = make_backend(cfg.runtime.backend, "float16" if cfg.strategy.amp.enable else cfg.model.dtype)
     mesh = Mesh(world, degrees, cfg.mesh.order, wrap=lambda c, a: Comm(c, a, backend))
     setup_logging(mesh)
     check_batch(cfg, mesh)
@@ -153,11 +166,15 @@ def train(cfg, world=None) -> dict:
     metrics_f = open(out / "metrics.jsonl", "w") if rank0 else None
     bar = rank0 and sys.stdout.isatty()
     t_start, history = time.perf_counter(), []
+    watchdog = launch.Watchdog(cfg.runtime.watchdog_s, eng.mesh.prefix()).start()
+    restore_signals = launch.install_stop_handlers()
     try:
         for step in range(cfg.train.steps):
+            watchdog.heartbeat(step, "train_step")
             m = eng.train_step(step)
             ev = cfg.train.eval_every
             if ev and ((step + 1) % ev == 0 or step + 1 == cfg.train.steps):
+                watchdog.heartbeat(step, "evaluate")
                 vals = eng.evaluate()
                 m["val_loss"] = vals[0]
                 for pm, v in zip(m.get("models", []), vals):
@@ -174,7 +191,12 @@ def train(cfg, world=None) -> dict:
                         log.info("%s", _fmt(line))
                 elif bar:
                     print(f"\r  step {step + 1}/{cfg.train.steps} loss {m['loss']:.4f}", end="", flush=True)
+            if (stop := launch.stop_requested(world)):
+                log.info("%s received: stopping cleanly after step %d of %d", stop, step + 1, cfg.train.steps)
+                break
     finally:
+        watchdog.stop()
+        restore_signals()
         if metrics_f:
             metrics_f.close()
     log_pipeline(eng, cfg)

@@ -10,8 +10,9 @@ from ..buffers import ParamSpec
 
 __all__ = ["LocalTP", "padded_vocab"]
 from ..nn import (cross_entropy_backward, cross_entropy_forward, embedding_backward,
-                  embedding_forward, gelu_backward, gelu_forward, layernorm_backward,
-                  layernorm_forward, linear_backward, linear_forward)
+                  embedding_forward, gelu_backward, gelu_forward, gelu_recompute, layernorm_backward,
+                  layernorm_forward, linear_backward, linear_drop_input, linear_forward,
+                  linear_restore_input)
 
 
 class LocalTP:
@@ -33,8 +34,8 @@ class LocalTP:
     def cross_entropy_forward(self, xp, logits, targets, norm):
         return cross_entropy_forward(xp, logits, targets, norm)
 
-    def cross_entropy_backward(self, xp, cache):
-        return cross_entropy_backward(xp, cache)
+    def cross_entropy_backward(self, xp, cache, dloss=1.0):
+        return cross_entropy_backward(xp, cache, dloss)
 
 
 def padded_vocab(V, multiple):
@@ -88,14 +89,18 @@ def head_forward(xp, P, x, targets, norm, tp, tied):
     h, c_ln = layernorm_forward(xp, x, P["ln_f.w"], P["ln_f.b"])
     w, _ = head_weight(P, None, tied)
     logits, c_lin = linear_forward(xp, tp.copy_fwd(h), w)
+    if logits.dtype.itemsize < 4:      # amp: the softmax and loss in float32, as Megatron does
+        logits = logits.astype(xp.float32)
     loss, c_ce = tp.cross_entropy_forward(xp, logits, targets, norm)
     return loss, (c_ln, c_lin, c_ce)
 
 
-def head_backward(xp, cache, G, tp, tied, P):
+def head_backward(xp, cache, G, tp, tied, P, dloss=1.0):
     c_ln, c_lin, c_ce = cache
-    dlogits = tp.cross_entropy_backward(xp, c_ce)
+    dlogits = tp.cross_entropy_backward(xp, c_ce, dloss)   # dloss = the amp loss scale
     _, dw = head_weight(P, G, tied)
+    if dlogits.dtype != dw.dtype:
+        dlogits = dlogits.astype(dw.dtype)
     dh = tp.copy_bwd(linear_backward(xp, dlogits, c_lin, dw))
     return layernorm_backward(xp, dh, c_ln, G["ln_f.w"], G["ln_f.b"])
 
@@ -105,6 +110,8 @@ def mlp_forward(xp, P, p, x, tp):
     h, c1 = linear_forward(xp, tp.copy_fwd(x), P[f"{p}.fc.w"], P[f"{p}.fc.b"])
     g, c2 = gelu_forward(xp, h)
     o, c3 = linear_forward(xp, g, P[f"{p}.proj.w"])
+    # g is rebuilt in backward from the GELU cache (one multiply): a third less MLP activation memory
+    c3 = linear_drop_input(c3)
     o = tp.reduce_fwd(o)
     o += P[f"{p}.proj.b"]
     return o, (c1, c2, c3)
@@ -113,6 +120,8 @@ def mlp_forward(xp, P, p, x, tp):
 def mlp_backward(xp, do, cache, G, p, tp):
     c1, c2, c3 = cache
     G[f"{p}.proj.b"] += do.reshape(-1, do.shape[-1]).sum(axis=0)
+    c3 = linear_restore_input(c3, gelu_recompute(xp, c2))
     dg = linear_backward(xp, tp.reduce_bwd(do), c3, G[f"{p}.proj.w"])
+    del c3
     dh = gelu_backward(xp, dg, c2)
     return tp.copy_bwd(linear_backward(xp, dh, c1, G[f"{p}.fc.w"], G[f"{p}.fc.b"]))

@@ -89,5 +89,5 @@ class GPT:
     def head_forward(self, xp, P, x, targets, norm, tp):
         return head_forward(xp, P, x, targets, norm, tp, self.tied)
 
-    def head_backward(self, xp, cache, G, tp, P):
-        return head_backward(xp, cache, G, tp, self.tied, P)
+    def head_backward(self, xp, cache, G, tp, P, dloss=1.0):
+        return head_backward(xp, cache, G, tp, self.tied, P, dloss)

@@ -3,17 +3,18 @@
 Backwards accumulate (+=) into the gradient views they are handed and return
 the input gradient; see DESIGN.md section 4.
 """
-from .activation import gelu_backward, gelu_forward, relu_backward, relu_forward
+from .activation import gelu_backward, gelu_forward, gelu_recompute, relu_backward, relu_forward
 from .attention import attention_backward, attention_forward
 from .embedding import embedding_backward, embedding_forward
 from .layernorm import layernorm_backward, layernorm_forward
-from .linear import linear_backward, linear_forward
+from .linear import linear_backward, linear_drop_input, linear_forward, linear_restore_input
 from .loss import cross_entropy_backward, cross_entropy_forward
 
 __all__ = [
     "linear_forward", "linear_backward",
     "embedding_forward", "embedding_backward",
     "layernorm_forward", "layernorm_backward",
+    "linear_drop_input", "linear_restore_input", "gelu_recompute",
     "gelu_forward", "gelu_backward", "relu_forward", "relu_backward",
     "attention_forward", "attention_backward",
     "cross_entropy_forward", "cross_entropy_backward",

@@ -22,3 +22,13 @@ def linear_backward(xp, dy, cache, dw, db=None):
     if db is not None:
         db += dy2.sum(axis=0)
     return (dy2 @ w.T).reshape(*lead, w.shape[0])
+
+
+def linear_drop_input(cache):
+    """The cache without its input, for a caller that can rebuild x more cheaply than keep it."""
+    return (None,) + tuple(cache[1:])
+
+
+def linear_restore_input(cache, x):
+    """A cache from linear_drop_input with its input x put back."""
+    return (x.reshape(-1, x.shape[-1]),) + tuple(cache[1:])

@@ -4,7 +4,7 @@ from .base import LocalSync
 from .data_parallel import DataParallelSync
 from .sharding import ShardedSync
 
-NOT_IMPLEMENTED = {"recompute", "amp"}
+NOT_IMPLEMENTED: set = set()
 
 
 def make_grad_sync(cfg, mesh, engine):

@@ -62,9 +62,9 @@ class TensorParallel:
         p /= s[..., None]
         return loss, (p, local, inside, float(norm))
 
-    def cross_entropy_backward(self, xp, cache):
+    def cross_entropy_backward(self, xp, cache, dloss=1.0):
         p, local, inside, norm = cache
-        scale = 1.0 / norm
+        scale = float(dloss) / norm
         d = p * scale
         d2 = d.reshape(-1, d.shape[-1])
         rows = xp.nonzero(inside.reshape(-1))[0]

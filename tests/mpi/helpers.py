@@ -18,10 +18,11 @@ def config(corpus, *extra):
 def run(cfg, comm, steps=5):
     """Train `steps` steps; returns (losses per step [per model], {name: whole tensor}, engine)."""
     eng = build(cfg, comm)
-    losses = []
+    losses, eng.grad_norms = [], []
     for s in range(steps):
         m = eng.train_step(s)
         losses.append([pm["loss"] for pm in m["models"]] if "models" in m else [m["loss"]])
+        eng.grad_norms.append([pm["grad_norm"] for pm in m["models"]] if "models" in m else [m["grad_norm"]])
     return np.array(losses), eng.named_params(), eng
 
 

@@ -17,7 +17,6 @@ from hpengine.cli import main
 from hpengine.config import load_config
 from hpengine.data import SEPARATOR, TokenDataset
 from hpengine.optim import lr_at
-from hpengine.strategies import NOT_IMPLEMENTED
 from hpengine.train import train
 
 TINY = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_layers=2",
@@ -171,14 +170,19 @@ def test_unknown_key_in_the_file(tmp_path, capsys):
     assert str(cfg) in msg and "'train.batch'" in msg and "global_batch" in msg
 
 
-def test_strategy_without_implementation(tmp_path, capsys, small_corpus):
-    if not NOT_IMPLEMENTED:
-        pytest.skip("every strategy is implemented")
-    name = "pipeline" if "pipeline" in NOT_IMPLEMENTED else sorted(NOT_IMPLEMENTED)[0]
-    args, out = train_args(tmp_path, small_corpus, f"strategy.{name}.enable=true")
+@pytest.mark.parametrize("extra,key", [
+    (["strategy.amp.enable=true", "strategy.amp.dtype='bfloat16'"], "strategy.amp.dtype"),
+    (["strategy.amp.enable=true", "model.dtype='float64'"], "model.dtype"),
+    (["strategy.recompute.enable=true", "strategy.recompute.every=3"], "strategy.recompute.every"),
+    (["strategy.gradient_merge.enable=true", "strategy.gradient_merge.k_steps=3"], "k_steps"),
+    (["strategy.gradient_merge.k_steps=0"], "strategy.gradient_merge.k_steps"),
+    (["strategy.amp.init_scale=0"], "strategy.amp.init_scale"),
+])
+def test_strategy_settings_that_cannot_run(tmp_path, capsys, small_corpus, extra, key):
+    args, out = train_args(tmp_path, small_corpus, *extra)
     msg = run_cli(args, capsys)
-    assert f"strategy.{name}" in msg and "not implemented" in msg
-    assert not out.exists()
+    assert key in msg
+    assert not (out / "metrics.jsonl").exists()
 
 
 def test_resume_from_a_missing_checkpoint(tmp_path, capsys, small_corpus):

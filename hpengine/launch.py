@@ -1,0 +1,219 @@
+"""How the engine meets its launcher (mpiexec, srun, qsub): the world-size check against what the
+launcher asked for, a per-rank hang watchdog that dumps stacks and aborts the whole job, and
+SIGTERM/SIGUSR1 (sent before the wall time) turned into a stop request the training loop polls.
+"""
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from mpi4py import MPI
+
+log = logging.getLogger("hpengine")
+
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+_state = {"signal": 0, "where": "", "comm": None}   # per process: signal handlers and the abort path read it
+
+
+class LaunchError(RuntimeError):
+    """The job was started so that MPI's world differs from what the launcher asked for."""
+
+
+# --- launcher sanity ----------------------------------------------------------------------------
+def _int(env, key):
+    try:
+        return int(env[key])
+    except (KeyError, ValueError):
+        return None
+
+
+def _nodefile_lines(path):
+    try:
+        with open(path) as f:
+            return sum(1 for line in f if line.strip())
+    except OSError:
+        return None
+
+
+def launcher_size(env=None):
+    """(ranks, source, kind) that started this process, or None. kind "launched": a launcher set it for
+    this very process (exact); "allocation": only the batch job's size (this may be one of its steps)."""
+    env = os.environ if env is None else env
+    exact = [("OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"),
+             ("PMI_SIZE", "a PMI launcher (Hydra mpiexec or srun --mpi=pmi2)"),
+             ("SLURM_STEP_NUM_TASKS", "srun")]
+    if "SLURM_STEP_ID" in env:   # inside an srun step these describe the step, not the allocation
+        exact += [("SLURM_NTASKS", "srun"), ("SLURM_NPROCS", "srun")]
+    for key, who in exact:
+        if _int(env, key):
+            return _int(env, key), f"{key}={env[key]}, set by {who}", "launched"
+    for key in ("SLURM_NTASKS", "SLURM_NPROCS", "PBS_NP"):
+        if _int(env, key):
+            return _int(env, key), f"{key}={env[key]}, the batch job's size", "allocation"
+    if env.get("PBS_NODEFILE") and _nodefile_lines(env["PBS_NODEFILE"]):
+        n = _nodefile_lines(env["PBS_NODEFILE"])
+        return n, f"PBS_NODEFILE={env['PBS_NODEFILE']} has {n} lines", "allocation"
+    return None
+
+
+def _hint(key: str, want: int, env) -> str:
+    mine = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if key.startswith("OMPI_"):
+        return ("the process was started by Open MPI's mpirun, but mpi4py uses another MPI library; launch "
+                f"with that library's own mpiexec: {mine} -n {want} hpengine ...")
+    srun = ("srun's --mpi type does not match the MPI library mpi4py uses (MPICH: srun --mpi=pmi2, Open MPI: "
+            "--mpi=pmix; `srun --mpi=list` shows the choices), or set LAUNCHER=mpiexec in jobs/slurm_train.sbatch")
+    other = f"the mpiexec that started it belongs to another MPI than mpi4py's; use {mine} -n {want}"
+    if key.startswith("SLURM_"):
+        return srun
+    return f"{srun}; or, if not under srun, {other}" if "SLURM_STEP_ID" in env else other
+
+
+def world_mismatch(size: int, env=None):
+    """One-line error when MPI's world of `size` ranks differs from what the launcher asked for."""
+    env = os.environ if env is None else env
+    found = launcher_size(env)
+    if found is None or found[0] == size:
+        return None
+    want, source, kind = found
+    key = source.split("=")[0]
+    lib = " ".join(MPI.Get_library_version().splitlines()[0].split())
+    if kind == "allocation":   # a single process in a job shell (salloc, qsub -I) is legitimate
+        if size > 1:
+            log.warning("MPI world has %d ranks but the batch job asked for %d (%s)", size, want, source)
+        return None
+    return (f"the launcher asked for {want} ranks ({source}) but MPI formed a world of {size} rank(s) "
+            f"({lib}){': every task runs alone as rank 0 of 1' if size == 1 else ''}. Likely fix: "
+            + _hint(key, want, env))
+
+
+def check_world(world, env=None) -> None:
+    """Raise LaunchError on every rank when the world size is not what the launcher asked for. A
+    sub-communicator (tests, embedding) is not checked: the launcher only knows COMM_WORLD."""
+    if isinstance(world, MPI.Comm) and world != MPI.COMM_WORLD:
+        return
+    err = world_mismatch(world.Get_size(), env)
+    if world.Get_size() > 1:   # environments may differ by rank: agree before anyone raises
+        err = next((e for e in world.allgather(err) if e), None)
+    if err:
+        raise LaunchError(err)
+
+
+# --- hang watchdog ------------------------------------------------------------------------------
+def where() -> str:
+    """This rank's mesh prefix, as told to the latest Watchdog ('' before one exists)."""
+    return _state["where"]
+
+
+def note_comm(op: str, comm: str, nbytes: int) -> None:
+    """Record the communication call this rank is entering; the watchdog names it when it fires."""
+    _state["comm"] = (op, comm, int(nbytes))
+
+
+def _abort_world():
+    MPI.COMM_WORLD.Abort(1)
+
+
+class Watchdog:
+    """A daemon thread per rank: when no heartbeat comes for `timeout_s` seconds, write one line naming
+    the rank, its mesh coordinates and the last step/phase, dump every thread's stack, abort the job.
+    timeout_s = 0 turns it off; `abort` and `stream` are replaceable for tests. The prefix is also what
+    the abort path of the command line (cli._abort) names as this rank's mesh coordinates."""
+
+    def __init__(self, timeout_s: float, prefix: str = "", abort=None, stream=None, grace_s: float = 1.0):
+        self.timeout_s, self.prefix = float(timeout_s), prefix
+        self.abort, self.stream, self.grace_s = abort or _abort_world, stream, grace_s
+        self.step, self.phase, self.fired = None, "start", False
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = None
+        _state["where"] = prefix or _state["where"]
+
+    def start(self) -> "Watchdog":
+        if self.timeout_s > 0 and self._thread is None:
+            self._last = time.monotonic()
+            self._thread = threading.Thread(target=self._run, name="hpengine-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def heartbeat(self, step=None, phase: str = "step") -> None:
+        self.step, self.phase, self._last = step, phase, time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def _run(self):
+        poll = min(1.0, self.timeout_s / 4)
+        while not self._stop.wait(poll):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout_s:
+                self._fire(idle)
+                return
+
+    def _fire(self, idle: float) -> None:
+        self.fired = True
+        out = self.stream or sys.stderr
+        rank = MPI.COMM_WORLD.Get_rank()
+        comm = _state["comm"]
+        last = f"; last communication entered: {comm[0]} on '{comm[1]}', {comm[2]:,} bytes" if comm else ""
+        at = "before the first step" if self.step is None else f"in step {self.step}"
+        out.write(f"hpengine: watchdog: rank {rank} {self.prefix} made no progress for {idle:.1f} s "
+                  f"(runtime.watchdog_s = {self.timeout_s:g}), {at}, phase '{self.phase}'{last}; "
+                  f"stacks of all threads follow, then the job is aborted\n")
+        _dump_stacks(out)
+        time.sleep(self.grace_s)   # the other ranks' watchdogs fire too: let them write before the abort
+        self.abort()
+
+
+def _dump_stacks(out) -> None:
+    try:
+        out.flush()
+        faulthandler.dump_traceback(file=out, all_threads=True)
+    except (AttributeError, OSError, ValueError):   # a stream without a file descriptor (captured output)
+        for ident, frame in sys._current_frames().items():
+            out.write(f"Thread 0x{ident:x}:\n{''.join(traceback.format_stack(frame))}")
+    out.flush()
+
+
+# --- stop on SIGTERM / SIGUSR1 ------------------------------------------------------------------
+def _on_signal(signum, frame):
+    _state["signal"] = signum
+
+
+def install_stop_handlers(names=STOP_SIGNALS):
+    """Make the given signals request a clean stop instead of killing the process; returns a function
+    that restores the previous handlers. Outside the main thread (embedding) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    _state["signal"] = 0
+    sigs = [getattr(signal, n) for n in names if hasattr(signal, n)]
+    old = {s: signal.signal(s, _on_signal) for s in sigs}
+
+    def restore():
+        for s, h in old.items():
+            signal.signal(s, h)
+    return restore
+
+
+def stop_requested(comm=None):
+    """Name of the stop signal this rank (or, with `comm`, any rank of it) received; None if none.
+    With `comm` it is a collective, so every rank stops after the same step."""
+    sig = _state["signal"]
+    if comm is not None and comm.Get_size() > 1:
+        sig = comm.allreduce(sig, op=MPI.MAX)
+    return signal.Signals(sig).name if sig else None
