@@ -30,7 +30,14 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("config", nargs="?", default=None)
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--reference", action="store_true", help="print the markdown reference of every key")
-    for name in ("plan", "ckpt", "plot"):
+    k = sub.add_parser("ckpt", help="inspect, verify and export checkpoints")
+    ksub = k.add_subparsers(dest="ckpt_cmd", required=True)
+    ksub.add_parser("info", help="step, layout, tensors, sizes").add_argument("dir")
+    ksub.add_parser("verify", help="read every piece and check its checksum").add_argument("dir")
+    e = ksub.add_parser("export", help="one consolidated HDF5 file of global tensors")
+    e.add_argument("dir")
+    e.add_argument("out")
+    for name in ("plan", "plot"):
         sub.add_parser(name, help=f"{name} (not implemented yet)").add_argument("rest", nargs="*")
     return p
 
@@ -38,9 +45,28 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_train(a) -> int:
     from .config import load_config
     from .train import train
-    if a.resume:
-        raise _NotYet("--resume: checkpoints are not implemented yet in this version of hpengine")
-    train(load_config(a.config, a.overrides))
+    train(load_config(a.config, a.overrides), resume=a.resume)
+    return 0
+
+
+def _cmd_ckpt(a) -> int:
+    from . import checkpoint
+    if a.ckpt_cmd == "info":
+        i = checkpoint.info(a.dir)
+        problems = checkpoint.Reader(a.dir).verify()
+        print(f"{i['dir']}: step {i['step']}, written by {i['world']} ranks with degrees {i['layout']}\n"
+              f"  {i['tensors']} tensors, {i['elements']:,} elements, {i['files']} shard files, "
+              f"{i['bytes'] / 2**20:.2f} MiB\n  state {i['state']}\n"
+              f"  checksums: {'ok' if not problems else f'{len(problems)} problem(s)'}")
+        return 0 if not problems else 1
+    if a.ckpt_cmd == "verify":
+        problems = checkpoint.Reader(a.dir).verify()
+        for p in problems:
+            print(f"hpengine: error: {p}", file=sys.stderr)
+        print(f"{a.dir}: {'ok' if not problems else 'CORRUPTED'}")
+        return 0 if not problems else 1
+    info = checkpoint.export(a.dir, a.out)
+    print(f"wrote {info['path']}: {info['tensors']} tensors at step {info['step']}")
     return 0
 
 
@@ -67,6 +93,7 @@ class _NotYet(Exception):
 def _known():
     """Exception types that mean 'the user asked for something wrong' (one line, exit 2)."""
     from .backend import BackendError
+    from .checkpoint import CheckpointError
     from .config import ConfigError
     from .engine import NonFiniteError
     from .launch import LaunchError
@@ -74,7 +101,7 @@ def _known():
     from .topology import TopologyError
     from .strategies.pipeline import PipelineError
     from .train import RunError
-    return (ConfigError, DataError, TopologyError, RunError, BackendError, PipelineError, NonFiniteError,
+    return (CheckpointError, ConfigError, DataError, TopologyError, RunError, BackendError, PipelineError, NonFiniteError,
             LaunchError, _NotYet)
 
 
@@ -87,6 +114,8 @@ def main(argv=None) -> int:
             return _cmd_data(a)
         if a.cmd == "config":
             return _cmd_config(a)
+        if a.cmd == "ckpt":
+            return _cmd_ckpt(a)
         raise _NotYet(f"'hpengine {a.cmd}' is not implemented yet in this version of hpengine")
     except _known() as exc:
         print(f"hpengine: error: {exc}", file=sys.stderr, flush=True)

@@ -200,6 +200,8 @@ class CheckpointConfig:
     dir: str = _f("", 'checkpoint folder; "" = `<out_dir>/checkpoints`')
     every: int = _f(0, "save every N steps; 0 = never", check=_must(">=", 0))
     keep: int = _f(3, "most recent checkpoints kept", check=_POS)
+    init_from: str = _f("", "start from the parameters of an exported checkpoint file (hpengine ckpt export); "
+                            "optimizer state starts fresh")
 
 
 @dataclass

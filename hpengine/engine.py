@@ -107,7 +107,8 @@ class Engine:
         self.sync.deferred = set(self.tied)
         # every parameter counts once in the global norm: not the last stage's wte copy, and a tensor
         # replicated across tp only on tp rank 0
-        self.norm_exclude = [self.layout.ranges[b[:-4] + "wte"] for b in self.tied if b.endswith("head")]
+        self.tied_copies = {b[:-4] + "wte" for b in self.tied if b.endswith("head")}
+        self.norm_exclude = [self.layout.ranges[n] for n in sorted(self.tied_copies)]
         if self.tp.rank > 0:
             self.norm_exclude += [self.layout.ranges[sp.name] for sp in specs if sp.tp_dim is None]
         self.opts = self._build_optimizers()
@@ -116,6 +117,7 @@ class Engine:
         self.share = cfg.train.global_batch // self.replicas
         self.k = cfg.strategy.gradient_merge.k_steps if cfg.strategy.gradient_merge.enable else 1
         self.cache_bytes = self.cache_peak = 0
+        self.opt_steps = 0          # optimizer updates applied (AdamW's bias-correction count)
         pc = cfg.strategy.pipeline
         self.m = pc.micro_batches if pc.enable else 1
         self.pp = mesh.comms["pp"]
@@ -281,6 +283,7 @@ class Engine:
             self.sync.owned_params()[...] = self.master      # the float16 compute copy
         if self.scaler is not None:
             self.scaler.update(True)
+        self.opt_steps += 1
         self.sync.share_params()
         losses = list(self.pp.allreduce_(np.array(self.sync.loss_allreduce(losses))))
         self.be.sync()
@@ -371,6 +374,85 @@ class Engine:
                 "activation_peak_bytes": self.cache_peak,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
+    # --- checkpoint state -------------------------------------------------------------------------
+    def checkpoint_pieces(self) -> list:
+        """What this rank alone saves: (name, kind, global_shape, tp box, flat a, b, host array) for the
+        owned parameters (float32 masters under amp) and Adam moments; dp replicas, tp replicas of
+        replicated tensors and the last stage's tied copy are left to the one rank that saves them."""
+        if self.mesh.coords["dp"] != 0:
+            return []
+        own, lay = self.sync.owned, self.layout
+        host = self.be.to_host
+        p_own = host(self.master if self.master is not None else self.sync.owned_params())
+        out = []
+        for s, opt in zip(self.slots, self.opts):
+            seg = own.intersect(s.range)
+            if seg is None:
+                continue
+            m, v = host(opt.m), host(opt.v)
+            for name, part, off in lay.tensors_in(seg):
+                spec = lay.by_name[name]
+                if (spec.tp_dim is None and self.tp.rank > 0) or name in self.tied_copies:
+                    continue
+                box = spec.tp_slices(self.tp.rank, self.tp.size)
+                a, b = off, off + part.size
+                po, so = part.start - own.start, part.start - seg.start
+                for kind, arr, o in (("param", p_own, po), ("adam_m", m, so), ("adam_v", v, so)):
+                    out.append((name, kind, spec.global_shape, box, a, b, arr[o:o + part.size].copy()))
+        return out
+
+    def checkpoint_meta(self) -> dict:
+        return {"opt_steps": self.opt_steps, "loss_scaler": self.scaler.state() if self.scaler else None,
+                "models": len(self.slots)}
+
+    def true_shapes(self) -> dict:
+        """Unpadded global shape of every tensor of every model (all stages)."""
+        return {sp.name: list(sp.true_shape or sp.global_shape) for sp in self.reference_order_specs()}
+
+    def config_toml(self) -> str:
+        from .config import to_toml
+        return to_toml(self.cfg)
+
+    def load_state(self, reader, params_only: bool = False) -> None:
+        """Fill this rank's parameters (and Adam moments, step counts, loss scale) from a checkpoint
+        reader, reading only the tensors and regions this rank holds."""
+        lay, own = self.layout, self.sync.owned
+        full = self.sync.params is not None          # stages < 3 hold every parameter of the stage
+        for name in lay.names:
+            spec = lay.by_name[name]
+            r = lay.ranges[name]
+            hit = r.intersect(own)
+            if not full and hit is None:
+                continue
+            vals = reader.read("param", name, spec.tp_slices(self.tp.rank, self.tp.size)).reshape(-1)
+            if full:
+                self.sync.params.data[r.slice] = self.xp.asarray(vals, dtype=self.be.dtype)
+            if hit is not None:
+                dst = self.master if self.master is not None else self.sync.owned_params()
+                dst[hit.start - own.start:hit.stop - own.start] = self.xp.asarray(
+                    vals[hit.start - r.start:hit.stop - r.start], dtype=dst.dtype)
+        if self.master is not None and not full:
+            self.sync.owned_params()[...] = self.master
+        if not params_only:
+            self._load_moments(reader)
+
+    def _load_moments(self, reader) -> None:
+        lay, meta = self.layout, reader.manifest["state"]
+        for s, opt in zip(self.slots, self.opts):
+            seg = self.sync.owned.intersect(s.range)
+            if seg is None:
+                continue
+            for name, part, off in lay.tensors_in(seg):
+                spec = lay.by_name[name]
+                box = spec.tp_slices(self.tp.rank, self.tp.size)
+                for kind, arr in (("adam_m", opt.m), ("adam_v", opt.v)):
+                    vals = reader.read(kind, name, box).reshape(-1)[off:off + part.size]
+                    arr[part.start - seg.start:part.stop - seg.start] = self.xp.asarray(vals, dtype=arr.dtype)
+            opt.t = int(meta["opt_steps"])
+        self.opt_steps = int(meta["opt_steps"])
+        if self.scaler is not None and meta.get("loss_scaler"):
+            self.scaler.load(meta["loss_scaler"])
+
     def named_params(self) -> dict:
         """Every tensor of every model as its whole global array (host), assembled across sharding,
         tp slices and pipeline stages — collective over the world; for comparing layouts."""
@@ -388,10 +470,10 @@ class Engine:
             out.update(d)
         return out
 
-    def reference_order(self):
-        """Every model's specs in one-process layout order (all stages), for comparing runs."""
-        return [sp for s in self.slots for b in s.model.block_names()
-                for sp in [dataclasses.replace(x, name=s.prefix + x.name) for x in s.model.specs(b)]]
+    def reference_order_specs(self):
+        """Every model's specs in one-process layout order (all stages)."""
+        return [dataclasses.replace(x, name=s.prefix + x.name) for s in self.slots for b in s.model.block_names()
+                for x in s.model.specs(b)]
 
     def n_params(self) -> int:
         return sum(int(np.prod(s.global_shape)) for s in self.layout.specs)

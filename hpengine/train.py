@@ -12,7 +12,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from . import launch
+from . import checkpoint, launch
 from .backend import make_backend
 from .comm import Comm
 from .config import enabled_strategies, strategy_degree, to_toml
@@ -60,11 +60,16 @@ def resolve_data_path(cfg, world) -> str:
     return path
 
 
-def prepare_run_dir(cfg, world) -> Path:
+def prepare_run_dir(cfg, world, resuming: bool = False) -> Path:
+    """The run folder; refused if it already holds results, unless resuming (metrics are appended)."""
     out = Path(cfg.train.out_dir)
     err = None
     if world.Get_rank() == 0:
-        if (out / "metrics.jsonl").exists() or (out / "config.toml").exists():
+        if resuming:
+            out.mkdir(parents=True, exist_ok=True)
+            if not (out / "config.toml").exists():
+                (out / "config.toml").write_text(to_toml(cfg))
+        elif (out / "metrics.jsonl").exists() or (out / "config.toml").exists():
             err = (f"train.out_dir = '{out}' already holds results (metrics.jsonl/config.toml); "
                    f"choose a new folder, e.g. --set train.out_dir={out}-2")
         else:
@@ -150,49 +155,36 @@ def _fmt(m: dict) -> str:
     return s + (f" | val {m['val_loss']:.4f}" if "val_loss" in m else "")
 
 
-def train(cfg, world=None) -> dict:
-    """Run cfg.train.steps optimizer steps; returns the final summary (same on every rank)."""
+def train(cfg, world=None, resume=None) -> dict:
+    """Run optimizer steps up to cfg.train.steps (from a checkpoint's step when resuming); returns the
+    final summary (same on every rank)."""
     world = world or MPI.COMM_WORLD
     eng = build(cfg, world)
-    out = prepare_run_dir(cfg, world)
-    rank0 = world.Get_rank() == 0
-    log.info("%s", eng.mesh.describe())
-    if hasattr(eng.sync, "ranges"):
-        sizes = [r.size for r in eng.sync.ranges]
-        log.info("sharding stage %d, partition %s: %d owners, shares %s elements, imbalance %.3f",
-                 eng.sync.stage, cfg.strategy.sharding.partition, len(sizes), sizes, eng.sync.imbalance)
-    log.info("model %s: %s parameters, %d blocks, dtype %s, backend %s", cfg.model.kind,
-             f"{eng.n_params():,}", len(eng.blocks), cfg.model.dtype, eng.be.name)
-    metrics_f = open(out / "metrics.jsonl", "w") if rank0 else None
-    bar = rank0 and sys.stdout.isatty()
+    start = restore(eng, cfg, resume)
+    out = prepare_run_dir(cfg, world, resuming=resume is not None)
+    log_start(eng, cfg)
+    metrics_f = open(out / "metrics.jsonl", "a" if resume else "w") if world.Get_rank() == 0 else None
     t_start, history = time.perf_counter(), []
     watchdog = launch.Watchdog(cfg.runtime.watchdog_s, eng.mesh.prefix()).start()
     restore_signals = launch.install_stop_handlers()
     try:
-        for step in range(cfg.train.steps):
+        for step in range(start, cfg.train.steps):
             watchdog.heartbeat(step, "train_step")
             m = eng.train_step(step)
-            ev = cfg.train.eval_every
-            if ev and ((step + 1) % ev == 0 or step + 1 == cfg.train.steps):
+            if _eval_due(cfg, step):
                 watchdog.heartbeat(step, "evaluate")
-                vals = eng.evaluate()
-                m["val_loss"] = vals[0]
-                for pm, v in zip(m.get("models", []), vals):
-                    pm["val_loss"] = v
+                _add_eval(m, eng.evaluate())
             history.append(m)
-            if step == 0:
+            if step == start:
                 log_memory(eng)
-            if rank0:
-                for line in _lines(m):
-                    metrics_f.write(json.dumps(line) + "\n")
-                metrics_f.flush()
-                if (step + 1) % cfg.train.log_every == 0 or step == 0 or "val_loss" in m:
-                    for line in _lines(m):
-                        log.info("%s", _fmt(line))
-                elif bar:
-                    print(f"\r  step {step + 1}/{cfg.train.steps} loss {m['loss']:.4f}", end="", flush=True)
-            if (stop := launch.stop_requested(world)):
-                log.info("%s received: stopping cleanly after step %d of %d", stop, step + 1, cfg.train.steps)
+            _record(cfg, m, metrics_f)
+            stop = launch.stop_requested(world)
+            if stop or _ckpt_due(cfg, step):
+                watchdog.heartbeat(step, "checkpoint")
+                save_checkpoint(eng, cfg, step + 1)
+            if stop:
+                log.info("%s received: checkpoint saved, stopping cleanly after step %d of %d", stop, step + 1,
+                         cfg.train.steps)
                 break
     finally:
         watchdog.stop()
@@ -201,6 +193,76 @@ def train(cfg, world=None) -> dict:
             metrics_f.close()
     log_pipeline(eng, cfg)
     return summarize(eng, history, time.perf_counter() - t_start, out)
+
+
+def _eval_due(cfg, step) -> bool:
+    ev = cfg.train.eval_every
+    return bool(ev) and ((step + 1) % ev == 0 or step + 1 == cfg.train.steps)
+
+
+def _ckpt_due(cfg, step) -> bool:
+    ev = cfg.checkpoint.every
+    return bool(ev) and ((step + 1) % ev == 0 or step + 1 == cfg.train.steps)
+
+
+def _add_eval(m, vals) -> None:
+    m["val_loss"] = vals[0]
+    for pm, v in zip(m.get("models", []), vals):
+        pm["val_loss"] = v
+
+
+def _record(cfg, m, metrics_f) -> None:
+    if metrics_f is None:
+        return
+    for line in _lines(m):
+        metrics_f.write(json.dumps(line) + "\n")
+    metrics_f.flush()
+    step = m["step"]
+    if (step + 1) % cfg.train.log_every == 0 or step == 0 or "val_loss" in m:
+        for line in _lines(m):
+            log.info("%s", _fmt(line))
+    elif sys.stdout.isatty():
+        print(f"\r  step {step + 1}/{cfg.train.steps} loss {m['loss']:.4f}", end="", flush=True)
+
+
+def checkpoint_root(cfg) -> Path:
+    return Path(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints")
+
+
+def save_checkpoint(eng, cfg, step: int) -> None:
+    t0 = time.perf_counter()
+    path = checkpoint.save(eng, checkpoint_root(cfg), step, cfg.checkpoint.keep)
+    log.info("checkpoint step %d -> %s (%.2f s)", step, path, time.perf_counter() - t0)
+
+
+def restore(eng, cfg, resume) -> int:
+    """Load a checkpoint (--resume) or exported parameters (checkpoint.init_from); the first step to run."""
+    if resume is None and not cfg.checkpoint.init_from:
+        return 0
+    t0 = time.perf_counter()
+    if resume is not None:
+        path = checkpoint_root(cfg) if resume == "latest" else resume
+        reader = checkpoint.Reader(path)
+        reader.check_shapes(eng.true_shapes())
+        checkpoint._collective(eng.world, lambda: eng.load_state(reader))
+        start, what = reader.step, f"resumed from {reader.dir} at step {reader.step}"
+    else:
+        reader = checkpoint.ExportReader(cfg.checkpoint.init_from)
+        checkpoint._collective(eng.world, lambda: eng.load_state(reader, params_only=True))
+        start, what = 0, f"parameters initialised from {cfg.checkpoint.init_from}"
+    reader.close()
+    log.info("%s (%.2f s)", what, time.perf_counter() - t0)
+    return start
+
+
+def log_start(eng, cfg) -> None:
+    log.info("%s", eng.mesh.describe())
+    if hasattr(eng.sync, "ranges"):
+        sizes = [r.size for r in eng.sync.ranges]
+        log.info("sharding stage %d, partition %s: %d owners, shares %s elements, imbalance %.3f",
+                 eng.sync.stage, cfg.strategy.sharding.partition, len(sizes), sizes, eng.sync.imbalance)
+    log.info("model %s: %s parameters, %d blocks, dtype %s, backend %s", cfg.model.kind,
+             f"{eng.n_params():,}", len(eng.blocks), cfg.model.dtype, eng.be.name)
 
 
 def log_memory(eng) -> None:

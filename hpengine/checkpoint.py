@@ -1,0 +1,279 @@
+"""Checkpoints: a folder of per-rank HDF5 shard files and a JSON manifest. Every stored piece names its
+global tensor and the global region it covers, so any layout loads any checkpoint, each rank reading
+only the pieces that overlap what it holds. Published atomically (temporary folder, fsync, rename,
+then the `latest` pointer); checksummed; no pickle anywhere, so loading can never run code.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from math import prod
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+FORMAT = "hpengine-checkpoint-1"
+KINDS = ("param", "adam_m", "adam_v")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message names the file and what is wrong."""
+
+
+def _sha(arr: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _collective(comm, fn):
+    """Run fn on every rank; if any rank fails, every rank raises the first failure's message."""
+    err = None
+    try:
+        out = fn()
+    except (OSError, CheckpointError, KeyError, ValueError) as exc:
+        out, err = None, f"{exc}"
+    errs = [e for e in comm.allgather_obj(err) if e]
+    if errs:
+        raise CheckpointError(errs[0])
+    return out
+
+
+# --- save ----------------------------------------------------------------------------------------
+def _write_shard(path: Path, pieces) -> list[dict]:
+    index = []
+    with h5py.File(path, "w") as f:
+        for i, (name, kind, gshape, box, a, b, data) in enumerate(pieces):
+            dset = f"{kind}/{i}"
+            f.create_dataset(dset, data=data)
+            index.append({"file": path.name, "dset": dset, "name": name, "kind": kind, "global_shape": list(gshape),
+                          "box": [[s.start, s.stop] for s in box], "flat": [a, b], "dtype": str(data.dtype),
+                          "sha256": _sha(data)})
+    _fsync_path(path)
+    return index
+
+
+def save(engine, root, step: int, keep: int) -> Path:
+    """Collective: write the checkpoint of `step` under root/step_XXXXXXXX and point `latest` at it."""
+    root = Path(root)
+    world, rank = engine.world, engine.world.rank
+    final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
+
+    def prepare():
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)       # a save that was killed half-way
+            tmp.mkdir()
+    _collective(world, prepare)
+    pieces = engine.checkpoint_pieces()
+    index = _collective(world, lambda: _write_shard(tmp / f"shard_r{rank:05d}.h5", pieces) if pieces else [])
+    everything = [p for part in world.allgather_obj(index) for p in part]
+
+    def publish():
+        if rank != 0:
+            return
+        manifest = {"format": FORMAT, "step": step, "config": engine.config_toml(), "state": engine.checkpoint_meta(),
+                    "shapes": engine.true_shapes(), "layout": engine.mesh.degrees, "world": engine.mesh.size,
+                    "pieces": everything}
+        (tmp / "manifest.json").write_text(json.dumps(manifest))
+        _fsync_path(tmp / "manifest.json")
+        _fsync_path(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_path(root)
+        (root / "latest.tmp").write_text(final.name + "\n")
+        _fsync_path(root / "latest.tmp")
+        os.replace(root / "latest.tmp", root / "latest")   # updated last: a crash before here keeps the old one
+        _fsync_path(root)
+        _prune(root, keep)
+    _collective(world, publish)
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in steps[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --- read ----------------------------------------------------------------------------------------
+def resolve(path) -> Path:
+    """A checkpoint folder, or a checkpoints root whose `latest` names one."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint '{p}' does not exist")
+    if (p / "manifest.json").exists():
+        return p
+    if (p / "latest").exists():
+        target = p / (p / "latest").read_text().strip()
+        if (target / "manifest.json").exists():
+            return target
+        raise CheckpointError(f"'{p / 'latest'}' points at '{target.name}', which has no manifest.json")
+    raise CheckpointError(f"'{p}' is not a checkpoint: no manifest.json and no 'latest' pointer inside")
+
+
+class Reader:
+    """Reads global regions of tensors from a checkpoint folder, verifying each piece it uses."""
+
+    def __init__(self, path):
+        self.dir = resolve(path)
+        mpath = self.dir / "manifest.json"
+        try:
+            self.manifest = json.loads(mpath.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"manifest '{mpath}' is unreadable or not JSON: {exc}") from None
+        if self.manifest.get("format") != FORMAT:
+            raise CheckpointError(f"manifest '{mpath}' has format {self.manifest.get('format')!r}, "
+                                  f"expected {FORMAT!r}")
+        self.by_tensor = {}
+        for p in self.manifest["pieces"]:
+            self.by_tensor.setdefault((p["kind"], p["name"]), []).append(p)
+        self.files = {}
+
+    def check_shapes(self, shapes: dict) -> None:
+        """The checkpoint must hold the same model (tensor names and unpadded shapes)."""
+        mine = self.manifest["shapes"]
+        if mine != shapes:
+            diff = sorted(set(mine) ^ set(shapes)) or \
+                [n for n in shapes if list(shapes[n]) != list(mine[n])]
+            raise CheckpointError(f"checkpoint '{self.dir}' holds a different model than the config: tensors "
+                                  f"{diff[:4]} differ (e.g. {diff[0]}: checkpoint {mine.get(diff[0])}, config "
+                                  f"{shapes.get(diff[0])})")
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    def _data(self, piece) -> np.ndarray:
+        path = self.dir / piece["file"]
+        try:
+            if path not in self.files:
+                self.files[path] = h5py.File(path, "r")
+            data = self.files[path][piece["dset"]][...]
+        except (OSError, KeyError) as exc:
+            raise CheckpointError(f"shard '{path}' is missing, truncated or corrupted "
+                                  f"(reading {piece['dset']}: {exc})") from None
+        if _sha(data) != piece["sha256"]:
+            raise CheckpointError(f"shard '{path}': checksum mismatch in {piece['dset']} ({piece['kind']} of "
+                                  f"{piece['name']}); the file is corrupted")
+        return data
+
+    def read(self, kind: str, name: str, region) -> np.ndarray:
+        """float64 values of global region (a tuple of slices) of tensor `name`; padding (beyond the
+        tensor's true shape) reads as 0."""
+        true = self.manifest["shapes"].get(name)
+        if true is None:
+            raise CheckpointError(f"checkpoint '{self.dir}' has no tensor {name!r}")
+        out = np.zeros(tuple(s.stop - s.start for s in region))
+        need = tuple(slice(s.start, min(s.stop, t)) for s, t in zip(region, true))
+        filled = 0
+        for piece in self.by_tensor.get((kind, name), []):
+            filled += self._place(piece, region, need, out)
+        if filled != prod(max(0, s.stop - s.start) for s in need):
+            raise CheckpointError(f"checkpoint '{self.dir}' does not cover {kind} of {name} {_fmt(need)} "
+                                  f"(a shard file or piece is missing)")
+        return out
+
+    def _place(self, piece, region, need, out) -> int:
+        box = [slice(a, b) for a, b in piece["box"]]
+        shape = tuple(s.stop - s.start for s in box)
+        a, b = piece["flat"]
+        row = prod(shape[1:]) if len(shape) > 1 else 1
+        lo0, hi0 = box[0].start + a // row, box[0].start + (b - 1) // row + 1   # rows the piece touches
+        if min(hi0, need[0].stop) <= max(lo0, need[0].start) or any(
+                min(bx.stop, nd.stop) <= max(bx.start, nd.start) for bx, nd in zip(box[1:], need[1:])):
+            return 0
+        data = self._data(piece)
+        coords = np.unravel_index(np.arange(a, b), shape)
+        g = [c + bx.start for c, bx in zip(coords, box)]
+        inside = np.ones(b - a, dtype=bool)
+        for gi, nd in zip(g, need):
+            inside &= (gi >= nd.start) & (gi < nd.stop)
+        out[tuple(gi[inside] - rg.start for gi, rg in zip(g, region))] = data[inside]
+        return int(inside.sum())
+
+    def verify(self) -> list[str]:
+        """Problems found by reading every piece and checking its checksum ([] = intact)."""
+        problems = []
+        for p in self.manifest["pieces"]:
+            try:
+                self._data(p)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+        return problems
+
+    def close(self):
+        for f in self.files.values():
+            f.close()
+        self.files = {}
+
+
+def _fmt(region) -> str:
+    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in region) + "]"
+
+
+class ExportReader:
+    """The same read() over a consolidated export file (`hpengine ckpt export`), for checkpoint.init_from."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        try:
+            self.f = h5py.File(self.path, "r")
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint.init_from = '{path}': not a readable HDF5 file ({exc})") from None
+        if self.f.attrs.get("format") != FORMAT + "-export":
+            raise CheckpointError(f"'{path}' is not an hpengine export (attribute format missing)")
+        self.step = int(self.f.attrs["step"])
+
+    def read(self, kind, name, region):
+        key = f"{kind}/{name}"
+        if key not in self.f:
+            raise CheckpointError(f"'{self.path}' has no dataset {key!r}")
+        d = self.f[key]
+        out = np.zeros(tuple(s.stop - s.start for s in region))
+        need = tuple(slice(s.start, min(s.stop, n)) for s, n in zip(region, d.shape))
+        if all(s.stop > s.start for s in need):
+            out[tuple(slice(0, s.stop - s.start) for s in need)] = d[need]
+        return out
+
+    def close(self):
+        self.f.close()
+
+
+def export(path, out) -> dict:
+    """Write one consolidated HDF5 file of global tensors (params and Adam moments), plain h5py."""
+    r = Reader(path)
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    with h5py.File(tmp, "w") as f:
+        f.attrs["format"] = FORMAT + "-export"
+        f.attrs["step"] = r.step
+        f.attrs["config"] = r.manifest["config"]
+        f.attrs["state"] = json.dumps(r.manifest["state"])
+        for name, shape in r.manifest["shapes"].items():
+            region = tuple(slice(0, n) for n in shape)
+            for kind in KINDS:
+                if (kind, name) in r.by_tensor:
+                    f.create_dataset(f"{kind}/{name}", data=r.read(kind, name, region))
+    os.replace(tmp, out)
+    r.close()
+    return {"tensors": len(r.manifest["shapes"]), "step": r.step, "path": str(out)}
+
+
+def info(path) -> dict:
+    r = Reader(path)
+    files = sorted({p["file"] for p in r.manifest["pieces"]})
+    size = sum((r.dir / f).stat().st_size for f in files if (r.dir / f).exists())
+    return {"dir": str(r.dir), "step": r.step, "layout": r.manifest["layout"], "world": r.manifest["world"],
+            "tensors": len(r.manifest["shapes"]), "elements": sum(prod(s) for s in r.manifest["shapes"].values()),
+            "files": len(files), "bytes": size, "state": r.manifest["state"]}
