@@ -1,32 +1,60 @@
 """Array backend: NumPy on CPU, CuPy on GPU. The only module that imports cupy.
 
 Everything else asks the Backend for `xp` (the array module), the compute dtype and `sync()`;
-host <-> device moves happen only at the edges (data in, metrics and checkpoints out).
+host <-> device moves happen only at the edges (data in, metrics and checkpoints out) and, without a
+CUDA-aware MPI, through the pinned host buffers of `HostStaging` around each MPI call.
 """
 from __future__ import annotations
+
+import ctypes
+import logging
+from collections import OrderedDict
 
 import numpy as np
 
 DTYPES = {"float32": np.float32, "float64": np.float64, "float16": np.float16}
+log = logging.getLogger("hpengine")
 
 
 class BackendError(RuntimeError):
     pass
 
 
-class Backend:
-    """Array module + dtype + device of one rank."""
+class DeviceShareError(BackendError):
+    """More ranks on a node than devices, without the explicit setting that allows sharing."""
 
-    def __init__(self, name: str, dtype: str, device: int | None = None):
+
+def cupy_module():
+    """The cupy module, or a BackendError saying how to get it."""
+    try:
+        import cupy  # noqa: PLC0415 - optional dependency, imported only here
+    except ImportError as e:
+        raise BackendError(f"CuPy is not importable ({e}); install hpengine[gpu] (cupy-cuda13x) on a "
+                           "machine with an NVIDIA driver, or use runtime.backend = 'numpy'") from e
+    return cupy
+
+
+def array_module(a):
+    """numpy for NumPy arrays, cupy for CuPy arrays."""
+    return np if isinstance(a, (np.ndarray, np.generic)) else cupy_module().get_array_module(a)
+
+
+class Backend:
+    """Array module + dtype + device of one rank, and how its arrays reach MPI."""
+
+    def __init__(self, name: str, dtype: str, device: int | None = None, cuda_aware: bool = False):
         self.name = name
         self.dtype = np.dtype(DTYPES[dtype])
         self.device = device
+        self.cuda_aware = cuda_aware
         if name == "cupy":
-            import cupy  # noqa: PLC0415 - optional dependency, imported only here
+            cupy = cupy_module()
             self.xp = cupy
             cupy.cuda.Device(device or 0).use()
+            self.staging = HostStaging(cupy)
         else:
             self.xp = np
+            self.staging = None
 
     @property
     def is_gpu(self) -> bool:
@@ -46,25 +74,157 @@ class Backend:
     def zeros(self, n, dtype=None):
         return self.xp.zeros(n, dtype=dtype or self.dtype)
 
+    def stage_out(self, arr, copy: bool = True):
+        """The buffer to hand MPI for arr, after sync(): arr itself (NumPy, or CUDA-aware MPI), else a
+        reused pinned host buffer holding arr's values (copy=False: receive-only, contents undefined)."""
+        self.sync()
+        if not self.is_gpu or self.cuda_aware:
+            return arr
+        return self.staging.stage_out(arr, copy)
+
+    def stage_in(self, host, arr) -> None:
+        """After MPI has written into host (from stage_out(arr)), bring the values back into arr."""
+        if host is not arr:
+            self.staging.stage_in(host, arr)
+
+
+class HostStaging:
+    """Reusable pinned host mirrors of device buffers, for an MPI that cannot read device memory.
+
+    A mirror is keyed by the device buffer (pointer, size, dtype), so buffers in flight at the same
+    time (non-blocking collectives on several buckets) never share one; the least recently used are
+    dropped past max_bytes (an MPI request still using one keeps it alive through its reference)."""
+
+    def __init__(self, cupy, max_bytes: int = 8 << 30):
+        self.cupy, self.max_bytes, self.nbytes = cupy, max_bytes, 0
+        self._buffers: OrderedDict = OrderedDict()
+
+    def host_buffer(self, arr):
+        key = (int(arr.data.ptr), arr.size, arr.dtype.str)
+        host = self._buffers.pop(key, None)
+        if host is None:
+            mem = self.cupy.cuda.alloc_pinned_memory(max(arr.nbytes, 1))
+            host = np.frombuffer(mem, dtype=arr.dtype, count=arr.size)
+            self.nbytes += arr.nbytes
+            while self._buffers and self.nbytes > self.max_bytes:
+                self.nbytes -= self._buffers.popitem(last=False)[1].nbytes
+        self._buffers[key] = host
+        return host if host.shape == arr.shape else host.reshape(arr.shape)
+
+    def stage_out(self, arr, copy: bool = True):
+        if not arr.flags.c_contiguous:
+            raise BackendError(f"MPI buffers must be contiguous; got a strided {arr.shape} array")
+        host = self.host_buffer(arr)
+        if copy:
+            arr.get(out=host)
+        return host
+
+    def stage_in(self, host, arr) -> None:
+        arr.set(host)
+        self.cupy.cuda.get_current_stream().synchronize()   # host may be reused by the next MPI call
+
 
 def cupy_usable() -> bool:
     try:
-        import cupy  # noqa: PLC0415
-        return cupy.cuda.runtime.getDeviceCount() > 0
+        return cupy_module().cuda.runtime.getDeviceCount() > 0
     except Exception:  # noqa: BLE001 - any import/driver failure means "not usable"
         return False
 
 
-def make_backend(kind: str, dtype: str, local_rank: int = 0) -> Backend:
-    """Resolve runtime.backend ('auto' | 'numpy' | 'cupy') to a Backend for this rank."""
+def _probe(device: int) -> None:
+    """Make one allocation on the device: a visible but unusable device (exclusive mode taken,
+    driver mismatch) fails here rather than in the first layer."""
+    cupy = cupy_module()
+    with cupy.cuda.Device(device):
+        cupy.zeros(1, dtype=np.float32).sum()
+        cupy.cuda.Device(device).synchronize()
+
+
+def node_ranks(world) -> tuple[int, int]:
+    """(rank, size) of this process among the ranks of `world` on its node (collective on world)."""
+    from mpi4py import MPI  # noqa: PLC0415 - keep this module importable without MPI
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    try:
+        return node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
+
+
+def local_rank(world) -> int:
+    """This process's rank on its node: the index of the GPU it uses (collective on world)."""
+    return node_ranks(world)[0]
+
+
+def _cupy_backend(dtype, local_rank, local_size, share_devices, cuda_aware) -> Backend:
+    count = cupy_module().cuda.runtime.getDeviceCount()
+    if local_size > count and not share_devices:
+        raise DeviceShareError(f"{local_size} ranks on this node but {count} CUDA device(s): run at most "
+                           f"{count} rank(s) per node, or let ranks share devices explicitly "
+                           "(make_backend(share_devices=True))")
+    if local_size > count:
+        log.warning("%d ranks share %d CUDA device(s) on this node", local_size, count)
+    device = local_rank % count
+    _probe(device)
+    be = Backend("cupy", dtype, device=device)
+    be.cuda_aware = resolve_cuda_aware(cuda_aware, be)
+    return be
+
+
+def make_backend(kind: str, dtype: str, local_rank: int = 0, local_size: int = 1,
+                 share_devices: bool = False, cuda_aware="auto") -> Backend:
+    """Resolve runtime.backend ('auto' | 'numpy' | 'cupy') to a Backend for this rank; the device is
+    local_rank (from node_ranks) modulo the visible devices."""
     if kind == "numpy":
         return Backend("numpy", dtype)
     if kind == "cupy":
         if not cupy_usable():
             raise BackendError("runtime.backend = 'cupy' but CuPy is not installed or no CUDA device is "
                                "visible; install hpengine[gpu] or use backend = 'numpy' / 'auto'")
-        import cupy  # noqa: PLC0415
-        return Backend("cupy", dtype, device=local_rank % cupy.cuda.runtime.getDeviceCount())
+        try:
+            return _cupy_backend(dtype, local_rank, local_size, share_devices, cuda_aware)
+        except BackendError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a driver/runtime error: say which device and why
+            raise BackendError(f"runtime.backend = 'cupy': CUDA device {local_rank} is not usable "
+                               f"({type(e).__name__}: {e})") from e
     if kind == "auto":
-        return make_backend("cupy" if cupy_usable() else "numpy", dtype, local_rank)
+        if cupy_usable():
+            try:
+                return make_backend("cupy", dtype, local_rank, local_size, share_devices, cuda_aware)
+            except DeviceShareError:
+                raise
+            except BackendError as e:
+                log.warning("runtime.backend = 'auto': using NumPy (%s)", e)
+        return Backend("numpy", dtype)
     raise BackendError(f"runtime.backend = {kind!r}: valid values are 'auto', 'numpy', 'cupy'")
+
+
+def mpi_cuda_support() -> bool:
+    """Whether the MPI library says it reads and writes CUDA device buffers (False when it says
+    nothing): MPI 4.1's mpi_memory_alloc_kinds, else MPIX_Query_cuda_support (Open MPI, MPICH)."""
+    from mpi4py import MPI  # noqa: PLC0415
+    query = getattr(MPI, "Query_cuda_support", None)
+    if query is not None:
+        return bool(query())
+    kinds = MPI.INFO_ENV.Get("mpi_memory_alloc_kinds") or ""
+    if "cuda" in kinds:
+        return True
+    try:
+        fn = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
+    except (OSError, AttributeError):
+        return False
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return bool(fn())
+
+
+def resolve_cuda_aware(setting, backend: Backend) -> bool:
+    """runtime.cuda_aware_mpi ('auto' | True | False) for this backend: device buffers go straight to
+    MPI only on a GPU backend and, under 'auto', only when the library says it can take them."""
+    if not backend.is_gpu:
+        return False
+    if setting == "auto" or setting is None:
+        return mpi_cuda_support()
+    if setting is True and not mpi_cuda_support():
+        log.warning("runtime.cuda_aware_mpi = true but the MPI library does not report CUDA support; "
+                    "device buffers are passed to MPI anyway")
+    return bool(setting)

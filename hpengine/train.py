@@ -183,7 +183,7 @@ def train(cfg, world=None, resume=None) -> dict:
                 watchdog.heartbeat(step, "checkpoint")
                 save_checkpoint(eng, cfg, step + 1)
             if stop:
-                log.info("%s received: checkpoint saved, stopping cleanly after step %d of %d", stop, step + 1,
+                log.info("%s received: stopping cleanly after step %d of %d (checkpoint saved)", stop, step + 1,
                          cfg.train.steps)
                 break
     finally:
@@ -242,8 +242,11 @@ def restore(eng, cfg, resume) -> int:
     t0 = time.perf_counter()
     if resume is not None:
         path = checkpoint_root(cfg) if resume == "latest" else resume
-        reader = checkpoint.Reader(path)
-        reader.check_shapes(eng.true_shapes())
+        try:
+            reader = checkpoint.Reader(path)
+            reader.check_shapes(eng.true_shapes())
+        except checkpoint.CheckpointError as exc:
+            raise checkpoint.CheckpointError(f"--resume {resume}: {exc}") from None
         checkpoint._collective(eng.world, lambda: eng.load_state(reader))
         start, what = reader.step, f"resumed from {reader.dir} at step {reader.step}"
     else:

@@ -2,16 +2,24 @@
 
 qkv's last axis reshapes to (n_heads, 3, hd) so a column split of the qkv
 projection hands each tensor-parallel rank whole heads. All heads and batch
-rows go through one batched matmul. q, k, v and the head merge/split are
-strided views (the GEMMs take a leading dimension), so nothing is copied into
-head-major order and back.
+rows go through one batched matmul per query block. q, k, v and the head
+merge/split are strided views (the GEMMs take a leading dimension), so nothing
+is copied into head-major order and back. Query rows come in two blocks, the
+first attending only to the first half of the keys: a quarter of the scores
+(all masked) is never computed.
 """
 import math
 
 
-def _causal_bias(xp, T, dtype):
-    # (T, T): 0 on and below the diagonal, -inf above, so exp() gives exact zeros
-    return xp.triu(xp.full((T, T), -xp.inf, dtype=dtype), 1)
+def _blocks(T):
+    # query row ranges [a, b); block (a, b) attends to keys [0, b)
+    h = T // 2
+    return [(0, h), (h, T)] if h else [(0, T)]
+
+
+def _causal_bias(xp, a, b, dtype):
+    # (b - a, b): 0 where key <= query (query rows a..b-1), -inf above, so exp() gives exact zeros
+    return xp.triu(xp.full((b - a, b), -xp.inf, dtype=dtype), a + 1)
 
 
 def _heads(a, n_heads, parts):
@@ -36,35 +44,46 @@ def attention_forward(xp, qkv, n_heads):
     # Scaling q (T*hd) is cheaper than scaling the scores (T*T) when T > hd; it also
     # leaves the caller's qkv untouched.
     q = q * (1.0 / math.sqrt(hd))
-    p = q @ k.swapaxes(-1, -2)
-    p += _causal_bias(xp, T, p.dtype)
-    # Row max is finite (the diagonal is never masked), so this is stable.
-    p -= p.max(axis=-1, keepdims=True)
-    xp.exp(p, out=p)
-    s = _rowsum(xp, p)
-    xp.reciprocal(s, out=s)
-    p *= s
-    y = xp.empty((B, T, n_heads * hd), dtype=p.dtype)
-    xp.matmul(p, v, out=_heads(y, n_heads, 1)[0])
-    return y, (qkv, q, p, y)
+    y = xp.empty((B, T, n_heads * hd), dtype=q.dtype)
+    (o,), ps = _heads(y, n_heads, 1), []
+    for a, b in _blocks(T):
+        p = q[:, :, a:b] @ k[:, :, :b].swapaxes(-1, -2)
+        p += _causal_bias(xp, a, b, p.dtype)
+        # Row max is finite (the diagonal is never masked), so this is stable.
+        p -= p.max(axis=-1, keepdims=True)
+        xp.exp(p, out=p)
+        s = _rowsum(xp, p)
+        xp.reciprocal(s, out=s)
+        p *= s
+        xp.matmul(p, v[:, :, :b], out=o[:, :, a:b])
+        ps.append(p)
+    return y, (qkv, q, ps, y)
 
 
 def attention_backward(xp, dy, cache):
     # dy: (B, T, H*hd) -> dqkv: (B, T, H*3*hd) head-major
-    qkv, q, p, y = cache  # q is already scaled
+    qkv, q, ps, y = cache  # q is already scaled
     B, T, C3 = qkv.shape
-    H = p.shape[1]
+    H = q.shape[1]
     _, k, v = _heads(qkv, H, 3)
     (do,), (o,) = _heads(dy, H, 1), _heads(y, H, 1)
     dqkv = xp.empty((B, T, C3), dtype=dy.dtype)
     dq, dk, dv = _heads(dqkv, H, 3)
-    xp.matmul(p.swapaxes(-1, -2), do, out=dv)
-    ds = do @ v.swapaxes(-1, -2)
     # softmax backward: ds = p * (dp - rowsum(dp * p)); rowsum(dp * p) equals
     # rowsum(do * o), which costs T*hd instead of T*T per row block.
-    ds -= xp.einsum("bhtd,bhtd->bht", do, o)[..., None]
-    ds *= p
-    xp.matmul(ds, k, out=dq)
+    rs = xp.einsum("bhtd,bhtd->bht", do, o)[..., None]
+    # the last block covers every key: it writes dk, dv whole, earlier blocks add to a prefix
+    for (a, b), p in reversed(list(zip(_blocks(T), ps))):
+        dob = do[:, :, a:b]
+        ds = dob @ v[:, :, :b].swapaxes(-1, -2)
+        ds -= rs[:, :, a:b]
+        ds *= p
+        xp.matmul(ds, k[:, :, :b], out=dq[:, :, a:b])
+        if b == T:
+            xp.matmul(p.swapaxes(-1, -2), dob, out=dv)
+            xp.matmul(ds.swapaxes(-1, -2), q[:, :, a:b], out=dk)
+        else:
+            dv[:, :, :b] += p.swapaxes(-1, -2) @ dob
+            dk[:, :, :b] += ds.swapaxes(-1, -2) @ q[:, :, a:b]
     dq *= 1.0 / math.sqrt(C3 // (3 * H))
-    xp.matmul(ds.swapaxes(-1, -2), q, out=dk)
     return dqkv

@@ -1,18 +1,14 @@
 """AdamW (bias correction, decoupled weight decay, decay mask from the specs) over one Range of a
 flat buffer. The sharding strategy runs it on the owned range only; the moments it keeps cover just
-that range, which is where the ZeRO memory saving comes from.
+that range, which is where the ZeRO memory saving comes from. The arithmetic lives in kernels.py: the
+fused RawKernel on a GPU, its NumPy twin on the CPU (same operations, same order, same bits).
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
 from ..buffers import Range
-
-# NumPy updates the range in chunks of this many elements: the dozen passes of the update then run
-# over two small scratch vectors that stay in L2 instead of allocating range-sized temporaries.
-CHUNK = 1 << 16
+from ..kernels import CHUNK, adamw_coefs, adamw_cupy, adamw_numpy, chunk_plan
 
 
 def decay_mask(layout, r: Range, xp, dtype):
@@ -37,12 +33,12 @@ def decay_runs(layout, r: Range) -> list[tuple[int, int]]:
     return [(a, b) for a, b in runs]
 
 
-def _chunks(size: int, chunk: int, runs) -> list[tuple[int, int, list[tuple[int, int]]]]:
-    """(start, stop, decay runs inside it, relative to start) for each chunk of [0, size)."""
-    out = []
-    for i in range(0, size, chunk):
-        j = min(i + chunk, size)
-        out.append((i, j, [(max(a, i) - i, min(b, j) - i) for a, b in runs if a < j and b > i]))
+def _aligned_like(xp, a, ref):
+    """A copy of device array a whose address has ref's offset from a 16-byte boundary, so the fused
+    kernel can use vector loads on both (allocations themselves are 256-byte aligned)."""
+    k = (ref.data.ptr % 16) // a.itemsize
+    out = xp.empty(a.size + 16 // a.itemsize, dtype=a.dtype)[k:k + a.size]
+    out[...] = a
     return out
 
 
@@ -57,41 +53,26 @@ class AdamW:
         self.b1, self.b2 = betas
         self.eps, self.wd = eps, weight_decay
         self.t = 0
-        # on a GPU one pass over the whole range is cheapest (each chunk would be a kernel launch)
+        # on a GPU (float32/float64) one fused kernel pass; elsewhere the NumPy twin over cache-sized
+        # chunks (CuPy with another dtype: one chunk, each chunk costing a dozen launches)
+        self.fused = xp is not np and np.dtype(dtype) in (np.float32, np.float64)
+        self.mask = decay_mask(layout, r, xp, np.uint8) if self.fused else None
         chunk = min(CHUNK, r.size) if xp is np else r.size
-        self._chunks = _chunks(r.size, max(chunk, 1), self.runs)
-        self._scratch = (xp.empty(chunk, dtype=dtype), xp.empty(chunk, dtype=dtype))
+        self._plan = chunk_plan(r.size, max(chunk, 1), self.runs)
+        self._scratch = None if self.fused else (xp.empty(chunk, dtype=dtype), xp.empty(chunk, dtype=dtype))
 
     def nbytes(self) -> int:
         return self.m.nbytes + self.v.nbytes
 
-    def step(self, p, g, lr: float, grad_coef: float = 1.0) -> None:
+    def step(self, p, g, lr: float, grad_coef: float = 1.0, half=None) -> None:
         """Update p (this range of the parameters, in place) from g (its gradient, scaled by
-        grad_coef: clipping and loss-scale undo folded into one multiply)."""
-        xp = self.xp
+        grad_coef: clipping and loss-scale undo folded into one multiply). half, when given,
+        receives the updated weights in float16 (amp's compute copy)."""
         self.t += 1
-        b1, b2 = self.b1, self.b2
-        c1, c2 = (1.0 - b1) * grad_coef, (1.0 - b2) * grad_coef * grad_coef
-        # lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps) == (lr*sqrt(bc2)/bc1) * m / (sqrt(v) + eps*sqrt(bc2))
-        sb2 = math.sqrt(1.0 - b2 ** self.t)
-        step_size, eps = lr * sb2 / (1.0 - b1 ** self.t), self.eps * sb2
-        keep = 1.0 - lr * self.wd      # decoupled decay of the pre-update weights
-        s1, s2 = self._scratch
-        for i, j, runs in self._chunks:
-            k = j - i
-            gc, mc, vc, pc, a, b = g[i:j], self.m[i:j], self.v[i:j], p[i:j], s1[:k], s2[:k]
-            xp.multiply(gc, c1, out=a)
-            mc *= b1
-            mc += a
-            xp.multiply(gc, gc, out=b)
-            b *= c2
-            vc *= b2
-            vc += b
-            xp.sqrt(vc, out=b)
-            b += eps
-            xp.divide(mc, b, out=b)
-            b *= step_size
-            if self.wd:
-                for ra, rb in runs:
-                    pc[ra:rb] *= keep
-            pc -= b
+        c = adamw_coefs(self.t, lr, (self.b1, self.b2), self.eps, self.wd, grad_coef)
+        if self.fused:
+            if self.m.data.ptr % 16 != p.data.ptr % 16:
+                self.m, self.v = _aligned_like(self.xp, self.m, p), _aligned_like(self.xp, self.v, p)
+            adamw_cupy(p, g, self.m, self.v, self.mask, c, half)
+        else:
+            adamw_numpy(p, g, self.m, self.v, None, c, half, plan=self._plan, scratch=self._scratch)
