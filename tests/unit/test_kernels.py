@@ -1,0 +1,317 @@
+"""Kernels without a GPU: the .cu files are found (checkout and installed layout) and compile for sm_80
+and sm_90 through nvcc and NVRTC, a broken kernel is reported at its .cu line, the NumPy twins equal the
+reference optimizer bit for bit and pack/unpack round-trip; the backend's CPU-side helpers."""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+
+from hpengine import backend, kernels
+from hpengine.buffers import Layout, ParamSpec, Range
+from hpengine.optim import AdamW
+from hpengine.optim.adamw import decay_mask, decay_runs
+
+NVCC = kernels.find_nvcc()
+NVRTC = kernels.find_nvrtc()
+BROKEN = 'extern "C" __global__ void broken_f32(float* p) {\n    p[0] = 1.0f;\n    p[1] = undefined_name;\n}\n'
+
+
+# ---------------------------------------------------------------- sources and compilation
+
+@pytest.mark.parametrize("name", kernels.KERNELS)
+def test_source_found_and_prefixed_with_its_path(name):
+    path = kernels.source_path(name)
+    assert path.is_file() and path.suffix == ".cu"
+    src = kernels.load_source(name)
+    assert src.splitlines()[0] == f'#line 1 "{path}"'
+    assert 'extern "C" __global__' in src
+
+
+def test_missing_kernel_names_what_and_how_to_fix():
+    with pytest.raises(kernels.KernelError, match=r"nosuch\.cu not found.*pip install"):
+        kernels.source_path("nosuch")
+
+
+def test_kernels_dir_override(tmp_path, monkeypatch):
+    (tmp_path / "adamw.cu").write_text("// empty\n")
+    monkeypatch.setenv("HPENGINE_KERNELS", str(tmp_path))
+    assert kernels.source_path("adamw") == tmp_path / "adamw.cu"
+
+
+def _compilers():
+    return [pytest.param("nvcc", marks=pytest.mark.skipif(NVCC is None, reason="nvcc not installed")),
+            pytest.param("nvrtc", marks=pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found"))]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("compiler", _compilers())
+@pytest.mark.parametrize("name", kernels.KERNELS)
+def test_kernel_compiles_for_every_arch(name, compiler):
+    logs = kernels.compile_check(name, compiler=compiler)
+    assert set(logs) == set(kernels.ARCHS)
+    for log in logs.values():
+        assert "error" not in log.lower()
+        frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        assert compiler == "nvrtc" or frames                     # nvcc runs ptxas -v
+        assert all(f == ("0", "0", "0") for f in frames), log    # no local memory, no spills
+
+
+@pytest.mark.parametrize("compiler", _compilers())
+def test_broken_kernel_reports_log_and_cu_line(tmp_path, compiler):
+    bad = tmp_path / "broken.cu"
+    bad.write_text(BROKEN)
+    with pytest.raises(kernels.KernelError) as e:
+        kernels.compile_check("broken", archs=("sm_90",), path=bad, compiler=compiler)
+    msg = str(e.value)
+    assert f"{bad}(3)" in msg and "undefined_name" in msg and "sm_90" in msg
+
+
+def test_unknown_compiler_is_refused():
+    with pytest.raises(kernels.KernelError, match="valid values"):
+        kernels.compile_check("adamw", compiler="clang")
+
+
+# ---------------------------------------------------------------- AdamW twin
+
+def _reference_step(p, g, m, v, t, runs, lr, b1, b2, eps, wd, coef, chunk=kernels.CHUNK):
+    """AdamW.step as it was before the kernels existed (the CPU semantics the twin must keep)."""
+    c1, c2 = (1.0 - b1) * coef, (1.0 - b2) * coef * coef
+    sb2 = math.sqrt(1.0 - b2 ** t)
+    step_size, eps = lr * sb2 / (1.0 - b1 ** t), eps * sb2
+    keep = 1.0 - lr * wd
+    for i, j, rr in kernels.chunk_plan(p.size, chunk, runs):
+        gc, mc, vc, pc = g[i:j], m[i:j], v[i:j], p[i:j]
+        a = gc * c1
+        mc *= b1
+        mc += a
+        b = gc * gc
+        b *= c2
+        vc *= b2
+        vc += b
+        b = np.sqrt(vc)
+        b += eps
+        b = mc / b
+        b *= step_size
+        if wd:
+            for ra, rb in rr:
+                pc[ra:rb] *= keep
+        pc -= b
+
+
+def _layout():
+    """Tensors with and without decay; sizes that put decay runs across twin chunk boundaries."""
+    sizes = [40_000, 7, 30_001, 65_536, 3, 12_345, 1]
+    specs = [ParamSpec(f"t{i}", (n,), decay=(i % 2 == 0)) for i, n in enumerate(sizes)]
+    return Layout(specs)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("r", [Range(0, 155_893), Range(13, 150_001), Range(40_003, 40_010)])
+def test_adamw_twin_and_optimizer_equal_reference_bitwise(dtype, r):
+    layout = _layout()
+    rng = np.random.default_rng(0)
+    opt = AdamW(np, layout, r, dtype, (0.9, 0.95), 1e-8, 0.1)
+    p0 = rng.standard_normal(r.size).astype(dtype)
+    p_opt, p_twin, p_ref = p0.copy(), p0.copy(), p0.copy()
+    m, v, m_ref, v_ref = (np.zeros(r.size, dtype) for _ in range(4))
+    mask = decay_mask(layout, r, np, np.uint8)
+    for t, (lr, coef) in enumerate([(1e-3, 1.0), (3e-3, 0.37), (2e-3, 1 / 1024), (0.0, 2.0)], start=1):
+        g = (rng.standard_normal(r.size) * 10.0 ** rng.integers(-30, 3, r.size)).astype(dtype)
+        opt.step(p_opt, g, lr, coef)
+        kernels.adamw_numpy(p_twin, g, m, v, mask, kernels.adamw_coefs(t, lr, (0.9, 0.95), 1e-8, 0.1, coef))
+        _reference_step(p_ref, g, m_ref, v_ref, t, decay_runs(layout, r), lr, 0.9, 0.95, 1e-8, 0.1, coef)
+        for a, b in [(p_opt, p_ref), (p_twin, p_ref), (opt.m, m_ref), (opt.v, v_ref), (m, m_ref), (v, v_ref)]:
+            assert a.dtype == dtype and a.tobytes() == b.tobytes()
+
+
+def test_adamw_twin_matches_textbook_adamw():
+    rng = np.random.default_rng(1)
+    n, lr, b1, b2, eps, wd, coef = 1000, 1e-2, 0.9, 0.999, 1e-8, 0.1, 0.5
+    p, mask = rng.standard_normal(n), rng.integers(0, 2, n).astype(np.uint8)
+    m, v, ref, mr, vr = np.zeros(n), np.zeros(n), p.copy(), np.zeros(n), np.zeros(n)
+    for t in range(1, 4):
+        g = rng.standard_normal(n)
+        kernels.adamw_numpy(p, g, m, v, mask, kernels.adamw_coefs(t, lr, (b1, b2), eps, wd, coef))
+        gs = g * coef
+        mr, vr = b1 * mr + (1 - b1) * gs, b2 * vr + (1 - b2) * gs * gs
+        ref = ref * np.where(mask, 1 - lr * wd, 1.0) - lr * (mr / (1 - b1 ** t)) / (np.sqrt(vr / (1 - b2 ** t)) + eps)
+    np.testing.assert_allclose(p, ref, rtol=1e-12, atol=1e-14)
+
+
+def test_adamw_twin_half_copy_and_zero_decay():
+    rng = np.random.default_rng(2)
+    n = 70_000
+    p, g = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    p2, half = p.copy(), np.empty(n, np.float16)
+    c = kernels.adamw_coefs(1, 1e-3, (0.9, 0.95), 1e-8, 0.0, 1.0)
+    assert c.keep == 1.0
+    kernels.adamw_numpy(p, g, np.zeros(n, np.float32), np.zeros(n, np.float32), np.ones(n, np.uint8), c, half)
+    kernels.adamw(p2, g, np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.uint8), c)
+    assert p.tobytes() == p2.tobytes()          # keep == 1: the mask cannot matter
+    assert half.tobytes() == p.astype(np.float16).tobytes()
+
+
+def test_mask_runs_and_chunk_plan():
+    mask = np.array([0, 1, 1, 0, 0, 1, 0, 1, 1, 1], np.uint8)
+    assert kernels.mask_runs(mask) == [(1, 3), (5, 6), (7, 10)]
+    assert kernels.mask_runs(np.zeros(4, bool)) == [] and kernels.mask_runs(np.ones(3, bool)) == [(0, 3)]
+    assert kernels.chunk_plan(10, 4, [(1, 3), (5, 6), (7, 10)]) == \
+        [(0, 4, [(1, 3)]), (4, 8, [(1, 2), (3, 4)]), (8, 10, [(0, 2)])]
+
+
+# ---------------------------------------------------------------- pack / unpack twins
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_pack_unpack_round_trip(dtype):
+    rng = np.random.default_rng(3)
+    src = rng.standard_normal(1000).astype(dtype)
+    offs, sizes = [5, 100, 999, 300, 0], [10, 0, 1, 250, 3]
+    so, ss = kernels.strided_segments(600, rows=4, cols=7, ld=50)    # a 4 x 7 block of a 50-wide matrix
+    offs, sizes = offs + list(so), sizes + list(ss)
+    buf = kernels.pack(np.full(sum(sizes) + 2, -1, dtype), src, offs, sizes)
+    assert buf[:sum(sizes)].tobytes() == np.concatenate([src[o:o + n] for o, n in zip(offs, sizes)]).tobytes()
+    assert (buf[sum(sizes):] == -1).all()
+    block = buf[sum(sizes) - 28:sum(sizes)].reshape(4, 7)
+    assert block.tobytes() == src[600:800].reshape(4, 50)[:, :7].copy().tobytes()
+    dst = np.zeros_like(src)
+    kernels.unpack(buf, dst, offs, sizes)
+    covered = np.zeros(src.size, bool)
+    for o, n in zip(offs, sizes):
+        covered[o:o + n] = True
+    assert dst[covered].tobytes() == src[covered].tobytes() and (dst[~covered] == 0).all()
+
+
+def test_pack_checks_its_segments():
+    src, buf = np.zeros(10), np.zeros(4)
+    with pytest.raises(ValueError, match="outside"):
+        kernels.pack_numpy(buf, src, [8], [3])
+    with pytest.raises(ValueError, match="message has 4"):
+        kernels.pack_numpy(buf, src, [0, 5], [3, 3])
+    with pytest.raises(ValueError, match="one dtype"):
+        kernels.pack_numpy(np.zeros(4, np.float32), src, [0], [2])
+    assert list(kernels.segment_starts([3, 0, 2])) == [0, 3, 3]
+
+
+# ---------------------------------------------------------------- launch contract (no GPU needed)
+
+C_TYPES = {"float*": np.float32, "double*": np.float64, "unsigned char*": np.uint8, "unsigned short*": np.float16,
+           "long long*": np.int64, "float": np.float32, "double": np.float64, "long long": np.int64, "int": np.int32}
+
+
+def _signature(name, entry):
+    """[(C type, pointer?)] of an extern "C" entry, read from its .cu file."""
+    src = kernels.source_path(name).read_text()
+    params = re.search(rf"__global__ void {entry}\((.*?)\)", src, re.S).group(1)
+    out = []
+    for decl in params.split(","):
+        words = decl.replace("const ", "").replace("__restrict__", "").replace("*", " * ").split()[:-1]
+        ctype = " ".join(w for w in words if w != "*") + ("*" if "*" in words else "")
+        out.append(ctype)
+    return out
+
+
+class _FakeCupy:
+    """Just enough of cupy for the launchers to run on NumPy arrays and record their launches."""
+    asarray = staticmethod(np.asarray)
+
+    class cuda:
+        class Device:
+            id = 0
+            attributes = {"MultiProcessorCount": 132}
+
+            def __init__(self, *_):
+                pass
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels.backend, "cupy_module", lambda: _FakeCupy)
+    monkeypatch.setattr(kernels, "function", lambda name, entry, path=None:
+                        lambda grid, block, args: calls.append((name, entry, grid, block, args)))
+    monkeypatch.setattr(kernels, "_TABLES", {})
+    monkeypatch.setattr(kernels, "_SMS", {})
+    return calls
+
+
+def _check_launch(call):
+    name, entry, grid, block, args = call
+    sig = _signature(name, entry)
+    assert len(args) == len(sig), (entry, sig)
+    for ctype, a in zip(sig, args):
+        want = np.dtype(C_TYPES[ctype])
+        if ctype.endswith("*"):
+            assert isinstance(a, np.ndarray) and a.flags.c_contiguous and a.dtype.itemsize == want.itemsize, ctype
+        else:                                  # RawKernel scalars must carry exactly the C type
+            assert isinstance(a, np.generic) and a.dtype == want, (entry, ctype, type(a))
+    assert block == (kernels.THREADS,) and all(isinstance(x, int) and 1 <= x for x in grid)
+    assert len(grid) == 1 or grid[1] <= 65535
+
+
+@pytest.mark.parametrize("dtype,half", [(np.float32, False), (np.float32, True), (np.float64, False)])
+def test_adamw_launch_matches_kernel_signature(launches, dtype, half):
+    n = 1001
+    arrs = [np.zeros(n, dtype) for _ in range(4)]
+    h = np.zeros(n, np.float16) if half else None
+    kernels.adamw_cupy(*arrs, np.zeros(n, np.uint8), kernels.adamw_coefs(1, 1e-3, (0.9, 0.95), 1e-8, 0.1), h)
+    (call,) = launches
+    assert call[1] == {np.float32: "adamw_f32_half" if half else "adamw_f32", np.float64: "adamw_f64"}[dtype]
+    _check_launch(call)
+    assert call[4][5 + half] == n
+
+
+def test_adamw_launch_refuses_mismatched_arrays(launches):
+    c = kernels.adamw_coefs(1, 1e-3, (0.9, 0.95), 1e-8, 0.1)
+    z = np.zeros(8, np.float32)
+    with pytest.raises(ValueError, match="m must be contiguous with 8"):
+        kernels.adamw_cupy(z, z, np.zeros(7, np.float32), z, np.zeros(8, np.uint8), c)
+    with pytest.raises(ValueError, match="mask is bytes"):
+        kernels.adamw_cupy(z, z, z, z, np.zeros(8, np.float32), c)
+    with pytest.raises(ValueError, match="no kernel for p.dtype = float16"):
+        h = np.zeros(8, np.float16)
+        kernels.adamw_cupy(h, h, h, h, np.zeros(8, np.uint8), c)
+    assert not launches
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_pack_launch_matches_kernel_signature(launches, dtype):
+    src, buf = np.zeros(5000, dtype), np.zeros(300, dtype)
+    offs, sizes = kernels.strided_segments(100, rows=20, cols=10, ld=200)
+    kernels._launch_copy("pack", buf, src, offs, sizes)
+    kernels._launch_copy("unpack", buf, src, offs, sizes)
+    assert [c[1] for c in launches] == [f"pack_{'f32' if dtype == np.float32 else 'f64'}",
+                                        f"unpack_{'f32' if dtype == np.float32 else 'f64'}"]
+    for call in launches:
+        _check_launch(call)
+        table = call[4][2:5]
+        assert [list(t) for t in table] == [list(offs), list(kernels.segment_starts(sizes)), list(sizes)]
+        assert call[4][5] == 20 and call[2][1] == 20
+
+
+# ---------------------------------------------------------------- backend (CPU side)
+
+def test_numpy_backend_hands_its_own_arrays_to_mpi():
+    be = backend.make_backend("numpy", "float32")
+    a = np.arange(4.0)
+    assert be.stage_out(a) is a
+    be.stage_in(a, a)
+    assert backend.resolve_cuda_aware("auto", be) is False and backend.resolve_cuda_aware(True, be) is False
+    assert backend.array_module(a) is np
+
+
+def test_cupy_backend_without_cupy_is_a_clear_error():
+    if backend.cupy_usable():
+        pytest.skip("a CUDA device is usable here")
+    with pytest.raises(backend.BackendError, match="install hpengine\\[gpu\\]"):
+        backend.make_backend("cupy", "float32")
+    assert backend.make_backend("auto", "float32").name == "numpy"
+
+
+def test_local_rank_and_mpi_cuda_query():
+    from mpi4py import MPI
+    rank, size = backend.node_ranks(MPI.COMM_SELF)
+    assert (rank, size) == (0, 1) and backend.local_rank(MPI.COMM_SELF) == 0
+    assert isinstance(backend.mpi_cuda_support(), bool)
