@@ -67,11 +67,13 @@ def save(engine, root, step: int, keep: int) -> Path:
     root = Path(root)
     world, rank = engine.world, engine.world.rank
     final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
+    t_span = engine.tracer.now()          # issue 11: the save is one "checkpoint" span
 
     def prepare():
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)       # a save that was killed half-way
+            for stale in root.glob(".tmp-step_*"):       # saves that were killed half-way
+                shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
     _collective(world, prepare)
     pieces = engine.checkpoint_pieces()
@@ -97,6 +99,7 @@ def save(engine, root, step: int, keep: int) -> Path:
         _fsync_path(root)
         _prune(root, keep)
     _collective(world, publish)
+    engine.tracer.lap("checkpoint", t_span, "save", step)
     return final
 
 
@@ -194,6 +197,12 @@ class Reader:
                 min(bx.stop, nd.stop) <= max(bx.start, nd.start) for bx, nd in zip(box[1:], need[1:])):
             return 0
         data = self._data(piece)
+        if a == 0 and b == prod(shape):                  # a whole box: copy the overlap directly
+            cut = [slice(max(bx.start, nd.start), min(bx.stop, nd.stop)) for bx, nd in zip(box, need)]
+            src = tuple(slice(c.start - bx.start, c.stop - bx.start) for c, bx in zip(cut, box))
+            dst = tuple(slice(c.start - rg.start, c.stop - rg.start) for c, rg in zip(cut, region))
+            out[dst] = data.reshape(shape)[src]
+            return prod(c.stop - c.start for c in cut)
         coords = np.unravel_index(np.arange(a, b), shape)
         g = [c + bx.start for c, bx in zip(coords, box)]
         inside = np.ones(b - a, dtype=bool)
@@ -204,8 +213,18 @@ class Reader:
 
     def verify(self) -> list[str]:
         """Problems found by reading every piece and checking its checksum ([] = intact)."""
-        problems = []
+        problems, broken = [], set()
         for p in self.manifest["pieces"]:
+            if p["file"] in broken:
+                continue
+            path = self.dir / p["file"]
+            try:
+                if path not in self.files:
+                    self.files[path] = h5py.File(path, "r")
+            except OSError as exc:
+                broken.add(p["file"])
+                problems.append(f"shard '{path}' is missing, truncated or not HDF5: {exc}")
+                continue
             try:
                 self._data(p)
             except CheckpointError as exc:
@@ -255,18 +274,22 @@ def export(path, out) -> dict:
     r = Reader(path)
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
-    with h5py.File(tmp, "w") as f:
-        f.attrs["format"] = FORMAT + "-export"
-        f.attrs["step"] = r.step
-        f.attrs["config"] = r.manifest["config"]
-        f.attrs["state"] = json.dumps(r.manifest["state"])
-        for name, shape in r.manifest["shapes"].items():
-            region = tuple(slice(0, n) for n in shape)
-            for kind in KINDS:
-                if (kind, name) in r.by_tensor:
-                    f.create_dataset(f"{kind}/{name}", data=r.read(kind, name, region))
-    os.replace(tmp, out)
-    r.close()
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.attrs["format"] = FORMAT + "-export"
+            f.attrs["step"] = r.step
+            f.attrs["config"] = r.manifest["config"]
+            f.attrs["state"] = json.dumps(r.manifest["state"])
+            for name, shape in r.manifest["shapes"].items():
+                region = tuple(slice(0, n) for n in shape)
+                for kind in KINDS:
+                    pieces = r.by_tensor.get((kind, name))
+                    if pieces:   # stored in the dtype the checkpoint holds
+                        f.create_dataset(f"{kind}/{name}", data=r.read(kind, name, region).astype(pieces[0]["dtype"]))
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+        r.close()
     return {"tensors": len(r.manifest["shapes"]), "step": r.step, "path": str(out)}
 
 

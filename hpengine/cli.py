@@ -37,9 +37,70 @@ def _parser() -> argparse.ArgumentParser:
     e = ksub.add_parser("export", help="one consolidated HDF5 file of global tensors")
     e.add_argument("dir")
     e.add_argument("out")
-    for name in ("plan", "plot"):
-        sub.add_parser(name, help=f"{name} (not implemented yet)").add_argument("rest", nargs="*")
+    _plan_parser(sub)
+    _plot_parser(sub)
     return p
+
+
+# ---- issue 11: `hpengine plot RUN_DIR` ------------------------------------------------------------
+def _plot_parser(sub) -> None:
+    pl = sub.add_parser("plot", help="PNGs of a run folder: loss, throughput, pipeline Gantt (needs matplotlib)")
+    pl.add_argument("run_dir", help="a run folder (train.out_dir); the Gantt chart needs runtime.trace = true")
+    pl.add_argument("--out", default=None, help="folder for the PNGs (default: RUN_DIR/plots)")
+
+
+def _cmd_plot(a) -> int:
+    from .plot import PlotError, plot_run
+    try:
+        written, notes = plot_run(a.run_dir, a.out)
+    except PlotError as exc:
+        print(f"hpengine: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    for n in notes:
+        print(f"hpengine: note: {n}", file=sys.stderr, flush=True)
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+# ---- end issue 11 ------------------------------------------------------------------------------------
+
+
+# ---- issue 10: `hpengine plan` --------------------------------------------------------------------
+def _plan_parser(sub) -> None:
+    pl = sub.add_parser("plan", help="choose the switches for a model on a cluster (memory and time model)",
+                        description="Rank every legal layout of a model on a cluster by predicted step time "
+                        "among those that fit; or --check one config; or --calibrate this machine.")
+    pl.add_argument("config", nargs="?", default=None, help="TOML config whose [model] and [train] are planned")
+    pl.add_argument("--model", help="size preset instead of [model]: gpt2-124m, 1.3b, 7b, 13b, 175b")
+    pl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    pl.add_argument("--global-batch", type=int, help="sequences per step (default: the config's or preset's)")
+    pl.add_argument("--check", metavar="CFG", help="predict memory and step time of this config instead")
+    pl.add_argument("--world", type=int, help="ranks for --check (default: nodes x gpus-per-node)")
+    pl.add_argument("--out", help="write the best layout as a config TOML")
+    pl.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
+    pl.add_argument("--max-micro-batch", type=int, default=8, help="largest micro-batch in sequences (default 8)")
+    pl.add_argument("--calibrate", action="store_true", help="measure this machine; print a [cluster] table")
+    pl.add_argument("--cluster", help="TOML file with a [cluster] table (keys as the flags below)")
+    for flag, tp, what in (("nodes", int, "nodes"), ("gpus-per-node", int, "devices per node"),
+                           ("mem-gb", float, "memory per device, GB"),
+                           ("intra-bw-gbs", float, "per-device bandwidth inside a node, GB/s"),
+                           ("inter-bw-gbs", float, "per-device bandwidth between nodes, GB/s"),
+                           ("intra-latency-us", float, "latency inside a node, microseconds"),
+                           ("inter-latency-us", float, "latency between nodes, microseconds"),
+                           ("tflops", float, "sustained 16-bit TFLOP/s per device (amp)"),
+                           ("tflops-fp32", float, "sustained float32 TFLOP/s"), ("tflops-fp64", float, "float64")):
+        pl.add_argument(f"--{flag}", type=tp, help=what)
+
+
+def _cmd_plan(a) -> int:
+    from .plan import run
+    text = run(a)
+    try:
+        if text:
+            print(text, flush=True)
+    except BrokenPipeError:        # `hpengine plan | head`: the reader took what it wanted
+        sys.stdout = open(__import__("os").devnull, "w")
+    return 0
+# ---- end issue 10 ------------------------------------------------------------------------------------
 
 
 def _cmd_train(a) -> int:
@@ -116,6 +177,10 @@ def main(argv=None) -> int:
             return _cmd_config(a)
         if a.cmd == "ckpt":
             return _cmd_ckpt(a)
+        if a.cmd == "plan":
+            return _cmd_plan(a)
+        if a.cmd == "plot":              # issue 11
+            return _cmd_plot(a)
         raise _NotYet(f"'hpengine {a.cmd}' is not implemented yet in this version of hpengine")
     except _known() as exc:
         print(f"hpengine: error: {exc}", file=sys.stderr, flush=True)

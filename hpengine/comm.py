@@ -1,12 +1,36 @@
 """The only module that hands arrays to mpi4py. Wraps one communicator per mesh axis, syncs the
-device before MPI touches a buffer, and counts bytes and calls per operation so tests and the
-planner can compare real traffic with the formulas.
+device before MPI touches a buffer (staging through pinned host memory when the MPI is not CUDA-aware),
+and counts bytes and calls per operation so tests and the planner can compare traffic with formulas.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
 from mpi4py import MPI
+
+
+class Staged:
+    """A non-blocking request whose host staging buffer is copied back into the device array when it
+    completes (only used on a GPU without CUDA-aware MPI)."""
+
+    def __init__(self, req, host, arr, backend):
+        self.req, self.host, self.arr, self.backend, self.done = req, host, arr, backend, False
+
+    def finish(self):
+        if not self.done:
+            self.done = True
+            if self.arr is not None:
+                self.backend.stage_in(self.host, self.arr)
+
+    def Wait(self):
+        self.req.Wait()
+        self.finish()
+
+    def Test(self):
+        if self.req.Test():
+            self.finish()
+            return True
+        return False
 
 
 class Comm:
@@ -24,65 +48,90 @@ class Comm:
         st[0] += 1
         st[1] += int(arr.nbytes)
 
-    def _sync(self):
-        if self.backend is not None:
-            self.backend.sync()
+    def _out(self, arr, copy=True):
+        """The buffer MPI may touch for arr (arr itself on NumPy or CUDA-aware MPI), after a sync."""
+        return arr if self.backend is None else self.backend.stage_out(arr, copy)
+
+    def _in(self, buf, arr):
+        if buf is not arr:
+            self.backend.stage_in(buf, arr)
+
+    def _req(self, req, buf, arr):
+        return req if buf is arr or arr is None else Staged(req, buf, arr, self.backend)
 
     def reset_stats(self):
         self.stats.clear()
 
-    # --- collectives on arrays (in place where the name says so) --------------------------------
+    # issue 11: timeline events. Off (tracer None) the methods are the plain ones above, so tracing off
+    # costs nothing; on, this instance's methods are shadowed by timed wrappers (trace.Tracer).
+    tracer = None
+
+    def set_tracer(self, tracer) -> None:
+        """Record every call (MPI name, communicator, bytes, start/end) on `tracer`; None stops."""
+        self.tracer = tracer if self.size > 1 else None
+        for meth, call in TRACED.items():
+            if self.tracer is None:
+                self.__dict__.pop(meth, None)
+            else:
+                setattr(self, meth, _timed(self, call, getattr(type(self), meth)))
+
+    # --- collectives on arrays (in place where the name ends in _) ----------------------------
     def allreduce_(self, arr, op=MPI.SUM):
         if self.size > 1:
-            self._sync()
             self._count("allreduce", arr)
-            self.c.Allreduce(MPI.IN_PLACE, arr, op=op)
+            buf = self._out(arr)
+            self.c.Allreduce(MPI.IN_PLACE, buf, op=op)
+            self._in(buf, arr)
         return arr
 
     def iallreduce_(self, arr, op=MPI.SUM):
-        self._sync()
         self._count("allreduce", arr)
-        return self.c.Iallreduce(MPI.IN_PLACE, arr, op=op)
+        buf = self._out(arr)
+        return self._req(self.c.Iallreduce(MPI.IN_PLACE, buf, op=op), buf, arr)
 
     def ireduce(self, send, recv, root: int, op=MPI.SUM):
         """Non-blocking reduce of `send` into `recv` on `root` (recv ignored elsewhere; recv is send
         means in place on the root)."""
-        self._sync()
         self._count("reduce", send)
+        sbuf = self._out(send)
         if self.rank != root:
-            return self.c.Ireduce(send, None, op=op, root=root)
+            return self._req(self.c.Ireduce(sbuf, None, op=op, root=root), sbuf, None)
         if recv is send:
-            return self.c.Ireduce(MPI.IN_PLACE, send, op=op, root=root)
-        return self.c.Ireduce(send, recv, op=op, root=root)
+            return self._req(self.c.Ireduce(MPI.IN_PLACE, sbuf, op=op, root=root), sbuf, send)
+        rbuf = self._out(recv, copy=False)
+        return self._req(self.c.Ireduce(sbuf, rbuf, op=op, root=root), rbuf, recv)
 
     def allgatherv_(self, arr, counts, displs):
         """Every rank contributes arr[displs[r]:displs[r]+counts[r]]; all get the whole arr."""
         if self.size > 1:
-            self._sync()
             self._count("allgather", arr)
-            self.c.Allgatherv(MPI.IN_PLACE, [arr, counts, displs, None])
+            buf = self._out(arr)
+            self.c.Allgatherv(MPI.IN_PLACE, [buf, counts, displs, None])
+            self._in(buf, arr)
         return arr
 
     def iallgatherv_(self, arr, counts, displs):
-        self._sync()
         self._count("allgather", arr)
-        return self.c.Iallgatherv(MPI.IN_PLACE, [arr, counts, displs, None])
+        buf = self._out(arr)
+        return self._req(self.c.Iallgatherv(MPI.IN_PLACE, [buf, counts, displs, None]), buf, arr)
 
     def bcast_(self, arr, root: int):
         if self.size > 1:
-            self._sync()
             self._count("bcast", arr)
-            self.c.Bcast(arr, root=root)
+            buf = self._out(arr, copy=self.rank == root)
+            self.c.Bcast(buf, root=root)
+            self._in(buf, arr)
         return arr
 
     def isend(self, arr, dest: int, tag: int):
-        self._sync()
         self._count("send", arr)
-        return self.c.Isend(arr, dest=dest, tag=tag)
+        buf = self._out(arr)
+        return self._req(self.c.Isend(buf, dest=dest, tag=tag), buf, None)
 
     def irecv(self, arr, source: int, tag: int):
         self._count("recv", arr)
-        return self.c.Irecv(arr, source=source, tag=tag)
+        buf = self._out(arr, copy=False)
+        return self._req(self.c.Irecv(buf, source=source, tag=tag), buf, arr)
 
     # --- small pickled control messages ---------------------------------------------------------
     def allreduce_obj(self, obj, op=MPI.SUM):
@@ -99,13 +148,43 @@ class Comm:
             self.c.Barrier()
 
 
+def _raw(r):
+    return r.req if isinstance(r, Staged) else r
+
+
 def waitall(reqs) -> None:
     reqs = [r for r in reqs if r is not None]
     if reqs:
-        MPI.Request.Waitall(reqs)
+        MPI.Request.Waitall([_raw(r) for r in reqs])
+        for r in reqs:
+            if isinstance(r, Staged):
+                r.finish()
 
 
 def testall(reqs) -> bool:
     """Let MPI progress outstanding requests (MPICH advances non-blocking collectives only inside
     MPI calls); True when all are complete."""
-    return bool(MPI.Request.Testall(reqs)) if reqs else True
+    if not reqs:
+        return True
+    if MPI.Request.Testall([_raw(r) for r in reqs]):
+        for r in reqs:
+            if isinstance(r, Staged):
+                r.finish()
+        return True
+    return False
+
+
+# issue 11: the Comm methods a tracer times, with the MPI call each stands for
+TRACED = {"allreduce_": "Allreduce", "iallreduce_": "Iallreduce", "ireduce": "Ireduce", "allgatherv_": "Allgatherv",
+          "iallgatherv_": "Iallgatherv", "bcast_": "Bcast", "isend": "Isend", "irecv": "Irecv",
+          "allreduce_obj": "allreduce", "bcast_obj": "bcast", "allgather_obj": "allgather", "barrier": "Barrier"}
+
+
+def _timed(comm, call, fn):
+    """fn (an unbound Comm method) as a timeline event: non-blocking calls span their issue only."""
+    def timed(*args, **kw):
+        tok = comm.tracer.comm_start(comm.name, call, int(getattr(args[0], "nbytes", 0)) if args else 0)
+        out = fn(comm, *args, **kw)
+        comm.tracer.comm_end(tok)
+        return out
+    return timed

@@ -212,6 +212,10 @@ class RuntimeConfig:
     cuda_aware_mpi: bool = _f(False, "hand device buffers straight to MPI (needs a CUDA-aware MPI)")
     watchdog_s: float = _f(0.0, "abort the job when a step takes longer than this (seconds); 0 = off",
                            check=_must(">=", 0))
+    trace: bool = _f(False, "record a timeline (compute per micro-batch, every MPI call with its bytes); "
+                     "trace.json in the run folder, for Perfetto and `hpengine plot`")
+    trace_max_events: int = _f(200000, "most timeline events kept per rank (the latest; bounds the trace's "
+                               "memory)", check=_POS)
 
 
 @dataclass

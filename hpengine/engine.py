@@ -22,6 +22,7 @@ from .strategies import make_grad_sync
 from .strategies.amp import LossScaler
 from .strategies.pipeline import PipelineExecutor, split_blocks
 from .strategies.tensor_parallel import TensorParallel
+from .trace import Tracer
 
 log = logging.getLogger("hpengine")
 
@@ -123,6 +124,7 @@ class Engine:
         self.pp = mesh.comms["pp"]
         self.pipe = PipelineExecutor(self, self.pp, None, mesh.degrees["pp"], pc.virtual_stages if pc.enable else 1,
                                      self.m, pc.schedule if pc.enable else "fthenb")
+        self.tracer = Tracer()   # issue 11: phase timers; train.py hands in a recording one under runtime.trace
 
     def _tied_blocks(self, cfg):
         """With a tied head split across pipeline stages, the first stage's embed block and the last
@@ -251,17 +253,21 @@ class Engine:
         """One optimizer step of every model. Returns the metrics of the step (same on every rank);
         with several models, 'models' holds one entry per model."""
         t0 = time.perf_counter()
-        cfg = self.cfg
+        cfg, tr = self.cfg, self.tracer      # issue 11: phase timers (F/B and pipeline idle: the executor)
+        t = tr.now()
         norm = float(cfg.train.global_batch * cfg.model.seq_len)
         batches = [self._rows("train", step, s.seed) for s in self.slots]
+        tr.lap("data", t)
         self.sync.begin_step()
         losses, rows = [0.0] * len(self.slots), self.share // self.k
         for j in range(self.k):
             for s, (x, y) in zip(self.slots, batches):
                 part = slice(j * rows, (j + 1) * rows)
                 losses[s.index] += self.forward_backward(s, x[part], y[part], norm, last_pass=(j == self.k - 1))
+        t = tr.now()
         self._sum_tied()
         g, own = self.sync.reduce_grads(), self.sync.owned
+        t = tr.lap("grad sync wait", t)
         if self.scaler is not None:
             g = self._unscale(g)
             if g is None:          # overflow somewhere: every rank skips this step together
@@ -284,9 +290,12 @@ class Engine:
         if self.scaler is not None:
             self.scaler.update(True)
         self.opt_steps += 1
+        t = tr.lap("optimizer", t)
         self.sync.share_params()
+        t = tr.lap("param share", t)
         losses = list(self.pp.allreduce_(np.array(self.sync.loss_allreduce(losses))))
         self.be.sync()
+        tr.lap("loss sync", t)
         dt = time.perf_counter() - t0
         per = [{"model": s.index, "loss": losses[s.index], "lr": s.lr * lr_scale, "grad_norm": norms[s.index]}
                for s in self.slots]

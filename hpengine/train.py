@@ -12,8 +12,8 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from . import checkpoint, launch
-from .backend import make_backend
+from . import checkpoint, launch, plan, trace
+from .backend import BackendError, make_backend, node_ranks
 from .comm import Comm
 from .config import enabled_strategies, strategy_degree, to_toml
 from .data import TokenDataset, ensure_default_corpus
@@ -126,13 +126,33 @@ def check_batch(cfg, mesh) -> None:
         raise RunError(f"pipeline.virtual_stages = {pc.virtual_stages} needs pipeline.schedule = 'interleaved'")
 
 
+def agreed_backend(cfg, world):
+    """This rank's backend (its GPU chosen by node-local rank); devices can differ between nodes, so
+    the ranks agree before any of them raises."""
+    local, per_node = node_ranks(world)
+    err = be = None
+    try:
+        be = make_backend(cfg.runtime.backend, "float16" if cfg.strategy.amp.enable else cfg.model.dtype,
+                          local, per_node, cuda_aware=cfg.runtime.cuda_aware_mpi)
+    except BackendError as exc:
+        err = f"rank {world.Get_rank()}: {exc}"
+    errs = [e for e in world.allgather(err) if e]
+    if errs:
+        raise BackendError(errs[0])
+    kinds = set(world.allgather(be.name))
+    if len(kinds) > 1:
+        raise BackendError(f"runtime.backend = '{cfg.runtime.backend}' resolved differently across ranks "
+                           f"({sorted(kinds)}); set runtime.backend explicitly")
+    return be
+
+
 def build(cfg, world=None):
     """Mesh, backend, dataset and engine for this rank (validation before any collective)."""
     world = world or MPI.COMM_WORLD
     launch.check_world(world)
     check_implemented(cfg)
     degrees = {a: strategy_degree(cfg, SWITCH_OF_AXIS[a]) for a in AXES}
-    backend = make_backend(cfg.runtime.backend, "float16" if cfg.strategy.amp.enable else cfg.model.dtype)
+    backend = agreed_backend(cfg, world)
     mesh = Mesh(world, degrees, cfg.mesh.order, wrap=lambda c, a: Comm(c, a, backend))
     setup_logging(mesh)
     check_batch(cfg, mesh)
@@ -163,17 +183,23 @@ def train(cfg, world=None, resume=None) -> dict:
     start = restore(eng, cfg, resume)
     out = prepare_run_dir(cfg, world, resuming=resume is not None)
     log_start(eng, cfg)
+    plan.check_at_start(cfg, eng.mesh.size, log, rank=eng.mesh.rank)
     metrics_f = open(out / "metrics.jsonl", "a" if resume else "w") if world.Get_rank() == 0 else None
+    tracer = trace.attach(eng, cfg)    # issue 11: phase timers always; a timeline under runtime.trace
     t_start, history = time.perf_counter(), []
     watchdog = launch.Watchdog(cfg.runtime.watchdog_s, eng.mesh.prefix()).start()
     restore_signals = launch.install_stop_handlers()
     try:
         for step in range(start, cfg.train.steps):
             watchdog.heartbeat(step, "train_step")
+            t = tracer.now()
             m = eng.train_step(step)
+            tracer.lap("step", t, "step", step)
             if _eval_due(cfg, step):
                 watchdog.heartbeat(step, "evaluate")
+                t = tracer.now()
                 _add_eval(m, eng.evaluate())
+                tracer.lap("eval", t)
             history.append(m)
             if step == start:
                 log_memory(eng)
@@ -192,7 +218,9 @@ def train(cfg, world=None, resume=None) -> dict:
         if metrics_f:
             metrics_f.close()
     log_pipeline(eng, cfg)
-    return summarize(eng, history, time.perf_counter() - t_start, out)
+    summary = summarize(eng, history, time.perf_counter() - t_start, out)
+    trace.finish(eng, out, history, summary["wall_s"])   # issue 11: trace.json, breakdown table + .json
+    return summary
 
 
 def _eval_due(cfg, step) -> bool:

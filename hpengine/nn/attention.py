@@ -71,7 +71,10 @@ def attention_backward(xp, dy, cache):
     dq, dk, dv = _heads(dqkv, H, 3)
     # softmax backward: ds = p * (dp - rowsum(dp * p)); rowsum(dp * p) equals
     # rowsum(do * o), which costs T*hd instead of T*T per row block.
-    rs = xp.einsum("bhtd,bhtd->bht", do, o)[..., None]
+    if dy.dtype.itemsize < 4:  # half (amp): NumPy's sum accumulates in float32
+        rs = (do * o).sum(axis=-1, keepdims=True)
+    else:
+        rs = xp.einsum("bhtd,bhtd->bht", do, o)[..., None]
     # the last block covers every key: it writes dk, dv whole, earlier blocks add to a prefix
     for (a, b), p in reversed(list(zip(_blocks(T), ps))):
         dob = do[:, :, a:b]

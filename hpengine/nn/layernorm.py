@@ -1,25 +1,30 @@
 """Layer normalisation over the last dim, with affine weight and bias.
 
 The cache keeps the normalised input and 1/std so backward needs no recompute.
-Row sums are GEMVs / einsums: a reduction over a short last axis is several
-times slower in NumPy and would allocate a temporary for every product.
+Row means are GEMVs / einsums: a reduction over a short last axis is several
+times slower in NumPy and would allocate a temporary for every product. Half
+precision (amp) keeps NumPy's reductions, which accumulate in float32.
 """
 
 
-def _rowsum(xp, a):
-    # a: (N, C) -> (N, 1)
-    return (a @ xp.ones(a.shape[-1], dtype=a.dtype))[:, None]
+def _rowmean(xp, a, b=None):
+    # mean over the last axis of a (or of a * b): (N, C) -> (N, 1)
+    C = a.shape[-1]
+    if a.dtype.itemsize < 4:
+        return (a if b is None else a * b).mean(axis=-1, keepdims=True)
+    if b is None:  # 1/C inside the vector: no extra pass, and the sum never leaves the data's range
+        return (a @ xp.full(C, 1.0 / C, dtype=a.dtype))[:, None]
+    m = xp.einsum("ij,ij->i", a, b)[:, None]
+    m *= 1.0 / C
+    return m
 
 
 def layernorm_forward(xp, x, w, b, eps=1e-5):
     # x: (..., C), w: (C,), b: (C,) -> y: (..., C)
     C = x.shape[-1]
     x2 = x.reshape(-1, C)
-    mean = _rowsum(xp, x2)
-    mean *= 1.0 / C
-    xhat = x2 - mean
-    var = xp.einsum("ij,ij->i", xhat, xhat)[:, None]
-    var *= 1.0 / C
+    xhat = x2 - _rowmean(xp, x2)
+    var = _rowmean(xp, xhat, xhat)
     var += eps
     rstd = xp.sqrt(var, out=var)
     xp.reciprocal(rstd, out=rstd)
@@ -35,13 +40,13 @@ def layernorm_backward(xp, dy, cache, dw, db):
     C = w.shape[0]
     dy2 = dy.reshape(-1, C)
     db += dy2.sum(axis=0)
-    dw += xp.einsum("ij,ij->j", dy2, xhat)
+    dw += (dy2 * xhat).sum(axis=0) if dy2.dtype.itemsize < 4 else xp.einsum("ij,ij->j", dy2, xhat)
     # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), with g = dy * w
     g = dy2 * w
-    mg = _rowsum(xp, g)
-    mgx = xp.einsum("ij,ij->i", g, xhat)[:, None]
-    mg *= rstd * (1.0 / C)
-    mgx *= rstd * (1.0 / C)
+    mg = _rowmean(xp, g)
+    mgx = _rowmean(xp, g, xhat)
+    mg *= rstd
+    mgx *= rstd
     g *= rstd
     g -= mg
     mgx = xhat * mgx

@@ -11,6 +11,7 @@ import time
 
 from ..buffers import partition
 from ..comm import testall, waitall
+from ..trace import OFF
 from .schedules import make_schedule
 
 FWD, BWD = 0, 1
@@ -77,7 +78,9 @@ class PipelineExecutor:
 
     def _recv(self, mb, g_src, g_dst, direction, shape):
         buf = self.e.xp.empty(shape, dtype=self.e.be.dtype)
+        t = self.tr.now()
         self.pp.irecv(buf, source=g_src % self.p, tag=self._tag(mb, g_dst, direction)).Wait()
+        self.tr.lap("pipeline idle", t, "wait F" if direction == FWD else "wait B", (mb, g_dst))  # issue 11
         return buf
 
     def run(self, slot, x, y, norm, last_pass: bool, grad: bool = True) -> float:
@@ -87,14 +90,16 @@ class PipelineExecutor:
         act_shape = (rows, x.shape[1], e.cfg.model.d_model)
         actions = self.actions if grad else [a for a in self._forward_only()]
         caches, sends, loss, live = {}, [], 0.0, 0
+        self.tr = tr = e.tracer if grad else OFF   # issue 11: timeline spans; evaluation is one span in train.py
         t_start = time.perf_counter()
         for a in actions:
             g, chunk, mb = self._g(a.chunk), self.chunks[a.chunk], a.mb
             sl = slice(mb * rows, (mb + 1) * rows)
             if a.kind == "F":
                 inp = x[sl] if g == 0 else self._recv(mb, g - 1, g, FWD, act_shape)
-                t0 = time.perf_counter()
+                t0, t = time.perf_counter(), tr.now()
                 out, cache = e.chunk_forward(slot, chunk, inp, y[sl] if g == V - 1 else None, norm, grad)
+                tr.lap("forward", t, "F", (mb, g))
                 self.busy_s += time.perf_counter() - t0
                 if grad:
                     caches[(mb, a.chunk)] = cache
@@ -107,14 +112,18 @@ class PipelineExecutor:
             else:
                 e.sync.begin_pass(last_pass and mb == m - 1)   # the last backward of a chunk finishes its grads
                 dout = None if g == V - 1 else self._recv(mb, g + 1, g, BWD, act_shape)
-                t0 = time.perf_counter()
+                t0, t = time.perf_counter(), tr.now()
                 din = e.chunk_backward(slot, chunk, dout, caches.pop((mb, a.chunk)))
+                tr.lap("backward", t, "B", (mb, g))
                 self.busy_s += time.perf_counter() - t0
                 live -= 1
                 if g > 0:
                     sends.append(self.pp.isend(din, dest=(g - 1) % self.p, tag=self._tag(mb, g - 1, BWD)))
             testall(sends)
-        waitall(sends)
+        if sends:
+            t = tr.now()
+            waitall(sends)
+            tr.lap("pipeline idle", t, "drain sends")
         self.wall_s += time.perf_counter() - t_start
         return loss
 

@@ -155,9 +155,11 @@ class ShardedSync(LocalSync):
         if self.stage < 3:
             return
         for b in [block] + self.deps.get(block, []):
-            item = self.gathered.get(b)
-            if item is not None and item[1].Test():
-                del self.gathered[b]
+            item = self.gathered.pop(b, None)
+            if item is not None:
+                # always complete and drop it: whether a request has finished differs between ranks, so
+                # deciding on Test() could make ranks issue different gathers later
+                waitall([item[1]])
                 self.transient -= item[0].data.nbytes
 
     def _finish_gathers(self):

@@ -1,0 +1,249 @@
+"""One benchmark command: the reference model (hpengine's built-in defaults) trained at 1, 2 and 4 ranks
+under data parallel, sharding stages 1-3, pipeline (p 2 and 4, m 4 and 8), tensor parallel and tp x pp.
+Each case is a fresh `mpiexec` job (the venv's) that warms up, then times steps; the cases are
+interleaved across repeats and the table shows medians: tokens/s, peak RSS, bytes per step per
+communicator, the measured pipeline bubble next to its theory, and the data-parallel gradient-sync wait
+next to a raw MPI Allreduce of the same bytes. Not part of `make test`.
+
+    .venv/bin/python benchmarks/bench_all.py                  # every case, 3 repeats
+    .venv/bin/python benchmarks/bench_all.py --quick          # 5 cases, 1 repeat, few steps (CI-like)
+    .venv/bin/python benchmarks/bench_all.py --only pp --repeats 5 --out /tmp/pp.md
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+DP = ["strategy.data_parallel.enable=true", "strategy.data_parallel.degree=-1"]
+
+
+def sharding(stage):
+    return ["strategy.sharding.enable=true", "strategy.sharding.degree=-1", f"strategy.sharding.stage={stage}"]
+
+
+def pipeline(p, m):
+    return ["strategy.pipeline.enable=true", f"strategy.pipeline.degree={p}", f"strategy.pipeline.micro_batches={m}",
+            "strategy.pipeline.schedule='1f1b'"]
+
+
+TP2 = ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2"]
+
+# (name, ranks, overrides)
+CASES = [("1 process", 1, []), ("dp", 2, DP), ("dp", 4, DP)] \
+    + [(f"sharding stage {s}", n, sharding(s)) for s in (1, 2, 3) for n in (2, 4)] \
+    + [(f"pp {p} m {m}", p, pipeline(p, m)) for p in (2, 4) for m in (4, 8)] \
+    + [("tp 2", 2, TP2), ("tp 2 x pp 2 m 4", 4, TP2 + pipeline(2, 4))]
+QUICK = {("1 process", 1), ("dp", 2), ("sharding stage 2", 2), ("pp 2 m 4", 2), ("tp 2", 2)}
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="5 cases, 1 repeat, 1 warm-up and 3 timed steps")
+    p.add_argument("--repeats", type=int, default=None, help="rounds over all cases (default 3; quick 1)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per case (default 10; quick 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; quick 1)")
+    p.add_argument("--only", default=None, help="run the cases whose name contains this text")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every case, e.g. --set model.d_model=128 (repeatable)")
+    p.add_argument("--mpiexec", default=None, help="mpiexec to use (default: the one beside this Python)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per case before it counts as failed")
+    p.add_argument("--out", default=None, help="Markdown file for the table (default runs/bench/bench_all-DATE.md)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)   # internal: one case, JSON to this path
+    a = p.parse_args(argv)
+    q = a.quick
+    a.repeats = a.repeats or (1 if q else 3)
+    a.steps = a.steps or (3 if q else 10)
+    a.warmup = a.warmup if a.warmup is not None else (1 if q else 3)
+    return a
+
+
+# ---- one case, inside mpiexec ----------------------------------------------------------------------
+
+def worker(a) -> None:
+    import resource
+
+    import numpy as np
+    from mpi4py import MPI
+
+    from hpengine.config import load_config
+    from hpengine.strategies.schedules import bubble_fraction
+    from hpengine.trace import Tracer, comms_of
+    from hpengine.train import build
+
+    cfg = load_config(None, ["train.eval_every=0", *a.overrides])
+    eng = build(cfg)
+    w = eng.world.c
+    for s in range(a.warmup):
+        eng.train_step(s)
+    comms = comms_of(eng)
+    for c in comms:
+        c.reset_stats()
+    eng.tracer, eng.pipe.busy_s, eng.pipe.wall_s = Tracer(), 0.0, 0.0
+    w.Barrier()
+    times = []
+    for s in range(a.warmup, a.warmup + a.steps):
+        t = time.perf_counter()
+        eng.train_step(s)
+        times.append(time.perf_counter() - t)
+    slowest = np.array(times)
+    w.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)           # a step lasts as long as its slowest rank
+    nbytes = {}
+    for c in comms:
+        nbytes[c.name] = nbytes.get(c.name, 0) + sum(b for _, b in c.stats.values())
+    rows = w.gather({"bytes": nbytes, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                     "bubble": 1 - eng.pipe.busy_s / eng.pipe.wall_s if eng.pipe.wall_s else None,
+                     "sync_wait_s": eng.tracer.seconds["grad sync wait"] / a.steps,
+                     "dp_bytes": sum(b for _, b in eng.mesh.comms["dp"].stats.values()) / a.steps}, root=0)
+    raw = raw_allreduce_s(eng, rows[0]["dp_bytes"] if w.Get_rank() == 0 else None)
+    if w.Get_rank() != 0:
+        return
+    tokens = cfg.train.global_batch * cfg.model.seq_len
+    med = statistics.median(slowest)
+    per_comm = {}
+    for r in rows:
+        for k, v in r["bytes"].items():
+            per_comm[k] = per_comm.get(k, 0) + v / a.steps
+    pc = cfg.strategy.pipeline
+    bubbles = [r["bubble"] for r in rows if r["bubble"] is not None]
+    out = {"tokens_per_s": tokens / med, "median_step_ms": med * 1e3, "peak_rss_bytes": max(r["rss"] for r in rows),
+           "bytes_per_step": {k: v for k, v in per_comm.items() if v},
+           "bubble": statistics.mean(bubbles) if pc.enable and bubbles else None,
+           "bubble_theory": bubble_fraction(pc.schedule, pc.degree, pc.micro_batches) if pc.enable else None,
+           "sync_wait_ms": statistics.mean(r["sync_wait_s"] for r in rows) * 1e3,
+           "raw_allreduce_ms": raw * 1e3 if raw is not None else None, "n_params": eng.n_params()}
+    Path(a.worker).write_text(json.dumps(out))
+
+
+def raw_allreduce_s(eng, nbytes):
+    """Median time of a plain MPI Allreduce of this many float32 bytes on the dp communicator (None
+    without data parallelism): what the bucketed, overlapped gradient sync is compared with."""
+    import numpy as np
+    from mpi4py import MPI
+    dp = eng.mesh.comms["dp"]
+    nbytes = eng.world.c.bcast(nbytes, root=0)
+    if dp.size == 1 or not nbytes:
+        return None
+    buf, times = np.ones(int(nbytes) // 4, dtype=np.float32), []
+    for _ in range(5):
+        dp.c.Barrier()
+        t = time.perf_counter()
+        dp.c.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+# ---- the driver ---------------------------------------------------------------------------------
+
+def run_case(a, mpiexec, name, n, overrides, tmp) -> dict:
+    path = Path(tmp) / f"{len(os.listdir(tmp))}.json"
+    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "mpi4py", str(Path(__file__).resolve()),
+           "--worker", str(path), "--steps", str(a.steps), "--warmup", str(a.warmup)]
+    for o in [*overrides, *a.overrides]:
+        cmd += ["--set", o]
+    env = dict(os.environ, **{v: os.environ.get(v, "1") for v in THREADS})
+    t = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=a.timeout)
+        ok = p.returncode == 0 and path.exists()
+        why = "" if ok else _why(p)
+    except subprocess.TimeoutExpired:
+        ok, why = False, f"timed out after {a.timeout:.0f} s"
+    print(f"  {name:<20} n={n}  " + (f"{json.loads(path.read_text())['tokens_per_s']:>9,.0f} tok/s" if ok
+                                     else f"FAILED: {why}") + f"  ({time.perf_counter() - t:.1f} s)", flush=True)
+    return json.loads(path.read_text()) if ok else {"error": why}
+
+
+def _why(p) -> str:
+    """The exception line of a failed case (not mpiexec's abort notice)."""
+    lines = [ln.strip() for ln in p.stderr.splitlines() if ln.strip()]
+    errs = [ln for ln in lines if ("Error" in ln or "error:" in ln) and not ln.startswith("Abort(")]
+    return (errs or lines or [f"exit status {p.returncode}"])[-1]
+
+
+def summarize(results: dict) -> list[dict]:
+    rows = []
+    for (name, n), runs in results.items():
+        good = [r for r in runs if "error" not in r]
+        if not good:
+            rows.append({"case": name, "ranks": n, "error": runs[-1]["error"]})
+            continue
+        med = lambda k: statistics.median(r[k] for r in good) if good[0].get(k) is not None else None  # noqa: E731
+        rows.append({"case": name, "ranks": n, "runs": len(good), "tokens_per_s": med("tokens_per_s"),
+                     "peak_rss_mib": med("peak_rss_bytes") / 2**20, "bytes_per_step": good[0]["bytes_per_step"],
+                     "bubble": med("bubble"), "bubble_theory": good[0]["bubble_theory"],
+                     "sync_wait_ms": med("sync_wait_ms"), "raw_allreduce_ms": med("raw_allreduce_ms")})
+    return rows
+
+
+def markdown(rows, a, header) -> str:
+    base = next((r["tokens_per_s"] for r in rows if r["ranks"] == 1 and "error" not in r), None)
+    out = [header, "", "| case | ranks | tokens/s (median) | vs 1 process | peak RSS MiB (max rank) | "
+           "MiB/step per communicator (all ranks) | pipeline bubble measured / theory | dp sync wait / raw "
+           "Allreduce, ms |", "|---|---:|---:|---:|---:|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['case']} | {r['ranks']} | failed: {r['error'][:80]} | | | | | |")
+            continue
+        comm = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in sorted(r["bytes_per_step"].items())) or "-"
+        bub = f"{r['bubble']:.2f} / {r['bubble_theory']:.2f}" if r["bubble"] is not None else "-"
+        sync = (f"{r['sync_wait_ms']:.1f} / {r['raw_allreduce_ms']:.1f}" if r["raw_allreduce_ms"] is not None
+                else "-")
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        out.append(f"| {r['case']} | {r['ranks']} | {r['tokens_per_s']:,.0f} | {ratio} | {r['peak_rss_mib']:.0f} | "
+                   f"{comm} | {bub} | {sync} |")
+    out += ["", f"Medians of {a.repeats} interleaved repeat(s), each {a.steps} timed steps after {a.warmup} warm-up; "
+            "a step lasts as long as its slowest rank. Bytes are what each rank hands to MPI (comm stats), "
+            "summed over ranks. The dp sync wait is the part of the gradient all-reduce that backward did not "
+            "hide; the raw Allreduce moves the same bytes in one call."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    if a.worker:
+        worker(a)
+        return 0
+    mpiexec = a.mpiexec or str(Path(sys.executable).parent / "mpiexec")
+    if not os.path.exists(mpiexec):
+        mpiexec = shutil.which("mpiexec")
+    if not mpiexec:
+        print("bench_all: no mpiexec beside this Python nor on PATH; pass --mpiexec", file=sys.stderr)
+        return 2
+    cases = [c for c in CASES if (not a.quick or (c[0], c[1]) in QUICK) and (not a.only or a.only in c[0])]
+    if not cases:
+        print(f"bench_all: no case matches --only {a.only!r}", file=sys.stderr)
+        return 2
+    results = {(name, n): [] for name, n, _ in cases}
+    with tempfile.TemporaryDirectory(prefix="hpengine-bench-") as tmp:
+        for rep in range(a.repeats):
+            print(f"round {rep + 1} of {a.repeats}", flush=True)
+            for name, n, over in cases:
+                results[(name, n)].append(run_case(a, mpiexec, name, n, over, tmp))
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    header = (f"### hpengine benchmarks, {stamp}, {platform.node()} ({os.cpu_count()} CPUs, "
+              f"{platform.machine()}, Python {platform.python_version()})\n\nReference model: hpengine's built-in "
+              f"defaults{' with ' + ', '.join(a.overrides) if a.overrides else ''} (GPT, d_model 256, 4 layers, "
+              f"seq 128, global batch 8 = 1,024 tokens/step, float32); one BLAS thread per rank.")
+    text = markdown(summarize(results), a, header)
+    print("\n" + text)
+    out = Path(a.out) if a.out else ROOT / "runs" / "bench" / f"bench_all-{time.strftime('%Y%m%d-%H%M%S')}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"saved {out}")
+    return 0 if all("error" not in r for runs in results.values() for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

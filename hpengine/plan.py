@@ -1,0 +1,404 @@
+"""`hpengine plan`: enumerate the legal switch combinations and degrees for a model on a cluster, rank them
+by the predicted step time among those whose predicted memory fits (plan_model.py), print the table and
+write the best as a config; `--check` predicts one config; `--calibrate` measures this machine; and
+train.py calls check_at_start to log the prediction for the job it runs.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import time
+import tomllib
+from dataclasses import dataclass
+from itertools import product
+
+from .config import ConfigError, Config, enabled_strategies, load_config, strategy_degree, to_toml, validate
+from .models import build_model
+from .plan_model import Layout, layout_of, predict_stage, stages, step_time
+
+GB = 1e9
+
+
+class PlanError(ConfigError):
+    """A planning request that cannot be answered (unknown preset, bad cluster, nothing fits)."""
+
+
+@dataclass
+class Cluster:
+    """The machine: devices, their memory and sustained FLOP/s, and the links between them."""
+    nodes: int = 1
+    gpus_per_node: int = 8
+    mem_gb: float = 80.0            # memory per device
+    intra_bw_gbs: float = 150.0     # per-device bandwidth inside a node (NVLink)
+    inter_bw_gbs: float = 25.0      # per-device bandwidth between nodes (InfiniBand)
+    intra_latency_us: float = 5.0
+    inter_latency_us: float = 10.0
+    tflops: float = 150.0           # sustained 16-bit FLOP/s (amp)
+    tflops_fp32: float = 15.0
+    tflops_fp64: float = 7.5
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def load_cluster(path=None, **flags) -> Cluster:
+    """A Cluster from the [cluster] table of a TOML file, then flags (None = not given); checked."""
+    raw = {}
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                doc = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise PlanError(f"--cluster {path}: {e}") from None
+        if not isinstance(doc.get("cluster"), dict):
+            raise PlanError(f"--cluster {path}: no [cluster] table")
+        raw = doc["cluster"]
+    raw.update({k: v for k, v in flags.items() if v is not None})
+    names = {f.name: f.type for f in dataclasses.fields(Cluster)}
+    for k, v in raw.items():
+        if k not in names:
+            raise PlanError(f"cluster.{k}: unknown key; valid keys: {', '.join(names)}")
+        ok = isinstance(v, int) if names[k] == "int" else isinstance(v, (int, float))
+        if not ok or isinstance(v, bool) or not v > 0 or not math.isfinite(v):
+            raise PlanError(f"cluster.{k} = {v!r}: must be a positive {'integer' if names[k] == 'int' else 'number'}")
+    c = Cluster(**raw)
+    if c.inter_bw_gbs > c.intra_bw_gbs:
+        raise PlanError(f"cluster: inter_bw_gbs = {c.inter_bw_gbs} exceeds intra_bw_gbs = {c.intra_bw_gbs}; links "
+                        "between nodes are not faster than inside one, check the figures")
+    if c.inter_latency_us < c.intra_latency_us:
+        raise PlanError(f"cluster: inter_latency_us = {c.inter_latency_us} is below intra_latency_us = "
+                        f"{c.intra_latency_us}; check the figures")
+    return c
+
+
+# GPT-2 small and GPT-3 shapes (Brown et al. 2020, table 2.1; 1.3B with 16 heads so heads divide d_model)
+PRESETS = {
+    "gpt2-124m": ({"seq_len": 1024, "d_model": 768, "n_layers": 12, "n_heads": 12}, 512),
+    "1.3b": ({"seq_len": 2048, "d_model": 2048, "n_layers": 24, "n_heads": 16}, 512),
+    "7b": ({"seq_len": 2048, "d_model": 4096, "n_layers": 32, "n_heads": 32}, 1024),
+    "13b": ({"seq_len": 2048, "d_model": 5120, "n_layers": 40, "n_heads": 40}, 1024),
+    "175b": ({"seq_len": 2048, "d_model": 12288, "n_layers": 96, "n_heads": 96}, 1536),
+}
+ALIASES = {"124m": "gpt2-124m", "gpt2": "gpt2-124m", "6.7b": "7b"}
+
+
+def with_preset(cfg: Config, name: str) -> Config:
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in PRESETS:
+        raise PlanError(f"--model {name}: unknown preset; choose one of {', '.join(PRESETS)}")
+    shape, batch = PRESETS[key]
+    cfg = copy.deepcopy(cfg)
+    cfg.model = dataclasses.replace(cfg.model, kind="gpt", vocab_size=50257, ffn_mult=4, tie_head=True,
+                                    dtype="float32", **shape)
+    cfg.train.global_batch = batch
+    return cfg
+
+
+# ---- search -----------------------------------------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_ok(m, tp: int) -> bool:
+    F = m.ffn_mult * m.d_model
+    return not (m.d_model % tp or F % tp or (m.kind == "gpt" and m.n_heads % tp))
+
+
+def candidates(cfg: Config, cluster: Cluster, max_rows: int = 8):
+    """Every legal Layout on the cluster: degrees that multiply to the world, tp within a node and
+    dividing heads and widths, exact batch arithmetic (DESIGN §6), each schedule, recompute, amp."""
+    m, W, gb = cfg.model, cluster.world, cfg.train.global_batch
+    tps = [t for t in _divisors(W) if t <= cluster.gpus_per_node and _tp_ok(m, t)]
+    for tp, pp in [(t, p) for t in tps for p in _divisors(W // t) if p <= m.n_layers]:
+        tensors = min(len(st.sizes(cfg.train.models)) for st in stages(m, tp, pp, 1))
+        for sh in [s for s in _divisors(W // (tp * pp)) if gb % (W // (tp * pp)) == 0]:
+            dp, share = W // (tp * pp * sh), gb * tp * pp // W
+            rows = [r for r in _divisors(share) if r <= max_rows]
+            for zstage, b, rc, amp in product([0] if sh == 1 else [1, 2, 3], rows, (0, 1), (False, True)):
+                n = share // b          # micro-batches: the pipeline's, else gradient-merge passes
+                for sched, v in _schedules(pp, n, m.n_layers):
+                    yield Layout(tp, sh, dp, pp, zstage, "tensor" if sh <= tensors else "flat",
+                                 n if pp > 1 else 1, 1 if pp > 1 else n, v, sched, "uniform", rc, amp,
+                                 tuple(cfg.mesh.order), share, cfg.strategy.data_parallel.bucket_mb)
+
+
+def _schedules(pp: int, m: int, layers: int):
+    if pp == 1:
+        return [("fthenb", 1)]
+    out = [("fthenb", 1), ("1f1b", 1)]
+    return out + [("interleaved", v) for v in (2, 4) if m % pp == 0 and pp * v <= layers]
+
+
+def evaluate(cfg: Config, lay: Layout, cluster: Cluster | None, stage_ids=None) -> dict:
+    """Prediction for a layout: per-stage results, the worst stage's memory, the step time."""
+    sts = stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split)
+    ids = range(lay.pp) if stage_ids is None else sorted({s for s in stage_ids if 0 <= s < lay.pp})
+    per = [predict_stage(cfg.model, sts[s], lay, s, cfg.train.models, cluster) for s in ids]
+    worst = max(per, key=lambda r: r["memory"]["total"])
+    out = {"layout": lay, "stages": per, "memory": worst["memory"], "stage": worst["stage"]}
+    if cluster is not None:
+        out["time"] = step_time(per, lay)
+        out["tokens_per_s"] = cfg.train.global_batch * cfg.model.seq_len * cfg.train.models / out["time"]["step"]
+    return out
+
+
+def search(cfg: Config, cluster: Cluster, max_rows: int = 8) -> tuple[list[dict], int]:
+    """(layouts that fit, fastest first; how many were evaluated). Raises PlanError when none fits."""
+    fit, smallest, n = [], None, 0
+    for lay in candidates(cfg, cluster, max_rows):
+        n += 1
+        r = evaluate(cfg, lay, cluster, (0, 1, lay.pp - 1))
+        if r["memory"]["total"] <= cluster.mem_gb * GB:
+            fit.append(r)
+        elif smallest is None or r["memory"]["total"] < smallest["memory"]["total"]:
+            smallest = r
+    if not n:
+        raise PlanError(f"no legal layout of this model on {cluster.world} devices: global_batch = "
+                        f"{cfg.train.global_batch} and the model's heads/widths admit no degrees that multiply to it")
+    if not fit:
+        raise PlanError(f"no layout fits: the smallest needs {smallest['memory']['total'] / GB:.1f} GB per device "
+                        f"({describe(smallest['layout'])}) but devices have {cluster.mem_gb:g} GB")
+    fit.sort(key=lambda r: (round(r["time"]["step"], 9), _sent(r), r["memory"]["total"]))
+    return fit, n
+
+
+def _sent(r: dict) -> int:
+    """Bytes the worst stage's rank sends per step (ties in time go to the layout that sends less)."""
+    st = next(s for s in r["stages"] if s["stage"] == r["stage"])
+    return sum(b for ops in st["traffic"].values() for op, b in ops.items() if op != "recv")
+
+
+def config_for(cfg: Config, lay: Layout) -> Config:
+    """cfg with its strategy tables set to the layout (degrees explicit, so it runs on that world)."""
+    c = copy.deepcopy(cfg)
+    s = c.strategy
+    on = {"data_parallel": lay.dp > 1, "sharding": lay.sh > 1, "pipeline": lay.pp > 1 or lay.m > 1 or lay.v > 1,
+          "tensor_parallel": lay.tp > 1, "recompute": lay.recompute > 0, "gradient_merge": lay.k > 1, "amp": lay.amp}
+    for name, enable in on.items():
+        getattr(s, name).enable = enable
+    sets = {"data_parallel": {"degree": lay.dp}, "sharding": {"degree": lay.sh, "stage": lay.zstage,
+                                                              "partition": lay.partition},
+            "pipeline": {"degree": lay.pp, "micro_batches": lay.m, "schedule": lay.schedule,
+                         "virtual_stages": lay.v, "split": lay.split},
+            "tensor_parallel": {"degree": lay.tp}, "recompute": {"every": lay.recompute},
+            "gradient_merge": {"k_steps": lay.k}}
+    for name, values in sets.items():
+        if on[name]:                   # a switched-off table keeps the user's values
+            for key, value in values.items():
+                setattr(getattr(s, name), key, value)
+    validate(c)
+    return c
+
+
+# ---- output -----------------------------------------------------------------------------------------
+
+def describe(lay: Layout) -> str:
+    """The switches of a layout in words: 'tp 8 x pp 4 (1f1b, 16 micro-batches) x sharding 2 (stage 1)'."""
+    parts = [f"tp {lay.tp}"] if lay.tp > 1 else []
+    if lay.pp > 1:
+        parts.append(f"pp {lay.pp} ({lay.schedule}{f' v={lay.v}' if lay.v > 1 else ''}, {lay.m} micro-batches)")
+    parts += [f"dp {lay.dp}"] if lay.dp > 1 else []
+    parts += [f"sharding {lay.sh} (stage {lay.zstage})"] if lay.sh > 1 else []
+    extra = ([f"gradient merge {lay.k}"] if lay.k > 1 else []) + (["recompute"] if lay.recompute else []) \
+        + (["amp"] if lay.amp else [])
+    return " x ".join(parts or ["1 rank"]) + "".join(f", {e}" for e in extra) + f"; {lay.rows} seq per micro-batch"
+
+
+MEM_COLS = ("params", "grads", "optimizer", "activations", "buffers", "total")
+TIME_COLS = ("compute", "bubble", "tp", "pp", "dp", "sharding", "step")
+SHORT = {"optimizer": "optim", "activations": "act", "buffers": "buf", "sharding": "shard"}
+
+
+def _unit(largest: float, units) -> tuple:
+    for scale, name in units:
+        if largest >= scale:
+            return scale, name
+    return units[-1]
+
+
+def table(results: list[dict], top: int) -> str:
+    """The ranked table: layout, memory per device (worst stage), step time by part."""
+    rows = results[:top]
+    ms, mn = _unit(max(r["memory"]["total"] for r in rows), [(GB, "GB"), (1e6, "MB"), (1, "B")])
+    ts, tn = _unit(max(r["time"]["step"] for r in rows), [(1, "s"), (1e-3, "ms"), (1e-6, "us")])
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'sh':>4} {'st':>2} {'sched':>11} {'m':>4} {'k':>3} {'mb':>3} "
+            f"{'rc':>2} {'amp':>3} | " + " ".join(f"{SHORT.get(c, c):>6}" for c in MEM_COLS) + f" {mn} | "
+            + " ".join(f"{SHORT.get(c, c):>7}" for c in TIME_COLS) + f" {tn} | {'tok/s':>9}")
+    lines = [head, "-" * len(head)]
+    for i, r in enumerate(rows, 1):
+        lay = r["layout"]
+        sched = "-" if lay.pp == 1 else lay.schedule + (f"/{lay.v}" if lay.v > 1 else "")
+        lines.append(f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {lay.sh:>4} {lay.zstage or '-':>2} {sched:>11} "
+                     f"{lay.m:>4} {lay.k:>3} {lay.rows:>3} {'y' if lay.recompute else '-':>2} "
+                     f"{'y' if lay.amp else '-':>3} | " + " ".join(f"{r['memory'][c] / ms:>6.1f}" for c in MEM_COLS)
+                     + "    | " + " ".join(f"{r['time'][c] / ts:>7.2f}" for c in TIME_COLS)
+                     + f"    | {r['tokens_per_s']:>9,.0f}")
+    return "\n".join(lines)
+
+
+def _bytes(n: float) -> str:
+    s, u = _unit(n, [(1e12, "TB"), (GB, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B")])
+    return f"{n / s:.3g} {u}" if u != "B" else f"{int(n)} B"
+
+
+def _secs(t: float) -> str:
+    s, u = _unit(t, [(1, "s"), (1e-3, "ms"), (1e-6, "us")])
+    return f"{t / s:.3g} {u}" if t else "0"
+
+
+def _n_params(cfg: Config) -> int:
+    return sum(math.prod(sp.global_shape) for sp in build_model(cfg.model).all_specs()) * cfg.train.models
+
+
+def check_text(cfg: Config, world: int, cluster: Cluster) -> str:
+    """`plan --check`: per-stage memory, the step time and each communicator's bytes per step."""
+    try:
+        lay = layout_of(cfg, world)
+    except ValueError as e:
+        raise PlanError(f"--world {world}: {e}") from None
+    r = evaluate(cfg, lay, cluster)
+    out = [f"{cfg.model.kind} with {_n_params(cfg):,} parameters on {world} ranks: {describe(lay)}",
+           "memory per device (bytes; the sharding rank with the largest share):"]
+    for s in r["stages"]:
+        out.append(f"  pp stage {s['stage']}: " + ", ".join(f"{k} {_bytes(v)}" for k, v in s["memory"].items()))
+    t = r["time"]
+    out.append("step time: " + ", ".join(f"{k} {_secs(t[k])}" for k in TIME_COLS)
+               + f"; {r['tokens_per_s']:,.0f} tokens/s")
+    out.append(f"traffic per step (pp stage {r['stage']}, bytes each rank counts):")
+    for axis, ops in next(s for s in r["stages"] if s["stage"] == r["stage"])["traffic"].items():
+        out.append(f"  {axis}: " + ", ".join(f"{op} {_bytes(b)}" for op, b in ops.items()))
+    fits = r["memory"]["total"] <= cluster.mem_gb * GB
+    out.append(f"{'fits' if fits else 'does NOT fit'} in {cluster.mem_gb:g} GB per device "
+               f"(worst stage {_bytes(r['memory']['total'])})")
+    return "\n".join(out)
+
+
+def write_best(cfg: Config, best: dict, path: str, cluster: Cluster) -> Config:
+    """Write the best layout as a runnable config TOML (a header names the strategies and prediction)."""
+    c = config_for(cfg, best["layout"])
+    names = [f"{n}({strategy_degree(c, n)})" if n in ("data_parallel", "sharding", "pipeline", "tensor_parallel")
+             else n for n in enabled_strategies(c)]
+    head = [f"# hpengine plan for {cluster.world} devices ({cluster.nodes} x {cluster.gpus_per_node}, "
+            f"{cluster.mem_gb:g} GB): mpiexec -n {cluster.world} hpengine train {os.path.basename(path)}",
+            f"# strategies: {', '.join(names) or 'none (one rank)'}",
+            f"# predicted: {best['memory']['total'] / GB:.2f} GB per device, step {best['time']['step']:.3g} s"]
+    with open(path, "w") as fh:
+        fh.write("\n".join(head) + "\n" + to_toml(c))
+    load_config(path)          # what we wrote must load back
+    return c
+
+
+# ---- at train start, calibration, command line ------------------------------------------------------
+
+def check_at_start(cfg: Config, world: int, log, rank: int = 0) -> dict | None:
+    """Log the predicted per-rank memory (and step time with a cluster file in HPENGINE_CLUSTER);
+    warn when it exceeds the device memory (HPENGINE_DEVICE_MEMORY_GB or that file's mem_gb)."""
+    try:
+        path, mem = os.environ.get("HPENGINE_CLUSTER"), os.environ.get("HPENGINE_DEVICE_MEMORY_GB")
+        cluster = load_cluster(path) if path else None
+        limit = float(mem) * GB if mem else (cluster.mem_gb * GB if cluster else None)
+        r = evaluate(cfg, layout_of(cfg, world), cluster)
+    except (ConfigError, ValueError, OSError) as e:
+        log.warning("plan: no prediction for this job (%s)", e)
+        return None
+    m = r["memory"]
+    log.info("plan: predicted memory per rank (pp stage %d): %s", r["stage"],
+             ", ".join(f"{k} {_bytes(v)}" for k, v in m.items()))
+    if cluster is not None:
+        log.info("plan: predicted step %.3g s (compute %.3g s, bubble %.3g s) on the cluster in %s",
+                 r["time"]["step"], r["time"]["compute"], r["time"]["bubble"], path)
+    if limit is not None and m["total"] > limit and rank == 0:
+        log.warning("plan: predicted %s per rank exceeds the device memory of %s; try `hpengine plan`",
+                    _bytes(m["total"]), _bytes(limit))
+    return r
+
+
+def calibrate(gpus_per_node: int | None = None) -> str:
+    """Measure this machine (matmul FLOP/s per process; ping-pong latency and bandwidth between ranks 0
+    and 1 under mpiexec, else a memory copy) and return a [cluster] table for --cluster."""
+    import numpy as np
+    from mpi4py import MPI
+    w = MPI.COMM_WORLD
+
+    def rate(dtype, n=768):
+        a = np.ones((n, n), dtype=dtype)
+        return 2 * n**3 / _per_call(lambda: a @ a) / 1e12
+    f32, f64, f16 = rate(np.float32), rate(np.float64), rate(np.float16, 256)
+    a, b = np.ones(1 << 24), np.empty(1 << 24)     # one process: a memory copy stands in for the link
+    lat, bw = _pingpong(w, np) if w.Get_size() > 1 else (1e-6, a.nbytes / _per_call(lambda: np.copyto(b, a)))
+    gpn = gpus_per_node or (w.Get_size() if w.Get_size() > 1 else os.cpu_count() or 1)
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB / gpn
+    vals = {"nodes": 1, "gpus_per_node": gpn, "mem_gb": round(mem, 2), "intra_bw_gbs": round(bw / GB, 3),
+            "inter_bw_gbs": round(bw / GB, 3), "intra_latency_us": round(lat * 1e6, 3),
+            "inter_latency_us": round(lat * 1e6, 3), "tflops": round(max(f16, 1e-6), 6),
+            "tflops_fp32": round(f32, 6), "tflops_fp64": round(f64, 6)}
+    if w.Get_rank():
+        return ""
+    return "# measured by hpengine plan --calibrate\n[cluster]\n" + "".join(f"{k} = {v}\n" for k, v in vals.items())
+
+
+def _pingpong(w, np, reps=20):
+    """(one-way latency s, bandwidth B/s) between ranks 0 and 1."""
+    out = []
+    for n in (8, 1 << 24):
+        buf = np.zeros(n, dtype=np.uint8)
+        for i in range(-1, reps if n == 8 else 3):     # round -1 warms the connection up, untimed
+            if i == 0:
+                w.Barrier()
+                t = time.perf_counter()
+            if w.Get_rank() == 0:
+                w.Send(buf, 1)
+                w.Recv(buf, 1)
+            elif w.Get_rank() == 1:
+                w.Recv(buf, 0)
+                w.Send(buf, 0)
+        out.append((time.perf_counter() - t) / (2 * (reps if n == 8 else 3)))
+    lat, big = w.bcast(out, root=0)
+    return lat, (1 << 24) / max(big - lat, 1e-9)
+
+
+def _per_call(fn, reps: int = 3) -> float:
+    """Seconds per call of fn, after one untimed warm-up call."""
+    fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps
+
+
+CLUSTER_FLAGS = ("nodes", "gpus_per_node", "mem_gb", "intra_bw_gbs", "inter_bw_gbs", "intra_latency_us",
+                 "inter_latency_us", "tflops", "tflops_fp32", "tflops_fp64")
+
+
+def run(a) -> str:
+    """The `hpengine plan` command (arguments from cli.py); returns the text to print."""
+    if a.calibrate:
+        return calibrate(a.gpus_per_node)
+    cluster = load_cluster(a.cluster, **{k: getattr(a, k) for k in CLUSTER_FLAGS})
+    if a.check:
+        cfg = load_config(a.check, a.overrides)
+        world = a.world or cluster.world
+        if world < 1:
+            raise PlanError(f"--world {world}: must be >= 1")
+        return check_text(cfg, world, cluster)
+    cfg = load_config(a.config, a.overrides)
+    cfg = with_preset(cfg, a.model) if a.model else cfg
+    if a.global_batch:
+        cfg.train.global_batch = a.global_batch
+        validate(cfg)
+    t = time.perf_counter()
+    fit, n = search(cfg, cluster, a.max_micro_batch)
+    out = [f"hpengine plan: {cfg.model.kind} {_n_params(cfg) / 1e9:.3g}B parameters (d_model {cfg.model.d_model}, "
+           f"{cfg.model.n_layers} layers, seq {cfg.model.seq_len}, {cfg.model.dtype}), global batch "
+           f"{cfg.train.global_batch}, on {cluster.nodes} x {cluster.gpus_per_node} devices of {cluster.mem_gb:g} GB",
+           f"{n:,} layouts evaluated in {time.perf_counter() - t:.1f} s, {len(fit):,} fit; memory per device is the "
+           "worst pipeline stage's; times per optimizer step", "", table(fit, a.top), "",
+           f"best: {describe(fit[0]['layout'])}"]
+    if a.out:
+        write_best(cfg, fit[0], a.out, cluster)
+        out.append(f"wrote {a.out}: mpiexec -n {cluster.world} hpengine train {a.out}")
+    return "\n".join(out)

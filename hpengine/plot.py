@@ -1,0 +1,180 @@
+"""`hpengine plot RUN_DIR`: PNGs of a run folder — training and validation loss against step and tokens,
+throughput against step, and the pipeline Gantt chart (stages x time, forward/backward per micro-batch)
+drawn from trace.json. matplotlib is an optional extra (`pip install 'hpengine[plot]'`).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import tomllib
+from pathlib import Path
+
+TRACE_SWITCH = "--set runtime.trace=true (runtime.trace = true in the config)"
+
+
+class PlotError(ValueError):
+    """A run folder that cannot be plotted, or matplotlib missing; one clear line."""
+
+
+def read_run(run: Path) -> tuple[list[dict], int]:
+    """metrics.jsonl lines and tokens per step (per model), with clear errors for what is missing."""
+    if not run.is_dir():
+        raise PlotError(f"'{run}' is not a folder; give the run folder of a training run (its train.out_dir)")
+    metrics = run / "metrics.jsonl"
+    if not metrics.exists():
+        raise PlotError(f"'{run}' is not a run folder: it has no metrics.jsonl (`hpengine train` writes one into "
+                        f"train.out_dir)")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise PlotError(f"'{metrics}' holds no steps yet; plot again once the run has logged a step")
+    tokens = 0
+    if (run / "config.toml").exists():
+        t = tomllib.loads((run / "config.toml").read_text())
+        tokens = t.get("train", {}).get("global_batch", 0) * t.get("model", {}).get("seq_len", 0)
+    return rows, tokens
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotError("hpengine plot needs matplotlib, which is not installed: pip install 'hpengine[plot]' "
+                        "(or pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_run(run_dir, out_dir=None) -> tuple[list[Path], list[str]]:
+    """Write the PNGs of one run folder; returns (files written, notes on what could not be drawn)."""
+    run = Path(run_dir)
+    rows, tokens = read_run(run)
+    plt = _pyplot()
+    out = Path(out_dir) if out_dir else run / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    written = [plot_loss(plt, rows, tokens, out / "loss.png"), plot_throughput(plt, rows, out / "throughput.png")]
+    notes = []
+    trace = run / "trace.json"
+    if not trace.exists():
+        notes.append(f"no trace.json in '{run}': the pipeline Gantt chart is drawn from a timeline; record one with "
+                     f"{TRACE_SWITCH}")
+    else:
+        try:
+            doc = json.loads(trace.read_text())
+            events = doc["traceEvents"]
+        except (ValueError, KeyError) as exc:
+            raise PlotError(f"'{trace}' is not a Chrome trace written by hpengine ({exc})") from None
+        g = plot_gantt(plt, events, doc.get("otherData", {}).get("ranks", []), out / "pipeline_gantt.png")
+        if g is None:
+            notes.append(f"'{trace}' holds no forward/backward events (its oldest events may have been dropped; "
+                         f"raise runtime.trace_max_events)")
+        else:
+            written.append(g)
+    return written, notes
+
+
+def _by_model(rows):
+    models = {}
+    for r in rows:
+        models.setdefault(r.get("model", 0), []).append(r)
+    return models
+
+
+def plot_loss(plt, rows, tokens, path: Path) -> Path:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, xkey in zip(axes, ("step", "tokens")):
+        for model, rs in _by_model(rows).items():
+            tag = "" if len(set(r.get("model", 0) for r in rows)) == 1 else f" (model {model})"
+            x = [(r["step"] + 1) * (tokens if xkey == "tokens" else 1) for r in rs]
+            ax.plot(x, [r["loss"] for r in rs], lw=1.2, label="train" + tag)
+            val = [(xx, r["val_loss"]) for xx, r in zip(x, rs) if "val_loss" in r]
+            if val:
+                ax.plot(*zip(*val), "o-", ms=4, label="validation" + tag)
+        ax.set_xlabel("step" if xkey == "step" else "tokens (per model)")
+        ax.grid(alpha=0.3)
+    if not tokens:
+        axes[1].set_title("tokens unknown (no config.toml)")
+    axes[0].set_ylabel("loss")
+    axes[0].legend()
+    fig.suptitle("loss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_throughput(plt, rows, path: Path) -> Path:
+    rs = _by_model(rows)[rows[0].get("model", 0)]
+    steps, tps = [r["step"] + 1 for r in rs], [r["tokens_per_s"] for r in rs]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(steps, tps, lw=1.2, label="tokens/s (all models)")
+    med = statistics.median(tps[1:] or tps)
+    ax.axhline(med, ls="--", color="grey", label=f"median {med:,.0f} tokens/s")
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens / s")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def gantt_window(events) -> tuple[float, float, str]:
+    """The time window of the last training step recorded on every rank (all events if none)."""
+    steps = {}
+    for e in events:
+        if e.get("cat") == "step" and e["ph"] == "X":
+            s = e["args"].get("step")
+            lo, hi = steps.get(s, (float("inf"), float("-inf")))
+            steps[s] = (min(lo, e["ts"]), max(hi, e["ts"] + e["dur"]))
+    if steps:
+        last = max(steps)
+        return (*steps[last], f"step {last + 1}")
+    xs = [e for e in events if e["ph"] == "X"]
+    return min(e["ts"] for e in xs), max(e["ts"] + e["dur"] for e in xs), "whole trace"
+
+
+def plot_gantt(plt, events, ranks, path: Path, max_rows: int = 16):
+    """Stages x time for the last step: F (light) and B (dark) bars per micro-batch (colour), recv waits
+    grey. One row per rank (grouped by pipeline stage); with many ranks, one rank per stage."""
+    fb = [e for e in events if e["ph"] == "X" and e.get("cat") in ("forward", "backward", "pipeline idle")]
+    if not any(e["cat"] != "pipeline idle" for e in fb):
+        return None
+    lo, hi, what = gantt_window(events)
+    coords = {r["rank"]: r for r in ranks} or {p: {"pp": 0} for p in {e["pid"] for e in fb}}
+    rows = sorted(coords, key=lambda r: (coords[r].get("pp", 0), r))
+    if len(rows) > max_rows:
+        first = {}
+        for r in rows:
+            first.setdefault(coords[r].get("pp", 0), r)
+        rows = sorted(first.values(), key=lambda r: coords[r].get("pp", 0))
+    y = {r: i for i, r in enumerate(rows)}
+    cmap = plt.get_cmap("tab20")
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(rows) + 1.8))
+    for e in fb:
+        if e["pid"] not in y or e["ts"] + e["dur"] < lo or e["ts"] > hi:
+            continue
+        x0, w = (e["ts"] - lo) / 1e3, e["dur"] / 1e3
+        mb = e["args"].get("micro_batch", 0)
+        if e["cat"] == "pipeline idle":
+            ax.broken_barh([(x0, w)], (y[e["pid"]] - 0.15, 0.3), color="0.75")
+            continue
+        colour = cmap((2 * mb) % 20 + (1 if e["cat"] == "forward" else 0))
+        ax.broken_barh([(x0, w)], (y[e["pid"]] - 0.4, 0.8), facecolor=colour, edgecolor="black", lw=0.4)
+        if w > (hi - lo) / 1e3 / 60:
+            ax.text(x0 + w / 2, y[e["pid"]], e["name"], ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"stage {coords[r].get('pp', 0)} (r{r})" for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlim(0, (hi - lo) / 1e3)
+    ax.set_xlabel(f"ms since the start of {what}")
+    kind = "pipeline" if any(coords[r].get("pp", 0) for r in rows) else "no pipeline"
+    ax.set_title(f"{kind}, {what}: forward (light) / backward (dark) per micro-batch (colour), recv waits (grey)")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# 01 - single process: the reference run every parallel layout reproduces (DESIGN section 5): the
+# loss column of 02-06 matches this one. Extra arguments go to hpengine (e.g. --set data.path=my.h5).
+set -euo pipefail
+cd "$(dirname "$0")/.."                                       # repository root
+if [ -x .venv/bin/mpiexec ]; then PATH="$PWD/.venv/bin:$PATH"; fi   # the MPICH that mpi4py is built on
+OUT=${OUT:-runs/examples-$(date +%Y%m%d-%H%M%S)}              # run folders go under here
+
+mpiexec -n 1 hpengine train configs/default.toml \
+  --set model.d_model=64 --set model.seq_len=32 --set optim.warmup_steps=5 \
+  --set strategy.data_parallel.enable=false --set strategy.sharding.enable=false \
+  --set train.steps=20 --set train.eval_every=20 --set train.out_dir="$OUT/01_single_process" "$@"

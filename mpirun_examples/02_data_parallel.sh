@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# 02 - data parallel (configs/data_parallel.toml): 2 full replicas, each on half of every global
+# batch; gradients averaged by a bucketed all-reduce that overlaps backward.
+set -euo pipefail
+cd "$(dirname "$0")/.."                                       # repository root
+if [ -x .venv/bin/mpiexec ]; then PATH="$PWD/.venv/bin:$PATH"; fi   # the MPICH that mpi4py is built on
+OUT=${OUT:-runs/examples-$(date +%Y%m%d-%H%M%S)}              # run folders go under here
+
+mpiexec -n 2 hpengine train configs/data_parallel.toml \
+  --set model.d_model=64 --set model.seq_len=32 --set optim.warmup_steps=5 \
+  --set train.steps=20 --set train.eval_every=20 --set train.out_dir="$OUT/02_data_parallel" "$@"

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# 06 - every axis at once on 8 ranks (configs/hybrid_4d.toml): tp=2 (innermost) x sharding=2 (stage 2)
+# x pp=2 (1F1B), with recompute and gradient merge. Add data parallel with mpiexec -n 16 and
+# --set strategy.data_parallel.enable=true (degree -1 = the ranks left over).
+set -euo pipefail
+cd "$(dirname "$0")/.."                                       # repository root
+if [ -x .venv/bin/mpiexec ]; then PATH="$PWD/.venv/bin:$PATH"; fi   # the MPICH that mpi4py is built on
+OUT=${OUT:-runs/examples-$(date +%Y%m%d-%H%M%S)}              # run folders go under here
+
+mpiexec -n 8 hpengine train configs/hybrid_4d.toml \
+  --set model.d_model=64 --set model.seq_len=32 --set optim.warmup_steps=5 \
+  --set train.steps=20 --set train.eval_every=20 --set train.out_dir="$OUT/06_4d_mesh" "$@"

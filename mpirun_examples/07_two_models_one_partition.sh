@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# 07 - two models in one job (configs/two_models.toml, seed claim 6): both share one sharding partition
+# and one set of collectives; each trains exactly as it would alone. metrics.jsonl has one line per
+# model per step (a "model" field).
+set -euo pipefail
+cd "$(dirname "$0")/.."                                       # repository root
+if [ -x .venv/bin/mpiexec ]; then PATH="$PWD/.venv/bin:$PATH"; fi   # the MPICH that mpi4py is built on
+OUT=${OUT:-runs/examples-$(date +%Y%m%d-%H%M%S)}              # run folders go under here
+
+mpiexec -n 2 hpengine train configs/two_models.toml \
+  --set model.d_model=64 --set model.seq_len=32 --set optim.warmup_steps=5 \
+  --set train.steps=20 --set train.eval_every=20 --set train.out_dir="$OUT/07_two_models_one_partition" "$@"

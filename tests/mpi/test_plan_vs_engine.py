@@ -1,0 +1,66 @@
+"""The planner against the engine: for layouts of a tiny float64 model at this world size, the predicted
+parameter, gradient and optimizer bytes equal Engine.memory() on every rank, the predicted bytes of every
+communicator and operation equal the comm.py counters over two steps, and the predicted activation bytes
+are within 10% of the engine's counted live caches (here they are equal)."""
+import pytest
+
+from helpers import config, need
+from hpengine.plan_model import for_rank
+from hpengine.train import build
+
+S = "strategy."
+DP = [S + "data_parallel.enable=true"]
+SH = [S + "sharding.enable=true"]
+PP2 = [S + "pipeline.enable=true", S + "pipeline.degree=2"]
+TP2 = [S + "tensor_parallel.enable=true", S + "tensor_parallel.degree=2"]
+
+ANY = lambda n: True           # noqa: E731
+EVEN = lambda n: n % 2 == 0    # noqa: E731
+UPTO4 = lambda n: n <= 4       # noqa: E731
+
+# (name, which world sizes it fits, overrides); degrees of -1 take the ranks left over
+LAYOUTS = [
+    ("dp", ANY, DP),
+    ("sharding1", ANY, SH + [S + "sharding.stage=1"]),
+    ("sharding2_flat_f32", ANY, SH + [S + "sharding.stage=2", S + "sharding.partition=flat", "model.dtype=float32"]),
+    ("sharding3_tied", ANY, SH + [S + "sharding.stage=3", "model.tie_head=true"]),
+    ("tp", UPTO4, [S + "tensor_parallel.enable=true", "model.n_heads=4"]),
+    ("tp_mlp", ANY, [S + "tensor_parallel.enable=true", "model.kind=mlp"]),
+    ("pp2_1f1b_dp", EVEN, PP2 + DP + [S + "pipeline.micro_batches=2"]),
+    ("pp2_fthenb_sharding_tied", EVEN, PP2 + SH + [S + "pipeline.micro_batches=2", S + "pipeline.schedule=fthenb",
+                                                   "model.tie_head=true"]),
+    ("pp2_interleaved", EVEN, PP2 + DP + [S + "pipeline.micro_batches=2", S + "pipeline.schedule=interleaved",
+                                          S + "pipeline.virtual_stages=2", "model.n_layers=4"]),
+    ("tp2_sharding2", EVEN, TP2 + SH + [S + "sharding.stage=2"]),
+    ("tp2_pp2_dp", lambda n: n % 4 == 0, TP2 + PP2 + DP + [S + "pipeline.micro_batches=2"]),
+    ("merge_recompute_dp", UPTO4, DP + [S + "gradient_merge.enable=true", S + "gradient_merge.k_steps=2",
+                                        S + "recompute.enable=true", "model.n_layers=3"]),
+    ("amp_sharding2", ANY, SH + [S + "sharding.stage=2", S + "amp.enable=true", "model.dtype=float32"]),
+    ("amp_tp2_pp2_tied", lambda n: n % 4 == 0, TP2 + PP2 + DP + [
+        S + "amp.enable=true", "model.dtype=float32", "model.tie_head=true", S + "pipeline.micro_batches=2"]),
+    ("two_models_sharding1", ANY, SH + ["train.models=2"]),
+]
+
+
+@pytest.mark.parametrize("name,fits,extra", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_plan_equals_engine(corpus, world, name, fits, extra):
+    n = world.Get_size()
+    need(fits(n), f"{name} does not fit a world of {n} ranks")
+    cfg = config(corpus, "runtime.backend=numpy", *extra)
+    eng = build(cfg, world)
+    for c in eng.mesh.comms.values():
+        if c is not None:
+            c.reset_stats()
+    steps = 2
+    for s in range(steps):
+        eng.train_step(s)
+    pred = for_rank(cfg, n, eng.mesh.coords)
+    got, want = eng.memory(), pred["memory"]
+    where = f"{name} at {eng.mesh.prefix()}"
+    assert (got["param_bytes"], got["grad_bytes"], got["optim_bytes"]) == \
+        (want["params"], want["grads"], want["optimizer"]), where
+    assert abs(want["activations"] - got["activation_peak_bytes"]) <= 0.1 * got["activation_peak_bytes"], where
+    counted = {axis: {op: v[1] for op, v in c.stats.items()}
+               for axis, c in eng.mesh.comms.items() if c is not None and c.stats}
+    predicted = {axis: {op: steps * b for op, b in ops.items()} for axis, ops in pred["traffic"].items()}
+    assert counted == predicted, where
