@@ -206,17 +206,20 @@ class Engine:
             b, c = chunk[n], caches[n]
             caches[n] = None
             if b == "head":
-                d = m.head_backward(xp, c, self._G(slot, b), tp, self._P(slot, b, chunk[n - 1] if n else None),
+                prev = chunk[n - 1] if n and chunk[n - 1] != "embed" else None
+                d = m.head_backward(xp, c, self._G(slot, b), tp, self._P(slot, b, prev),
                                     self.scaler.scale if self.scaler else 1.0)
             elif b == "embed":
                 m.embed_backward(xp, d, c, self._G(slot, b), tp)
                 d = None
             else:
                 i = int(b[2:])
+                # stage 3 gathers the block's parameters again here, prefetching the block before it
+                prev = chunk[n - 1] if n and chunk[n - 1] != "embed" else None   # embed backward reads no params
+                P = self._P(slot, b, prev)
                 if isinstance(c, Recompute):     # rebuild this block's activations from its input
-                    _, c = m.layer_forward(xp, self._P(slot, b), i, c.x, tp)
-                    self.sync.release(slot.prefix + b)
-                d = m.layer_backward(xp, d, c, self._G(slot, b), i, tp)
+                    _, c = m.layer_forward(xp, P, i, c.x, tp)
+                d = m.layer_backward(xp, d, c, P, self._G(slot, b), i, tp)
             self._done(slot, b)
         return d
 

@@ -187,16 +187,9 @@ def recomputed(lay: Layout, block: str) -> bool:
 
 def chunk_activations(mcfg, st: Stage, chunk, lay: Layout, item: int) -> int:
     """Cached bytes of one micro-batch through one chunk: a recomputed layer keeps only its input.
-    Under stage 3 the caches also hold the gathered weights of their blocks (freed in backward)."""
-    a, w = block_activations(mcfg, lay, item), precision(mcfg, lay.amp)[0]
-    total = 0
-    for b in chunk:
-        kind = "input" if recomputed(lay, b) else b if b in ("embed", "head") else "layer"
-        total += a[kind]
-        if lay.zstage == 3 and kind in ("layer", "head"):
-            total += st.block(b) * w
-    tied = mcfg.tie_head and "embed" in st.names and "head" in chunk
-    return total + (st.block("embed") * w if lay.zstage == 3 and tied else 0)
+    Caches hold no weights (backward is handed them), so stage 3 frees gathered blocks after use."""
+    a = block_activations(mcfg, lay, item)
+    return sum(a["input" if recomputed(lay, b) else b if b in ("embed", "head") else "layer"] for b in chunk)
 
 
 def activations(mcfg, st: Stage, lay: Layout, stage: int, item: int) -> int:
@@ -244,16 +237,15 @@ def buffers(mcfg, st: Stage, lay: Layout, own: int) -> int:
 # ---- communication ---------------------------------------------------------------------------------
 
 def gathered_per_microbatch(mcfg, st: Stage) -> int:
-    """Elements stage 3 gathers per micro-batch and model: every block in forward (the tied head needs
-    the embedding again), then the head, its embedding and the block before it in backward (prefetch)."""
+    """Elements stage 3 gathers per micro-batch and model: every block in forward and again in backward
+    (except the embedding, whose backward reads no parameters); a tied head gathers the embedding with
+    it both times."""
     tied = mcfg.tie_head and "embed" in st.names and "head" in st.names
     total = 0
     for chunk in st.chunks:
-        total += sum(st.block(b) for b in chunk)
-        if "head" in chunk:
-            dep = st.block("embed") if tied else 0
-            i = chunk.index("head")
-            total += 2 * dep + st.block("head") + (st.block(chunk[i - 1]) if i else 0)
+        total += 2 * sum(st.block(b) for b in chunk) - (st.block("embed") if "embed" in chunk else 0)
+        if "head" in chunk and tied:
+            total += 2 * st.block("embed")
     return total
 
 

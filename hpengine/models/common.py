@@ -98,11 +98,11 @@ def head_forward(xp, P, x, targets, norm, tp, tied):
 def head_backward(xp, cache, G, tp, tied, P, dloss=1.0):
     c_ln, c_lin, c_ce = cache
     dlogits = tp.cross_entropy_backward(xp, c_ce, dloss)   # dloss = the amp loss scale
-    _, dw = head_weight(P, G, tied)
+    w, dw = head_weight(P, G, tied)
     if dlogits.dtype != dw.dtype:
         dlogits = dlogits.astype(dw.dtype)
-    dh = tp.copy_bwd(linear_backward(xp, dlogits, c_lin, dw))
-    return layernorm_backward(xp, dh, c_ln, G["ln_f.w"], G["ln_f.b"])
+    dh = tp.copy_bwd(linear_backward(xp, dlogits, c_lin, w, dw))
+    return layernorm_backward(xp, dh, c_ln, P["ln_f.w"], G["ln_f.w"], G["ln_f.b"])
 
 
 def mlp_forward(xp, P, p, x, tp):
@@ -117,11 +117,11 @@ def mlp_forward(xp, P, p, x, tp):
     return o, (c1, c2, c3)
 
 
-def mlp_backward(xp, do, cache, G, p, tp):
+def mlp_backward(xp, do, cache, P, G, p, tp):
     c1, c2, c3 = cache
     G[f"{p}.proj.b"] += do.reshape(-1, do.shape[-1]).sum(axis=0)
     c3 = linear_restore_input(c3, gelu_recompute(xp, c2))
-    dg = linear_backward(xp, tp.reduce_bwd(do), c3, G[f"{p}.proj.w"])
+    dg = linear_backward(xp, tp.reduce_bwd(do), c3, P[f"{p}.proj.w"], G[f"{p}.proj.w"])
     del c3
     dh = gelu_backward(xp, dg, c2)
-    return tp.copy_bwd(linear_backward(xp, dh, c1, G[f"{p}.fc.w"], G[f"{p}.fc.b"]))
+    return tp.copy_bwd(linear_backward(xp, dh, c1, P[f"{p}.fc.w"], G[f"{p}.fc.w"], G[f"{p}.fc.b"]))

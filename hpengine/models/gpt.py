@@ -73,17 +73,18 @@ class GPT:
         x1 += m
         return x1, (c_ln1, c_qkv, c_att, c_proj, c_ln2, c_mlp)
 
-    def layer_backward(self, xp, dy, cache, G, i, tp):
+    def layer_backward(self, xp, dy, cache, P, G, i, tp):
         p = f"h.{i}"
         c_ln1, c_qkv, c_att, c_proj, c_ln2, c_mlp = cache
-        dh2 = mlp_backward(xp, dy, c_mlp, G, f"{p}.mlp", tp)
-        dx1 = layernorm_backward(xp, dh2, c_ln2, G[f"{p}.ln2.w"], G[f"{p}.ln2.b"])
+        dh2 = mlp_backward(xp, dy, c_mlp, P, G, f"{p}.mlp", tp)
+        dx1 = layernorm_backward(xp, dh2, c_ln2, P[f"{p}.ln2.w"], G[f"{p}.ln2.w"], G[f"{p}.ln2.b"])
         dx1 += dy
         G[f"{p}.attn.proj.b"] += dx1.reshape(-1, self.C).sum(axis=0)
-        da = linear_backward(xp, tp.reduce_bwd(dx1), c_proj, G[f"{p}.attn.proj.w"])
+        da = linear_backward(xp, tp.reduce_bwd(dx1), c_proj, P[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.w"])
         dqkv = attention_backward(xp, da, c_att)
-        dh = tp.copy_bwd(linear_backward(xp, dqkv, c_qkv, G[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.b"]))
-        dx1 += layernorm_backward(xp, dh, c_ln1, G[f"{p}.ln1.w"], G[f"{p}.ln1.b"])
+        dh = tp.copy_bwd(linear_backward(xp, dqkv, c_qkv, P[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.w"],
+                                                   G[f"{p}.attn.qkv.b"]))
+        dx1 += layernorm_backward(xp, dh, c_ln1, P[f"{p}.ln1.w"], G[f"{p}.ln1.w"], G[f"{p}.ln1.b"])
         return dx1
 
     def head_forward(self, xp, P, x, targets, norm, tp):

@@ -49,11 +49,11 @@ class MLP:
         m, c_mlp = mlp_forward(xp, P, f"{p}.mlp", h, tp)
         return x + m, (c_ln, c_mlp)
 
-    def layer_backward(self, xp, dy, cache, G, i, tp):
+    def layer_backward(self, xp, dy, cache, P, G, i, tp):
         p = f"h.{i}"
         c_ln, c_mlp = cache
-        dh = mlp_backward(xp, dy, c_mlp, G, f"{p}.mlp", tp)
-        return dy + layernorm_backward(xp, dh, c_ln, G[f"{p}.ln.w"], G[f"{p}.ln.b"])
+        dh = mlp_backward(xp, dy, c_mlp, P, G, f"{p}.mlp", tp)
+        return dy + layernorm_backward(xp, dh, c_ln, P[f"{p}.ln.w"], G[f"{p}.ln.w"], G[f"{p}.ln.b"])
 
     def head_forward(self, xp, P, x, targets, norm, tp):
         return head_forward(xp, P, x, targets, norm, tp, self.tied)

@@ -31,12 +31,12 @@ def layernorm_forward(xp, x, w, b, eps=1e-5):
     xhat *= rstd
     y = xhat * w
     y += b
-    return y.reshape(x.shape), (xhat, rstd, w)
+    return y.reshape(x.shape), (xhat, rstd)
 
 
-def layernorm_backward(xp, dy, cache, dw, db):
-    # dy: (..., C), dw: (C,), db: (C,) -> dx: (..., C)
-    xhat, rstd, w = cache
+def layernorm_backward(xp, dy, cache, w, dw, db):
+    # dy: (..., C), w, dw, db: (C,) -> dx: (..., C)
+    xhat, rstd = cache
     C = w.shape[0]
     dy2 = dy.reshape(-1, C)
     db += dy2.sum(axis=0)

@@ -11,12 +11,13 @@ def linear_forward(xp, x, w, b=None):
     y = x2 @ w
     if b is not None:
         y += b
-    return y.reshape(*lead, w.shape[1]), (x2, w, lead)
+    # the cache keeps no weight: under stage-3 sharding the gathered weights are freed after forward
+    return y.reshape(*lead, w.shape[1]), (x2, lead)
 
 
-def linear_backward(xp, dy, cache, dw, db=None):
-    # dy: (..., OC), dw: (C, OC), db: (OC,) or None -> dx: (..., C)
-    x2, w, lead = cache
+def linear_backward(xp, dy, cache, w, dw, db=None):
+    # dy: (..., OC), w, dw: (C, OC), db: (OC,) or None -> dx: (..., C)
+    x2, lead = cache
     dy2 = dy.reshape(-1, w.shape[1])
     dw += x2.T @ dy2
     if db is not None:

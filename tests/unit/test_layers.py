@@ -67,7 +67,7 @@ def test_linear_fd(bias):
     np.testing.assert_allclose(y, x @ w + (b if bias else 0), rtol=1e-12)
     dw = np.zeros_like(w)
     db = np.zeros(6) if bias else None
-    dx = nn.linear_backward(np, ry, cache, dw, db)
+    dx = nn.linear_backward(np, ry, cache, w, dw, db)
     f = lambda: np.sum(nn.linear_forward(np, x, w, b)[0] * ry)
     assert_close_grad(numgrad(f, x), dx, "dx")
     assert_close_grad(numgrad(f, w), dw, "dw")
@@ -81,11 +81,11 @@ def test_linear_accumulates():
     dy = r.standard_normal((B, T, 4))
     _, cache = nn.linear_forward(np, x, w, b)
     dw0, db0 = np.zeros_like(w), np.zeros_like(b)
-    nn.linear_backward(np, dy, cache, dw0, db0)
+    nn.linear_backward(np, dy, cache, w, dw0, db0)
     pw, pb = r.standard_normal(w.shape), r.standard_normal(b.shape)
     dw, db = pw.copy(), pb.copy()
-    nn.linear_backward(np, dy, cache, dw, db)
-    nn.linear_backward(np, dy, cache, dw, db)
+    nn.linear_backward(np, dy, cache, w, dw, db)
+    nn.linear_backward(np, dy, cache, w, dw, db)
     np.testing.assert_allclose(dw, pw + 2 * dw0, rtol=1e-12)
     np.testing.assert_allclose(db, pb + 2 * db0, rtol=1e-12)
 
@@ -202,7 +202,7 @@ def test_layernorm_fd():
     mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
     np.testing.assert_allclose(y, (x - mu) / np.sqrt(var + 1e-5) * w + b, rtol=1e-12, atol=1e-12)
     dw, db = np.zeros_like(w), np.zeros_like(b)
-    dx = nn.layernorm_backward(np, ry, cache, dw, db)
+    dx = nn.layernorm_backward(np, ry, cache, w, dw, db)
     f = lambda: np.sum(nn.layernorm_forward(np, x, w, b)[0] * ry)
     assert_close_grad(numgrad(f, x), dx, "dx")
     assert_close_grad(numgrad(f, w), dw, "dw")
@@ -215,11 +215,11 @@ def test_layernorm_accumulates():
     dy = r.standard_normal((B, T, C))
     _, cache = nn.layernorm_forward(np, x, w, b)
     gw, gb = np.zeros(C), np.zeros(C)
-    dx0 = nn.layernorm_backward(np, dy, cache, gw, gb)
+    dx0 = nn.layernorm_backward(np, dy, cache, w, gw, gb)
     pw, pb = r.standard_normal(C), r.standard_normal(C)
     dw, db = pw.copy(), pb.copy()
-    nn.layernorm_backward(np, dy, cache, dw, db)
-    dx1 = nn.layernorm_backward(np, dy, cache, dw, db)
+    nn.layernorm_backward(np, dy, cache, w, dw, db)
+    dx1 = nn.layernorm_backward(np, dy, cache, w, dw, db)
     np.testing.assert_allclose(dw, pw + 2 * gw, rtol=1e-12)
     np.testing.assert_allclose(db, pb + 2 * gb, rtol=1e-12)
     np.testing.assert_allclose(dx1, dx0, rtol=1e-12)  # backward must not mutate its cache
@@ -381,7 +381,7 @@ def test_float32_preserved_everywhere():
 
     y, c = nn.linear_forward(np, x, wc, vec)
     dw, db = strict_zeros((C, C), f32), strict_zeros(C, f32)
-    check(y, nn.linear_backward(np, dy, c, dw, db), dw, db)
+    check(y, nn.linear_backward(np, dy, c, wc, dw, db), dw, db)
 
     idx = r.integers(0, V, (B, T))
     we = r.standard_normal((V, C)).astype(f32)
@@ -393,7 +393,7 @@ def test_float32_preserved_everywhere():
 
     y, c = nn.layernorm_forward(np, x, vec, vec)
     dw, db = strict_zeros(C, f32), strict_zeros(C, f32)
-    check(y, nn.layernorm_backward(np, dy, c, dw, db), dw, db)
+    check(y, nn.layernorm_backward(np, dy, c, vec, dw, db), dw, db)
 
     for fwd, bwd in [(nn.gelu_forward, nn.gelu_backward), (nn.relu_forward, nn.relu_backward)]:
         y, c = fwd(np, x)

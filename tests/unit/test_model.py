@@ -56,7 +56,7 @@ def forward_backward(model, params, x, y, norm, grads=None) -> float:
         return float(loss)
     dh = model.head_backward(xp, c_head, grads, tp, params)
     for i in reversed(range(model.n_layers)):
-        dh = model.layer_backward(xp, dh, caches[i], grads, i, tp)
+        dh = model.layer_backward(xp, dh, caches[i], params, grads, i, tp)
     model.embed_backward(xp, dh, c_emb, grads, tp)
     return float(loss)
 
