@@ -4,6 +4,7 @@ forward/backward over the step's passes, gradient sync, clipping, AdamW, paramet
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import resource
@@ -263,10 +264,13 @@ class Engine:
         tr.lap("data", t)
         self.sync.begin_step()
         losses, rows = [0.0] * len(self.slots), self.share // self.k
-        for j in range(self.k):
-            for s, (x, y) in zip(self.slots, batches):
-                part = slice(j * rows, (j + 1) * rows)
-                losses[s.index] += self.forward_backward(s, x[part], y[part], norm, last_pass=(j == self.k - 1))
+        # under amp an overflow is expected and handled (the step is skipped): no NumPy warnings for it
+        with np.errstate(over="ignore", invalid="ignore") if self.scaler else contextlib.nullcontext():
+            for j in range(self.k):
+                for s, (x, y) in zip(self.slots, batches):
+                    part = slice(j * rows, (j + 1) * rows)
+                    losses[s.index] += self.forward_backward(s, x[part], y[part], norm,
+                                                             last_pass=(j == self.k - 1))
         t = tr.now()
         self._sum_tied()
         g, own = self.sync.reduce_grads(), self.sync.owned

@@ -15,6 +15,15 @@ TEXT = (b"The quick brown fox jumps over the lazy dog. " * 40
         + bytes(range(32, 127)) * 20 + b"def f(x):\n    return x * 2\n" * 60)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """Only rank 0 prints pytest's report; a failure on any rank still reaches stderr (below)."""
+    if WORLD.Get_rank() > 0:
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            config.pluginmanager.unregister(reporter)
+
+
 def pytest_runtest_makereport(item, call):
     if call.excinfo is not None and call.when == "call" and WORLD.Get_size() > 1:
         if call.excinfo.errisinstance(pytest.skip.Exception):
