@@ -10,7 +10,7 @@ export MKL_NUM_THREADS ?= 1
 MPIEXEC := $(BIN)/mpiexec
 TEST_TIMEOUT ?= 300
 
-.PHONY: train test test-unit test-mpi bench clean-venv
+.PHONY: train test test-unit test-mpi test-cluster bench clean-venv
 
 # (re)install when the venv is missing or older than setup.cfg
 $(STAMP): setup.cfg pyproject.toml
@@ -34,8 +34,18 @@ test-mpi: $(STAMP)
 	  $(MPIEXEC) -n $$n $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/mpi || exit 1; \
 	done
 
+# a real single-node SLURM (slurmctld + slurmd + munge) started by the tests themselves; installs
+# Debian's packages when they are missing and apt-get is usable, else the tests skip with the reason
+SLURM_PKGS := slurm-wlm slurmctld slurmd slurm-client munge slurm-wlm-torque
+test-cluster: $(STAMP)
+	@command -v sbatch >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SLURM_PKGS)) >/dev/null 2>&1 \
+	  || echo "SLURM not installed and not installable here: tests/cluster will skip"; }
+	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/cluster
+
+# every strategy at 1, 2 and 4 ranks, interleaved repeats, a markdown table (not part of make test)
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_core.py
+	$(BIN)/python benchmarks/bench_all.py
 
 clean-venv:
 	rm -rf $(VENV)

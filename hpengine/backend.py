@@ -7,6 +7,8 @@ CUDA-aware MPI, through the pinned host buffers of `HostStaging` around each MPI
 from __future__ import annotations
 
 import ctypes
+import os
+import sys
 import logging
 from collections import OrderedDict
 
@@ -122,6 +124,23 @@ class HostStaging:
     def stage_in(self, host, arr) -> None:
         arr.set(host)
         self.cupy.cuda.get_current_stream().synchronize()   # host may be reused by the next MPI call
+
+
+def keep_heap() -> bool:
+    """Ask glibc to keep freed memory instead of returning it to the kernel after every step.
+
+    Each step frees its activations after backward; with glibc's defaults the heap is trimmed and large
+    blocks are unmapped, so the next forward page-faults them back in (~19,000 minor faults, ~50 ms per
+    step of the reference model, benchmarks/README.md). Keeping the heap (trim threshold 1 GiB, mmap
+    threshold 32 MiB) removes that. No effect outside glibc; an explicit MALLOC_* environment wins."""
+    if sys.platform != "linux" or os.environ.get("MALLOC_TRIM_THRESHOLD_") or os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_trim_threshold, 1 << 30)) and bool(libc.mallopt(m_mmap_threshold, 32 << 20))
 
 
 def cupy_usable() -> bool:

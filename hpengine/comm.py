@@ -8,6 +8,8 @@ from collections import defaultdict
 
 from mpi4py import MPI
 
+from .launch import note_comm
+
 
 class Staged:
     """A non-blocking request whose host staging buffer is copied back into the device array when it
@@ -47,6 +49,7 @@ class Comm:
         st = self.stats[op]
         st[0] += 1
         st[1] += int(arr.nbytes)
+        note_comm(op, self.name, arr.nbytes)     # what the hang watchdog names if this call never returns
 
     def _out(self, arr, copy=True):
         """The buffer MPI may touch for arr (arr itself on NumPy or CUDA-aware MPI), after a sync."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from mpi4py import MPI
 
 from . import checkpoint, launch, plan, trace
-from .backend import BackendError, make_backend, node_ranks
+from .backend import BackendError, keep_heap, make_backend, node_ranks
 from .comm import Comm
 from .config import enabled_strategies, strategy_degree, to_toml
 from .data import TokenDataset, ensure_default_corpus
@@ -153,6 +153,8 @@ def build(cfg, world=None):
     check_implemented(cfg)
     degrees = {a: strategy_degree(cfg, SWITCH_OF_AXIS[a]) for a in AXES}
     backend = agreed_backend(cfg, world)
+    if not backend.is_gpu:
+        keep_heap()
     mesh = Mesh(world, degrees, cfg.mesh.order, wrap=lambda c, a: Comm(c, a, backend))
     setup_logging(mesh)
     check_batch(cfg, mesh)

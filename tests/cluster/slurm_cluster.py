@@ -4,8 +4,10 @@ Debian's slurm-wlm, slurmctld, slurmd, slurm-client, munge (and slurm-wlm-torque
 """
 from __future__ import annotations
 
+import ctypes
 import getpass
 import os
+import random
 import shutil
 import signal
 import socket
@@ -17,6 +19,7 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "srun")
 SLURM_CONF = """\
 ClusterName=hpetest
+FirstJobId={first_job}
 SlurmctldHost={host}
 SlurmctldPort={ctld_port}
 SlurmdPort={d_port}
@@ -56,6 +59,14 @@ def missing_tools() -> list[str]:
     return [t for t in DAEMONS + CLIENTS if shutil.which(t, path=path) is None]
 
 
+def _die_with_parent():
+    """Linux: the daemon gets SIGTERM when the test process dies, even if it is killed (no teardown)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -78,15 +89,15 @@ class SlurmCluster:
     def _start(self, name, args):
         exe = shutil.which(name, path="/usr/sbin:/sbin:" + os.environ.get("PATH", ""))
         log = open(self.dir / f"{name}.stdout", "w")
-        self.procs[name] = subprocess.Popen([exe, *args], stdout=log, stderr=subprocess.STDOUT,
-                                            env=self.env(), start_new_session=True)
+        self.procs[name] = subprocess.Popen([exe, *args], stdout=log, stderr=subprocess.STDOUT, env=self.env(),
+                                            start_new_session=True, preexec_fn=_die_with_parent)
 
     def up(self, timeout: float = 60) -> "SlurmCluster":
         for sub in ("state", "spool", "munge"):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         self.conf.write_text(SLURM_CONF.format(host=self.host, ctld_port=_free_port(), d_port=_free_port(),
                                                dir=self.dir, cpus=self.cpus, threads=max(1, self.cpus // 2),
-                                               user=getpass.getuser()))
+                                               user=getpass.getuser(), first_job=random.randrange(10**5, 10**7)))
         key = self.dir / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
@@ -121,7 +132,13 @@ class SlurmCluster:
         return "\n".join(out)
 
     def down(self) -> None:
-        """Stop the daemons this object started (by pid; their own children go with their session)."""
+        """Cancel what is still queued or running, then stop the daemons this object started (by pid)."""
+        if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
+            subprocess.run(["scancel", "--full", "--partition=debug"], env=self.env(), capture_output=True)
+            t_end = time.monotonic() + 30
+            while time.monotonic() < t_end and subprocess.run(
+                    ["squeue", "-h"], capture_output=True, text=True, env=self.env()).stdout.strip():
+                time.sleep(0.5)
         for name in reversed(list(self.procs)):
             p = self.procs.pop(name)
             if p.poll() is None:

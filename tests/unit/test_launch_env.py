@@ -24,6 +24,14 @@ LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS", "SLUR
 needs_mpiexec = pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec from the mpich wheel not installed")
 
 
+@pytest.fixture(autouse=True)
+def restore_launch_state():
+    """Watchdogs and signal handlers record per-process state; give each test a clean copy."""
+    saved = dict(launch._state)
+    yield
+    launch._state.update(saved)
+
+
 class FakeWorld:
     """Size and an allgather that returns what the other ranks would have seen."""
 
@@ -125,10 +133,7 @@ def _fired(timeout_s, beat_every=None, run_s=0.6):
 
 def test_watchdog_fires_without_heartbeats_and_names_rank_and_phase():
     launch.note_comm("allreduce", "dp", 4096)
-    try:
-        fired, text = _fired(0.2, run_s=5)
-    finally:
-        launch._state["comm"] = None
+    fired, text = _fired(0.2, run_s=5)
     assert fired
     first = text.splitlines()[0]
     assert first.startswith("hpengine: watchdog: rank 0 [r0 dp0 sh0 pp0 tp0] made no progress")
@@ -153,7 +158,6 @@ def test_stop_signal_sets_flag_and_restores_handler():
         assert launch.stop_requested() == "SIGUSR1"
     finally:
         restore()
-        launch._state["signal"] = 0
     assert signal.getsignal(signal.SIGUSR1) is before
 
 
