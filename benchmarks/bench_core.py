@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+from _threads import ensure_threads  # noqa: E402 - benchmarks/ is sys.path[0]
 
 
 def parse(argv=None):
@@ -32,12 +32,6 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def ensure_threads(n: int) -> None:
-    """Re-exec with the thread variables set unless they already are (BLAS reads them at load)."""
-    if n <= 0 or all(os.environ.get(v) == str(n) for v in THREAD_VARS):
-        return
-    env = dict(os.environ, **{v: str(n) for v in THREAD_VARS})
-    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
 
 
 def run(a) -> dict:
@@ -92,7 +86,7 @@ def table(r: dict) -> str:
 
 def main(argv=None) -> int:
     a = parse(argv)
-    ensure_threads(a.threads)
+    ensure_threads(a.threads, __file__)
     r = run(a)
     print(table(r))
     if a.json:

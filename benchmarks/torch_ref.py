@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+from _threads import ensure_threads  # noqa: E402 - benchmarks/ is sys.path[0]
 
 
 def parse(argv=None):
@@ -39,11 +39,6 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def ensure_threads(n: int) -> None:
-    if n <= 0 or all(os.environ.get(v) == str(n) for v in THREAD_VARS):
-        return
-    env = dict(os.environ, **{v: str(n) for v in THREAD_VARS})
-    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
 
 
 def build(a, torch):
@@ -104,7 +99,7 @@ def build(a, torch):
 
 def main(argv=None) -> int:
     a = parse(argv)
-    ensure_threads(a.threads)
+    ensure_threads(a.threads, __file__)
     try:
         import torch  # noqa: PLC0415
     except ImportError:

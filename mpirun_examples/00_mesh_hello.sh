@@ -2,7 +2,6 @@
 # 00 - mesh hello: 4 ranks on a tp=2 x dp=2 mesh; every rank reports its coordinates and the
 # world ranks of its tp and dp groups (what hpengine.topology.Mesh builds with Comm.Split).
 set -euo pipefail
-cd "$(dirname "$0")/.."                                       # repository root
-if [ -x .venv/bin/mpiexec ]; then PATH="$PWD/.venv/bin:$PATH"; fi   # the MPICH that mpi4py is built on
+source "$(dirname "$0")/_env.sh"                             # repo root, venv MPICH on PATH, $OUT
 
 mpiexec -n 4 python mpirun_examples/00_mesh_hello.py "$@"

@@ -2,9 +2,7 @@
 # 01 - single process: the reference run every parallel layout reproduces (DESIGN section 5): the
 # loss column of 02-06 matches this one. Extra arguments go to hpengine (e.g. --set data.path=my.h5).
 set -euo pipefail
-cd "$(dirname "$0")/.."                                       # repository root
-if [ -x .venv/bin/mpiexec ]; then PATH="$PWD/.venv/bin:$PATH"; fi   # the MPICH that mpi4py is built on
-OUT=${OUT:-runs/examples-$(date +%Y%m%d-%H%M%S)}              # run folders go under here
+source "$(dirname "$0")/_env.sh"                             # repo root, venv MPICH on PATH, $OUT
 
 mpiexec -n 1 hpengine train configs/default.toml \
   --set model.d_model=64 --set model.seq_len=32 --set optim.warmup_steps=5 \

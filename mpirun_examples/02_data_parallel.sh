@@ -2,9 +2,7 @@
 # 02 - data parallel (configs/data_parallel.toml): 2 full replicas, each on half of every global
 # batch; gradients averaged by a bucketed all-reduce that overlaps backward.
 set -euo pipefail
-cd "$(dirname "$0")/.."                                       # repository root
-if [ -x .venv/bin/mpiexec ]; then PATH="$PWD/.venv/bin:$PATH"; fi   # the MPICH that mpi4py is built on
-OUT=${OUT:-runs/examples-$(date +%Y%m%d-%H%M%S)}              # run folders go under here
+source "$(dirname "$0")/_env.sh"                             # repo root, venv MPICH on PATH, $OUT
 
 mpiexec -n 2 hpengine train configs/data_parallel.toml \
   --set model.d_model=64 --set model.seq_len=32 --set optim.warmup_steps=5 \

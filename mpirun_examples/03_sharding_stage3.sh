@@ -3,9 +3,7 @@
 # state split by element count; each rank updates only the tensors it owns; a block's parameters are
 # gathered just before it runs.
 set -euo pipefail
-cd "$(dirname "$0")/.."                                       # repository root
-if [ -x .venv/bin/mpiexec ]; then PATH="$PWD/.venv/bin:$PATH"; fi   # the MPICH that mpi4py is built on
-OUT=${OUT:-runs/examples-$(date +%Y%m%d-%H%M%S)}              # run folders go under here
+source "$(dirname "$0")/_env.sh"                             # repo root, venv MPICH on PATH, $OUT
 
 mpiexec -n 4 hpengine train configs/sharding_stage3.toml \
   --set model.d_model=64 --set model.seq_len=32 --set optim.warmup_steps=5 \

@@ -3,9 +3,7 @@
 # x pp=2 (1F1B), with recompute and gradient merge. Add data parallel with mpiexec -n 16 and
 # --set strategy.data_parallel.enable=true (degree -1 = the ranks left over).
 set -euo pipefail
-cd "$(dirname "$0")/.."                                       # repository root
-if [ -x .venv/bin/mpiexec ]; then PATH="$PWD/.venv/bin:$PATH"; fi   # the MPICH that mpi4py is built on
-OUT=${OUT:-runs/examples-$(date +%Y%m%d-%H%M%S)}              # run folders go under here
+source "$(dirname "$0")/_env.sh"                             # repo root, venv MPICH on PATH, $OUT
 
 mpiexec -n 8 hpengine train configs/hybrid_4d.toml \
   --set model.d_model=64 --set model.seq_len=32 --set optim.warmup_steps=5 \

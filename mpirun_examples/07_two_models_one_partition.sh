@@ -3,9 +3,7 @@
 # and one set of collectives; each trains exactly as it would alone. metrics.jsonl has one line per
 # model per step (a "model" field).
 set -euo pipefail
-cd "$(dirname "$0")/.."                                       # repository root
-if [ -x .venv/bin/mpiexec ]; then PATH="$PWD/.venv/bin:$PATH"; fi   # the MPICH that mpi4py is built on
-OUT=${OUT:-runs/examples-$(date +%Y%m%d-%H%M%S)}              # run folders go under here
+source "$(dirname "$0")/_env.sh"                             # repo root, venv MPICH on PATH, $OUT
 
 mpiexec -n 2 hpengine train configs/two_models.toml \
   --set model.d_model=64 --set model.seq_len=32 --set optim.warmup_steps=5 \

@@ -1,0 +1,5 @@
+# Sourced by every example: run from the repository root with the MPICH that mpi4py is built on first on
+# PATH, and put run folders under $OUT.
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [ -x .venv/bin/mpiexec ]; then PATH="$PWD/.venv/bin:$PATH"; fi
+OUT=${OUT:-runs/examples-$(date +%Y%m%d-%H%M%S)}
