@@ -179,7 +179,7 @@ def _cupy_backend(dtype, local_rank, local_size, share_devices, cuda_aware) -> B
     if local_size > count and not share_devices:
         raise DeviceShareError(f"{local_size} ranks on this node but {count} CUDA device(s): run at most "
                            f"{count} rank(s) per node, or let ranks share devices explicitly "
-                           "(make_backend(share_devices=True))")
+                           "(runtime.share_devices = true)")
     if local_size > count:
         log.warning("%d ranks share %d CUDA device(s) on this node", local_size, count)
     device = local_rank % count

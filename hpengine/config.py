@@ -209,7 +209,11 @@ class RuntimeConfig:
     """Array backend and MPI transport."""
     backend: str = _f("auto", "array backend; auto = cupy when a GPU is visible, else numpy",
                       choices=("auto", "numpy", "cupy"))
-    cuda_aware_mpi: bool = _f(False, "hand device buffers straight to MPI (needs a CUDA-aware MPI)")
+    cuda_aware_mpi: bool | str = _f("auto", 'hand device buffers straight to MPI: "auto" (when the MPI library '
+                                    'says it can), true, or false (stage through pinned host memory)',
+                                    check=(lambda v: v in (True, False, "auto"), 'must be "auto", true or false'))
+    share_devices: bool = _f(False, "allow more ranks on a node than GPUs (ranks share devices; logged as a "
+                                    "warning)")
     watchdog_s: float = _f(0.0, "abort the job when a step takes longer than this (seconds); 0 = off",
                            check=_must(">=", 0))
     trace: bool = _f(False, "record a timeline (compute per micro-batch, every MPI call with its bytes); "

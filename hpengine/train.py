@@ -133,7 +133,8 @@ def agreed_backend(cfg, world):
     err = be = None
     try:
         be = make_backend(cfg.runtime.backend, "float16" if cfg.strategy.amp.enable else cfg.model.dtype,
-                          local, per_node, cuda_aware=cfg.runtime.cuda_aware_mpi)
+                          local, per_node, share_devices=cfg.runtime.share_devices,
+                          cuda_aware=cfg.runtime.cuda_aware_mpi)
     except BackendError as exc:
         err = f"rank {world.Get_rank()}: {exc}"
     errs = [e for e in world.allgather(err) if e]
