@@ -22,7 +22,7 @@ $(STAMP): setup.cfg pyproject.toml
 train: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(BIN)/hpengine train configs/default.toml --set train.out_dir=runs/default-$$(date +%Y%m%d-%H%M%S)
 
-test: test-unit test-mpi
+test: test-unit test-mpi test-cluster
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/unit

@@ -65,6 +65,7 @@ class PipelineExecutor:
         self.e, self.pp, self.p, self.v, self.m = engine, pp_comm, p, v, m
         self.stage = pp_comm.rank
         self.chunks = chunks_here                 # this rank's chunks, local index c = global g // p
+        self.buffers = {}
         self.V = p * v
         self.actions = make_schedule(schedule, p, m, self.stage, v) if p > 1 or m > 1 else \
             make_schedule("fthenb", 1, 1, 0)
@@ -76,8 +77,18 @@ class PipelineExecutor:
     def _tag(self, mb, g, direction):
         return (mb * self.V + g) * 2 + direction
 
+    def _buffer(self, mb, g_dst, direction, shape):
+        """Preallocated receive buffers, reused every step: one per (micro-batch, chunk) for activations
+        (a recomputed block's cache keeps its input until that micro-batch's backward), one per chunk for
+        gradients (consumed by the backward right away). Shapes come from the config: no shape exchange."""
+        key = (mb if direction == FWD else -1, g_dst, direction, shape)
+        buf = self.buffers.get(key)
+        if buf is None:
+            buf = self.buffers[key] = self.e.xp.empty(shape, dtype=self.e.be.dtype)
+        return buf
+
     def _recv(self, mb, g_src, g_dst, direction, shape):
-        buf = self.e.xp.empty(shape, dtype=self.e.be.dtype)
+        buf = self._buffer(mb, g_dst, direction, shape)
         t = self.tr.now()
         self.pp.irecv(buf, source=g_src % self.p, tag=self._tag(mb, g_dst, direction)).Wait()
         self.tr.lap("pipeline idle", t, "wait F" if direction == FWD else "wait B", (mb, g_dst))  # issue 11
