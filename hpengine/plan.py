@@ -38,6 +38,9 @@ class Cluster:
     tflops: float = 150.0           # sustained 16-bit FLOP/s (amp)
     tflops_fp32: float = 15.0
     tflops_fp64: float = 7.5
+    cores_per_node: int = 0         # CPU cores the node's ranks share (0: one per device, no oversubscription)
+    optimizer_ns: float = 0.0       # host AdamW seconds (x 1e9) per owned parameter element, one core
+    step_overhead_us: float = 0.0   # fixed per-step cost (Python, launches, scalar collectives), one core
 
     @property
     def world(self) -> int:
@@ -209,7 +212,7 @@ def describe(lay: Layout) -> str:
 
 
 MEM_COLS = ("params", "grads", "optimizer", "activations", "buffers", "total")
-TIME_COLS = ("compute", "bubble", "tp", "pp", "dp", "sharding", "step")
+TIME_COLS = ("compute", "bubble", "tp", "pp", "dp", "sharding", "fixed", "step")
 SHORT = {"optimizer": "optim", "activations": "act", "buffers": "buf", "sharding": "shard"}
 
 
@@ -371,7 +374,7 @@ def _per_call(fn, reps: int = 3) -> float:
 
 
 CLUSTER_FLAGS = ("nodes", "gpus_per_node", "mem_gb", "intra_bw_gbs", "inter_bw_gbs", "intra_latency_us",
-                 "inter_latency_us", "tflops", "tflops_fp32", "tflops_fp64")
+                 "inter_latency_us", "tflops", "tflops_fp32", "tflops_fp64")   # cli.py's flags (the rest: --cluster)
 
 
 def run(a) -> str:
@@ -402,3 +405,49 @@ def run(a) -> str:
         write_best(cfg, fit[0], a.out, cluster)
         out.append(f"wrote {a.out}: mpiexec -n {cluster.world} hpengine train {a.out}")
     return "\n".join(out)
+
+
+# ---- compute at the model's own sizes (issue 10, 5c) -------------------------------------------------
+
+def layer_flops(mcfg, rows: int, tp: int = 1) -> float:
+    """FLOPs of one layer's forward + backward over `rows` sequences on one tp rank (the planner's
+    6·N·tokens over the layer's matrices plus the attention scores, as flops_per_microbatch counts)."""
+    model, T = build_model(mcfg, tp), mcfg.seq_len
+    mat = sum(math.prod(sp.local_shape(0, tp)) for sp in model.specs("h.0") if len(sp.global_shape) == 2)
+    attn = 2 * 6 * rows * T * T * mcfg.d_model // tp if mcfg.kind == "gpt" else 0
+    return 6 * rows * T * mat + attn
+
+
+def measure_compute(mcfg, rows: int, tp: int = 1, reps: int = 5) -> float:
+    """Sustained FLOP/s of this process running the engine's own layer forward + backward at the model's
+    sizes (`rows` sequences per micro-batch, a tp rank's share of the matrices), best of `reps`."""
+    import numpy as np
+    from .backend import keep_heap
+    from .models import LocalTP
+    keep_heap()                        # as the engine does: no page faults from freed activations
+    model, dt = build_model(mcfg, tp), np.dtype(mcfg.dtype)
+    hooks = type("TPShapes", (LocalTP,), {"size": tp})()      # local shapes, no communication
+    rng = np.random.default_rng(0)
+    P = {sp.name: (0.02 * rng.standard_normal(sp.local_shape(0, tp))).astype(dt) for sp in model.specs("h.0")}
+    G = {k: np.zeros_like(v) for k, v in P.items()}
+    x = rng.standard_normal((rows, mcfg.seq_len, mcfg.d_model)).astype(dt)
+
+    def once():
+        y, c = model.layer_forward(np, P, 0, x.copy(), hooks)
+        model.layer_backward(np, y, c, P, G, 0, hooks)
+    once()
+    best = min(_per_call(once, 1) for _ in range(reps))
+    return layer_flops(mcfg, rows, tp) / best
+
+
+def measure_optimizer_ns(mcfg, n: int = 1 << 20) -> float:
+    """Nanoseconds per element of the engine's host AdamW step (float of the model's dtype)."""
+    import numpy as np
+    from .buffers import Layout as BufLayout, Range
+    from .optim import AdamW
+    spec = dataclasses.replace(build_model(mcfg).specs("h.0")[2], name="w", global_shape=(n,), tp_dim=None)
+    lay = BufLayout([spec], 0, 1)
+    dt = np.dtype(mcfg.dtype)
+    opt = AdamW(np, lay, Range(0, n), dt, (0.9, 0.95), 1e-8, 0.1)
+    p, g = np.ones(n, dt), np.full(n, 1e-3, dt)
+    return min(_per_call(lambda: opt.step(p, g, 1e-3), 3) for _ in range(3)) / n * 1e9
