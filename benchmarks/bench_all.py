@@ -237,7 +237,7 @@ def run_torch(a, py, name, n, mode, tmp) -> dict:
         why = ""
         if not ok:                          # torch_dist.py writes each rank's exception; torchrun's report hides it
             errs = sorted(Path(tmp).glob(path.name + ".rank*.err"))
-            why = errs[0].read_text().strip() if errs else _why(p)
+            why = errs[0].read_text().strip() if errs else _why_torchrun(p)
     except subprocess.TimeoutExpired:
         ok, why = False, f"timed out after {a.timeout:.0f} s"
     return _report(name, n, path if ok else None, why, t)
@@ -248,6 +248,16 @@ def _why(p) -> str:
     lines = [ln.strip() for ln in p.stderr.splitlines() if ln.strip()]
     errs = [ln for ln in lines if ("Error" in ln or "error:" in ln) and not ln.startswith("Abort(")]
     return (errs or lines or [f"exit status {p.returncode}"])[-1]
+
+
+def _why_torchrun(p) -> str:
+    """A failed torchrun job that left no exception behind (a rank crashed): the crash and its exit code."""
+    if "Root Cause" not in p.stderr:
+        return _why(p)
+    lines = [ln.strip() for ln in p.stderr.split("Root Cause")[-1].splitlines()]
+    info = [ln for ln in lines if ln.startswith(("rank ", "exitcode"))]
+    crash = [ln.strip() for ln in p.stderr.splitlines() if ln.startswith(("terminate called", "Fatal Python"))]
+    return "; ".join(crash[:1] + [" ".join(ln.split()) for ln in info])
 
 
 def summarize(results: dict, pairs: dict) -> list[dict]:
