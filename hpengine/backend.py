@@ -80,7 +80,7 @@ class Backend:
         """The buffer to hand MPI for arr, after sync(): arr itself (NumPy, or CUDA-aware MPI), else a
         reused pinned host buffer holding arr's values (copy=False: receive-only, contents undefined)."""
         self.sync()
-        if not self.is_gpu or self.cuda_aware:
+        if not self.is_gpu or self.cuda_aware or isinstance(arr, np.ndarray):   # host arrays go as they are
             return arr
         return self.staging.stage_out(arr, copy)
 

@@ -121,6 +121,7 @@ class Engine(EngineState):
         self.k = cfg.strategy.gradient_merge.k_steps if cfg.strategy.gradient_merge.enable else 1
         self.cache_bytes = self.cache_peak = 0
         self.opt_steps = 0          # optimizer updates applied (AdamW's bias-correction count)
+        self.unit_lr = dataclasses.replace(cfg.optim, lr=1.0)
         pc = cfg.strategy.pipeline
         self.m = pc.micro_batches if pc.enable else 1
         self.pp = mesh.comms["pp"]
@@ -287,7 +288,7 @@ class Engine(EngineState):
         if not np.isfinite(norms).all():      # the same reduced values on every rank: a collective decision
             self._report_non_finite(step, losses, g)
         p = self.sync.owned_params() if self.master is None else self.master
-        lr_scale = lr_at(step, cfg.optim, cfg.train.steps) / cfg.optim.lr if cfg.optim.lr else 0.0
+        lr_scale = lr_at(step, self.unit_lr, cfg.train.steps)     # the schedule's factor; each model has its lr
         for s, r, opt in zip(self.slots, segs, self.opts):
             if opt is not None:
                 coef = clip_coefficient(norms[s.index], cfg.optim.clip_grad_norm)
