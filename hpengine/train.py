@@ -15,7 +15,7 @@ from mpi4py import MPI
 from . import checkpoint, launch, plan, trace
 from .backend import BackendError, keep_heap, make_backend, node_ranks
 from .comm import Comm
-from .config import enabled_strategies, strategy_degree, to_toml
+from .config import Config, enabled_strategies, strategy_degree, to_dict, to_toml
 from .data import TokenDataset, ensure_default_corpus
 from .engine import Engine
 from .strategies import NOT_IMPLEMENTED
@@ -289,7 +289,21 @@ def restore(eng, cfg, resume) -> int:
     return start
 
 
+def changed_keys(cfg) -> list[str]:
+    """`key = value` for every key of the resolved config that differs from the default."""
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+    base = dict(flat(to_dict(Config())))
+    return [f"{k} = {v!r}" for k, v in flat(to_dict(cfg)) if base.get(k) != v]
+
+
 def log_start(eng, cfg) -> None:
+    log.info("config (resolved; written to config.toml; keys not at their default): %s",
+             ", ".join(changed_keys(cfg)) or "all defaults")
     log.info("%s", eng.mesh.describe())
     if hasattr(eng.sync, "ranges"):
         sizes = [r.size for r in eng.sync.ranges]
