@@ -777,17 +777,8 @@ def worker_torch(a) -> dict:
     model.to(dev)                                        # parameters move in place: the optimizer keeps them
     if any(p.device.type != dev for grp in opt.param_groups for p in grp["params"]):
         return {"error": "optimizer parameters did not move with the model"}
-    gen = torch.Generator(device=dev).manual_seed(0)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-
-    def step():
-        idx = torch.randint(0, ra.vocab, (ra.batch, ra.seq + 1), device=dev, generator=gen)
-        opt.zero_grad(set_to_none=True)
-        loss = model(idx[:, :-1], idx[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss.item()
+    step = torch_ref.make_step(torch, model, opt, ra, dev)
 
     n, t_end = 0, time.perf_counter() + a.warmup_s
     while n < a.warmup_steps or time.perf_counter() < t_end:

@@ -96,6 +96,21 @@ def build(a, torch):
     return model, opt
 
 
+def make_step(torch, model, opt, a, device="cpu"):
+    """One optimizer step on a random batch (fixed generator): zero, forward, backward, clip 1.0, AdamW."""
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def step():
+        idx = torch.randint(0, a.vocab, (a.batch, a.seq + 1), device=device, generator=gen)
+        opt.zero_grad(set_to_none=True)
+        loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss.item()
+    return step
+
+
 def main(argv=None) -> int:
     a = parse(argv)
     ensure_threads(a.threads, __file__)
@@ -109,16 +124,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(a.threads)
     torch.manual_seed(1234)
     model, opt = build(a, torch)
-    gen = torch.Generator().manual_seed(0)
-
-    def step():
-        idx = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=gen)
-        opt.zero_grad(set_to_none=True)
-        loss = model(idx[:, :-1], idx[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss.item()
+    step = make_step(torch, model, opt, a)
 
     n, t_end = 0, time.perf_counter() + a.warmup_s
     while n == 0 or time.perf_counter() < t_end:
