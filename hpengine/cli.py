@@ -147,10 +147,6 @@ def _cmd_config(a) -> int:
     return 0
 
 
-class _NotYet(Exception):
-    pass
-
-
 def _known():
     """Exception types that mean 'the user asked for something wrong' (one line, exit 2)."""
     from .backend import BackendError
@@ -163,7 +159,7 @@ def _known():
     from .strategies.pipeline import PipelineError
     from .train import RunError
     return (CheckpointError, ConfigError, DataError, TopologyError, RunError, BackendError, PipelineError, NonFiniteError,
-            LaunchError, _NotYet)
+            LaunchError)
 
 
 def main(argv=None) -> int:
@@ -179,9 +175,7 @@ def main(argv=None) -> int:
             return _cmd_ckpt(a)
         if a.cmd == "plan":
             return _cmd_plan(a)
-        if a.cmd == "plot":              # issue 11
-            return _cmd_plot(a)
-        raise _NotYet(f"'hpengine {a.cmd}' is not implemented yet in this version of hpengine")
+        return _cmd_plot(a)
     except _known() as exc:
         print(f"hpengine: error: {exc}", file=sys.stderr, flush=True)
         return 2

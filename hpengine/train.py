@@ -15,24 +15,16 @@ from mpi4py import MPI
 from . import checkpoint, launch, plan, trace
 from .backend import BackendError, keep_heap, make_backend, node_ranks
 from .comm import Comm
-from .config import Config, enabled_strategies, strategy_degree, to_dict, to_toml
+from .config import Config, strategy_degree, to_dict, to_toml
 from .data import TokenDataset, ensure_default_corpus
 from .engine import Engine
-from .strategies import NOT_IMPLEMENTED
 from .topology import AXES, SWITCH_OF_AXIS, Mesh
 
 log = logging.getLogger("hpengine")
 
 
 class RunError(RuntimeError):
-    """A user-facing problem with the run (folder, unimplemented switch); one clear line."""
-
-
-def check_implemented(cfg) -> None:
-    missing = [n for n in enabled_strategies(cfg) if n in NOT_IMPLEMENTED]
-    if missing:
-        raise RunError(f"strategy.{missing[0]}.enable = true, but the {missing[0]} strategy is not "
-                       f"implemented yet in this version of hpengine; set it to false")
+    """A user-facing problem with the run (folder, batch arithmetic, switch settings); one clear line."""
 
 
 def setup_logging(mesh) -> None:
@@ -151,7 +143,6 @@ def build(cfg, world=None):
     """Mesh, backend, dataset and engine for this rank (validation before any collective)."""
     world = world or MPI.COMM_WORLD
     launch.check_world(world)
-    check_implemented(cfg)
     degrees = {a: strategy_degree(cfg, SWITCH_OF_AXIS[a]) for a in AXES}
     backend = agreed_backend(cfg, world)
     if not backend.is_gpu:

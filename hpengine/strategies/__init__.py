@@ -4,8 +4,6 @@ from .base import LocalSync
 from .data_parallel import DataParallelSync
 from .sharding import ShardedSync
 
-NOT_IMPLEMENTED: set = set()
-
 
 def make_grad_sync(cfg, mesh, engine):
     """The gradient/parameter synchronisation for this configuration."""
@@ -18,4 +16,4 @@ def make_grad_sync(cfg, mesh, engine):
     return LocalSync(engine)
 
 
-__all__ = ["LocalSync", "DataParallelSync", "ShardedSync", "make_grad_sync", "NOT_IMPLEMENTED"]
+__all__ = ["LocalSync", "DataParallelSync", "ShardedSync", "make_grad_sync"]
