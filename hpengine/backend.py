@@ -159,21 +159,6 @@ def _probe(device: int) -> None:
         cupy.cuda.Device(device).synchronize()
 
 
-def node_ranks(world) -> tuple[int, int]:
-    """(rank, size) of this process among the ranks of `world` on its node (collective on world)."""
-    from mpi4py import MPI  # noqa: PLC0415 - keep this module importable without MPI
-    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
-    try:
-        return node.Get_rank(), node.Get_size()
-    finally:
-        node.Free()
-
-
-def local_rank(world) -> int:
-    """This process's rank on its node: the index of the GPU it uses (collective on world)."""
-    return node_ranks(world)[0]
-
-
 def _cupy_backend(dtype, local_rank, local_size, share_devices, cuda_aware) -> Backend:
     count = cupy_module().cuda.runtime.getDeviceCount()
     if local_size > count and not share_devices:
@@ -192,7 +177,7 @@ def _cupy_backend(dtype, local_rank, local_size, share_devices, cuda_aware) -> B
 def make_backend(kind: str, dtype: str, local_rank: int = 0, local_size: int = 1,
                  share_devices: bool = False, cuda_aware="auto") -> Backend:
     """Resolve runtime.backend ('auto' | 'numpy' | 'cupy') to a Backend for this rank; the device is
-    local_rank (from node_ranks) modulo the visible devices."""
+    local_rank (from topology.node_ranks) modulo the visible devices."""
     if kind == "numpy":
         return Backend("numpy", dtype)
     if kind == "cupy":

@@ -107,10 +107,9 @@ class Engine(EngineState):
         # amp: float32 master weights of the owned range, from the exact (unrounded) initial values
         self.master = (init_range(self.layout, cfg.train.seed, self.sync.owned, self.xp, np.float32)
                        if self.scaler else None)
-        self.sync.deferred = set(self.tied)
         # every parameter counts once in the global norm: not the last stage's wte copy, and a tensor
         # replicated across tp only on tp rank 0
-        self.tied_copies = {b[:-4] + "wte" for b in self.tied if b.endswith("head")}
+        self.tied_copies = {w for b, w in self.tied.items() if b.endswith("head")}
         self.norm_exclude = [self.layout.ranges[n] for n in sorted(self.tied_copies)]
         if self.tp.rank > 0:
             self.norm_exclude += [self.layout.ranges[sp.name] for sp in specs if sp.tp_dim is None]
@@ -129,14 +128,15 @@ class Engine(EngineState):
                                      self.m, pc.schedule if pc.enable else "fthenb")
         self.tracer = Tracer()   # issue 11: phase timers; train.py hands in a recording one under runtime.trace
 
-    def _tied_blocks(self, cfg):
-        """With a tied head split across pipeline stages, the first stage's embed block and the last
-        stage's head block (holding a copy of wte) sum their wte gradients before the usual sync."""
+    def _tied_blocks(self, cfg) -> dict:
+        """{block: its wte tensor} — with a tied head split across pipeline stages, the first stage's embed
+        block and the last stage's head block (holding a copy of wte) sum their wte gradients before the
+        usual sync."""
         if not cfg.model.tie_head or self.mesh.degrees["pp"] == 1:
-            return []
+            return {}
         pp, last = self.mesh.coords["pp"], self.mesh.degrees["pp"] - 1
-        return [s.prefix + b for s in self.slots for b in (["embed"] if pp == 0 else []) +
-                (["head"] if pp == last else [])]
+        return {s.prefix + b: s.prefix + "wte" for s in self.slots
+                for b in (["embed"] if pp == 0 else []) + (["head"] if pp == last else [])}
 
     def _build_slots(self, cfg):
         t, pc = cfg.train, cfg.strategy.pipeline
@@ -362,9 +362,8 @@ class Engine(EngineState):
     def _sum_tied(self):
         """Sum the tied embedding's gradient between the first and last pipeline stage, then run the
         gradient sync of those blocks (deferred until now)."""
-        if self.tied:
-            for b in self.tied:
-                self.mesh.comms["tied"].allreduce_(self.sync.grads_for(b)[b[:-len(b.split(".")[-1])] + "wte"])
+        for b, wte in self.tied.items():
+            self.mesh.comms["tied"].allreduce_(self.sync.grads_for(b)[wte])
         self.sync.flush_deferred()
 
     def _sumsq(self, g, r):

@@ -93,7 +93,7 @@ class EngineState:
         tp slices and pipeline stages — collective over the world; for comparing layouts."""
         flat, lay = self.full_params(), self.layout
         local = {n: flat[lay.ranges[n].slice].reshape(lay.shapes[n]) for n in lay.names
-                 if not any(lay.ranges[n] == ex for ex in self.norm_exclude[:len(self.tied)] if n.endswith("wte"))}
+                 if n not in self.tied_copies}
         parts = self.mesh.comms["tp"].allgather_obj(local)
         whole = {}
         for n in local:

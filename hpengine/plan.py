@@ -16,9 +16,8 @@ from itertools import product
 
 from .config import ConfigError, Config, enabled_strategies, load_config, strategy_degree, to_toml, validate
 from .models import build_model
+from .calibrate import GB, calibrate
 from .plan_model import Layout, layout_of, predict_stage, stages, step_time
-
-GB = 1e9
 
 
 class PlanError(ConfigError):
@@ -320,59 +319,6 @@ def check_at_start(cfg: Config, world: int, log, rank: int = 0) -> dict | None:
     return r
 
 
-def calibrate(gpus_per_node: int | None = None) -> str:
-    """Measure this machine (matmul FLOP/s per process; ping-pong latency and bandwidth between ranks 0
-    and 1 under mpiexec, else a memory copy) and return a [cluster] table for --cluster."""
-    import numpy as np
-    from mpi4py import MPI
-    w = MPI.COMM_WORLD
-
-    def rate(dtype, n=768):
-        a = np.ones((n, n), dtype=dtype)
-        return 2 * n**3 / _per_call(lambda: a @ a) / 1e12
-    f32, f64, f16 = rate(np.float32), rate(np.float64), rate(np.float16, 256)
-    a, b = np.ones(1 << 24), np.empty(1 << 24)     # one process: a memory copy stands in for the link
-    lat, bw = _pingpong(w, np) if w.Get_size() > 1 else (1e-6, a.nbytes / _per_call(lambda: np.copyto(b, a)))
-    gpn = gpus_per_node or (w.Get_size() if w.Get_size() > 1 else os.cpu_count() or 1)
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB / gpn
-    vals = {"nodes": 1, "gpus_per_node": gpn, "mem_gb": round(mem, 2), "intra_bw_gbs": round(bw / GB, 3),
-            "inter_bw_gbs": round(bw / GB, 3), "intra_latency_us": round(lat * 1e6, 3),
-            "inter_latency_us": round(lat * 1e6, 3), "tflops": round(max(f16, 1e-6), 6),
-            "tflops_fp32": round(f32, 6), "tflops_fp64": round(f64, 6)}
-    if w.Get_rank():
-        return ""
-    return "# measured by hpengine plan --calibrate\n[cluster]\n" + "".join(f"{k} = {v}\n" for k, v in vals.items())
-
-
-def _pingpong(w, np, reps=20):
-    """(one-way latency s, bandwidth B/s) between ranks 0 and 1."""
-    out = []
-    for n in (8, 1 << 24):
-        buf = np.zeros(n, dtype=np.uint8)
-        for i in range(-1, reps if n == 8 else 3):     # round -1 warms the connection up, untimed
-            if i == 0:
-                w.Barrier()
-                t = time.perf_counter()
-            if w.Get_rank() == 0:
-                w.Send(buf, 1)
-                w.Recv(buf, 1)
-            elif w.Get_rank() == 1:
-                w.Recv(buf, 0)
-                w.Send(buf, 0)
-        out.append((time.perf_counter() - t) / (2 * (reps if n == 8 else 3)))
-    lat, big = w.bcast(out, root=0)
-    return lat, (1 << 24) / max(big - lat, 1e-9)
-
-
-def _per_call(fn, reps: int = 3) -> float:
-    """Seconds per call of fn, after one untimed warm-up call."""
-    fn()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t) / reps
-
-
 CLUSTER_FLAGS = ("nodes", "gpus_per_node", "mem_gb", "intra_bw_gbs", "inter_bw_gbs", "intra_latency_us",
                  "inter_latency_us", "tflops", "tflops_fp32", "tflops_fp64")   # cli.py's flags (the rest: --cluster)
 
@@ -405,49 +351,3 @@ def run(a) -> str:
         write_best(cfg, fit[0], a.out, cluster)
         out.append(f"wrote {a.out}: mpiexec -n {cluster.world} hpengine train {a.out}")
     return "\n".join(out)
-
-
-# ---- compute at the model's own sizes (issue 10, 5c) -------------------------------------------------
-
-def layer_flops(mcfg, rows: int, tp: int = 1) -> float:
-    """FLOPs of one layer's forward + backward over `rows` sequences on one tp rank (the planner's
-    6·N·tokens over the layer's matrices plus the attention scores, as flops_per_microbatch counts)."""
-    model, T = build_model(mcfg, tp), mcfg.seq_len
-    mat = sum(math.prod(sp.local_shape(0, tp)) for sp in model.specs("h.0") if len(sp.global_shape) == 2)
-    attn = 2 * 6 * rows * T * T * mcfg.d_model // tp if mcfg.kind == "gpt" else 0
-    return 6 * rows * T * mat + attn
-
-
-def measure_compute(mcfg, rows: int, tp: int = 1, reps: int = 5) -> float:
-    """Sustained FLOP/s of this process running the engine's own layer forward + backward at the model's
-    sizes (`rows` sequences per micro-batch, a tp rank's share of the matrices), best of `reps`."""
-    import numpy as np
-    from .backend import keep_heap
-    from .models import LocalTP
-    keep_heap()                        # as the engine does: no page faults from freed activations
-    model, dt = build_model(mcfg, tp), np.dtype(mcfg.dtype)
-    hooks = type("TPShapes", (LocalTP,), {"size": tp})()      # local shapes, no communication
-    rng = np.random.default_rng(0)
-    P = {sp.name: (0.02 * rng.standard_normal(sp.local_shape(0, tp))).astype(dt) for sp in model.specs("h.0")}
-    G = {k: np.zeros_like(v) for k, v in P.items()}
-    x = rng.standard_normal((rows, mcfg.seq_len, mcfg.d_model)).astype(dt)
-
-    def once():
-        y, c = model.layer_forward(np, P, 0, x.copy(), hooks)
-        model.layer_backward(np, y, c, P, G, 0, hooks)
-    once()
-    best = min(_per_call(once, 1) for _ in range(reps))
-    return layer_flops(mcfg, rows, tp) / best
-
-
-def measure_optimizer_ns(mcfg, n: int = 1 << 20) -> float:
-    """Nanoseconds per element of the engine's host AdamW step (float of the model's dtype)."""
-    import numpy as np
-    from .buffers import Layout as BufLayout, Range
-    from .optim import AdamW
-    spec = dataclasses.replace(build_model(mcfg).specs("h.0")[2], name="w", global_shape=(n,), tp_dim=None)
-    lay = BufLayout([spec], 0, 1)
-    dt = np.dtype(mcfg.dtype)
-    opt = AdamW(np, lay, Range(0, n), dt, (0.9, 0.95), 1e-8, 0.1)
-    p, g = np.ones(n, dt), np.full(n, 1e-3, dt)
-    return min(_per_call(lambda: opt.step(p, g, 1e-3), 3) for _ in range(3)) / n * 1e9

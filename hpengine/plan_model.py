@@ -335,7 +335,7 @@ def _device_flops(mcfg, lay: Layout, cluster) -> float:
 def oversubscription(lay: Layout, cluster) -> float:
     """How many of a node's ranks share each CPU core (>= 1): with more ranks on a node than cores
     (cluster.cores_per_node; 0 = a core per device), each computes at that fraction of its rate."""
-    cores = getattr(cluster, "cores_per_node", 0)
+    cores = cluster.cores_per_node
     ranks = min(lay.tp * lay.sh * lay.dp * lay.pp, cluster.gpus_per_node)
     return max(1.0, ranks / cores) if cores else 1.0
 
@@ -349,7 +349,7 @@ def stage_times(mcfg, st: Stage, lay: Layout, stage: int, models: int, cluster, 
     comp = slow * M * flops_per_microbatch(mcfg, st, lay) / _device_flops(mcfg, lay, cluster)
     mb = lay.k * lay.m
     own = owned(st, lay, M, sh_rank) if lay.zstage else st.psi * M
-    fixed = slow * (getattr(cluster, "optimizer_ns", 0.0) * 1e-9 * own + getattr(cluster, "step_overhead_us", 0.0) * 1e-6)
+    fixed = slow * (cluster.optimizer_ns * 1e-9 * own + cluster.step_overhead_us * 1e-6)
     out = {"compute": comp, "tp": 0.0, "pp": 0.0, "dp": 0.0, "sharding": 0.0, "fixed": fixed}
     if "tp" in tr:
         calls = M * ((4 if mcfg.kind == "gpt" else 2) * st.layers + ("embed" in st.names) + 3 * ("head" in st.names))
@@ -392,11 +392,11 @@ def step_time(per_stage: list[dict], lay: Layout) -> dict:
     t_mb = slow["compute"] + slow["tp"] + slow["pp"]
     f = bubble_fraction(lay.schedule, lay.pp, lay.m, lay.v) if lay.pp > 1 else 0.0
     per_pass = lay.m * t_mb / (1 - f)
-    sync = max(per_stage, key=lambda s: s["times"]["dp"] + s["times"]["sharding"] + s["times"].get("fixed", 0.0))["times"]
+    sync = max(per_stage, key=lambda s: s["times"]["dp"] + s["times"]["sharding"] + s["times"]["fixed"])["times"]
     n = lay.k * lay.m
     out = {"compute": n * slow["compute"], "tp": n * slow["tp"], "pp": n * slow["pp"], "dp": sync["dp"],
-           "sharding": sync["sharding"], "fixed": sync.get("fixed", 0.0), "bubble": lay.k * (per_pass - lay.m * t_mb)}
-    out["step"] = lay.k * per_pass + sync["dp"] + sync["sharding"] + sync.get("fixed", 0.0)
+           "sharding": sync["sharding"], "fixed": sync["fixed"], "bubble": lay.k * (per_pass - lay.m * t_mb)}
+    out["step"] = lay.k * per_pass + sync["dp"] + sync["sharding"] + sync["fixed"]
     return out
 
 

@@ -75,3 +75,13 @@ class Mesh:
     def describe(self) -> str:
         degs = " x ".join(f"{a}={self.degrees[a]}" for a in reversed(self.order))
         return f"mesh {degs} (order innermost first: {', '.join(self.order)}) on {self.size} ranks"
+
+
+def node_ranks(world) -> tuple[int, int]:
+    """(rank, size) of this process among the ranks of `world` on its node (collective on world): the
+    node-local rank picks the GPU. The node communicator is made and freed here, once, at start."""
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    try:
+        return node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()

@@ -13,12 +13,12 @@ from pathlib import Path
 from mpi4py import MPI
 
 from . import checkpoint, launch, plan, trace
-from .backend import BackendError, keep_heap, make_backend, node_ranks
+from .backend import BackendError, keep_heap, make_backend
 from .comm import Comm
 from .config import Config, strategy_degree, to_dict, to_toml
 from .data import TokenDataset, ensure_default_corpus
 from .engine import Engine
-from .topology import AXES, SWITCH_OF_AXIS, Mesh
+from .topology import AXES, SWITCH_OF_AXIS, Mesh, node_ranks
 
 log = logging.getLogger("hpengine")
 

@@ -45,7 +45,7 @@ class LocalSync:
         if full_grads:
             self.grads = FlatBuffer(self.layout, self.xp, self.dtype)
         self.last = True
-        self.deferred, self.pending = set(), []
+        self.deferred, self.pending = set(engine.tied), []
         self.transient = self.transient_peak = 0
 
     def _track(self, nbytes: int) -> None:

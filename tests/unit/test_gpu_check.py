@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import time
-from argparse import Namespace
 from pathlib import Path
 
 import pytest

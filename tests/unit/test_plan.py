@@ -114,7 +114,7 @@ def test_alpha_beta_costs():
 
 def test_pipeline_bubble_in_step_time():
     """p - 1 idle micro-batch slots per pass (1/v of them interleaved), on top of m micro-batches."""
-    times = {"compute": 1.0, "tp": 0.5, "pp": 0.5, "dp": 0.0, "sharding": 0.0}
+    times = {"compute": 1.0, "tp": 0.5, "pp": 0.5, "dp": 0.0, "sharding": 0.0, "fixed": 0.0}
     for sched, v in (("fthenb", 1), ("1f1b", 1), ("interleaved", 2)):
         cfg = tiny(*PP4, f"strategy.pipeline.schedule={sched}", f"strategy.pipeline.virtual_stages={v}")
         t = step_time([{"times": times}], layout_of(cfg, 4))
