@@ -696,17 +696,21 @@ def worker_bandwidth(a) -> dict:
             "inner": a.bw_inner, "timings": timings}
 
 
-def worker_hpengine(a) -> dict:
-    shape = model_shape(a, a.model)
+def build_engine(shape: dict, data: str, backend: str):
+    """One process's hpengine Engine for a model shape (float32, no evaluation, a long schedule)."""
     from hpengine.config import load_config              # noqa: PLC0415
     from hpengine.train import build                     # noqa: PLC0415
-    cfg = load_config(None, [
-        "train.eval_every=0", f"runtime.backend='{'numpy' if a.cpu_smoke else 'cupy'}'",
-        "runtime.cuda_aware_mpi=false", f"data.path='{a.data}'", f"model.d_model={shape['d_model']}",
+    return build(load_config(None, [
+        "train.eval_every=0", f"runtime.backend='{backend}'",
+        "runtime.cuda_aware_mpi=false", f"data.path='{data}'", f"model.d_model={shape['d_model']}",
         f"model.n_layers={shape['n_layers']}", f"model.n_heads={shape['n_heads']}",
         f"model.seq_len={shape['seq_len']}", f"model.vocab_size={shape['vocab']}",
-        f"train.global_batch={shape['batch']}", f"train.steps={10**6}"])
-    eng = build(cfg)
+        f"train.global_batch={shape['batch']}", f"train.steps={10**6}"]))
+
+
+def worker_hpengine(a) -> dict:
+    shape = model_shape(a, a.model)
+    eng = build_engine(shape, a.data, "numpy" if a.cpu_smoke else "cupy")
     if eng.be.is_gpu:
         cupy = eng.be.xp
         sync = cupy.cuda.Device().synchronize
@@ -752,14 +756,29 @@ class _TorchOn:
         return self._torch.ones(*size, **kw)
 
 
+def build_torch(torch, shape: dict, attn: str, dev: str):
+    """(model, one-step function) of benchmarks/torch_ref.py's model for a shape, on `dev` in float32;
+    model is None when the optimizer's parameters did not follow the model to the device."""
+    sys.path.insert(0, str(HERE))
+    import torch_ref                                     # noqa: PLC0415 - benchmarks/torch_ref.py: the model
+    torch.set_float32_matmul_precision("highest")
+    ra = torch_ref.parse(["--attn", attn, "--vocab", str(shape["vocab"]), "--d-model", str(shape["d_model"]),
+                          "--layers", str(shape["n_layers"]), "--heads", str(shape["n_heads"]),
+                          "--seq", str(shape["seq_len"]), "--batch", str(shape["batch"])])
+    torch.manual_seed(1234)
+    model, opt = torch_ref.build(ra, _TorchOn(torch, dev))
+    model.to(dev)                                        # parameters move in place: the optimizer keeps them
+    if any(p.device.type != dev for grp in opt.param_groups for p in grp["params"]):
+        return None, None
+    return model, torch_ref.make_step(torch, model, opt, ra, dev)
+
+
 def worker_torch(a) -> dict:
     shape = model_shape(a, a.model)
     try:
         import torch                                     # noqa: PLC0415
     except ImportError as e:
         return {"skipped": f"torch is not importable by {sys.executable} ({e}); pass --torch-python"}
-    sys.path.insert(0, str(HERE))
-    import torch_ref                                     # noqa: PLC0415 - benchmarks/torch_ref.py: the model
     dev = "cpu" if a.cpu_smoke else "cuda"
     if dev == "cuda":
         if not torch.cuda.is_available():
@@ -768,17 +787,10 @@ def worker_torch(a) -> dict:
         torch.backends.cudnn.allow_tf32 = False
     else:
         torch.set_num_threads(1)
-    torch.set_float32_matmul_precision("highest")
-    ra = torch_ref.parse(["--attn", a.attn, "--vocab", str(shape["vocab"]), "--d-model", str(shape["d_model"]),
-                          "--layers", str(shape["n_layers"]), "--heads", str(shape["n_heads"]),
-                          "--seq", str(shape["seq_len"]), "--batch", str(shape["batch"])])
-    torch.manual_seed(1234)
-    model, opt = torch_ref.build(ra, _TorchOn(torch, dev))
-    model.to(dev)                                        # parameters move in place: the optimizer keeps them
-    if any(p.device.type != dev for grp in opt.param_groups for p in grp["params"]):
+    model, step = build_torch(torch, shape, a.attn, dev)
+    if model is None:
         return {"error": "optimizer parameters did not move with the model"}
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    step = torch_ref.make_step(torch, model, opt, ra, dev)
 
     n, t_end = 0, time.perf_counter() + a.warmup_s
     while n < a.warmup_steps or time.perf_counter() < t_end:

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import backend
 
-KERNELS = ("adamw", "pack")
+KERNELS = ("adamw", "pack", "fused")
 ARCHS = ("sm_80", "sm_90")          # A100, H100/H200
 THREADS = 256                       # block size of every launch
 BLOCKS_PER_SM = 8                   # grid-stride loops need only enough blocks to fill the device
@@ -167,7 +167,7 @@ def _max_blocks() -> int:
     return BLOCKS_PER_SM * _SMS[dev]
 
 
-def _blocks(items: int) -> int:
+def blocks_for(items: int) -> int:
     """Blocks of THREADS for a grid-stride loop over `items` work items."""
     return max(1, min(math.ceil(items / THREADS), _max_blocks()))
 
@@ -264,7 +264,7 @@ def adamw_cupy(p, g, m, v, mask, c: AdamWCoefs, half=None) -> None:
         return
     args = (p, g, m, v, mask) + ((half,) if half is not None else ()) + (np.int64(n),)
     args += tuple(p.dtype.type(x) for x in c)                # RawKernel scalars must carry the C type
-    function("adamw", entry)((_blocks(-(-n // width)),), (THREADS,), args)
+    function("adamw", entry)((blocks_for(-(-n // width)),), (THREADS,), args)
 
 
 def adamw(p, g, m, v, mask, c: AdamWCoefs, half=None) -> None:

@@ -31,7 +31,12 @@ __device__ __forceinline__ void copy_run(T* __restrict__ out, const T* __restric
     const long long nvec = (n - head) / N, rest = n - nvec * N;
     VT* vo = reinterpret_cast<VT*>(out + head);
     const VT* vi = reinterpret_cast<const VT*>(in + head);
-    for (long long k = tid; k < nvec; k += stride) vo[k] = vi[k];
+    long long k = tid;
+    for (; k + 3 * stride < nvec; k += 4 * stride) {     // four loads in flight per thread, then the stores
+        const VT a = vi[k], b = vi[k + stride], c = vi[k + 2 * stride], d = vi[k + 3 * stride];
+        vo[k] = a; vo[k + stride] = b; vo[k + 2 * stride] = c; vo[k + 3 * stride] = d;
+    }
+    for (; k < nvec; k += stride) vo[k] = vi[k];
     for (long long r = tid; r < rest; r += stride) {      // the peel [0, head) and the tail
         const long long i = r < head ? r : r + nvec * N;
         out[i] = in[i];

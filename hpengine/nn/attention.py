@@ -10,6 +10,8 @@ first attending only to the first half of the keys: a quarter of the scores
 """
 import math
 
+from . import fused
+
 
 def _blocks(T):
     # query row ranges [a, b); block (a, b) attends to keys [0, b)
@@ -48,13 +50,16 @@ def attention_forward(xp, qkv, n_heads):
     (o,), ps = _heads(y, n_heads, 1), []
     for a, b in _blocks(T):
         p = q[:, :, a:b] @ k[:, :, :b].swapaxes(-1, -2)
-        p += _causal_bias(xp, a, b, p.dtype)
-        # Row max is finite (the diagonal is never masked), so this is stable.
-        p -= p.max(axis=-1, keepdims=True)
-        xp.exp(p, out=p)
-        s = _rowsum(xp, p)
-        xp.reciprocal(s, out=s)
-        p *= s
+        if fused.usable(xp, p) and p.flags.c_contiguous:
+            fused.causal_softmax_(p, a)         # mask, max, exp, sum and scale in one pass
+        else:
+            p += _causal_bias(xp, a, b, p.dtype)
+            # Row max is finite (the diagonal is never masked), so this is stable.
+            p -= p.max(axis=-1, keepdims=True)
+            xp.exp(p, out=p)
+            s = _rowsum(xp, p)
+            xp.reciprocal(s, out=s)
+            p *= s
         xp.matmul(p, v[:, :, :b], out=o[:, :, a:b])
         ps.append(p)
     return y, (qkv, q, ps, y)
@@ -74,13 +79,16 @@ def attention_backward(xp, dy, cache):
     if dy.dtype.itemsize < 4:  # half (amp): NumPy's sum accumulates in float32
         rs = (do * o).sum(axis=-1, keepdims=True)
     else:
-        rs = xp.einsum("bhtd,bhtd->bht", do, o)[..., None]
+        rs = xp.ascontiguousarray(xp.einsum("bhtd,bhtd->bht", do, o)[..., None])
     # the last block covers every key: it writes dk, dv whole, earlier blocks add to a prefix
     for (a, b), p in reversed(list(zip(_blocks(T), ps))):
         dob = do[:, :, a:b]
         ds = dob @ v[:, :, :b].swapaxes(-1, -2)
-        ds -= rs[:, :, a:b]
-        ds *= p
+        if fused.usable(xp, ds, p, rs) and ds.flags.c_contiguous and p.flags.c_contiguous:
+            fused.softmax_backward_(ds, p, rs, a)
+        else:
+            ds -= rs[:, :, a:b]
+            ds *= p
         xp.matmul(ds, k[:, :, :b], out=dq[:, :, a:b])
         if b == T:
             xp.matmul(p.swapaxes(-1, -2), dob, out=dv)

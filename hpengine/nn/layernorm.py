@@ -5,6 +5,7 @@ Row means are GEMVs / einsums: a reduction over a short last axis is several
 times slower in NumPy and would allocate a temporary for every product. Half
 precision (amp) keeps NumPy's reductions, which accumulate in float32.
 """
+from . import fused
 
 
 def _rowmean(xp, a, b=None):
@@ -23,6 +24,9 @@ def layernorm_forward(xp, x, w, b, eps=1e-5):
     # x: (..., C), w: (C,), b: (C,) -> y: (..., C)
     C = x.shape[-1]
     x2 = x.reshape(-1, C)
+    if fused.usable(xp, x2, w, b):
+        y, xhat, rstd = fused.layernorm_forward(xp, x2, w, b, eps)
+        return y.reshape(x.shape), (xhat, rstd)
     xhat = x2 - _rowmean(xp, x2)
     var = _rowmean(xp, xhat, xhat)
     var += eps
@@ -42,6 +46,8 @@ def layernorm_backward(xp, dy, cache, w, dw, db):
     db += dy2.sum(axis=0)
     dw += (dy2 * xhat).sum(axis=0) if dy2.dtype.itemsize < 4 else xp.einsum("ij,ij->j", dy2, xhat)
     # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), with g = dy * w
+    if fused.usable(xp, dy2, xhat, rstd, w):
+        return fused.layernorm_backward_dx(xp, dy2, xhat, rstd, w).reshape(dy.shape)
     g = dy2 * w
     mg = _rowmean(xp, g)
     mgx = _rowmean(xp, g, xhat)

@@ -1,0 +1,105 @@
+"""The CuPy path of the layers' element-wise and row-wise work: one launch of kernels/fused.cu each, in
+place of a chain of CuPy calls that each launch a kernel and make a pass over memory. The NumPy code
+beside each call site in hpengine/nn is the twin: same formulas, used on the CPU and for float16.
+
+`ENABLED` switches the fused path off (benchmarks/gpu_profile.py compares both).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels
+
+ENABLED = True
+_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+
+
+def usable(xp, *arrays) -> bool:
+    """True when the fused kernels take these arrays: CuPy, one dtype, float32 or float64."""
+    return (ENABLED and xp.__name__ == "cupy" and arrays[0].dtype in _SUFFIX
+            and all(a.dtype == arrays[0].dtype for a in arrays))
+
+
+def _fn(entry: str, dtype):
+    return kernels.function("fused", f"{entry}_{_SUFFIX[np.dtype(dtype)]}")
+
+
+def _row_threads(n_cols: int) -> int:
+    # about four elements per thread, 32 .. 1024 threads
+    return int(min(1024, max(32, 1 << max(0, (n_cols - 1).bit_length() - 2))))
+
+
+def _rows(entry, dtype, n_rows, n_cols, args):
+    _fn(entry, dtype)((max(1, min(int(n_rows), 1 << 20)),), (_row_threads(n_cols),), args)
+
+
+def _points(entry, dtype, n, args):
+    _fn(entry, dtype)((kernels.blocks_for(n),), (kernels.THREADS,), args)
+
+
+def gelu_forward(xp, x):
+    x = xp.ascontiguousarray(x)
+    y, s = xp.empty_like(x), xp.empty_like(x)
+    _points("gelu_fwd", x.dtype, x.size, (x, y, s, np.int64(x.size)))
+    return y, s
+
+
+def gelu_backward(xp, x, s, dy):
+    x, s, dy = xp.ascontiguousarray(x), xp.ascontiguousarray(s), xp.ascontiguousarray(dy)
+    dx = xp.empty_like(dy)
+    _points("gelu_bwd", dy.dtype, dy.size, (x, s, dy, dx, np.int64(dy.size)))
+    return dx
+
+
+def causal_softmax_(p, q0: int):
+    """In place on scores p (..., n_q, n_cols) of queries q0 .. q0 + n_q - 1."""
+    n_q, n_cols = p.shape[-2:]
+    n_rows = p.size // n_cols
+    _rows("causal_softmax", p.dtype, n_rows, n_cols, (p, np.int64(n_rows), np.int32(n_cols), np.int32(n_q),
+                                                      np.int32(q0)))
+
+
+def softmax_backward_(ds, p, rs, q0: int):
+    """In place: ds = (ds - rs) * p, with rs (..., T, 1) holding one value per query of the whole sequence."""
+    n_q, n_cols = ds.shape[-2:]
+    _points("softmax_bwd", ds.dtype, ds.size, (ds, p, rs, np.int64(ds.size), np.int32(n_cols), np.int32(n_q),
+                                               np.int32(q0), np.int32(rs.shape[-2])))
+
+
+def layernorm_forward(xp, x2, w, b, eps):
+    """x2 (N, C) -> y, xhat (N, C), rstd (N, 1)."""
+    x2 = xp.ascontiguousarray(x2)
+    n, c = x2.shape
+    y, xhat, rstd = xp.empty_like(x2), xp.empty_like(x2), xp.empty((n, 1), dtype=x2.dtype)
+    _rows("layernorm_fwd", x2.dtype, n, c, (x2, w, b, y, xhat, rstd, np.int64(n), np.int32(c), x2.dtype.type(eps)))
+    return y, xhat, rstd
+
+
+def layernorm_backward_dx(xp, dy2, xhat, rstd, w):
+    dy2, xhat = xp.ascontiguousarray(dy2), xp.ascontiguousarray(xhat)
+    n, c = dy2.shape
+    dx = xp.empty_like(dy2)
+    _rows("layernorm_bwd", dy2.dtype, n, c, (dy2, xhat, rstd, w, dx, np.int64(n), np.int32(c)))
+    return dx
+
+
+def _targets(xp, targets):
+    return xp.ascontiguousarray(targets.reshape(-1), dtype=xp.int64)
+
+
+def cross_entropy_forward(xp, logits, targets):
+    """logits (..., V) -> softmax p (same shape) and the per-token loss nll (rows,)."""
+    logits = xp.ascontiguousarray(logits)
+    v = logits.shape[-1]
+    n = logits.size // v
+    p, nll = xp.empty_like(logits), xp.empty(n, dtype=logits.dtype)
+    _rows("xent_fwd", logits.dtype, n, v, (logits, _targets(xp, targets), p, nll, np.int64(n), np.int32(v)))
+    return p, nll
+
+
+def cross_entropy_backward(xp, p, targets, scale: float):
+    """(p - onehot(targets)) * scale."""
+    d = xp.empty_like(p)
+    _points("xent_bwd", p.dtype, p.size, (p, _targets(xp, targets), d, np.int64(p.size), np.int32(p.shape[-1]),
+                                          p.dtype.type(scale)))
+    return d

@@ -1,0 +1,215 @@
+// Fused layer kernels for the CuPy path: each replaces a chain of element-wise CuPy calls (one launch and
+// one pass over memory each) by a single launch that reads its inputs once. Entries <op>_f32 and <op>_f64.
+// NumPy twins: the NumPy code in hpengine/nn (gelu_forward, gelu_backward, attention_forward's softmax,
+// attention_backward's softmax gradient, layernorm_forward, layernorm_backward's dx, cross_entropy_forward,
+// cross_entropy_backward), which computes the same formulas; hpengine/nn/fused.py launches these.
+//
+// Launch assumptions
+//   * point-wise entries (gelu_*): 1-D grid-stride loops, any grid covers any n.
+//   * row entries (causal_softmax, layernorm_*, xent_*): one block per row (grid-stride over rows),
+//     blockDim.x a multiple of 32 and at most 1024; rows are contiguous, n_cols elements apart.
+//   * all arrays C-contiguous; outputs do not overlap inputs unless the entry says "in place".
+
+#define MAX_WARPS 32
+
+template <typename T> __device__ __forceinline__ T ex(T x);
+template <> __device__ __forceinline__ float ex<float>(float x) { return expf(x); }
+template <> __device__ __forceinline__ double ex<double>(double x) { return exp(x); }
+template <typename T> __device__ __forceinline__ T lg(T x);
+template <> __device__ __forceinline__ float lg<float>(float x) { return logf(x); }
+template <> __device__ __forceinline__ double lg<double>(double x) { return log(x); }
+template <typename T> __device__ __forceinline__ T rsq(T x);
+template <> __device__ __forceinline__ float rsq<float>(float x) { return 1.0f / sqrtf(x); }
+template <> __device__ __forceinline__ double rsq<double>(double x) { return 1.0 / sqrt(x); }
+template <typename T> __device__ __forceinline__ T neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return -__int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double neg_inf<double>() { return -__longlong_as_double(0x7ff0000000000000LL); }
+
+struct Sum { template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; } };
+struct Max { template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return a > b ? a : b; } };
+
+// Reduce v over the block; every thread gets the result. `sh` holds MAX_WARPS values; the trailing
+// barrier lets the caller reuse `sh` for the next reduction.
+template <typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T v, T* sh, Op op) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = sh[0];
+    for (int w = 1; w < nwarps; ++w) v = op(v, sh[w]);
+    __syncthreads();
+    return v;
+}
+
+#define GRID_STRIDE(i, n) \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)
+#define ROWS(r, n_rows) for (long long r = blockIdx.x; r < (n_rows); r += gridDim.x)
+
+// ---- GELU, tanh approximation, as sigmoid: y = x s, s = 1 / (1 + exp(-2K (x + A x^3)))
+#define GELU_K 0.7978845608028654
+#define GELU_A 0.044715
+
+template <typename T>
+__device__ void gelu_fwd(const T* __restrict__ x, T* __restrict__ y, T* __restrict__ s, long long n) {
+    GRID_STRIDE(i, n) {
+        const T xi = x[i];
+        T u = xi * xi;
+        u *= (T)(-2.0 * GELU_A * GELU_K);
+        u -= (T)(2.0 * GELU_K);
+        u *= xi;
+        const T si = (T)1 / (ex<T>(u) + (T)1);
+        s[i] = si;
+        y[i] = xi * si;
+    }
+}
+
+// dx = dy s (1 + (1 - s) x (2K + 6AK x^2))
+template <typename T>
+__device__ void gelu_bwd(const T* __restrict__ x, const T* __restrict__ s, const T* __restrict__ dy,
+                         T* __restrict__ dx, long long n) {
+    GRID_STRIDE(i, n) {
+        const T xi = x[i], si = s[i];
+        T d = xi * xi;
+        d *= (T)(6.0 * GELU_A * GELU_K);
+        d += (T)(2.0 * GELU_K);
+        d *= xi;
+        d *= (T)1 - si;
+        d += (T)1;
+        d *= si;
+        dx[i] = d * dy[i];
+    }
+}
+
+// ---- causal softmax, in place, over score rows of a query block: p is (n_rows, n_cols) with
+// n_rows = batch*heads*n_q; row r is query q0 + r % n_q, which sees keys 0 .. q0 + r % n_q; the keys
+// after it become exact zeros.
+template <typename T>
+__device__ void causal_softmax(T* p, long long n_rows, int n_cols, int n_q, int q0) {
+    __shared__ T sh[MAX_WARPS];
+    ROWS(r, n_rows) {
+        T* row = p + r * n_cols;
+        const int seen = q0 + (int)(r % n_q) + 1;
+        T m = neg_inf<T>();
+        for (int j = threadIdx.x; j < seen; j += blockDim.x) m = m > row[j] ? m : row[j];
+        m = block_reduce(m, sh, Max());
+        T s = 0;
+        for (int j = threadIdx.x; j < seen; j += blockDim.x) {
+            const T e = ex<T>(row[j] - m);
+            row[j] = e;
+            s += e;
+        }
+        s = (T)1 / block_reduce(s, sh, Sum());
+        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) row[j] = j < seen ? row[j] * s : (T)0;
+    }
+}
+
+// ---- softmax gradient, in place on ds (= dP on entry): ds = (ds - rs) * p, rs one value per query row;
+// row r of the (batch*heads*n_q, n_cols) block is query q0 + r % n_q of head r / n_q, whose rs sits at
+// rs[(r / n_q) * rs_len + q0 + r % n_q].
+template <typename T>
+__device__ void softmax_bwd(T* ds, const T* __restrict__ p, const T* __restrict__ rs, long long n,
+                            int n_cols, int n_q, int q0, int rs_len) {
+    GRID_STRIDE(i, n) {
+        const long long r = i / n_cols;
+        ds[i] = (ds[i] - rs[(r / n_q) * rs_len + q0 + r % n_q]) * p[i];
+    }
+}
+
+// ---- layer norm over rows of x (n_rows, n_cols): xhat = (x - mean) rstd, y = xhat w + b; rstd per row
+template <typename T>
+__device__ void layernorm_fwd(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
+                              T* __restrict__ y, T* __restrict__ xhat, T* __restrict__ rstd, long long n_rows,
+                              int n_cols, T eps) {
+    __shared__ T sh[MAX_WARPS];
+    ROWS(r, n_rows) {
+        const T* xr = x + r * n_cols;
+        T s = 0;
+        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) s += xr[j];
+        const T mean = block_reduce(s, sh, Sum()) / (T)n_cols;
+        T v = 0;
+        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) { const T d = xr[j] - mean; v += d * d; }
+        const T rs = rsq<T>(block_reduce(v, sh, Sum()) / (T)n_cols + eps);
+        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) {
+            const T h = (xr[j] - mean) * rs;
+            xhat[r * n_cols + j] = h;
+            y[r * n_cols + j] = h * w[j] + b[j];
+        }
+        if (threadIdx.x == 0) rstd[r] = rs;
+    }
+}
+
+// dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy w
+template <typename T>
+__device__ void layernorm_bwd(const T* __restrict__ dy, const T* __restrict__ xhat, const T* __restrict__ rstd,
+                              const T* __restrict__ w, T* __restrict__ dx, long long n_rows, int n_cols) {
+    __shared__ T sh[MAX_WARPS];
+    ROWS(r, n_rows) {
+        const T* dr = dy + r * n_cols;
+        const T* hr = xhat + r * n_cols;
+        T sg = 0, sgx = 0;
+        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) { const T g = dr[j] * w[j]; sg += g; sgx += g * hr[j]; }
+        const T rs = rstd[r];
+        const T mg = block_reduce(sg, sh, Sum()) / (T)n_cols * rs;
+        const T mgx = block_reduce(sgx, sh, Sum()) / (T)n_cols * rs;
+        for (int j = threadIdx.x; j < n_cols; j += blockDim.x)
+            dx[r * n_cols + j] = dr[j] * w[j] * rs - mg - hr[j] * mgx;
+    }
+}
+
+// ---- softmax cross-entropy over rows of logits (n_rows, n_cols): p = softmax (written to p),
+// nll[r] = log(sum exp(z - max)) - (z[target] - max)
+template <typename T>
+__device__ void xent_fwd(const T* __restrict__ z, const long long* __restrict__ target, T* __restrict__ p,
+                         T* __restrict__ nll, long long n_rows, int n_cols) {
+    __shared__ T sh[MAX_WARPS];
+    ROWS(r, n_rows) {
+        const T* zr = z + r * n_cols;
+        T* pr = p + r * n_cols;
+        T m = neg_inf<T>();
+        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) m = m > zr[j] ? m : zr[j];
+        m = block_reduce(m, sh, Max());
+        T s = 0;
+        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) { const T e = ex<T>(zr[j] - m); pr[j] = e; s += e; }
+        s = block_reduce(s, sh, Sum());
+        const T inv = (T)1 / s;
+        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) pr[j] *= inv;
+        if (threadIdx.x == 0) nll[r] = lg<T>(s) - (zr[target[r]] - m);
+    }
+}
+
+// d = (p - onehot(target)) * scale
+template <typename T>
+__device__ void xent_bwd(const T* __restrict__ p, const long long* __restrict__ target, T* __restrict__ d,
+                         long long n, int n_cols, T scale) {
+    GRID_STRIDE(i, n) {
+        const long long r = i / n_cols;
+        const int j = (int)(i - r * n_cols);
+        d[i] = p[i] * scale - (j == target[r] ? scale : (T)0);
+    }
+}
+
+#define ENTRIES(S, T)                                                                                          \
+extern "C" __global__ void gelu_fwd_##S(const T* x, T* y, T* s, long long n) { gelu_fwd<T>(x, y, s, n); }      \
+extern "C" __global__ void gelu_bwd_##S(const T* x, const T* s, const T* dy, T* dx, long long n) {             \
+    gelu_bwd<T>(x, s, dy, dx, n); }                                                                            \
+extern "C" __global__ void causal_softmax_##S(T* p, long long n_rows, int n_cols, int n_q, int q0) {           \
+    causal_softmax<T>(p, n_rows, n_cols, n_q, q0); }                                                           \
+extern "C" __global__ void softmax_bwd_##S(T* ds, const T* p, const T* rs, long long n, int n_cols, int n_q,   \
+                                           int q0, int rs_len) {                                               \
+    softmax_bwd<T>(ds, p, rs, n, n_cols, n_q, q0, rs_len); }                                                   \
+extern "C" __global__ void layernorm_fwd_##S(const T* x, const T* w, const T* b, T* y, T* xhat, T* rstd,       \
+                                             long long n_rows, int n_cols, T eps) {                            \
+    layernorm_fwd<T>(x, w, b, y, xhat, rstd, n_rows, n_cols, eps); }                                           \
+extern "C" __global__ void layernorm_bwd_##S(const T* dy, const T* xhat, const T* rstd, const T* w, T* dx,     \
+                                             long long n_rows, int n_cols) {                                   \
+    layernorm_bwd<T>(dy, xhat, rstd, w, dx, n_rows, n_cols); }                                                 \
+extern "C" __global__ void xent_fwd_##S(const T* z, const long long* target, T* p, T* nll, long long n_rows,   \
+                                        int n_cols) {                                                          \
+    xent_fwd<T>(z, target, p, nll, n_rows, n_cols); }                                                          \
+extern "C" __global__ void xent_bwd_##S(const T* p, const long long* target, T* d, long long n, int n_cols,     \
+                                        T scale) {                                                             \
+    xent_bwd<T>(p, target, d, n, n_cols, scale); }
+
+ENTRIES(f32, float)
+ENTRIES(f64, double)
