@@ -2,12 +2,15 @@
 // one pass over memory each) by a single launch that reads its inputs once. Entries <op>_f32 and <op>_f64.
 // NumPy twins: the NumPy code in hpengine/nn (gelu_forward, gelu_backward, attention_forward's softmax,
 // attention_backward's softmax gradient, layernorm_forward, layernorm_backward's dx, cross_entropy_forward,
-// cross_entropy_backward), which computes the same formulas; hpengine/nn/fused.py launches these.
+// cross_entropy_backward, the bias and layernorm weight gradients' column sums), which computes the same
+// formulas; hpengine/nn/fused.py launches these.
 //
 // Launch assumptions
-//   * point-wise entries (gelu_*): 1-D grid-stride loops, any grid covers any n.
-//   * row entries (causal_softmax, layernorm_*, xent_*): one block per row (grid-stride over rows),
+//   * point-wise entries (gelu_*, softmax_bwd, xent_bwd): 1-D grid-stride loops, any grid covers any n.
+//   * row entries (causal_softmax, layernorm_*, xent_fwd): one block per row (grid-stride over rows),
 //     blockDim.x a multiple of 32 and at most 1024; rows are contiguous, n_cols elements apart.
+//   * colsum_part*: blocks of (32, 8) threads, gridDim.x * 32 >= n_cols, gridDim.y chunks of rows;
+//     colsum_finish: 1-D grid-stride, part holding gridDim.y rows of the part entry's grid.
 //   * all arrays C-contiguous; outputs do not overlap inputs unless the entry says "in place".
 
 #define MAX_WARPS 32
@@ -189,6 +192,38 @@ __device__ void xent_bwd(const T* __restrict__ p, const long long* __restrict__ 
     }
 }
 
+// ---- column sums of a (n_rows, n_cols), or of a * b: each block (32 x 8 threads) sums 32 columns over one
+// chunk of rows into part[chunk]; colsum_finish adds the chunks in order. Deterministic: no atomics.
+template <typename T, bool PROD>
+__device__ void colsum_part(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ part,
+                            long long n_rows, int n_cols) {
+    __shared__ T sh[8][33];
+    const int col = blockIdx.x * 32 + threadIdx.x;
+    const long long per = (n_rows + gridDim.y - 1) / gridDim.y;
+    const long long r0 = blockIdx.y * per, r1 = r0 + per < n_rows ? r0 + per : n_rows;
+    T s = 0;
+    if (col < n_cols)
+        for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y)
+            s += PROD ? a[r * n_cols + col] * b[r * n_cols + col] : a[r * n_cols + col];
+    sh[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < n_cols) {
+        T t = 0;
+        for (int y = 0; y < (int)blockDim.y; ++y) t += sh[y][threadIdx.x];
+        part[blockIdx.y * (long long)n_cols + col] = t;
+    }
+}
+
+// out (+)= the sum over n_parts rows of part
+template <typename T>
+__device__ void colsum_finish(const T* __restrict__ part, T* out, int n_parts, int n_cols, int accumulate) {
+    GRID_STRIDE(j, n_cols) {
+        T s = 0;
+        for (int q = 0; q < n_parts; ++q) s += part[(long long)q * n_cols + j];
+        out[j] = accumulate ? out[j] + s : s;
+    }
+}
+
 #define ENTRIES(S, T)                                                                                          \
 extern "C" __global__ void gelu_fwd_##S(const T* x, T* y, T* s, long long n) { gelu_fwd<T>(x, y, s, n); }      \
 extern "C" __global__ void gelu_bwd_##S(const T* x, const T* s, const T* dy, T* dx, long long n) {             \
@@ -209,7 +244,13 @@ extern "C" __global__ void xent_fwd_##S(const T* z, const long long* target, T* 
     xent_fwd<T>(z, target, p, nll, n_rows, n_cols); }                                                          \
 extern "C" __global__ void xent_bwd_##S(const T* p, const long long* target, T* d, long long n, int n_cols,     \
                                         T scale) {                                                             \
-    xent_bwd<T>(p, target, d, n, n_cols, scale); }
+    xent_bwd<T>(p, target, d, n, n_cols, scale); }                                                            \
+extern "C" __global__ void colsum_part_##S(const T* a, T* part, long long n_rows, int n_cols) {                \
+    colsum_part<T, false>(a, a, part, n_rows, n_cols); }                                                       \
+extern "C" __global__ void colsum_prod_part_##S(const T* a, const T* b, T* part, long long n_rows, int n_cols) { \
+    colsum_part<T, true>(a, b, part, n_rows, n_cols); }                                                        \
+extern "C" __global__ void colsum_finish_##S(const T* part, T* out, int n_parts, int n_cols, int accumulate) { \
+    colsum_finish<T>(part, out, n_parts, n_cols, accumulate); }
 
 ENTRIES(f32, float)
 ENTRIES(f64, double)

@@ -4,13 +4,17 @@ qkv's last axis reshapes to (n_heads, 3, hd) so a column split of the qkv
 projection hands each tensor-parallel rank whole heads. All heads and batch
 rows go through one batched matmul per query block. q, k, v and the head
 merge/split are strided views (the GEMMs take a leading dimension), so nothing
-is copied into head-major order and back. Query rows come in two blocks, the
+is copied into head-major order and back on the CPU. On CuPy the heads are
+copied into contiguous (B, H, T, hd) arrays once per pass instead: every product
+is then one strided-batched cuBLAS call over all B*H heads (nn/gemm.py), where the
+interleaved views would take one call per batch row, each too small to fill a
+GPU. Query rows come in two blocks, the
 first attending only to the first half of the keys: a quarter of the scores
 (all masked) is never computed.
 """
 import math
 
-from . import fused
+from . import fused, gemm
 
 
 def _blocks(T):
@@ -31,6 +35,20 @@ def _heads(a, n_heads, parts):
     return [v[:, :, :, i].transpose(0, 2, 1, 3) for i in range(parts)]
 
 
+def _mm(xp, a, b, out=None, accumulate=False):
+    # a @ b, into out or added to it; on CuPy through strided cuBLAS calls that copy no operand
+    if _on_gpu(xp):
+        return gemm.matmul(xp, a, b, out, accumulate)
+    if accumulate:
+        out += a @ b
+        return out
+    return xp.matmul(a, b) if out is None else xp.matmul(a, b, out=out)
+
+
+def _on_gpu(xp) -> bool:
+    return fused.ENABLED and xp.__name__ == "cupy"
+
+
 def _rowsum(xp, a):
     # sum over the last axis as a GEMV with a ones vector: several times faster than a.sum(-1)
     return xp.matmul(a, xp.ones(a.shape[-1], dtype=a.dtype))[..., None]
@@ -46,10 +64,16 @@ def attention_forward(xp, qkv, n_heads):
     # Scaling q (T*hd) is cheaper than scaling the scores (T*T) when T > hd; it also
     # leaves the caller's qkv untouched.
     q = q * (1.0 / math.sqrt(hd))
-    y = xp.empty((B, T, n_heads * hd), dtype=q.dtype)
-    (o,), ps = _heads(y, n_heads, 1), []
+    gpu = _on_gpu(xp)
+    if gpu:
+        q, k, v = (xp.ascontiguousarray(t) for t in (q, k, v))
+        o = xp.empty((B, n_heads, T, hd), dtype=q.dtype)
+    else:
+        y = xp.empty((B, T, n_heads * hd), dtype=q.dtype)
+        (o,) = _heads(y, n_heads, 1)
+    ps = []
     for a, b in _blocks(T):
-        p = q[:, :, a:b] @ k[:, :, :b].swapaxes(-1, -2)
+        p = _mm(xp, q[:, :, a:b], k[:, :, :b].swapaxes(-1, -2))
         if fused.usable(xp, p) and p.flags.c_contiguous:
             fused.causal_softmax_(p, a)         # mask, max, exp, sum and scale in one pass
         else:
@@ -60,8 +84,10 @@ def attention_forward(xp, qkv, n_heads):
             s = _rowsum(xp, p)
             xp.reciprocal(s, out=s)
             p *= s
-        xp.matmul(p, v[:, :, :b], out=o[:, :, a:b])
+        _mm(xp, p, v[:, :, :b], o[:, :, a:b])
         ps.append(p)
+    if gpu:
+        y = o.transpose(0, 2, 1, 3).reshape(B, T, n_heads * hd)     # one copy back to (B, T, H*hd)
     return y, (qkv, q, ps, y)
 
 
@@ -74,6 +100,10 @@ def attention_backward(xp, dy, cache):
     (do,), (o,) = _heads(dy, H, 1), _heads(y, H, 1)
     dqkv = xp.empty((B, T, C3), dtype=dy.dtype)
     dq, dk, dv = _heads(dqkv, H, 3)
+    gpu = _on_gpu(xp)
+    if gpu:                     # contiguous heads: one cuBLAS call per product (see the module docstring)
+        k, v, do = (xp.ascontiguousarray(t) for t in (k, v, do))
+        dq, dk, dv = (xp.empty(do.shape, dtype=dy.dtype) for _ in range(3))
     # softmax backward: ds = p * (dp - rowsum(dp * p)); rowsum(dp * p) equals
     # rowsum(do * o), which costs T*hd instead of T*T per row block.
     if dy.dtype.itemsize < 4:  # half (amp): NumPy's sum accumulates in float32
@@ -83,18 +113,17 @@ def attention_backward(xp, dy, cache):
     # the last block covers every key: it writes dk, dv whole, earlier blocks add to a prefix
     for (a, b), p in reversed(list(zip(_blocks(T), ps))):
         dob = do[:, :, a:b]
-        ds = dob @ v[:, :, :b].swapaxes(-1, -2)
+        ds = _mm(xp, dob, v[:, :, :b].swapaxes(-1, -2))
         if fused.usable(xp, ds, p, rs) and ds.flags.c_contiguous and p.flags.c_contiguous:
             fused.softmax_backward_(ds, p, rs, a)
         else:
             ds -= rs[:, :, a:b]
             ds *= p
-        xp.matmul(ds, k[:, :, :b], out=dq[:, :, a:b])
-        if b == T:
-            xp.matmul(p.swapaxes(-1, -2), dob, out=dv)
-            xp.matmul(ds.swapaxes(-1, -2), q[:, :, a:b], out=dk)
-        else:
-            dv[:, :, :b] += p.swapaxes(-1, -2) @ dob
-            dk[:, :, :b] += ds.swapaxes(-1, -2) @ q[:, :, a:b]
+        _mm(xp, ds, k[:, :, :b], dq[:, :, a:b])
+        _mm(xp, p.swapaxes(-1, -2), dob, dv[:, :, :b], accumulate=b < T)
+        _mm(xp, ds.swapaxes(-1, -2), q[:, :, a:b], dk[:, :, :b], accumulate=b < T)
     dq *= 1.0 / math.sqrt(C3 // (3 * H))
+    if gpu:
+        for dst, src in zip(_heads(dqkv, H, 3), (dq, dk, dv)):
+            dst[...] = src
     return dqkv

@@ -83,6 +83,20 @@ def layernorm_backward_dx(xp, dy2, xhat, rstd, w):
     return dx
 
 
+def colsum_(xp, a2, out, b2=None):
+    """out += the column sums of a2 (N, C), or of a2 * b2, in a fixed order (no atomics)."""
+    a2 = xp.ascontiguousarray(a2)
+    n, c = a2.shape
+    chunks = int(max(1, min(256, -(-n // 64))))
+    part = xp.empty((chunks, c), dtype=a2.dtype)
+    grid, block = (-(-c // 32), chunks), (32, 8)
+    if b2 is None:
+        _fn("colsum_part", a2.dtype)(grid, block, (a2, part, np.int64(n), np.int32(c)))
+    else:
+        _fn("colsum_prod_part", a2.dtype)(grid, block, (a2, xp.ascontiguousarray(b2), part, np.int64(n), np.int32(c)))
+    _points("colsum_finish", a2.dtype, c, (part, out, np.int32(chunks), np.int32(c), np.int32(1)))
+
+
 def _targets(xp, targets):
     return xp.ascontiguousarray(targets.reshape(-1), dtype=xp.int64)
 

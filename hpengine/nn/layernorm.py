@@ -43,8 +43,12 @@ def layernorm_backward(xp, dy, cache, w, dw, db):
     xhat, rstd = cache
     C = w.shape[0]
     dy2 = dy.reshape(-1, C)
-    db += dy2.sum(axis=0)
-    dw += (dy2 * xhat).sum(axis=0) if dy2.dtype.itemsize < 4 else xp.einsum("ij,ij->j", dy2, xhat)
+    if fused.usable(xp, dy2, xhat, dw, db):
+        fused.colsum_(xp, dy2, db)
+        fused.colsum_(xp, dy2, dw, xhat)
+    else:
+        db += dy2.sum(axis=0)
+        dw += (dy2 * xhat).sum(axis=0) if dy2.dtype.itemsize < 4 else xp.einsum("ij,ij->j", dy2, xhat)
     # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), with g = dy * w
     if fused.usable(xp, dy2, xhat, rstd, w):
         return fused.layernorm_backward_dx(xp, dy2, xhat, rstd, w).reshape(dy.shape)

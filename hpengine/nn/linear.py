@@ -2,6 +2,7 @@
 
 Leading dims are folded into one so every product is a single 2-D GEMM.
 """
+from . import fused, gemm
 
 
 def linear_forward(xp, x, w, b=None):
@@ -19,8 +20,13 @@ def linear_backward(xp, dy, cache, w, dw, db=None):
     # dy: (..., OC), w, dw: (C, OC), db: (OC,) or None -> dx: (..., C)
     x2, lead = cache
     dy2 = dy.reshape(-1, w.shape[1])
-    dw += x2.T @ dy2
-    if db is not None:
+    if fused.usable(xp, x2, dy2, dw):
+        gemm.matmul(xp, x2.T, dy2, dw, accumulate=True)     # cuBLAS adds into dw: no temporary
+    else:
+        dw += x2.T @ dy2
+    if db is not None and fused.usable(xp, dy2, db):
+        fused.colsum_(xp, dy2, db)
+    elif db is not None:
         db += dy2.sum(axis=0)
     return (dy2 @ w.T).reshape(*lead, w.shape[0])
 

@@ -95,3 +95,53 @@ def test_switch_off_takes_the_cupy_twin(monkeypatch):
     monkeypatch.setattr(fused, "ENABLED", False)
     assert not fused.usable(cp, xd)
     close(gelu_forward(cp, xd)[0], cp.asnumpy(on), np.float64)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_strided_gemm_on_attention_views(monkeypatch, dtype, accumulate):
+    from hpengine.nn import gemm
+    monkeypatch.setattr(gemm, "MAX_LOOPED_CALLS", 10**6)      # the strided path however many calls
+    rng = np.random.default_rng(6)
+    B, T, H, hd = 3, 10, 2, 8
+    qkv = rng.standard_normal((B, T, 3 * H * hd)).astype(dtype)
+    y = rng.standard_normal((B, T, H * hd)).astype(dtype)
+    dev = {"qkv": cp.asarray(qkv), "y": cp.asarray(y)}
+
+    def heads(a, parts):
+        v = a.reshape(B, T, H, parts, -1)
+        return [v[:, :, :, i].transpose(0, 2, 1, 3) for i in range(parts)]
+    for xp, arrs in ((np, {"qkv": qkv, "y": y.copy()}), (cp, dev)):
+        q, k, v = heads(arrs["qkv"], 3)
+        (o,) = heads(arrs["y"], 1)
+        p = xp.matmul(q[:, :, 4:], k.swapaxes(-1, -2)) if xp is np else gemm.matmul(cp, q[:, :, 4:], k.swapaxes(-1, -2))
+        if xp is np:
+            out = o[:, :, 4:]
+            if accumulate:
+                out += p @ v
+            else:
+                np.matmul(p, v, out=out)
+            want_p, want_y = p, arrs["y"]
+        else:
+            gemm.matmul(cp, p, v, o[:, :, 4:], accumulate)
+            close(p, want_p, dtype)
+            close(arrs["y"], want_y, dtype)
+            assert gemm._WORKS[np.dtype(dtype)]
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("rows", [1, 37, 5000])
+def test_linear_backward_accumulates(dtype, rows):
+    from hpengine.nn import linear_backward, linear_forward
+    rng = np.random.default_rng(7)
+    x, xd = pair(rng, (rows, 48), dtype)
+    w, wd = pair(rng, (48, 70), dtype)
+    b, bd = pair(rng, (70,), dtype)
+    dw0, dwd = pair(rng, (48, 70), dtype)            # gradients already hold a micro-batch's sum
+    db0, dbd = pair(rng, (70,), dtype)
+    _, c = linear_forward(np, x, w, b)
+    _, cd = linear_forward(cp, xd, wd, bd)
+    dy, dyd = pair(rng, (rows, 70), dtype)
+    close(linear_backward(cp, dyd, cd, wd, dwd, dbd), linear_backward(np, dy, c, w, dw0, db0), dtype)
+    close(dwd, dw0, dtype)
+    close(dbd, db0, dtype)
