@@ -32,18 +32,28 @@ class Cluster:
     mem_gb: float = 80.0            # memory per device
     intra_bw_gbs: float = 150.0     # per-device bandwidth inside a node (NVLink)
     inter_bw_gbs: float = 25.0      # per-device bandwidth between nodes (InfiniBand)
-    intra_latency_us: float = 5.0
+    intra_latency_us: float = 5.0   # per round of a small collective (--calibrate: as the engine calls one)
     inter_latency_us: float = 10.0
     tflops: float = 150.0           # sustained 16-bit FLOP/s (amp)
     tflops_fp32: float = 15.0
     tflops_fp64: float = 7.5
+    # measured on CPUs by --calibrate; the defaults leave them out (a GPU's step is its FLOPs and links)
     cores_per_node: int = 0         # CPU cores the node's ranks share (0: one per device, no oversubscription)
-    optimizer_ns: float = 0.0       # host AdamW seconds (x 1e9) per owned parameter element, one core
-    step_overhead_us: float = 0.0   # fixed per-step cost (Python, launches, scalar collectives), one core
+    block_us: float = 0.0           # overhead of a block's forward or backward pass (Python, NumPy calls)
+    act_ns: float = 0.0             # per 4 bytes of activations a forward caches: elementwise work, fwd + bwd
+    optimizer_ns: float = 0.0       # per owned float32 element: AdamW, its norm and zeroing
+    step_overhead_us: float = 0.0   # fixed per-step cost (Python, data); --calibrate leaves it out
+    overlap: float = 1.0            # share of the last backward that hides gradient sync (0: no progress beside it)
+    reduce_bw_gbs: float = 0.0      # a block's gradient reduced to its owner, inside a node (0: the link's)
+    allgather_bw_gbs: float = 0.0   # a block gathered from its owner (stage 3), inside a node (0: the link's)
 
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
+
+
+MAY_BE_ZERO = ("cores_per_node", "block_us", "act_ns", "optimizer_ns", "step_overhead_us", "overlap", "reduce_bw_gbs",
+               "allgather_bw_gbs")
 
 
 def load_cluster(path=None, **flags) -> Cluster:
@@ -64,8 +74,9 @@ def load_cluster(path=None, **flags) -> Cluster:
         if k not in names:
             raise PlanError(f"cluster.{k}: unknown key; valid keys: {', '.join(names)}")
         ok = isinstance(v, int) if names[k] == "int" else isinstance(v, (int, float))
-        if not ok or isinstance(v, bool) or not v > 0 or not math.isfinite(v):
-            raise PlanError(f"cluster.{k} = {v!r}: must be a positive {'integer' if names[k] == 'int' else 'number'}")
+        least = "non-negative" if k in MAY_BE_ZERO else "positive"
+        if not ok or isinstance(v, bool) or not (v >= 0 if k in MAY_BE_ZERO else v > 0) or not math.isfinite(v):
+            raise PlanError(f"cluster.{k} = {v!r}: must be a {least} {'integer' if names[k] == 'int' else 'number'}")
     c = Cluster(**raw)
     if c.inter_bw_gbs > c.intra_bw_gbs:
         raise PlanError(f"cluster: inter_bw_gbs = {c.inter_bw_gbs} exceeds intra_bw_gbs = {c.intra_bw_gbs}; links "

@@ -295,35 +295,41 @@ def stage_facts(cfg, lay: Layout) -> list[Stage]:
 
 # ---- time ------------------------------------------------------------------------------------------
 
-def link(lay: Layout, axis: str, cluster) -> tuple:
-    """(latency s, bandwidth B/s) of a mesh axis: intra-node when its ranks, spaced by the degrees of
-    the axes inside it (mesh order, innermost first), fall in one node."""
-    deg = {"tp": lay.tp, "sharding": lay.sh, "dp": lay.dp, "pp": lay.pp}
+def link(lay: Layout, axis: str, cluster, op: str = "allreduce") -> tuple:
+    """(latency s, bandwidth B/s) of an operation on a mesh axis: intra-node when its ranks, spaced by
+    the degrees of the axes inside it (mesh order, innermost first), fall in one node; a reduce or an
+    allgather at its own measured bandwidth where the cluster gives one (between nodes, at most that)."""
+    deg = _degrees(lay)
     stride = math.prod(deg[a] for a in lay.order[:lay.order.index(axis)])
     span, gpn = stride * deg[axis], cluster.gpus_per_node
+    own = {"reduce": cluster.reduce_bw_gbs, "allgather": cluster.allgather_bw_gbs}.get(op, 0.0) * 1e9
     if span <= gpn and gpn % span == 0:
-        return cluster.intra_latency_us * 1e-6, cluster.intra_bw_gbs * 1e9
-    return cluster.inter_latency_us * 1e-6, cluster.inter_bw_gbs * 1e9
+        return cluster.intra_latency_us * 1e-6, own or cluster.intra_bw_gbs * 1e9
+    return cluster.inter_latency_us * 1e-6, min(own or math.inf, cluster.inter_bw_gbs * 1e9)
 
 
 def collective_s(op: str, n: int, nbytes: float, calls: float, alpha: float, beta: float) -> float:
-    """Alpha-beta cost: ring allreduce 2(n-1)/n bytes, reduce and allgather (n-1)/n, send/recv bytes."""
+    """Alpha-beta cost: the bytes a ring moves (allreduce 2(n-1)/n, reduce and allgather (n-1)/n,
+    send/recv all of them) and ceil(log2 n) latencies per call (recursive doubling or a binomial
+    tree, what MPI uses for the small messages where latency matters; one per send)."""
     if op in ("send", "recv"):
         return nbytes / beta + calls * alpha
     if n <= 1:
         return 0.0
-    if op == "allreduce":
-        return 2 * (n - 1) / n * nbytes / beta + calls * 2 * (n - 1) * alpha
-    if op == "reduce":
-        return (n - 1) / n * nbytes / beta + calls * math.ceil(math.log2(n)) * alpha
-    return (n - 1) / n * nbytes / beta + calls * (n - 1) * alpha
+    share = 2 * (n - 1) / n if op == "allreduce" else (n - 1) / n
+    return share * nbytes / beta + calls * math.ceil(math.log2(n)) * alpha
+
+
+def matmul_flops(mcfg, tokens: int, weights: int, layers: int, tp: int, f: int = 6) -> float:
+    """f·N·tokens over N weights (f = 6 forward and backward, 8 with recompute), plus the attention
+    scores and their product with the values, 2·T·C/tp per token and layer each way."""
+    attn = 2 * f * tokens * mcfg.seq_len * mcfg.d_model // tp * layers if mcfg.kind == "gpt" else 0
+    return f * tokens * weights + attn
 
 
 def flops_per_microbatch(mcfg, st: Stage, lay: Layout) -> float:
     """6·N·tokens (8·N with recompute) over the weights this rank multiplies by, plus attention scores."""
-    tokens, f = lay.rows * mcfg.seq_len, 8 if lay.recompute else 6
-    attn = 2 * f * tokens * mcfg.seq_len * mcfg.d_model // lay.tp * st.layers if mcfg.kind == "gpt" else 0
-    return f * tokens * st.matmul + attn
+    return matmul_flops(mcfg, lay.rows * mcfg.seq_len, st.matmul, st.layers, lay.tp, 8 if lay.recompute else 6)
 
 
 def _device_flops(mcfg, lay: Layout, cluster) -> float:
@@ -340,35 +346,63 @@ def oversubscription(lay: Layout, cluster) -> float:
     return max(1.0, ranks / cores) if cores else 1.0
 
 
+def compute_s(mcfg, st: Stage, lay: Layout, cluster) -> float:
+    """Seconds of one micro-batch of one model through the stage on one device (or core): its matmul
+    FLOPs at the sustained rate; on CPUs (calibrated block_us, act_ns) also a fixed overhead per block
+    pass (forward, backward, and a recomputed block's second forward) and the elementwise passes
+    (layernorm, softmax, GELU, residuals) over the activations the forward caches, by their bytes (a
+    second forward: about half of its layer's again)."""
+    item = precision(mcfg, lay.amp)[3]
+    again = sum(recomputed(lay, b) for b in st.names)
+    a = block_activations(mcfg, lay, item)
+    cached = sum(a[b if b in ("embed", "head") else "layer"] for b in st.names) + again * a["layer"] / 2
+    return (flops_per_microbatch(mcfg, st, lay) / _device_flops(mcfg, lay, cluster)
+            + (2 * len(st.names) + again) * cluster.block_us * 1e-6 + cached / 4 * cluster.act_ns * 1e-9)
+
+
+# small allreduces a step makes on each axis: squared gradient norms (sharding, pp, tp), losses (sharding, dp, pp)
+SCALAR_CALLS = {"sharding": 2, "dp": 1, "pp": 2, "tp": 1}
+
+
+def _degrees(lay: Layout) -> dict:
+    return {"tp": lay.tp, "sharding": lay.sh, "dp": lay.dp, "pp": lay.pp}
+
+
 def stage_times(mcfg, st: Stage, lay: Layout, stage: int, models: int, cluster, sh_rank=None) -> dict:
     """Seconds per micro-batch (compute, tp, pp: on the critical path) and per step (dp, sharding:
     exposed after overlapping the last backward / the forward prefetch; fixed: the optimizer over the
-    owned elements and the per-step overhead)."""
+    owned elements, the scalar allreduces and the per-step overhead)."""
     tr, M = traffic(mcfg, st, lay, stage, models), models
     slow = oversubscription(lay, cluster)
-    comp = slow * M * flops_per_microbatch(mcfg, st, lay) / _device_flops(mcfg, lay, cluster)
+    comp = slow * M * compute_s(mcfg, st, lay, cluster)
     mb = lay.k * lay.m
     own = owned(st, lay, M, sh_rank) if lay.zstage else st.psi * M
-    fixed = slow * (cluster.optimizer_ns * 1e-9 * own + cluster.step_overhead_us * 1e-6)
+    K = precision(mcfg, lay.amp)[2]                  # optimizer_ns is measured in float32 (K = 8 bytes)
+    fixed = slow * (cluster.optimizer_ns * 1e-9 * own * K / 8 + cluster.step_overhead_us * 1e-6)
+    deg = _degrees(lay)
+    fixed += sum(collective_s("allreduce", deg[a], 0, c, *link(lay, a, cluster)) for a, c in SCALAR_CALLS.items())
     out = {"compute": comp, "tp": 0.0, "pp": 0.0, "dp": 0.0, "sharding": 0.0, "fixed": fixed}
     if "tp" in tr:
         calls = M * ((4 if mcfg.kind == "gpt" else 2) * st.layers + ("embed" in st.names) + 3 * ("head" in st.names))
         out["tp"] = collective_s("allreduce", lay.tp, tr["tp"]["allreduce"] / mb, calls, *link(lay, "tp", cluster))
     if "pp" in tr:
         out["pp"] = collective_s("send", 2, tr["pp"]["send"] / mb, _hops(lay, stage) * M, *link(lay, "pp", cluster))
-    blocks = len(st.names) * M
+    hide = cluster.overlap * comp           # what may hide gradient sync: the last backward, 2/3 of a micro-batch
     if "dp" in tr:
         a, b = link(lay, "dp", cluster)
         calls = 1 if lay.sh > 1 else max(1, math.ceil(tr["dp"]["allreduce"] / (lay.bucket_mb * 2**20)))
         t = collective_s("allreduce", lay.dp, tr["dp"]["allreduce"], calls, a, b)
-        out["dp"] = t if lay.sh > 1 else max(0.0, t - 2 / 3 * comp)
+        out["dp"] = t if lay.sh > 1 else max(0.0, t - 2 / 3 * hide)
     if "sharding" in tr:
-        a, b = link(lay, "sharding", cluster)
-        red = collective_s("reduce", lay.sh, tr["sharding"]["reduce"], blocks + lay.sh, a, b)
-        calls = mb * blocks if lay.zstage == 3 else 1
-        gat = collective_s("allgather", lay.sh, tr["sharding"]["allgather"], calls, a, b)
-        hidden = mb * comp / 3 if lay.zstage == 3 else 0.0
-        out["sharding"] = max(0.0, red - 2 / 3 * comp) + max(0.0, gat - hidden)
+        parts = len(st.names) * M + lay.sh - 1          # a reduce per (block, owner) piece
+        red = collective_s("reduce", lay.sh, tr["sharding"]["reduce"], parts,
+                           *link(lay, "sharding", cluster, "reduce"))
+        # stage 3 gathers each block from its owner, twice a micro-batch; stages 1-2 share every range once
+        gathers = mb * M * (2 * len(st.names) - ("embed" in st.names)) if lay.zstage == 3 else 1
+        gat = collective_s("allgather", lay.sh, tr["sharding"]["allgather"], gathers,
+                           *link(lay, "sharding", cluster, "allgather" if lay.zstage == 3 else "allreduce"))
+        prefetch = mb * hide / 3 if lay.zstage == 3 else 0.0
+        out["sharding"] = max(0.0, red - 2 / 3 * hide) + max(0.0, gat - prefetch)
     return out
 
 
@@ -387,7 +421,9 @@ def predict_stage(mcfg, st: Stage, lay: Layout, stage: int, models: int, cluster
 
 def step_time(per_stage: list[dict], lay: Layout) -> dict:
     """Combine stages: the slowest micro-batch sets the pipeline's pace (plus the schedule's bubble),
-    then the slowest stage's exposed gradient sync and parameter sharing."""
+    then the slowest stage's exposed gradient sync and parameter sharing. With more ranks than cores,
+    a rank waiting in the bubble still takes its share of a core (MPI waits by polling), so the
+    bubble, like the compute, runs at the oversubscribed pace."""
     slow = max(per_stage, key=lambda s: s["times"]["compute"] + s["times"]["tp"] + s["times"]["pp"])["times"]
     t_mb = slow["compute"] + slow["tp"] + slow["pp"]
     f = bubble_fraction(lay.schedule, lay.pp, lay.m, lay.v) if lay.pp > 1 else 0.0

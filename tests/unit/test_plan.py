@@ -1,10 +1,12 @@
 """The planner without MPI: ZeRO's Figure 1, model states by stage and precision, tensor and pipeline
-splits of the parameter count, activations held per schedule, the alpha-beta costs, every enumerated
-layout legal for the engine, the best written as a loadable config, `hpengine plan` and its errors."""
+splits of the parameter count, activations held per schedule, the alpha-beta costs and the calibrated
+CPU terms, every enumerated layout legal for the engine, the best written as a loadable config,
+`hpengine plan` and its errors."""
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -14,8 +16,8 @@ from hpengine.config import enabled_strategies, load_config
 from hpengine.models import build_model
 from hpengine.plan import (Cluster, PlanError, candidates, check_at_start, config_for, load_cluster, search,
                            with_preset, write_best)
-from hpengine.plan_model import (_peak_live, collective_s, layout_of, link, model_state, stages, step_time,
-                                  zero_bytes)
+from hpengine.plan_model import (_peak_live, block_activations, collective_s, compute_s, flops_per_microbatch,
+                                  layout_of, link, model_state, stage_times, stages, step_time, zero_bytes)
 from hpengine.strategies.pipeline import split_blocks
 from hpengine.strategies.schedules import make_schedule, peak_in_flight
 from hpengine.train import check_batch
@@ -110,6 +112,39 @@ def test_alpha_beta_costs():
     assert collective_s("reduce", 4, 8e9, 0, 0.0, 1e9) == pytest.approx(6.0)
     assert collective_s("send", 2, 1e9, 3, 1e-6, 1e9) == pytest.approx(1 + 3e-6)
     assert collective_s("allreduce", 1, 8e9, 5, 1.0, 1e9) == 0
+    for op in ("allreduce", "reduce", "allgather"):        # ceil(log2 n) latencies per call
+        assert collective_s(op, 4, 0, 3, 1.0, 1e9) == 6 and collective_s(op, 5, 0, 1, 1.0, 1e9) == 3
+
+
+def test_cpu_terms_of_a_micro_batch():
+    """Calibrated CPUs add block_us per block pass (a recomputed block's forward runs twice) and act_ns
+    per 4 bytes of cached activations (a recomputed layer's second forward: half again); ranks beyond
+    the cores slow everything by ranks / cores."""
+    for rc in ("false", "true"):
+        cfg = tiny(f"strategy.recompute.enable={rc}", "model.dtype=float32")
+        lay, st = layout_of(cfg, 1), stages(cfg.model, 1, 1, 1)[0]
+        flops = Cluster(tflops_fp32=1.0)
+        base = flops_per_microbatch(cfg.model, st, lay) / 1e12
+        assert compute_s(cfg.model, st, lay, flops) == pytest.approx(base)
+        again = 4 if rc == "true" else 0
+        c = Cluster(tflops_fp32=1.0, block_us=100.0)
+        assert compute_s(cfg.model, st, lay, c) == pytest.approx(base + (2 * 6 + again) * 100e-6)
+        a = block_activations(cfg.model, lay, 4)
+        cached = a["embed"] + 4 * a["layer"] + a["head"] + again * a["layer"] / 2
+        c = Cluster(tflops_fp32=1.0, act_ns=2.0)
+        assert compute_s(cfg.model, st, lay, c) == pytest.approx(base + cached / 4 * 2e-9)
+    c = Cluster(gpus_per_node=4, tflops_fp32=1.0, block_us=100.0, cores_per_node=2)
+    lay = layout_of(tiny("strategy.data_parallel.enable=true"), 4)
+    one, four = (stage_times(cfg.model, st, lay, 0, 1, cl)["compute"] for cl in (replace(c, cores_per_node=4), c))
+    assert four == pytest.approx(2 * one)
+
+
+def test_reduce_and_allgather_at_their_own_bandwidth():
+    cfg = tiny("strategy.sharding.enable=true", "strategy.sharding.degree=4", "strategy.data_parallel.enable=true")
+    lay = layout_of(cfg, 8)                    # sharding 4 inside a node of 4, dp 2 across the nodes
+    c = Cluster(nodes=2, gpus_per_node=4, intra_bw_gbs=100, inter_bw_gbs=10, reduce_bw_gbs=20, allgather_bw_gbs=0)
+    assert link(lay, "sharding", c, "reduce")[1] == 20e9 and link(lay, "sharding", c, "allgather")[1] == 100e9
+    assert link(lay, "dp", c, "reduce")[1] == 10e9          # across nodes: the slower of the two
 
 
 def test_pipeline_bubble_in_step_time():
@@ -204,6 +239,9 @@ def test_cluster_file(tmp_path):
     f.write_text("[cluster]\nnodez = 2\n")
     with pytest.raises(PlanError, match="cluster.nodez: unknown key"):
         load_cluster(str(f))
+    assert load_cluster(None, overlap=0.0, block_us=0.0).overlap == 0       # CPU figures may be 0
+    with pytest.raises(PlanError, match="cluster.act_ns = -1.0: must be a non-negative number"):
+        load_cluster(None, act_ns=-1.0)
 
 
 def test_check_at_start_warns_over_device_memory(monkeypatch, caplog):
@@ -227,3 +265,4 @@ def test_calibrate_prints_a_usable_cluster(tmp_path, capsys):
     f.write_text(capsys.readouterr().out)
     c = load_cluster(str(f))
     assert c.gpus_per_node == 2 and c.tflops_fp32 > 0 and math.isfinite(c.intra_bw_gbs)
+    assert c.cores_per_node >= 1 and c.block_us > 0 and c.act_ns > 0 and c.optimizer_ns > 0
