@@ -28,10 +28,11 @@ def calibrate(gpus_per_node: int | None = None) -> str:
     w, n = MPI.COMM_WORLD, MPI.COMM_WORLD.Get_size()
     keep_heap()                      # as `hpengine train` runs: freed activations stay in the heap
     vals = _alone(w, lambda: _primitives(np))
-    if n > 1:
-        vals.update(_collectives(w, np))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     gpn = gpus_per_node or (n if n > 1 else cores)
+    if n > 1:
+        vals.update(_collectives(w, np))
+        cores = cores_in_effect(w, np, cores)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GB / gpn
     vals.update(nodes=1, gpus_per_node=gpn, mem_gb=mem, cores_per_node=cores,
                 inter_bw_gbs=vals["intra_bw_gbs"], inter_latency_us=vals["intra_latency_us"])
@@ -124,6 +125,16 @@ def _optimizer_s(np, n: int = 1 << 20) -> float:
 
 
 # ---- every rank ----------------------------------------------------------------------------------------
+
+def cores_in_effect(w, np, physical: int) -> float:
+    """The cores the ranks get in effect: ranks x (a block pass on rank 0 alone) / (the same pass on every
+    rank at once), at most the node's. With fewer ranks than idle cores that is the rank count (no
+    slow-down); with more ranks, or another job's processes on the cores, fewer."""
+    fb = _block(np, *BLOCK_SHAPES[1])[0]
+    alone = _alone(w, lambda: _per_call(fb, 10))
+    together = min(_together(w, fb, 10) for _ in range(3))
+    return min(float(physical), w.Get_size() * alone / together)
+
 
 def _collectives(w, np) -> dict:
     """Latency, bandwidths and overlap at this world size, each operation issued as the engine issues

@@ -38,7 +38,7 @@ class Cluster:
     tflops_fp32: float = 15.0
     tflops_fp64: float = 7.5
     # measured on CPUs by --calibrate; the defaults leave them out (a GPU's step is its FLOPs and links)
-    cores_per_node: int = 0         # CPU cores the node's ranks share (0: one per device, no oversubscription)
+    cores_per_node: float = 0       # CPU cores the node's ranks share in effect (0: one per device, none shared)
     block_us: float = 0.0           # overhead of a block's forward or backward pass (Python, NumPy calls)
     act_ns: float = 0.0             # per 4 bytes of activations a forward caches: elementwise work, fwd + bwd
     optimizer_ns: float = 0.0       # per owned float32 element: AdamW, its norm and zeroing

@@ -4,14 +4,22 @@ several layouts of a small GPT train a few steps; each predicted step time is wi
 measured median, and the prediction orders every two layouts whose measured times differ by more
 than 30% as they measured. The machine may be shared and noisy: up to three attempts, each
 calibrating and measuring afresh (layouts interleaved), and the test passes when one attempt meets
-every condition; a failure shows each attempt's table."""
+every condition; a failure shows each attempt's table.
+
+Step times mean nothing while another job takes cores from the ranks (measured: the same layout 28 ms in
+one attempt and 54 ms in the next beside one busy-looping process). An attempt is judged only when the
+cores the ranks get in effect (calibrate.cores_in_effect, before and after measuring) are at least 90% of
+what the node gives them; when no attempt could be judged, the test skips and says so."""
+import os
 import statistics
 import time
 
+import numpy as np
+import pytest
 from mpi4py import MPI
 
 from helpers import need
-from hpengine.calibrate import calibrate
+from hpengine.calibrate import calibrate, cores_in_effect
 from hpengine.config import load_config
 from hpengine.plan import evaluate, load_cluster
 from hpengine.plan_model import layout_of
@@ -56,14 +64,20 @@ def measure(engines, world):
 
 
 def attempt(corpus, world, path):
-    """(table, problems) of one calibration and one measurement of every layout."""
+    """(table, problems, the least cores in effect before and after) of one calibration and one
+    measurement of every layout."""
     path.write_text(world.bcast(calibrate(), root=0))
     cluster = load_cluster(str(path))
     n = world.Get_size()
     cfgs = {name: load_config(None, MODEL + [f"data.path={corpus}", *extra]) for name, extra in LAYOUTS[n]}
     measured = measure({name: build(cfg, world) for name, cfg in cfgs.items()}, world)
     predicted = {name: evaluate(cfg, layout_of(cfg, n), cluster)["time"]["step"] for name, cfg in cfgs.items()}
-    return report(predicted, measured)
+    cores = min(cluster.cores_per_node, cores_in_effect(world, np, physical_cores()))
+    return *report(predicted, measured), cores
+
+
+def physical_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def report(predicted, measured):
@@ -82,10 +96,15 @@ def report(predicted, measured):
 
 def test_predicted_step_time_within_30_percent(corpus, world, tmp_path):
     need(world.Get_size() in LAYOUTS, "5(c) is checked at -n 4 (as issue 10 states it) and -n 2")
-    tables = []
+    tables, judged, full = [], 0, min(world.Get_size(), physical_cores())
     for i in range(ATTEMPTS):
-        table, problems = attempt(corpus, world, tmp_path / f"cluster{i}.toml")
-        tables.append(f"attempt {i + 1}:\n{table}" + "".join(f"\n  {p}" for p in problems))
+        table, problems, cores = attempt(corpus, world, tmp_path / f"cluster{i}.toml")
         if not problems:
             return
+        busy = cores < 0.9 * full
+        judged += not busy
+        tables.append(f"attempt {i + 1} ({cores:.2f} of {full} cores in effect{', not judged' if busy else ''}):\n"
+                      f"{table}" + "".join(f"\n  {p}" for p in problems))
+    if not judged:
+        pytest.skip("other work held the cores in every attempt; step times not judged\n" + "\n".join(tables))
     raise AssertionError("no attempt predicted every layout within 30% in the measured order\n" + "\n".join(tables))
