@@ -68,7 +68,7 @@ def softmax_backward_(ds, p, rs, q0: int):
 
 def layernorm_forward(xp, x2, w, b, eps):
     """x2 (N, C) -> y, xhat (N, C), rstd (N, 1)."""
-    x2 = xp.ascontiguousarray(x2)
+    x2, w, b = xp.ascontiguousarray(x2), xp.ascontiguousarray(w), xp.ascontiguousarray(b)
     n, c = x2.shape
     y, xhat, rstd = xp.empty_like(x2), xp.empty_like(x2), xp.empty((n, 1), dtype=x2.dtype)
     _rows("layernorm_fwd", x2.dtype, n, c, (x2, w, b, y, xhat, rstd, np.int64(n), np.int32(c), x2.dtype.type(eps)))
@@ -76,7 +76,7 @@ def layernorm_forward(xp, x2, w, b, eps):
 
 
 def layernorm_backward_dx(xp, dy2, xhat, rstd, w):
-    dy2, xhat = xp.ascontiguousarray(dy2), xp.ascontiguousarray(xhat)
+    dy2, xhat, rstd, w = (xp.ascontiguousarray(a) for a in (dy2, xhat, rstd, w))
     n, c = dy2.shape
     dx = xp.empty_like(dy2)
     _rows("layernorm_bwd", dy2.dtype, n, c, (dy2, xhat, rstd, w, dx, np.int64(n), np.int32(c)))
@@ -84,7 +84,9 @@ def layernorm_backward_dx(xp, dy2, xhat, rstd, w):
 
 
 def colsum_(xp, a2, out, b2=None):
-    """out += the column sums of a2 (N, C), or of a2 * b2, in a fixed order (no atomics)."""
+    """out += the column sums of a2 (N, C), or of a2 * b2, in a fixed order (no atomics); out contiguous."""
+    if not out.flags.c_contiguous:
+        raise ValueError("colsum_: out must be contiguous")
     a2 = xp.ascontiguousarray(a2)
     n, c = a2.shape
     chunks = int(max(1, min(256, -(-n // 64))))

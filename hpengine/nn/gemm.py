@@ -41,8 +41,10 @@ class Call(NamedTuple):
 
 
 def _stored(rows: int, cols: int, sr: int, sc: int):
-    """How cuBLAS sees a row-major logical (rows x cols) matrix with strides (sr, sc): (op, ld) such that
-    op(stored) is its transpose (N) or itself (T) -- see plan; None when neither axis has unit stride."""
+    """How cuBLAS, column-major, reads the logical (rows x cols) matrix with element strides (sr, sc), as
+    (op, ld) with op(what it reads) = the matrix's transpose (what plan needs): N for a row-major matrix
+    (read column-major it is the transpose), T for a column-major one; None when neither axis has unit
+    stride or the leading dimension is too small."""
     if sc == 1 or cols == 1:                   # row-major: stored column-major it is the transpose
         ld = sr if rows > 1 else cols
         return (N, ld) if ld >= max(1, cols) else None
@@ -96,6 +98,18 @@ def _elements(x) -> tuple:
     return tuple(s // x.itemsize for s in x.strides)
 
 
+def _span(x) -> tuple:
+    """[first byte, last byte + 1) that view x touches."""
+    lo = x.data.ptr + sum(min(0, s * (n - 1)) for s, n in zip(x.strides, x.shape))
+    hi = x.data.ptr + sum(max(0, s * (n - 1)) for s, n in zip(x.strides, x.shape)) + x.itemsize
+    return lo, hi
+
+
+def _overlaps(x, y) -> bool:
+    (a, b), (c, d) = _span(x), _span(y)
+    return a < d and c < b
+
+
 def _copied_bytes(a, b, out) -> int:
     """What cupy.matmul would copy: each operand that is not C-contiguous, and a non-contiguous out twice."""
     return sum(x.nbytes for x in (a, b) if not x.flags.c_contiguous) + \
@@ -110,7 +124,8 @@ def matmul(xp, a, b, out=None, accumulate=False):
         accumulate = False
     calls = None
     if a.ndim >= 2 and a.dtype == b.dtype == out.dtype and a.dtype in (np.float32, np.float64) and \
-            all(s % a.itemsize == 0 for x in (a, b, out) for s in x.strides):
+            all(s % a.itemsize == 0 for x in (a, b, out) for s in x.strides) and \
+            not _overlaps(out, a) and not _overlaps(out, b):
         calls = plan(a.shape, _elements(a), b.shape, _elements(b), out.shape, _elements(out))
     if calls is None or (len(calls) > MAX_LOOPED_CALLS and _copied_bytes(a, b, out) < COPY_WORTH_BYTES) or \
             not _works(xp, a.dtype):

@@ -43,7 +43,7 @@ def layernorm_backward(xp, dy, cache, w, dw, db):
     xhat, rstd = cache
     C = w.shape[0]
     dy2 = dy.reshape(-1, C)
-    if fused.usable(xp, dy2, xhat, dw, db):
+    if fused.usable(xp, dy2, xhat, dw, db) and dw.flags.c_contiguous and db.flags.c_contiguous:
         fused.colsum_(xp, dy2, db)
         fused.colsum_(xp, dy2, dw, xhat)
     else:

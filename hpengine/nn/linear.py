@@ -24,7 +24,7 @@ def linear_backward(xp, dy, cache, w, dw, db=None):
         gemm.matmul(xp, x2.T, dy2, dw, accumulate=True)     # cuBLAS adds into dw: no temporary
     else:
         dw += x2.T @ dy2
-    if db is not None and fused.usable(xp, dy2, db):
+    if db is not None and fused.usable(xp, dy2, db) and db.flags.c_contiguous:
         fused.colsum_(xp, dy2, db)
     elif db is not None:
         db += dy2.sum(axis=0)

@@ -117,3 +117,13 @@ def test_two_dimensional_transposed_product(rng):
     dw = rng.standard_normal((3, 5))
     calls = check(x.T, x, dy, dy, dw, dw, accumulate=True)
     assert len(calls) == 1 and calls[0].batch == 1
+
+
+def test_overlap_is_seen():
+    class View:          # the attributes gemm._span reads from a CuPy array
+        def __init__(self, ptr, shape, strides, itemsize=8):
+            self.data, self.shape, self.strides, self.itemsize = type("P", (), {"ptr": ptr})(), shape, strides, itemsize
+    a = View(1000, (4, 4), (32, 8))                  # bytes 1000 .. 1128
+    assert gemm._overlaps(a, View(1120, (2,), (8,)))
+    assert not gemm._overlaps(a, View(1128, (2,), (8,)))
+    assert gemm._overlaps(a, View(1200, (4, 4), (-32, 8)))   # a negative stride reaches back to 1104
