@@ -96,10 +96,10 @@ def run_model(a, name: str, data: str, out: io.StringIO) -> None:
         eng.train_step(box["step"])
         box["step"] += 1
     print(kernel_table(torch, hp_step, sync, f"hpengine {name}", a.rows), file=out)
-    del eng
-    eng_free = getattr(sys.modules.get("cupy"), "get_default_memory_pool", None)
-    if eng_free:
-        eng_free().free_all_blocks()
+    del eng                                               # its device memory back before PyTorch's model
+    eng_xp = sys.modules.get("cupy")
+    if eng_xp is not None:
+        eng_xp.get_default_memory_pool().free_all_blocks()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     for attn in a.attn:

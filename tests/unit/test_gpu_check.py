@@ -246,3 +246,17 @@ def test_cpu_smoke_end_to_end(tmp_path):
         assert [r["status"] for r in doc["rows"] if r["what"].startswith("2 ranks")] == ["PASS", "PASS"]
     assert "| what | value | target | status |" in (tmp_path / "gpu_check.md").read_text()
     assert "===== dp2:2" in (tmp_path / "gpu_check.log").read_text() or not mpi
+
+
+@pytest.mark.timeout(120)
+def test_gpu_profile_cpu_smoke(tmp_path):
+    """benchmarks/gpu_profile.py's control flow on NumPy: both models, fused on and off, the report in $OUT
+    (the profiler part needs a GPU and is skipped)."""
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_profile.py"), "--cpu-smoke", "--rounds", "1",
+                        "--steps", "1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110,
+                       check=False)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    report = (tmp_path / "gpu_profile.txt").read_text()
+    assert report == p.stdout
+    assert report.count("fused on / off step time:") == 2 and "failed" not in report
