@@ -36,6 +36,20 @@ def cupy_module():
     return cupy
 
 
+def cublas_module():
+    """CuPy's thin cuBLAS binding (strided-batched GEMM for hpengine/nn/gemm.py)."""
+    cupy_module()
+    from cupy_backends.cuda.libs import cublas  # noqa: PLC0415 - ships with CuPy
+    return cublas
+
+
+def scatter_add(a, indices, values) -> None:
+    """a[indices] += values on CuPy arrays, repeated indices summed (GPU atomics)."""
+    cupy_module()
+    import cupyx  # noqa: PLC0415 - ships with CuPy
+    cupyx.scatter_add(a, indices, values)
+
+
 def array_module(a):
     """numpy for NumPy arrays, cupy for CuPy arrays."""
     return np if isinstance(a, (np.ndarray, np.generic)) else cupy_module().get_array_module(a)

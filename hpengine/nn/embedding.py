@@ -3,6 +3,7 @@
 `vocab_start` lets a rank hold rows [vocab_start, vocab_start + V_local) of a
 vocab-parallel table: ids outside that range read zero rows and get no gradient.
 """
+from .. import backend
 
 
 def embedding_forward(xp, idx, w, vocab_start=0):
@@ -24,9 +25,8 @@ def embedding_backward(xp, dy, cache, dw):
     ids = safe.reshape(-1)
     dy2 = dy.reshape(-1, C)
     valid = valid.reshape(-1)
-    if xp.__name__ == "cupy":
-        import cupyx  # GPU atomics make a direct scatter-add the fast path
-        cupyx.scatter_add(dw, ids, dy2 * valid[:, None])
+    if xp.__name__ == "cupy":   # GPU atomics make a direct scatter-add the fast path
+        backend.scatter_add(dw, ids, dy2 * valid[:, None])
         return None
     if not valid.all():
         ids, dy2 = ids[valid], dy2[valid]

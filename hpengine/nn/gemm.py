@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .. import backend
+
 N, T = 0, 1                       # cuBLAS operation codes (CUBLAS_OP_N, CUBLAS_OP_T)
 MAX_LOOPED_CALLS = 4              # more calls than this only when copies are worth saving ...
 COPY_WORTH_BYTES = 8 << 20        # ... i.e. cupy.matmul would copy at least this much
@@ -161,7 +163,7 @@ def _works(xp, dtype) -> bool:
 
 
 def _launch(xp, calls, a, b, out, accumulate):
-    from cupy_backends.cuda.libs import cublas            # noqa: PLC0415 - CuPy only
+    cublas = backend.cublas_module()
     handle = xp.cuda.device.get_cublas_handle()
     gemm = cublas.sgemmStridedBatched if a.dtype == np.float32 else cublas.dgemmStridedBatched
     one, beta = np.ones(1, a.dtype), np.full(1, 1.0 if accumulate else 0.0, a.dtype)
