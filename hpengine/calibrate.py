@@ -12,6 +12,7 @@ import os
 import time
 
 GB = 1e9
+ROUNDS = 5                        # timed rounds of each primitive; the best (or the median) is kept
 # (rows, seq_len, d_model, heads) of the blocks timed: overhead-bound to compute-bound
 BLOCK_SHAPES = ((1, 16, 32, 2), (2, 32, 64, 2), (4, 64, 128, 4))
 KEYS = ("nodes", "gpus_per_node", "cores_per_node", "mem_gb", "intra_bw_gbs", "inter_bw_gbs", "intra_latency_us",
@@ -132,7 +133,7 @@ def cores_in_effect(w, np, physical: int) -> float:
     slow-down); with more ranks, or another job's processes on the cores, fewer."""
     fb = _block(np, *BLOCK_SHAPES[1])[0]
     alone = _alone(w, lambda: _per_call(fb, 10))
-    together = min(_together(w, fb, 10) for _ in range(3))
+    together = min(_together(w, fb, 10) for _ in range(ROUNDS))
     return min(float(physical), w.Get_size() * alone / together)
 
 
@@ -209,10 +210,11 @@ def _together(w, fn, reps: int) -> float:
 
 
 def _per_call(fn, reps: int = 3) -> float:
-    """Seconds per call of fn, after one untimed warm-up call (the best of three rounds: noise only adds)."""
+    """Seconds per call of fn, after one untimed warm-up call (the best of ROUNDS rounds: on a shared
+    machine noise only adds, and a burst of another job's work can last a round)."""
     fn()
     best = math.inf
-    for _ in range(3):
+    for _ in range(ROUNDS):
         t = time.perf_counter()
         for _ in range(reps):
             fn()
