@@ -29,7 +29,7 @@ def calibrate(gpus_per_node: int | None = None) -> str:
     w, n = MPI.COMM_WORLD, MPI.COMM_WORLD.Get_size()
     keep_heap()                      # as `hpengine train` runs: freed activations stay in the heap
     vals = _alone(w, lambda: _primitives(np))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = physical_cores()
     gpn = gpus_per_node or (n if n > 1 else cores)
     if n > 1:
         vals.update(_collectives(w, np))
@@ -41,6 +41,11 @@ def calibrate(gpus_per_node: int | None = None) -> str:
         return ""
     return (f"# measured by hpengine plan --calibrate on {n} rank(s)\n[cluster]\n"
             + "".join(f"{k} = {v if isinstance(v, int) else f'{v:.4g}'}\n" for k, v in ((k, vals[k]) for k in KEYS)))
+
+
+def physical_cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _alone(w, fn):

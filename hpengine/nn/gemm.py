@@ -8,6 +8,7 @@ against NumPy by emulating the calls (tests/unit/test_gemm_plan.py); `matmul` la
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import warnings
@@ -74,10 +75,11 @@ def _merge(shape, strides_list):
     return dims[:split], batch, strides
 
 
-def plan(a_shape, a_strides, b_shape, b_strides, c_shape, c_strides) -> list[Call] | None:
+@functools.lru_cache(maxsize=1024)      # a step repeats the same few shapes: plan each once
+def plan(a_shape, a_strides, b_shape, b_strides, c_shape, c_strides) -> tuple[Call, ...] | None:
     """cuBLAS calls computing c = a @ b for views given by shapes and element strides (equal leading
-    dims, no broadcasting); None when an operand has no unit stride in its last two dims or c is not
-    row-major."""
+    dims, no broadcasting; tuples); None when an operand has no unit stride in its last two dims or c is
+    not row-major."""
     *lead, M, K = a_shape
     *lead_b, K2, Nn = b_shape
     if list(lead) != list(lead_b) or list(c_shape) != list(lead) + [M, Nn] or K != K2:
@@ -93,7 +95,7 @@ def plan(a_shape, a_strides, b_shape, b_strides, c_shape, c_strides) -> list[Cal
         oc = sum(c_strides[i] * x for i, x in zip(looped, idx))
         # row-major C = A B  <=>  column-major C^T = B^T A^T: cuBLAS's A is b, its B is a
         calls.append(Call(sb[0], sa[0], Nn, M, K, ob, sb[1], bsb, oa, sa[1], bsa, oc, sc[1], bsc, batch))
-    return calls
+    return tuple(calls)
 
 
 def _elements(x) -> tuple:

@@ -12,7 +12,6 @@ calibration moves every prediction. So each attempt calibrates before and after 
 from both; it is judged only when the two calibrations predict every layout within 15% of each other
 and the ranks got at least 90% of the node's cores in effect in both (calibrate.cores_in_effect). The
 prediction is the mean of the two. When no attempt could be judged, the test skips and says so."""
-import os
 import statistics
 import tempfile
 import time
@@ -22,7 +21,7 @@ import pytest
 from mpi4py import MPI
 
 from helpers import need
-from hpengine.calibrate import calibrate
+from hpengine.calibrate import calibrate, physical_cores
 from hpengine.config import load_config
 from hpengine.plan import evaluate, load_cluster
 from hpengine.plan_model import layout_of
@@ -90,9 +89,6 @@ def attempt(corpus, world, tmp):
            f"the two calibrations predict {drift:.0%} apart" if drift > STABLE else "")
     return *report(predicted, measured), why
 
-
-def physical_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def report(predicted, measured):
