@@ -15,6 +15,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from .comm import agree_or_raise
+
 FORMAT = "hpengine-checkpoint-1"
 KINDS = ("param", "adam_m", "adam_v")
 
@@ -36,16 +38,8 @@ def _fsync_path(path: Path) -> None:
 
 
 def _collective(comm, fn):
-    """Run fn on every rank; if any rank fails, every rank raises the first failure's message."""
-    err = None
-    try:
-        out = fn()
-    except (OSError, CheckpointError, KeyError, ValueError) as exc:
-        out, err = None, f"{exc}"
-    errs = [e for e in comm.allgather_obj(err) if e]
-    if errs:
-        raise CheckpointError(errs[0])
-    return out
+    """Run fn on every rank; if any rank fails, every rank raises CheckpointError with the first message."""
+    return agree_or_raise(comm, fn, CheckpointError, (OSError, CheckpointError, KeyError, ValueError))
 
 
 # --- save ----------------------------------------------------------------------------------------
@@ -62,12 +56,14 @@ def _write_shard(path: Path, pieces) -> list[dict]:
     return index
 
 
-def save(engine, root, step: int, keep: int) -> Path:
-    """Collective: write the checkpoint of `step` under root/step_XXXXXXXX and point `latest` at it."""
+def save(world, root, step: int, keep: int, pieces: list, meta: dict, tracer) -> Path:
+    """Collective over `world` (a comm.Comm): write this rank's `pieces` (state.checkpoint_pieces) of the
+    checkpoint of `step` under root/step_XXXXXXXX; rank 0 writes the manifest (`meta`: config, state,
+    shapes, layout, world) and points `latest` at it."""
     root = Path(root)
-    world, rank = engine.world, engine.world.rank
+    rank = world.rank
     final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
-    t_span = engine.tracer.now()          # issue 11: the save is one "checkpoint" span
+    t_span = tracer.now()          # the save is one "checkpoint" span
 
     def prepare():
         if rank == 0:
@@ -76,16 +72,13 @@ def save(engine, root, step: int, keep: int) -> Path:
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
     _collective(world, prepare)
-    pieces = engine.checkpoint_pieces()
     index = _collective(world, lambda: _write_shard(tmp / f"shard_r{rank:05d}.h5", pieces) if pieces else [])
     everything = [p for part in world.allgather_obj(index) for p in part]
 
     def publish():
         if rank != 0:
             return
-        manifest = {"format": FORMAT, "step": step, "config": engine.config_toml(), "state": engine.checkpoint_meta(),
-                    "shapes": engine.true_shapes(), "layout": engine.mesh.degrees, "world": engine.mesh.size,
-                    "pieces": everything}
+        manifest = {"format": FORMAT, "step": step, **meta, "pieces": everything}
         (tmp / "manifest.json").write_text(json.dumps(manifest))
         _fsync_path(tmp / "manifest.json")
         _fsync_path(tmp)
@@ -99,7 +92,7 @@ def save(engine, root, step: int, keep: int) -> Path:
         _fsync_path(root)
         _prune(root, keep)
     _collective(world, publish)
-    engine.tracer.lap("checkpoint", t_span, "save", step)
+    tracer.lap("checkpoint", t_span, "save", step)
     return final
 
 

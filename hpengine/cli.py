@@ -26,10 +26,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("paths", nargs="*", help="text files or folders (none: the built-in stdlib corpus)")
     b.add_argument("--out", required=True, help="output .h5 file")
     b.add_argument("--vocab-size", type=int, default=256)
-    c = sub.add_parser("config", help="print the config reference or a resolved config")
+    c = sub.add_parser("config", help="print the config reference, a resolved config, or (--world N) check it "
+                       "fully for N ranks without MPI and print the layout")
     c.add_argument("config", nargs="?", default=None)
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--reference", action="store_true", help="print the markdown reference of every key")
+    c.add_argument("--world", type=int, help="validate for this many ranks and print the resolved layout")
     k = sub.add_parser("ckpt", help="inspect, verify and export checkpoints")
     ksub = k.add_subparsers(dest="ckpt_cmd", required=True)
     ksub.add_parser("info", help="step, layout, tensors, sizes").add_argument("dir")
@@ -42,7 +44,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-# ---- issue 11: `hpengine plot RUN_DIR` ------------------------------------------------------------
 def _plot_parser(sub) -> None:
     pl = sub.add_parser("plot", help="PNGs of a run folder: loss, throughput, pipeline Gantt (needs matplotlib)")
     pl.add_argument("run_dir", help="a run folder (train.out_dir); the Gantt chart needs runtime.trace = true")
@@ -61,10 +62,8 @@ def _cmd_plot(a) -> int:
     for path in written:
         print(f"wrote {path}")
     return 0
-# ---- end issue 11 ------------------------------------------------------------------------------------
 
 
-# ---- issue 10: `hpengine plan` --------------------------------------------------------------------
 def _plan_parser(sub) -> None:
     pl = sub.add_parser("plan", help="choose the switches for a model on a cluster (memory and time model)",
                         description="Rank every legal layout of a model on a cluster by predicted step time "
@@ -100,7 +99,6 @@ def _cmd_plan(a) -> int:
     except BrokenPipeError:        # `hpengine plan | head`: the reader took what it wanted
         sys.stdout = open(__import__("os").devnull, "w")
     return 0
-# ---- end issue 10 ------------------------------------------------------------------------------------
 
 
 def _cmd_train(a) -> int:
@@ -142,8 +140,18 @@ def _cmd_data(a) -> int:
 
 
 def _cmd_config(a) -> int:
-    from .config import describe, load_config, to_toml
-    print(describe() if a.reference else to_toml(load_config(a.config, a.overrides)), end="")
+    from .config import ConfigError, describe, load_config, to_toml
+    if a.reference:
+        print(describe(), end="")
+        return 0
+    cfg = load_config(a.config, a.overrides)
+    if a.world is None:
+        print(to_toml(cfg), end="")
+        return 0
+    from . import resolve
+    if a.world < 1:
+        raise ConfigError(f"--world {a.world}: must be >= 1 (the number of ranks, as in mpiexec -n)")
+    print(resolve.describe(cfg, resolve.resolve(cfg, a.world)))
     return 0
 
 
@@ -158,8 +166,8 @@ def _known():
     from .topology import TopologyError
     from .strategies.pipeline import PipelineError
     from .train import RunError
-    return (CheckpointError, ConfigError, DataError, TopologyError, RunError, BackendError, PipelineError, NonFiniteError,
-            LaunchError)
+    return (CheckpointError, ConfigError, DataError, TopologyError, RunError, BackendError, PipelineError,
+            NonFiniteError, LaunchError)
 
 
 def main(argv=None) -> int:

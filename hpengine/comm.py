@@ -65,7 +65,7 @@ class Comm:
     def reset_stats(self):
         self.stats.clear()
 
-    # issue 11: timeline events. Off (tracer None) the methods are the plain ones above, so tracing off
+    # Timeline events. Off (tracer None) the methods are the plain ones above, so tracing off
     # costs nothing; on, this instance's methods are shadowed by timed wrappers (trace.Tracer).
     tracer = None
 
@@ -151,6 +151,25 @@ class Comm:
             self.c.Barrier()
 
 
+def agree_or_raise(comm, fn, error=RuntimeError, catch=(Exception,)):
+    """Run fn on every rank of comm (an mpi4py communicator or a Comm) and fail together: when fn raised
+    one of `catch` on any rank, every rank raises the lowest such rank's message, as that exception's
+    class where it is one of `catch` (else `error`). Returns fn's result. Use it for every check whose
+    outcome can differ between ranks (files, environment, devices), so no rank waits alone in a
+    collective while another has given up."""
+    out = err = None
+    try:
+        out = fn()
+    except catch as exc:
+        err = (type(exc).__name__, str(exc))
+    raw = comm.c if isinstance(comm, Comm) else comm
+    errs = [e for e in (raw.allgather(err) if raw.Get_size() > 1 else [err]) if e]
+    if errs:
+        name, msg = errs[0]
+        raise next((c for c in catch if c.__name__ == name and c is not Exception), error)(msg)
+    return out
+
+
 def _raw(r):
     return r.req if isinstance(r, Staged) else r
 
@@ -177,7 +196,7 @@ def testall(reqs) -> bool:
     return False
 
 
-# issue 11: the Comm methods a tracer times, with the MPI call each stands for
+# the Comm methods a tracer times, with the MPI call each stands for
 TRACED = {"allreduce_": "Allreduce", "iallreduce_": "Iallreduce", "ireduce": "Ireduce", "allgatherv_": "Allgatherv",
           "iallgatherv_": "Iallgatherv", "bcast_": "Bcast", "isend": "Isend", "irecv": "Irecv",
           "allreduce_obj": "allreduce", "bcast_obj": "bcast", "allgather_obj": "allgather", "barrier": "Barrier"}

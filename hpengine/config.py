@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 MESH_AXES = ("tp", "sharding", "dp", "pp")
-PARALLEL_STRATEGIES = ("data_parallel", "sharding", "pipeline", "tensor_parallel")
 
 
 class ConfigError(Exception):
@@ -524,12 +523,3 @@ def _sections(cls, path: list[str]) -> list[tuple[list[str], type]]:
 def enabled_strategies(cfg: Config) -> list[str]:
     """Names of the strategy tables with ``enable = true``, in declaration order."""
     return [f.name for f in dataclasses.fields(StrategyConfig) if getattr(cfg.strategy, f.name).enable]
-
-
-def strategy_degree(cfg: Config, name: str) -> int:
-    """The degree of a parallel strategy: 1 when disabled, else its (possibly -1 = leftover) degree."""
-    if name not in PARALLEL_STRATEGIES:
-        raise ValueError(f"strategy_degree: {name!r} has no degree; "
-                         f"choose one of {', '.join(PARALLEL_STRATEGIES)}")
-    table = getattr(cfg.strategy, name)
-    return table.degree if table.enable else 1

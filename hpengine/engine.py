@@ -1,6 +1,6 @@
-"""The engine: builds this rank's model stage (one or several models sharing one flat buffer and one
-partition), the gradient-sync strategy and the owned-shard AdamW, and runs one optimizer step:
-forward/backward over the step's passes, gradient sync, clipping, AdamW, parameter sharing.
+"""The engine: this rank's model stage (one or several models sharing one flat buffer and one partition),
+the gradient-sync strategy, the owned-shard AdamW, and one optimizer step read top to bottom:
+passes -> reduced gradients -> global norms -> update -> metrics.
 """
 from __future__ import annotations
 
@@ -11,18 +11,17 @@ import resource
 import time
 
 import numpy as np
-
 from mpi4py import MPI
 
-from .buffers import Layout, Range
+from . import state
 from .comm import Comm
-from .engine_state import EngineState
 from .init import init_range
-from .models import LocalTP, build_model
+from .models import LocalTP
 from .optim import AdamW, clip_coefficient, lr_at, sum_of_squares
+from .stage import build_stage
 from .strategies import make_grad_sync
 from .strategies.amp import LossScaler
-from .strategies.pipeline import PipelineExecutor, split_blocks
+from .strategies.pipeline import PipelineExecutor
 from .strategies.tensor_parallel import TensorParallel
 from .trace import Tracer
 
@@ -70,106 +69,41 @@ def cache_nbytes(obj, skip_roots: set, seen=None) -> int:
     return int(root.nbytes)
 
 
-@dataclasses.dataclass
-class Slot:
-    """One model of the job: its object, name prefix, seed, peak lr and Range of the flat buffer."""
-    index: int
-    model: object
-    prefix: str
-    seed: int
-    lr: float
-    blocks: list
-    range: Range = None
-    chunks: list = None
-
-
-class Engine(EngineState):
-    def __init__(self, cfg, mesh, backend, dataset):
-        self.cfg, self.mesh, self.be, self.data = cfg, mesh, backend, dataset
+class Engine:
+    def __init__(self, cfg, res, mesh, backend, dataset):
+        self.cfg, self.res, self.mesh, self.be, self.data = cfg, res, mesh, backend, dataset
         self.xp = backend.xp
-        tpc = mesh.comms["tp"]
-        self.tp = TensorParallel(tpc, cfg.model.vocab_size) if tpc.size > 1 else LocalTP()
-        self.slots, specs = self._build_slots(cfg)
-        self.layout = Layout(specs, self.tp.rank, self.tp.size)
-        self.blocks = [b for s in self.slots for b in s.blocks]
-        self.block_specs = {b: [sp for sp in specs if sp.block == b] for b in self.blocks}
-        self.block_ranges = {b: Range(self.layout.ranges[v[0].name].start, self.layout.ranges[v[-1].name].stop)
-                             for b, v in self.block_specs.items() if v}
-        for s in self.slots:
-            s.range = Range(self.block_ranges[s.blocks[0]].start, self.block_ranges[s.blocks[-1]].stop)
-        # blocks that also read another block's tensors (a tied head reads the token embedding)
-        self.block_deps = {s.prefix + "head": [s.prefix + "embed"] for s in self.slots
-                           if cfg.model.tie_head and s.prefix + "embed" in s.blocks and s.prefix + "head" in s.blocks}
-        self.tied = self._tied_blocks(cfg)
-        self.sync = make_grad_sync(cfg, mesh, self)
+        self.tp = TensorParallel(mesh.comms["tp"], cfg.model.vocab_size) if res.tp > 1 else LocalTP()
+        t = cfg.train
+        seeds = tuple(t.model_seeds or [t.seed + i for i in range(t.models)])
+        lrs = tuple(t.model_lrs or [cfg.optim.lr] * t.models)
+        self.stage = build_stage(cfg.model, res, mesh.coords["pp"], self.tp.rank, seeds, lrs)
+        self.layout, self.slots = self.stage.layout, self.stage.slots
+        self.sync = make_grad_sync(res, self.stage, backend, mesh.comms)
         self.world = Comm(mesh.world, "world", backend)
-        self.scaler = LossScaler(cfg.strategy.amp) if cfg.strategy.amp.enable else None
+        self.pp = mesh.comms["pp"]
+        self.scaler = LossScaler(cfg.strategy.amp) if res.amp else None
         # amp: float32 master weights of the owned range, from the exact (unrounded) initial values
-        self.master = (init_range(self.layout, cfg.train.seed, self.sync.owned, self.xp, np.float32)
+        self.master = (init_range(self.layout, t.seed, self.sync.owned, self.xp, np.float32)
                        if self.scaler else None)
-        # every parameter counts once in the global norm: not the last stage's wte copy, and a tensor
-        # replicated across tp only on tp rank 0
-        self.tied_copies = {w for b, w in self.tied.items() if b.endswith("head")}
-        self.norm_exclude = [self.layout.ranges[n] for n in sorted(self.tied_copies)]
+        # every parameter counts once in the global norm: not another stage's copy (a tied wte), and a
+        # tensor replicated across tp only on tp rank 0
+        self.norm_exclude = [self.layout.ranges[n] for n in sorted(self.stage.copies)]
         if self.tp.rank > 0:
-            self.norm_exclude += [self.layout.ranges[sp.name] for sp in specs if sp.tp_dim is None]
-        self.opts = self._build_optimizers()
-        self.replicas = mesh.degrees["dp"] * mesh.degrees["sharding"]
-        self.replica = mesh.coords["dp"] * mesh.degrees["sharding"] + mesh.coords["sharding"]
-        self.share = cfg.train.global_batch // self.replicas
-        self.k = cfg.strategy.gradient_merge.k_steps if cfg.strategy.gradient_merge.enable else 1
+            self.norm_exclude += [self.layout.ranges[sp.name] for sp in self.layout.specs if sp.tp_dim is None]
+        self.opts = [self._optimizer(s) for s in self.slots]
+        self.share = res.share
         self.cache_bytes = self.cache_peak = 0
         self.opt_steps = 0          # optimizer updates applied (AdamW's bias-correction count)
         self.unit_lr = dataclasses.replace(cfg.optim, lr=1.0)
-        pc = cfg.strategy.pipeline
-        self.m = pc.micro_batches if pc.enable else 1
-        self.pp = mesh.comms["pp"]
-        self.pipe = PipelineExecutor(self, self.pp, None, mesh.degrees["pp"], pc.virtual_stages if pc.enable else 1,
-                                     self.m, pc.schedule if pc.enable else "fthenb")
-        self.tracer = Tracer()   # issue 11: phase timers; train.py hands in a recording one under runtime.trace
+        self.pipe = PipelineExecutor(self.pp, self.xp, backend.dtype, res.pp, res.v, res.m, res.schedule,
+                                     cfg.model.d_model)
+        self.tracer = Tracer()      # train.py hands in a recording one under runtime.trace
 
-    def _tied_blocks(self, cfg) -> dict:
-        """{block: its wte tensor} — with a tied head split across pipeline stages, the first stage's embed
-        block and the last stage's head block (holding a copy of wte) sum their wte gradients before the
-        usual sync."""
-        if not cfg.model.tie_head or self.mesh.degrees["pp"] == 1:
-            return {}
-        pp, last = self.mesh.coords["pp"], self.mesh.degrees["pp"] - 1
-        return {s.prefix + b: s.prefix + "wte" for s in self.slots
-                for b in (["embed"] if pp == 0 else []) + (["head"] if pp == last else [])}
-
-    def _build_slots(self, cfg):
-        t, pc = cfg.train, cfg.strategy.pipeline
-        seeds = t.model_seeds or [t.seed + i for i in range(t.models)]
-        lrs = t.model_lrs or [cfg.optim.lr] * t.models
-        p, v = self.mesh.degrees["pp"], (pc.virtual_stages if pc.enable else 1)
-        slots, specs = [], []
-        for i in range(t.models):
-            model, prefix = build_model(cfg.model, self.tp.size), (f"m{i}." if t.models > 1 else "")
-            count = lambda b, m=model: sum(int(np.prod(sp.global_shape)) for sp in m.specs(b))  # noqa: E731
-            chunks = split_blocks(model, p, v, pc.split if pc.enable else "uniform", count)
-            here = [chunks[c * p + self.mesh.coords["pp"]] for c in range(v)]
-            mine = [b for ch in here for b in ch]
-            slot = Slot(i, model, prefix, seeds[i], lrs[i], [prefix + b for b in mine])
-            slot.chunks = here
-            slots.append(slot)
-            for b in mine:
-                bspecs = model.specs(b)
-                if b == "head" and model.tied and "embed" not in mine:   # the last stage's copy of wte
-                    bspecs = [dataclasses.replace(model.specs("embed")[0], block="head")] + bspecs
-                specs += [dataclasses.replace(sp, name=prefix + sp.name, block=prefix + b, init_key=sp.name,
-                                              seed=seeds[i]) for sp in bspecs]
-        return slots, specs
-
-    def _build_optimizers(self):
-        o, own = self.cfg.optim, self.sync.owned
-        out = []
-        for s in self.slots:
-            seg = own.intersect(s.range)
-            dtype = np.float32 if self.scaler else self.be.dtype
-            out.append(None if seg is None else
-                       AdamW(self.xp, self.layout, seg, dtype, tuple(o.betas), o.eps, o.weight_decay))
-        return out
+    def _optimizer(self, slot):
+        o, seg = self.cfg.optim, self.sync.owned.intersect(slot.range)
+        dtype = np.float32 if self.scaler else self.be.dtype
+        return None if seg is None else AdamW(self.xp, self.layout, seg, dtype, tuple(o.betas), o.eps, o.weight_decay)
 
     # --- forward / backward ---------------------------------------------------------------------
     def _P(self, slot, b, nxt=None):
@@ -183,19 +117,19 @@ class Engine(EngineState):
     def chunk_forward(self, slot, chunk, h, y, norm: float, grad: bool = True):
         """Forward of one chunk (consecutive block names) of one model; the head returns the loss.
         A recomputed block keeps only its input; backward rebuilds its activations."""
-        xp, m, tp, sync, caches = self.xp, slot.model, self.tp, self.sync, []
-        for n, b in enumerate(chunk):
-            nxt = chunk[n + 1] if n + 1 < len(chunk) else None
+        xp, m, tp, caches = self.xp, slot.model, self.tp, []
+        for n, name in enumerate(chunk):
+            b, nxt = slot.block(name), chunk[n + 1] if n + 1 < len(chunk) else None
             h_in = h
-            if b == "embed":
-                h, c = m.embed_forward(xp, self._P(slot, b, nxt), h, tp)
-            elif b == "head":
-                h, c = m.head_forward(xp, self._P(slot, b), h, y, norm, tp)
+            if b.kind == "embed":
+                h, c = m.embed_forward(xp, self._P(slot, name, nxt), h, tp)
+            elif b.kind == "head":
+                h, c = m.head_forward(xp, self._P(slot, name), h, y, norm, tp)
             else:
-                h, c = m.layer_forward(xp, self._P(slot, b, nxt), int(b[2:]), h, tp)
-                if self._recomputed(b):
+                h, c = m.layer_forward(xp, self._P(slot, name, nxt), b.layer, h, tp)
+                if self.res.recomputed(b):
                     c = Recompute(h_in)
-            sync.release(slot.prefix + b)
+            self.sync.release(slot.prefix + name)
             caches.append(c if grad else None)
         if grad:
             self._count_caches(caches, +1)
@@ -206,113 +140,140 @@ class Engine(EngineState):
         xp, m, tp = self.xp, slot.model, self.tp
         self._count_caches(caches, -1)
         for n in reversed(range(len(chunk))):
-            b, c = chunk[n], caches[n]
+            b, c = slot.block(chunk[n]), caches[n]
             caches[n] = None
-            if b == "head":
-                prev = chunk[n - 1] if n and chunk[n - 1] != "embed" else None
-                d = m.head_backward(xp, c, self._G(slot, b), tp, self._P(slot, b, prev),
+            # stage 3 gathers the block's parameters again here, prefetching the block before it
+            prev = chunk[n - 1] if n and slot.block(chunk[n - 1]).bwd_params else None
+            if b.kind == "head":
+                d = m.head_backward(xp, c, self._G(slot, b.name), tp, self._P(slot, b.name, prev),
                                     self.scaler.scale if self.scaler else 1.0)
-            elif b == "embed":
-                m.embed_backward(xp, d, c, self._G(slot, b), tp)
+            elif b.kind == "embed":
+                m.embed_backward(xp, d, c, self._G(slot, b.name), tp)
                 d = None
             else:
-                i = int(b[2:])
-                # stage 3 gathers the block's parameters again here, prefetching the block before it
-                prev = chunk[n - 1] if n and chunk[n - 1] != "embed" else None   # embed backward reads no params
-                P = self._P(slot, b, prev)
+                P = self._P(slot, b.name, prev)
                 if isinstance(c, Recompute):     # rebuild this block's activations from its input
-                    _, c = m.layer_forward(xp, P, i, c.x, tp)
-                d = m.layer_backward(xp, d, c, P, self._G(slot, b), i, tp)
-            self._done(slot, b)
+                    _, c = m.layer_forward(xp, P, b.layer, c.x, tp)
+                d = m.layer_backward(xp, d, c, P, self._G(slot, b.name), b.layer, tp)
+            self.sync.release(slot.prefix + b.name)
+            self.sync.block_done(slot.prefix + b.name)
         return d
-
-    def _recomputed(self, block: str) -> bool:
-        rc = self.cfg.strategy.recompute
-        return rc.enable and int(block[2:]) % rc.every == 0
 
     def _count_caches(self, caches, sign: int) -> None:
         """Bytes of live activation caches (parameters they reference are not counted)."""
-        self.cache_bytes += sign * cache_nbytes(caches, self._param_roots())
+        self.cache_bytes += sign * cache_nbytes(caches, self.sync.param_roots())
         self.cache_peak = max(self.cache_peak, self.cache_bytes)
-
-    def _param_roots(self) -> set:
-        roots = {id(self.sync.params.data)} if self.sync.params is not None else set()
-        return roots | {id(buf.data) for buf, _ in getattr(self.sync, "gathered", {}).values()}
 
     def forward_backward(self, slot, x, y, norm: float, grad: bool = True, last_pass: bool = True) -> float:
         """One pass of one model over rows x, y (split into micro-batches, through the pipeline when it
         is on); returns this rank's share of the global-mean loss."""
-        self.pipe.chunks = slot.chunks
-        return self.pipe.run(slot, x, y, norm, last_pass, grad)
-
-    def _done(self, slot, b):
-        self.sync.release(slot.prefix + b)
-        self.sync.block_done(slot.prefix + b)
+        fwd = lambda chunk, h, t, g: self.chunk_forward(slot, chunk, h, t, norm, g)  # noqa: E731
+        bwd = lambda chunk, d, c: self.chunk_backward(slot, chunk, d, c)  # noqa: E731
+        return self.pipe.run(slot.chunks, fwd, bwd, self.sync.begin_pass, x, y, last_pass, grad, self.tracer)
 
     def _rows(self, split, step, seed):
         x, y = self.data.batch(split, step, seed, self.cfg.train.global_batch,
-                               start=self.replica * self.share, count=self.share)
+                               start=self.res.replica(self.mesh.coords) * self.share, count=self.share)
         return self.be.to_device(x), self.be.to_device(y)
 
     # --- one optimizer step ---------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
         """One optimizer step of every model. Returns the metrics of the step (same on every rank);
         with several models, 'models' holds one entry per model."""
-        t0 = time.perf_counter()
-        cfg, tr = self.cfg, self.tracer      # issue 11: phase timers (F/B and pipeline idle: the executor)
+        t0, tr = time.perf_counter(), self.tracer
+        losses = self._passes(step)
         t = tr.now()
-        norm = float(cfg.train.global_batch * cfg.model.seq_len)
-        batches = [self._rows("train", step, s.seed) for s in self.slots]
-        tr.lap("data", t)
-        self.sync.begin_step()
-        losses, rows = [0.0] * len(self.slots), self.share // self.k
-        # under amp an overflow is expected and handled (the step is skipped): no NumPy warnings for it
-        with np.errstate(over="ignore", invalid="ignore") if self.scaler else contextlib.nullcontext():
-            for j in range(self.k):
-                for s, (x, y) in zip(self.slots, batches):
-                    part = slice(j * rows, (j + 1) * rows)
-                    losses[s.index] += self.forward_backward(s, x[part], y[part], norm,
-                                                             last_pass=(j == self.k - 1))
-        t = tr.now()
-        self._sum_tied()
-        g, own = self.sync.reduce_grads(), self.sync.owned
+        g = self._reduced_grads()
         t = tr.lap("grad sync wait", t)
-        if self.scaler is not None:
-            g = self._unscale(g)
-            if g is None:          # overflow somewhere: every rank skips this step together
-                return self._skipped_step(step, t0, losses)
-        segs = [own.intersect(s.range) for s in self.slots]
-        sq = [self._sumsq(g, r) for r in segs]
-        sq = self.pp.allreduce_(np.array(self.sync.norm_allreduce(sq)))
-        norms = [float(np.sqrt(v)) for v in self.mesh.comms["tp"].allreduce_(sq)]
+        if g is None:              # amp overflow somewhere: every rank skips this step together
+            self.scaler.update(False)
+            log.warning("step %d: gradient overflow, step skipped on every rank; loss scale -> %g",
+                        step + 1, self.scaler.scale)
+            self.sync.share_params()
+            return self._metrics(step, t0, self._losses(losses), [float("inf")] * len(self.slots), 0.0, skipped=True)
+        norms = self._global_norms(g)
         if not np.isfinite(norms).all():      # the same reduced values on every rank: a collective decision
             self._report_non_finite(step, losses, g)
-        p = self.sync.owned_params() if self.master is None else self.master
-        lr_scale = lr_at(step, self.unit_lr, cfg.train.steps)     # the schedule's factor; each model has its lr
-        for s, r, opt in zip(self.slots, segs, self.opts):
-            if opt is not None:
-                coef = clip_coefficient(norms[s.index], cfg.optim.clip_grad_norm)
-                sl = slice(r.start - own.start, r.stop - own.start)
-                opt.step(p[sl], g[sl], s.lr * lr_scale, coef)
-        if self.master is not None:
-            self.sync.owned_params()[...] = self.master      # the float16 compute copy
-        if self.scaler is not None:
-            self.scaler.update(True)
-        self.opt_steps += 1
+        lr_scale = self._update(g, norms, step)
         t = tr.lap("optimizer", t)
         self.sync.share_params()
         t = tr.lap("param share", t)
-        losses = list(self.pp.allreduce_(np.array(self.sync.loss_allreduce(losses))))
+        losses = self._losses(losses)
         self.be.sync()
         tr.lap("loss sync", t)
+        return self._metrics(step, t0, losses, norms, lr_scale)
+
+    def _passes(self, step: int) -> list[float]:
+        """Forward and backward of the step's k passes of every model; this rank's loss shares."""
+        tr, t = self.tracer, self.tracer.now()
+        norm = float(self.cfg.train.global_batch * self.cfg.model.seq_len)
+        batches = [self._rows("train", step, s.seed) for s in self.slots]
+        tr.lap("data", t)
+        self.sync.begin_step()
+        losses, k = [0.0] * len(self.slots), self.res.k
+        rows = self.share // k
+        # under amp an overflow is expected and handled (the step is skipped): no NumPy warnings for it
+        with np.errstate(over="ignore", invalid="ignore") if self.scaler else contextlib.nullcontext():
+            for j in range(k):
+                part = slice(j * rows, (j + 1) * rows)
+                for s, (x, y) in zip(self.slots, batches):
+                    losses[s.index] += self.forward_backward(s, x[part], y[part], norm, last_pass=(j == k - 1))
+        return losses
+
+    def _reduced_grads(self):
+        """The owned gradient summed over replicas and tied copies (float32 and unscaled under amp);
+        None when amp saw an overflow on any rank."""
+        for b, tensor in self.stage.tied.items():
+            self.mesh.comms["tied"].allreduce_(self.sync.grads_for(b)[tensor])
+        self.sync.flush_deferred()
+        g = self.sync.reduce_grads()
+        if self.scaler is None:
+            return g
+        if not self.world.allreduce_obj(bool(self.xp.isfinite(g).all()), op=MPI.LAND):
+            return None
+        g32 = g.astype(np.float32)
+        g32 *= 1.0 / self.scaler.scale
+        return g32
+
+    def _global_norms(self, g) -> list[float]:
+        """Gradient norm of every model, each parameter counted once whatever the layout."""
+        own = self.sync.owned
+        sq = [self._sumsq(g, own.intersect(s.range)) for s in self.slots]
+        sq = self.pp.allreduce_(np.array(self.sync.norm_allreduce(sq)))
+        return [float(np.sqrt(v)) for v in self.mesh.comms["tp"].allreduce_(sq)]
+
+    def _update(self, g, norms, step: int) -> float:
+        """Clipped AdamW on the owned range of every model (on the float32 masters under amp); returns
+        the schedule's factor."""
+        own = self.sync.owned
+        p = self.sync.owned_params() if self.master is None else self.master
+        lr_scale = lr_at(step, self.unit_lr, self.cfg.train.steps)     # each model has its own peak lr
+        for s, opt in zip(self.slots, self.opts):
+            if opt is not None:
+                r = own.intersect(s.range)
+                sl = slice(r.start - own.start, r.stop - own.start)
+                opt.step(p[sl], g[sl], s.lr * lr_scale, clip_coefficient(norms[s.index], self.cfg.optim.clip_grad_norm))
+        if self.master is not None:
+            self.sync.owned_params()[...] = self.master      # the float16 compute copy
+            self.scaler.update(True)
+        self.opt_steps += 1
+        return lr_scale
+
+    def _losses(self, losses: list) -> list[float]:
+        """The global-mean loss of every model, the same on every rank."""
+        return list(self.pp.allreduce_(np.array(self.sync.loss_allreduce(losses))))
+
+    def _metrics(self, step, t0, losses, norms, lr_scale, skipped=False) -> dict:
         dt = time.perf_counter() - t0
         per = [{"model": s.index, "loss": losses[s.index], "lr": s.lr * lr_scale, "grad_norm": norms[s.index]}
                for s in self.slots]
-        toks = cfg.train.global_batch * cfg.model.seq_len * len(self.slots)
+        toks = self.cfg.train.global_batch * self.cfg.model.seq_len * len(self.slots)
         out = {"step": step, **{k: v for k, v in per[0].items() if k != "model"},
                "tokens_per_s": toks / dt, "step_ms": dt * 1e3}
         if self.scaler is not None:
             out["loss_scale"] = self.scaler.scale
+        if skipped:
+            out["skipped"] = True
         if len(self.slots) > 1:
             out["models"] = per
         return out
@@ -324,30 +285,6 @@ class Engine(EngineState):
         raise NonFiniteError(f"step {step + 1}: non-finite loss or gradient on rank(s) {ranks} "
                              f"(losses here: {losses}); stopping instead of training on it")
 
-    def _unscale(self, g):
-        """float32 unscaled copy of the owned gradient, or None when any rank saw inf/nan."""
-        finite = bool(self.xp.isfinite(g).all())
-        if not self.world.allreduce_obj(finite, op=MPI.LAND):
-            return None
-        g32 = g.astype(np.float32)
-        g32 *= 1.0 / self.scaler.scale
-        return g32
-
-    def _skipped_step(self, step, t0, losses):
-        self.scaler.update(False)
-        log.warning("step %d: gradient overflow, step skipped on every rank; loss scale -> %g",
-                    step + 1, self.scaler.scale)
-        self.sync.share_params()
-        losses = list(self.pp.allreduce_(np.array(self.sync.loss_allreduce(losses))))
-        dt = time.perf_counter() - t0
-        toks = self.cfg.train.global_batch * self.cfg.model.seq_len * len(self.slots)
-        out = {"step": step, "loss": losses[0], "lr": 0.0, "grad_norm": float("inf"), "tokens_per_s": toks / dt,
-               "step_ms": dt * 1e3, "loss_scale": self.scaler.scale, "skipped": True}
-        if len(self.slots) > 1:
-            out["models"] = [{"model": s.index, "loss": losses[s.index], "lr": 0.0, "grad_norm": float("inf")}
-                             for s in self.slots]
-        return out
-
     def evaluate(self) -> list[float]:
         """Validation loss of every model on the first eval_batches validation batches."""
         cfg = self.cfg
@@ -357,17 +294,10 @@ class Engine(EngineState):
             for i in range(cfg.train.eval_batches):
                 x, y = self._rows("val", i, s.seed)
                 totals[s.index] += self.forward_backward(s, x, y, norm, grad=False)
-        return list(self.pp.allreduce_(np.array(self.sync.loss_allreduce(totals))))
-
-    def _sum_tied(self):
-        """Sum the tied embedding's gradient between the first and last pipeline stage, then run the
-        gradient sync of those blocks (deferred until now)."""
-        for b, wte in self.tied.items():
-            self.mesh.comms["tied"].allreduce_(self.sync.grads_for(b)[wte])
-        self.sync.flush_deferred()
+        return self._losses(totals)
 
     def _sumsq(self, g, r):
-        """Squared norm of the owned gradient in r, counting the last stage's wte copy zero times."""
+        """Squared norm of the owned gradient in r, counting excluded ranges (copies, tp replicas) zero times."""
         if r is None:
             return 0.0
         own = self.sync.owned
@@ -379,9 +309,21 @@ class Engine(EngineState):
         return total
 
     # --- state and accounting -------------------------------------------------------------------
-    def full_params(self) -> np.ndarray:
-        """The whole flat parameter vector on the host (gathered under stage 3)."""
-        return self.sync.full_params()
+    def named_params(self) -> dict:
+        """Every tensor of every model as its whole global array (collective; for comparing layouts)."""
+        return state.named_params(self.stage, self.sync, self.tp, self.mesh.comms)
+
+    def true_shapes(self) -> dict:
+        return state.true_shapes(self.slots)
+
+    def load(self, reader, params_only: bool = False) -> None:
+        """This rank's part of a checkpoint (or of an export's parameters) into the engine."""
+        steps = state.load_state(self.stage, self.sync, self.opts, self.master, self.tp, self.be, reader, params_only)
+        if steps is not None:
+            self.opt_steps = steps
+            saved = reader.manifest["state"].get("loss_scaler")
+            if self.scaler is not None and saved:
+                self.scaler.load(saved)
 
     def memory(self) -> dict:
         return {"param_bytes": self.sync.param_bytes(), "grad_bytes": self.sync.grad_bytes(),

@@ -98,11 +98,13 @@ def check_world(world, env=None) -> None:
     sub-communicator (tests, embedding) is not checked: the launcher only knows COMM_WORLD."""
     if isinstance(world, MPI.Comm) and world != MPI.COMM_WORLD:
         return
-    err = world_mismatch(world.Get_size(), env)
-    if world.Get_size() > 1:   # environments may differ by rank: agree before anyone raises
-        err = next((e for e in world.allgather(err) if e), None)
-    if err:
-        raise LaunchError(err)
+    from .comm import agree_or_raise
+
+    def check():
+        err = world_mismatch(world.Get_size(), env)
+        if err:
+            raise LaunchError(err)
+    agree_or_raise(world, check, LaunchError, (LaunchError,))   # environments may differ by rank
 
 
 # --- hang watchdog ------------------------------------------------------------------------------

@@ -14,10 +14,11 @@ import tomllib
 from dataclasses import dataclass
 from itertools import product
 
-from .config import ConfigError, Config, enabled_strategies, load_config, strategy_degree, to_toml, validate
-from .models import build_model
 from .calibrate import GB, calibrate
-from .plan_model import Layout, layout_of, predict_stage, stages, step_time
+from .config import ConfigError, Config, enabled_strategies, load_config, to_toml, validate
+from .models import build_model
+from .plan_model import predict_stage, stages, step_time
+from .resolve import SWITCH_OF_AXIS, Resolved, resolve
 
 
 class PlanError(ConfigError):
@@ -117,13 +118,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def _tp_ok(m, tp: int) -> bool:
-    F = m.ffn_mult * m.d_model
-    return not (m.d_model % tp or F % tp or (m.kind == "gpt" and m.n_heads % tp))
+    return not build_model(m).tp_divides(tp)
 
 
 def candidates(cfg: Config, cluster: Cluster, max_rows: int = 8):
-    """Every legal Layout on the cluster: degrees that multiply to the world, tp within a node and
-    dividing heads and widths, exact batch arithmetic (DESIGN §6), each schedule, recompute, amp."""
+    """Every legal layout (resolve.Resolved) on the cluster: degrees that multiply to the world, tp within a
+    node and dividing heads and widths, exact batch arithmetic, each schedule, recompute, amp."""
     m, W, gb = cfg.model, cluster.world, cfg.train.global_batch
     tps = [t for t in _divisors(W) if t <= cluster.gpus_per_node and _tp_ok(m, t)]
     for tp, pp in [(t, p) for t in tps for p in _divisors(W // t) if p <= m.n_layers]:
@@ -134,7 +134,7 @@ def candidates(cfg: Config, cluster: Cluster, max_rows: int = 8):
             for zstage, b, rc, amp in product([0] if sh == 1 else [1, 2, 3], rows, (0, 1), (False, True)):
                 n = share // b          # micro-batches: the pipeline's, else gradient-merge passes
                 for sched, v in _schedules(pp, n, m.n_layers):
-                    yield Layout(tp, sh, dp, pp, zstage, "tensor" if sh <= tensors else "flat",
+                    yield Resolved(tp, sh, dp, pp, zstage, "tensor" if sh <= tensors else "flat",
                                  n if pp > 1 else 1, 1 if pp > 1 else n, v, sched, "uniform", rc, amp,
                                  tuple(cfg.mesh.order), share, cfg.strategy.data_parallel.bucket_mb)
 
@@ -146,7 +146,7 @@ def _schedules(pp: int, m: int, layers: int):
     return out + [("interleaved", v) for v in (2, 4) if m % pp == 0 and pp * v <= layers]
 
 
-def evaluate(cfg: Config, lay: Layout, cluster: Cluster | None, stage_ids=None) -> dict:
+def evaluate(cfg: Config, lay: Resolved, cluster: Cluster | None, stage_ids=None) -> dict:
     """Prediction for a layout: per-stage results, the worst stage's memory, the step time."""
     sts = stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split)
     ids = range(lay.pp) if stage_ids is None else sorted({s for s in stage_ids if 0 <= s < lay.pp})
@@ -185,7 +185,7 @@ def _sent(r: dict) -> int:
     return sum(b for ops in st["traffic"].values() for op, b in ops.items() if op != "recv")
 
 
-def config_for(cfg: Config, lay: Layout) -> Config:
+def config_for(cfg: Config, lay: Resolved) -> Config:
     """cfg with its strategy tables set to the layout (degrees explicit, so it runs on that world)."""
     c = copy.deepcopy(cfg)
     s = c.strategy
@@ -209,7 +209,7 @@ def config_for(cfg: Config, lay: Layout) -> Config:
 
 # ---- output -----------------------------------------------------------------------------------------
 
-def describe(lay: Layout) -> str:
+def describe(lay: Resolved) -> str:
     """The switches of a layout in words: 'tp 8 x pp 4 (1f1b, 16 micro-batches) x sharding 2 (stage 1)'."""
     parts = [f"tp {lay.tp}"] if lay.tp > 1 else []
     if lay.pp > 1:
@@ -270,7 +270,7 @@ def _n_params(cfg: Config) -> int:
 def check_text(cfg: Config, world: int, cluster: Cluster) -> str:
     """`plan --check`: per-stage memory, the step time and each communicator's bytes per step."""
     try:
-        lay = layout_of(cfg, world)
+        lay = resolve(cfg, world)
     except ValueError as e:
         raise PlanError(f"--world {world}: {e}") from None
     r = evaluate(cfg, lay, cluster)
@@ -293,8 +293,8 @@ def check_text(cfg: Config, world: int, cluster: Cluster) -> str:
 def write_best(cfg: Config, best: dict, path: str, cluster: Cluster) -> Config:
     """Write the best layout as a runnable config TOML (a header names the strategies and prediction)."""
     c = config_for(cfg, best["layout"])
-    names = [f"{n}({strategy_degree(c, n)})" if n in ("data_parallel", "sharding", "pipeline", "tensor_parallel")
-             else n for n in enabled_strategies(c)]
+    degree = {SWITCH_OF_AXIS[a]: d for a, d in resolve(c, cluster.world).degrees.items()}
+    names = [f"{n}({degree[n]})" if n in degree else n for n in enabled_strategies(c)]
     head = [f"# hpengine plan for {cluster.world} devices ({cluster.nodes} x {cluster.gpus_per_node}, "
             f"{cluster.mem_gb:g} GB): mpiexec -n {cluster.world} hpengine train {os.path.basename(path)}",
             f"# strategies: {', '.join(names) or 'none (one rank)'}",
@@ -314,7 +314,7 @@ def check_at_start(cfg: Config, world: int, log, rank: int = 0) -> dict | None:
         path, mem = os.environ.get("HPENGINE_CLUSTER"), os.environ.get("HPENGINE_DEVICE_MEMORY_GB")
         cluster = load_cluster(path) if path else None
         limit = float(mem) * GB if mem else (cluster.mem_gb * GB if cluster else None)
-        r = evaluate(cfg, layout_of(cfg, world), cluster)
+        r = evaluate(cfg, resolve(cfg, world), cluster)
     except (ConfigError, ValueError, OSError) as e:
         log.warning("plan: no prediction for this job (%s)", e)
         return None

@@ -12,67 +12,29 @@ from dataclasses import dataclass
 
 from .buffers import partition
 from .models import build_model
-from .nn import attention as _attention
-from .strategies.pipeline import split_blocks
+from .resolve import AXES, Resolved, resolve
+from .stage import build_stage
 from .strategies.schedules import bubble_fraction, make_schedule
 from .strategies.sharding import MAX_INFLIGHT
-from .topology import AXES, SWITCH_OF_AXIS, resolve_degrees
 
 F64 = 8                  # the engine's loss and squared-norm vectors are float64, one entry per model
-INT_BYTES = 8 + 1        # an int64 index and a bool mask per token (embedding; vocab-parallel loss)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The switches and degrees of one job, resolved for a world size."""
-    tp: int
-    sh: int
-    dp: int
-    pp: int
-    zstage: int            # sharding stage, 0 when the sharding axis has one rank
-    partition: str
-    m: int                 # micro-batches per pass
-    k: int                 # passes per step (gradient merge)
-    v: int                 # model chunks per pipeline rank
-    schedule: str
-    split: object
-    recompute: int         # 0 = off, else every N-th block
-    amp: bool
-    order: tuple
-    share: int             # sequences per replica per step
-    bucket_mb: float = 4.0
-
-    @property
-    def rows(self) -> int:
-        """Sequences per micro-batch."""
-        return self.share // (self.k * self.m)
-
-
-def layout_of(cfg, world: int) -> Layout:
-    """The Layout the engine would build for cfg on `world` ranks (degrees as topology resolves them)."""
-    s = cfg.strategy
-    d = resolve_degrees(world, {a: (getattr(s, SWITCH_OF_AXIS[a]).degree if getattr(s, SWITCH_OF_AXIS[a]).enable
-                                    else 1) for a in AXES})
-    pc, gm, rc = s.pipeline, s.gradient_merge, s.recompute
-    k = gm.k_steps if gm.enable else 1
-    m = pc.micro_batches if pc.enable else 1
-    return Layout(d["tp"], d["sharding"], d["dp"], d["pp"], s.sharding.stage if d["sharding"] > 1 else 0,
-                  s.sharding.partition, m, k, pc.virtual_stages if pc.enable else 1,
-                  pc.schedule if pc.enable else "fthenb", pc.split if pc.enable else "uniform",
-                  rc.every if rc.enable else 0, s.amp.enable, tuple(cfg.mesh.order),
-                  cfg.train.global_batch // (d["dp"] * d["sharding"]), s.data_parallel.bucket_mb)
 
 
 # ---- what a pipeline stage holds -------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Stage:
-    """One pipeline stage of one model, per tp rank: its blocks in layout order with their element
-    counts (the last stage's head includes the copy of a tied wte), its chunks, and shape facts."""
+    """One pipeline stage of one model, per tp rank (stage.build_stage's description reduced to counts):
+    its blocks in layout order with their element counts (including another stage's tensors it keeps a
+    copy of), its chunks, and shape facts."""
     blocks: tuple          # ((name, [tensor elements, ...]), ...)
     chunks: tuple          # block names per local chunk
     layers: int
     matmul: int            # elements of the weights this stage multiplies by (per tp rank)
+    kinds: tuple = ()      # models.Block of each block, in layout order
+    deps: tuple = ()       # (block, (blocks of this stage whose tensors it reads)), from stage.build_stage
+    matmuls: tuple = ()    # (block, weight elements it multiplies by)
+    tied: int = 0          # elements whose gradient is summed with another stage (a tied wte and its copy)
 
     def sizes(self, models: int) -> list[int]:
         """Tensor element counts in layout order, for `models` models sharing the buffer."""
@@ -80,6 +42,9 @@ class Stage:
 
     def block(self, name: str) -> int:
         return sum(dict(self.blocks)[name])
+
+    def of_kind(self, kind: str) -> list[str]:
+        return [b.name for b in self.kinds if b.kind == kind]
 
     @property
     def psi(self) -> int:
@@ -99,26 +64,35 @@ def stages(mcfg, tp: int, p: int, v: int, split="uniform") -> list[Stage]:
 @functools.lru_cache(maxsize=4096)
 def _stages(mkey, tp, p, v, split) -> list[Stage]:
     from .config import ModelConfig
-    model = build_model(ModelConfig(*mkey), tp)
-    count = lambda b: sum(math.prod(sp.global_shape) for sp in model.specs(b))  # noqa: E731
-    chunks = split_blocks(model, p, v, list(split) if isinstance(split, tuple) else split, count)
+    mcfg = ModelConfig(*mkey)
+    res = Resolved(tp, 1, 1, p, 0, "tensor", 1, 1, v, "fthenb", list(split) if isinstance(split, tuple) else split,
+                   0, False, AXES, 1)
+    model = build_model(mcfg, tp)
     out = []
     for s in range(p):
-        here = tuple(tuple(chunks[c * p + s]) for c in range(v))
-        mine = [b for ch in here for b in ch]
-        blocks, matmul = [], 0
-        for b in mine:
-            specs = model.specs(b)
-            if b == "head" and model.tied:
-                wte = model.specs("embed")[0]
-                matmul += math.prod(wte.local_shape(0, tp))      # the tied head multiplies by wte
-                specs = specs if "embed" in mine else [wte] + specs
-            sizes = [math.prod(sp.local_shape(0, tp)) for sp in specs]
-            matmul += sum(n for sp, n in zip(specs, sizes) if len(sp.global_shape) == 2 and b != "embed"
-                          and not (b == "head" and sp.name == "wte"))
-            blocks.append((b, tuple(sizes)))
-        out.append(Stage(tuple(blocks), here, sum(b.startswith("h.") for b in mine), matmul))
+        st = build_stage(mcfg, res, s, 0, models=[model])
+        slot, lay = st.slots[0], st.layout
+        blocks, matmuls = [], []
+        for name in slot.blocks:
+            b = slot.block(name)
+            specs = st.block_specs[name]
+            sizes = [lay.ranges[sp.name].size for sp in specs]
+            mm = 0
+            if b.kind != "embed":   # embedding lookups are no matmul; a copied tensor counts as a read below
+                mm += sum(n for sp, n in zip(specs, sizes) if len(sp.global_shape) == 2 and sp.name not in st.copies)
+            for t in b.reads:       # a tied head multiplies by wte, held here or by the embedding block
+                mm += next(math.prod(sp.local_shape(0, tp)) for sp in model.specs(_owner_of(model, t)) if sp.name == t)
+            blocks.append((name, tuple(sizes)))
+            matmuls.append((name, mm))
+        kinds = tuple(slot.block(n) for n in slot.blocks)
+        out.append(Stage(tuple(blocks), slot.chunks, sum(k.kind == "layer" for k in kinds), sum(n for _, n in matmuls),
+                         kinds, tuple(st.deps.items()), tuple(matmuls),
+                         sum(lay.ranges[t].size for t in set(st.tied.values()))))
     return out
+
+
+def _owner_of(model, tensor: str) -> str:
+    return next(b.name for b in model.blocks() if any(sp.name == tensor for sp in model.specs(b.name)))
 
 
 # ---- memory ----------------------------------------------------------------------------------------
@@ -139,7 +113,7 @@ def precision(mcfg, amp: bool) -> tuple:
     return item, item, 2 * item, item
 
 
-def owned(st: Stage, lay: Layout, models: int, sh_rank=None) -> int:
+def owned(st: Stage, lay: Resolved, models: int, sh_rank=None) -> int:
     """Elements this sharding rank owns (the largest share when sh_rank is None)."""
     if lay.sh == 1:
         return st.psi * models
@@ -152,47 +126,31 @@ def _partition(sizes, n, mode):
     return partition(list(sizes), n, mode)
 
 
-def model_state(mcfg, st: Stage, lay: Layout, models: int, sh_rank=None) -> dict:
+def model_state(mcfg, st: Stage, lay: Resolved, models: int, sh_rank=None) -> dict:
     w, g, k, _ = precision(mcfg, lay.amp)
     p, gr, o = zero_bytes(st.psi * models, owned(st, lay, models, sh_rank), lay.zstage, w, g, k)
     return {"params": p, "grads": gr, "optimizer": o}
 
 
-def _score_elements(T: int) -> int:
-    """Attention probabilities kept per (sequence, head): nn/attention.py splits the query rows into
-    blocks that each see only the keys up to their end, so the fully masked corner is never stored."""
-    blocks = getattr(_attention, "_blocks", lambda n: [(0, n)])(T)
-    return sum((b - a) * b for a, b in blocks)
+def block_activations(mcfg, lay: Resolved, item: int) -> dict:
+    """Bytes the engine's forward caches per block kind for one micro-batch (what Engine.cache_peak
+    counts), as the model's layers report them; "input" is what a recomputed layer keeps."""
+    return build_model(mcfg, lay.tp).cache_bytes(lay.rows, lay.tp, item, lay.amp, lay.share)
 
 
-def block_activations(mcfg, lay: Layout, item: int) -> dict:
-    """Bytes the engine's forward caches hold per block for one micro-batch (what Engine.cache_peak
-    counts; see nn/): a gpt layer keeps 4 (B,T,C) arrays, 2 rstd rows, qkv, q and y (5 C/tp), the fc
-    output and GELU factor (2 F/tp; the GELU output is rebuilt) and the attention probabilities."""
-    T, C, F, rows = mcfg.seq_len, mcfg.d_model, mcfg.ffn_mult * mcfg.d_model, lay.rows
-    bT, tp, Vp = rows * T, lay.tp, -(-mcfg.vocab_size // lay.tp) * lay.tp
-    if mcfg.kind == "gpt":
-        layer = bT * (4 * C + 2 + (5 * C + 2 * F) // tp) + rows * (mcfg.n_heads // tp) * _score_elements(T)
-    else:
-        layer = bT * (2 * C + 1 + 2 * F // tp)
-    # the loss keeps float32 probabilities under amp; without tp it references the pass's int64 targets
-    targets = bT * INT_BYTES if tp > 1 else lay.share * T * 8
-    head = bT * (2 * C + 1) * item + bT * (Vp // tp) * (4 if lay.amp else item) + targets
-    return {"embed": bT * INT_BYTES, "layer": layer * item, "input": bT * C * item, "head": head}
+def _recomputed(st: Stage, lay: Resolved) -> set:
+    """Names of the stage's blocks that keep only their input."""
+    return {b.name for b in st.kinds if lay.recomputed(b)}
 
 
-def recomputed(lay: Layout, block: str) -> bool:
-    return bool(lay.recompute) and block.startswith("h.") and int(block[2:]) % lay.recompute == 0
-
-
-def chunk_activations(mcfg, st: Stage, chunk, lay: Layout, item: int) -> int:
+def chunk_activations(mcfg, st: Stage, chunk, lay: Resolved, item: int) -> int:
     """Cached bytes of one micro-batch through one chunk: a recomputed layer keeps only its input.
     Caches hold no weights (backward is handed them), so stage 3 frees gathered blocks after use."""
-    a = block_activations(mcfg, lay, item)
-    return sum(a["input" if recomputed(lay, b) else b if b in ("embed", "head") else "layer"] for b in chunk)
+    a, again, kind = block_activations(mcfg, lay, item), _recomputed(st, lay), {b.name: b.kind for b in st.kinds}
+    return sum(a["input" if b in again else kind[b]] for b in chunk)
 
 
-def activations(mcfg, st: Stage, lay: Layout, stage: int, item: int) -> int:
+def activations(mcfg, st: Stage, lay: Resolved, stage: int, item: int) -> int:
     """Peak cached bytes on this stage: the schedule's live (micro-batch, chunk) caches, weighted by
     chunk (F-then-B holds m, 1F1B min(p - s, m), interleaved per Megatron 2021). Several models run
     their passes one after another, so one model's caches are live at a time."""
@@ -218,7 +176,7 @@ def _live_counts(schedule, p, m, v, stage) -> frozenset:
     return frozenset(seen)
 
 
-def buffers(mcfg, st: Stage, lay: Layout, own: int) -> int:
+def buffers(mcfg, st: Stage, lay: Resolved, own: int) -> int:
     """Transient bytes: stage >= 2 keeps up to MAX_INFLIGHT + 1 blocks of temporary gradients, stage 3
     two gathered blocks (current and prefetched, + the tied embedding); a recomputed layer is rebuilt
     in backward; pipelines hold two activations; amp unscales the owned gradient into float32."""
@@ -226,8 +184,8 @@ def buffers(mcfg, st: Stage, lay: Layout, own: int) -> int:
     big = max(st.block(b) for b in st.names)
     out = (MAX_INFLIGHT + 1) * big * g if lay.zstage >= 2 else 0
     if lay.zstage == 3:
-        out += (2 * big + (st.block("embed") if mcfg.tie_head and "embed" in st.names else 0)) * w
-    if lay.recompute and any(recomputed(lay, b) for b in st.names):
+        out += (2 * big + sum(st.block(d) for d in _read_blocks(st))) * w
+    if _recomputed(st, lay):
         out += block_activations(mcfg, lay, item)["layer"]
     if lay.pp > 1:
         out += 2 * lay.rows * mcfg.seq_len * mcfg.d_model * item
@@ -236,20 +194,23 @@ def buffers(mcfg, st: Stage, lay: Layout, own: int) -> int:
 
 # ---- communication ---------------------------------------------------------------------------------
 
+def _read_blocks(st: Stage, blocks=None) -> list[str]:
+    """Blocks of this stage whose tensors another block of it (of `blocks`) reads: gathered with it too."""
+    return [d for b, ds in st.deps if blocks is None or b in blocks for d in ds]
+
+
 def gathered_per_microbatch(mcfg, st: Stage) -> int:
     """Elements stage 3 gathers per micro-batch and model: every block in forward and again in backward
-    (except the embedding, whose backward reads no parameters); a tied head gathers the embedding with
-    it both times."""
-    tied = mcfg.tie_head and "embed" in st.names and "head" in st.names
-    total = 0
+    (except blocks whose backward reads no parameters, the embedding); a block gathers the blocks whose
+    tensors it reads with it both times (a tied head: the embedding)."""
+    total, bwd = 0, {b.name: b.bwd_params for b in st.kinds}
     for chunk in st.chunks:
-        total += 2 * sum(st.block(b) for b in chunk) - (st.block("embed") if "embed" in chunk else 0)
-        if "head" in chunk and tied:
-            total += 2 * st.block("embed")
+        total += sum((1 + bwd[b]) * st.block(b) for b in chunk)
+        total += 2 * sum(st.block(d) for d in _read_blocks(st, chunk))
     return total
 
 
-def traffic(mcfg, st: Stage, lay: Layout, stage: int, models: int, sh_rank=None) -> dict:
+def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=None) -> dict:
     """{axis: {op: bytes}} one rank sends in one optimizer step, as comm.py counts it (every rank
     counts its own buffer of a collective; "tied" is the first/last-stage wte gradient sum)."""
     w, g, _, item = precision(mcfg, lay.amp)
@@ -263,39 +224,43 @@ def traffic(mcfg, st: Stage, lay: Layout, stage: int, models: int, sh_rank=None)
         out["dp"] = {"allreduce": psi * g + F64 * M}
     tokens = lay.share * mcfg.seq_len * M
     if lay.tp > 1:
-        per_layer = 4 if mcfg.kind == "gpt" else 2
-        ends = ("embed" in st.names) + ("head" in st.names)
-        ce = 3 * ("head" in st.names) * (4 if lay.amp else item)     # the loss's max, sum and target logit
-        out["tp"] = {"allreduce": tokens * ((per_layer * st.layers + ends) * mcfg.d_model * item + ce) + F64 * M}
+        heads = len(st.of_kind("head"))
+        ce = 3 * heads * (4 if lay.amp else item)     # the loss's max, sum and target logit
+        out["tp"] = {"allreduce": tokens * (_tp_activation_calls(mcfg, st, lay) * mcfg.d_model * item + ce) + F64 * M}
     hops = _hops(lay, stage)
     if hops:                 # activations to the next virtual stage, gradients to the previous one
         act = tokens * mcfg.d_model * item * hops
         out["pp"] = {"send": act, "recv": act}
     if lay.pp > 1:
         out["pp"]["allreduce"] = 2 * F64 * M
-        if mcfg.tie_head and stage in (0, lay.pp - 1):
-            out["tied"] = {"allreduce": M * _wte(mcfg, lay.tp) * g}
+        if st.tied:
+            out["tied"] = {"allreduce": M * st.tied * g}
     return out
 
 
-def _hops(lay: Layout, stage: int) -> int:
+def _tp_activation_calls(mcfg, st: Stage, lay: Resolved) -> int:
+    """Allreduces of a (B, T, C) activation per micro-batch through the stage under tensor parallelism: a
+    layer's forward and backward ones (its forward's again when it is recomputed), the embedding's
+    forward and the head's backward."""
+    fwd, bwd = build_model(mcfg, lay.tp).tp_allreduces()
+    again = len(_recomputed(st, lay))
+    return (fwd + bwd) * st.layers + fwd * again + len(st.of_kind("embed")) + len(st.of_kind("head"))
+
+
+def _hops(lay: Resolved, stage: int) -> int:
     """Sends per micro-batch of one rank: forward out of every chunk but the last virtual stage,
     backward out of every chunk but the first."""
     V = lay.pp * lay.v
     return sum((c * lay.pp + stage < V - 1) + (c * lay.pp + stage > 0) for c in range(lay.v))
 
 
-def _wte(mcfg, tp: int) -> int:
-    return -(-mcfg.vocab_size // tp) * mcfg.d_model
-
-
-def stage_facts(cfg, lay: Layout) -> list[Stage]:
+def stage_facts(cfg, lay: Resolved) -> list[Stage]:
     return stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split)
 
 
 # ---- time ------------------------------------------------------------------------------------------
 
-def link(lay: Layout, axis: str, cluster, op: str = "allreduce") -> tuple:
+def link(lay: Resolved, axis: str, cluster, op: str = "allreduce") -> tuple:
     """(latency s, bandwidth B/s) of an operation on a mesh axis: intra-node when its ranks, spaced by
     the degrees of the axes inside it (mesh order, innermost first), fall in one node; a reduce or an
     allgather at its own measured bandwidth where the cluster gives one (between nodes, at most that)."""
@@ -321,24 +286,27 @@ def collective_s(op: str, n: int, nbytes: float, calls: float, alpha: float, bet
 
 
 def matmul_flops(mcfg, tokens: int, weights: int, layers: int, tp: int, f: int = 6) -> float:
-    """f·N·tokens over N weights (f = 6 forward and backward, 8 with recompute), plus the attention
-    scores and their product with the values, 2·T·C/tp per token and layer each way."""
-    attn = 2 * f * tokens * mcfg.seq_len * mcfg.d_model // tp * layers if mcfg.kind == "gpt" else 0
-    return f * tokens * weights + attn
+    """f·N·tokens over N weights (f = 6 forward and backward), plus the attention scores and their
+    product with the values, f/2 times their forward."""
+    return f * tokens * weights + f // 2 * build_model(mcfg, tp).attention_flops(tokens, tp) * layers
 
 
-def flops_per_microbatch(mcfg, st: Stage, lay: Layout) -> float:
-    """6·N·tokens (8·N with recompute) over the weights this rank multiplies by, plus attention scores."""
-    return matmul_flops(mcfg, lay.rows * mcfg.seq_len, st.matmul, st.layers, lay.tp, 8 if lay.recompute else 6)
+def flops_per_microbatch(mcfg, st: Stage, lay: Resolved) -> float:
+    """6·N·tokens over the weights this rank multiplies by, plus attention scores; a recomputed layer
+    runs its forward again (2·N·tokens and its attention forward); the head is never recomputed."""
+    tokens, again = lay.rows * mcfg.seq_len, _recomputed(st, lay)
+    extra = sum(2 * tokens * n for b, n in st.matmuls if b in again)
+    extra += build_model(mcfg, lay.tp).attention_flops(tokens, lay.tp) * len(again)
+    return matmul_flops(mcfg, tokens, st.matmul, st.layers, lay.tp) + extra
 
 
-def _device_flops(mcfg, lay: Layout, cluster) -> float:
+def _device_flops(mcfg, lay: Resolved, cluster) -> float:
     if lay.amp:
         return cluster.tflops * 1e12
     return (cluster.tflops_fp64 if mcfg.dtype == "float64" else cluster.tflops_fp32) * 1e12
 
 
-def oversubscription(lay: Layout, cluster) -> float:
+def oversubscription(lay: Resolved, cluster) -> float:
     """How many of a node's ranks share each CPU core (>= 1): with more ranks on a node than cores
     (cluster.cores_per_node; 0 = a core per device), each computes at that fraction of its rate."""
     cores = cluster.cores_per_node
@@ -346,16 +314,16 @@ def oversubscription(lay: Layout, cluster) -> float:
     return max(1.0, ranks / cores) if cores else 1.0
 
 
-def compute_s(mcfg, st: Stage, lay: Layout, cluster) -> float:
+def compute_s(mcfg, st: Stage, lay: Resolved, cluster) -> float:
     """Seconds of one micro-batch of one model through the stage on one device (or core): its matmul
     FLOPs at the sustained rate; on CPUs (calibrated block_us, act_ns) also a fixed overhead per block
     pass (forward, backward, and a recomputed block's second forward) and the elementwise passes
     (layernorm, softmax, GELU, residuals) over the activations the forward caches, by their bytes (a
     second forward: about half of its layer's again)."""
     item = precision(mcfg, lay.amp)[3]
-    again = sum(recomputed(lay, b) for b in st.names)
+    again = len(_recomputed(st, lay))
     a = block_activations(mcfg, lay, item)
-    cached = sum(a[b if b in ("embed", "head") else "layer"] for b in st.names) + again * a["layer"] / 2
+    cached = sum(a[b.kind] for b in st.kinds) + again * a["layer"] / 2
     return (flops_per_microbatch(mcfg, st, lay) / _device_flops(mcfg, lay, cluster)
             + (2 * len(st.names) + again) * cluster.block_us * 1e-6 + cached / 4 * cluster.act_ns * 1e-9)
 
@@ -364,11 +332,11 @@ def compute_s(mcfg, st: Stage, lay: Layout, cluster) -> float:
 SCALAR_CALLS = {"sharding": 2, "dp": 1, "pp": 2, "tp": 1}
 
 
-def _degrees(lay: Layout) -> dict:
+def _degrees(lay: Resolved) -> dict:
     return {"tp": lay.tp, "sharding": lay.sh, "dp": lay.dp, "pp": lay.pp}
 
 
-def stage_times(mcfg, st: Stage, lay: Layout, stage: int, models: int, cluster, sh_rank=None) -> dict:
+def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster, sh_rank=None) -> dict:
     """Seconds per micro-batch (compute, tp, pp: on the critical path) and per step (dp, sharding:
     exposed after overlapping the last backward / the forward prefetch; fixed: the optimizer over the
     owned elements, the scalar allreduces and the per-step overhead)."""
@@ -383,7 +351,7 @@ def stage_times(mcfg, st: Stage, lay: Layout, stage: int, models: int, cluster, 
     fixed += sum(collective_s("allreduce", deg[a], 0, c, *link(lay, a, cluster)) for a, c in SCALAR_CALLS.items())
     out = {"compute": comp, "tp": 0.0, "pp": 0.0, "dp": 0.0, "sharding": 0.0, "fixed": fixed}
     if "tp" in tr:
-        calls = M * ((4 if mcfg.kind == "gpt" else 2) * st.layers + ("embed" in st.names) + 3 * ("head" in st.names))
+        calls = M * (_tp_activation_calls(mcfg, st, lay) + 2 * len(st.of_kind("head")))
         out["tp"] = collective_s("allreduce", lay.tp, tr["tp"]["allreduce"] / mb, calls, *link(lay, "tp", cluster))
     if "pp" in tr:
         out["pp"] = collective_s("send", 2, tr["pp"]["send"] / mb, _hops(lay, stage) * M, *link(lay, "pp", cluster))
@@ -398,7 +366,7 @@ def stage_times(mcfg, st: Stage, lay: Layout, stage: int, models: int, cluster, 
         red = collective_s("reduce", lay.sh, tr["sharding"]["reduce"], parts,
                            *link(lay, "sharding", cluster, "reduce"))
         # stage 3 gathers each block from its owner, twice a micro-batch; stages 1-2 share every range once
-        gathers = mb * M * (2 * len(st.names) - ("embed" in st.names)) if lay.zstage == 3 else 1
+        gathers = mb * M * sum(1 + b.bwd_params for b in st.kinds) if lay.zstage == 3 else 1
         gat = collective_s("allgather", lay.sh, tr["sharding"]["allgather"], gathers,
                            *link(lay, "sharding", cluster, "allgather" if lay.zstage == 3 else "allreduce"))
         prefetch = mb * hide / 3 if lay.zstage == 3 else 0.0
@@ -406,7 +374,7 @@ def stage_times(mcfg, st: Stage, lay: Layout, stage: int, models: int, cluster, 
     return out
 
 
-def predict_stage(mcfg, st: Stage, lay: Layout, stage: int, models: int, cluster=None, sh_rank=None) -> dict:
+def predict_stage(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster=None, sh_rank=None) -> dict:
     """Memory (bytes) and traffic of one rank of `stage`; times when a cluster is given."""
     item = precision(mcfg, lay.amp)[3]
     mem = model_state(mcfg, st, lay, models, sh_rank)
@@ -419,7 +387,7 @@ def predict_stage(mcfg, st: Stage, lay: Layout, stage: int, models: int, cluster
     return out
 
 
-def step_time(per_stage: list[dict], lay: Layout) -> dict:
+def step_time(per_stage: list[dict], lay: Resolved) -> dict:
     """Combine stages: the slowest micro-batch sets the pipeline's pace (plus the schedule's bubble),
     then the slowest stage's exposed gradient sync and parameter sharing. With more ranks than cores,
     a rank waiting in the bubble still takes its share of a core (MPI waits by polling), so the
@@ -438,6 +406,6 @@ def step_time(per_stage: list[dict], lay: Layout) -> dict:
 
 def for_rank(cfg, world: int, coords: dict, cluster=None) -> dict:
     """The prediction for the rank at mesh `coords` (its pipeline stage and sharding share)."""
-    lay = layout_of(cfg, world)
+    lay = resolve(cfg, world)
     st = stage_facts(cfg, lay)[coords["pp"]]
     return predict_stage(cfg.model, st, lay, coords["pp"], cfg.train.models, cluster, coords["sharding"])

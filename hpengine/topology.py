@@ -7,32 +7,7 @@ from math import prod
 
 from mpi4py import MPI
 
-AXES = ("tp", "sharding", "dp", "pp")
-SWITCH_OF_AXIS = {"tp": "tensor_parallel", "sharding": "sharding", "dp": "data_parallel", "pp": "pipeline"}
-
-
-class TopologyError(ValueError):
-    pass
-
-
-def resolve_degrees(world: int, requested: dict) -> dict:
-    """Replace the one degree of -1 by the ranks left over; check the product is the world size."""
-    listing = lambda d: ", ".join(f"{a}={d[a]}" for a in AXES)  # noqa: E731
-    free = [a for a in AXES if requested[a] == -1]
-    if len(free) > 1:
-        raise TopologyError(f"only one degree may be -1 (the ranks left over), got {listing(requested)} "
-                            f"on a world of {world} ranks")
-    fixed = prod(requested[a] for a in AXES if a not in free)
-    degrees = dict(requested)
-    if free:
-        if world % fixed:
-            raise TopologyError(f"degrees {listing(requested)}: the fixed degrees multiply to {fixed}, "
-                                f"which does not divide the world size {world}")
-        degrees[free[0]] = world // fixed
-    if prod(degrees.values()) != world:
-        raise TopologyError(f"degrees {listing(degrees)} multiply to {prod(degrees.values())} but the world "
-                            f"size is {world}; make the product equal the number of ranks (mpiexec -n)")
-    return degrees
+from .resolve import AXES, TopologyError, resolve_degrees  # noqa: F401  (re-exported)
 
 
 class Mesh:

@@ -166,8 +166,7 @@ def write_trace(eng, tr: Tracer, path: Path) -> None:
     t_zero = w.bcast(tr.t_zero, root=0)
     if w.Get_rank() != 0:
         return
-    v = eng.cfg.strategy.pipeline.virtual_stages if eng.cfg.strategy.pipeline.enable else 1
-    doc = merge(parts, offsets, t_zero, v)
+    doc = merge(parts, offsets, t_zero, eng.res.v)
     doc["otherData"]["max_events"] = tr.max_events
     Path(path).write_text(json.dumps(doc, separators=(",", ":")))
     dropped = sum(d for *_, d in parts)
@@ -181,14 +180,16 @@ def write_trace(eng, tr: Tracer, path: Path) -> None:
 
 def model_flops(eng) -> tuple[float, str]:
     """Training FLOPs of one optimizer step (all models) and the formula used."""
+    from .state import reference_order_specs
     mc, tr = eng.cfg.model, eng.cfg.train
-    psi = sum(int(_prod(sp.true_shape or sp.global_shape)) for sp in eng.reference_order_specs())
+    psi = sum(int(_prod(sp.true_shape or sp.global_shape)) for sp in reference_order_specs(eng.slots))
     tokens = tr.global_batch * mc.seq_len
-    attn = 12 * mc.n_layers * mc.seq_len * mc.d_model if mc.kind == "gpt" else 0
+    layers = sum(b.kind == "layer" for b in eng.slots[0].model.blocks())
+    attn = 3 * eng.slots[0].model.attention_flops(tokens, 1) * layers    # forward + backward, whole model
     formula = ("FLOPs/step = tokens x (6 x Psi + 12 x L x T x d_model) per model; Psi = parameters (tied head "
                "counted once), tokens = global_batch x seq_len, 12 L T d = attention scores and values, "
-               "forward + backward; recomputation not counted")
-    return float(tokens * (6 * psi + attn * len(eng.slots))), formula
+               "forward + backward (none without attention); recomputation not counted")
+    return float(tokens * 6 * psi + attn * len(eng.slots)), formula
 
 
 def _prod(shape) -> int:
@@ -277,12 +278,9 @@ def table(bd: dict) -> str:
 
 
 def comm_labels(eng) -> dict:
-    s = eng.sync
-    grads = [c.name for c in (getattr(s, "sh", None), getattr(s, "dp", None)) if c is not None and c.size > 1]
-    if eng.tied:
-        grads.append("tied")
-    params = [s.sh.name] if getattr(s, "sh", None) is not None and s.sh.size > 1 else []
-    return {"grads": ", ".join(grads) or "none", "params": ", ".join(params) or "none"}
+    names = eng.sync.comm_names()
+    grads = names["grads"] + (["tied"] if eng.stage.tied else [])
+    return {"grads": ", ".join(grads) or "none", "params": ", ".join(names["params"]) or "none"}
 
 
 def finish(eng, out, history: list, wall: float) -> dict | None:

@@ -12,13 +12,14 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from . import checkpoint, launch, plan, trace
+from . import checkpoint, launch, plan, state, trace
 from .backend import BackendError, keep_heap, make_backend
-from .comm import Comm
-from .config import Config, strategy_degree, to_dict, to_toml
-from .data import TokenDataset, ensure_default_corpus
+from .comm import Comm, agree_or_raise
+from .config import Config, to_dict, to_toml
+from .data import DataError, TokenDataset, ensure_default_corpus
 from .engine import Engine
-from .topology import AXES, SWITCH_OF_AXIS, Mesh, node_ranks
+from .resolve import resolve
+from .topology import Mesh, node_ranks
 
 log = logging.getLogger("hpengine")
 
@@ -40,98 +41,42 @@ def setup_logging(mesh) -> None:
 def resolve_data_path(cfg, world) -> str:
     if cfg.data.path:
         return cfg.data.path
-    path = None
-    if world.Get_rank() == 0:  # one rank builds the cached corpus; the rest wait and read it
-        try:
-            path = str(ensure_default_corpus())
-        except Exception as exc:  # noqa: BLE001 - forwarded to every rank below
-            path = exc
-    path = world.bcast(path, root=0)
-    if isinstance(path, Exception):
-        raise path
-    return path
+    # one rank builds the cached corpus; the rest wait and read it
+    path = agree_or_raise(world, lambda: str(ensure_default_corpus()) if world.Get_rank() == 0 else None,
+                          DataError, (DataError, OSError))
+    return world.bcast(path, root=0)
 
 
 def prepare_run_dir(cfg, world, resuming: bool = False) -> Path:
     """The run folder; refused if it already holds results, unless resuming (metrics are appended)."""
     out = Path(cfg.train.out_dir)
-    err = None
-    if world.Get_rank() == 0:
-        if resuming:
-            out.mkdir(parents=True, exist_ok=True)
-            if not (out / "config.toml").exists():
-                (out / "config.toml").write_text(to_toml(cfg))
-        elif (out / "metrics.jsonl").exists() or (out / "config.toml").exists():
-            err = (f"train.out_dir = '{out}' already holds results (metrics.jsonl/config.toml); "
-                   f"choose a new folder, e.g. --set train.out_dir={out}-2")
-        else:
-            out.mkdir(parents=True, exist_ok=True)
+
+    def prepare():
+        if world.Get_rank() != 0:
+            return
+        if not resuming and ((out / "metrics.jsonl").exists() or (out / "config.toml").exists()):
+            raise RunError(f"train.out_dir = '{out}' already holds results (metrics.jsonl/config.toml); "
+                           f"choose a new folder, e.g. --set train.out_dir={out}-2")
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / "config.toml").exists():
             (out / "config.toml").write_text(to_toml(cfg))
-    err = world.bcast(err, root=0)
-    if err:
-        raise RunError(err)
+    agree_or_raise(world, prepare, RunError, (RunError, OSError))
     return out
-
-
-def check_batch(cfg, mesh) -> None:
-    """DESIGN §6 batch arithmetic: every division exact, or the config is rejected."""
-    d = mesh.degrees
-    replicas = d["dp"] * d["sharding"]
-    gb = cfg.train.global_batch
-    if gb % replicas:
-        raise RunError(f"train.global_batch = {gb} is not divisible by dp x sharding = {d['dp']} x "
-                       f"{d['sharding']} = {replicas}; use a multiple of {replicas}")
-    gm, pc = cfg.strategy.gradient_merge, cfg.strategy.pipeline
-    k = gm.k_steps if gm.enable else 1
-    m = pc.micro_batches if pc.enable else 1
-    if (gb // replicas) % (k * m):
-        raise RunError(f"a replica's share of the batch ({gb} / {replicas} = {gb // replicas}) is not divisible "
-                       f"by gradient_merge.k_steps x pipeline.micro_batches = {k} x {m}; make global_batch a "
-                       f"multiple of {replicas * k * m}")
-    amp = cfg.strategy.amp
-    if amp.enable and amp.dtype == "bfloat16":
-        raise RunError("strategy.amp.dtype = 'bfloat16' is not available: NumPy and CuPy have no bfloat16 arithmetic "
-                       "(ml_dtypes' bfloat16 matmul returns float32, so layers would silently run in float32); "
-                       "use 'float16'")
-    if amp.enable and cfg.model.dtype != "float32":
-        raise RunError(f"strategy.amp needs model.dtype = 'float32' (the master weights), got '{cfg.model.dtype}'")
-    rc = cfg.strategy.recompute
-    if rc.enable and rc.every > cfg.model.n_layers:
-        raise RunError(f"strategy.recompute.every = {rc.every} is larger than the block count "
-                       f"model.n_layers = {cfg.model.n_layers}; use 1..{cfg.model.n_layers}")
-    tp, mc = d["tp"], cfg.model
-    F = mc.ffn_mult * mc.d_model
-    heads = mc.n_heads if mc.kind == "gpt" else tp
-    if tp > 1 and (heads % tp or F % tp or mc.d_model % tp):
-        raise RunError(f"tensor_parallel.degree = {tp} must divide model.n_heads = {mc.n_heads}, the ffn width "
-                       f"ffn_mult x d_model = {F} and model.d_model = {mc.d_model}"
-                       + (f" (and cannot exceed the {mc.n_heads} heads)" if tp > mc.n_heads else ""))
-    p = d["pp"]
-    if pc.enable and pc.schedule == "interleaved":
-        if pc.virtual_stages < 2:
-            raise RunError(f"pipeline.schedule = 'interleaved' needs pipeline.virtual_stages >= 2, got "
-                           f"{pc.virtual_stages}")
-        if m % p:
-            raise RunError(f"pipeline.schedule = 'interleaved' needs pipeline.micro_batches ({m}) to be a "
-                           f"multiple of pipeline.degree ({p})")
-    elif pc.enable and pc.virtual_stages != 1:
-        raise RunError(f"pipeline.virtual_stages = {pc.virtual_stages} needs pipeline.schedule = 'interleaved'")
 
 
 def agreed_backend(cfg, world):
     """This rank's backend (its GPU chosen by node-local rank); devices can differ between nodes, so
     the ranks agree before any of them raises."""
     local, per_node = node_ranks(world)
-    err = be = None
-    try:
-        be = make_backend(cfg.runtime.backend, "float16" if cfg.strategy.amp.enable else cfg.model.dtype,
-                          local, per_node, share_devices=cfg.runtime.share_devices,
-                          cuda_aware=cfg.runtime.cuda_aware_mpi)
-    except BackendError as exc:
-        err = f"rank {world.Get_rank()}: {exc}"
-    errs = [e for e in world.allgather(err) if e]
-    if errs:
-        raise BackendError(errs[0])
+
+    def make():
+        try:
+            return make_backend(cfg.runtime.backend, "float16" if cfg.strategy.amp.enable else cfg.model.dtype,
+                                local, per_node, share_devices=cfg.runtime.share_devices,
+                                cuda_aware=cfg.runtime.cuda_aware_mpi)
+        except BackendError as exc:
+            raise BackendError(f"rank {world.Get_rank()}: {exc}") from None
+    be = agree_or_raise(world, make, BackendError, (BackendError,))
     kinds = set(world.allgather(be.name))
     if len(kinds) > 1:
         raise BackendError(f"runtime.backend = '{cfg.runtime.backend}' resolved differently across ranks "
@@ -140,19 +85,19 @@ def agreed_backend(cfg, world):
 
 
 def build(cfg, world=None):
-    """Mesh, backend, dataset and engine for this rank (validation before any collective)."""
+    """Resolved layout, mesh, backend, dataset and engine for this rank. Every check that needs no
+    communicator (resolve) runs before the first collective; those that can differ by rank are agreed."""
     world = world or MPI.COMM_WORLD
     launch.check_world(world)
-    degrees = {a: strategy_degree(cfg, SWITCH_OF_AXIS[a]) for a in AXES}
+    res = resolve(cfg, world.Get_size())
     backend = agreed_backend(cfg, world)
     if not backend.is_gpu:
         keep_heap()
-    mesh = Mesh(world, degrees, cfg.mesh.order, wrap=lambda c, a: Comm(c, a, backend))
+    mesh = Mesh(world, res.degrees, res.order, wrap=lambda c, a: Comm(c, a, backend))
     setup_logging(mesh)
-    check_batch(cfg, mesh)
     data = TokenDataset(resolve_data_path(cfg, world), cfg.model.seq_len, cfg.model.vocab_size,
                         cfg.data.val_fraction)
-    return Engine(cfg, mesh, backend, data)
+    return Engine(cfg, res, mesh, backend, data)
 
 
 def _lines(m: dict) -> list[dict]:
@@ -179,7 +124,7 @@ def train(cfg, world=None, resume=None) -> dict:
     log_start(eng, cfg)
     plan.check_at_start(cfg, eng.mesh.size, log, rank=eng.mesh.rank)
     metrics_f = open(out / "metrics.jsonl", "a" if resume else "w") if world.Get_rank() == 0 else None
-    tracer = trace.attach(eng, cfg)    # issue 11: phase timers always; a timeline under runtime.trace
+    tracer = trace.attach(eng, cfg)    # phase timers always; a timeline under runtime.trace
     t_start, history = time.perf_counter(), []
     watchdog = launch.Watchdog(cfg.runtime.watchdog_s, eng.mesh.prefix()).start()
     restore_signals = launch.install_stop_handlers()
@@ -213,7 +158,7 @@ def train(cfg, world=None, resume=None) -> dict:
             metrics_f.close()
     log_pipeline(eng, cfg)
     summary = summarize(eng, history, time.perf_counter() - t_start, out)
-    trace.finish(eng, out, history, summary["wall_s"])   # issue 11: trace.json, breakdown table + .json
+    trace.finish(eng, out, history, summary["wall_s"])   # trace.json, breakdown table + .json
     return summary
 
 
@@ -251,9 +196,17 @@ def checkpoint_root(cfg) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints")
 
 
+def save_state(eng, root, step: int, keep: int) -> Path:
+    """Collective: this job's checkpoint of `step` under root (checkpoint.py writes it)."""
+    pieces = state.checkpoint_pieces(eng.stage, eng.sync, eng.opts, eng.master, eng.tp, eng.mesh.coords["dp"], eng.be)
+    meta = {"config": to_toml(eng.cfg), "state": state.checkpoint_meta(eng.opt_steps, eng.scaler, len(eng.slots)),
+            "shapes": eng.true_shapes(), "layout": eng.mesh.degrees, "world": eng.mesh.size}
+    return checkpoint.save(eng.world, root, step, keep, pieces, meta, eng.tracer)
+
+
 def save_checkpoint(eng, cfg, step: int) -> None:
     t0 = time.perf_counter()
-    path = checkpoint.save(eng, checkpoint_root(cfg), step, cfg.checkpoint.keep)
+    path = save_state(eng, checkpoint_root(cfg), step, cfg.checkpoint.keep)
     log.info("checkpoint step %d -> %s (%.2f s)", step, path, time.perf_counter() - t0)
 
 
@@ -269,15 +222,21 @@ def restore(eng, cfg, resume) -> int:
             reader.check_shapes(eng.true_shapes())
         except checkpoint.CheckpointError as exc:
             raise checkpoint.CheckpointError(f"--resume {resume}: {exc}") from None
-        checkpoint._collective(eng.world, lambda: eng.load_state(reader))
+        load_together(eng, reader)
         start, what = reader.step, f"resumed from {reader.dir} at step {reader.step}"
     else:
         reader = checkpoint.ExportReader(cfg.checkpoint.init_from)
-        checkpoint._collective(eng.world, lambda: eng.load_state(reader, params_only=True))
+        load_together(eng, reader, params_only=True)
         start, what = 0, f"parameters initialised from {cfg.checkpoint.init_from}"
     reader.close()
     log.info("%s (%.2f s)", what, time.perf_counter() - t0)
     return start
+
+
+def load_together(eng, reader, params_only: bool = False) -> None:
+    """Every rank loads its part; a rank that cannot makes every rank stop with its message."""
+    agree_or_raise(eng.world, lambda: eng.load(reader, params_only), checkpoint.CheckpointError,
+                   (OSError, checkpoint.CheckpointError, KeyError, ValueError))
 
 
 def changed_keys(cfg) -> list[str]:
@@ -296,12 +255,10 @@ def log_start(eng, cfg) -> None:
     log.info("config (resolved; written to config.toml; keys not at their default): %s",
              ", ".join(changed_keys(cfg)) or "all defaults")
     log.info("%s", eng.mesh.describe())
-    if hasattr(eng.sync, "ranges"):
-        sizes = [r.size for r in eng.sync.ranges]
-        log.info("sharding stage %d, partition %s: %d owners, shares %s elements, imbalance %.3f",
-                 eng.sync.stage, cfg.strategy.sharding.partition, len(sizes), sizes, eng.sync.imbalance)
+    if eng.sync.describe():
+        log.info("%s", eng.sync.describe())
     log.info("model %s: %s parameters, %d blocks, dtype %s, backend %s", cfg.model.kind,
-             f"{eng.n_params():,}", len(eng.blocks), cfg.model.dtype, eng.be.name)
+             f"{eng.n_params():,}", len(eng.stage.blocks), cfg.model.dtype, eng.be.name)
 
 
 def log_memory(eng) -> None:
@@ -315,14 +272,14 @@ def log_memory(eng) -> None:
 def log_pipeline(eng, cfg) -> None:
     """Measured bubble (idle share of the executor's wall time) per stage next to the theory."""
     from .strategies.schedules import bubble_fraction
-    pc, pipe = cfg.strategy.pipeline, eng.pipe
-    if not pc.enable or pipe.wall_s == 0:
+    res, pipe = eng.res, eng.pipe
+    if not cfg.strategy.pipeline.enable or pipe.wall_s == 0:
         return
     bubble = 1.0 - pipe.busy_s / pipe.wall_s
     stats = eng.pp.allgather_obj((bubble, pipe.peak_live))
-    theory = bubble_fraction(pc.schedule, eng.mesh.degrees["pp"], eng.m, pc.virtual_stages)
+    theory = bubble_fraction(res.schedule, res.pp, res.m, res.v)
     log.info("pipeline %s p=%d m=%d v=%d: measured bubble per stage %s (theory %.3f); peak live activation "
-             "caches per stage %s", pc.schedule, eng.mesh.degrees["pp"], eng.m, pc.virtual_stages,
+             "caches per stage %s", res.schedule, res.pp, res.m, res.v,
              [round(b, 3) for b, _ in stats], theory, [n for _, n in stats])
 
 

@@ -1,34 +1,58 @@
-"""What models share: the tensor-parallel hooks a block is handed (identities for one rank), the
-pieces every model has (token embedding, final layernorm + head + loss) and the MLP sub-block.
+"""What models share: the structure they declare (Block), the tensor-parallel hooks a block is handed
+(identities for one rank), the pieces every model has (token embedding, final layernorm + head + loss,
+and their cache sizes) and the MLP sub-block.
 
 Tensor parallelism reaches a model only through a `tp` object like LocalTP; the real one lives in
 strategies/tensor_parallel.py.
 """
 from __future__ import annotations
 
-from ..buffers import ParamSpec
+from dataclasses import dataclass
 
-__all__ = ["LocalTP", "padded_vocab"]
-from ..nn import (cross_entropy_backward, cross_entropy_forward, embedding_backward,
+from ..buffers import ParamSpec
+from ..nn import (cross_entropy_backward, cross_entropy_forward, embedding_backward, embedding_cache_bytes,
                   embedding_forward, gelu_backward, gelu_forward, gelu_recompute, layernorm_backward,
-                  layernorm_forward, linear_backward, linear_drop_input, linear_forward,
+                  layernorm_cache_elements, layernorm_forward, linear_backward, linear_drop_input, linear_forward,
                   linear_restore_input)
+
+__all__ = ["Block", "LocalTP", "padded_vocab"]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One unit of a model as the engine and planner see it: pipeline stages are cut from blocks, the
+    gradient sync runs per block, stage 3 gathers per block.
+
+    kind: "embed" (token ids in), "layer" (activations in and out), "head" (activations in, loss out).
+    reads: tensors of other blocks this block multiplies by (a tied head reads "wte").
+    bwd_params: whether its backward reads its parameters (an embedding's backward only scatters)."""
+    name: str
+    kind: str
+    layer: int = -1
+    reads: tuple = ()
+    bwd_params: bool = True
+
+
+def standard_blocks(n_layers: int, tied: bool) -> list[Block]:
+    """embed, h.0 .. h.{L-1}, head: the structure of every decoder here."""
+    return ([Block("embed", "embed", bwd_params=False)] + [Block(f"h.{i}", "layer", i) for i in range(n_layers)]
+            + [Block("head", "head", reads=("wte",) if tied else ())])
 
 
 class LocalTP:
     """Tensor-parallel hooks for tp = 1: every conjugate pair is the identity."""
     rank, size = 0, 1
 
-    def copy_fwd(self, x):       # copy_to_tp: identity forward ...
+    def copy_to_tp(self, x):                 # identity forward ...
         return x
 
-    def copy_bwd(self, dx):      # ... allreduce backward
+    def copy_to_tp_backward(self, dx):       # ... allreduce backward
         return dx
 
-    def reduce_fwd(self, x):     # reduce_from_tp: allreduce forward ...
+    def reduce_from_tp(self, x):             # allreduce forward ...
         return x
 
-    def reduce_bwd(self, dx):    # ... identity backward
+    def reduce_from_tp_backward(self, dx):   # ... identity backward
         return dx
 
     def cross_entropy_forward(self, xp, logits, targets, norm):
@@ -67,15 +91,27 @@ def mlp_specs(p, C, F, std, proj_std):
             ParamSpec(f"{p}.proj.b", (C,), decay=False, init="zeros", block=p.split(".mlp")[0])]
 
 
+def end_cache_bytes(mcfg, rows: int, tp: int, item: int, amp: bool, share: int) -> dict:
+    """Bytes the embedding and the head cache per micro-batch of `rows` sequences: the embedding its
+    indices; the head its layernorm, the linear's input (the layernorm output), the loss's probabilities
+    (float32 under amp) and the targets (its own index and mask under tp; else it references the pass's
+    int64 targets, `share` sequences)."""
+    T, C = mcfg.seq_len, mcfg.d_model
+    n, Vp = rows * T, padded_vocab(mcfg.vocab_size, tp)
+    targets = embedding_cache_bytes(n) if tp > 1 else share * T * 8
+    head = (layernorm_cache_elements(n, C) + n * C) * item + n * (Vp // tp) * (4 if amp else item) + targets
+    return {"embed": embedding_cache_bytes(n), "head": head, "input": n * C * item}
+
+
 def tok_embed_forward(xp, P, idx, tp):
     # idx: (B, T) -> (B, T, C); each tp rank looks up its vocab slice, the sum restores full rows
     w = P["wte"]
     e, cache = embedding_forward(xp, idx, w, vocab_start=tp.rank * w.shape[0])
-    return tp.reduce_fwd(e), cache
+    return tp.reduce_from_tp(e), cache
 
 
 def tok_embed_backward(xp, dx, cache, G, tp):
-    embedding_backward(xp, tp.reduce_bwd(dx), cache, G["wte"])
+    embedding_backward(xp, tp.reduce_from_tp_backward(dx), cache, G["wte"])
 
 
 def head_weight(P, G, tied):
@@ -88,7 +124,7 @@ def head_forward(xp, P, x, targets, norm, tp, tied):
     # x: (B, T, C) -> loss (this rank's share of the global-mean loss)
     h, c_ln = layernorm_forward(xp, x, P["ln_f.w"], P["ln_f.b"])
     w, _ = head_weight(P, None, tied)
-    logits, c_lin = linear_forward(xp, tp.copy_fwd(h), w)
+    logits, c_lin = linear_forward(xp, tp.copy_to_tp(h), w)
     if logits.dtype.itemsize < 4:      # amp: the softmax and loss in float32, as Megatron does
         logits = logits.astype(xp.float32)
     loss, c_ce = tp.cross_entropy_forward(xp, logits, targets, norm)
@@ -101,18 +137,18 @@ def head_backward(xp, cache, G, tp, tied, P, dloss=1.0):
     w, dw = head_weight(P, G, tied)
     if dlogits.dtype != dw.dtype:
         dlogits = dlogits.astype(dw.dtype)
-    dh = tp.copy_bwd(linear_backward(xp, dlogits, c_lin, w, dw))
+    dh = tp.copy_to_tp_backward(linear_backward(xp, dlogits, c_lin, w, dw))
     return layernorm_backward(xp, dh, c_ln, P["ln_f.w"], G["ln_f.w"], G["ln_f.b"])
 
 
 def mlp_forward(xp, P, p, x, tp):
     # x: (B, T, C) -> (B, T, C), the residual branch only
-    h, c1 = linear_forward(xp, tp.copy_fwd(x), P[f"{p}.fc.w"], P[f"{p}.fc.b"])
+    h, c1 = linear_forward(xp, tp.copy_to_tp(x), P[f"{p}.fc.w"], P[f"{p}.fc.b"])
     g, c2 = gelu_forward(xp, h)
     o, c3 = linear_forward(xp, g, P[f"{p}.proj.w"])
     # g is rebuilt in backward from the GELU cache (one multiply): a third less MLP activation memory
     c3 = linear_drop_input(c3)
-    o = tp.reduce_fwd(o)
+    o = tp.reduce_from_tp(o)
     o += P[f"{p}.proj.b"]
     return o, (c1, c2, c3)
 
@@ -121,7 +157,7 @@ def mlp_backward(xp, do, cache, P, G, p, tp):
     c1, c2, c3 = cache
     G[f"{p}.proj.b"] += do.reshape(-1, do.shape[-1]).sum(axis=0)
     c3 = linear_restore_input(c3, gelu_recompute(xp, c2))
-    dg = linear_backward(xp, tp.reduce_bwd(do), c3, P[f"{p}.proj.w"], G[f"{p}.proj.w"])
+    dg = linear_backward(xp, tp.reduce_from_tp_backward(do), c3, P[f"{p}.proj.w"], G[f"{p}.proj.w"])
     del c3
     dh = gelu_backward(xp, dg, c2)
-    return tp.copy_bwd(linear_backward(xp, dh, c1, P[f"{p}.fc.w"], G[f"{p}.fc.w"], G[f"{p}.fc.b"]))
+    return tp.copy_to_tp_backward(linear_backward(xp, dh, c1, P[f"{p}.fc.w"], G[f"{p}.fc.w"], G[f"{p}.fc.b"]))

@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 
 from ..buffers import ParamSpec
-from ..nn import attention_backward, attention_forward, layernorm_backward, layernorm_forward, \
-    linear_backward, linear_forward
-from .common import (padded_vocab, embed_specs, head_backward, head_forward, head_specs, mlp_backward, mlp_forward,
-                     mlp_specs, tok_embed_backward, tok_embed_forward)
+from ..nn import (attention_backward, attention_cache_elements, attention_forward, gelu_cache_elements,
+                  layernorm_backward, layernorm_cache_elements, layernorm_forward, linear_backward, linear_forward)
+from .common import (Block, embed_specs, end_cache_bytes, head_backward, head_forward, head_specs, mlp_backward,
+                     mlp_forward, mlp_specs, padded_vocab, standard_blocks, tok_embed_backward, tok_embed_forward)
 
 
 class GPT:
@@ -24,8 +24,35 @@ class GPT:
         self.std = mcfg.init_std
         self.n_layers = self.L
 
-    def block_names(self) -> list[str]:
-        return ["embed"] + [f"h.{i}" for i in range(self.L)] + ["head"]
+    def blocks(self) -> list[Block]:
+        return standard_blocks(self.L, self.tied)
+
+    def tp_divides(self, tp: int) -> str:
+        """What a tensor-parallel degree must divide ("" when it does)."""
+        mc = self.cfg
+        if self.H % tp or self.F % tp or self.C % tp:
+            return (f"model.n_heads = {self.H}, the ffn width ffn_mult x d_model = {self.F} and model.d_model = "
+                    f"{self.C}" + (f" (and cannot exceed the {mc.n_heads} heads)" if tp > mc.n_heads else ""))
+        return ""
+
+    def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int) -> dict:
+        """Bytes the forward caches per micro-batch of `rows` sequences, by block kind ("input": what a
+        recomputed layer keeps). A layer: ln1, the qkv linear's input (ln1's output), attention (its
+        output is the projection's input), ln2, the fc linear's input and the GELU (the projection's input
+        is rebuilt from it)."""
+        n, C = rows * self.T, self.C
+        layer = (2 * layernorm_cache_elements(n, C) + 2 * n * C
+                 + attention_cache_elements(rows, self.T, C // tp, self.H // tp) + gelu_cache_elements(n * self.F // tp))
+        return {"layer": layer * item, **end_cache_bytes(self.cfg, rows, tp, item, amp, share)}
+
+    def tp_allreduces(self) -> tuple:
+        """Activation allreduces per layer under tensor parallelism: (forward, backward); the attention's and the MLP's reduce_from_tp
+        forward and copy_to_tp backward."""
+        return (2, 2)
+
+    def attention_flops(self, tokens: int, tp: int) -> int:
+        """Forward FLOPs of one layer's scores and their product with the values (2 T C / tp per token each)."""
+        return 4 * tokens * self.T * self.C // tp
 
     def specs(self, block: str) -> list[ParamSpec]:
         C, std = self.C, self.std
@@ -44,7 +71,7 @@ class GPT:
                 + ln("ln2") + mlp_specs(f"{p}.mlp", C, self.F, std, proj_std))
 
     def all_specs(self) -> list[ParamSpec]:
-        return [s for b in self.block_names() for s in self.specs(b)]
+        return [s for b in self.blocks() for s in self.specs(b.name)]
 
     # --- blocks -------------------------------------------------------------------------------
     def embed_forward(self, xp, P, idx, tp):
@@ -61,10 +88,10 @@ class GPT:
         # x: (B, T, C) -> (B, T, C)
         p = f"h.{i}"
         h, c_ln1 = layernorm_forward(xp, x, P[f"{p}.ln1.w"], P[f"{p}.ln1.b"])
-        qkv, c_qkv = linear_forward(xp, tp.copy_fwd(h), P[f"{p}.attn.qkv.w"], P[f"{p}.attn.qkv.b"])
+        qkv, c_qkv = linear_forward(xp, tp.copy_to_tp(h), P[f"{p}.attn.qkv.w"], P[f"{p}.attn.qkv.b"])
         a, c_att = attention_forward(xp, qkv, self.H // tp.size)
         o, c_proj = linear_forward(xp, a, P[f"{p}.attn.proj.w"])
-        o = tp.reduce_fwd(o)
+        o = tp.reduce_from_tp(o)
         o += P[f"{p}.attn.proj.b"]
         o += x                  # o is ours: the residual sum needs no new array
         x1 = o
@@ -80,9 +107,9 @@ class GPT:
         dx1 = layernorm_backward(xp, dh2, c_ln2, P[f"{p}.ln2.w"], G[f"{p}.ln2.w"], G[f"{p}.ln2.b"])
         dx1 += dy
         G[f"{p}.attn.proj.b"] += dx1.reshape(-1, self.C).sum(axis=0)
-        da = linear_backward(xp, tp.reduce_bwd(dx1), c_proj, P[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.w"])
+        da = linear_backward(xp, tp.reduce_from_tp_backward(dx1), c_proj, P[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.w"])
         dqkv = attention_backward(xp, da, c_att)
-        dh = tp.copy_bwd(linear_backward(xp, dqkv, c_qkv, P[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.w"],
+        dh = tp.copy_to_tp_backward(linear_backward(xp, dqkv, c_qkv, P[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.w"],
                                                    G[f"{p}.attn.qkv.b"]))
         dx1 += layernorm_backward(xp, dh, c_ln1, P[f"{p}.ln1.w"], G[f"{p}.ln1.w"], G[f"{p}.ln1.b"])
         return dx1

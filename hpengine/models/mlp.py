@@ -7,9 +7,9 @@ from __future__ import annotations
 import math
 
 from ..buffers import ParamSpec
-from ..nn import layernorm_backward, layernorm_forward
-from .common import (padded_vocab, embed_specs, head_backward, head_forward, head_specs, mlp_backward, mlp_forward,
-                     mlp_specs, tok_embed_backward, tok_embed_forward)
+from ..nn import gelu_cache_elements, layernorm_backward, layernorm_cache_elements, layernorm_forward
+from .common import (Block, embed_specs, end_cache_bytes, head_backward, head_forward, head_specs, mlp_backward,
+                     mlp_forward, mlp_specs, padded_vocab, standard_blocks, tok_embed_backward, tok_embed_forward)
 
 
 class MLP:
@@ -20,8 +20,29 @@ class MLP:
         self.F, self.tied, self.std = mcfg.ffn_mult * mcfg.d_model, mcfg.tie_head, mcfg.init_std
         self.n_layers = self.L
 
-    def block_names(self) -> list[str]:
-        return ["embed"] + [f"h.{i}" for i in range(self.L)] + ["head"]
+    def blocks(self) -> list[Block]:
+        return standard_blocks(self.L, self.tied)
+
+    def tp_divides(self, tp: int) -> str:
+        """What a tensor-parallel degree must divide ("" when it does)."""
+        if self.F % tp or self.C % tp:
+            return f"the ffn width ffn_mult x d_model = {self.F} and model.d_model = {self.C}"
+        return ""
+
+    def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int) -> dict:
+        """Bytes the forward caches per micro-batch of `rows` sequences, by block kind ("input": what a
+        recomputed layer keeps). A layer: its layernorm, the fc linear's input and the GELU."""
+        n, C = rows * self.cfg.seq_len, self.C
+        layer = layernorm_cache_elements(n, C) + n * C + gelu_cache_elements(n * self.F // tp)
+        return {"layer": layer * item, **end_cache_bytes(self.cfg, rows, tp, item, amp, share)}
+
+    def tp_allreduces(self) -> tuple:
+        """Activation allreduces per layer under tensor parallelism: (forward, backward); the MLP's reduce_from_tp
+        forward and copy_to_tp backward."""
+        return (1, 1)
+
+    def attention_flops(self, tokens: int, tp: int) -> int:
+        return 0
 
     def specs(self, block: str) -> list[ParamSpec]:
         C = self.C
@@ -34,7 +55,7 @@ class MLP:
                 + mlp_specs(f"{block}.mlp", C, self.F, self.std, self.std / math.sqrt(2 * self.L)))
 
     def all_specs(self) -> list[ParamSpec]:
-        return [s for b in self.block_names() for s in self.specs(b)]
+        return [s for b in self.blocks() for s in self.specs(b.name)]
 
     def embed_forward(self, xp, P, idx, tp):
         return tok_embed_forward(xp, P, idx, tp)

@@ -1,12 +1,14 @@
 """Layer library: pure forward/backward function pairs over an array module `xp`.
 
 Backwards accumulate (+=) into the gradient views they are handed and return
-the input gradient; see DESIGN.md section 4.
+the input gradient (docs/architecture.md, "Layers"). Each module also says how many elements
+its forward caches, which the planner's memory model reads.
 """
-from .activation import gelu_backward, gelu_forward, gelu_recompute, relu_backward, relu_forward
-from .attention import attention_backward, attention_forward
-from .embedding import embedding_backward, embedding_forward
-from .layernorm import layernorm_backward, layernorm_forward
+from .activation import (gelu_backward, gelu_cache_elements, gelu_forward, gelu_recompute, relu_backward,
+                         relu_forward)
+from .attention import attention_backward, attention_cache_elements, attention_forward, score_elements
+from .embedding import embedding_backward, embedding_cache_bytes, embedding_forward
+from .layernorm import layernorm_backward, layernorm_cache_elements, layernorm_forward
 from .linear import linear_backward, linear_drop_input, linear_forward, linear_restore_input
 from .loss import cross_entropy_backward, cross_entropy_forward
 
@@ -18,4 +20,6 @@ __all__ = [
     "gelu_forward", "gelu_backward", "relu_forward", "relu_backward",
     "attention_forward", "attention_backward",
     "cross_entropy_forward", "cross_entropy_backward",
+    "layernorm_cache_elements", "gelu_cache_elements", "attention_cache_elements", "score_elements",
+    "embedding_cache_bytes",
 ]

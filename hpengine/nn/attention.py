@@ -23,6 +23,18 @@ def _blocks(T):
     return [(0, h), (h, T)] if h else [(0, T)]
 
 
+def score_elements(T: int) -> int:
+    """Attention probabilities kept per (sequence, head): each query block stores only the keys up to its
+    end, so the fully masked corner is never stored."""
+    return sum((b - a) * b for a, b in _blocks(T))
+
+
+def attention_cache_elements(B: int, T: int, width: int, n_heads: int) -> int:
+    """Elements the forward caches for B sequences of T tokens, `width` = n_heads x head_dim: qkv, the
+    scaled q, the output y, and the probabilities of every head."""
+    return B * T * 5 * width + B * n_heads * score_elements(T)
+
+
 def _causal_bias(xp, a, b, dtype):
     # (b - a, b): 0 where key <= query (query rows a..b-1), -inf above, so exp() gives exact zeros
     return xp.triu(xp.full((b - a, b), -xp.inf, dtype=dtype), a + 1)

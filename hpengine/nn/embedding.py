@@ -38,3 +38,8 @@ def embedding_backward(xp, dy, cache, dw):
     flat = ids[:, None] * C + xp.arange(C)
     xp.add.at(dw.reshape(-1), flat.reshape(-1), dy2.reshape(-1))
     return None
+
+
+def embedding_cache_bytes(n: int) -> int:
+    """Bytes the forward caches for n token ids: an int64 index and a bool mask each."""
+    return n * (8 + 1)

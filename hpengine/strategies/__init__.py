@@ -1,19 +1,19 @@
-"""Parallel strategies. Each owns one concern; the engine talks to the gradient-sync strategy
-through the GradSync interface in base.py."""
-from .base import LocalSync
+"""Parallel strategies. Each owns one concern; the engine talks to the gradient-sync strategy through
+the GradSync protocol in base.py, and hands each strategy the frozen stage description and the
+communicators it needs, never itself."""
+from .base import GradSync, LocalSync
 from .data_parallel import DataParallelSync
 from .sharding import ShardedSync
 
 
-def make_grad_sync(cfg, mesh, engine):
-    """The gradient/parameter synchronisation for this configuration."""
-    sh, dp = mesh.comms["sharding"], mesh.comms["dp"]
-    if sh.size > 1:
-        s = cfg.strategy.sharding
-        return ShardedSync(engine, sh, dp, s.stage, s.partition)
-    if dp.size > 1:
-        return DataParallelSync(engine, dp)
-    return LocalSync(engine)
+def make_grad_sync(res, stage, backend, comms) -> GradSync:
+    """The gradient/parameter synchronisation for the resolved layout `res` (resolve.Resolved)."""
+    sh, dp = comms["sharding"], comms["dp"]
+    if res.sh > 1:
+        return ShardedSync(stage, backend, sh, dp, res.zstage, res.partition)
+    if res.dp > 1:
+        return DataParallelSync(stage, backend, dp, res.bucket_mb)
+    return LocalSync(stage, backend)
 
 
-__all__ = ["LocalSync", "DataParallelSync", "ShardedSync", "make_grad_sync"]
+__all__ = ["GradSync", "LocalSync", "DataParallelSync", "ShardedSync", "make_grad_sync"]

@@ -1,7 +1,12 @@
 """The GradSync interface between the engine and the strategies that hold parameters and gradients,
 and LocalSync, its one-replica form: full parameter and gradient buffers, the whole range owned.
+
+A sync is built from the frozen stage description (stage.Stage), the backend and its communicators;
+it never sees the engine.
 """
 from __future__ import annotations
+
+from typing import Protocol
 
 import numpy as np
 
@@ -31,21 +36,52 @@ class Merged:
         return any(name in b for b in self.bufs)
 
 
+class GradSync(Protocol):
+    """What every gradient/parameter synchronisation offers the engine."""
+    owned: Range                 # the flat-buffer range this rank updates
+    params: FlatBuffer | None    # every parameter of the stage (None under stage 3)
+    transient_peak: int          # most bytes of temporary buffers held at once
+
+    # parameters and gradients a block reads and writes during a pass
+    def params_for(self, block: str, nxt: str | None = None): ...
+    def grads_for(self, block: str): ...
+    def release(self, block: str) -> None: ...
+    def param_roots(self) -> set: ...             # ids of the arrays parameter views live in
+
+    # one step: passes, then reduced gradients, then the update, then sharing
+    def begin_step(self) -> None: ...
+    def begin_pass(self, last: bool) -> None: ...
+    def block_done(self, block: str) -> None: ...
+    def flush_deferred(self) -> None: ...
+    def reduce_grads(self): ...                   # the owned gradient, reduced
+    def norm_allreduce(self, sq: list) -> list: ...
+    def loss_allreduce(self, losses: list) -> list: ...
+    def owned_params(self): ...
+    def share_params(self) -> None: ...
+
+    # state and accounting
+    def full_params(self) -> np.ndarray: ...
+    def param_bytes(self) -> int: ...
+    def grad_bytes(self) -> int: ...
+    def comm_names(self) -> dict: ...             # {"grads": [...], "params": [...]} communicators used
+    def describe(self) -> str: ...                # one log line ("" when there is nothing to say)
+
+
 class LocalSync:
     """No replicas: every parameter and gradient lives here; nothing to communicate."""
 
-    def __init__(self, engine, full_grads: bool = True, full_params: bool = True):
-        self.e = engine
-        self.layout, self.xp, self.dtype = engine.layout, engine.xp, engine.be.dtype
+    def __init__(self, stage, backend, full_grads: bool = True, full_params: bool = True):
+        self.stage_desc, self.be = stage, backend
+        self.layout, self.xp, self.dtype = stage.layout, backend.xp, backend.dtype
         self.owned = Range(0, self.layout.total)
         self.params = self.grads = None
         if full_params:
             self.params = FlatBuffer(self.layout, self.xp, self.dtype)
-            init_flat(self.params, engine.cfg.train.seed)
+            init_flat(self.params, stage.seed)
         if full_grads:
             self.grads = FlatBuffer(self.layout, self.xp, self.dtype)
         self.last = True
-        self.deferred, self.pending = set(engine.tied), []
+        self.deferred, self.pending = set(stage.tied), []
         self.transient = self.transient_peak = 0
 
     def _track(self, nbytes: int) -> None:
@@ -61,6 +97,9 @@ class LocalSync:
 
     def release(self, block):
         pass
+
+    def param_roots(self) -> set:
+        return {id(self.params.data)} if self.params is not None else set()
 
     # step protocol
     def begin_step(self):
@@ -103,11 +142,17 @@ class LocalSync:
 
     # state and accounting
     def full_params(self) -> np.ndarray:
-        self.e.be.sync()
-        return self.e.be.to_host(self.params.data).copy()
+        self.be.sync()
+        return self.be.to_host(self.params.data).copy()
 
     def param_bytes(self) -> int:
         return int(self.params.data.nbytes)
 
     def grad_bytes(self) -> int:
         return int(self.grads.data.nbytes)
+
+    def comm_names(self) -> dict:
+        return {"grads": [], "params": []}
+
+    def describe(self) -> str:
+        return ""

@@ -34,12 +34,11 @@ def make_buckets(done_order, block_ranges, cap_bytes, itemsize):
 
 
 class DataParallelSync(LocalSync):
-    def __init__(self, engine, dp_comm):
-        super().__init__(engine)
+    def __init__(self, stage, backend, dp_comm, bucket_mb: float):
+        super().__init__(stage, backend)
         self.dp = dp_comm
-        cap = int(engine.cfg.strategy.data_parallel.bucket_mb * 2**20)
-        done_order = [b for s in engine.slots for b in reversed(s.blocks)]
-        self.buckets = make_buckets(done_order, engine.block_ranges, cap, self.dtype.itemsize)
+        cap = int(bucket_mb * 2**20)
+        self.buckets = make_buckets(stage.done_order, stage.block_ranges, cap, self.dtype.itemsize)
         self.bucket_of = {b: i for i, (_, bs) in enumerate(self.buckets) for b in bs}
         self.reqs, self.remaining = [], {}
         self.wait_s = self.sync_s = 0.0
@@ -71,3 +70,6 @@ class DataParallelSync(LocalSync):
 
     def loss_allreduce(self, losses):
         return list(self.dp.allreduce_(np.array(losses, dtype=np.float64)))
+
+    def comm_names(self) -> dict:
+        return {"grads": [self.dp.name], "params": []}

@@ -12,7 +12,7 @@ import time
 from ..buffers import partition
 from ..comm import testall, waitall
 from ..trace import OFF
-from .schedules import make_schedule
+from .schedules import Action, make_schedule
 
 FWD, BWD = 0, 1
 
@@ -21,12 +21,15 @@ class PipelineError(ValueError):
     pass
 
 
-def split_blocks(model, p: int, v: int, split, param_count) -> list[list[str]]:
-    """The model's block names cut into p·v consecutive chunks (embed in the first, head in the last).
+def split_blocks(blocks, p: int, v: int, split, param_count) -> list[list[str]]:
+    """The model's blocks (models.Block, in order) cut into p·v consecutive chunks of block names; what
+    precedes the first layer goes with the first chunk, what follows the last with the last.
 
     split: "uniform" (layers as even as possible), "params" (balanced by parameter count), or a list of
     layers per chunk."""
-    names, L, P = model.block_names(), model.n_layers, p * v
+    names, P = [b.name for b in blocks], p * v
+    layers = [b.name for b in blocks if b.kind == "layer"]
+    L = len(layers)
     if P > L:
         raise PipelineError(f"pipeline.degree x virtual_stages = {p} x {v} = {P} chunks but the model has only "
                             f"{L} blocks (model.n_layers); use at most {L} chunks")
@@ -48,28 +51,31 @@ def split_blocks(model, p: int, v: int, split, param_count) -> list[list[str]]:
         if len(counts) != P or sum(counts) != L or min(counts) < 1:
             raise PipelineError(f"pipeline.split = {counts}: needs {P} entries (degree x virtual_stages), each >= 1, "
                                 f"summing to model.n_layers = {L}")
+    first, last = names.index(layers[0]), names.index(layers[-1])
     chunks, start = [], 0
-    for c, n in enumerate(counts):
-        chunks.append([f"h.{i}" for i in range(start, start + n)])
+    for n in counts:
+        chunks.append(layers[start:start + n])
         start += n
-    chunks[0].insert(0, "embed")
-    chunks[-1].append("head")
+    chunks[0][:0] = names[:first]
+    chunks[-1] += names[last + 1:]
     return chunks
 
 
 class PipelineExecutor:
-    """Runs one pass (a share of the batch, split into micro-batches) of one model through this rank's
-    schedule."""
+    """Walks this rank's schedule for one pass (a share of the batch split into micro-batches) of one
+    model. It is handed the forward and backward of a chunk as callables, never the engine:
+    forward(chunk, x, targets, grad) -> (out, cache); backward(chunk, dout, cache) -> din;
+    begin_pass(last) tells the gradient sync whether a backward finishes the step's gradients."""
 
-    def __init__(self, engine, pp_comm, chunks_here, p, v, m, schedule):
-        self.e, self.pp, self.p, self.v, self.m = engine, pp_comm, p, v, m
+    def __init__(self, pp_comm, xp, dtype, p: int, v: int, m: int, schedule: str, width: int):
+        self.pp, self.xp, self.dtype, self.p, self.v, self.m, self.width = pp_comm, xp, dtype, p, v, m, width
         self.stage = pp_comm.rank
-        self.chunks = chunks_here                 # this rank's chunks, local index c = global g // p
         self.buffers = {}
         self.V = p * v
         self.actions = make_schedule(schedule, p, m, self.stage, v) if p > 1 or m > 1 else \
             make_schedule("fthenb", 1, 1, 0)
         self.busy_s, self.wall_s, self.peak_live = 0.0, 0.0, 0
+        self.tr = OFF
 
     def _g(self, chunk):
         return chunk * self.p + self.stage
@@ -84,32 +90,49 @@ class PipelineExecutor:
         key = (mb if direction == FWD else -1, g_dst, direction, shape)
         buf = self.buffers.get(key)
         if buf is None:
-            buf = self.buffers[key] = self.e.xp.empty(shape, dtype=self.e.be.dtype)
+            buf = self.buffers[key] = self.xp.empty(shape, dtype=self.dtype)
         return buf
 
     def _recv(self, mb, g_src, g_dst, direction, shape):
         buf = self._buffer(mb, g_dst, direction, shape)
         t = self.tr.now()
         self.pp.irecv(buf, source=g_src % self.p, tag=self._tag(mb, g_dst, direction)).Wait()
-        self.tr.lap("pipeline idle", t, "wait F" if direction == FWD else "wait B", (mb, g_dst))  # issue 11
+        self.tr.lap("pipeline idle", t, "wait F" if direction == FWD else "wait B", (mb, g_dst))
         return buf
 
-    def run(self, slot, x, y, norm, last_pass: bool, grad: bool = True) -> float:
-        """Forward (and backward) of every micro-batch of rows x, y; returns the loss share (last stage)."""
-        e, m, V = self.e, self.m, self.V
+    # --- point-to-point, named after the direction data flows in the model ----------------------
+    def recv_forward(self, mb, g, shape):
+        """The activations of micro-batch mb into global chunk g, from the chunk before it."""
+        return self._recv(mb, g - 1, g, FWD, shape)
+
+    def recv_backward(self, mb, g, shape):
+        """The gradient of chunk g's output for micro-batch mb, from the chunk after it."""
+        return self._recv(mb, g + 1, g, BWD, shape)
+
+    def send_forward(self, out, mb, g):
+        return self.pp.isend(out, dest=(g + 1) % self.p, tag=self._tag(mb, g + 1, FWD))
+
+    def send_backward(self, din, mb, g):
+        return self.pp.isend(din, dest=(g - 1) % self.p, tag=self._tag(mb, g - 1, BWD))
+
+    def run(self, chunks, forward, backward, begin_pass, x, y, last_pass: bool, grad: bool = True,
+            tracer=OFF) -> float:
+        """Forward (and backward) of every micro-batch of rows x, y through `chunks` (this rank's, local
+        index c = global chunk // p); returns the loss share (last stage)."""
+        m, V = self.m, self.V
         rows = x.shape[0] // m
-        act_shape = (rows, x.shape[1], e.cfg.model.d_model)
-        actions = self.actions if grad else [a for a in self._forward_only()]
+        act_shape = (rows, x.shape[1], self.width)
+        actions = self.actions if grad else self._forward_only()
         caches, sends, loss, live = {}, [], 0.0, 0
-        self.tr = tr = e.tracer if grad else OFF   # issue 11: timeline spans; evaluation is one span in train.py
+        self.tr = tr = tracer if grad else OFF     # evaluation is one span in train.py
         t_start = time.perf_counter()
         for a in actions:
-            g, chunk, mb = self._g(a.chunk), self.chunks[a.chunk], a.mb
+            g, chunk, mb = self._g(a.chunk), chunks[a.chunk], a.mb
             sl = slice(mb * rows, (mb + 1) * rows)
             if a.kind == "F":
-                inp = x[sl] if g == 0 else self._recv(mb, g - 1, g, FWD, act_shape)
+                inp = x[sl] if g == 0 else self.recv_forward(mb, g, act_shape)
                 t0, t = time.perf_counter(), tr.now()
-                out, cache = e.chunk_forward(slot, chunk, inp, y[sl] if g == V - 1 else None, norm, grad)
+                out, cache = forward(chunk, inp, y[sl] if g == V - 1 else None, grad)
                 tr.lap("forward", t, "F", (mb, g))
                 self.busy_s += time.perf_counter() - t0
                 if grad:
@@ -119,17 +142,17 @@ class PipelineExecutor:
                 if g == V - 1:
                     loss += float(out)
                 else:
-                    sends.append(self.pp.isend(out, dest=(g + 1) % self.p, tag=self._tag(mb, g + 1, FWD)))
+                    sends.append(self.send_forward(out, mb, g))
             else:
-                e.sync.begin_pass(last_pass and mb == m - 1)   # the last backward of a chunk finishes its grads
-                dout = None if g == V - 1 else self._recv(mb, g + 1, g, BWD, act_shape)
+                begin_pass(last_pass and mb == m - 1)   # the last backward of a chunk finishes its grads
+                dout = None if g == V - 1 else self.recv_backward(mb, g, act_shape)
                 t0, t = time.perf_counter(), tr.now()
-                din = e.chunk_backward(slot, chunk, dout, caches.pop((mb, a.chunk)))
+                din = backward(chunk, dout, caches.pop((mb, a.chunk)))
                 tr.lap("backward", t, "B", (mb, g))
                 self.busy_s += time.perf_counter() - t0
                 live -= 1
                 if g > 0:
-                    sends.append(self.pp.isend(din, dest=(g - 1) % self.p, tag=self._tag(mb, g - 1, BWD)))
+                    sends.append(self.send_backward(din, mb, g))
             testall(sends)
         if sends:
             t = tr.now()
@@ -139,5 +162,4 @@ class PipelineExecutor:
         return loss
 
     def _forward_only(self):
-        from .schedules import Action
         return [Action("F", mb, c) for mb in range(self.m) for c in range(self.v)]

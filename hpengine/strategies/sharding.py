@@ -21,21 +21,22 @@ MAX_INFLIGHT = 2   # blocks whose gradient reduction may be in flight at once (s
 
 
 class ShardedSync(LocalSync):
-    def __init__(self, engine, sh_comm, dp_comm, stage: int, mode: str):
-        lay = engine.layout
-        self.sh, self.dp, self.stage = sh_comm, dp_comm, stage
+    def __init__(self, desc, backend, sh_comm, dp_comm, stage: int, mode: str):
+        lay = desc.layout
+        self.sh, self.dp, self.stage, self.mode = sh_comm, dp_comm, stage, mode
         self.ranges = partition([lay.ranges[n].size for n in lay.names], sh_comm.size, mode)
-        super().__init__(engine, full_grads=stage == 1, full_params=stage < 3)
+        super().__init__(desc, backend, full_grads=stage == 1, full_params=stage < 3)
         self.owned = own = self.ranges[sh_comm.rank]
         self.imbalance = imbalance(self.ranges)
-        self.block_layouts = {b: Layout(v, lay.tp_rank, lay.tp_size) for b, v in engine.block_specs.items() if v}
-        self.deps = engine.block_deps
+        self.block_ranges = desc.block_ranges
+        self.block_layouts = {b: Layout(v, lay.tp_rank, lay.tp_size) for b, v in desc.block_specs.items() if v}
+        self.deps = desc.deps
         self.parts = {b: [(r, p) for r, R in enumerate(self.ranges) if (p := br.intersect(R))]
-                      for b, br in engine.block_ranges.items()}
+                      for b, br in desc.block_ranges.items()}
         if stage >= 2:
             self.gshard = self.xp.zeros(own.size, dtype=self.dtype)
         if stage == 3:
-            self.pshard = init_range(lay, engine.cfg.train.seed, own, self.xp, self.dtype)
+            self.pshard = init_range(lay, desc.seed, own, self.xp, self.dtype)
         self.gtemp, self.inflight, self.gathered = {}, [], {}
         self.wait_s = self.sync_s = 0.0
 
@@ -49,7 +50,7 @@ class ShardedSync(LocalSync):
     def grads_for(self, block):
         if self.stage == 1:
             return self.grads
-        bufs = [self._gtemp(b) for b in [block] + self.deps.get(block, [])]
+        bufs = [self._gtemp(b) for b in [block] + list(self.deps.get(block, ()))]
         return bufs[0] if len(bufs) == 1 else Merged(bufs)
 
     def begin_step(self):
@@ -60,7 +61,7 @@ class ShardedSync(LocalSync):
     def _reduce_block(self, block):
         if not self.last or block not in self.parts:
             return
-        t0, own, br = time.perf_counter(), self.owned, self.e.block_ranges[block]
+        t0, own, br = time.perf_counter(), self.owned, self.block_ranges[block]
         reqs = []
         for r, p in self.parts[block]:
             if self.stage == 1:
@@ -126,7 +127,7 @@ class ShardedSync(LocalSync):
             self.sh.allgatherv_(self.params.data, counts, displs)
 
     def _start_gather(self, b):
-        br, own = self.e.block_ranges[b], self.owned
+        br, own = self.block_ranges[b], self.owned
         buf = FlatBuffer(self.block_layouts[b], self.xp, self.dtype)
         mine = own.intersect(br)
         if mine is not None:
@@ -141,7 +142,7 @@ class ShardedSync(LocalSync):
     def params_for(self, block, nxt=None):
         if self.stage < 3:
             return self.params
-        need = [block] + self.deps.get(block, [])
+        need = [block] + list(self.deps.get(block, ()))
         for b in need:
             if b not in self.gathered:
                 self._start_gather(b)
@@ -151,10 +152,13 @@ class ShardedSync(LocalSync):
         bufs = [self.gathered[b][0] for b in need]
         return bufs[0] if len(bufs) == 1 else Merged(bufs)
 
+    def param_roots(self) -> set:
+        return super().param_roots() | {id(buf.data) for buf, _ in self.gathered.values()}
+
     def release(self, block):
         if self.stage < 3:
             return
-        for b in [block] + self.deps.get(block, []):
+        for b in [block] + list(self.deps.get(block, ())):
             item = self.gathered.pop(b, None)
             if item is not None:
                 # always complete and drop it: whether a request has finished differs between ranks, so
@@ -174,10 +178,18 @@ class ShardedSync(LocalSync):
         full = self.xp.zeros(self.layout.total, dtype=self.dtype)
         full[self.owned.slice] = self.pshard
         self.sh.allgatherv_(full, [r.size for r in self.ranges], [r.start for r in self.ranges])
-        return self.e.be.to_host(full)
+        return self.be.to_host(full)
 
     def param_bytes(self) -> int:
         return int(self.pshard.nbytes if self.stage == 3 else self.params.data.nbytes)
 
     def grad_bytes(self) -> int:
         return int(self.grads.data.nbytes if self.stage == 1 else self.gshard.nbytes)
+
+    def comm_names(self) -> dict:
+        return {"grads": [c.name for c in (self.sh, self.dp) if c.size > 1], "params": [self.sh.name]}
+
+    def describe(self) -> str:
+        sizes = [r.size for r in self.ranges]
+        return (f"sharding stage {self.stage}, partition {self.mode}: {len(sizes)} owners, shares {sizes} elements, "
+                f"imbalance {self.imbalance:.3f}")

@@ -17,26 +17,18 @@ class TensorParallel:
     def __init__(self, comm, vocab: int):
         self.comm, self.rank, self.size, self.vocab = comm, comm.rank, comm.size, vocab
 
-    # --- the conjugate pairs ------------------------------------------------------------------
-    def copy_fwd(self, x):        # copy_to_tp
+    # --- the conjugate pairs (each half named after its pair) ---------------------------------
+    def copy_to_tp(self, x):
         return x
 
-    def copy_bwd(self, dx):
+    def copy_to_tp_backward(self, dx):
         return self.comm.allreduce_(np.ascontiguousarray(dx) if not dx.flags.c_contiguous else dx)
 
-    def reduce_fwd(self, x):      # reduce_from_tp
+    def reduce_from_tp(self, x):
         return self.comm.allreduce_(np.ascontiguousarray(x) if not x.flags.c_contiguous else x)
 
-    def reduce_bwd(self, dx):
+    def reduce_from_tp_backward(self, dx):
         return dx
-
-    def gather_fwd(self, x):      # gather_from_tp: concatenate the last dim; backward keeps this rank's slice
-        parts = self.comm.allgather_obj(x)
-        return np.concatenate(parts, axis=-1)
-
-    def scatter_fwd(self, x):     # scatter_to_tp: this rank's slice of the last dim; backward gathers
-        k = x.shape[-1] // self.size
-        return np.ascontiguousarray(x[..., self.rank * k:(self.rank + 1) * k])
 
     # --- vocabulary-parallel cross-entropy ------------------------------------------------------
     def cross_entropy_forward(self, xp, logits, targets, norm):

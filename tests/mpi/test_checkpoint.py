@@ -8,8 +8,7 @@ import pytest
 from mpi4py import MPI
 
 from helpers import assert_same, assert_same_params, config, need, run
-from hpengine import checkpoint
-from hpengine.train import build, restore
+from hpengine.train import build, restore, save_state
 
 N_SAVE, N_MORE = 2, 2
 DP, SH, PP, TP = "data_parallel", "sharding", "pipeline", "tensor_parallel"
@@ -46,7 +45,7 @@ def train_save_load(corpus, world, comm_a, a, comm_b, b, root):
     """Train N_SAVE steps under layout a, save, load under layout b, train N_MORE; return b's results."""
     if comm_a is not None:
         _, _, eng_a = run(config(corpus, *HEADS, *a), comm_a, steps=N_SAVE)
-        checkpoint.save(eng_a, root, N_SAVE, keep=2)
+        save_state(eng_a, root, N_SAVE, keep=2)
     world.Barrier()
     cfg_b = config(corpus, *HEADS, *b)
     eng_b = build(cfg_b, comm_b)

@@ -16,6 +16,41 @@ def test_recompute_saves_activation_bytes(corpus, world):
     assert rc.memory()["activation_peak_bytes"] < 0.5 * plain.memory()["activation_peak_bytes"]
 
 
+def run_counting_passes(cfg, world, steps):
+    """Like helpers.run, also recording the rows of every forward_backward pass train_step makes."""
+    from hpengine.train import build
+    eng = build(cfg, world)
+    passes, plain = [], eng.forward_backward
+
+    def spy(slot, x, y, *args, **kwargs):
+        passes.append(len(x))
+        return plain(slot, x, y, *args, **kwargs)
+    eng.forward_backward = spy
+    metrics = [eng.train_step(s) for s in range(steps)]
+    return (np.array([m["loss"] for m in metrics]), np.array([m["grad_norm"] for m in metrics]),
+            eng.named_params(), passes)
+
+
+def test_gradient_merge_equals_one_big_pass(corpus, world):
+    n, steps = world.Get_size(), 3
+    # global batch 16: every replica's share (16 / n rows) splits into k = 2 passes up to n = 8
+    base = ["model.dtype=float64", "train.global_batch=16"]
+    if n > 1:
+        base += ["strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n}"]
+    merge = ["strategy.gradient_merge.enable=true", "strategy.gradient_merge.k_steps=2"]
+    one_l, one_n, one_p, one_passes = run_counting_passes(config(corpus, *base), world, steps)
+    gm_l, gm_n, gm_p, gm_passes = run_counting_passes(config(corpus, *base, *merge), world, steps)
+    share = 16 // n
+    # the switch really changes the passes: one pass of the whole share per step without it, two halves with it
+    assert one_passes == [share] * steps
+    assert gm_passes == [share // 2] * (2 * steps)
+    # ... and nothing else: the same global batch gives the same losses, norms and parameters
+    assert_same(gm_l, one_l, rtol=1e-10)
+    assert_same(gm_n, one_n, rtol=1e-10)
+    assert_same_params(gm_p, one_p, rtol=1e-10)
+    assert one_l[-1] < one_l[0]                       # it trained: the comparison is not of two idle runs
+
+
 def test_amp_overflow_skips_the_same_step_everywhere(corpus, world):
     n = world.Get_size()
     extra = ["model.dtype=float32", "strategy.amp.enable=true", "strategy.amp.init_scale=1e8",

@@ -77,7 +77,7 @@ def test_merged_trace_has_every_rank_and_the_pipeline(corpus, folder):
     mine = [e for e in xs if e["pid"] == eng.mesh.rank]
     cats = {e["cat"] for e in mine}
     assert {"step", "forward", "backward", "data", "optimizer"} <= cats
-    m = eng.m
+    m = eng.res.m
     assert sorted(e["name"] for e in mine if e["cat"] == "forward") == sorted([f"F{i}" for i in range(m)] * 3)
     assert sorted(e["name"] for e in mine if e["cat"] == "backward") == sorted([f"B{i}" for i in range(m)] * 3)
     if eng.mesh.degrees["pp"] > 1:

@@ -318,14 +318,12 @@ def test_describe_mentions_every_key():
 
 
 def test_strategy_queries():
+    from hpengine.resolve import requested_degrees
     cfg = load_config(None, ["strategy.pipeline.enable=true", "strategy.pipeline.degree=2",
                              "strategy.amp.enable=true", "strategy.data_parallel.degree=4"])
     assert C.enabled_strategies(cfg) == ["pipeline", "amp"]
-    assert C.strategy_degree(cfg, "pipeline") == 2
-    assert C.strategy_degree(cfg, "data_parallel") == 1          # disabled: degree ignored
+    assert requested_degrees(cfg) == {"tp": 1, "sharding": 1, "dp": 1, "pp": 2}   # disabled: degree ignored
     cfg.strategy.data_parallel.enable = True
-    assert C.strategy_degree(cfg, "data_parallel") == 4
+    assert requested_degrees(cfg)["dp"] == 4
     cfg.strategy.sharding.enable = True
-    assert C.strategy_degree(cfg, "sharding") == -1
-    with pytest.raises(ValueError, match="amp"):
-        C.strategy_degree(cfg, "amp")
+    assert requested_degrees(cfg)["sharding"] == -1

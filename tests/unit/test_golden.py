@@ -1,5 +1,12 @@
 """Golden losses: the first 5 training losses of a tiny float64 GPT, stored in golden_losses.json.
 
+This is a CHANGE DETECTOR, not a correctness check: golden_losses.json was written by hpengine itself
+(a self-generated snapshot), so it says only that the numbers have not moved since it was generated,
+never that they are right. Correctness is checked against independent oracles elsewhere: the model's
+forward/backward and the AdamW + clipping step against a NumPy implementation written from the
+equations (test_oracle.py), gradients against finite differences (test_model.py), the schedule and
+the clip coefficient against hand-computed values (test_train.py).
+
 Any change to initialisation, sampling, layers, loss normalisation, AdamW, clipping or the schedule
 moves these numbers. If a change is intended, regenerate, review the diff and commit it:
 

@@ -94,7 +94,7 @@ def test_matching_or_unknown_launch_passes():
 
 def test_disagreement_between_ranks_raises_everywhere():
     with pytest.raises(launch.LaunchError, match="from another rank"):
-        launch.check_world(FakeWorld(2, ["from another rank"]), {})
+        launch.check_world(FakeWorld(2, [("LaunchError", "from another rank")]), {})
 
 
 def test_sub_communicator_is_not_checked(monkeypatch):
@@ -256,6 +256,23 @@ def test_watchdog_aborts_rank_blocked_in_barrier(tmp_path):
 # --- mpirun_examples: every script runs as documented ----------------------------------------------
 EXAMPLES = sorted((ROOT / "mpirun_examples").glob("[0-9][0-9]_*.sh"))
 
+# What each example that does not train must print (rank 0), worked out from the script:
+# 00: 4 ranks, tp = 2, dp = the 2 left over, tp innermost, so world rank = tp + 2 dp: ranks {0, 1} and {2, 3}
+#     share a tp group, ranks {0, 2} and {1, 3} a dp group.
+# 08: 2 ranks all-reduce (rank + 1): 1 + 2 = 3 in every element.
+EXAMPLE_OUTPUT = {
+    "00_mesh_hello": [
+        "mesh pp=1 x dp=2 x sharding=1 x tp=2 (order innermost first: tp, sharding, dp, pp) on 4 ranks",
+        "[r0 dp0 sh0 pp0 tp0] tp group [0, 1], dp group [0, 2]",
+        "[r1 dp0 sh0 pp0 tp1] tp group [0, 1], dp group [1, 3]",
+        "[r2 dp1 sh0 pp0 tp0] tp group [2, 3], dp group [0, 2]",
+        "[r3 dp1 sh0 pp0 tp1] tp group [2, 3], dp group [1, 3]",
+    ],
+    "08_allreduce_buffers": [
+        "numpy: [3.0, 3.0, 3.0, 3.0] (expected 3.0 everywhere: True)",
+    ],
+}
+
 
 @needs_mpiexec
 @pytest.mark.parametrize("script", EXAMPLES, ids=[s.stem for s in EXAMPLES])
@@ -269,7 +286,15 @@ def test_example_runs(script, tmp_path, small_corpus):
     p = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=env, timeout=180)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     if not trains:
-        assert "[r0 dp0 sh0 pp0 tp0]" in p.stdout or "numpy: [3.0, 3.0, 3.0, 3.0]" in p.stdout
+        assert script.stem in EXAMPLE_OUTPUT, f"{script.name}: add what it must print to EXAMPLE_OUTPUT"
+        want = EXAMPLE_OUTPUT[script.stem]
+        lines = p.stdout.splitlines()
+        assert lines[:len(want)] == want, p.stdout
+        if script.stem == "08_allreduce_buffers":    # then the CuPy line: skipped without a GPU, else right
+            assert len(lines) == len(want) + 1 and lines[-1].startswith("cupy"), p.stdout
+            assert lines[-1].startswith("cupy: skipped") or lines[-1].endswith("(expected 3.0: True)"), p.stdout
+        else:
+            assert len(lines) == len(want), p.stdout
         return
     run = tmp_path / script.stem
     summary = json.loads((run / "summary.json").read_text())

@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+from mpi4py import MPI
 
 from hpengine import train as train_mod
 from hpengine.cli import main
@@ -125,11 +126,36 @@ def test_trace_off_records_nothing_but_still_writes_the_breakdown(tmp_path, smal
     assert "end-of-run breakdown" in stdout and "compute: forward" in stdout and "GFLOP/s" in stdout
 
 
-def test_model_flops_formula(tmp_path, small_corpus):
-    _, eng = run(small_corpus, tmp_path / "run", "train.steps=1", "train.eval_every=0")
-    psi = eng.n_params()                   # one process, one model: every parameter is here
-    tokens, L, T, d = 4 * 8, 2, 8, 16
-    assert model_flops(eng)[0] == tokens * (6 * psi + 12 * L * T * d)
+# Parameter counts by hand for TINY (vocab V = 256, seq_len T = 8, d_model C = 16, n_layers L = 2, ffn
+# width F = 4 C = 64), tensor by tensor:
+#   GPT embed  wte V*C + wpe T*C                       = 4096 + 128                          = 4224
+#   GPT layer  ln1 2C + qkv (C*3C + 3C) + proj (C*C + C)
+#              + ln2 2C + fc (C*F + F) + proj (F*C + C) = 32 + 816 + 272 + 32 + 1088 + 1040  = 3280
+#              (= 12 C^2 + 13 C = 3072 + 208)
+#   MLP embed  wte V*C                                                                      = 4096
+#   MLP layer  ln 2C + fc (C*F + F) + proj (F*C + C)   = 32 + 1088 + 1040                    = 2160
+#   head       ln_f 2C (+ lm_head C*V when untied)     = 32 (+ 4096)
+# so GPT untied: 4224 + 2*3280 + 32 + 4096 = 14912; tied: 14912 - 4096 = 10816; MLP untied:
+# 4096 + 2*2160 + 32 + 4096 = 12544.
+# FLOPs/step = tokens x (6 Psi + 12 L T C) per model, tokens = global_batch 4 x T 8 = 32, and the attention
+# term 12 L T C = 12*2*8*16 = 3072 for the GPT only:
+#   GPT untied: 32 * (6*14912 + 3072) = 32 * 92544 = 2961408
+#   GPT tied:   32 * (6*10816 + 3072) = 32 * 67968 = 2174976
+#   MLP untied: 32 * 6*12544          = 32 * 75264 = 2408448
+#   two GPTs:   2 * 2961408                        = 5922816
+@pytest.mark.parametrize("extra,psi,flops", [
+    ([], 14912, 2961408),
+    (["model.tie_head=true"], 10816, 2174976),
+    (["model.kind='mlp'"], 12544, 2408448),
+    (["train.models=2"], 2 * 14912, 5922816),
+], ids=["gpt-untied", "gpt-tied", "mlp", "two-models"])
+def test_model_flops_closed_form(small_corpus, extra, psi, flops):
+    pinned = ["model.vocab_size=256", "model.ffn_mult=4", "model.tie_head=false"]   # not left to defaults
+    eng = train_mod.build(load_config(None, TINY + pinned + [f"data.path={small_corpus}", *extra]), MPI.COMM_SELF)
+    assert eng.n_params() == psi
+    got, formula = model_flops(eng)
+    assert got == flops
+    assert "6 x Psi" in formula
 
 
 def test_trace_max_events_must_be_positive():

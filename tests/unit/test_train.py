@@ -16,7 +16,7 @@ import pytest
 from hpengine.cli import main
 from hpengine.config import load_config
 from hpengine.data import SEPARATOR, TokenDataset
-from hpengine.optim import lr_at
+from hpengine.optim import clip_coefficient, lr_at
 from hpengine.train import train
 
 TINY = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_layers=2",
@@ -46,7 +46,8 @@ def test_short_run_learns_and_writes_its_run_folder(tmp_path, small_corpus):
         evaluated = (r["step"] + 1) % 20 == 0
         assert set(r) == KEYS | ({"val_loss"} if evaluated else set()), r
         assert all(isinstance(r[k], (int, float)) and math.isfinite(r[k]) for k in r)
-        assert r["lr"] == pytest.approx(lr_at(r["step"], cfg.optim, 60), rel=1e-12)
+        # lr 3e-3, warm-up 5 then constant: steps 0..4 -> 3e-3 * (step + 1) / 5, then 3e-3
+        assert r["lr"] == pytest.approx(3e-3 * min(r["step"] + 1, 5) / 5, rel=1e-12)
         assert r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["step_ms"] > 0
     first, last = rows[0]["loss"], rows[-1]["loss"]
     assert abs(first - math.log(256)) < 0.3
@@ -57,6 +58,68 @@ def test_short_run_learns_and_writes_its_run_folder(tmp_path, small_corpus):
     assert summary["final_val_loss"] == vals[-1] and summary["steps"] == 60
     # the resolved config is in the run folder and reads back to the same Config
     assert load_config(out / "config.toml") == cfg
+
+
+# ---------------------------------------------------------------- (a2) schedule and clipping, by hand
+
+def optim(**kw):
+    """An [optim] section: lr 1e-3, 10 warm-up steps, floor = min_lr_ratio 0.1 x lr = 1e-4."""
+    sets = {"lr": 1e-3, "warmup_steps": 10, "min_lr_ratio": 0.1, "schedule": "'cosine'", **kw}
+    return load_config(None, [f"optim.{k}={v}" for k, v in sets.items()]).optim
+
+
+# warm-up: lr * (step + 1) / warmup for step < warmup, so the first step already trains at lr/warmup
+# and the last warm-up step reaches lr; the same for every schedule
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+@pytest.mark.parametrize("step,want", [
+    (0, 1e-4),     # 1e-3 * 1 / 10
+    (4, 5e-4),     # 1e-3 * 5 / 10
+    (9, 1e-3),     # 1e-3 * 10 / 10
+])
+def test_lr_warmup_by_hand(schedule, step, want):
+    assert lr_at(step, optim(schedule=f"'{schedule}'"), 110) == pytest.approx(want, rel=1e-12, abs=0)
+
+
+# after warm-up, with total 110 steps: frac = (step - 10) / (110 - 10), clamped to 1;
+# cosine: 1e-4 + (1e-3 - 1e-4) * 0.5 * (1 + cos(pi * frac)); linear: 1e-4 + (1e-3 - 1e-4) * (1 - frac)
+@pytest.mark.parametrize("step,cosine,linear", [
+    (10, 1e-3, 1e-3),                                   # frac 0: the peak
+    (35, 8.681980515339464e-4, 7.75e-4),                # frac 0.25: 1e-4 + 9e-4 * 0.5 * (1 + cos(pi/4))
+                                                        #   = 1e-4 + 9e-4 * 0.8535533905932737; 1e-4 + 9e-4 * 0.75
+    (60, 5.5e-4, 5.5e-4),                               # frac 0.5: 1e-4 + 9e-4 * 0.5 (cos(pi/2) = 0)
+    (85, 2.318019484660536e-4, 3.25e-4),                # frac 0.75: 1e-4 + 9e-4 * 0.1464466094067262; * 0.25
+    (109, None, 1.09e-4),                               # the last step of a 110-step run: frac 0.99,
+                                                        #   1e-4 + 9e-4 * 0.01 (the floor is not reached)
+    (110, 1e-4, 1e-4),                                  # frac 1: the floor, min_lr_ratio * lr
+    (500, 1e-4, 1e-4),                                  # past the end: frac clamped to 1, stays at the floor
+])
+def test_lr_decay_by_hand(step, cosine, linear):
+    if cosine is not None:
+        assert lr_at(step, optim(schedule="'cosine'"), 110) == pytest.approx(cosine, rel=1e-12, abs=0)
+    assert lr_at(step, optim(schedule="'linear'"), 110) == pytest.approx(linear, rel=1e-12, abs=0)
+
+
+def test_lr_constant_no_warmup_and_zero_floor_by_hand():
+    assert lr_at(50, optim(schedule="'constant'"), 110) == 1e-3            # constant after warm-up
+    assert lr_at(0, optim(warmup_steps=0), 100) == 1e-3                    # no warm-up: the peak at step 0
+    assert lr_at(50, optim(warmup_steps=0), 100) == pytest.approx(5.5e-4, rel=1e-12)  # frac 0.5 of 100
+    # min_lr_ratio 0: cosine ends at 0; halfway (frac 0.5) is 1e-3 * 0.5 = 5e-4
+    assert lr_at(110, optim(min_lr_ratio=0), 110) == 0.0
+    assert lr_at(60, optim(min_lr_ratio=0), 110) == pytest.approx(5e-4, rel=1e-12)
+    # lr 0 trains nothing at every step
+    assert {lr_at(s, optim(lr=0), 110) for s in (0, 9, 10, 60, 110)} == {0.0}
+
+
+@pytest.mark.parametrize("norm,limit,want", [
+    (0.5, 1.0, 1.0),                     # below the limit: untouched
+    (1.0, 1.0, 1.0),                     # at the limit: untouched
+    (4.0, 1.0, 0.24999993750001562),     # above: 1 / (4 + 1e-6), the 1e-6 guard of torch's clip_grad_norm_
+    (2.0, 0.5, 0.2499998750000625),      # 0.5 / (2 + 1e-6)
+    (1e9, 0.0, 1.0),                     # limit 0 = clipping off, whatever the norm
+    (0.0, 1.0, 1.0),                     # a zero gradient is never scaled (no division by zero)
+])
+def test_clip_coefficient_by_hand(norm, limit, want):
+    assert clip_coefficient(norm, limit) == pytest.approx(want, rel=1e-15, abs=0)
 
 
 # ---------------------------------------------------------------- (b) bad input through the CLI

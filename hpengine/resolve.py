@@ -1,0 +1,199 @@
+"""The layout a config gets on a world of N ranks, and every check that needs no communicator.
+
+`resolve(cfg, world)` is pure (no MPI): degrees with the -1 filled in, mesh order, batch arithmetic,
+pipeline chunks, the "switch off means neutral value" rule. The engine, the planner, trace.py and
+train.py all read the `Resolved` it returns; nothing else derives a degree.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+from .config import ConfigError, validate
+from .models import build_model
+
+AXES = ("tp", "sharding", "dp", "pp")
+SWITCH_OF_AXIS = {"tp": "tensor_parallel", "sharding": "sharding", "dp": "data_parallel", "pp": "pipeline"}
+
+
+class LayoutError(ConfigError):
+    """A config whose switches cannot run on this world size (one line naming the values)."""
+
+
+class TopologyError(ValueError):
+    pass
+
+
+def resolve_degrees(world: int, requested: dict) -> dict:
+    """Replace the one degree of -1 by the ranks left over; check the product is the world size."""
+    listing = lambda d: ", ".join(f"{a}={d[a]}" for a in AXES)  # noqa: E731
+    free = [a for a in AXES if requested[a] == -1]
+    if len(free) > 1:
+        raise TopologyError(f"only one degree may be -1 (the ranks left over), got {listing(requested)} "
+                            f"on a world of {world} ranks")
+    fixed = math.prod(requested[a] for a in AXES if a not in free)
+    degrees = dict(requested)
+    if free:
+        if world % fixed:
+            raise TopologyError(f"degrees {listing(requested)}: the fixed degrees multiply to {fixed}, "
+                                f"which does not divide the world size {world}")
+        degrees[free[0]] = world // fixed
+    if math.prod(degrees.values()) != world:
+        raise TopologyError(f"degrees {listing(degrees)} multiply to {math.prod(degrees.values())} but the world "
+                            f"size is {world}; make the product equal the number of ranks (mpiexec -n)")
+    return degrees
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The switches and degrees of one job, resolved for a world size (switched-off means neutral)."""
+    tp: int
+    sh: int
+    dp: int
+    pp: int
+    zstage: int            # sharding stage, 0 when the sharding axis has one rank
+    partition: str
+    m: int                 # micro-batches per pass
+    k: int                 # passes per step (gradient merge)
+    v: int                 # model chunks per pipeline rank
+    schedule: str
+    split: object
+    recompute: int         # 0 = off, else every N-th layer
+    amp: bool
+    order: tuple
+    share: int             # sequences per replica per step
+    bucket_mb: float = 4.0
+
+    @property
+    def rows(self) -> int:
+        """Sequences per micro-batch."""
+        return self.share // (self.k * self.m)
+
+    @property
+    def degrees(self) -> dict:
+        return {"tp": self.tp, "sharding": self.sh, "dp": self.dp, "pp": self.pp}
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.sh * self.dp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that each take a different slice of the global batch (dp x sharding)."""
+        return self.dp * self.sh
+
+    def replica(self, coords: dict) -> int:
+        """Which slice of the global batch the rank at `coords` takes."""
+        return coords["dp"] * self.sh + coords["sharding"]
+
+    def recomputed(self, block) -> bool:
+        """Whether a block (models.Block) keeps only its input in forward."""
+        return bool(self.recompute) and block.kind == "layer" and block.layer % self.recompute == 0
+
+
+def requested_degrees(cfg) -> dict:
+    """{axis: degree} as the config asks (1 when the switch is off, -1 = the ranks left over)."""
+    out = {}
+    for a in AXES:
+        table = getattr(cfg.strategy, SWITCH_OF_AXIS[a])
+        out[a] = table.degree if table.enable else 1
+    return out
+
+
+def resolve(cfg, world: int) -> Resolved:
+    """The layout of cfg on `world` ranks; raises LayoutError (or the topology's/pipeline's error) naming
+    the offending values. Everything here is decided identically on every rank."""
+    validate(cfg)
+    s = cfg.strategy
+    d = resolve_degrees(world, requested_degrees(cfg))
+    pc, gm, rc = s.pipeline, s.gradient_merge, s.recompute
+    res = Resolved(d["tp"], d["sharding"], d["dp"], d["pp"], s.sharding.stage if d["sharding"] > 1 else 0,
+                   s.sharding.partition, pc.micro_batches if pc.enable else 1, gm.k_steps if gm.enable else 1,
+                   pc.virtual_stages if pc.enable else 1, pc.schedule if pc.enable else "fthenb",
+                   pc.split if pc.enable else "uniform", rc.every if rc.enable else 0, s.amp.enable,
+                   tuple(cfg.mesh.order), cfg.train.global_batch // (d["dp"] * d["sharding"]), s.data_parallel.bucket_mb)
+    check(cfg, res)
+    chunks(cfg.model, res)          # the pipeline split must be possible
+    return res
+
+
+def check(cfg, res: Resolved) -> None:
+    """Batch arithmetic (every division exact), precision, recompute, tensor-parallel and schedule rules."""
+    gb, replicas = cfg.train.global_batch, res.replicas
+    if gb % replicas:
+        raise LayoutError(f"train.global_batch = {gb} is not divisible by dp x sharding = {res.dp} x {res.sh} = "
+                          f"{replicas}; use a multiple of {replicas}")
+    k, m = res.k, res.m
+    if (gb // replicas) % (k * m):
+        raise LayoutError(f"a replica's share of the batch ({gb} / {replicas} = {gb // replicas}) is not divisible "
+                          f"by gradient_merge.k_steps x pipeline.micro_batches = {k} x {m}; make global_batch a "
+                          f"multiple of {replicas * k * m}")
+    amp, mc = cfg.strategy.amp, cfg.model
+    if amp.enable and amp.dtype == "bfloat16":
+        raise LayoutError("strategy.amp.dtype = 'bfloat16' is not available: NumPy and CuPy have no bfloat16 "
+                          "arithmetic (ml_dtypes' bfloat16 matmul returns float32, so layers would silently run in "
+                          "float32); use 'float16'")
+    if amp.enable and mc.dtype != "float32":
+        raise LayoutError(f"strategy.amp needs model.dtype = 'float32' (the master weights), got '{mc.dtype}'")
+    rc = cfg.strategy.recompute
+    if rc.enable and rc.every > mc.n_layers:
+        raise LayoutError(f"strategy.recompute.every = {rc.every} is larger than the block count "
+                          f"model.n_layers = {mc.n_layers}; use 1..{mc.n_layers}")
+    tp = res.tp
+    if tp > 1:
+        bad = build_model(mc).tp_divides(tp)
+        if bad:
+            raise LayoutError(f"tensor_parallel.degree = {tp} must divide {bad}")
+    pc = cfg.strategy.pipeline
+    if pc.enable and pc.schedule == "interleaved":
+        if pc.virtual_stages < 2:
+            raise LayoutError(f"pipeline.schedule = 'interleaved' needs pipeline.virtual_stages >= 2, got "
+                              f"{pc.virtual_stages}")
+        if m % res.pp:
+            raise LayoutError(f"pipeline.schedule = 'interleaved' needs pipeline.micro_batches ({m}) to be a "
+                              f"multiple of pipeline.degree ({res.pp})")
+    elif pc.enable and pc.virtual_stages != 1:
+        raise LayoutError(f"pipeline.virtual_stages = {pc.virtual_stages} needs pipeline.schedule = 'interleaved'")
+
+
+def chunks(mcfg, res: Resolved) -> list[tuple[str, ...]]:
+    """The model's block names cut into pp x v consecutive chunks (rank s holds chunks s, s + pp, ...)."""
+    split = tuple(res.split) if isinstance(res.split, list) else res.split
+    return _chunks(_model_key(mcfg), res.pp, res.v, split)
+
+
+def stage_chunks(mcfg, res: Resolved, stage: int) -> tuple[tuple[str, ...], ...]:
+    """The chunks pipeline rank `stage` holds, in its local order."""
+    every = chunks(mcfg, res)
+    return tuple(every[c * res.pp + stage] for c in range(res.v))
+
+
+def _model_key(mcfg) -> tuple:
+    return dataclasses.astuple(mcfg)
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunks(mkey, p, v, split) -> list[tuple[str, ...]]:
+    from .config import ModelConfig
+    from .strategies.pipeline import split_blocks
+    model = build_model(ModelConfig(*mkey))
+    count = lambda b: sum(math.prod(sp.global_shape) for sp in model.specs(b))  # noqa: E731
+    return [tuple(c) for c in split_blocks(model.blocks(), p, v, list(split) if isinstance(split, tuple) else split,
+                                           count)]
+
+
+def describe(cfg, res: Resolved) -> str:
+    """The resolved layout in words and numbers (`hpengine config CFG --world N`)."""
+    lines = [f"world {res.world}: " + " x ".join(f"{a} {res.degrees[a]}" for a in reversed(res.order))
+             + f" (mesh order innermost first: {', '.join(res.order)})",
+             f"batch: global {cfg.train.global_batch} = {res.replicas} replica(s) x {res.share} sequences; "
+             f"{res.k} pass(es) x {res.m} micro-batch(es) x {res.rows} sequences of {cfg.model.seq_len} tokens",
+             f"sharding: " + (f"stage {res.zstage}, partition {res.partition}" if res.zstage else "off"),
+             f"pipeline: " + (f"{res.schedule}, {res.v} chunk(s) per rank" if res.pp > 1 or res.m > 1 else "off"),
+             f"recompute: " + (f"every {res.recompute} layer(s)" if res.recompute else "off")
+             + f"; amp: {'on' if res.amp else 'off'}"]
+    for s in range(res.pp):
+        lines.append(f"  pp stage {s}: " + " | ".join(", ".join(ch) for ch in stage_chunks(cfg.model, res, s)))
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""A rank's training state as data, in plain functions over explicit arguments: what a checkpoint stores of
+this rank (pieces, each naming the global region it covers), loading any checkpoint into this rank's
+layout, and the whole model assembled across ranks for comparisons.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+def checkpoint_pieces(stage, sync, opts, master, tp, dp_coord: int, backend) -> list:
+    """What this rank alone saves: (name, kind, global_shape, tp box, flat a, b, host array) for the owned
+    parameters (float32 masters under amp) and Adam moments; dp replicas, tp replicas of replicated
+    tensors and another stage's copies are left to the one rank that saves them."""
+    if dp_coord != 0:
+        return []
+    own, lay, host = sync.owned, stage.layout, backend.to_host
+    p_own = host(master if master is not None else sync.owned_params())
+    out = []
+    for s, opt in zip(stage.slots, opts):
+        seg = own.intersect(s.range)
+        if seg is None:
+            continue
+        m, v = host(opt.m), host(opt.v)
+        for name, part, off in lay.tensors_in(seg):
+            spec = lay.by_name[name]
+            if (spec.tp_dim is None and tp.rank > 0) or name in stage.copies:
+                continue
+            box = spec.tp_slices(tp.rank, tp.size)
+            a, b = off, off + part.size
+            po, so = part.start - own.start, part.start - seg.start
+            for kind, arr, o in (("param", p_own, po), ("adam_m", m, so), ("adam_v", v, so)):
+                out.append((name, kind, spec.global_shape, box, a, b, arr[o:o + part.size].copy()))
+    return out
+
+
+def checkpoint_meta(opt_steps: int, scaler, models: int) -> dict:
+    return {"opt_steps": opt_steps, "loss_scaler": scaler.state() if scaler else None, "models": models}
+
+
+def reference_order_specs(slots) -> list:
+    """Every model's specs in one-process layout order (all stages)."""
+    return [dataclasses.replace(x, name=s.prefix + x.name) for s in slots for b in s.model.blocks()
+            for x in s.model.specs(b.name)]
+
+
+def true_shapes(slots) -> dict:
+    """Unpadded global shape of every tensor of every model (all stages)."""
+    return {sp.name: list(sp.true_shape or sp.global_shape) for sp in reference_order_specs(slots)}
+
+
+def load_state(stage, sync, opts, master, tp, backend, reader, params_only: bool = False) -> int | None:
+    """Fill this rank's parameters (and Adam moments) from a checkpoint reader, reading only the tensors
+    and regions this rank holds. Returns the optimizer step count stored (None with params_only)."""
+    lay, own, xp = stage.layout, sync.owned, backend.xp
+    full = sync.params is not None          # stages < 3 hold every parameter of the stage
+    for name in lay.names:
+        spec, r = lay.by_name[name], lay.ranges[name]
+        hit = r.intersect(own)
+        if not full and hit is None:
+            continue
+        vals = reader.read("param", name, spec.tp_slices(tp.rank, tp.size)).reshape(-1)
+        if full:
+            sync.params.data[r.slice] = xp.asarray(vals, dtype=backend.dtype)
+        if hit is not None:
+            dst = master if master is not None else sync.owned_params()
+            dst[hit.start - own.start:hit.stop - own.start] = xp.asarray(
+                vals[hit.start - r.start:hit.stop - r.start], dtype=dst.dtype)
+    if master is not None and not full:
+        sync.owned_params()[...] = master
+    if params_only:
+        return None
+    return _load_moments(stage, sync, opts, tp, xp, reader)
+
+
+def _load_moments(stage, sync, opts, tp, xp, reader) -> int:
+    lay, steps = stage.layout, int(reader.manifest["state"]["opt_steps"])
+    for s, opt in zip(stage.slots, opts):
+        seg = sync.owned.intersect(s.range)
+        if seg is None:
+            continue
+        for name, part, off in lay.tensors_in(seg):
+            box = lay.by_name[name].tp_slices(tp.rank, tp.size)
+            for kind, arr in (("adam_m", opt.m), ("adam_v", opt.v)):
+                vals = reader.read(kind, name, box).reshape(-1)[off:off + part.size]
+                arr[part.start - seg.start:part.stop - seg.start] = xp.asarray(vals, dtype=arr.dtype)
+        opt.t = steps
+    return steps
+
+
+def named_params(stage, sync, tp, comms) -> dict:
+    """Every tensor of every model as its whole global array (host), assembled across sharding, tp slices
+    and pipeline stages — collective over the world."""
+    flat, lay = sync.full_params(), stage.layout
+    local = {n: flat[lay.ranges[n].slice].reshape(lay.shapes[n]) for n in lay.names if n not in stage.copies}
+    parts = comms["tp"].allgather_obj(local)
+    whole = {}
+    for n in local:
+        sp = lay.by_name[n]
+        a = parts[0][n] if sp.tp_dim is None else np.concatenate([p[n] for p in parts], axis=sp.tp_dim)
+        whole[n] = a[tuple(slice(0, k) for k in sp.true_shape)] if sp.true_shape else a
+    out = {}
+    for d in comms["pp"].allgather_obj(whole):
+        out.update(d)
+    return out
