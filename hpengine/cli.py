@@ -164,7 +164,7 @@ def _known():
     from .launch import LaunchError
     from .data import DataError
     from .topology import TopologyError
-    from .strategies.pipeline import PipelineError
+    from .resolve import PipelineError
     from .train import RunError
     return (CheckpointError, ConfigError, DataError, TopologyError, RunError, BackendError, PipelineError,
             NonFiniteError, LaunchError)

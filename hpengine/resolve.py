@@ -11,6 +11,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from .buffers import partition
 from .config import ConfigError, validate
 from .models import build_model
 
@@ -24,6 +25,50 @@ class LayoutError(ConfigError):
 
 class TopologyError(ValueError):
     pass
+
+
+class PipelineError(ValueError):
+    pass
+
+
+def split_blocks(blocks, p: int, v: int, split, param_count) -> list[list[str]]:
+    """The model's blocks (models.Block, in order) cut into p·v consecutive chunks of block names; what
+    precedes the first layer goes with the first chunk, what follows the last with the last.
+
+    split: "uniform" (layers as even as possible), "params" (balanced by parameter count), or a list of
+    layers per chunk."""
+    names, P = [b.name for b in blocks], p * v
+    layers = [b.name for b in blocks if b.kind == "layer"]
+    L = len(layers)
+    if P > L:
+        raise PipelineError(f"pipeline.degree x virtual_stages = {p} x {v} = {P} chunks but the model has only "
+                            f"{L} blocks (model.n_layers); use at most {L} chunks")
+    if split == "params":
+        rs = partition([param_count(b) for b in names], P, "tensor")
+        sizes, out, i = [param_count(b) for b in names], [], 0
+        for r in rs:
+            chunk, acc = [], 0
+            while i < len(names) and acc < r.size:
+                chunk.append(names[i])
+                acc += sizes[i]
+                i += 1
+            out.append(chunk)
+        return out
+    if split == "uniform":
+        counts = [L // P + (1 if c < L % P else 0) for c in range(P)]
+    else:
+        counts = list(split)
+        if len(counts) != P or sum(counts) != L or min(counts) < 1:
+            raise PipelineError(f"pipeline.split = {counts}: needs {P} entries (degree x virtual_stages), each >= 1, "
+                                f"summing to model.n_layers = {L}")
+    first, last = names.index(layers[0]), names.index(layers[-1])
+    chunks, start = [], 0
+    for n in counts:
+        chunks.append(layers[start:start + n])
+        start += n
+    chunks[0][:0] = names[:first]
+    chunks[-1] += names[last + 1:]
+    return chunks
 
 
 def resolve_degrees(world: int, requested: dict) -> dict:
@@ -177,7 +222,6 @@ def _model_key(mcfg) -> tuple:
 @functools.lru_cache(maxsize=4096)
 def _chunks(mkey, p, v, split) -> list[tuple[str, ...]]:
     from .config import ModelConfig
-    from .strategies.pipeline import split_blocks
     model = build_model(ModelConfig(*mkey))
     count = lambda b: sum(math.prod(sp.global_shape) for sp in model.specs(b))  # noqa: E731
     return [tuple(c) for c in split_blocks(model.blocks(), p, v, list(split) if isinstance(split, tuple) else split,

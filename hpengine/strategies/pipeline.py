@@ -1,6 +1,6 @@
-"""Pipeline parallel: the model's blocks cut into p·v consecutive chunks (rank s holds chunks s, s+p, ...),
-and the executor that walks this rank's schedule (schedules.py), moving activations forward and their
-gradients backward with Isend/Irecv tagged by (micro-batch, virtual stage, direction).
+"""Pipeline parallel: the executor that walks this rank's schedule (schedules.py), moving activations
+forward and their gradients backward with Isend/Irecv tagged by (micro-batch, virtual stage, direction).
+Which blocks each stage holds is decided in resolve.py (split_blocks).
 
 Sends are non-blocking and receives complete in schedule order, so a schedule that simulates without
 deadlock (tests/unit/test_schedules.py) runs without one here.
@@ -9,56 +9,11 @@ from __future__ import annotations
 
 import time
 
-from ..buffers import partition
 from ..comm import testall, waitall
 from ..trace import OFF
 from .schedules import Action, make_schedule
 
 FWD, BWD = 0, 1
-
-
-class PipelineError(ValueError):
-    pass
-
-
-def split_blocks(blocks, p: int, v: int, split, param_count) -> list[list[str]]:
-    """The model's blocks (models.Block, in order) cut into p·v consecutive chunks of block names; what
-    precedes the first layer goes with the first chunk, what follows the last with the last.
-
-    split: "uniform" (layers as even as possible), "params" (balanced by parameter count), or a list of
-    layers per chunk."""
-    names, P = [b.name for b in blocks], p * v
-    layers = [b.name for b in blocks if b.kind == "layer"]
-    L = len(layers)
-    if P > L:
-        raise PipelineError(f"pipeline.degree x virtual_stages = {p} x {v} = {P} chunks but the model has only "
-                            f"{L} blocks (model.n_layers); use at most {L} chunks")
-    if split == "params":
-        rs = partition([param_count(b) for b in names], P, "tensor")
-        sizes, out, i = [param_count(b) for b in names], [], 0
-        for r in rs:
-            chunk, acc = [], 0
-            while i < len(names) and acc < r.size:
-                chunk.append(names[i])
-                acc += sizes[i]
-                i += 1
-            out.append(chunk)
-        return out
-    if split == "uniform":
-        counts = [L // P + (1 if c < L % P else 0) for c in range(P)]
-    else:
-        counts = list(split)
-        if len(counts) != P or sum(counts) != L or min(counts) < 1:
-            raise PipelineError(f"pipeline.split = {counts}: needs {P} entries (degree x virtual_stages), each >= 1, "
-                                f"summing to model.n_layers = {L}")
-    first, last = names.index(layers[0]), names.index(layers[-1])
-    chunks, start = [], 0
-    for n in counts:
-        chunks.append(layers[start:start + n])
-        start += n
-    chunks[0][:0] = names[:first]
-    chunks[-1] += names[last + 1:]
-    return chunks
 
 
 class PipelineExecutor:

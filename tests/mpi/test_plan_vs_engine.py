@@ -36,7 +36,7 @@ LAYOUTS = [
     ("merge_recompute_dp", UPTO4, DP + [S + "gradient_merge.enable=true", S + "gradient_merge.k_steps=2",
                                         S + "recompute.enable=true", "model.n_layers=3"]),
     ("tp2_recompute_dp", EVEN, TP2 + DP + [S + "recompute.enable=true"]),
-    ("tp2_recompute_every2_pp2", lambda n: n % 4 == 0, TP2 + PP2 + [S + "recompute.enable=true", S + "recompute.every=2",
+    ("tp2_recompute_every2_pp2", lambda n: n % 4 == 0, TP2 + PP2 + DP + [S + "recompute.enable=true", S + "recompute.every=2",
                                                                      S + "pipeline.micro_batches=2", "model.n_layers=3"]),
     ("amp_sharding2", ANY, SH + [S + "sharding.stage=2", S + "amp.enable=true", "model.dtype=float32"]),
     ("amp_tp2_pp2_tied", lambda n: n % 4 == 0, TP2 + PP2 + DP + [

@@ -18,7 +18,7 @@ from hpengine.plan import (Cluster, PlanError, candidates, check_at_start, confi
                            with_preset, write_best)
 from hpengine.plan_model import (_peak_live, block_activations, collective_s, compute_s, flops_per_microbatch,
                                   link, model_state, stage_times, stages, step_time, zero_bytes)
-from hpengine.strategies.pipeline import split_blocks
+from hpengine.resolve import split_blocks
 from hpengine.strategies.schedules import make_schedule, peak_in_flight
 from hpengine.resolve import resolve
 
