@@ -3,10 +3,10 @@ under data parallel, sharding stages 1-3, pipeline (p 2 and 4, m 4 and 8), tenso
 Each case is a fresh `mpiexec` job (the venv's) that warms up, then times steps; the cases are
 interleaved across repeats and the table shows medians: tokens/s, peak RSS, bytes per step per
 communicator, the measured pipeline bubble next to its theory, and the data-parallel gradient-sync wait
-next to a raw MPI Allreduce of the same bytes. When a Python with PyTorch is found (--torch-python,
-else $TORCH_PYTHON, else /work/torchvenv/bin/python), the same model trained by PyTorch eager
-(torch_ref.py), DDP and FSDP2 over gloo (torch_dist.py under torchrun) runs in the same rounds, each
-right after its hpengine peer, and the table gives hpengine / torch. Not part of `make test`.
+next to a raw MPI Allreduce of the same bytes. When a Python with PyTorch is given (--torch-python,
+else $TORCH_PYTHON), the same model trained by PyTorch eager (torch_ref.py), DDP and FSDP2 over gloo
+(torch_dist.py under torchrun) runs in the same rounds, each right after its hpengine peer, and the
+table gives hpengine / torch. Not part of `make test`.
 
     .venv/bin/python benchmarks/bench_all.py                  # every case, 3 repeats
     .venv/bin/python benchmarks/bench_all.py --quick          # 5 cases (+ 2 torch), 1 repeat, few steps
@@ -74,8 +74,8 @@ def parse(argv=None):
                    help="config override for every case, e.g. --set model.d_model=128 (repeatable)")
     p.add_argument("--mpiexec", default=None, help="mpiexec to use (default: the one beside this Python)")
     p.add_argument("--torch-python", default=None, metavar="PATH",
-                   help="Python with torch for the PyTorch peers (default: $TORCH_PYTHON, else "
-                        "/work/torchvenv/bin/python if it exists; none found = peers skipped)")
+                   help="Python with torch for the PyTorch peers (default: $TORCH_PYTHON; neither given = "
+                        "peers skipped)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch peers")
     p.add_argument("--timeout", type=float, default=600, help="seconds per case before it counts as failed")
     p.add_argument("--out", default=None, help="Markdown file for the table (default runs/bench/bench_all-DATE.md)")
@@ -194,8 +194,7 @@ def find_torch(a):
     """(python, torch version) or (None, why the peers are skipped)."""
     if a.no_torch:
         return None, "skipped (--no-torch)"
-    py = a.torch_python or os.environ.get("TORCH_PYTHON") or (
-        "/work/torchvenv/bin/python" if os.path.exists("/work/torchvenv/bin/python") else None)
+    py = a.torch_python or os.environ.get("TORCH_PYTHON")
     if not py:
         return None, ("skipped: no Python with torch (pass --torch-python PATH or set TORCH_PYTHON; "
                       "`pip install torch==2.13.0` in a separate venv)")

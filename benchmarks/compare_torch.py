@@ -1,8 +1,9 @@
 """hpengine vs PyTorch eager on one thread, interleaved: runs bench_core.py and torch_ref.py (explicit
 and sdpa attention) in turn, --repeats times each, every run a fresh process with its own warm-up, and
-prints the median tokens/s of each side and the ratio hpengine / torch. Standard library only.
+prints the median tokens/s of each side and the ratio hpengine / torch. Standard library only. The
+torch sides run under --torch-python (else $TORCH_PYTHON); with neither, they are skipped.
 
-    python3 benchmarks/compare_torch.py --repeats 3 --json compare.json
+    python3 benchmarks/compare_torch.py --torch-python "$TORCH_PYTHON" --repeats 3 --json compare.json
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def parse(argv=None):
                    help="untimed hpengine run before the first measurement (default 15; 0 = none)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--hpengine-python", default=os.path.join(ROOT, ".venv", "bin", "python"))
-    p.add_argument("--torch-python", default=os.environ.get("TORCH_PYTHON", "/work/torchvenv/bin/python"))
+    p.add_argument("--torch-python", default=os.environ.get("TORCH_PYTHON") or None, metavar="PATH",
+                   help="Python with torch for the torch sides (default $TORCH_PYTHON; neither = skipped)")
     p.add_argument("--json", default=None, help="write every run and the medians as JSON to this path")
     return p.parse_args(argv)
 
@@ -44,9 +46,13 @@ def one(cmd, out):
 def main(argv=None) -> int:
     a = parse(argv)
     common = ["--steps", str(a.steps), "--warmup-s", str(a.warmup_s), "--threads", str(a.threads)]
-    sides = {"hpengine": [a.hpengine_python, os.path.join(HERE, "bench_core.py")],
-             "torch-explicit": [a.torch_python, os.path.join(HERE, "torch_ref.py"), "--attn", "explicit"],
-             "torch-sdpa": [a.torch_python, os.path.join(HERE, "torch_ref.py"), "--attn", "sdpa"]}
+    sides = {"hpengine": [a.hpengine_python, os.path.join(HERE, "bench_core.py")]}
+    if a.torch_python:
+        sides["torch-explicit"] = [a.torch_python, os.path.join(HERE, "torch_ref.py"), "--attn", "explicit"]
+        sides["torch-sdpa"] = [a.torch_python, os.path.join(HERE, "torch_ref.py"), "--attn", "sdpa"]
+    else:
+        print("compare_torch.py: no Python with torch given (pass --torch-python PATH or set TORCH_PYTHON); "
+              "the torch sides are skipped", flush=True)
     runs = {k: [] for k in sides}
     with tempfile.TemporaryDirectory(prefix="hpe-compare-") as tmp:
         if a.machine_warmup_s > 0:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of hpengine (issue 8, item 5), for one GPU machine without network access: the GPU tests, the
+# GPU check of hpengine, for one GPU machine without network access: the GPU tests, the
 # AdamW and pack kernels' bandwidth against a device-to-device copy, tokens/s of the reference GPT and of a
 # GPT-2-small-sized model next to PyTorch eager, and a 2-rank host-staged run on the one GPU. Prints a
 # table last; with $OUT set, writes gpu_check.json, gpu_check.md and gpu_check.log there. Under 8 minutes:
@@ -19,7 +19,9 @@
 # Other arguments go to gpu_check.py, e.g. --parts bandwidth,dp2 or --torch-attn explicit.
 #
 # Environment: PYTHON (interpreter; default .venv/bin/python when present, else python3), MPIEXEC,
-# GPU_CHECK_WHEELS (folder holding mpich-*.whl), TORCH_PYTHON (interpreter with torch), OUT.
+# GPU_CHECK_WHEELS (folder holding mpich-*.whl), HPENGINE_MPICH_PREFIX (where to install that wheel when the
+# interpreter's own folders are read-only; default a new folder from mktemp -d), TORCH_PYTHON (interpreter
+# with torch), OUT.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 ROOT=$PWD
@@ -72,12 +74,16 @@ install_mpich() {
   if "$PY" -m pip install -q --no-index --no-deps --no-cache-dir --find-links "$whl" mpich; then
     hash -r; return 0
   fi
-  say "cannot install into $DATA; installing under /tmp/hpengine-mpich"
-  "$PY" -m pip install -q --no-index --no-deps --no-cache-dir --prefix /tmp/hpengine-mpich --find-links "$whl" mpich || return 1
-  export PATH=/tmp/hpengine-mpich/bin:$PATH
-  export LD_LIBRARY_PATH=/tmp/hpengine-mpich/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  export MPI4PY_LIBMPI=/tmp/hpengine-mpich/lib/libmpi.so.12
-  export MPIEXEC=/tmp/hpengine-mpich/bin/mpiexec
+  local prefix=${HPENGINE_MPICH_PREFIX:-}
+  if [ -z "$prefix" ]; then
+    prefix=$(mktemp -d) || { say "cannot install into $DATA and mktemp -d failed: set HPENGINE_MPICH_PREFIX"; return 1; }
+  fi
+  say "cannot install into $DATA; installing under $prefix (HPENGINE_MPICH_PREFIX)"
+  "$PY" -m pip install -q --no-index --no-deps --no-cache-dir --prefix "$prefix" --find-links "$whl" mpich || return 1
+  export PATH=$prefix/bin:$PATH
+  export LD_LIBRARY_PATH=$prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export MPI4PY_LIBMPI=$prefix/lib/libmpi.so.12
+  export MPIEXEC=$prefix/bin/mpiexec
   hash -r
 }
 

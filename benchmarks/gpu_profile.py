@@ -23,7 +23,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-import gpu_check  # noqa: E402
+from gpu_check_hpengine import build_engine  # noqa: E402
+from gpu_check_options import MODELS, SMOKE_MODELS, model_label  # noqa: E402
+from gpu_check_torch import build_torch  # noqa: E402
 
 
 def step_times(eng, sync, steps: int, first: int) -> list[float]:
@@ -61,8 +63,8 @@ def kernel_table(torch, fn, sync, label: str, rows: int) -> str:
 
 def run_model(a, name: str, data: str, out: io.StringIO) -> None:
     from hpengine.nn import fused                         # noqa: PLC0415
-    shape = dict((gpu_check.SMOKE_MODELS if a.cpu_smoke else gpu_check.MODELS)[name])
-    eng = gpu_check.build_engine(shape, data, "numpy" if a.cpu_smoke else "cupy")
+    shape = dict((SMOKE_MODELS if a.cpu_smoke else MODELS)[name])
+    eng = build_engine(shape, data, "numpy" if a.cpu_smoke else "cupy")
     sync = eng.be.xp.cuda.Device().synchronize if eng.be.is_gpu else (lambda: None)
     tokens = shape["batch"] * shape["seq_len"]
     step = 0
@@ -78,7 +80,7 @@ def run_model(a, name: str, data: str, out: io.StringIO) -> None:
             step += a.steps
     fused.ENABLED = True
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"== {name} {gpu_check.model_label(shape)}, {eng.n_params():,} params, backend {eng.be.name}", file=out)
+    print(f"== {name} {model_label(shape)}, {eng.n_params():,} params, backend {eng.be.name}", file=out)
     for on in (True, False):
         print(f"   fused {'on ' if on else 'off'}: median {med[on] * 1e3:8.2f} ms/step "
               f"({tokens / med[on]:,.0f} tok/s) over {len(times[on])} steps", file=out)
@@ -103,7 +105,7 @@ def run_model(a, name: str, data: str, out: io.StringIO) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     for attn in a.attn:
-        model, tstep = gpu_check.build_torch(torch, shape, attn, "cuda")
+        model, tstep = build_torch(torch, shape, attn, "cuda")
         for _ in range(3):
             tstep()
         print(kernel_table(torch, tstep, torch.cuda.synchronize, f"torch eager ({attn}) {name}", a.rows), file=out)

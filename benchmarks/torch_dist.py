@@ -5,7 +5,7 @@ sharding run with as many ranks). Warm-up steps, then timed steps, each started 
 lasts as long as its slowest rank; rank 0 reports the median tokens/s and the peak RSS of the largest
 rank. torch is not an hpengine dependency: launch it with torchrun from a venv that has torch, e.g.
 
-    /work/torchvenv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+    $TORCH_PYTHON -m torch.distributed.run --standalone --nproc-per-node 2 \\
         benchmarks/torch_dist.py --mode ddp --json out.json
 """
 from __future__ import annotations

@@ -4,9 +4,9 @@ Byte vocab, learned positions, blocks of LN -> QKV (bias) -> causal attention ->
 LN -> MLP 4x GELU(tanh) -> residual, final LN, untied head, mean cross-entropy, global-norm clipping
 and AdamW (decay on matrices and embeddings only, like hpengine). Attention is either written out
 (--attn explicit: matmul, mask, softmax, matmul) or F.scaled_dot_product_attention (--attn sdpa).
-torch is not an hpengine dependency: run this with a separate venv's python, e.g.
+torch is not an hpengine dependency: run this with the python of a separate venv that has torch, e.g.
 
-    /work/torchvenv/bin/python benchmarks/torch_ref.py --attn sdpa --json out.json
+    $TORCH_PYTHON benchmarks/torch_ref.py --attn sdpa --json out.json
 """
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-
-
-def build(a, torch):
+def build(a, torch, device="cpu"):
+    """(model, optimizer) on `device`. The weights are drawn on the CPU and then moved, so a seed gives the
+    same initial model on every device; the optimizer is made after the move, on the moved parameters."""
     nn, F = torch.nn, torch.nn.functional
 
     class Block(nn.Module):
@@ -58,7 +58,7 @@ def build(a, torch):
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:
                 s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(C // self.H))
-                mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+                mask = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
                 y = torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1) @ v
             return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
@@ -88,7 +88,7 @@ def build(a, torch):
             logits = self.head(self.ln_f(x))
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
-    model = GPT()
+    model = GPT().to(device)
     decay = [p for p in model.parameters() if p.dim() == 2]
     rest = [p for p in model.parameters() if p.dim() != 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
@@ -117,9 +117,9 @@ def main(argv=None) -> int:
     try:
         import torch  # noqa: PLC0415
     except ImportError:
-        sys.exit(f"torch_ref.py: PyTorch is not installed for {sys.executable}; run it with a venv that "
-                 "has torch, e.g. python3 -m venv /work/torchvenv && /work/torchvenv/bin/pip install "
-                 "torch numpy, then /work/torchvenv/bin/python benchmarks/torch_ref.py")
+        sys.exit(f"torch_ref.py: PyTorch is not installed for {sys.executable}; run it with the python of a "
+                 "venv that has torch (python3 -m venv DIR && DIR/bin/pip install torch numpy, then "
+                 "DIR/bin/python benchmarks/torch_ref.py); see benchmarks/README.md")
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     torch.manual_seed(1234)

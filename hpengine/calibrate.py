@@ -43,9 +43,29 @@ def calibrate(gpus_per_node: int | None = None) -> str:
             + "".join(f"{k} = {v if isinstance(v, int) else f'{v:.4g}'}\n" for k, v in ((k, vals[k]) for k in KEYS)))
 
 
-def physical_cores() -> int:
-    """The CPU cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def physical_cores(cpuinfo: str = "/proc/cpuinfo", allowed=None) -> int:
+    """The physical cores this process may run on: distinct (physical id, core id) pairs, read from Linux's
+    `cpuinfo`, of the CPUs in `allowed` (default: this process's affinity). Two hyperthreads of a core
+    share its arithmetic units, so they count once. Where the file is missing or gives no core ids (some
+    ARM and virtual machines), the logical CPUs instead, hyperthreads unknown."""
+    if allowed is None:
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    allowed = set(allowed)
+    try:
+        with open(cpuinfo) as f:
+            text = f.read()
+    except OSError:
+        text = ""
+    entries = []                                   # one per "processor" line, with the lines after it
+    for line in text.splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key == "processor":
+            entries.append({})
+        if entries and key:
+            entries[-1][key] = value
+    cores = {(e.get("physical id", "0"), e["core id"]) for e in entries
+             if e["processor"].isdigit() and int(e["processor"]) in allowed and "core id" in e}
+    return len(cores) or len(allowed) or 1
 
 
 def _alone(w, fn):
@@ -80,7 +100,8 @@ def _block(np, rows: int, seq: int, width: int, heads: int) -> tuple:
     from .config import load_config
     from .engine import cache_nbytes
     from .models import LocalTP, build_model
-    from .plan_model import block_activations, layout_of, matmul_flops
+    from .plan_model import block_activations, matmul_flops
+    from .resolve import resolve
     cfg = load_config(None, [f"model.seq_len={seq}", f"model.d_model={width}", f"model.n_heads={heads}",
                              "model.n_layers=1", "model.kind=gpt", "model.dtype=float32",
                              f"train.global_batch={rows}"])
@@ -96,7 +117,7 @@ def _block(np, rows: int, seq: int, width: int, heads: int) -> tuple:
         model.layer_backward(np, y, cache, P, G, 0, LocalTP())
         cache_nbytes(cache, set())
     weights = sum(math.prod(sp.global_shape) for sp in specs if len(sp.global_shape) == 2)
-    act = block_activations(cfg.model, layout_of(cfg, 1), 4)["layer"] / 4
+    act = block_activations(cfg.model, resolve(cfg, 1), 4)["layer"] / 4
     return fb, matmul_flops(cfg.model, rows * seq, weights, 1, 1), act
 
 

@@ -1,9 +1,8 @@
-"""benchmarks/gpu_check.py without a GPU: argument parsing, the bandwidth and tokens/s arithmetic, pytest's
-summary, the table and its verdicts, part time limits, and the whole script's control flow end to end in
---cpu-smoke mode (NumPy stand-ins, tiny sizes) through benchmarks/gpu_check.sh."""
+"""benchmarks/gpu_check.py and its modules without a GPU: argument parsing, the bandwidth and tokens/s
+arithmetic, pytest's summary, the table and its verdicts, part time limits, and the whole script's control
+flow end to end in --cpu-smoke mode (NumPy stand-ins, tiny sizes) through benchmarks/gpu_check.sh."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -16,75 +15,70 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT, SHELL = ROOT / "benchmarks" / "gpu_check.py", ROOT / "benchmarks" / "gpu_check.sh"
+SHELL = ROOT / "benchmarks" / "gpu_check.sh"
+sys.path.insert(0, str(ROOT / "benchmarks"))      # the gpu_check modules import each other by name
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = mod          # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gc = _load()
+import gpu_check as gc  # noqa: E402 - the orchestrator
+import gpu_check_bandwidth as bw  # noqa: E402
+import gpu_check_options as opts  # noqa: E402
+import gpu_check_report as rep  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------- arguments
 
 def test_defaults_gpu_and_smoke():
-    a = gc.parse([])
-    assert a.parts == list(gc.PARTS) and not a.cpu_smoke
+    a = opts.parse([])
+    assert a.parts == list(opts.PARTS) and not a.cpu_smoke
     assert (a.deadline_s, a.bw_params, a.bw_reps, a.steps) == (440, 256 << 20, 25, 20)
     assert a.bw_reps >= 20 and a.torch_attn == ["explicit", "sdpa"]
-    s = gc.parse(["--cpu-smoke"])
+    s = opts.parse(["--cpu-smoke"])
     assert s.cpu_smoke and s.bw_params == 1 << 20 and s.steps == 3 and s.deadline_s == 240
-    assert gc.model_shape(a, "gpt2") == dict(d_model=768, n_layers=12, n_heads=12, seq_len=1024, vocab=50304, batch=8)
-    assert gc.model_shape(a, "ref") == dict(d_model=256, n_layers=4, n_heads=4, seq_len=128, vocab=256, batch=8)
-    assert gc.model_shape(gc.parse(["--gpt2-batch", "4"]), "gpt2")["batch"] == 4
+    assert opts.model_shape(a, "gpt2") == dict(d_model=768, n_layers=12, n_heads=12, seq_len=1024, vocab=50304, batch=8)
+    assert opts.model_shape(a, "ref") == dict(d_model=256, n_layers=4, n_heads=4, seq_len=128, vocab=256, batch=8)
+    assert opts.model_shape(opts.parse(["--gpt2-batch", "4"]), "gpt2")["batch"] == 4
 
 
 def test_argument_values():
-    assert gc.count("256M") == 256 << 20 and gc.count("64k") == 65536 and gc.count("1G") == 1 << 30
-    assert gc.count("1000") == 1000
-    assert gc.parse(["--bw-params", "1000003"]).bw_params == 1000000      # whole 16-byte vectors
-    assert gc.parse(["--parts", "bandwidth, dp2"]).parts == ["bandwidth", "dp2"]
-    assert gc.parse(["--torch-attn", "sdpa"]).torch_attn == ["sdpa"]
+    assert opts.count("256M") == 256 << 20 and opts.count("64k") == 65536 and opts.count("1G") == 1 << 30
+    assert opts.count("1000") == 1000
+    assert opts.parse(["--bw-params", "1000003"]).bw_params == 1000000      # whole 16-byte vectors
+    assert opts.parse(["--parts", "bandwidth, dp2"]).parts == ["bandwidth", "dp2"]
+    assert opts.parse(["--torch-attn", "sdpa"]).torch_attn == ["sdpa"]
     for bad in (["--parts", "bandwidth,nope"], ["--parts", ""], ["--bw-params", "12x"], ["--bw-reps", "0"],
                 ["--bw-params", "100"], ["--torch-attn", "flash"]):
         with pytest.raises(SystemExit):
-            gc.parse(bad)
+            opts.parse(bad)
 
 
 # ---------------------------------------------------------------------------------- arithmetic
 
 def test_byte_model_and_rates():
     n = 256 << 20
-    assert gc.adamw_traffic(n) == 28 * n                     # read p, g, m, v; write p, m, v
-    assert gc.copy_nbytes_for(gc.adamw_traffic(n)) == 14 * n  # 14 read + 14 written per parameter
-    assert gc.bandwidth(28 * n, 28 * n / 4e12) == pytest.approx(4e12)
-    assert gc.bandwidth(1, 0.0) == float("inf")
-    assert gc.tokens_per_s(8, 1024, 0.5) == pytest.approx(16384)
-    assert gc.max_rel_diff([1.0, 2.0], [1.0, 2.0]) == 0.0
-    assert gc.max_rel_diff([1.0, 2.002], [1.0, 2.0]) == pytest.approx(1e-3)
-    assert gc.max_rel_diff([1.0], [1.0, 2.0]) == float("inf")
-    assert gc.max_rel_diff([float("nan")], [1.0]) == float("inf")
-    assert gc.max_rel_diff([], []) == float("inf")
+    assert rep.adamw_traffic(n) == 28 * n                     # read p, g, m, v; write p, m, v
+    assert rep.copy_nbytes_for(rep.adamw_traffic(n)) == 14 * n  # 14 read + 14 written per parameter
+    assert rep.bandwidth(28 * n, 28 * n / 4e12) == pytest.approx(4e12)
+    assert rep.bandwidth(1, 0.0) == float("inf")
+    assert rep.tokens_per_s(8, 1024, 0.5) == pytest.approx(16384)
+    assert rep.max_rel_diff([1.0, 2.0], [1.0, 2.0]) == 0.0
+    assert rep.max_rel_diff([1.0, 2.002], [1.0, 2.0]) == pytest.approx(1e-3)
+    assert rep.max_rel_diff([1.0], [1.0, 2.0]) == float("inf")
+    assert rep.max_rel_diff([float("nan")], [1.0]) == float("inf")
+    assert rep.max_rel_diff([], []) == float("inf")
 
 
 def test_pack_segments_are_aligned_and_inside():
     n = 1 << 20
-    offs, sizes = gc.pack_segments(n, 64)
+    offs, sizes = bw.pack_segments(n, 64)
     assert len(offs) == len(sizes) == 64
     assert all(o % 4 == 0 and s % 4 == 0 and s > 0 for o, s in zip(offs, sizes))
     assert all(a + s < b for a, s, b in zip(offs, sizes, offs[1:]))      # disjoint, in order, with gaps
     assert offs[-1] + sizes[-1] <= n and 0.85 * n < sum(sizes) <= 0.9 * n
-    assert gc.pack_segments(n, 64) == (offs, sizes)                      # deterministic
+    assert bw.pack_segments(n, 64) == (offs, sizes)                      # deterministic
 
 
 def test_host_timer():
     calls = []
-    t = gc.HostTimer()(lambda: calls.append(time.sleep(0.001)), 3)
+    t = bw.HostTimer()(lambda: calls.append(time.sleep(0.001)), 3)
     assert len(calls) == 3 and t >= 0.001
 
 
@@ -96,12 +90,12 @@ def test_host_timer():
     ("no tests ran in 0.01s", dict(passed=0, failed=0, skipped=0, errors=0)),
 ])
 def test_pytest_counts(text, want):
-    got = gc.pytest_counts(text)
+    got = rep.pytest_counts(text)
     assert {k: got[k] for k in want} == want
 
 
 def test_pytest_counts_absent():
-    assert gc.pytest_counts("ImportError: no module named cupy\n") is None
+    assert rep.pytest_counts("ImportError: no module named cupy\n") is None
 
 
 # ------------------------------------------------------------------------------------- table
@@ -137,8 +131,8 @@ def _status(rows):
 
 
 def test_rows_and_verdict_all_good():
-    a = gc.parse([])
-    rows = gc.build_rows(_results(), a)
+    a = opts.parse([])
+    rows = rep.build_rows(_results(), a)
     st = dict(_status(rows))
     assert st["GPU tests (pytest tests/gpu)"] == "PASS"
     assert st["AdamW kernel bandwidth"] == "PASS"               # 0.9 s copy / 1.0 s kernel = 90 %
@@ -149,34 +143,34 @@ def test_rows_and_verdict_all_good():
     assert st["tokens/s GPT-2 small"] == "FAIL"                 # hpengine side timed out
     assert st["2 ranks on 1 GPU"] == "PASS"
     assert [r.status for r in rows if r.what.startswith("2 ranks")] == ["PASS", "PASS"]
-    assert gc.verdict(rows) == 1
-    assert gc.verdict([r for r in rows if "GPT-2" not in r.what]) == 0
+    assert rep.verdict(rows) == 1
+    assert rep.verdict([r for r in rows if "GPT-2" not in r.what]) == 0
     adamw = next(r for r in rows if r.what.startswith("AdamW"))
     assert adamw.detail["ratio"] == pytest.approx(0.9) and "90% of copy" in adamw.value and "memcpy" in adamw.value
 
 
 def test_rows_failures():
-    a = gc.parse([])
-    rows = gc.build_rows(_results(adamw_s=1.2, pack_s=1.5, hpe_tps=900.0, staged=(0, 4096), dp_loss=2.6), a)
+    a = opts.parse([])
+    rows = rep.build_rows(_results(adamw_s=1.2, pack_s=1.5, hpe_tps=900.0, staged=(0, 4096), dp_loss=2.6), a)
     st = {r.what: r.status for r in rows}
     assert st[next(k for k in st if k.startswith("AdamW"))] == "FAIL"     # 75 % of the copy
     assert st[next(k for k in st if k.startswith("pack"))] == "FAIL"
     assert st[next(k for k in st if k.startswith("tokens/s ref"))] == "FAIL"   # 0.9x
     assert [r.status for r in rows if r.what.startswith("2 ranks")] == ["FAIL", "FAIL"]
     # the same figures in a smoke run: speeds are not judged, 2-rank equality still is
-    s = gc.build_rows(_results(adamw_s=1.2, hpe_tps=900.0, staged=(0, 0)), gc.parse(["--cpu-smoke"]))
+    s = rep.build_rows(_results(adamw_s=1.2, hpe_tps=900.0, staged=(0, 0)), opts.parse(["--cpu-smoke"]))
     sst = {r.what: r.status for r in s}
     assert sst[next(k for k in sst if k.startswith("AdamW"))] == "smoke"
     assert [r.status for r in s if r.what.startswith("2 ranks")] == ["PASS", "PASS"]
 
 
 def test_rows_parameter_mismatch_and_missing_parts():
-    a = gc.parse(["--parts", "ref,dp2,tests"])
+    a = opts.parse(["--parts", "ref,dp2,tests"])
     res = _results()
     res["ref:torch-explicit"]["n_params"] = 11
     del res["dp2:2"]
     res["tests"] = {"rc": 2, "error": "timed out after 150 s", "counts": None}
-    rows = gc.build_rows(res, a)
+    rows = rep.build_rows(res, a)
     assert len(rows) == 5                      # tests, ref vs explicit and sdpa, two 2-rank rows
     ref = next(r for r in rows if r.what.startswith("tokens/s"))
     assert ref.status == "FAIL" and "params differ" in ref.value
@@ -186,25 +180,25 @@ def test_rows_parameter_mismatch_and_missing_parts():
 
 
 def test_table_formats():
-    rows = [gc.Row("a", "1", ">= 2", "FAIL"), gc.Row("longer what", "x|y", "-", "INFO")]
-    text = gc.format_table(rows).splitlines()
+    rows = [rep.Row("a", "1", ">= 2", "FAIL"), rep.Row("longer what", "x|y", "-", "INFO")]
+    text = rep.format_table(rows).splitlines()
     assert text[0].split() == ["what", "value", "target", "status"] and set(text[1]) <= {"-", " "}
     assert text[2].index("1") == text[3].index("x|y") == text[0].index("value")
-    md = gc.markdown_table(rows).splitlines()
+    md = rep.markdown_table(rows).splitlines()
     assert md[0] == "| what | value | target | status |" and md[3] == "| longer what | x\\|y | - | INFO |"
 
 
 # ---------------------------------------------------------------------------- orchestration
 
 def test_part_time_limit_and_deadline(tmp_path):
-    a = gc.parse(["--cpu-smoke", "--deadline-s", "60"])
+    a = opts.parse(["--cpu-smoke", "--deadline-s", "60"])
     r = gc.Runner(a, tmp_path)
     t0 = time.monotonic()
     res = r.run("sleepy", [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
                 limit=1.5, parse_json=False)
     assert time.monotonic() - t0 < 15 and "timed out" in res["error"] and "started" in res["log"]
     assert "===== sleepy" in (tmp_path / "gpu_check.log").read_text()
-    late = gc.Runner(gc.parse(["--cpu-smoke", "--deadline-s", "5"]), tmp_path)
+    late = gc.Runner(opts.parse(["--cpu-smoke", "--deadline-s", "5"]), tmp_path)
     assert "no time left" in late.run("late", [sys.executable, "-c", "pass"], limit=30)["skipped"]
     assert "no time left" in late.run("opt", [sys.executable, "-c", "pass"], limit=4, optional=True)["skipped"]
 
@@ -214,7 +208,7 @@ def test_shell_header_states_the_device_invocation_and_fits_8_minutes():
     timeout_s = int(re.search(r"timeout_s:\s*(\d+)", head).group(1))
     assert "bash benchmarks/gpu_check.sh" in head and '["benchmarks/wheels"]' in head
     backstop = int(re.search(r"timeout -k (\d+) (\d+)", SHELL.read_text()).group(2))
-    assert gc.parse([]).deadline_s < backstop <= 480 - 10 < timeout_s <= 600
+    assert opts.parse([]).deadline_s < backstop <= 480 - 10 < timeout_s <= 600
 
 
 @pytest.mark.timeout(240)

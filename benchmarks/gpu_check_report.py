@@ -1,0 +1,215 @@
+"""gpu_check's judgement: the byte and rate arithmetic behind the bandwidth and tokens/s figures, pytest's
+summary line, and the table built from the parts' results, each row with its target and PASS / FAIL /
+INFO / SKIP / smoke status, in plain text and Markdown, and the exit status that follows from it.
+Standard library only: pure functions of the results, tested without a GPU.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from gpu_check_options import ADAMW_BYTES_PER_PARAM, BW_TARGET, SPEED_TARGET, model_label, model_shape
+
+
+# ------------------------------------------------------------------------- arithmetic (pure)
+
+def adamw_traffic(n_params: int) -> int:
+    """Bytes the fused AdamW moves for n float32 parameters (read p, g, m, v; write p, m, v)."""
+    return ADAMW_BYTES_PER_PARAM * n_params
+
+
+def copy_nbytes_for(traffic: int) -> int:
+    """Size of the device-to-device copy whose traffic (bytes read + bytes written) equals `traffic`."""
+    return traffic // 2
+
+
+def bandwidth(traffic: int, seconds: float) -> float:
+    """Bytes per second, counting bytes read plus bytes written."""
+    return traffic / seconds if seconds > 0 else float("inf")
+
+
+def tokens_per_s(batch: int, seq_len: int, step_s: float) -> float:
+    return batch * seq_len / step_s if step_s > 0 else float("inf")
+
+
+def max_rel_diff(got, want) -> float:
+    """Largest |got - want| / |want| over two equal-length sequences (inf when lengths differ or a value
+    is not finite)."""
+    got, want = list(got), list(want)
+    if len(got) != len(want) or not got:
+        return float("inf")
+    worst = 0.0
+    for g, w in zip(got, want):
+        if not (math.isfinite(g) and math.isfinite(w)):
+            return float("inf")
+        worst = max(worst, abs(g - w) / abs(w) if w else abs(g))
+    return worst
+
+
+_PYTEST_WORDS = {"passed": "passed", "failed": "failed", "skipped": "skipped", "error": "errors",
+                 "errors": "errors", "xfailed": "xfailed", "xpassed": "xpassed", "deselected": "deselected"}
+
+
+def pytest_counts(text: str) -> dict | None:
+    """Counts from pytest's last summary line ('3 failed, 60 passed, 2 skipped in 9.1s'); None if absent."""
+    for line in reversed(text.strip().splitlines()):
+        if not re.search(r"\b(passed|failed|skipped|errors?|no tests ran|deselected)\b", line) or \
+                not re.search(r"\bin [\d.]+s\b", line):
+            continue
+        counts = dict.fromkeys(("passed", "failed", "skipped", "errors", "xfailed", "xpassed", "deselected"), 0)
+        for num, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)\b", line):
+            counts[_PYTEST_WORDS[word]] += int(num)
+        return counts
+    return None
+
+
+# ------------------------------------------------------------------------------- the table
+
+@dataclass
+class Row:
+    what: str
+    value: str
+    target: str = "-"
+    status: str = "INFO"          # PASS | FAIL | INFO | SKIP | smoke
+    detail: dict = field(default_factory=dict)
+
+
+def judged(ok: bool, smoke: bool, judge_in_smoke: bool = False) -> str:
+    if smoke and not judge_in_smoke:
+        return "smoke"
+    return "PASS" if ok else "FAIL"
+
+
+def format_table(rows: list[Row]) -> str:
+    """Plain-text table (what, value, target, status), columns padded to their widest cell."""
+    head = ("what", "value", "target", "status")
+    cells = [head] + [(r.what, r.value, r.target, r.status) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(4)]
+    line = lambda c: "  ".join(s.ljust(w) for s, w in zip(c, widths)).rstrip()   # noqa: E731
+    return "\n".join([line(head), "  ".join("-" * w for w in widths)] + [line(c) for c in cells[1:]])
+
+
+def markdown_table(rows: list[Row]) -> str:
+    esc = lambda s: s.replace("|", "\\|")                                          # noqa: E731
+    out = ["| what | value | target | status |", "|---|---|---|---|"]
+    out += [f"| {esc(r.what)} | {esc(r.value)} | {esc(r.target)} | {r.status} |" for r in rows]
+    return "\n".join(out)
+
+
+def verdict(rows: list[Row]) -> int:
+    """Exit status: 1 when any row failed, else 0."""
+    return 1 if any(r.status == "FAIL" for r in rows) else 0
+
+
+def _tbps(x: float) -> str:
+    return f"{x / 1e12:.2f} TB/s" if x >= 1e11 else f"{x / 1e9:.1f} GB/s"
+
+
+def _err(res: dict | None, what: str) -> str:
+    if res is None:
+        return f"{what}: not run"
+    if res.get("skipped"):
+        return f"{what}: {res['skipped']}"
+    return f"{what}: {res.get('error') or 'failed'}"
+
+
+def rows_tests(res: dict | None, smoke: bool) -> list[Row]:
+    if res is None or res.get("counts") is None:
+        return [Row("GPU tests (pytest tests/gpu)", _err(res, "pytest"), "0 failed",
+                    "SKIP" if res and res.get("skipped") else "FAIL", res or {})]
+    c = res["counts"]
+    ok = c["failed"] == 0 and c["errors"] == 0 and res.get("rc") == 0 and (smoke or c["passed"] > 0)
+    value = f"{c['passed']} passed, {c['failed']} failed, {c['errors']} errors, {c['skipped']} skipped"
+    return [Row("GPU tests (pytest tests/gpu)", value, "0 failed", "PASS" if ok else "FAIL", c)]
+
+
+def rows_bandwidth(res: dict | None, smoke: bool) -> list[Row]:
+    names = (("adamw", "AdamW kernel", "copy", True), ("pack", "pack kernel", "pack_copy", True),
+             ("unpack", "unpack kernel", "pack_copy", False))
+    if res is None or "timings" not in res:
+        st = "SKIP" if res and res.get("skipped") else "FAIL"
+        return [Row(f"{label} bandwidth", _err(res, "bandwidth"), f">= {BW_TARGET:.0%} of D2D copy" if tgt else "-",
+                    st if tgt else "INFO") for _, label, _, tgt in names]
+    t, rows = res["timings"], []
+    for key, label, ref, tgt in names:
+        k, c = t[key], t[ref]
+        bw_k, bw_c = bandwidth(k["traffic"], k["median_s"]), bandwidth(c["traffic"], c["median_s"])
+        ratio = bw_k / bw_c
+        what = f"{label} bandwidth" + (f", {res['n_params'] / 2**20:.0f}M params x 28 B" if key == "adamw"
+                                       else f", {res['segments']} segments, {k['traffic'] / 2 / 2**30:.2f} GiB"
+                                       if key == "pack" else " (info)")
+        value = f"{_tbps(bw_k)} = {ratio:.0%} of copy {_tbps(bw_c)} ({c['how']})"
+        rows.append(Row(what, value, f">= {BW_TARGET:.0%} of copy" if tgt else "-",
+                        judged(ratio >= BW_TARGET, smoke) if tgt else "INFO",
+                        {"kernel_Bps": bw_k, "copy_Bps": bw_c, "ratio": ratio}))
+    return rows
+
+
+def rows_speed(model: str, shape: dict, hpe: dict | None, torch_res: dict, attn: list[str], smoke: bool) -> list[Row]:
+    label = "ref GPT" if model == "ref" else "GPT-2 small"
+    what = f"tokens/s {label} {model_label(shape)}"
+    if hpe is None or "tokens_per_s" not in hpe:
+        return [Row(what, _err(hpe, "hpengine"), f">= {SPEED_TARGET:.1f}x torch eager",
+                    "SKIP" if hpe and hpe.get("skipped") else "FAIL", hpe or {})]
+    rows = []
+    for i, at in enumerate(attn):
+        tr = torch_res.get(at)
+        tgt = f">= {SPEED_TARGET:.1f}x torch" if i == 0 else "-"
+        w = what if i == 0 else f"  vs torch {at} attention (info)"
+        if tr is None or "tokens_per_s" not in tr:
+            skipped = tr is not None and tr.get("skipped")
+            rows.append(Row(w, f"hpengine {hpe['tokens_per_s']:,.0f}; {_err(tr, 'torch ' + at)}", tgt,
+                            "SKIP" if (skipped or i) else "FAIL", tr or {}))
+            continue
+        ratio = hpe["tokens_per_s"] / tr["tokens_per_s"]
+        same = hpe.get("n_params") == tr.get("n_params")
+        value = (f"hpengine {hpe['tokens_per_s']:,.0f} / torch {tr['tokens_per_s']:,.0f} = {ratio:.2f}x"
+                 + ("" if same else f" (params differ: {hpe.get('n_params')} vs {tr.get('n_params')})"))
+        status = ("FAIL" if not same else judged(ratio >= SPEED_TARGET, smoke)) if i == 0 else "INFO"
+        rows.append(Row(w, value, tgt, status, {"ratio": ratio, "hpengine": hpe, "torch": tr}))
+    return rows
+
+
+def rows_dp2(single: dict | None, multi: dict | None, smoke: bool, loss_rtol: float, gnorm_rtol: float) -> list[Row]:
+    labels = {"dp": "2 ranks on 1 GPU, staged MPI: dp", "sharding": "2 ranks on 1 GPU, staged MPI: sharding 2"}
+    target = f"rtol {loss_rtol:.0e} (gnorm {gnorm_rtol:.0e})" + ("" if smoke else ", staged")
+    bad = next((r for r in (single, multi) if r is None or "variants" not in r), "none")
+    if bad != "none":
+        st = "SKIP" if bad and bad.get("skipped") else "FAIL"
+        return [Row(labels[v], _err(bad, "1-rank run" if bad is single else "2-rank run"), target, st)
+                for v in ("dp", "sharding")]
+    ref = single["variants"]["single"]
+    rows = []
+    for v in ("dp", "sharding"):
+        got = multi["variants"].get(v)
+        if got is None or "losses" not in got:
+            rows.append(Row(labels[v], (got or {}).get("error", "not run"), target, "FAIL"))
+            continue
+        dl, dg = max_rel_diff(got["losses"], ref["losses"]), max_rel_diff(got["grad_norms"], ref["grad_norms"])
+        staged = all(not ca for ca in got["cuda_aware"]) and all(b > 0 for b in got["staged_bytes"])
+        ok = dl <= loss_rtol and dg <= gnorm_rtol and multi.get("world") == 2 and (smoke or staged)
+        value = (f"rel. diff loss {dl:.0e}, gnorm {dg:.0e} ({len(got['losses'])} steps); "
+                 + (f"{sum(got['staged_bytes']) / 2**20:.1f} MiB pinned, devices {got['devices']}"
+                    if not smoke else f"backend {got['backend']}"))
+        rows.append(Row(labels[v], value, target, "PASS" if ok else "FAIL",
+                        {"loss_rel": dl, "gnorm_rel": dg, "run": got, "reference": ref}))
+    return rows
+
+
+def build_rows(results: dict, a) -> list[Row]:
+    """The table, in the brief's order, from the parts' results (absent parts are left out)."""
+    rows: list[Row] = []
+    smoke = a.cpu_smoke
+    if "tests" in a.parts:
+        rows += rows_tests(results.get("tests"), smoke)
+    if "bandwidth" in a.parts:
+        rows += rows_bandwidth(results.get("bandwidth"), smoke)
+    for m in ("ref", "gpt2"):
+        if m in a.parts:
+            rows += rows_speed(m, model_shape(a, m), results.get(f"{m}:hpengine"),
+                               {at: results.get(f"{m}:torch-{at}") for at in a.torch_attn}, a.torch_attn, smoke)
+    if "dp2" in a.parts:
+        rows += rows_dp2(results.get("dp2:1"), results.get("dp2:2"), smoke, a.loss_rtol, a.gnorm_rtol)
+    return rows
+
