@@ -12,10 +12,10 @@ import math
 from dataclasses import dataclass
 
 from .buffers import partition
-from .config import ConfigError, validate
+from .config import MESH_AXES, ConfigError, validate
 from .models import build_model
 
-AXES = ("tp", "sharding", "dp", "pp")
+AXES = MESH_AXES          # innermost first by default
 SWITCH_OF_AXIS = {"tp": "tensor_parallel", "sharding": "sharding", "dp": "data_parallel", "pp": "pipeline"}
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# 01 - single process: the reference run every parallel layout reproduces (DESIGN section 5): the
+# 01 - single process: the reference run every parallel layout reproduces (docs/architecture.md, the equivalence contract): the
 # loss column of 02-06 matches this one. Extra arguments go to hpengine (e.g. --set data.path=my.h5).
 set -euo pipefail
 source "$(dirname "$0")/_env.sh"                             # repo root, venv MPICH on PATH, $OUT

@@ -1,5 +1,5 @@
 """Every strategy and degree the world allows trains exactly like one process (float64, 5 steps,
-parameters and losses, rtol 1e-10) — DESIGN §5."""
+parameters and losses, rtol 1e-10) — docs/architecture.md, "the equivalence contract"."""
 import pytest
 
 from helpers import assert_same, assert_same_params, config, need, reference, run
