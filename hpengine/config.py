@@ -110,7 +110,8 @@ class OptimConfig:
     betas: list[float] = _f([0.9, 0.95], "Adam (beta1, beta2)", check=_BETAS)
     eps: float = _f(1e-8, "Adam epsilon", check=_must(">", 0))
     weight_decay: float = _f(0.1, "decoupled (AdamW) weight decay of decayed tensors", check=_must(">=", 0))
-    warmup_steps: int = _f(30, "linear warm-up steps from 0 to lr", check=_must(">=", 0))
+    warmup_steps: int = _f(30, "linear warm-up steps: step i < warmup_steps runs at lr x (i+1) / warmup_steps",
+                           check=_must(">=", 0))
     schedule: str = _f("cosine", "learning-rate decay after warm-up",
                        choices=("cosine", "linear", "constant"))
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr",

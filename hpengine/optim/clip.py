@@ -25,7 +25,8 @@ def sum_of_squares(xp, g) -> float:
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
-    """Multiplier for the gradients: min(1, max_norm / norm); 1 when clipping is off (max_norm 0)."""
+    """Multiplier for the gradients: 1 when the norm is within max_norm or clipping is off (max_norm 0),
+    else max_norm / (norm + 1e-6) (the epsilon as PyTorch's clip_grad_norm_ has it)."""
     if max_norm <= 0 or total_norm <= max_norm:
         return 1.0
     return max_norm / (total_norm + 1e-6)

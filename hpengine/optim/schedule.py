@@ -5,7 +5,9 @@ import math
 
 
 def lr_at(step: int, ocfg, total_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based)."""
+    """Learning rate for optimizer step `step` (0-based): warm-up steps 0..W-1 run at lr·(step+1)/W, so
+    the first step already trains; the decay reaches min_lr_ratio·lr at step = total_steps (one past
+    the last step run)."""
     base, warm = ocfg.lr, ocfg.warmup_steps
     if warm and step < warm:
         return base * (step + 1) / warm
