@@ -2,11 +2,11 @@
 config CFG --world N` resolves it fully (degrees, batch arithmetic, pipeline split, switch rules) without
 MPI, for the N of the first `mpiexec -n N` line in its header."""
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from hpengine.cli import main
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
 
@@ -17,22 +17,24 @@ def named_world(path: Path) -> int:
     return int(found.group(1))
 
 
-def config_cmd(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hpengine", "config", *map(str, args)], capture_output=True,
-                          text=True, timeout=60)
+def config_cmd(capsys, *args) -> tuple:
+    """(exit status, stdout, stderr) of `hpengine config ARGS`, run in this process (no MPI needed)."""
+    rc = main(["config", *map(str, args)])
+    out, err = capsys.readouterr()
+    return rc, out, err
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
-def test_config_resolves_at_its_world_size(path):
+def test_config_resolves_at_its_world_size(path, capsys):
     n = named_world(path)
-    p = config_cmd(path, "--world", n)
-    assert p.returncode == 0, p.stderr
-    assert p.stdout.startswith(f"world {n}: ")
+    rc, out, err = config_cmd(capsys, path, "--world", n)
+    assert rc == 0, err
+    assert out.startswith(f"world {n}: ")
 
 
-def test_a_world_that_does_not_fit_is_one_clear_line():
+def test_a_world_that_does_not_fit_is_one_clear_line(capsys):
     path = next(p for p in CONFIGS if p.name == "hybrid_4d.toml")      # tp 2 x sharding 2 x pp 2
-    p = config_cmd(path, "--world", 6)
-    assert p.returncode == 2 and p.stdout == ""
-    assert p.stderr.strip().count("\n") == 0
-    assert "multiply to 8 but the world size is 6" in p.stderr
+    rc, out, err = config_cmd(capsys, path, "--world", 6)
+    assert rc == 2 and out == ""
+    assert err.strip().count("\n") == 0
+    assert "multiply to 8 but the world size is 6" in err
