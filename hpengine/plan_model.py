@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .buffers import partition
 from .models import build_model
 from .resolve import AXES, Resolved, resolve
-from .stage import build_stage
+from .stage import build_stage, owner
 from .strategies.schedules import bubble_fraction, make_schedule
 from .strategies.sharding import MAX_INFLIGHT
 
@@ -81,7 +81,7 @@ def _stages(mkey, tp, p, v, split) -> list[Stage]:
             if b.kind != "embed":   # embedding lookups are no matmul; a copied tensor counts as a read below
                 mm += sum(n for sp, n in zip(specs, sizes) if len(sp.global_shape) == 2 and sp.name not in st.copies)
             for t in b.reads:       # a tied head multiplies by wte, held here or by the embedding block
-                mm += next(math.prod(sp.local_shape(0, tp)) for sp in model.specs(_owner_of(model, t)) if sp.name == t)
+                mm += next(math.prod(sp.local_shape(0, tp)) for sp in model.specs(owner(model, t)) if sp.name == t)
             blocks.append((name, tuple(sizes)))
             matmuls.append((name, mm))
         kinds = tuple(slot.block(n) for n in slot.blocks)
@@ -89,10 +89,6 @@ def _stages(mkey, tp, p, v, split) -> list[Stage]:
                          kinds, tuple(st.deps.items()), tuple(matmuls),
                          sum(lay.ranges[t].size for t in set(st.tied.values()))))
     return out
-
-
-def _owner_of(model, tensor: str) -> str:
-    return next(b.name for b in model.blocks() if any(sp.name == tensor for sp in model.specs(b.name)))
 
 
 # ---- memory ----------------------------------------------------------------------------------------

@@ -55,7 +55,8 @@ def _block_map(model) -> dict:
     return {b.name: b for b in model.blocks()}
 
 
-def _owner(model, tensor: str) -> str:
+def owner(model, tensor: str) -> str:
+    """The block that declares `tensor`."""
     for b in model.blocks():
         if any(sp.name == tensor for sp in model.specs(b.name)):
             return b.name
@@ -76,11 +77,11 @@ def build_stage(mcfg, res: Resolved, pp_rank: int, tp_rank: int = 0, seeds=(0,),
         for b in mine:
             bspecs = list(model.specs(b))
             for t in blocks[b].reads:
-                owner = _owner(model, t)
-                if owner in mine:
-                    deps.setdefault(prefix + b, []).append(prefix + owner)
+                src = owner(model, t)
+                if src in mine:
+                    deps.setdefault(prefix + b, []).append(prefix + src)
                 else:           # a copy here; its gradient is summed with the owner's stage
-                    bspecs.insert(0, dataclasses.replace(next(s for s in model.specs(owner) if s.name == t), block=b))
+                    bspecs.insert(0, dataclasses.replace(next(s for s in model.specs(src) if s.name == t), block=b))
                     copies.add(prefix + t)
                     tied[prefix + b] = prefix + t
             ours = {sp.name for sp in bspecs}
