@@ -29,8 +29,11 @@ class ConfigError(Exception):
 
 # ---- field helpers: a check is (predicate, what a valid value is) ---------------------------------
 
-def _f(default: Any, doc: str, *, choices: tuple | None = None, check: tuple | None = None):
+def _f(default: Any, doc: str, *, choices: tuple | None = None, check: tuple | None = None,
+       kinds: tuple | None = None):
     meta: dict[str, Any] = {"doc": doc}
+    if kinds is not None:        # a [model] key that applies only to these model kinds
+        meta["kinds"] = kinds
     if choices is not None:
         meta["choices"] = choices
     if check is not None:
@@ -62,20 +65,52 @@ _DEGREE_DOC = "ranks on this axis; -1 = the ranks left over"
 
 # ---- the tree -------------------------------------------------------------------------------------
 
+_LLAMA, _NOT_LLAMA = ("llama",), ("gpt", "mlp")
+
+
 @dataclass
 class ModelConfig:
     """The network and its numerics."""
-    kind: str = _f("gpt", "model family: byte-level GPT or a plain MLP", choices=("gpt", "mlp"))
+    kind: str = _f("gpt", "model family: a GPT-2 style decoder, a Llama-family decoder (RMSNorm, SwiGLU, rotary "
+                   "embedding, grouped-query attention) or a plain MLP", choices=("gpt", "llama", "mlp"))
     vocab_size: int = _f(256, "token vocabulary size (256 = raw bytes)", check=_POS)
     seq_len: int = _f(128, "tokens per training sequence (context length)", check=_POS)
     d_model: int = _f(256, "hidden width", check=_POS)
     n_layers: int = _f(4, "number of blocks (the units pipeline stages are cut from)", check=_POS)
-    n_heads: int = _f(4, "attention heads (gpt); d_model must be a multiple of it", check=_POS)
-    ffn_mult: int = _f(4, "feed-forward width as a multiple of d_model", check=_POS)
+    n_heads: int = _f(4, "attention (query) heads (gpt, llama); d_model must be a multiple of it", check=_POS)
+    n_kv_heads: int = _f(0, "llama: key/value heads, grouped-query attention; must divide n_heads; 0 = n_heads "
+                         "(multi-head), 1 = multi-query", check=_must(">=", 0), kinds=_LLAMA)
+    ffn_mult: int = _f(4, "gpt, mlp: feed-forward width as a multiple of d_model", check=_POS, kinds=_NOT_LLAMA)
+    ffn_hidden: int = _f(0, "llama: SwiGLU hidden width; 0 = Llama's rule, 8/3 x d_model rounded up to "
+                         "ffn_multiple_of", check=_must(">=", 0), kinds=_LLAMA)
+    ffn_multiple_of: int = _f(256, "llama: the multiple Llama's rule rounds the SwiGLU width up to", check=_POS,
+                              kinds=_LLAMA)
+    rope_theta: float = _f(10000.0, "llama: rotary embedding base (angle of pair i at position t: "
+                           "t x rope_theta^(-2i/head_dim))", check=_must(">", 0), kinds=_LLAMA)
+    norm_eps: float = _f(1e-5, "llama: RMSNorm epsilon", check=_must(">", 0), kinds=_LLAMA)
     tie_head: bool = _f(False, "share the output head's weights with the token embedding")
     dtype: str = _f("float32", "parameter and compute dtype (float64 for exactness checks)",
                     choices=("float32", "float64"))
     init_std: float = _f(0.02, "standard deviation of the normal weight initialisation", check=_must(">", 0))
+
+
+def kind_keys(kind: str) -> list[str]:
+    """The [model] keys that do not apply to model.kind = `kind`."""
+    return [f.name for f in dataclasses.fields(ModelConfig) if kind not in f.metadata.get("kinds", (kind,))]
+
+
+def _kind_error(key: str, kind: str) -> ConfigError:
+    kinds = next(f.metadata["kinds"] for f in dataclasses.fields(ModelConfig) if f.name == key)
+    return ConfigError(f"model.{key} applies to model.kind = {' or '.join(map(repr, kinds))}, not {kind!r}: "
+                       f"remove it, or set model.kind to {' or '.join(map(repr, kinds))}")
+
+
+def ffn_width(m: "ModelConfig") -> int:
+    """The SwiGLU hidden width of a llama config: ffn_hidden, or Llama's rule (int(8/3 x d_model) rounded up
+    to ffn_multiple_of)."""
+    if m.ffn_hidden:
+        return m.ffn_hidden
+    return -(-int(2 * 4 * m.d_model / 3) // m.ffn_multiple_of) * m.ffn_multiple_of
 
 
 @dataclass
@@ -320,8 +355,14 @@ def _parse_value(text: str, tp) -> Any:
 
 
 def from_dict(d: dict) -> Config:
-    """Build a Config from nested dicts (as TOML gives them); unknown keys anywhere are errors."""
-    return _build(Config, d, "")
+    """Build a Config from nested dicts (as TOML gives them); unknown keys anywhere are errors, and so is a
+    [model] key of another model kind."""
+    cfg = _build(Config, d, "")
+    given = d.get("model", {})
+    for key in kind_keys(cfg.model.kind) if isinstance(cfg.model.kind, str) else ():
+        if key in given:
+            raise _kind_error(key, cfg.model.kind)
+    return cfg
 
 
 def _build(cls, d: Any, prefix: str):
@@ -351,10 +392,7 @@ def _unknown(dotted: str, names: list[str]) -> str:
 def validate(cfg: Config) -> None:
     """Check types (ints widen to float in float fields, in place) and values; raise on the first error."""
     _validate_section(cfg, Config, "")
-    m = cfg.model
-    if m.kind == "gpt" and m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}: "
-                          "d_model must be a multiple of n_heads")
+    _validate_model(cfg.model)
     t = cfg.train
     for key in ("model_seeds", "model_lrs"):
         got = getattr(t, key)
@@ -363,6 +401,26 @@ def validate(cfg: Config) -> None:
                               f"give one per model or leave it empty")
     if any(lr < 0 for lr in t.model_lrs):
         raise ConfigError(f"train.model_lrs = {t.model_lrs}: every learning rate must be >= 0")
+
+
+def _validate_model(m: ModelConfig) -> None:
+    defaults = ModelConfig()
+    for key in kind_keys(m.kind):
+        if getattr(m, key) != getattr(defaults, key):
+            raise _kind_error(key, m.kind)
+    if m.kind in ("gpt", "llama") and m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}: "
+                          "d_model must be a multiple of n_heads")
+    if m.kind != "llama":
+        return
+    kv = m.n_kv_heads or m.n_heads
+    if m.n_heads % kv:
+        raise ConfigError(f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.n_kv_heads}: "
+                          f"n_kv_heads must divide n_heads (1 = multi-query, {m.n_heads} = multi-head)")
+    hd = m.d_model // m.n_heads
+    if hd % 2:
+        raise ConfigError(f"model.d_model / model.n_heads = {m.d_model} / {m.n_heads} = {hd} is odd: the rotary "
+                          "embedding rotates pairs, so the head dimension must be even")
 
 
 def _validate_section(obj: Any, cls, prefix: str) -> None:
@@ -438,8 +496,12 @@ def _show(value: Any) -> str:
 # ---- output ---------------------------------------------------------------------------------------
 
 def to_dict(cfg: Config) -> dict:
-    """Nested plain dicts, one per section (a deep copy)."""
-    return dataclasses.asdict(cfg)
+    """Nested plain dicts, one per section (a deep copy), without the [model] keys of other model kinds
+    (from_dict refuses those)."""
+    d = dataclasses.asdict(cfg)
+    for key in kind_keys(cfg.model.kind):
+        del d["model"][key]
+    return d
 
 
 def to_toml(cfg: Config) -> str:

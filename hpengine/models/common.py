@@ -91,15 +91,16 @@ def mlp_specs(p, C, F, std, proj_std):
             ParamSpec(f"{p}.proj.b", (C,), decay=False, init="zeros", block=p.split(".mlp")[0])]
 
 
-def end_cache_bytes(mcfg, rows: int, tp: int, item: int, amp: bool, share: int) -> dict:
+def end_cache_bytes(mcfg, rows: int, tp: int, item: int, amp: bool, share: int, norm_bytes=None) -> dict:
     """Bytes the embedding and the head cache per micro-batch of `rows` sequences: the embedding its
-    indices; the head its layernorm, the linear's input (the layernorm output), the loss's probabilities
-    (float32 under amp) and the targets (its own index and mask under tp; else it references the pass's
-    int64 targets, `share` sequences)."""
+    indices; the head its final norm (`norm_bytes`; default a layernorm's), the linear's input (the norm's
+    output), the loss's probabilities (float32 under amp) and the targets (its own index and mask under tp;
+    else it references the pass's int64 targets, `share` sequences)."""
     T, C = mcfg.seq_len, mcfg.d_model
     n, Vp = rows * T, padded_vocab(mcfg.vocab_size, tp)
     targets = embedding_cache_bytes(n) if tp > 1 else share * T * 8
-    head = (layernorm_cache_elements(n, C) + n * C) * item + n * (Vp // tp) * (4 if amp else item) + targets
+    norm = layernorm_cache_elements(n, C) * item if norm_bytes is None else norm_bytes
+    head = norm + n * C * item + n * (Vp // tp) * (4 if amp else item) + targets
     return {"embed": embedding_cache_bytes(n), "head": head, "input": n * C * item}
 
 
@@ -123,22 +124,33 @@ def head_weight(P, G, tied):
 def head_forward(xp, P, x, targets, norm, tp, tied):
     # x: (B, T, C) -> loss (this rank's share of the global-mean loss)
     h, c_ln = layernorm_forward(xp, x, P["ln_f.w"], P["ln_f.b"])
+    loss, c = logits_loss_forward(xp, P, h, targets, norm, tp, tied)
+    return loss, (c_ln, c)
+
+
+def head_backward(xp, cache, G, tp, tied, P, dloss=1.0):
+    c_ln, c = cache
+    dh = logits_loss_backward(xp, c, G, tp, tied, P, dloss)
+    return layernorm_backward(xp, dh, c_ln, P["ln_f.w"], G["ln_f.w"], G["ln_f.b"])
+
+
+def logits_loss_forward(xp, P, h, targets, norm, tp, tied):
+    # the head after its norm: h (B, T, C) -> logits -> loss
     w, _ = head_weight(P, None, tied)
     logits, c_lin = linear_forward(xp, tp.copy_to_tp(h), w)
     if logits.dtype.itemsize < 4:      # amp: the softmax and loss in float32, as Megatron does
         logits = logits.astype(xp.float32)
     loss, c_ce = tp.cross_entropy_forward(xp, logits, targets, norm)
-    return loss, (c_ln, c_lin, c_ce)
+    return loss, (c_lin, c_ce)
 
 
-def head_backward(xp, cache, G, tp, tied, P, dloss=1.0):
-    c_ln, c_lin, c_ce = cache
+def logits_loss_backward(xp, cache, G, tp, tied, P, dloss=1.0):
+    c_lin, c_ce = cache
     dlogits = tp.cross_entropy_backward(xp, c_ce, dloss)   # dloss = the amp loss scale
     w, dw = head_weight(P, G, tied)
     if dlogits.dtype != dw.dtype:
         dlogits = dlogits.astype(dw.dtype)
-    dh = tp.copy_to_tp_backward(linear_backward(xp, dlogits, c_lin, w, dw))
-    return layernorm_backward(xp, dh, c_ln, P["ln_f.w"], G["ln_f.w"], G["ln_f.b"])
+    return tp.copy_to_tp_backward(linear_backward(xp, dlogits, c_lin, w, dw))
 
 
 def mlp_forward(xp, P, p, x, tp):

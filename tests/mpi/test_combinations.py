@@ -1,5 +1,5 @@
-"""Every combination of the seven switches, with parallel degrees that fit the world, trains like one
-process: float64 to rtol 1e-10 without amp; with amp (float16 compute) within AMP_RTOL of the float32
+"""Every combination of the seven switches, with parallel degrees that fit the world, for the GPT and the
+Llama model kinds, trains like one process: float64 to rtol 1e-10 without amp; with amp (float16 compute) within AMP_RTOL of the float32
 one-process run. At -n 8 a sample of 3-axis meshes runs."""
 import itertools
 
@@ -12,6 +12,9 @@ from helpers import assert_same, assert_same_params, config, run
 N = MPI.COMM_WORLD.Get_size()
 AXES = {"dp": "data_parallel", "sharding": "sharding", "pp": "pipeline", "tp": "tensor_parallel"}
 BASE = ["model.n_heads=4", "model.n_layers=4", "train.global_batch=16"]
+# grouped-query (2 query heads per key/value head) with 4 key/value heads, so tp up to 4 splits them
+KINDS = {"gpt": [], "llama": ["model.kind=llama", "model.d_model=32", "model.n_heads=8", "model.n_kv_heads=4",
+                              "model.ffn_hidden=48"]}
 STEPS = 3
 # amp tolerance against the float32 one-process run (float16 has an 11-bit significand, ~5e-4 relative):
 # losses to 1e-2 relative; the parameter update of the whole model (after - before, all tensors) to 5%.
@@ -66,27 +69,29 @@ def overrides(mesh, rc, gm, amp, i):
 _REF = {}
 
 
-def reference(corpus, dtype, steps=STEPS):
-    if (dtype, steps) not in _REF:
-        _REF[dtype, steps] = run(config(corpus, *BASE, f"model.dtype={dtype}"), MPI.COMM_SELF, steps)
-    return _REF[dtype, steps]
+def reference(corpus, kind, dtype, steps=STEPS):
+    if (kind, dtype, steps) not in _REF:
+        _REF[kind, dtype, steps] = run(config(corpus, *BASE, *KINDS[kind], f"model.dtype={dtype}"), MPI.COMM_SELF,
+                                       steps)
+    return _REF[kind, dtype, steps]
 
 
 CASES = combos(N)
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("case", range(len(CASES)),
                          ids=[" ".join(f"{a}{d}" for a, d in c[0].items()) + f" rc{c[1]} gm{c[2]} amp{c[3]}"
                               for c in CASES])
-def test_combination(corpus, world, case):
+def test_combination(corpus, world, case, kind):
     mesh, rc, gm, amp = CASES[case]
-    losses, params, eng = run(config(corpus, *BASE, *overrides(mesh, rc, gm, amp, case)), world, STEPS)
-    ref_l, ref_p, ref_eng = reference(corpus, "float32" if amp else "float64")
+    losses, params, eng = run(config(corpus, *BASE, *KINDS[kind], *overrides(mesh, rc, gm, amp, case)), world, STEPS)
+    ref_l, ref_p, ref_eng = reference(corpus, kind, "float32" if amp else "float64")
     if amp:
         np.testing.assert_allclose(losses, ref_l, rtol=AMP_LOSS_RTOL)
         # Adam normalises each gradient element, so tiny float16 differences in near-zero gradients move
         # single weights by up to ~lr: compare the whole update, not element by element
-        init = reference(corpus, "float32", steps=0)[1]
+        init = reference(corpus, kind, "float32", steps=0)[1]
         flat = lambda d: np.concatenate([np.ravel(d[n]) for n in sorted(ref_p)])  # noqa: E731
         upd_err = np.linalg.norm(flat(params) - flat(ref_p)) / np.linalg.norm(flat(ref_p) - flat(init))
         assert upd_err < AMP_UPDATE_RTOL, f"amp update differs from float32 by {upd_err:.3%}"

@@ -1,4 +1,5 @@
 """The README stays a user's document: the two commands first, and every config key documented."""
+import dataclasses
 from pathlib import Path
 
 from hpengine import config as C
@@ -13,9 +14,8 @@ def test_two_commands_come_first():
 
 def test_every_config_key_is_in_the_reference():
     ref = README[README.index("## Configuration reference"):]
-    for section, value in C.to_dict(C.Config()).items():
-        for name, table in ([(section, value)] if section != "strategy" else
-                            [(f"strategy.{k}", v) for k, v in value.items()]):
-            assert f"[{name}]" in ref, name
-            for key in table:
-                assert f"`{key}`" in ref, f"{name}.{key}"
+    for path, cls in C._sections(C.Config, []):
+        name = ".".join(path)
+        assert f"[{name}]" in ref, name
+        for f in dataclasses.fields(cls):          # the keys of every model kind
+            assert f"`{f.name}`" in ref, f"{name}.{f.name}"

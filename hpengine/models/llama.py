@@ -1,0 +1,166 @@
+"""Llama-family decoder (the semantics of Hugging Face's LlamaForCausalLM): token embedding, pre-norm
+blocks x + attn(rmsnorm(x)), x + mlp(rmsnorm(x)), a final RMSNorm and the head; no biases.
+
+Attention: n_heads query heads share n_kv_heads key/value heads (grouped-query), rotary embedding on q
+and k ("rotate half"), causal softmax scaled by 1/sqrt(head_dim). MLP: down(silu(gate(x)) * up(x)).
+
+Parameters are stored (in, out) — Hugging Face's `*_proj.weight` transposed; q, k and v are separate
+matrices whose columns are head-major (head h owns columns h*hd .. (h+1)*hd - 1), in Hugging Face's
+rotary convention, so the export is a rename and a transpose. Under tensor parallelism q, k, v, gate and
+up split by columns (whole query and key/value heads per rank), o and down by rows, as Megatron does.
+"""
+from __future__ import annotations
+
+import math
+
+from ..buffers import ParamSpec
+from ..config import ffn_width
+from ..nn import (gqa_attention_backward, gqa_attention_forward, gqa_cache_elements, linear_backward,
+                  linear_drop_input, linear_forward, linear_restore_input, rmsnorm_backward, rmsnorm_cache_bytes,
+                  rmsnorm_forward, rope_backward, rope_forward, rope_tables, score_elements, swiglu_backward,
+                  swiglu_cache_elements, swiglu_forward, swiglu_recompute)
+from .common import (Block, embed_specs, end_cache_bytes, logits_loss_backward, logits_loss_forward, padded_vocab,
+                     standard_blocks, tok_embed_backward, tok_embed_forward)
+
+
+class Llama:
+    def __init__(self, mcfg, tp_size: int = 1):
+        self.cfg = mcfg
+        self.Vp = padded_vocab(mcfg.vocab_size, tp_size)
+        self.V, self.T, self.C, self.L = mcfg.vocab_size, mcfg.seq_len, mcfg.d_model, mcfg.n_layers
+        self.H, self.K = mcfg.n_heads, mcfg.n_kv_heads or mcfg.n_heads
+        self.hd, self.F = mcfg.d_model // mcfg.n_heads, ffn_width(mcfg)
+        self.tied, self.std, self.eps = mcfg.tie_head, mcfg.init_std, mcfg.norm_eps
+        self.n_layers = self.L
+        self._tables = {}
+
+    def blocks(self) -> list[Block]:
+        return standard_blocks(self.L, self.tied)
+
+    def tp_divides(self, tp: int) -> str:
+        """What a tensor-parallel degree must divide ("" when it does)."""
+        if self.H % tp or self.K % tp or self.F % tp or self.C % tp:
+            return (f"model.n_heads = {self.H}, the key/value heads n_kv_heads = {self.K}, the SwiGLU width "
+                    f"{self.F} and model.d_model = {self.C} (each rank holds whole key/value heads, as in "
+                    "Megatron; use a degree that divides n_kv_heads)")
+        return ""
+
+    def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int) -> dict:
+        """Bytes the forward caches per micro-batch of `rows` sequences, by block kind ("input": what a
+        recomputed layer keeps). A layer: two RMSNorms, the q/k/v linears' input and the gate/up linears'
+        input (the norms' outputs), the attention (rotated q and k, v, probabilities, its output, which
+        is the o linear's input) and the SiLU gating (the down linear's input is rebuilt from it)."""
+        n, C = rows * self.T, self.C
+        att = gqa_cache_elements(rows, self.T, self.H // tp, self.K // tp, self.hd, score_elements(self.T))
+        layer = 2 * rmsnorm_cache_bytes(n, C, item) + (2 * n * C + att + swiglu_cache_elements(n * self.F // tp)) * item
+        return {"layer": layer, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
+                                                  rmsnorm_cache_bytes(n, C, item))}
+
+    def tp_allreduces(self) -> tuple:
+        """Activation allreduces per layer under tensor parallelism: (forward, backward); the attention's and
+        the MLP's reduce_from_tp forward and copy_to_tp backward."""
+        return (2, 2)
+
+    def attention_flops(self, tokens: int, tp: int) -> int:
+        """Forward FLOPs of one layer's scores and their product with the values: 2 T hd per token and query
+        head each (grouping the key/value heads saves projections, not these)."""
+        return 4 * tokens * self.T * self.hd * self.H // tp
+
+    def specs(self, block: str) -> list[ParamSpec]:
+        C, std, hd = self.C, self.std, self.hd
+        if block == "embed":
+            return embed_specs(self.V, C, self.Vp)
+        if block == "head":
+            out = [ParamSpec("norm.w", (C,), decay=False, init="ones", block="head")]
+            if not self.tied:
+                out.append(ParamSpec("lm_head.w", (C, self.Vp), tp_dim=1, std=std, block="head",
+                                     true_shape=(C, self.V) if self.Vp != self.V else None))
+            return out
+        p, out_std = block, std / math.sqrt(2 * self.L)   # residual projections scaled down, as GPT-2 does
+        return [ParamSpec(f"{p}.attn_norm.w", (C,), decay=False, init="ones", block=p),
+                ParamSpec(f"{p}.attn.q.w", (C, self.H * hd), tp_dim=1, std=std, block=p),
+                ParamSpec(f"{p}.attn.k.w", (C, self.K * hd), tp_dim=1, std=std, block=p),
+                ParamSpec(f"{p}.attn.v.w", (C, self.K * hd), tp_dim=1, std=std, block=p),
+                ParamSpec(f"{p}.attn.o.w", (self.H * hd, C), tp_dim=0, std=out_std, block=p),
+                ParamSpec(f"{p}.mlp_norm.w", (C,), decay=False, init="ones", block=p),
+                ParamSpec(f"{p}.mlp.gate.w", (C, self.F), tp_dim=1, std=std, block=p),
+                ParamSpec(f"{p}.mlp.up.w", (C, self.F), tp_dim=1, std=std, block=p),
+                ParamSpec(f"{p}.mlp.down.w", (self.F, C), tp_dim=0, std=out_std, block=p)]
+
+    def all_specs(self) -> list[ParamSpec]:
+        return [s for b in self.blocks() for s in self.specs(b.name)]
+
+    def rope(self, xp, dtype):
+        """(cos, sin) and the query's (cos, sin) with 1/sqrt(hd) folded in, made once per array module and dtype."""
+        key = (xp.__name__, str(dtype))
+        if key not in self._tables:
+            th = self.cfg.rope_theta
+            self._tables[key] = (rope_tables(xp, self.T, self.hd, th, dtype),
+                                 rope_tables(xp, self.T, self.hd, th, dtype, 1.0 / math.sqrt(self.hd)))
+        return self._tables[key]
+
+    # --- blocks -------------------------------------------------------------------------------
+    def embed_forward(self, xp, P, idx, tp):
+        return tok_embed_forward(xp, P, idx, tp)
+
+    def embed_backward(self, xp, dx, cache, G, tp):
+        tok_embed_backward(xp, dx, cache, G, tp)
+
+    def layer_forward(self, xp, P, i, x, tp):
+        # x: (B, T, C) -> (B, T, C)
+        p, (B, T, _) = f"h.{i}", x.shape
+        H, K, hd = P[f"{p}.attn.q.w"].shape[1] // self.hd, P[f"{p}.attn.k.w"].shape[1] // self.hd, self.hd
+        (cos, sin), (qcos, qsin) = self.rope(xp, x.dtype)
+        h, c_n1 = rmsnorm_forward(xp, x, P[f"{p}.attn_norm.w"], self.eps)
+        h = tp.copy_to_tp(h)
+        q, c_q = linear_forward(xp, h, P[f"{p}.attn.q.w"])
+        k, c_k = linear_forward(xp, h, P[f"{p}.attn.k.w"])
+        v, c_v = linear_forward(xp, h, P[f"{p}.attn.v.w"])
+        q = rope_forward(xp, q.reshape(B, T, H, hd), qcos, qsin)
+        k = rope_forward(xp, k.reshape(B, T, K, hd), cos, sin)
+        a, c_att = gqa_attention_forward(xp, q, k, v.reshape(B, T, K, hd).transpose(0, 2, 1, 3))
+        o, c_o = linear_forward(xp, a, P[f"{p}.attn.o.w"])
+        o = tp.reduce_from_tp(o)
+        o += x                  # o is ours: the residual sum needs no new array
+        h2, c_n2 = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps)
+        h2 = tp.copy_to_tp(h2)
+        g, c_g = linear_forward(xp, h2, P[f"{p}.mlp.gate.w"])
+        u, c_u = linear_forward(xp, h2, P[f"{p}.mlp.up.w"])
+        m, c_sw = swiglu_forward(xp, g, u)
+        d, c_d = linear_forward(xp, m, P[f"{p}.mlp.down.w"])
+        del m
+        o += tp.reduce_from_tp(d)
+        return o, (c_n1, c_q, c_k, c_v, c_att, c_o, c_n2, c_g, c_u, c_sw, linear_drop_input(c_d))
+
+    def layer_backward(self, xp, dy, cache, P, G, i, tp):
+        p = f"h.{i}"
+        c_n1, c_q, c_k, c_v, c_att, c_o, c_n2, c_g, c_u, c_sw, c_d = cache
+        (cos, sin), (qcos, qsin) = self.rope(xp, dy.dtype)
+        # MLP branch
+        c_d = linear_restore_input(c_d, swiglu_recompute(xp, c_sw))
+        dm = linear_backward(xp, tp.reduce_from_tp_backward(dy), c_d, P[f"{p}.mlp.down.w"], G[f"{p}.mlp.down.w"])
+        del c_d
+        dg, du = swiglu_backward(xp, dm, c_sw)
+        dh2 = linear_backward(xp, dg, c_g, P[f"{p}.mlp.gate.w"], G[f"{p}.mlp.gate.w"])
+        dh2 += linear_backward(xp, du, c_u, P[f"{p}.mlp.up.w"], G[f"{p}.mlp.up.w"])
+        dx = rmsnorm_backward(xp, tp.copy_to_tp_backward(dh2), c_n2, P[f"{p}.mlp_norm.w"], G[f"{p}.mlp_norm.w"])
+        dx += dy
+        # attention branch
+        da = linear_backward(xp, tp.reduce_from_tp_backward(dx), c_o, P[f"{p}.attn.o.w"], G[f"{p}.attn.o.w"])
+        dq, dk, dv = gqa_attention_backward(xp, da, c_att)
+        B, K, T, hd = dv.shape
+        dh = linear_backward(xp, rope_backward(xp, dq, qcos, qsin), c_q, P[f"{p}.attn.q.w"], G[f"{p}.attn.q.w"])
+        dh += linear_backward(xp, rope_backward(xp, dk, cos, sin), c_k, P[f"{p}.attn.k.w"], G[f"{p}.attn.k.w"])
+        dh += linear_backward(xp, dv.transpose(0, 2, 1, 3), c_v, P[f"{p}.attn.v.w"], G[f"{p}.attn.v.w"])
+        dx += rmsnorm_backward(xp, tp.copy_to_tp_backward(dh), c_n1, P[f"{p}.attn_norm.w"], G[f"{p}.attn_norm.w"])
+        return dx
+
+    def head_forward(self, xp, P, x, targets, norm, tp):
+        h, c_n = rmsnorm_forward(xp, x, P["norm.w"], self.eps)
+        loss, c = logits_loss_forward(xp, P, h, targets, norm, tp, self.tied)
+        return loss, (c_n, c)
+
+    def head_backward(self, xp, cache, G, tp, P, dloss=1.0):
+        c_n, c = cache
+        dh = logits_loss_backward(xp, c, G, tp, self.tied, P, dloss)
+        return rmsnorm_backward(xp, dh, c_n, P["norm.w"], G["norm.w"])

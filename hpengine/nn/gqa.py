@@ -1,0 +1,94 @@
+"""Causal grouped-query attention: H query heads share K key/value heads (g = H / K queries per group;
+K = H is multi-head attention, K = 1 multi-query).
+
+Inputs come head-major from the rotary embedding: q (B, H, T, hd), already rotated and scaled by
+1/sqrt(hd); k (B, K, T, hd); v (B, K, T, hd) in any strides (the projection's output seen per head).
+The g query heads of a group and a block of query rows fold into one row axis, so every product is
+one GEMM per (batch row, kv head) whose rows are all the group's queries: the keys and values are
+never repeated per query head, and backward's dk and dv sum over the group inside the GEMM. Query rows
+come in the same two causal blocks as nn/attention.py (the fully masked quarter is never computed).
+"""
+from . import fused
+from .attention import _blocks, _causal_bias, _mm, _rowsum
+
+
+def _grouped(a, K, g, a0, b0):
+    # rows a0..b0 of (B, K*g, T, hd) or of a (B, K, g, T, hd) view -> (B, K, g*(b0-a0), hd); copies when g > 1
+    B, hd = a.shape[0], a.shape[-1]
+    return a.reshape(B, K, g, -1, hd)[:, :, :, a0:b0].reshape(B, K, g * (b0 - a0), hd)
+
+
+def _per_head(a, K, g):
+    # (B, T, K*g*hd) -> the view (B, K, g, T, hd)
+    B, T, _ = a.shape
+    return a.reshape(B, T, K, g, -1).transpose(0, 2, 3, 1, 4)
+
+
+def _softmax_(xp, p, a):
+    # in place on grouped scores p (B, K, g*n, b) of query rows a .. a+n-1 (repeated per head)
+    B, K, gn, b = p.shape
+    n = b - a
+    p5 = p.reshape(B, K, gn // n, n, b)
+    if fused.usable(xp, p5) and p5.flags.c_contiguous:
+        fused.causal_softmax_(p5, a)
+        return
+    p5 += _causal_bias(xp, a, b, p.dtype)
+    p5 -= p5.max(axis=-1, keepdims=True)        # the diagonal is never masked: the max is finite
+    xp.exp(p5, out=p5)
+    s = _rowsum(xp, p5)
+    xp.reciprocal(s, out=s)
+    p5 *= s
+
+
+def gqa_attention_forward(xp, q, k, v):
+    # q: (B, H, T, hd), k, v: (B, K, T, hd) -> y: (B, T, H*hd)
+    B, H, T, hd = q.shape
+    K = k.shape[1]
+    if H % K:
+        raise ValueError(f"{H} query heads do not split into groups of {K} key/value heads")
+    g = H // K
+    y = xp.empty((B, T, H * hd), dtype=q.dtype)
+    y5 = _per_head(y, K, g)
+    qs, ps = [], []
+    for a, b in _blocks(T):
+        qb = _grouped(q, K, g, a, b)
+        p = _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2))
+        _softmax_(xp, p, a)
+        o = _mm(xp, p, v[:, :, :b])
+        y5[:, :, :, a:b] = o.reshape(B, K, g, b - a, hd)
+        qs.append(qb)
+        ps.append(p)
+    return y, (qs, k, v, ps, y)
+
+
+def gqa_attention_backward(xp, dy, cache):
+    # dy: (B, T, H*hd) -> dq (B, H, T, hd), dk, dv (B, K, T, hd)
+    qs, k, v, ps, y = cache
+    B, K, T, hd = k.shape
+    g = y.shape[-1] // (hd * K)
+    dy5, y5 = _per_head(dy, K, g), _per_head(y, K, g)
+    dq = xp.empty((B, K * g, T, hd), dtype=dy.dtype)
+    dq5 = dq.reshape(B, K, g, T, hd)
+    dk, dv = xp.empty(k.shape, dtype=dy.dtype), xp.empty(k.shape, dtype=dy.dtype)
+    # the last block covers every key: it writes dk, dv whole, the earlier block adds to a prefix
+    for (a, b), qb, p in reversed(list(zip(_blocks(T), qs, ps))):
+        dob, ob = _grouped(dy5, K, g, a, b), _grouped(y5, K, g, a, b)
+        # softmax backward: ds = p * (dp - rowsum(dp * p)), and rowsum(dp * p) = rowsum(do * o)
+        rs = ((dob * ob).sum(axis=-1, keepdims=True) if dy.dtype.itemsize < 4
+              else xp.einsum("bkrd,bkrd->bkr", dob, ob)[..., None])
+        ds = _mm(xp, dob, v[:, :, :b].swapaxes(-1, -2))
+        if fused.usable(xp, ds, p, rs) and ds.flags.c_contiguous and p.flags.c_contiguous:
+            fused.grouped_softmax_backward_(ds, p, rs)
+        else:
+            ds -= rs
+            ds *= p
+        dq5[:, :, :, a:b] = _mm(xp, ds, k[:, :, :b]).reshape(B, K, g, b - a, hd)
+        _mm(xp, p.swapaxes(-1, -2), dob, dv[:, :, :b], accumulate=b < T)
+        _mm(xp, ds.swapaxes(-1, -2), qb, dk[:, :, :b], accumulate=b < T)
+    return dq, dk, dv
+
+
+def gqa_cache_elements(B: int, T: int, H: int, K: int, hd: int, score_elements: int) -> int:
+    """Elements the forward caches for B sequences: the rotated queries and keys, the values (the
+    projection's output), the output y and the probabilities of every query head."""
+    return B * T * hd * (2 * H + 2 * K) + B * H * score_elements

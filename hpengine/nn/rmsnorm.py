@@ -1,0 +1,61 @@
+"""RMS normalisation over the last dim with a learned weight (no bias, no mean subtraction):
+y = w * x / sqrt(mean(x^2) + eps), as Llama defines it.
+
+The statistics are computed in float32 even when x is float16 (amp), like Hugging Face's
+LlamaRMSNorm: the normalised x is rounded back to x's dtype before the weight multiplies it. The
+cache keeps the normalised input (x's dtype) and 1/rms per row (float32 under amp), so backward
+needs no recompute.
+"""
+from . import fused
+
+
+def _compute_dtype(xp, dtype):
+    return xp.float32 if dtype.itemsize < 4 else dtype
+
+
+def rmsnorm_forward(xp, x, w, eps=1e-5):
+    # x: (..., C), w: (C,) -> y: (..., C)
+    C = x.shape[-1]
+    x2 = x.reshape(-1, C)
+    if fused.usable(xp, x2, w):
+        y, xhat, rstd = fused.rmsnorm_forward(xp, x2, w, eps)
+        return y.reshape(x.shape), (xhat, rstd)
+    xc = x2.astype(_compute_dtype(xp, x.dtype), copy=False)
+    # mean(x^2) as a dot product per row with 1/C folded in: one pass, no (N, C) temporary
+    ms = xp.einsum("ij,ij->i", xc, xc)[:, None]
+    ms *= 1.0 / C
+    ms += eps
+    rstd = xp.sqrt(ms, out=ms)
+    xp.reciprocal(rstd, out=rstd)
+    xhat = xc * rstd
+    if xhat.dtype != x.dtype:
+        xhat = xhat.astype(x.dtype)
+    return (xhat * w).reshape(x.shape), (xhat, rstd)
+
+
+def rmsnorm_backward(xp, dy, cache, w, dw):
+    # dy: (..., C), w, dw: (C,) -> dx: (..., C)
+    # dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w; dw += sum over rows of dy * xhat
+    xhat, rstd = cache
+    C = w.shape[0]
+    dy2 = dy.reshape(-1, C)
+    if fused.usable(xp, dy2, xhat, dw) and dw.flags.c_contiguous:
+        fused.colsum_(xp, dy2, dw, xhat)
+    else:
+        dw += (dy2 * xhat).sum(axis=0) if dy2.dtype.itemsize < 4 else xp.einsum("ij,ij->j", dy2, xhat)
+    if fused.usable(xp, dy2, xhat, rstd, w):
+        return fused.rmsnorm_backward_dx(xp, dy2, xhat, rstd, w).reshape(dy.shape)
+    ct = _compute_dtype(xp, dy.dtype)
+    g = dy2.astype(ct) * w.astype(ct, copy=False)
+    xh = xhat.astype(ct, copy=False)
+    m = xp.einsum("ij,ij->i", g, xh)[:, None]
+    m *= 1.0 / C
+    g -= xh * m
+    g *= rstd
+    return g.astype(dy.dtype, copy=False).reshape(dy.shape)
+
+
+def rmsnorm_cache_bytes(n: int, C: int, item: int) -> int:
+    """Bytes the forward caches for n rows of width C in a dtype of `item` bytes: the normalised input
+    and one 1/rms per row (float32 when the data is half precision)."""
+    return n * C * item + n * max(item, 4)

@@ -1,0 +1,58 @@
+"""Rotary position embedding, the "rotate half" convention of Hugging Face's Llama: the head dimension
+splits into halves (x1, x2) and position t rotates each pair (x1[i], x2[i]) by the angle
+t * theta^(-2i/hd):  y1 = x1 cos - x2 sin,  y2 = x2 cos + x1 sin.
+
+The rotation is linear, so backward rotates the gradient by the opposite angle. Forward reads the
+(B, T, H, hd) view of a projection's output and writes head-major (B, H, T, hd) arrays, the layout the
+attention's batched products want; backward turns that around. A scale folded into the tables (the
+query's 1/sqrt(hd)) costs nothing.
+"""
+from . import fused
+
+
+def rope_tables(xp, T: int, hd: int, theta: float, dtype, scale: float = 1.0):
+    """cos and sin (T, hd/2) of every position and frequency, times `scale`, computed in float64."""
+    import numpy as np
+    if hd % 2:
+        raise ValueError(f"rotary embedding needs an even head dimension, got {hd}")
+    inv = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+    ang = np.arange(T, dtype=np.float64)[:, None] * inv[None, :]
+    return (xp.asarray((np.cos(ang) * scale).astype(dtype)), xp.asarray((np.sin(ang) * scale).astype(dtype)))
+
+
+def rope_forward(xp, x, cos, sin):
+    # x: (B, T, H, hd) (any strides) -> y: (B, H, T, hd) contiguous
+    B, T, H, hd = x.shape
+    if fused.usable(xp, x, cos, sin):
+        return fused.rope_forward(xp, x, cos[:T], sin[:T])
+    y = xp.empty((B, H, T, hd), dtype=x.dtype)
+    _rotate(xp, x, y.transpose(0, 2, 1, 3), cos[:T, None, :], sin[:T, None, :], +1)
+    return y
+
+
+def rope_backward(xp, dy, cos, sin):
+    # dy: (B, H, T, hd) -> dx: (B, T, H, hd) contiguous (reshapes to the projection's (B, T, H*hd))
+    B, H, T, hd = dy.shape
+    if fused.usable(xp, dy, cos, sin):
+        return fused.rope_backward(xp, dy, cos[:T], sin[:T])
+    dx = xp.empty((B, T, H, hd), dtype=dy.dtype)
+    _rotate(xp, dy.transpose(0, 2, 1, 3), dx, cos[:T, None, :], sin[:T, None, :], -1)
+    return dx
+
+
+def _rotate(xp, x, out, c, s, sign):
+    # out = R(sign * angle) x on (B, T, H, hd) views; c, s broadcast as (T, 1, hd/2)
+    h = x.shape[-1] // 2
+    x1, x2, o1, o2 = x[..., :h], x[..., h:], out[..., :h], out[..., h:]
+    xp.multiply(x1, c, out=o1)
+    xp.multiply(x2, c, out=o2)
+    t = x2 * s
+    if sign > 0:
+        o1 -= t
+        xp.multiply(x1, s, out=t)
+        o2 += t
+    else:
+        o1 += t
+        xp.multiply(x1, s, out=t)
+        o2 -= t
+
