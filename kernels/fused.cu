@@ -1,17 +1,20 @@
 // Fused layer kernels for the CuPy path: each replaces a chain of element-wise CuPy calls (one launch and
 // one pass over memory each) by a single launch that reads its inputs once. Entries <op>_f32 and <op>_f64.
 // NumPy twins: the NumPy code in hpengine/nn (gelu_forward, gelu_backward, attention_forward's softmax,
-// attention_backward's softmax gradient, layernorm_forward, layernorm_backward's dx, cross_entropy_forward,
-// cross_entropy_backward, the bias and layernorm weight gradients' column sums), which computes the same
-// formulas; hpengine/nn/fused.py launches these.
+// attention_backward's softmax gradient, gqa_attention_backward's softmax gradient, layernorm_forward,
+// layernorm_backward's dx, rmsnorm_forward, rmsnorm_backward's dx, rope_forward, rope_backward,
+// swiglu_forward, swiglu_backward, cross_entropy_forward, cross_entropy_backward, the bias and norm weight
+// gradients' column sums), which computes the same formulas; hpengine/nn/fused.py launches these.
 //
 // Launch assumptions
-//   * point-wise entries (gelu_*, softmax_bwd, xent_bwd): 1-D grid-stride loops, any grid covers any n.
-//   * row entries (causal_softmax, layernorm_*, xent_fwd): one block per row (grid-stride over rows),
-//     blockDim.x a multiple of 32 and at most 1024; rows are contiguous, n_cols elements apart.
+//   * point-wise entries (gelu_*, softmax_bwd, grouped_softmax_bwd, rope_*, swiglu_*, xent_bwd): 1-D
+//     grid-stride loops, any grid covers any n.
+//   * row entries (causal_softmax, layernorm_*, rmsnorm_*, xent_fwd): one block per row (grid-stride over
+//     rows), blockDim.x a multiple of 32 and at most 1024; rows are contiguous, n_cols elements apart.
 //   * colsum_part*: blocks of (32, 8) threads, gridDim.x * 32 >= n_cols, gridDim.y chunks of rows;
 //     colsum_finish: 1-D grid-stride, part holding gridDim.y rows of the part entry's grid.
-//   * all arrays C-contiguous; outputs do not overlap inputs unless the entry says "in place".
+//   * all arrays C-contiguous, except the input of rope_*, read through the four element strides passed;
+//     outputs do not overlap inputs unless the entry says "in place".
 
 #define MAX_WARPS 32
 
@@ -160,6 +163,101 @@ __device__ void layernorm_bwd(const T* __restrict__ dy, const T* __restrict__ xh
     }
 }
 
+// ---- grouped-query softmax gradient, in place on ds (= dP on entry): ds = (ds - rs) * p over rows of
+// n_cols scores, rs one value per row
+template <typename T>
+__device__ void grouped_softmax_bwd(T* ds, const T* __restrict__ p, const T* __restrict__ rs, long long n,
+                                    int n_cols) {
+    GRID_STRIDE(i, n) ds[i] = (ds[i] - rs[i / n_cols]) * p[i];
+}
+
+// ---- RMS norm over rows of x (n_rows, n_cols): rstd = 1 / sqrt(mean(x^2) + eps), xhat = x rstd, y = xhat w
+template <typename T>
+__device__ void rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+                            T* __restrict__ xhat, T* __restrict__ rstd, long long n_rows, int n_cols, T eps) {
+    __shared__ T sh[MAX_WARPS];
+    ROWS(r, n_rows) {
+        const T* xr = x + r * n_cols;
+        T s = 0;
+        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) s += xr[j] * xr[j];
+        const T rs = rsq<T>(block_reduce(s, sh, Sum()) * (T)(1.0 / n_cols) + eps);
+        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) {
+            const T h = xr[j] * rs;
+            xhat[r * n_cols + j] = h;
+            y[r * n_cols + j] = h * w[j];
+        }
+        if (threadIdx.x == 0) rstd[r] = rs;
+    }
+}
+
+// dx = rstd (g - xhat mean(g xhat)), g = dy w
+template <typename T>
+__device__ void rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ xhat, const T* __restrict__ rstd,
+                            const T* __restrict__ w, T* __restrict__ dx, long long n_rows, int n_cols) {
+    __shared__ T sh[MAX_WARPS];
+    ROWS(r, n_rows) {
+        const T* dr = dy + r * n_cols;
+        const T* hr = xhat + r * n_cols;
+        T sgx = 0;
+        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) sgx += dr[j] * w[j] * hr[j];
+        const T m = block_reduce(sgx, sh, Sum()) * (T)(1.0 / n_cols);
+        const T rs = rstd[r];
+        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) dx[r * n_cols + j] = (dr[j] * w[j] - hr[j] * m) * rs;
+    }
+}
+
+// ---- rotary embedding, "rotate half": pair (x1, x2) = (x[k], x[k + n_k]) of head dim 2 n_k at position t
+// turns by +-angle: forward y1 = x1 c - x2 s, y2 = x2 c + x1 s; backward y1 = x1 c + x2 s, y2 = x2 c - x1 s,
+// c, s = cos, sin (n_t, n_k) at (t, k). One thread per pair of the C-contiguous output: forward reads
+// x (B, n_t, n_h, 2 n_k) and writes (B, n_h, n_t, 2 n_k), backward the other way round; s0..s3 are the
+// input's strides in elements, in its own axis order.
+template <typename T, bool FWD>
+__device__ void rope(const T* __restrict__ x, const T* __restrict__ cs, const T* __restrict__ sn,
+                     T* __restrict__ y, long long n, int n_t, int n_h, int n_k, long long s0, long long s1,
+                     long long s2, long long s3) {
+    GRID_STRIDE(i, n) {
+        const long long r = i / n_k;                      // output row: (b, h, t) forward, (b, t, h) backward
+        const int k = (int)(i - r * n_k);
+        const long long q = FWD ? r / n_t : r / n_h;
+        const int t = FWD ? (int)(r - q * n_t) : (int)(q % n_t);
+        const int h = FWD ? (int)(q % n_h) : (int)(r - q * n_h);
+        const long long b = FWD ? q / n_h : q / n_t;
+        const T* xi = x + b * s0 + (FWD ? t * s1 + h * s2 : h * s1 + t * s2) + k * s3;
+        const T x1 = xi[0], x2 = xi[n_k * s3];
+        const T c = cs[(long long)t * n_k + k], s = sn[(long long)t * n_k + k];
+        T* yi = y + r * (2 * n_k) + k;
+        yi[0] = FWD ? x1 * c - x2 * s : x1 * c + x2 * s;
+        yi[n_k] = FWD ? x2 * c + x1 * s : x2 * c - x1 * s;
+    }
+}
+
+// ---- SiLU gating: s = sigmoid(g), a = g s u; backward du = g s da, dg = ((1 - s) g + 1) s u da
+template <typename T>
+__device__ void swiglu_fwd(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ a, T* __restrict__ s,
+                           long long n) {
+    GRID_STRIDE(i, n) {
+        const T gi = g[i];
+        const T si = (T)1 / (ex<T>(-gi) + (T)1);
+        s[i] = si;
+        a[i] = gi * si * u[i];
+    }
+}
+
+template <typename T>
+__device__ void swiglu_bwd(const T* __restrict__ g, const T* __restrict__ u, const T* __restrict__ s,
+                           const T* __restrict__ da, T* __restrict__ dg, T* __restrict__ du, long long n) {
+    GRID_STRIDE(i, n) {
+        const T gi = g[i], si = s[i], dai = da[i];
+        du[i] = gi * si * dai;
+        T d = (T)1 - si;
+        d *= gi;
+        d += (T)1;
+        d *= si;
+        d *= u[i];
+        dg[i] = d * dai;
+    }
+}
+
 // ---- softmax cross-entropy over rows of logits (n_rows, n_cols): p = softmax (written to p),
 // nll[r] = log(sum exp(z - max)) - (z[target] - max)
 template <typename T>
@@ -239,6 +337,27 @@ extern "C" __global__ void layernorm_fwd_##S(const T* x, const T* w, const T* b,
 extern "C" __global__ void layernorm_bwd_##S(const T* dy, const T* xhat, const T* rstd, const T* w, T* dx,     \
                                              long long n_rows, int n_cols) {                                   \
     layernorm_bwd<T>(dy, xhat, rstd, w, dx, n_rows, n_cols); }                                                 \
+extern "C" __global__ void grouped_softmax_bwd_##S(T* ds, const T* p, const T* rs, long long n, int n_cols) {  \
+    grouped_softmax_bwd<T>(ds, p, rs, n, n_cols); }                                                            \
+extern "C" __global__ void rmsnorm_fwd_##S(const T* x, const T* w, T* y, T* xhat, T* rstd, long long n_rows,   \
+                                           int n_cols, T eps) {                                                \
+    rmsnorm_fwd<T>(x, w, y, xhat, rstd, n_rows, n_cols, eps); }                                                \
+extern "C" __global__ void rmsnorm_bwd_##S(const T* dy, const T* xhat, const T* rstd, const T* w, T* dx,       \
+                                           long long n_rows, int n_cols) {                                     \
+    rmsnorm_bwd<T>(dy, xhat, rstd, w, dx, n_rows, n_cols); }                                                   \
+extern "C" __global__ void rope_fwd_##S(const T* x, const T* cs, const T* sn, T* y, long long n, int n_t,      \
+                                        int n_h, int n_k, long long s0, long long s1, long long s2,           \
+                                        long long s3) {                                                        \
+    rope<T, true>(x, cs, sn, y, n, n_t, n_h, n_k, s0, s1, s2, s3); }                                           \
+extern "C" __global__ void rope_bwd_##S(const T* dy, const T* cs, const T* sn, T* dx, long long n, int n_t,    \
+                                        int n_h, int n_k, long long s0, long long s1, long long s2,           \
+                                        long long s3) {                                                        \
+    rope<T, false>(dy, cs, sn, dx, n, n_t, n_h, n_k, s0, s1, s2, s3); }                                        \
+extern "C" __global__ void swiglu_fwd_##S(const T* g, const T* u, T* a, T* s, long long n) {                   \
+    swiglu_fwd<T>(g, u, a, s, n); }                                                                            \
+extern "C" __global__ void swiglu_bwd_##S(const T* g, const T* u, const T* s, const T* da, T* dg, T* du,       \
+                                          long long n) {                                                       \
+    swiglu_bwd<T>(g, u, s, da, dg, du, n); }                                                                   \
 extern "C" __global__ void xent_fwd_##S(const T* z, const long long* target, T* p, T* nll, long long n_rows,   \
                                         int n_cols) {                                                          \
     xent_fwd<T>(z, target, p, nll, n_rows, n_cols); }                                                          \

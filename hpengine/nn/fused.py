@@ -66,6 +66,14 @@ def softmax_backward_(ds, p, rs, q0: int):
                                                np.int32(q0), np.int32(rs.shape[-2])))
 
 
+def grouped_softmax_backward_(ds, p, rs):
+    """In place: ds = (ds - rs) * p, with ds, p (..., n_cols) contiguous and rs (..., 1) one value per row."""
+    if not (ds.flags.c_contiguous and p.flags.c_contiguous):
+        raise ValueError("grouped_softmax_backward_: ds and p must be contiguous")
+    rs = rs if rs.flags.c_contiguous else rs.copy()
+    _points("grouped_softmax_bwd", ds.dtype, ds.size, (ds, p, rs, np.int64(ds.size), np.int32(ds.shape[-1])))
+
+
 def layernorm_forward(xp, x2, w, b, eps):
     """x2 (N, C) -> y, xhat (N, C), rstd (N, 1)."""
     x2, w, b = xp.ascontiguousarray(x2), xp.ascontiguousarray(w), xp.ascontiguousarray(b)
@@ -81,6 +89,65 @@ def layernorm_backward_dx(xp, dy2, xhat, rstd, w):
     dx = xp.empty_like(dy2)
     _rows("layernorm_bwd", dy2.dtype, n, c, (dy2, xhat, rstd, w, dx, np.int64(n), np.int32(c)))
     return dx
+
+
+def rmsnorm_forward(xp, x2, w, eps):
+    """x2 (N, C) -> y, xhat (N, C), rstd (N, 1)."""
+    x2, w = xp.ascontiguousarray(x2), xp.ascontiguousarray(w)
+    n, c = x2.shape
+    y, xhat, rstd = xp.empty_like(x2), xp.empty_like(x2), xp.empty((n, 1), dtype=x2.dtype)
+    _rows("rmsnorm_fwd", x2.dtype, n, c, (x2, w, y, xhat, rstd, np.int64(n), np.int32(c), x2.dtype.type(eps)))
+    return y, xhat, rstd
+
+
+def rmsnorm_backward_dx(xp, dy2, xhat, rstd, w):
+    dy2, xhat, rstd, w = (xp.ascontiguousarray(a) for a in (dy2, xhat, rstd, w))
+    n, c = dy2.shape
+    dx = xp.empty_like(dy2)
+    _rows("rmsnorm_bwd", dy2.dtype, n, c, (dy2, xhat, rstd, w, dx, np.int64(n), np.int32(c)))
+    return dx
+
+
+def _rope(entry, xp, x, cos, sin, out, n_t, n_h):
+    # one thread per rotated pair of out; x is read in its own strides, passed in elements
+    if any(st % x.itemsize for st in x.strides):
+        x = xp.ascontiguousarray(x)
+    cos, sin = xp.ascontiguousarray(cos), xp.ascontiguousarray(sin)
+    if cos.shape != sin.shape or cos.shape[0] < n_t or 2 * cos.shape[1] != out.shape[-1]:
+        raise ValueError(f"{entry}: tables {cos.shape}, {sin.shape} do not fit {n_t} positions of {out.shape}")
+    n = out.size // 2
+    strides = tuple(np.int64(st // x.itemsize) for st in x.strides)
+    _points(entry, x.dtype, n, (x, cos, sin, out, np.int64(n), np.int32(n_t), np.int32(n_h),
+                                np.int32(out.shape[-1] // 2)) + strides)
+    return out
+
+
+def rope_forward(xp, x, cos, sin):
+    """x (B, T, H, hd) in any strides, cos and sin (T, hd/2) -> a new contiguous (B, H, T, hd)."""
+    B, T, H, hd = x.shape
+    return _rope("rope_fwd", xp, x, cos, sin, xp.empty((B, H, T, hd), dtype=x.dtype), T, H)
+
+
+def rope_backward(xp, dy, cos, sin):
+    """dy (B, H, T, hd) in any strides -> a new contiguous (B, T, H, hd), rotated back."""
+    B, H, T, hd = dy.shape
+    return _rope("rope_bwd", xp, dy, cos, sin, xp.empty((B, T, H, hd), dtype=dy.dtype), T, H)
+
+
+def swiglu_forward(xp, g, u):
+    """-> a = g sigmoid(g) u and s = sigmoid(g), contiguous, of g's shape."""
+    g, u = xp.ascontiguousarray(g), xp.ascontiguousarray(u)
+    a, s = xp.empty_like(g), xp.empty_like(g)
+    _points("swiglu_fwd", g.dtype, g.size, (g, u, a, s, np.int64(g.size)))
+    return a, s
+
+
+def swiglu_backward(xp, g, u, s, da):
+    """-> (dg, du), contiguous, of g's shape."""
+    g, u, s, da = (xp.ascontiguousarray(a) for a in (g, u, s, da))
+    dg, du = xp.empty_like(g), xp.empty_like(g)
+    _points("swiglu_bwd", g.dtype, g.size, (g, u, s, da, dg, du, np.int64(g.size)))
+    return dg, du
 
 
 def colsum_(xp, a2, out, b2=None):

@@ -145,3 +145,86 @@ def test_linear_backward_accumulates(dtype, rows):
     close(linear_backward(cp, dyd, cd, wd, dwd, dbd), linear_backward(np, dy, c, w, dw0, db0), dtype)
     close(dwd, dw0, dtype)
     close(dbd, db0, dtype)
+
+
+@pytest.fixture
+def entries(monkeypatch):
+    """The fused entries launched during a test: the comparisons must go through the kernels."""
+    seen, fn = set(), fused._fn
+    monkeypatch.setattr(fused, "_fn", lambda entry, dtype: seen.add(entry) or fn(entry, dtype))
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("rows,C", [(15, 7), (37, 96), (5, 1500)])
+def test_rmsnorm(entries, dtype, rows, C):
+    from hpengine.nn.rmsnorm import rmsnorm_backward, rmsnorm_forward
+    rng = np.random.default_rng(8)
+    x, xd = pair(rng, (rows, 1, C), dtype, 2.0)
+    w, wd = pair(rng, (C,), dtype)
+    y, c = rmsnorm_forward(np, x, w)
+    yd, cd = rmsnorm_forward(cp, xd, wd)
+    close(yd, y, dtype)
+    close(cd[0], c[0], dtype)
+    close(cd[1], c[1], dtype)
+    dy, dyd = pair(rng, x.shape, dtype)
+    dw, dwd = np.zeros(C, dtype), cp.zeros(C, dtype)
+    close(rmsnorm_backward(cp, dyd, cd, wd, dwd), rmsnorm_backward(np, dy, c, w, dw), dtype)
+    close(dwd, dw, dtype)
+    assert {"rmsnorm_fwd", "rmsnorm_bwd"} <= entries
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("B,T,H,hd", [(2, 7, 3, 6), (1, 33, 2, 64)])
+def test_rope(entries, dtype, B, T, H, hd):
+    from hpengine.nn.rope import rope_backward, rope_forward, rope_tables
+    rng = np.random.default_rng(9)
+    proj, projd = pair(rng, (B, T, 2 * H * hd), dtype)       # x is the second half: a strided view
+    tables = [rope_tables(xp, T + 3, hd, 10000.0, dtype, 0.5) for xp in (np, cp)]
+    x, xd = (a[:, :, H * hd:].reshape(B, T, H, hd) for a in (proj, projd))
+    yd = rope_forward(cp, xd, *tables[1])
+    assert yd.flags.c_contiguous
+    close(yd, rope_forward(np, x, *tables[0]), dtype)
+    dy, dyd = pair(rng, (B, H, T, hd), dtype)
+    dxd = rope_backward(cp, dyd, *tables[1])
+    assert dxd.flags.c_contiguous
+    close(dxd, rope_backward(np, dy, *tables[0]), dtype)
+    dyt, dytd = (a.reshape(B, T, H, hd).transpose(0, 2, 1, 3) for a in (dy, dyd))     # strided dy
+    close(rope_backward(cp, dytd, *tables[1]), rope_backward(np, dyt, *tables[0]), dtype)
+    assert {"rope_fwd", "rope_bwd"} <= entries
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("shape", [(3, 5), (2, 7, 300)])
+def test_swiglu(entries, dtype, shape):
+    from hpengine.nn.swiglu import swiglu_backward, swiglu_forward, swiglu_recompute
+    rng = np.random.default_rng(10)
+    g, gd = pair(rng, shape, dtype, 3.0)
+    u, ud = pair(rng, shape, dtype)
+    a, c = swiglu_forward(np, g, u)
+    ad, cd = swiglu_forward(cp, gd, ud)
+    close(ad, a, dtype)
+    close(cd[2], c[2], dtype)
+    assert cp.asnumpy(swiglu_recompute(cp, cd)).tobytes() == cp.asnumpy(ad).tobytes()
+    da, dad = pair(rng, shape, dtype)
+    for got, want in zip(swiglu_backward(cp, dad, cd), swiglu_backward(np, da, c)):
+        close(got, want, dtype)
+    assert {"swiglu_fwd", "swiglu_bwd"} <= entries
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("B,T,H,K,hd", [(2, 7, 6, 2, 6), (1, 33, 4, 1, 8), (2, 16, 4, 4, 8)])
+def test_gqa_attention(entries, dtype, B, T, H, K, hd):
+    from hpengine.nn.gqa import gqa_attention_backward, gqa_attention_forward
+    rng = np.random.default_rng(11)
+    (q, qd), (k, kd), (v, vd) = pair(rng, (B, H, T, hd), dtype), pair(rng, (B, K, T, hd), dtype), \
+        pair(rng, (B, K, T, hd), dtype)
+    y, c = gqa_attention_forward(np, q, k, v)
+    yd, cd = gqa_attention_forward(cp, qd, kd, vd)
+    close(yd, y, dtype)
+    for pd, p in zip(cd[3], c[3]):
+        close(pd, p, dtype)
+    dy, dyd = pair(rng, y.shape, dtype)
+    for got, want in zip(gqa_attention_backward(cp, dyd, cd), gqa_attention_backward(np, dy, c)):
+        close(got, want, dtype)
+    assert {"causal_softmax", "grouped_softmax_bwd"} <= entries

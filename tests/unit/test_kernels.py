@@ -204,7 +204,14 @@ C_TYPES = {"float*": np.float32, "double*": np.float64, "unsigned char*": np.uin
 def _signature(name, entry):
     """[(C type, pointer?)] of an extern "C" entry, read from its .cu file."""
     src = kernels.source_path(name).read_text()
-    params = re.search(rf"__global__ void {entry}\((.*?)\)", src, re.S).group(1)
+    m = re.search(rf"__global__ void {entry}\((.*?)\)", src, re.S)
+    if m is not None:
+        params = m.group(1)
+    else:                                      # an ENTRIES(S, T) instance: <op>_##S over element type T
+        op, suffix = entry.rsplit("_", 1)
+        elem = re.search(rf"ENTRIES\({suffix}, (\w+)\)", src).group(1)
+        params = re.search(rf"__global__ void {op}_##S\((.*?)\)", src, re.S).group(1)
+        params = re.sub(r"\bT\b", elem, params.replace("\\", " "))
     out = []
     for decl in params.split(","):
         words = decl.replace("const ", "").replace("__restrict__", "").replace("*", " * ").split()[:-1]
@@ -237,17 +244,24 @@ def launches(monkeypatch):
     return calls
 
 
-def _check_launch(call):
+def _check_launch(call, rows=False, strided=()):
+    """Arguments match the entry's C signature (pointers contiguous but those at `strided`); blocks of
+    THREADS, or for a row entry (one block per row) a multiple of 32 up to 1024."""
     name, entry, grid, block, args = call
     sig = _signature(name, entry)
     assert len(args) == len(sig), (entry, sig)
-    for ctype, a in zip(sig, args):
+    for k, (ctype, a) in enumerate(zip(sig, args)):
         want = np.dtype(C_TYPES[ctype])
         if ctype.endswith("*"):
-            assert isinstance(a, np.ndarray) and a.flags.c_contiguous and a.dtype.itemsize == want.itemsize, ctype
+            assert isinstance(a, np.ndarray) and (a.flags.c_contiguous or k in strided), (entry, k)
+            assert a.dtype.itemsize == want.itemsize, (entry, ctype)
         else:                                  # RawKernel scalars must carry exactly the C type
             assert isinstance(a, np.generic) and a.dtype == want, (entry, ctype, type(a))
-    assert block == (kernels.THREADS,) and all(isinstance(x, int) and 1 <= x for x in grid)
+    if rows:
+        assert len(block) == 1 and block[0] % 32 == 0 and 32 <= block[0] <= 1024
+    else:
+        assert block == (kernels.THREADS,)
+    assert all(isinstance(x, int) and 1 <= x for x in grid)
     assert len(grid) == 1 or grid[1] <= 65535
 
 
@@ -289,6 +303,48 @@ def test_pack_launch_matches_kernel_signature(launches, dtype):
         table = call[4][2:5]
         assert [list(t) for t in table] == [list(offs), list(kernels.segment_starts(sizes)), list(sizes)]
         assert call[4][5] == 20 and call[2][1] == 20
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fused_norm_rope_gating_launches_match_kernel_signatures(launches, dtype):
+    from hpengine.nn import fused
+    rng = np.random.default_rng(4)
+
+    def r(*shape):
+        return rng.standard_normal(shape).astype(dtype)
+    n, c, B, T, H, hd = 37, 7, 2, 7, 3, 6
+    fused.rmsnorm_forward(np, r(n, c), r(c), 1e-5)
+    fused.rmsnorm_backward_dx(np, r(n, c), r(n, c), r(n, 1), r(c))
+    proj = r(B, T, 2 * H * hd)
+    x = proj[:, :, H * hd:].reshape(B, T, H, hd)                 # the second half of a projection: strided
+    dy = r(B, T, H, hd).transpose(0, 2, 1, 3)
+    fused.rope_forward(np, x, r(T, hd // 2), r(T, hd // 2))
+    fused.rope_backward(np, dy, r(T + 2, hd // 2)[:T], r(T, hd // 2))
+    fused.swiglu_forward(np, r(5, 9), r(5, 9))
+    fused.swiglu_backward(np, r(5, 9), r(5, 9), r(5, 9), r(5, 9))
+    fused.grouped_softmax_backward_(r(2, 3, 9, 7), r(2, 3, 9, 7), r(2, 3, 9, 2)[..., :1])
+    ops = ["rmsnorm_fwd", "rmsnorm_bwd", "rope_fwd", "rope_bwd", "swiglu_fwd", "swiglu_bwd", "grouped_softmax_bwd"]
+    assert [call[1] for call in launches] == [f"{op}_{'f32' if dtype == np.float32 else 'f64'}" for op in ops]
+    for call in launches:
+        _check_launch(call, rows=call[1].startswith("rmsnorm"), strided=(0,) if call[1].startswith("rope") else ())
+    rf, rb, pf, pb, sf, sb, gs = (call[4] for call in launches)
+    assert rf[5:] == (n, c, dtype(1e-5)) and rb[5:] == (n, c) and rf[4].shape == (n, 1)
+    # rope reads its input in place through element strides and writes whole pairs of a new array
+    assert np.shares_memory(pf[0], proj) and pf[8:] == tuple(st // x.itemsize for st in x.strides)
+    assert pb[0] is dy and pb[8:] == tuple(st // dy.itemsize for st in dy.strides)
+    assert pf[3].shape == (B, H, T, hd) and pb[3].shape == (B, T, H, hd)
+    assert pf[4:8] == pb[4:8] == (B * T * H * hd // 2, T, H, hd // 2)
+    assert sf[4] == sb[6] == 45 and gs[3:] == (2 * 3 * 9 * 7, 7)
+
+
+def test_rope_launch_refuses_tables_that_do_not_fit(launches):
+    from hpengine.nn import fused
+    x = np.zeros((1, 5, 2, 6))
+    with pytest.raises(ValueError, match="do not fit 5 positions"):
+        fused.rope_forward(np, x, np.zeros((5, 2)), np.zeros((5, 2)))
+    with pytest.raises(ValueError, match="do not fit 5 positions"):
+        fused.rope_forward(np, x, np.zeros((4, 3)), np.zeros((4, 3)))
+    assert not launches
 
 
 # ---------------------------------------------------------------- backend (CPU side)
