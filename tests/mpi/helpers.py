@@ -11,6 +11,10 @@ TINY = ["model.kind=gpt", "model.d_model=16", "model.n_layers=2", "model.n_heads
         "train.steps=5", "optim.clip_grad_norm=1.0"]
 
 
+# the Llama kind on the same tiny shape: 4 query heads in 2 groups (head_dim 4), SwiGLU width 24
+LLAMA = ["model.kind=llama", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=24"]
+
+
 def config(corpus, *extra):
     return load_config(None, TINY + [f"data.path={corpus}", *extra])
 

@@ -7,12 +7,13 @@ import tempfile
 import pytest
 from mpi4py import MPI
 
-from helpers import assert_same, assert_same_params, config, need, run
+from helpers import LLAMA, assert_same, assert_same_params, config, need, run
 from hpengine.train import build, restore, save_state
 
 N_SAVE, N_MORE = 2, 2
 DP, SH, PP, TP = "data_parallel", "sharding", "pipeline", "tensor_parallel"
 HEADS = ["model.n_heads=4", "model.n_layers=4"]
+MODELS = {"gpt": HEADS, "llama": HEADS + LLAMA}
 
 
 def layout(**degrees):
@@ -41,21 +42,21 @@ def root(world):
         shutil.rmtree(d, ignore_errors=True)
 
 
-def train_save_load(corpus, world, comm_a, a, comm_b, b, root):
+def train_save_load(corpus, world, comm_a, a, comm_b, b, root, model=HEADS):
     """Train N_SAVE steps under layout a, save, load under layout b, train N_MORE; return b's results."""
     if comm_a is not None:
-        _, _, eng_a = run(config(corpus, *HEADS, *a), comm_a, steps=N_SAVE)
+        _, _, eng_a = run(config(corpus, *model, *a), comm_a, steps=N_SAVE)
         save_state(eng_a, root, N_SAVE, keep=2)
     world.Barrier()
-    cfg_b = config(corpus, *HEADS, *b)
+    cfg_b = config(corpus, *model, *b)
     eng_b = build(cfg_b, comm_b)
     assert restore(eng_b, cfg_b, root) == N_SAVE
     losses = [eng_b.train_step(s)["loss"] for s in range(N_SAVE, N_SAVE + N_MORE)]
     return losses, eng_b.named_params()
 
 
-def straight(corpus):
-    l, p, _ = run(config(corpus, *HEADS), MPI.COMM_SELF, steps=N_SAVE + N_MORE)
+def straight(corpus, model=HEADS):
+    l, p, _ = run(config(corpus, *model), MPI.COMM_SELF, steps=N_SAVE + N_MORE)
     return l[N_SAVE:, 0], p
 
 
@@ -69,11 +70,18 @@ PAIRS = {  # world size -> (layout a, layout b); "one" = one process
 }
 
 
-@pytest.mark.parametrize("pair", range(5))
-def test_reshard(corpus, world, pair, root):
+# the llama kind: one pair per world size, every axis touched on one side or the other
+LLAMA_PAIRS = {2: [(layout(tp=2), layout(sh=2, stage=3))],
+               4: [(layout(tp=2, pp=2), layout(dp=2, sh=2, stage=3, part="flat"))],
+               8: [(layout(dp=2, pp=2, tp=2), "one")]}
+
+
+@pytest.mark.parametrize("kind,pair", [("gpt", i) for i in range(5)] + [("llama", 0)])
+def test_reshard(corpus, world, kind, pair, root):
     n = world.Get_size()
-    need(pair < len(PAIRS.get(n, [])), f"no layout pair {pair} at -n {n}")
-    a, b = PAIRS[n][pair]
+    pairs = (PAIRS if kind == "gpt" else LLAMA_PAIRS).get(n, [])
+    need(pair < len(pairs), f"no {kind} layout pair {pair} at -n {n}")
+    a, b = pairs[pair]
     if a == "one":       # rank 0 writes a one-process checkpoint, the world loads it
         comm_a, a = (MPI.COMM_SELF if world.Get_rank() == 0 else None), []
     else:
@@ -82,17 +90,20 @@ def test_reshard(corpus, world, pair, root):
         comm_b, b = MPI.COMM_SELF, []
     else:
         comm_b = world
-    losses, params = train_save_load(corpus, world, comm_a, a, comm_b, b, root)
-    ref_l, ref_p = straight(corpus)
+    losses, params = train_save_load(corpus, world, comm_a, a, comm_b, b, root, MODELS[kind])
+    ref_l, ref_p = straight(corpus, MODELS[kind])
     assert_same(losses, ref_l)
     assert_same_params(params, ref_p)
 
 
-def test_resume_is_bit_exact(corpus, world, root):
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_resume_is_bit_exact(corpus, world, root, kind):
     n = world.Get_size()
     lay = layout(dp=2, sh=n // 2, stage=2) if n >= 4 else (layout(sh=n, stage=3) if n > 1 else [])
-    losses, params = train_save_load(corpus, world, world, lay, world, lay, root)
-    l2, p2, _ = run(config(corpus, *HEADS, *lay), world, steps=N_SAVE + N_MORE)
+    if kind == "llama" and n >= 4:
+        lay = layout(tp=2, sh=n // 2, stage=3)
+    losses, params = train_save_load(corpus, world, world, lay, world, lay, root, MODELS[kind])
+    l2, p2, _ = run(config(corpus, *MODELS[kind], *lay), world, steps=N_SAVE + N_MORE)
     assert_same(losses, l2[N_SAVE:, 0], rtol=0)
     assert_same_params(params, p2, rtol=0)
     assert sorted(os.listdir(root)) == ["latest", f"step_{N_SAVE:08d}"]

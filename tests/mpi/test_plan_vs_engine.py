@@ -4,7 +4,7 @@ communicator and operation equal the comm.py counters over two steps, and the pr
 are within 10% of the engine's counted live caches (here they are equal)."""
 import pytest
 
-from helpers import config, need
+from helpers import LLAMA, config, need
 from hpengine.plan_model import for_rank
 from hpengine.train import build
 
@@ -42,6 +42,14 @@ LAYOUTS = [
     ("amp_tp2_pp2_tied", lambda n: n % 4 == 0, TP2 + PP2 + DP + [
         S + "amp.enable=true", "model.dtype=float32", "model.tie_head=true", S + "pipeline.micro_batches=2"]),
     ("two_models_sharding1", ANY, SH + ["train.models=2"]),
+    ("llama_dp_recompute", ANY, LLAMA + DP + [S + "recompute.enable=true"]),
+    ("llama_tp2_sharding3", EVEN, LLAMA + TP2 + SH + [S + "sharding.stage=3"]),
+    ("llama_amp_sharding2_tied", ANY, LLAMA + SH + [S + "sharding.stage=2", S + "amp.enable=true", "model.dtype=float32",
+                                                   "model.tie_head=true"]),
+    ("llama_tp2_pp2_dp", lambda n: n % 4 == 0, LLAMA + TP2 + PP2 + DP + [S + "pipeline.micro_batches=2"]),
+    ("llama_pp2_interleaved_recompute", EVEN, LLAMA + PP2 + DP + [
+        S + "pipeline.micro_batches=2", S + "pipeline.schedule=interleaved", S + "pipeline.virtual_stages=2",
+        "model.n_layers=4", S + "recompute.enable=true", S + "recompute.every=2"]),
 ]
 
 
