@@ -69,7 +69,8 @@ def _plan_parser(sub) -> None:
                         description="Rank every legal layout of a model on a cluster by predicted step time "
                         "among those that fit; or --check one config; or --calibrate this machine.")
     pl.add_argument("config", nargs="?", default=None, help="TOML config whose [model] and [train] are planned")
-    pl.add_argument("--model", help="size preset instead of [model]: gpt2-124m, 1.3b, 7b, 13b, 175b")
+    pl.add_argument("--model", help="size preset instead of [model]: gpt2-124m, 1.3b, 7b, 13b, 175b, llama3-8b, "
+                    "llama3-70b, llama3.2-1b")
     pl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     pl.add_argument("--global-batch", type=int, help="sequences per step (default: the config's or preset's)")
     pl.add_argument("--check", metavar="CFG", help="predict memory and step time of this config instead")

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from itertools import product
 
 from .calibrate import GB, calibrate
-from .config import ConfigError, Config, enabled_strategies, load_config, to_toml, validate
+from .config import ConfigError, Config, ModelConfig, enabled_strategies, load_config, to_toml, validate
 from .models import build_model
 from .plan_model import predict_stage, stages, step_time
+from .presets import ALIASES, PRESETS
 from .resolve import SWITCH_OF_AXIS, Resolved, resolve
 
 
@@ -88,26 +89,16 @@ def load_cluster(path=None, **flags) -> Cluster:
     return c
 
 
-# GPT-2 small and GPT-3 shapes (Brown et al. 2020, table 2.1; 1.3B with 16 heads so heads divide d_model)
-PRESETS = {
-    "gpt2-124m": ({"seq_len": 1024, "d_model": 768, "n_layers": 12, "n_heads": 12}, 512),
-    "1.3b": ({"seq_len": 2048, "d_model": 2048, "n_layers": 24, "n_heads": 16}, 512),
-    "7b": ({"seq_len": 2048, "d_model": 4096, "n_layers": 32, "n_heads": 32}, 1024),
-    "13b": ({"seq_len": 2048, "d_model": 5120, "n_layers": 40, "n_heads": 40}, 1024),
-    "175b": ({"seq_len": 2048, "d_model": 12288, "n_layers": 96, "n_heads": 96}, 1536),
-}
-ALIASES = {"124m": "gpt2-124m", "gpt2": "gpt2-124m", "6.7b": "7b"}
-
-
 def with_preset(cfg: Config, name: str) -> Config:
+    """cfg with its [model] table replaced by a preset's (presets.py) and its global batch set."""
     key = ALIASES.get(name.lower(), name.lower())
     if key not in PRESETS:
-        raise PlanError(f"--model {name}: unknown preset; choose one of {', '.join(PRESETS)}")
-    shape, batch = PRESETS[key]
+        raise PlanError(f"--model {name}: unknown preset; choose one of {', '.join(PRESETS)} "
+                        f"(aliases: {', '.join(f'{a} = {k}' for a, k in ALIASES.items())})")
+    preset = PRESETS[key]
     cfg = copy.deepcopy(cfg)
-    cfg.model = dataclasses.replace(cfg.model, kind="gpt", vocab_size=50257, ffn_mult=4, tie_head=True,
-                                    dtype="float32", **shape)
-    cfg.train.global_batch = batch
+    cfg.model = ModelConfig(**preset.model)
+    cfg.train.global_batch = preset.global_batch
     return cfg
 
 

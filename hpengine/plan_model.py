@@ -18,6 +18,7 @@ from .strategies.schedules import bubble_fraction, make_schedule
 from .strategies.sharding import MAX_INFLIGHT
 
 F64 = 8                  # the engine's loss and squared-norm vectors are float64, one entry per model
+_bubble = functools.lru_cache(maxsize=4096)(bubble_fraction)     # the planner asks often; it builds a schedule
 
 
 # ---- what a pipeline stage holds -------------------------------------------------------------------
@@ -390,7 +391,7 @@ def step_time(per_stage: list[dict], lay: Resolved) -> dict:
     bubble, like the compute, runs at the oversubscribed pace."""
     slow = max(per_stage, key=lambda s: s["times"]["compute"] + s["times"]["tp"] + s["times"]["pp"])["times"]
     t_mb = slow["compute"] + slow["tp"] + slow["pp"]
-    f = bubble_fraction(lay.schedule, lay.pp, lay.m, lay.v) if lay.pp > 1 else 0.0
+    f = _bubble(lay.schedule, lay.pp, lay.m, lay.v) if lay.pp > 1 else 0.0
     per_pass = lay.m * t_mb / (1 - f)
     sync = max(per_stage, key=lambda s: s["times"]["dp"] + s["times"]["sharding"] + s["times"]["fixed"])["times"]
     n = lay.k * lay.m

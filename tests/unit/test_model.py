@@ -30,10 +30,15 @@ def corpus32(tmp_path_factory):
     return path
 
 
+# the llama kind: 4 query heads in 2 groups (head_dim 4, rotary pairs), SwiGLU width 24
+KIND_KEYS = {"gpt": ["model.n_heads=2", "model.ffn_mult=2"], "mlp": ["model.n_heads=2", "model.ffn_mult=2"],
+             "llama": ["model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=24", "model.rope_theta=100"]}
+
+
 def make(corpus, kind: str, tied: bool, seed: int = 7):
     cfg = load_config(None, [f"model.kind='{kind}'", f"model.vocab_size={V}", f"model.seq_len={T}",
-                             "model.d_model=16", "model.n_layers=2", "model.n_heads=2",
-                             "model.ffn_mult=2", f"model.tie_head={str(tied).lower()}",
+                             "model.d_model=16", "model.n_layers=2", *KIND_KEYS[kind],
+                             f"model.tie_head={str(tied).lower()}",
                              "model.dtype='float64'", "model.init_std=0.3", f"train.seed={seed}",
                              f"train.global_batch={B}", "runtime.backend='numpy'", f"data.path={corpus}"])
     eng = build(cfg, MPI.COMM_SELF)
@@ -94,10 +99,13 @@ EXPECTED_TENSORS = {
     ("gpt", True): 2 + 2 * 12 + 2,
     ("mlp", False): 1 + 2 * 6 + 3,
     ("mlp", True): 1 + 2 * 6 + 2,
+    ("llama", False): 1 + 2 * 9 + 2,     # wte; 2 norms, q, k, v, o, gate, up, down per layer; norm, lm_head
+    ("llama", True): 1 + 2 * 9 + 1,
 }
 
 
-@pytest.mark.parametrize("kind,tied", [("gpt", False), ("gpt", True), ("mlp", False), ("mlp", True)])
+@pytest.mark.parametrize("kind,tied", [("gpt", False), ("gpt", True), ("mlp", False), ("mlp", True),
+                                       ("llama", False), ("llama", True)])
 @pytest.mark.parametrize("norm_rows", [B, 11.5], ids=["norm=B*T", "norm=11.5*T"])
 def test_whole_model_gradient_matches_finite_differences(corpus32, kind, tied, norm_rows):
     eng = make(corpus32, kind, tied)
@@ -130,7 +138,7 @@ def test_whole_model_gradient_matches_finite_differences(corpus32, kind, tied, n
     assert {n for n, _ in sample_coordinates(layout, np.random.default_rng(1))} == set(layout.ranges)
 
 
-@pytest.mark.parametrize("kind,tied", [("gpt", False), ("gpt", True), ("mlp", False)])
+@pytest.mark.parametrize("kind,tied", [("gpt", False), ("gpt", True), ("mlp", False), ("llama", False)])
 def test_split_batch_with_global_norm_accumulates_the_same_gradient(corpus32, kind, tied):
     eng = make(corpus32, kind, tied)
     x, y = batch(3)

@@ -1,0 +1,44 @@
+"""Published model shapes for `hpengine plan --model NAME`: each preset is a [model] table (its kind and
+that kind's keys; every other key stays at its default) and a global batch in sequences."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Preset:
+    model: dict            # [model] keys, kind included
+    global_batch: int      # sequences per optimizer step
+
+
+def _gpt(seq_len: int, d_model: int, n_layers: int, n_heads: int, batch: int) -> Preset:
+    """GPT-2 / GPT-3: the 50257-token BPE vocabulary, a 4 x d_model MLP, the head tied to the embedding."""
+    return Preset({"kind": "gpt", "vocab_size": 50257, "ffn_mult": 4, "tie_head": True, "seq_len": seq_len,
+                   "d_model": d_model, "n_layers": n_layers, "n_heads": n_heads}, batch)
+
+
+def _llama(d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_hidden: int, tied: bool,
+           batch: int) -> Preset:
+    """Llama 3 / 3.2: the 128256-token vocabulary, 8192-token pretraining context, rotary base 500000,
+    RMSNorm epsilon 1e-5, grouped-query attention and an explicit SwiGLU width."""
+    return Preset({"kind": "llama", "vocab_size": 128256, "seq_len": 8192, "d_model": d_model, "n_layers": n_layers,
+                   "n_heads": n_heads, "n_kv_heads": n_kv_heads, "ffn_hidden": ffn_hidden, "rope_theta": 500000.0,
+                   "norm_eps": 1e-5, "tie_head": tied}, batch)
+
+
+PRESETS = {
+    # GPT-2 small and GPT-3 shapes (Brown et al. 2020, table 2.1; 1.3B with 16 heads so heads divide d_model)
+    "gpt2-124m": _gpt(1024, 768, 12, 12, 512),
+    "1.3b": _gpt(2048, 2048, 24, 16, 512),
+    "7b": _gpt(2048, 4096, 32, 32, 1024),
+    "13b": _gpt(2048, 5120, 40, 40, 1024),
+    "175b": _gpt(2048, 12288, 96, 96, 1536),
+    # Llama 3 and 3.2 shapes from Meta's model cards and Hugging Face config.json (3.2 1B ties its head; the
+    # 3.2 context extension by rope scaling is left out). Meta publishes no batch for these sizes: 512 x 8192
+    # = 4M tokens is Llama 2's for every size (Touvron et al. 2023, table 1) and Llama 3 405B's first
+    # (Llama 3 Herd of Models 2024, section 3.4.1); the 1B takes half of it
+    "llama3-8b": _llama(4096, 32, 32, 8, 14336, False, 512),
+    "llama3-70b": _llama(8192, 80, 64, 8, 28672, False, 512),
+    "llama3.2-1b": _llama(2048, 16, 32, 8, 8192, True, 256),
+}
+ALIASES = {"124m": "gpt2-124m", "gpt2": "gpt2-124m", "6.7b": "7b"}
