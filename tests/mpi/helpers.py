@@ -30,10 +30,10 @@ def run(cfg, comm, steps=5):
     return np.array(losses), eng.named_params(), eng
 
 
-def assert_same_params(got: dict, want: dict, rtol=1e-10):
+def assert_same_params(got: dict, want: dict, rtol=1e-10, atol=1e-13):
     assert sorted(got) == sorted(want)
     for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=1e-13, err_msg=name)
+        np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=atol, err_msg=name)
 
 
 def reference(corpus, *extra):

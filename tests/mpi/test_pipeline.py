@@ -2,20 +2,22 @@
 data parallel and with sharding stages 1-3, and a tied head split across the first and last stage."""
 import pytest
 
-from helpers import assert_same, assert_same_params, config, need, reference, run
+from helpers import LLAMA, assert_same, assert_same_params, config, need, reference, run
 
 LAYERS = ["model.n_layers=8"]   # enough blocks for 4 stages x 2 virtual stages
+MODELS = {"gpt": [], "llama": LLAMA}
 
 
+@pytest.mark.parametrize("kind", list(MODELS))
 @pytest.mark.parametrize("schedule,v", [("fthenb", 1), ("1f1b", 1), ("interleaved", 2)])
-def test_pipeline_schedules(corpus, world, schedule, v):
+def test_pipeline_schedules(corpus, world, schedule, v, kind):
     n = world.Get_size()
     need(n in (2, 4), "pp = world size over 8 blocks x 2 virtual stages needs 2 or 4 ranks")
-    cfg = config(corpus, *LAYERS, "strategy.pipeline.enable=true", f"strategy.pipeline.degree={n}",
+    cfg = config(corpus, *LAYERS, *MODELS[kind], "strategy.pipeline.enable=true", f"strategy.pipeline.degree={n}",
                  f"strategy.pipeline.schedule={schedule}", f"strategy.pipeline.virtual_stages={v}",
                  "strategy.pipeline.micro_batches=4", "train.global_batch=8")
     losses, params, eng = run(cfg, world)
-    ref_l, ref_p, ref = reference(corpus, *LAYERS)
+    ref_l, ref_p, ref = reference(corpus, *LAYERS, *MODELS[kind])
     assert_same(losses, ref_l)
     assert_same_params(params, ref_p)
     if schedule == "1f1b":
@@ -35,14 +37,15 @@ def test_pipeline_with_sharding(corpus, world, stage):
     assert_same_params(params, ref_p)
 
 
-def test_pipeline_with_data_parallel_and_tied_head(corpus, world):
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_pipeline_with_data_parallel_and_tied_head(corpus, world, kind):
     n = world.Get_size()
     need(n in (2, 4), "pp 2 (x dp 2) needs 2 or 4 ranks")
-    cfg = config(corpus, *LAYERS, "model.tie_head=true", "strategy.pipeline.enable=true",
+    cfg = config(corpus, *LAYERS, *MODELS[kind], "model.tie_head=true", "strategy.pipeline.enable=true",
                  "strategy.pipeline.degree=2", "strategy.pipeline.micro_batches=2",
                  "strategy.pipeline.schedule=1f1b", "strategy.data_parallel.enable=true",
                  "strategy.data_parallel.degree=-1")
     losses, params, eng = run(cfg, world)
-    ref_l, ref_p, _ = reference(corpus, *LAYERS, "model.tie_head=true")
+    ref_l, ref_p, _ = reference(corpus, *LAYERS, *MODELS[kind], "model.tie_head=true")
     assert_same(losses, ref_l)
     assert_same_params(params, ref_p)
