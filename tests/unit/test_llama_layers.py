@@ -10,34 +10,18 @@ import numpy as np
 import pytest
 
 from hpengine.engine import cache_nbytes
+from test_layers import numgrad  # central differences (tests/unit/test_layers.py)
 from hpengine.nn import attention_forward, attention_backward, score_elements
 from hpengine.nn.gqa import gqa_attention_backward, gqa_attention_forward, gqa_cache_elements
 from hpengine.nn.rmsnorm import rmsnorm_backward, rmsnorm_cache_bytes, rmsnorm_forward
 from hpengine.nn.rope import rope_backward, rope_forward, rope_tables
 from hpengine.nn.swiglu import swiglu_backward, swiglu_forward, swiglu_recompute
 
-FD_EPS = 1e-6
 FD_TOL = 1e-6
 
 
 def rng(seed=0):
     return np.random.default_rng(seed)
-
-
-def numgrad(f, a):
-    """Central-difference gradient of scalar f() with respect to array a (perturbed in place)."""
-    g = np.zeros(a.shape)
-    flat, gflat = a.reshape(-1), g.reshape(-1)
-    assert np.shares_memory(flat, a), "numgrad needs a contiguous array to perturb"
-    for i in range(flat.size):
-        old = flat[i]
-        flat[i] = old + FD_EPS
-        fp = f()
-        flat[i] = old - FD_EPS
-        fm = f()
-        flat[i] = old
-        gflat[i] = (fp - fm) / (2 * FD_EPS)
-    return g
 
 
 def rel_err(a, b):
