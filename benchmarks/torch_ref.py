@@ -111,6 +111,26 @@ def make_step(torch, model, opt, a, device="cpu"):
     return step
 
 
+def timed(step, a) -> dict:
+    """Warm up for a.warmup_s seconds, then time a.steps calls of step() one by one: the JSON fields of
+    the timing (median wall and CPU time per step, tokens/s, peak RSS)."""
+    n, t_end = 0, time.perf_counter() + a.warmup_s
+    while n == 0 or time.perf_counter() < t_end:
+        step()
+        n += 1
+    times, cpu = [], []
+    for _ in range(a.steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        step()
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    med, toks = statistics.median(times), a.batch * a.seq
+    return {"warmup_steps": n, "steps": a.steps, "median_step_ms": med * 1e3, "min_step_ms": min(times) * 1e3,
+            "tokens_per_s": toks / med, "median_cpu_ms": statistics.median(cpu) * 1e3,
+            "tokens_per_cpu_s": toks / statistics.median(cpu),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
 def main(argv=None) -> int:
     a = parse(argv)
     ensure_threads(a.threads, __file__)
@@ -126,23 +146,8 @@ def main(argv=None) -> int:
     model, opt = build(a, torch)
     step = make_step(torch, model, opt, a)
 
-    n, t_end = 0, time.perf_counter() + a.warmup_s
-    while n == 0 or time.perf_counter() < t_end:
-        step()
-        n += 1
-    times, cpu = [], []
-    for _ in range(a.steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        step()
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    med = statistics.median(times)
-    toks = a.batch * a.seq
     r = {"engine": f"torch-{a.attn}", "torch": torch.__version__, "threads": torch.get_num_threads(),
-         "n_params": sum(p.numel() for p in model.parameters()), "warmup_steps": n, "steps": a.steps,
-         "median_step_ms": med * 1e3, "min_step_ms": min(times) * 1e3, "tokens_per_s": toks / med,
-         "median_cpu_ms": statistics.median(cpu) * 1e3, "tokens_per_cpu_s": toks / statistics.median(cpu),
-         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+         "n_params": sum(p.numel() for p in model.parameters()), **timed(step, a)}
     print(f"torch {r['torch']} attn={a.attn} threads={r['threads']} params={r['n_params']:,}\n"
           f"step ms   median {r['median_step_ms']:.1f} | min {r['min_step_ms']:.1f} | "
           f"CPU median {r['median_cpu_ms']:.1f}\n"
