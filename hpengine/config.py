@@ -359,7 +359,8 @@ def from_dict(d: dict) -> Config:
     [model] key of another model kind."""
     cfg = _build(Config, d, "")
     given = d.get("model", {})
-    for key in kind_keys(cfg.model.kind) if isinstance(cfg.model.kind, str) else ():
+    kinds = dict(dataclasses.fields(ModelConfig)[0].metadata)["choices"]
+    for key in kind_keys(cfg.model.kind) if cfg.model.kind in kinds else ():     # else validate names the kind
         if key in given:
             raise _kind_error(key, cfg.model.kind)
     return cfg

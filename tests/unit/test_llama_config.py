@@ -88,3 +88,8 @@ def test_bad_llama_input_exits_2_on_every_rank(tmp_path):
     assert len(lines) == 2 and lines[0] == lines[1], res.stderr      # one line from each rank, the same
     assert "model.n_kv_heads = 3" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_an_unknown_kind_is_named_before_its_keys():
+    with pytest.raises(ConfigError, match='model.kind = "bert": must be one of "gpt", "llama", "mlp"'):
+        load_config(None, ["model.kind=bert", "model.ffn_mult=4", "model.n_kv_heads=2"])
