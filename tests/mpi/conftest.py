@@ -5,6 +5,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 import pytest
 from mpi4py import MPI
@@ -31,6 +32,7 @@ def pytest_runtest_makereport(item, call):
         sys.stderr.write(f"\n[rank {WORLD.Get_rank()}] {item.nodeid} failed:\n{call.excinfo.getrepr(style='short')}\n"
                          "aborting the MPI job so no rank hangs\n")
         sys.stderr.flush()
+        time.sleep(0.5)     # let the launcher forward the report: an abort can drop output still in flight
         WORLD.Abort(1)
 
 
