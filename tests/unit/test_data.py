@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hpengine import data
+from hpengine.data import builtin
 from hpengine.data import DataError, TokenDataset, build_corpus
 
 
@@ -137,7 +138,7 @@ def test_default_corpus_builds_from_stdlib_and_is_reused(tmp_path, monkeypatch):
 
 
 def test_stdlib_selection_skips_tests_and_site_packages():
-    files = data._stdlib_files(max_bytes=2**40)
+    files = builtin._stdlib_files(max_bytes=2**40)
     parts = {part for f in files for part in f.parts}
     assert files and not parts & {"test", "tests", "idle_test", "site-packages"}
     assert all(f.suffix == ".py" for f in files)
