@@ -290,6 +290,10 @@ def write_best(cfg: Config, best: dict, path: str, cluster: Cluster) -> Config:
             f"{cluster.mem_gb:g} GB): mpiexec -n {cluster.world} hpengine train {os.path.basename(path)}",
             f"# strategies: {', '.join(names) or 'none (one rank)'}",
             f"# predicted: {best['memory']['total'] / GB:.2f} GB per device, step {best['time']['step']:.3g} s"]
+    if c.model.vocab_size > 256 and not (c.data.path or getattr(c.data, "sources", None)):
+        head.append(f"# data: model.vocab_size = {c.model.vocab_size} wants a token file built with its tokenizer "
+                    "(hpengine data build DOCS --tokenizer tokenizer.json --out tokens.h5) as data.path; "
+                    "empty, this trains on the built-in byte corpus")
     with open(path, "w") as fh:
         fh.write("\n".join(head) + "\n" + to_toml(c))
     load_config(path)          # what we wrote must load back
