@@ -20,12 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set optim.lr=1e-3 (repeatable)")
     t.add_argument("--resume", default=None, help="checkpoint folder or 'latest'")
-    d = sub.add_parser("data", help="build HDF5 token files")
-    dsub = d.add_subparsers(dest="data_cmd", required=True)
-    b = dsub.add_parser("build", help="turn text files or folders into one HDF5 token file")
-    b.add_argument("paths", nargs="*", help="text files or folders (none: the built-in stdlib corpus)")
-    b.add_argument("--out", required=True, help="output .h5 file")
-    b.add_argument("--vocab-size", type=int, default=256)
+    _data_parser(sub)
     c = sub.add_parser("config", help="print the config reference, a resolved config, or (--world N) check it "
                        "fully for N ranks without MPI and print the layout")
     c.add_argument("config", nargs="?", default=None)
@@ -42,6 +37,41 @@ def _parser() -> argparse.ArgumentParser:
     _plan_parser(sub)
     _plot_parser(sub)
     return p
+
+
+def _data_parser(sub) -> None:
+    d = sub.add_parser("data", help="build and inspect HDF5 token files")
+    dsub = d.add_subparsers(dest="data_cmd", required=True)
+    b = dsub.add_parser("build", help="tokenize text files, folders or JSON Lines into one HDF5 token file",
+                        description="Every UTF-8 file below the given folders is a document (binary and "
+                        "undecodable files are skipped and counted); .gz/.bz2/.xz are decompressed; .jsonl "
+                        "holds one document per record. Each document ends with the tokenizer's eos.")
+    b.add_argument("paths", nargs="*", help="files, folders, or - for standard input (none: the built-in "
+                   "stdlib corpus)")
+    b.add_argument("--out", required=True, help="output .h5 file")
+    b.add_argument("--tokenizer", default="bytes", help="bytes (default: UTF-8 bytes, vocab 256, eos 0) or "
+                   "the path of a Hugging Face tokenizer.json")
+    b.add_argument("--eos-token", help="the token ending each document (default: the first the tokenizer has "
+                   "of <|endoftext|>, </s>, <|end_of_text|>, <eos>, [SEP])")
+    b.add_argument("--train-tokenizer", action="store_true", help="train a byte-level BPE of --vocab-size ids "
+                   "on the inputs, save it next to --out and tokenize with it")
+    b.add_argument("--vocab-size", type=int, help="ids of the trained tokenizer (with --train-tokenizer)")
+    b.add_argument("--tokenizer-sample", metavar="X", help="train on a fraction (0 < X <= 1) or a number of "
+                   "documents only (default: all)")
+    b.add_argument("--tokenizer-out", metavar="PATH", help="where to save the trained tokenizer.json "
+                   "(default: OUT with the suffix .tokenizer.json)")
+    b.add_argument("--text-field", default="text", help="the document field of JSON Lines records "
+                   "(default: text)")
+    b.add_argument("--jsonl", action="store_true", help="standard input is JSON Lines, not one document")
+    b.add_argument("--include", action="append", default=[], metavar="GLOB", help="read only the files in "
+                   "folders whose relative path or name matches (repeatable)")
+    b.add_argument("--exclude", action="append", default=[], metavar="GLOB", help="skip the files in folders "
+                   "whose relative path or name matches (repeatable)")
+    b.add_argument("--workers", type=int, default=1, help="tokenizer processes, each single-threaded (default "
+                   "1: this process, with the tokenizer's own threads); the output is the same for any number")
+    b.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a "
+                   "terminal")
+    dsub.add_parser("info", help="what a token file holds: counts, vocab, eos, tokenizer").add_argument("file")
 
 
 def _plot_parser(sub) -> None:
@@ -130,13 +160,47 @@ def _cmd_ckpt(a) -> int:
     return 0
 
 
+def _n(count: int, what: str) -> str:
+    return f"{count:,} {what}" + ("" if count == 1 else "s")
+
+
+def _data_info(path) -> str:
+    """What `hpengine data info` prints about a token file."""
+    from .data.format import TokenFile, sha256_text
+    from .data.tokenizer import kind_of
+    with TokenFile(path) as f:
+        at = f.attrs
+        lines = [f"{f.path}: " + (f"{at['format']} version {f.version}" if f.version >= 2 else
+                                  "version 1 (one document, no tokenizer recorded)"),
+                 f"  {_n(f.n_tokens, 'token')} ({f.dtype}) in {_n(f.n_docs, 'document')}",
+                 f"  vocab {'unknown' if f.vocab_size is None else f.vocab_size}, "
+                 f"eos {f.eos_id if f.eos_id >= 0 else 'none'}, tokenizer {kind_of(f.tokenizer)}"]
+        if f.tokenizer is not None:
+            ok = sha256_text(f.tokenizer) == f.tokenizer_sha256
+            lines[-1] += f", sha256 {f.tokenizer_sha256}" + ("" if ok else " (DOES NOT MATCH the tokenizer text)")
+        lines.append(f"  source: {at.get('source', 'unknown')}")
+        if "n_files" in at:
+            skipped = [f"{at[k]:,} {k.removeprefix('skipped_')}" for k in sorted(at) if k.startswith("skipped_")]
+            lines.append(f"  built from {_n(at['n_files'], 'file')}; skipped {', '.join(skipped) or 'nothing'}")
+    return "\n".join(lines)
+
+
 def _cmd_data(a) -> int:
-    from .data import build_corpus, ensure_default_corpus
+    if a.data_cmd == "info":
+        print(_data_info(a.file))
+        return 0
+    from .data import build_corpus
+    from .data.build import summary_line
+    source = None
     if not a.paths:
-        src = ensure_default_corpus()
-        a.paths = [src]
-    info = build_corpus(a.paths, a.out, a.vocab_size)
-    print(f"wrote {info['path']}: {info['n_tokens']:,} tokens from {info['n_files']} files")
+        from .data.builtin import DEFAULT_MAX_BYTES, stdlib_files, stdlib_source
+        a.paths, source = stdlib_files(DEFAULT_MAX_BYTES), stdlib_source()
+    info = build_corpus(a.paths, a.out, a.vocab_size, source=source, tokenizer=a.tokenizer,
+                        train_tokenizer=a.train_tokenizer, tokenizer_sample=a.tokenizer_sample,
+                        tokenizer_out=a.tokenizer_out, eos_token=a.eos_token, text_field=a.text_field,
+                        jsonl=a.jsonl, include=a.include, exclude=a.exclude, workers=a.workers,
+                        progress=a.progress or sys.stderr.isatty())
+    print(summary_line(info))
     return 0
 
 

@@ -12,13 +12,14 @@ import difflib
 import functools
 import math
 import operator
-import re
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .toml_out import emit_table, toml_value
 
 MESH_AXES = ("tp", "sharding", "dp", "pp")
 
@@ -114,11 +115,25 @@ def ffn_width(m: "ModelConfig") -> int:
 
 
 @dataclass
+class DataSource:
+    """One token file of a blend, a `[[data.sources]]` table."""
+    path: str = _f("", "HDF5 token file", check=(bool, "must name a token file"))
+    weight: float = _f(1.0, "share of each batch's rows drawn from this file, relative to the other weights",
+                       check=_must(">", 0))
+
+
+@dataclass
 class DataConfig:
     """Where tokens come from."""
-    path: str = _f("", 'HDF5 token file; "" = built-in corpus')
-    val_fraction: float = _f(0.05, "fraction of tokens held out for validation",
+    path: str = _f("", 'HDF5 token file; "" = built-in corpus (or the data.sources blend)')
+    val_path: str = _f("", 'HDF5 token file that is the whole validation split (all of the training files then '
+                       'train); "" = split each training file by data.val_fraction')
+    val_fraction: float = _f(0.05, "share of each training file held out for validation: its last documents, "
+                             "from the first document boundary at or after (1 - val_fraction) x its tokens "
+                             "(a file without document boundaries is split at that token)",
                              check=_must(">", 0, "<", 1))
+    sources: list[DataSource] = _f([], "token files blended by weight, as `[[data.sources]]` tables (path, weight); "
+                                   "each batch row picks its file by weight; data.path must then be empty")
 
 
 @dataclass
@@ -286,6 +301,12 @@ def _is_section(tp) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+def _table_item(tp):
+    """The dataclass of an array-of-tables field (list[DataSource] -> DataSource), else None."""
+    args = typing.get_args(tp)
+    return args[0] if typing.get_origin(tp) is list and _is_section(args[0]) else None
+
+
 # ---- loading --------------------------------------------------------------------------------------
 
 def load_config(path: str | Path | None, overrides: typing.Iterable[str] = ()) -> Config:
@@ -375,9 +396,25 @@ def _build(cls, d: Any, prefix: str):
     for key, value in d.items():
         if key not in names:
             raise ConfigError(_unknown(prefix + key, names))
-        tp = hints[key]
-        kwargs[key] = _build(tp, value, f"{prefix}{key}.") if _is_section(tp) else copy.deepcopy(value)
+        tp, item = hints[key], _table_item(hints[key])
+        if _is_section(tp):
+            kwargs[key] = _build(tp, value, f"{prefix}{key}.")
+        elif item is not None:
+            kwargs[key] = _build_tables(item, value, prefix + key)
+        else:
+            kwargs[key] = copy.deepcopy(value)
     return cls(**kwargs)
+
+
+def _build_tables(cls, value: Any, key: str) -> list:
+    """An array of tables ([[key]] in TOML, or a list of inline tables {k = v, ...})."""
+    keys = ", ".join(f.name for f in dataclasses.fields(cls))
+    if not isinstance(value, list):
+        raise ConfigError(f"{key} = {_show(value)}: expected an array of tables [[{key}]] with keys {keys}")
+    for i, v in enumerate(value):
+        if not isinstance(v, dict):
+            raise ConfigError(f"{key}[{i}] = {_show(v)}: expected a table with keys {keys}")
+    return [_build(cls, v, f"{key}[{i}].") for i, v in enumerate(value)]
 
 
 def _unknown(dotted: str, names: list[str]) -> str:
@@ -402,6 +439,10 @@ def validate(cfg: Config) -> None:
                               f"give one per model or leave it empty")
     if any(lr < 0 for lr in t.model_lrs):
         raise ConfigError(f"train.model_lrs = {t.model_lrs}: every learning rate must be >= 0")
+    d = cfg.data
+    if d.path and d.sources:
+        raise ConfigError(f"data.path = {_show(d.path)} and data.sources ({len(d.sources)} files) are both set: "
+                          "set data.path for one file, or leave it empty and blend files with [[data.sources]]")
 
 
 def _validate_model(m: ModelConfig) -> None:
@@ -432,6 +473,13 @@ def _validate_section(obj: Any, cls, prefix: str) -> None:
         raw = getattr(obj, f.name)
         if _is_section(tp):
             _validate_section(raw, tp, key + ".")
+            continue
+        item = _table_item(tp)
+        if item is not None:
+            if not isinstance(raw, list):
+                raise ConfigError(f"{key} = {_show(raw)}: expected a list of {item.__name__} tables")
+            for i, x in enumerate(raw):
+                _validate_section(x, item, f"{key}[{i}].")
             continue
         ok, value = _match(raw, tp)
         if not ok:
@@ -489,7 +537,7 @@ def _check_value(key: str, value: Any, meta) -> None:
 
 def _show(value: Any) -> str:
     try:
-        return _toml_value(value)
+        return toml_value(value)
     except TypeError:
         return repr(value)
 
@@ -508,49 +556,8 @@ def to_dict(cfg: Config) -> dict:
 def to_toml(cfg: Config) -> str:
     """The resolved config as TOML; :func:`load_config` reads it back to an equal Config."""
     lines = ["# hpengine resolved configuration"]
-    _emit_table(lines, [], to_dict(cfg))
+    emit_table(lines, [], to_dict(cfg))
     return "\n".join(lines) + "\n"
-
-
-def _emit_table(lines: list[str], path: list[str], table: dict) -> None:
-    scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
-    subs = {k: v for k, v in table.items() if isinstance(v, dict)}
-    if path and (scalars or not subs):  # [strategy] itself holds only sub-tables: no header
-        lines += ["", f"[{'.'.join(map(_toml_key, path))}]"]
-    lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars.items()]
-    for k, v in subs.items():
-        _emit_table(lines, path + [k], v)
-
-
-def _toml_key(key: str) -> str:
-    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_str(key)
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        return ("inf" if v > 0 else "-inf") if math.isinf(v) else repr(v)  # repr keeps 1.0 a float
-    if isinstance(v, str):
-        return _toml_str(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} as a TOML value")
-
-
-_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
-
-
-def _toml_str(s: str) -> str:
-    def esc(ch: str) -> str:  # TOML forbids raw control characters (and DEL) in basic strings
-        if ch in _ESCAPES:
-            return _ESCAPES[ch]
-        return f"\\u{ord(ch):04X}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch
-    return '"' + "".join(map(esc, s)) + '"'
 
 
 def describe() -> str:
@@ -558,7 +565,8 @@ def describe() -> str:
     lines = ["## Configuration reference", "",
              "Every key is optional; `--set section.key=value` overrides any of them."]
     for path, cls in _sections(Config, []):
-        lines += ["", f"### `[{'.'.join(path)}]`", "", cls.__doc__.strip().splitlines()[0], "",
+        header = f"[[{'.'.join(path)}]]" if _is_array(path) else f"[{'.'.join(path)}]"
+        lines += ["", f"### `{header}`", "", cls.__doc__.strip().splitlines()[0], "",
                   "| key | default | doc |", "|---|---|---|"]
         defaults = cls()
         for f in dataclasses.fields(cls):
@@ -570,12 +578,20 @@ def describe() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _is_array(path: list[str]) -> bool:
+    cls = functools.reduce(lambda c, part: _hints(c)[part], path[:-1], Config)
+    return _table_item(_hints(cls)[path[-1]]) is not None
+
+
 def _sections(cls, path: list[str]) -> list[tuple[list[str], type]]:
-    """(path, dataclass) for every section that holds values, in file order."""
+    """(path, dataclass) for every section that holds values, in file order; an array of tables
+    ([[data.sources]]) follows the section that holds it."""
     out = []
     for f in dataclasses.fields(cls):
         tp = _hints(cls)[f.name]
-        if _is_section(tp):
+        if _table_item(tp) is not None:
+            out.append((path + [f.name], _table_item(tp)))
+        elif _is_section(tp):
             sub = path + [f.name]
             holds_values = any(not _is_section(t) for t in _hints(tp).values())
             out += ([(sub, tp)] if holds_values else []) + _sections(tp, sub)

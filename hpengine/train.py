@@ -1,6 +1,9 @@
 """The training loop: run folder, logging, evaluation cadence, metrics.jsonl, final summary.
 
-Launch with `hpengine train CONFIG` (one process) or `mpiexec -n N hpengine train CONFIG`.
+Launch with `hpengine train CONFIG` (one process) or `mpiexec -n N hpengine train CONFIG`. The run folder
+keeps the data's tokenizer as tokenizer.json: the Hugging Face tokenizer.json text the token files carry
+(its sha256 is the tokenizer_sha256 that summary.json and every checkpoint record), or {"hpengine": "bytes"}
+for byte-level files (ids 0-255 are the bytes); none for files that record no tokenizer (version 1).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from .backend import BackendError, keep_heap, make_backend
 from .comm import Comm, agree_or_raise
 from .config import Config, to_dict, to_toml
 from .data import DataError, TokenDataset, ensure_default_corpus
+from .data.format import BYTES
 from .engine import Engine
 from .resolve import resolve
 from .topology import Mesh, node_ranks
@@ -39,7 +43,8 @@ def setup_logging(mesh) -> None:
 
 
 def resolve_data_path(cfg, world) -> str:
-    if cfg.data.path:
+    """data.path; "" when data.sources blends files; else the built-in corpus (built once, by rank 0)."""
+    if cfg.data.path or cfg.data.sources:
         return cfg.data.path
     # one rank builds the cached corpus; the rest wait and read it
     path = agree_or_raise(world, lambda: str(ensure_default_corpus()) if world.Get_rank() == 0 else None,
@@ -47,7 +52,42 @@ def resolve_data_path(cfg, world) -> str:
     return world.bcast(path, root=0)
 
 
-def prepare_run_dir(cfg, world, resuming: bool = False) -> Path:
+def build_dataset(cfg, world):
+    """The token dataset of data.path / data.sources / data.val_path; a file that one rank cannot read
+    stops every rank with its message."""
+    d, m = cfg.data, cfg.model
+    path = resolve_data_path(cfg, world)
+    return agree_or_raise(world, lambda: TokenDataset(path, m.seq_len, m.vocab_size, d.val_fraction,
+                                                      val_path=d.val_path, sources=d.sources),
+                          DataError, (DataError,))
+
+
+def tokenizer_json(data) -> str | None:
+    """The run folder's tokenizer.json for this data (see the module doc)."""
+    if data.tokenizer is None:
+        return None
+    return json.dumps({"hpengine": "bytes"}) + "\n" if data.tokenizer == BYTES else data.tokenizer
+
+
+def data_meta(data) -> dict:
+    """What a checkpoint records of the data it was trained on."""
+    return {"tokenizer_sha256": data.tokenizer_sha256, "files": data.paths}
+
+
+def check_same_tokenizer(recorded: dict | None, data) -> None:
+    """Token ids mean nothing under another tokenizer: refuse data whose tokenizer differs from the one a
+    checkpoint recorded. Checkpoints that record none (older ones, or trained on version-1 files) pass."""
+    old = (recorded or {}).get("tokenizer_sha256")
+    if old is None or old == data.tokenizer_sha256:
+        return
+    new = data.tokenizer_sha256 or "none (version-1 files)"
+    raise checkpoint.CheckpointError(
+        f"the checkpoint was trained on data with tokenizer sha256 {old} ({', '.join(recorded.get('files', []))}) "
+        f"but the data now has tokenizer sha256 {new} ({', '.join(data.paths)}): resume on data built with the "
+        "checkpoint's tokenizer, or start a new run")
+
+
+def prepare_run_dir(cfg, world, resuming: bool = False, data=None) -> Path:
     """The run folder; refused if it already holds results, unless resuming (metrics are appended)."""
     out = Path(cfg.train.out_dir)
 
@@ -60,6 +100,9 @@ def prepare_run_dir(cfg, world, resuming: bool = False) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         if not (out / "config.toml").exists():
             (out / "config.toml").write_text(to_toml(cfg))
+        tok = tokenizer_json(data) if data is not None else None
+        if tok is not None and not (resuming and (out / "tokenizer.json").exists()):
+            (out / "tokenizer.json").write_text(tok)
     agree_or_raise(world, prepare, RunError, (RunError, OSError))
     return out
 
@@ -95,9 +138,7 @@ def build(cfg, world=None):
         keep_heap()
     mesh = Mesh(world, res.degrees, res.order, wrap=lambda c, a: Comm(c, a, backend))
     setup_logging(mesh)
-    data = TokenDataset(resolve_data_path(cfg, world), cfg.model.seq_len, cfg.model.vocab_size,
-                        cfg.data.val_fraction)
-    return Engine(cfg, res, mesh, backend, data)
+    return Engine(cfg, res, mesh, backend, build_dataset(cfg, world))
 
 
 def _lines(m: dict) -> list[dict]:
@@ -120,7 +161,7 @@ def train(cfg, world=None, resume=None) -> dict:
     world = world or MPI.COMM_WORLD
     eng = build(cfg, world)
     start = restore(eng, cfg, resume)
-    out = prepare_run_dir(cfg, world, resuming=resume is not None)
+    out = prepare_run_dir(cfg, world, resuming=resume is not None, data=eng.data)
     log_start(eng, cfg)
     plan.check_at_start(cfg, eng.mesh.size, log, rank=eng.mesh.rank)
     metrics_f = open(out / "metrics.jsonl", "a" if resume else "w") if world.Get_rank() == 0 else None
@@ -200,7 +241,8 @@ def save_state(eng, root, step: int, keep: int) -> Path:
     """Collective: this job's checkpoint of `step` under root (checkpoint.py writes it)."""
     pieces = state.checkpoint_pieces(eng.stage, eng.sync, eng.opts, eng.master, eng.tp, eng.mesh.coords["dp"], eng.be)
     meta = {"config": to_toml(eng.cfg), "state": state.checkpoint_meta(eng.opt_steps, eng.scaler, len(eng.slots)),
-            "shapes": eng.true_shapes(), "layout": eng.mesh.degrees, "world": eng.mesh.size}
+            "shapes": eng.true_shapes(), "layout": eng.mesh.degrees, "world": eng.mesh.size,
+            "data": data_meta(eng.data)}
     return checkpoint.save(eng.world, root, step, keep, pieces, meta, eng.tracer)
 
 
@@ -220,6 +262,7 @@ def restore(eng, cfg, resume) -> int:
         try:
             reader = checkpoint.Reader(path)
             reader.check_shapes(eng.true_shapes())
+            check_same_tokenizer(reader.manifest.get("data"), eng.data)     # same inputs on every rank
         except checkpoint.CheckpointError as exc:
             raise checkpoint.CheckpointError(f"--resume {resume}: {exc}") from None
         load_together(eng, reader)
@@ -288,7 +331,8 @@ def summarize(eng, history, wall, out) -> dict:
     vals = [m["val_loss"] for m in history if "val_loss" in m]
     summary = {"steps": len(history), "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
                "final_val_loss": vals[-1] if vals else None, "wall_s": wall,
-               "median_tokens_per_s": sorted(toks)[len(toks) // 2], **eng.memory(), "out_dir": str(out)}
+               "median_tokens_per_s": sorted(toks)[len(toks) // 2], **eng.memory(), "out_dir": str(out),
+               "tokenizer_sha256": eng.data.tokenizer_sha256}
     log.info("done: %d steps in %.1f s | loss %.4f -> %.4f | val %s | median %s tok/s | peak RSS %.0f MiB",
              summary["steps"], wall, summary["first_loss"], summary["final_loss"],
              f"{summary['final_val_loss']:.4f}" if vals else "-",

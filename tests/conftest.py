@@ -53,13 +53,15 @@ def corpus_text(n_sentences: int = 400, seed: int = 0) -> bytes:
 
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory):
-    """Path of an HDF5 token file (vocab 256, ~20k tokens) built with hpengine.data.build_corpus."""
+    """Path of an HDF5 token file (vocab 256, ~24k tokens, three documents) built with
+    hpengine.data.build_corpus: a split by documents keeps whole documents on each side."""
     from hpengine.data import build_corpus
     root = tmp_path_factory.mktemp("corpus")
     src = root / "src"
     src.mkdir()
     (src / "a.txt").write_bytes(corpus_text(300, seed=0))
     (src / "b.md").write_bytes(corpus_text(200, seed=1))
+    (src / "c.txt").write_bytes(corpus_text(100, seed=2))
     out = root / "small.h5"
     build_corpus([src], out, 256)
     return out

@@ -1,10 +1,10 @@
-"""Token data: the token-file format (format.py), building files from text (build.py, builtin.py) and
-reading them for training (dataset.py). No MPI here: the engine decides which rank builds a corpus and
-everyone reads it."""
-from .build import SEPARATOR, build_corpus
+"""Token data: the token-file format (format.py), building files from text (inputs.py, tokenizer.py,
+build.py, builtin.py) and reading them for training (dataset.py). No MPI here: the engine decides which
+rank builds a corpus and everyone reads it."""
+from .build import build_corpus
 from .builtin import default_corpus_path, ensure_default_corpus
 from .dataset import TokenDataset
 from .format import DataError, TokenFile, token_dtype
 
 __all__ = ["DataError", "TokenDataset", "TokenFile", "build_corpus", "default_corpus_path", "ensure_default_corpus",
-           "token_dtype", "SEPARATOR"]
+           "token_dtype"]

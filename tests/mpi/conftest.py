@@ -12,8 +12,9 @@ from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 
-TEXT = (b"The quick brown fox jumps over the lazy dog. " * 40
-        + bytes(range(32, 127)) * 20 + b"def f(x):\n    return x * 2\n" * 60)
+# three documents (one file each): the validation split takes whole documents, here the short last one
+TEXTS = (b"The quick brown fox jumps over the lazy dog. " * 40 + bytes(range(32, 127)) * 20,
+         b"def f(x):\n    return x * 2\n" * 54, b"def f(x):\n    return x * 2\n" * 6)
 
 
 @pytest.hookimpl(trylast=True)
@@ -43,15 +44,16 @@ def world():
 
 @pytest.fixture(scope="session")
 def corpus():
-    """A small HDF5 token file, written once by rank 0 into a folder every rank can see."""
+    """A small HDF5 token file of three documents, written once by rank 0 into a folder every rank can see."""
     from hpengine.data import build_corpus
     path = None
     if WORLD.Get_rank() == 0:
         d = tempfile.mkdtemp(prefix="hpengine-mpi-")
-        src = os.path.join(d, "text.txt")
-        with open(src, "wb") as f:
-            f.write(TEXT)
-        path = build_corpus([src], os.path.join(d, "corpus.h5"))["path"]
+        srcs = [os.path.join(d, f"text{i}.txt") for i in range(len(TEXTS))]
+        for src, text in zip(srcs, TEXTS):
+            with open(src, "wb") as f:
+                f.write(text)
+        path = build_corpus(srcs, os.path.join(d, "corpus.h5"))["path"]
     path = str(WORLD.bcast(path, root=0))
     yield path
     WORLD.Barrier()

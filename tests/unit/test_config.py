@@ -307,7 +307,7 @@ def test_to_dict_is_a_copy():
 def test_describe_mentions_every_key():
     text = C.describe()
     for path, cls in C._sections(Config, []):
-        assert f"`[{'.'.join(path)}]`" in text
+        assert f"`[{'.'.join(path)}]`" in text or f"`[[{'.'.join(path)}]]`" in text
     sections = text.split("### ")[1:]
     by_name = {s.split("`")[1].strip("[]"): s for s in sections}
     for dotted in leaf_keys(C.to_dict(Config())):
@@ -327,3 +327,38 @@ def test_strategy_queries():
     assert requested_degrees(cfg)["dp"] == 4
     cfg.strategy.sharding.enable = True
     assert requested_degrees(cfg)["sharding"] == -1
+
+
+def test_sources_config_round_trip(tmp_path):
+    text = ('[data]\nval_path = "v.h5"\n\n[[data.sources]]\npath = "a.h5"\nweight = 2\n\n'
+            '[[data.sources]]\npath = "b c.h5"\n')
+    (tmp_path / "c.toml").write_text(text)
+    cfg = load_config(tmp_path / "c.toml")
+    assert cfg.data.sources == [C.DataSource("a.h5", 2.0), C.DataSource("b c.h5", 1.0)]
+    assert type(cfg.data.sources[0].weight) is float and cfg.data.val_path == "v.h5"
+    out = C.to_toml(cfg)
+    assert out.count("[[data.sources]]") == 2
+    (tmp_path / "again.toml").write_text(out)
+    assert load_config(tmp_path / "again.toml") == cfg
+    assert C.from_dict(C.to_dict(cfg)) == cfg
+    by_set = load_config(None, ['data.sources=[{path="a.h5", weight=2.0}, {path="b c.h5"}]', "data.val_path=v.h5"])
+    assert by_set == cfg
+    assert "### `[[data.sources]]`" in C.describe() and "| `weight` | `1.0` |" in C.describe()
+
+
+@pytest.mark.parametrize("sets, message", [
+    (['data.sources=[{path="a.h5"}, {path="b.h5", weight=-1}]'], "data.sources[1].weight = -1.0: must be > 0"),
+    (['data.sources=[{path="a.h5", weight=0}]'], "data.sources[0].weight = 0.0: must be > 0"),
+    (['data.sources=[{path=""}]'], 'data.sources[0].path = "": must name a token file'),
+    (['data.sources=[{path="a.h5", weight="x"}]'], 'data.sources[0].weight = "x": expected float, got str'),
+    (['data.sources="a.h5"'], 'data.sources = "a.h5": expected an array of tables [[data.sources]] with keys '
+                              'path, weight'),
+    (['data.sources=["a.h5"]'], 'data.sources[0] = "a.h5": expected a table with keys path, weight'),
+    (['data.sources=[{path="a.h5", wieght=2}]'], "unknown key 'data.sources[0].wieght' (did you mean 'weight'?)"),
+    (["data.path=x.h5", 'data.sources=[{path="a.h5"}]'], 'data.path = "x.h5" and data.sources (1 files) are both '
+                                                         "set: set data.path for one file"),
+])
+def test_sources_config_errors(sets, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, sets)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)

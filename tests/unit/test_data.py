@@ -1,115 +1,307 @@
-"""Unit tests for hpengine.data: corpus building, token-file validation, the global-batch sampler."""
+"""Unit tests for building token files: inputs, the bytes tokenizer, the built-in corpus, the CLI.
+Tokenizers (tokenizer.json, trained BPE, workers): test_data_tokenizer.py; reading: test_dataset.py."""
 from __future__ import annotations
 
+import bz2
+import gzip
+import io
+import json
+import lzma
 import os
+import sys
 
-import h5py
 import numpy as np
 import pytest
 
 from hpengine import data
-from hpengine.data import builtin
-from hpengine.data import DataError, TokenDataset, build_corpus
+from hpengine.cli import main
+from hpengine.data import DataError, TokenFile, build, build_corpus, builtin, inputs, tokenizer
+from hpengine.data.format import sha256_text
+
+
+def docs_of(path) -> list[bytes]:
+    """The documents of a byte-level token file, each without its eos (checked)."""
+    with TokenFile(path) as f:
+        toks, off = f.read(0, f.n_tokens).tobytes(), f.doc_offsets
+        assert f.eos_id == 0 and f.dtype == np.uint8
+    docs = [toks[a:b] for a, b in zip(off[:-1], off[1:])]
+    assert all(d.endswith(b"\0") and b"\0" not in d[:-1] for d in docs)
+    return [d[:-1] for d in docs]
+
+
+def attrs_of(path) -> dict:
+    with TokenFile(path) as f:
+        return dict(f.attrs)
+
+
+def cli(args, capsys) -> tuple[int, str, str]:
+    code = main([str(a) for a in args])
+    io_ = capsys.readouterr()
+    return code, io_.out, io_.err
+
+
+def cli_error(args, capsys) -> str:
+    code, out, err = cli(args, capsys)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("hpengine: error: ")
+    return err
 
 
 @pytest.fixture
-def text_tree(tmp_path):
-    """A folder with text files at two depths, a binary file and a non-text suffix, plus a loose file."""
+def tree(tmp_path):
+    """Text files at three depths and without extensions, next to a binary and a non-UTF-8 file."""
     src = tmp_path / "src"
-    (src / "sub").mkdir(parents=True)
-    (src / "b.txt").write_bytes(b"bravo " * 50)
-    (src / "a.py").write_bytes(b"print('alpha')\n" * 20)
-    (src / "sub" / "c.md").write_bytes(b"# charlie\n" * 30)
-    (src / "blob.txt").write_bytes(b"bin\0ary")      # text suffix but NUL bytes: skipped
-    (src / "image.png").write_bytes(b"not text")     # not a text suffix: skipped
-    loose = tmp_path / "loose.dat"                    # named explicitly: taken whatever its suffix
-    loose.write_bytes("délta\n".encode() * 40)
-    return src, loose
+    (src / "sub" / "deeper").mkdir(parents=True)
+    files = {"LICENSE": "Permission is granted\n", "COPYING": "copy me\n", "a.py": "print('alpha')\n",
+             "sub/notes": "déjà vu ✓\n", "sub/deeper/z.md": "# zulu\n"}
+    for name, text in files.items():
+        (src / name).write_text(text, encoding="utf-8")
+    (src / "blob.txt").write_bytes(b"bin\0ary")
+    (src / "latin1.txt").write_bytes("café".encode("latin-1"))
+    (src / "empty.txt").write_bytes(b"")
+    return src
 
 
-def expected_bytes(src, loose):
-    parts = [(src / "a.py"), (src / "b.txt"), (src / "sub" / "c.md"), loose]
-    return b"\n\n".join(p.read_bytes() for p in parts)
+ORDER = ["COPYING", "LICENSE", "a.py", "sub/deeper/z.md", "sub/notes"]       # name order, depth first
 
 
-@pytest.fixture
-def corpus(tmp_path):
-    """A 20k-token file of varied bytes, enough for any split at small seq_len."""
-    rng = np.random.default_rng(0)
-    path = tmp_path / "tokens.h5"
-    with h5py.File(path, "w") as h5:
-        h5["tokens"] = rng.integers(0, 256, size=20_000, dtype=np.uint8)
-        h5.attrs["vocab_size"] = 256
-    return path
+def texts(src, names=ORDER) -> list[bytes]:
+    return [(src / n).read_bytes() for n in names]
 
 
-def write_h5(path, **datasets):
-    with h5py.File(path, "w") as h5:
-        for name, value in datasets.items():
-            h5[name] = value
-    return path
+# ----------------------------------------------------------------------------- inputs
+
+def test_folder_is_read_recursively_whatever_the_names(tmp_path, tree):
+    out = tmp_path / "out" / "c.h5"                      # parent folder does not exist yet
+    info = build_corpus([tree], out)
+    assert docs_of(out) == texts(tree)
+    want_tokens = sum(len(t) + 1 for t in texts(tree))
+    assert {k: info[k] for k in ("path", "n_docs", "n_tokens", "n_files", "vocab_size", "eos_id")} == {
+        "path": str(out), "n_docs": 5, "n_tokens": want_tokens, "n_files": 6, "vocab_size": 256, "eos_id": 0}
+    a = attrs_of(out)
+    assert (a["skipped_binary"], a["skipped_undecodable"], a["skipped_empty"], a["n_files"]) == (1, 1, 1, 6)
+    assert a["format"] == "hpengine-tokens" and a["version"] == 2 and a["vocab_size"] == 256
+    assert a["tokenizer_sha256"] == sha256_text("bytes") and a["source"] == str(tree)
+    with TokenFile(out) as f:
+        assert f.tokenizer == "bytes"
+        assert list(f.doc_offsets) == list(np.cumsum([0] + [len(t) + 1 for t in texts(tree)]))
 
 
-# ----------------------------------------------------------------------------- building
-
-def test_build_from_folder_and_file_round_trips(tmp_path, text_tree):
-    src, loose = text_tree
-    out = tmp_path / "out" / "corpus.h5"             # parent folder does not exist yet
-    summary = build_corpus([src, loose], out)
-    want = expected_bytes(src, loose)
-    assert summary == {"n_files": 4, "n_tokens": len(want), "path": str(out)}
-    with h5py.File(out, "r") as h5:
-        toks = h5["tokens"]
-        assert toks.dtype == np.uint8 and toks.ndim == 1
-        assert toks[()].tobytes() == want
-        assert h5.attrs["vocab_size"] == 256 and h5.attrs["n_files"] == 4
-        assert isinstance(h5.attrs["source"], str) and 0 < len(h5.attrs["source"]) <= 200
+def test_hidden_folders_and_pycache_are_skipped(tmp_path, tree):
+    for d in (".git", "__pycache__", "sub/.cache"):
+        (tree / d).mkdir()
+        (tree / d / "x.txt").write_text("hidden\n")
+    (tree / ".hidden_file").write_text("a hidden file is read\n")
+    build_corpus([tree], tmp_path / "c.h5")
+    assert docs_of(tmp_path / "c.h5") == [b"a hidden file is read\n"] + texts(tree)
 
 
-def test_build_uses_uint16_above_256(tmp_path, text_tree):
-    src, loose = text_tree
-    out = tmp_path / "wide.h5"
-    build_corpus([src, loose], out, vocab_size=1000)
-    with h5py.File(out, "r") as h5:
-        assert h5["tokens"].dtype == np.uint16
-        assert h5["tokens"][()].astype(np.uint8).tobytes() == expected_bytes(src, loose)
-        assert h5.attrs["vocab_size"] == 1000
-    ds = TokenDataset(out, seq_len=8, vocab_size=1000, val_fraction=0.2)
-    assert ds.tokens.dtype == np.uint16
+def test_symlinks_are_followed_and_each_real_file_read_once(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    (src / "real").mkdir(parents=True)
+    (src / "real" / "a.txt").write_text("only once\n")
+    (src / "real" / "b.txt").write_text("bee\n")
+    (src / "alias.txt").symlink_to(src / "real" / "a.txt")          # a linked file
+    (src / "real" / "up").symlink_to(src)                            # a loop back to the top
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "c.txt").write_text("reached through a link\n")
+    (src / "zlink").symlink_to(other)                                # a linked folder
+    scanned, scandir = [], os.scandir
+    monkeypatch.setattr(os, "scandir", lambda p: scanned.append(os.path.relpath(p, tmp_path)) or scandir(p))
+    out = tmp_path / "c.h5"
+    info = build_corpus([src, src / "real" / "b.txt", other / "c.txt"], out)
+    assert docs_of(out) == [b"only once\n", b"bee\n", b"reached through a link\n"]
+    assert info["n_files"] == 3 and scanned == ["src", "src/real", "src/zlink"]     # each folder once
 
 
-def test_build_is_deterministic_and_atomic(tmp_path, text_tree):
-    src, loose = text_tree
+@pytest.mark.parametrize("suffix, compress", [(".gz", gzip.compress), (".bz2", bz2.compress), (".xz", lzma.compress)])
+def test_compressed_files_are_decompressed(tmp_path, suffix, compress):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / f"a.txt{suffix}").write_bytes(compress("compressed text ✓\n".encode()))
+    (src / f"b{suffix}").write_bytes(compress(b"\0\1\2 binary inside"))
+    (src / f"c{suffix}").write_bytes(b"not compressed at all")          # damaged: undecodable
+    info = build_corpus([src], tmp_path / "c.h5")
+    assert docs_of(tmp_path / "c.h5") == ["compressed text ✓\n".encode()]
+    assert (info["n_files"], info["skipped_binary"], info["skipped_undecodable"]) == (1, 1, 1)
+
+
+def jsonl_lines(*records) -> bytes:
+    return b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in records)
+
+
+def test_jsonl_records_are_documents_and_bad_ones_counted(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jsonl").write_bytes(jsonl_lines({"text": "first ✓"}, {"text": "second", "id": 2}))
+    (src / "b.jsonl.gz").write_bytes(gzip.compress(jsonl_lines(
+        {"text": "third"}, b"", {"body": "no text"}, b"[1, 2]", b"{broken", {"text": 7}, {"text": ""},
+        {"text": "fourth"})))
+    out = tmp_path / "c.h5"
+    code, stdout, err = cli(["data", "build", src, "--out", out], capsys)
+    assert code == 0 and err == ""
+    assert docs_of(out) == ["first ✓".encode(), b"second", b"third", b"fourth"]
+    first = f"{src / 'b.jsonl.gz'} line 3"
+    assert f'skipped 1 empty, 4 records without "text" (first: {first})' in stdout
+    a = attrs_of(out)
+    assert (a["skipped_records"], a["skipped_empty"], a["n_files"]) == (4, 1, 2)
+    info = build_corpus([src], out, text_field="body")
+    assert docs_of(out) == [b"no text"] and info["skipped_records"] == 8
+    assert info["first_bad_record"] == f"{src / 'a.jsonl'} line 1"
+
+
+def test_stdin_is_one_document_or_jsonl(tmp_path, monkeypatch):
+    def stdin(data: bytes):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    (tmp_path / "f.txt").write_text("a file\n")
+    out = tmp_path / "out" / "c.h5"
+    stdin(b"from standard input\n")
+    build_corpus(["-", tmp_path / "f.txt"], out)
+    assert docs_of(out) == [b"from standard input\n", b"a file\n"]
+    stdin(jsonl_lines({"text": "r1"}, {"x": 1}, {"text": "r2"}))
+    info = build_corpus(["-"], out, jsonl=True)
+    assert docs_of(out) == [b"r1", b"r2"] and info["first_bad_record"] == "<stdin> line 2"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["c.h5"]        # the spooled copy is gone
+    with pytest.raises(DataError, match="twice"):
+        build_corpus(["-", "-"], out)
+
+
+def test_include_and_exclude_globs(tmp_path, tree):
+    out = tmp_path / "c.h5"
+    build_corpus([tree], out, include=["*.md", "sub/*"])                # name or relative path
+    assert docs_of(out) == texts(tree, ["sub/deeper/z.md", "sub/notes"])
+    build_corpus([tree], out, exclude=["sub/deeper/*", "LICENSE", "*.txt"])
+    assert docs_of(out) == texts(tree, ["COPYING", "a.py", "sub/notes"])
+    build_corpus([tree, tree / "LICENSE"], out, include="*.py")        # a named file is always read
+    assert docs_of(out) == texts(tree, ["a.py", "LICENSE"])
+
+
+def test_missing_source_is_named(tmp_path, capsys):
+    err = cli_error(["data", "build", tmp_path / "nowhere", "--out", tmp_path / "c.h5"], capsys)
+    assert "nowhere" in err and not (tmp_path / "c.h5").exists()
+
+
+def test_empty_corpus_is_an_error_and_writes_nothing(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"\0\1\2")
+    (src / "b.txt").write_bytes(b"\xff\xfe")
+    (src / "c.txt").write_bytes(b"")
+    err = cli_error(["data", "build", src, "--out", src / "c.h5"], capsys)
+    assert str(src) in err and "1 file read, skipped 1 binary, 1 undecodable, 1 empty" in err
+    assert sorted(p.name for p in src.iterdir()) == ["a.bin", "b.txt", "c.txt"]
+    with pytest.raises(DataError, match="no documents"):
+        build_corpus([src], src / "c.h5", include=["nothing*"])
+
+
+# ----------------------------------------------------------------------------- the build itself
+
+def test_bytes_vocab_size_must_be_256(tmp_path, tree):
+    build_corpus([tree], tmp_path / "c.h5", 256)
+    for bad in (128, 1000):
+        with pytest.raises(DataError, match=f"--vocab-size {bad} only applies with --train-tokenizer"):
+            build_corpus([tree], tmp_path / "d.h5", bad)
+    assert not (tmp_path / "d.h5").exists()
+
+
+def test_build_is_deterministic_and_overwrites_atomically(tmp_path, tree):
     out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    build_corpus([src], out_dir / "one.h5")
-    build_corpus([src], out_dir / "one.h5")          # overwrite in place through a temp + replace
-    build_corpus([src], out_dir / "two.h5")
+    build_corpus([tree], out_dir / "one.h5")
+    build_corpus([tree], out_dir / "one.h5")
+    build_corpus([tree], out_dir / "two.h5")
     assert sorted(p.name for p in out_dir.iterdir()) == ["one.h5", "two.h5"]
-    with h5py.File(out_dir / "one.h5") as a, h5py.File(out_dir / "two.h5") as b:
-        assert np.array_equal(a["tokens"][()], b["tokens"][()])
+    assert (out_dir / "one.h5").read_bytes() == (out_dir / "two.h5").read_bytes()
 
 
-def test_failed_build_leaves_no_temp_file(tmp_path, text_tree):
-    src, loose = text_tree
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    with pytest.raises(DataError, match="loose.dat"):
-        build_corpus([src, loose], out_dir / "c.h5", vocab_size=128)   # 'é' is byte 0xC3 >= 128
-    assert list(out_dir.iterdir()) == []
+def test_batches_split_by_count_and_size(monkeypatch):
+    monkeypatch.setattr(build, "_BATCH_DOCS", 3)
+    monkeypatch.setattr(build, "_BATCH_CHARS", 10)
+    monkeypatch.setattr(build, "_PIECE_CHARS", 4)
+    docs = ["a", "b", "c", "d", "x" * 12, "e", "y" * 9, "f", "l1\nl2\nl3\n"]
+    batches = list(build._batches(docs, cut=True))
+    assert [[len(t) for t in texts] for texts, _ in batches] == [[1, 1, 1], [1, 12], [1, 9], [1, 6, 3]]
+    assert batches[-1] == (["f", "l1\nl2\n", "l3\n"], [True, False, True])
+    assert [len(t) for t, _ in build._batches(docs, cut=False)][-1] == 2      # uncut: "f" and the lines
 
 
-def test_build_missing_path_names_it(tmp_path):
-    missing = tmp_path / "nowhere"
-    with pytest.raises(DataError, match="nowhere"):
-        build_corpus([missing], tmp_path / "c.h5")
-    assert not (tmp_path / "c.h5").exists()
+def test_long_documents_are_cut_at_line_starts(tmp_path, monkeypatch):
+    text = "".join(f"line {i}\n" + "  indented\n" * (i % 3) for i in range(300))
+    pieces = tokenizer.cut_at_lines(text, 100)
+    assert "".join(pieces) == text and len(pieces) > 10
+    assert all(len(p) >= 100 and p.endswith("\n") for p in pieces[:-1])
+    assert all(p.startswith("line") for p in pieces)
+    assert tokenizer.cut_at_lines("no line start " * 50, 10) == ["no line start " * 50]
+    (tmp_path / "long.txt").write_text(text)
+    (tmp_path / "short.txt").write_text("short\n")
+    monkeypatch.setattr(build, "_PIECE_CHARS", 100)
+    monkeypatch.setattr(build, "_BATCH_DOCS", 3)                  # pieces of one document in several batches
+    info = build_corpus([tmp_path / "long.txt", tmp_path / "short.txt", tmp_path / "long.txt"], tmp_path / "c.h5")
+    assert docs_of(tmp_path / "c.h5") == [text.encode(), b"short\n"] and info["n_docs"] == 2
 
 
-def test_build_with_no_text_files_is_an_error(tmp_path):
-    (tmp_path / "only.bin").write_bytes(b"\0\1\2")
-    with pytest.raises(DataError, match="no readable text files"):
-        build_corpus([tmp_path], tmp_path / "c.h5")
+@pytest.mark.parametrize("train", [False, True])
+def test_interrupted_build_leaves_nothing(tmp_path, tree, monkeypatch, train):
+    real = inputs.documents
+
+    def interrupted(*args, **kwargs):
+        for i, doc in enumerate(real(*args, **kwargs)):
+            if i == 3:
+                raise KeyboardInterrupt
+            yield doc
+    monkeypatch.setattr(build, "_BATCH_DOCS", 1)
+    if train:                         # the training pass completes; the tokenizing pass is interrupted
+        monkeypatch.setattr(build, "_encode_all", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    else:
+        monkeypatch.setattr(inputs, "documents", interrupted)
+    out = tmp_path / "out" / "c.h5"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"stdin text")))
+    with pytest.raises(KeyboardInterrupt):
+        build_corpus([tree, "-"], out, 300 if train else None, train_tokenizer=train)
+    assert list(out.parent.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def test_cli_build_summary_and_info(tmp_path, tree, capsys):
+    out = tmp_path / "c.h5"
+    code, stdout, err = cli(["data", "build", tree, "--out", out], capsys)
+    n = sum(len(t) + 1 for t in texts(tree))
+    assert code == 0 and err == ""
+    assert stdout.startswith(f"wrote {out}: {n:,} tokens in 5 documents (vocab 256, eos 0, tokenizer bytes "
+                             f"sha256 {sha256_text('bytes')[:8]}...) from 6 files; skipped 1 binary, "
+                             "1 undecodable, 1 empty in ")
+    assert stdout.endswith(" s\n") and len(stdout.splitlines()) == 1
+    code, stdout, err = cli(["data", "info", out], capsys)
+    assert code == 0 and err == ""
+    for part in (f"{n:,} tokens (uint8) in 5 documents", "vocab 256, eos 0, tokenizer bytes",
+                 sha256_text("bytes"), f"source: {tree}", "built from 6 files"):
+        assert part in stdout
+    assert "not an HDF5" in cli_error(["data", "info", tree / "LICENSE"], capsys)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--vocab-size", "300"], "--vocab-size 300 only applies with --train-tokenizer"),
+    (["--train-tokenizer"], "--train-tokenizer needs --vocab-size"),
+    (["--train-tokenizer", "--vocab-size", "100"], "--vocab-size 100 is too small"),
+    (["--train-tokenizer", "--vocab-size", "300", "--tokenizer", "x.json"], "exclude each other"),
+    (["--tokenizer-sample", "0.5"], "--tokenizer-sample 0.5 only applies with --train-tokenizer"),
+    (["--train-tokenizer", "--vocab-size", "300", "--tokenizer-sample", "1.5"], "--tokenizer-sample 1.5 is invalid"),
+    (["--workers", "0"], "--workers 0 is invalid"),
+    (["--eos-token", "</s>"], "does not apply to the bytes tokenizer"),
+    (["--text-field", ""], "--text-field '' is invalid"),
+])
+def test_cli_rejects_inconsistent_flags(tmp_path, tree, capsys, args, words):
+    err = cli_error(["data", "build", tree, "--out", tmp_path / "c.h5", *args], capsys)
+    assert words in err and not (tmp_path / "c.h5").exists()
+
+
+def test_cli_without_paths_builds_the_builtin_corpus(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(builtin, "stdlib_files", lambda max_bytes: builtin.walk(
+        os.path.dirname(json.__file__), include=["*.py"]))
+    code, stdout, _ = cli(["data", "build", "--out", tmp_path / "c.h5"], capsys)
+    assert code == 0 and "stdlib" in attrs_of(tmp_path / "c.h5")["source"]
+    assert any(b"import " in d for d in docs_of(tmp_path / "c.h5"))
 
 
 # ----------------------------------------------------------------------------- built-in corpus
@@ -117,177 +309,22 @@ def test_build_with_no_text_files_is_an_error(tmp_path):
 def test_default_corpus_path_honours_cache_env(tmp_path, monkeypatch):
     monkeypatch.setenv("HPENGINE_CACHE", str(tmp_path))
     path = data.default_corpus_path()
-    assert path.parent == tmp_path and path.suffix == ".h5" and path.name.startswith("stdlib-3.")
+    assert path.parent == tmp_path and path.name == f"stdlib-3.{sys.version_info.minor}.v2.h5"
 
 
 def test_default_corpus_builds_from_stdlib_and_is_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("HPENGINE_CACHE", str(tmp_path / "cache"))
     path = data.ensure_default_corpus(max_bytes=200_000)
     assert path == data.default_corpus_path() and path.is_file()
-    with h5py.File(path, "r") as h5:
-        n, n_files = h5["tokens"].shape[0], int(h5.attrs["n_files"])
-        assert 1 < n_files < 200 and 180_000 <= n < 200_000 + 2**20
-        assert "stdlib" in h5.attrs["source"]
-        text = h5["tokens"][:20_000].tobytes()
-    assert b"import " in text or b"def " in text      # real Python source
+    a = attrs_of(path)
+    assert 1 < a["n_files"] < 200 and 180_000 <= a["n_tokens"] < 200_000 + 2**20 and "stdlib" in a["source"]
+    assert a["n_docs"] == a["n_files"] - a["skipped_empty"] and any(b"def " in d for d in docs_of(path))
     mtime = path.stat().st_mtime_ns
-    assert data.ensure_default_corpus(max_bytes=200_000) == path
-    assert path.stat().st_mtime_ns == mtime
-    ds = TokenDataset(path, seq_len=64, vocab_size=256, val_fraction=0.1)
-    assert ds.n_tokens("train") + ds.n_tokens("val") == n
+    assert data.ensure_default_corpus(max_bytes=200_000) == path and path.stat().st_mtime_ns == mtime
 
 
 def test_stdlib_selection_skips_tests_and_site_packages():
-    files = builtin._stdlib_files(max_bytes=2**40)
+    files = builtin.stdlib_files(max_bytes=2**40)
     parts = {part for f in files for part in f.parts}
     assert files and not parts & {"test", "tests", "idle_test", "site-packages"}
     assert all(f.suffix == ".py" for f in files)
-
-
-# ----------------------------------------------------------------------------- sampler
-
-def test_splits_partition_the_tokens(corpus):
-    ds = TokenDataset(corpus, seq_len=16, vocab_size=256, val_fraction=0.1)
-    assert ds.n_tokens("train") == 18_000 and ds.n_tokens("val") == 2_000
-    with pytest.raises(ValueError, match="split"):
-        ds.n_tokens("test")
-
-
-def test_batch_is_a_function_of_seed_step_split(corpus):
-    ds = TokenDataset(corpus, seq_len=16, vocab_size=256, val_fraction=0.1)
-    x1, y1 = ds.batch("train", step=3, seed=7, global_batch=8)
-    ds.batch("train", step=9, seed=7, global_batch=8)            # unrelated draws in between
-    again = TokenDataset(corpus, seq_len=16, vocab_size=256, val_fraction=0.1)
-    x2, y2 = again.batch("train", step=3, seed=7, global_batch=8)
-    assert x1.shape == y1.shape == (8, 16) and x1.dtype == np.int64
-    assert np.array_equal(x1, x2) and np.array_equal(y1, y2)
-    for other in ({"step": 4, "seed": 7}, {"step": 3, "seed": 8}):
-        assert not np.array_equal(x1, ds.batch("train", global_batch=8, **other)[0])
-    halves = TokenDataset(corpus, seq_len=16, vocab_size=256, val_fraction=0.5)  # equal lengths
-    assert halves.n_tokens("train") == halves.n_tokens("val")
-    assert not np.array_equal(halves.offsets("train", 3, 7, 8), halves.offsets("val", 3, 7, 8))
-
-
-def test_offsets_cover_the_whole_valid_range(corpus):
-    ds = TokenDataset(corpus, seq_len=16, vocab_size=256, val_fraction=0.5)
-    offs = np.concatenate([ds.offsets("val", s, 0, 1000) for s in range(20)])
-    n = ds.n_tokens("val")
-    assert offs.min() >= 0 and offs.max() <= n - 16 - 1
-    assert offs.max() > n - 16 - 30 and offs.min() < 30      # reaches both ends
-
-
-def test_y_is_x_shifted_and_matches_the_tokens(corpus):
-    ds = TokenDataset(corpus, seq_len=16, vocab_size=256, val_fraction=0.1)
-    x, y = ds.batch("val", step=0, seed=1, global_batch=5)
-    assert np.array_equal(x[:, 1:], y[:, :-1])
-    val = ds.tokens[ds.n_tokens("train"):]
-    for row, off in enumerate(ds.offsets("val", 0, 1, 5)):
-        assert np.array_equal(x[row], val[off:off + 16])
-        assert np.array_equal(y[row], val[off + 1:off + 17])
-
-
-def test_slices_are_rows_of_the_global_batch(corpus):
-    ds = TokenDataset(corpus, seq_len=12, vocab_size=256, val_fraction=0.1)
-    x, y = ds.batch("train", step=11, seed=3, global_batch=12)
-    for start, count in [(0, 12), (0, 3), (3, 3), (8, 4), (11, 1), (5, 0)]:
-        xs, ys = ds.batch("train", step=11, seed=3, global_batch=12, start=start, count=count)
-        assert xs.shape == (count, 12)
-        assert np.array_equal(xs, x[start:start + count])
-        assert np.array_equal(ys, y[start:start + count])
-    xs, _ = ds.batch("train", step=11, seed=3, global_batch=12, start=7)   # count None: the rest
-    assert np.array_equal(xs, x[7:])
-
-
-@pytest.mark.parametrize("start, count", [(-1, 2), (0, 13), (10, 3), (13, None), (0, -1)])
-def test_bad_slice_raises_value_error(corpus, start, count):
-    ds = TokenDataset(corpus, seq_len=12, vocab_size=256, val_fraction=0.1)
-    with pytest.raises(ValueError, match="start="):
-        ds.batch("train", step=0, seed=0, global_batch=12, start=start, count=count)
-
-
-# ----------------------------------------------------------------------------- validation
-
-def test_missing_file(tmp_path):
-    with pytest.raises(DataError, match=r"data file '.*absent\.h5' not found/unreadable"):
-        TokenDataset(tmp_path / "absent.h5", seq_len=8, vocab_size=256, val_fraction=0.1)
-
-
-def test_folder_instead_of_file(tmp_path):
-    with pytest.raises(DataError, match="not found/unreadable"):
-        TokenDataset(tmp_path, seq_len=8, vocab_size=256, val_fraction=0.1)
-
-
-def test_not_hdf5(tmp_path):
-    path = tmp_path / "plain.txt"
-    path.write_text("hello world\n" * 100)
-    with pytest.raises(DataError, match=r"plain\.txt.*not an HDF5"):
-        TokenDataset(path, seq_len=8, vocab_size=256, val_fraction=0.1)
-
-
-def test_missing_tokens_lists_datasets(tmp_path):
-    path = write_h5(tmp_path / "other.h5", ids=np.arange(10, dtype=np.uint8),
-                    **{"grp/inner": np.zeros(3)})
-    with pytest.raises(DataError, match=r"other\.h5.*'tokens'") as e:
-        TokenDataset(path, seq_len=8, vocab_size=256, val_fraction=0.1)
-    assert "ids" in str(e.value) and "grp/inner" in str(e.value)
-
-
-@pytest.mark.parametrize("tokens", [np.arange(100, dtype=np.int64),          # signed
-                                    np.zeros((10, 10), dtype=np.uint8),        # 2-D
-                                    np.linspace(0, 1, 100)])                   # float
-def test_tokens_must_be_1d_unsigned(tmp_path, tokens):
-    path = write_h5(tmp_path / "bad.h5", tokens=tokens)
-    with pytest.raises(DataError, match=r"bad\.h5.*1-D unsigned"):
-        TokenDataset(path, seq_len=8, vocab_size=256, val_fraction=0.1)
-
-
-def test_token_id_beyond_vocab(tmp_path):
-    toks = np.zeros(1000, dtype=np.uint16)
-    toks[500] = 300
-    path = write_h5(tmp_path / "wide.h5", tokens=toks)
-    for vocab in (256, 300):
-        with pytest.raises(DataError, match=rf"wide\.h5.*300.*model\.vocab_size={vocab}"):
-            TokenDataset(path, seq_len=8, vocab_size=vocab, val_fraction=0.1)
-    assert TokenDataset(path, seq_len=8, vocab_size=301, val_fraction=0.1).tokens.dtype == np.uint16
-
-
-def test_file_vocab_attribute_beyond_model_vocab(corpus):
-    with h5py.File(corpus, "a") as h5:
-        h5.attrs["vocab_size"] = 50_000
-    with pytest.raises(DataError, match=r"tokens\.h5.*vocab_size=50000.*model\.vocab_size=256"):
-        TokenDataset(corpus, seq_len=8, vocab_size=256, val_fraction=0.1)
-
-
-@pytest.mark.parametrize("fraction", [0.0, 1.0, -0.1, 1.5])
-def test_val_fraction_range(corpus, fraction):
-    with pytest.raises(DataError, match=rf"^data\.val_fraction={fraction} is invalid"):
-        TokenDataset(corpus, seq_len=8, vocab_size=256, val_fraction=fraction)
-
-
-@pytest.mark.parametrize("fraction, short", [(0.001, "val"), (0.999, "train")])
-def test_split_too_short_for_seq_len(corpus, fraction, short):
-    with pytest.raises(DataError, match=rf"tokens\.h5.*'{short}'.*seq_len"):
-        TokenDataset(corpus, seq_len=64, vocab_size=256, val_fraction=fraction)
-
-
-def test_smallest_usable_split_is_seq_len_plus_one(tmp_path):
-    path = write_h5(tmp_path / "tiny.h5", tokens=np.arange(18, dtype=np.uint8))
-    ds = TokenDataset(path, seq_len=8, vocab_size=256, val_fraction=0.5)   # 9 + 9 tokens
-    assert np.array_equal(ds.offsets("val", 0, 0, 50), np.zeros(50))
-    with pytest.raises(DataError, match="seq_len"):
-        TokenDataset(path, seq_len=9, vocab_size=256, val_fraction=0.5)
-
-
-def test_truncated_file(tmp_path, corpus):
-    cut = tmp_path / "cut.h5"
-    cut.write_bytes(corpus.read_bytes()[:5000])
-    with pytest.raises(DataError, match=r"cut\.h5' not found/unreadable"):
-        TokenDataset(cut, seq_len=8, vocab_size=256, val_fraction=0.1)
-
-
-def test_unreadable_file(tmp_path, corpus):
-    if os.geteuid() == 0:
-        pytest.skip("root reads files regardless of permissions")
-    corpus.chmod(0)
-    with pytest.raises(DataError, match="not found/unreadable"):
-        TokenDataset(corpus, seq_len=8, vocab_size=256, val_fraction=0.1)

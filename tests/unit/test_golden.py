@@ -68,10 +68,12 @@ OVERRIDES = [
 
 
 def run_golden(tmp_path) -> list[float]:
-    src = tmp_path / "golden.txt"
-    src.write_bytes(TEXT)
+    srcs = []                   # one document per paragraph: the validation split takes whole documents
+    for i, paragraph in enumerate(TEXT.split(b"\n\n")):
+        srcs.append(tmp_path / f"golden{i}.txt")
+        srcs[-1].write_bytes(paragraph)
     data = tmp_path / "golden.h5"
-    build_corpus([src], data, 256)
+    build_corpus(srcs, data, 256)
     out = tmp_path / "run"
     cfg = load_config(None, OVERRIDES + [f"data.path={data}", f"train.out_dir={out}"])
     summary = train(cfg)

@@ -15,7 +15,7 @@ import pytest
 
 from hpengine.cli import main
 from hpengine.config import load_config
-from hpengine.data import SEPARATOR, TokenDataset
+from hpengine.data import TokenDataset, TokenFile
 from hpengine.optim import clip_coefficient, lr_at
 from hpengine.train import train
 
@@ -175,7 +175,7 @@ def test_token_ids_beyond_vocab(tmp_path, capsys):
         h5["tokens"] = (np.arange(5000) % 200).astype(np.uint8)
     args, out = train_args(tmp_path, path, "model.vocab_size=64")
     msg = run_cli(args, capsys)
-    assert str(path) in msg and "199" in msg and "vocab_size=64" in msg
+    assert str(path) in msg and "199" in msg and "model.vocab_size = 64" in msg
     assert no_results(out)
 
 
@@ -289,9 +289,11 @@ def test_data_build_writes_a_loadable_file(tmp_path, capsys):
     assert main(["data", "build", "--out", str(out), str(src)]) == 0
     io = capsys.readouterr()
     assert io.err == "" and str(out) in io.out and "2 files" in io.out
-    want = b"first file " * 20 + SEPARATOR + b"x = 1\n" * 30
+    # each file one document, each document followed by the bytes tokenizer's end-of-document 0
+    with TokenFile(out) as f:
+        assert f.read(0, f.n_tokens).tobytes() == b"first file " * 20 + b"\0" + b"x = 1\n" * 30 + b"\0"
+        assert list(f.doc_offsets) == [0, 221, 402]
     ds = TokenDataset(out, seq_len=8, vocab_size=256, val_fraction=0.1)
-    assert ds.tokens.tobytes() == want
     x, y = ds.batch("train", 0, 1, 4)
     assert x.shape == y.shape == (4, 8)
 
