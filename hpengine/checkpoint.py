@@ -262,8 +262,9 @@ class ExportReader:
         self.f.close()
 
 
-def export(path, out) -> dict:
-    """Write one consolidated HDF5 file of global tensors (params and Adam moments), plain h5py."""
+def export(path, out, params_only: bool = False) -> dict:
+    """Write one consolidated HDF5 file of global tensors (params and Adam moments, or params only),
+    plain h5py."""
     r = Reader(path)
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
@@ -275,7 +276,7 @@ def export(path, out) -> dict:
             f.attrs["state"] = json.dumps(r.manifest["state"])
             for name, shape in r.manifest["shapes"].items():
                 region = tuple(slice(0, n) for n in shape)
-                for kind in KINDS:
+                for kind in (("param",) if params_only else KINDS):
                     pieces = r.by_tensor.get((kind, name))
                     if pieces:   # stored in the dtype the checkpoint holds
                         f.create_dataset(f"{kind}/{name}", data=r.read(kind, name, region).astype(pieces[0]["dtype"]))

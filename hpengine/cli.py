@@ -1,4 +1,4 @@
-"""Command line: `hpengine train | data | plan | ckpt | plot`.
+"""Command line: `hpengine train | data | plan | ckpt | eval | plot`.
 
 Known problems (bad config, data, mesh) end every rank with one clear line and exit status 2; they are
 detected identically on every rank before any collective. Anything unexpected on any rank prints that
@@ -31,12 +31,45 @@ def _parser() -> argparse.ArgumentParser:
     ksub = k.add_subparsers(dest="ckpt_cmd", required=True)
     ksub.add_parser("info", help="step, layout, tensors, sizes").add_argument("dir")
     ksub.add_parser("verify", help="read every piece and check its checksum").add_argument("dir")
-    e = ksub.add_parser("export", help="one consolidated HDF5 file of global tensors")
-    e.add_argument("dir")
-    e.add_argument("out")
+    e = ksub.add_parser("export", help="global tensors as one HDF5 or safetensors file, or a Hugging Face "
+                        "transformers model folder (gpt, llama)")
+    e.add_argument("dir", help="a checkpoint step folder, or a checkpoints root (its latest)")
+    e.add_argument("out", help="the file (hdf5, safetensors) or folder (hf) to write")
+    e.add_argument("--format", default="hdf5", choices=("hdf5", "safetensors", "hf"),
+                   help="hdf5: parameters and Adam moments, for checkpoint.init_from (default); safetensors: "
+                   "parameters under hpengine's names; hf: config.json, model.safetensors, generation_config.json "
+                   "and the run's tokenizer files, loadable by AutoModelForCausalLM.from_pretrained")
+    e.add_argument("--params-only", action="store_true", help="hdf5: leave out the optimizer state")
+    e.add_argument("--force", action="store_true", help="replace an existing OUT")
     _plan_parser(sub)
     _plot_parser(sub)
+    _eval_parser(sub)
     return p
+
+
+def _eval_parser(sub) -> None:
+    ev = sub.add_parser("eval", help="exact mean loss, perplexity and bits per byte of a checkpoint on a token file",
+                        description="A deterministic pass over every token of FILE (windows of seq_len, each "
+                        "token predicted once). The model comes from the checkpoint's saved config; the layout "
+                        "from --config/--set (default: one process, or data parallel over every rank).")
+    ev.add_argument("checkpoint", help="a run folder (its checkpoints/latest), a checkpoints folder or a step folder")
+    ev.add_argument("--data", required=True, help="HDF5 token file to evaluate on")
+    ev.add_argument("--config", default=None, help="TOML whose [strategy], [runtime] and [mesh] tables set the layout")
+    ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a key of the checkpoint's config, e.g. --set strategy.sharding.enable=true")
+    ev.add_argument("--json", default=None, metavar="OUT", help="also write the figures as JSON")
+    ev.add_argument("--batch", type=int, default=8, help="windows per pass and replica (default 8)")
+
+
+def _cmd_eval(a) -> int:
+    from .evaluate import evaluate, line, write_json
+    r = evaluate(a.checkpoint, a.data, a.config, a.overrides, a.batch)
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(line(r, a.checkpoint), flush=True)
+        if a.json:
+            write_json(r, a.json)
+    return 0
 
 
 def _data_parser(sub) -> None:
@@ -155,8 +188,10 @@ def _cmd_ckpt(a) -> int:
             print(f"hpengine: error: {p}", file=sys.stderr)
         print(f"{a.dir}: {'ok' if not problems else 'CORRUPTED'}")
         return 0 if not problems else 1
-    info = checkpoint.export(a.dir, a.out)
-    print(f"wrote {info['path']}: {info['tensors']} tensors at step {info['step']}")
+    from .export import export
+    info = export(a.dir, a.out, a.format, params_only=a.params_only, force=a.force)
+    print(f"wrote {info['path']}: {info['tensors']} tensors at step {info['step']}"
+          + ("" if a.format == "hdf5" else f" ({a.format})"))
     return 0
 
 
@@ -248,6 +283,8 @@ def main(argv=None) -> int:
             return _cmd_ckpt(a)
         if a.cmd == "plan":
             return _cmd_plan(a)
+        if a.cmd == "eval":
+            return _cmd_eval(a)
         return _cmd_plot(a)
     except _known() as exc:
         print(f"hpengine: error: {exc}", file=sys.stderr, flush=True)

@@ -250,6 +250,8 @@ class CheckpointConfig:
     dir: str = _f("", 'checkpoint folder; "" = `<out_dir>/checkpoints`')
     every: int = _f(0, "save every N steps; 0 = never", check=_must(">=", 0))
     keep: int = _f(3, "most recent checkpoints kept", check=_POS)
+    at_end: bool = _f(True, "save a checkpoint after the last step (unless `every` already saved it), so every "
+                            "run leaves a model for `hpengine eval` and `--resume`")
     init_from: str = _f("", "start from the parameters of an exported checkpoint file (hpengine ckpt export); "
                             "optimizer state starts fresh")
 

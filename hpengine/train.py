@@ -169,6 +169,7 @@ def train(cfg, world=None, resume=None) -> dict:
     t_start, history = time.perf_counter(), []
     watchdog = launch.Watchdog(cfg.runtime.watchdog_s, eng.mesh.prefix()).start()
     restore_signals = launch.install_stop_handlers()
+    saved = None                 # the last step saved by this run
     try:
         for step in range(start, cfg.train.steps):
             watchdog.heartbeat(step, "train_step")
@@ -188,10 +189,14 @@ def train(cfg, world=None, resume=None) -> dict:
             if stop or _ckpt_due(cfg, step):
                 watchdog.heartbeat(step, "checkpoint")
                 save_checkpoint(eng, cfg, step + 1)
+                saved = step + 1
             if stop:
                 log.info("%s received: stopping cleanly after step %d of %d (checkpoint saved)", stop, step + 1,
                          cfg.train.steps)
                 break
+        if cfg.checkpoint.at_end and history and saved != history[-1]["step"] + 1:
+            watchdog.heartbeat(history[-1]["step"], "checkpoint")
+            save_checkpoint(eng, cfg, history[-1]["step"] + 1)    # the final model, for eval and --resume
     finally:
         watchdog.stop()
         restore_signals()

@@ -1,0 +1,64 @@
+"""`hpengine eval` on N ranks reports the figures of one process (computed on COMM_SELF in the same test)
+to rtol 1e-12, under the default layout (data parallel over every rank) and others; bad input stops
+every rank with the same error."""
+import shutil
+import tempfile
+
+import pytest
+from mpi4py import MPI
+
+from helpers import config, need, run
+from hpengine.checkpoint import CheckpointError
+from hpengine.evaluate import evaluate
+from hpengine.train import save_state
+
+N = MPI.COMM_WORLD.Get_size()
+
+
+def on(name, deg):
+    return [f"strategy.{name}.enable=true", f"strategy.{name}.degree={deg}"]
+
+
+LAYOUTS = {  # world size -> extra --set layouts ([] = the default: data parallel over every rank)
+    2: [[], on("tensor_parallel", 2), on("sharding", 2) + ["strategy.sharding.stage=3"],
+        on("pipeline", 2) + ["strategy.pipeline.micro_batches=2"]],
+    4: [[], on("pipeline", 2) + on("tensor_parallel", 2),
+        on("sharding", 2) + ["strategy.sharding.stage=3"] + on("pipeline", 2)
+        + ["strategy.pipeline.micro_batches=2"]],
+    8: [[], on("data_parallel", 2) + on("pipeline", 2) + on("tensor_parallel", 2)
+        + ["strategy.pipeline.micro_batches=2"]],
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt(corpus, world):
+    need(N > 1, "eval across ranks needs more than one")
+    d = tempfile.mkdtemp(prefix="hpengine-eval-") if world.Get_rank() == 0 else None
+    d = world.bcast(d, root=0)
+    _, _, eng = run(config(corpus, *on("data_parallel", N)), world, steps=1)
+    save_state(eng, d, 1, keep=1)
+    world.Barrier()
+    yield d
+    world.Barrier()
+    if world.Get_rank() == 0:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("i", range(4))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_eval_on_n_ranks_equals_one_process(ckpt, corpus, world, i, batch):
+    need(N > 1 and i < len(LAYOUTS.get(N, [])), f"no layout {i} at world {N}")
+    overrides = ["runtime.backend=numpy", *LAYOUTS[N][i]]
+    got = evaluate(ckpt, corpus, overrides=overrides, batch=batch, world=world)
+    want = evaluate(ckpt, corpus, overrides=["runtime.backend=numpy"], batch=batch, world=MPI.COMM_SELF)
+    assert got["world"] == N and want["world"] == 1
+    assert got["tokens"] == want["tokens"] and got["bytes"] == want["bytes"]
+    for k in ("loss", "perplexity", "bits_per_byte"):
+        assert got[k] == pytest.approx(want[k], rel=1e-12, abs=0), k
+    assert len({repr(x) for x in world.allgather(got["loss"])}) == 1      # the same figure on every rank
+
+
+def test_no_checkpoint_stops_every_rank(corpus, world):
+    need(N > 1, "eval across ranks needs more than one")
+    with pytest.raises(CheckpointError, match="checkpoint.every"):
+        evaluate("/nonexistent/run", corpus, world=world)

@@ -1,0 +1,167 @@
+"""`hpengine eval`: the exact mean NLL of a checkpoint over every token of a file, against an independent
+computation (parameters read straight from the checkpoint, the model's block functions run window by
+window over our own enumeration, the partial last window included); bits per byte by hand; the final
+checkpoint (`checkpoint.at_end`); the one-line errors."""
+from __future__ import annotations
+
+import json
+import math
+
+import h5py
+import numpy as np
+import pytest
+
+from hpengine import checkpoint
+from hpengine.cli import main
+from hpengine.config import from_dict
+from hpengine.data import build_corpus
+from hpengine.data.format import TokenFile
+from hpengine.evaluate import count_bytes, plan_passes
+from hpengine.models import LocalTP, build_model
+
+T = 16
+TINY = ["model.dtype=float64", f"model.seq_len={T}", "model.d_model=16", "model.n_layers=2", "model.n_heads=2",
+        "train.steps=2", "train.global_batch=4", "train.eval_every=0", "runtime.backend=numpy",
+        "train.log_every=1"]
+TEXT = "evaluate me: every token once, é and 日本 included.\n"     # 3 documents, 50+ tokens, not a multiple of T
+
+
+def cli(capsys, *args):
+    capsys.readouterr()
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def sets(*items):
+    return [a for it in items for a in ("--set", it)]
+
+
+@pytest.fixture(scope="module")
+def run(small_corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "run"
+    assert main(["train", *sets(*TINY, f"data.path={small_corpus}", f"train.out_dir={out}")]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def evalfile(tmp_path_factory):
+    root = tmp_path_factory.mktemp("evaldata")
+    docs = []
+    for i, text in enumerate([TEXT, TEXT.upper() * 2, "tail"]):
+        (root / f"d{i}.txt").write_text(text, encoding="utf-8")
+        docs.append(root / f"d{i}.txt")
+    out = root / "e.h5"
+    build_corpus(docs, out, 256)
+    return out
+
+
+def oracle(ckpt_dir, path):
+    """(sum of NLL, predicted tokens): windows w of T targets stepping by T, the last one shorter."""
+    r = checkpoint.Reader(ckpt_dir)
+    import tomllib
+    cfg = from_dict(tomllib.loads(r.manifest["config"]))
+    P = {n: r.read("param", n, tuple(slice(0, s) for s in shape)) for n, shape in r.manifest["shapes"].items()}
+    model, tp = build_model(cfg.model, 1), LocalTP()
+    with TokenFile(path) as tf:
+        toks = tf.read(0, tf.n_tokens).astype(np.int64)
+    total, n, w = 0.0, 0, 0
+    while w * T < len(toks) - 1:
+        win = toks[w * T: w * T + T + 1]
+        x, y = win[None, :-1], win[None, 1:]
+        h, _ = model.embed_forward(np, P, x, tp)
+        for i in range(cfg.model.n_layers):
+            h, _ = model.layer_forward(np, P, i, h, tp)
+        loss, _ = model.head_forward(np, P, h, y, 1.0, tp)
+        total += float(loss)
+        n += y.size
+        w += 1
+    r.close()
+    return total, n, toks
+
+
+def test_final_checkpoint_exists_and_ckpt_info_reads_it(run, capsys):
+    root = run / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"]
+    rc, out, _ = cli(capsys, "ckpt", "info", root)
+    assert rc == 0 and "step 2" in out and "checksums: ok" in out
+
+
+def test_no_final_checkpoint_when_switched_off_or_already_saved(small_corpus, tmp_path):
+    off = tmp_path / "off"
+    assert main(["train", *sets(*TINY, f"data.path={small_corpus}", f"train.out_dir={off}",
+                                "checkpoint.at_end=false")]) == 0
+    assert not (off / "checkpoints").exists()
+    every = tmp_path / "every"
+    assert main(["train", *sets(*TINY, f"data.path={small_corpus}", f"train.out_dir={every}",
+                                "checkpoint.every=1")]) == 0
+    assert sorted(p.name for p in (every / "checkpoints").iterdir()) == ["latest", "step_00000001",
+                                                                         "step_00000002"]
+
+
+def test_eval_equals_an_independent_computation(run, evalfile, capsys, tmp_path):
+    ckpt = run / "checkpoints" / "step_00000002"
+    want, n, toks = oracle(ckpt, evalfile)
+    assert n == len(toks) - 1 and n % T != 0              # the partial window is there
+    for target in (run, run / "checkpoints", ckpt):       # run folder, checkpoints folder, step folder
+        for batch in ("1", "3", "8"):
+            rc, out, err = cli(capsys, "eval", target, "--data", evalfile, "--json", tmp_path / "e.json",
+                               "--batch", batch)
+            assert rc == 0, err
+            r = json.loads((tmp_path / "e.json").read_text())
+            assert r["tokens"] == n
+            assert r["loss"] == pytest.approx(want / n, rel=1e-12)
+            assert r["perplexity"] == pytest.approx(math.exp(want / n), rel=1e-12)
+    # bits per byte by hand: bytes = the non-eos predicted tokens (eos 0 of the bytes tokenizer)
+    n_bytes = int(np.count_nonzero(toks[1:] != 0))
+    assert r["bytes"] == n_bytes == n - 3                   # each of the 3 documents ends with eos
+    assert r["bits_per_byte"] == pytest.approx(want / n / math.log(2) * n / n_bytes, rel=1e-12)
+    line = out.strip().splitlines()[-1]
+    assert line == (f"eval {ckpt} on {evalfile}: {n:,} tokens, loss {want / n:.6f}, perplexity "
+                    f"{math.exp(want / n):.4f}, bits/byte {r['bits_per_byte']:.6f}")
+
+
+def test_plan_passes_covers_every_window_once():
+    for n_tokens in (2, 17, 33, 100, 1000):
+        for replicas in (1, 2, 3, 4):
+            for batch, m in ((1, 1), (3, 1), (4, 2), (6, 3)):
+                plans = plan_passes(n_tokens, T, replicas, batch, m)
+                assert len({len(p) for p in plans}) == 1          # the same number of passes everywhere
+                covered = [(f + j, length) for p in plans for f, c, length, ok in p if ok for j in range(c)]
+                assert sum(length for _, length in covered) == n_tokens - 1
+                assert sorted(w for w, _ in covered) == list(range(len(covered)))
+                assert all(c % m == 0 or c == 1 for p in plans for _, c, _, _ in p)
+
+
+def test_bytes_of_a_hugging_face_and_a_version1_file(tmp_path):
+    src = tmp_path / "t.txt"
+    src.write_text(TEXT * 20, encoding="utf-8")
+    out = tmp_path / "bpe.h5"
+    build_corpus([src], out, 300, train_tokenizer=True)
+    from tokenizers import Tokenizer
+    with TokenFile(out) as tf:
+        tok = Tokenizer.from_str(tf.tokenizer)
+        first = tok.decode([int(tf.read(0, 1)[0])])
+        assert count_bytes(tf) == len((TEXT * 20).encode()) - len(first.encode())
+    v1 = tmp_path / "v1.h5"
+    with h5py.File(v1, "w") as h5:
+        h5["tokens"] = np.arange(100, dtype=np.uint8)
+    with TokenFile(v1) as tf:
+        assert count_bytes(tf) is None
+
+
+def test_bad_inputs_end_with_one_line(run, evalfile, tmp_path, capsys):
+    rc, _, err = cli(capsys, "eval", tmp_path / "nowhere", "--data", evalfile)
+    assert rc == 2 and err.count("\n") == 1 and "checkpoint.every" in err and "checkpoint.at_end" in err
+    v1 = tmp_path / "v1.h5"                 # no tokenizer recorded: not the checkpoint's bytes tokenizer
+    with h5py.File(v1, "w") as h5:
+        h5["tokens"] = np.arange(100, dtype=np.uint8)
+    rc, _, err = cli(capsys, "eval", run, "--data", v1)
+    assert rc == 2 and err.count("\n") == 1 and "tokenizer sha256" in err and "none (version 1)" in err
+    big = tmp_path / "big.h5"
+    with h5py.File(big, "w") as h5:
+        h5["tokens"] = np.arange(400, dtype=np.uint16)
+    rc, _, err = cli(capsys, "eval", run, "--data", big)
+    assert rc == 2 and err.count("\n") == 1 and "model.vocab_size >= 400" in err
+    rc, _, err = cli(capsys, "eval", run, "--data", tmp_path / "missing.h5")
+    assert rc == 2 and err.count("\n") == 1 and "missing.h5" in err
