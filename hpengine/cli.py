@@ -1,4 +1,4 @@
-"""Command line: `hpengine train | data | plan | ckpt | eval | plot`.
+"""Command line: `hpengine train | data | plan | ckpt | eval | generate | plot`.
 
 Known problems (bad config, data, mesh) end every rank with one clear line and exit status 2; they are
 detected identically on every rank before any collective. Anything unexpected on any rank prints that
@@ -44,7 +44,44 @@ def _parser() -> argparse.ArgumentParser:
     _plan_parser(sub)
     _plot_parser(sub)
     _eval_parser(sub)
+    _generate_parser(sub)
     return p
+
+
+def _generate_parser(sub) -> None:
+    g = sub.add_parser("generate", help="sample text from a checkpoint's model (one process, kv cache)",
+                       description="Prints the generated continuation (not the prompt) as it is produced, and "
+                       "a stats line on stderr. Stops at the eos token, after --max-new-tokens, or at "
+                       "model.seq_len tokens of context.")
+    g.add_argument("checkpoint", help="a run folder (its checkpoints/latest), a checkpoints folder or a step folder")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help="the text to continue (default: empty, start from eos)")
+    src.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file")
+    g.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate at most (default 100)")
+    g.add_argument("--temperature", type=float, default=1.0, help="divides the logits (default 1.0)")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the K most likely tokens only")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus: the smallest set of most likely tokens "
+                   "whose probability sums to >= P, 0 < P <= 1")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--greedy", action="store_true", help="always the most likely token")
+    g.add_argument("--no-cache", action="store_true", help="re-run the whole context for every token "
+                   "(no key/value cache; for checks and benchmarks)")
+
+
+def _cmd_generate(a) -> int:
+    from .data import DataError
+    from .generate import generate, stats_line
+    prompt = a.prompt or ""
+    if a.prompt_file is not None:
+        try:
+            with open(a.prompt_file, encoding="utf-8") as f:
+                prompt = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataError(f"--prompt-file '{a.prompt_file}': {exc}") from None
+    r = generate(a.checkpoint, prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed, a.greedy,
+                 cache=not a.no_cache)
+    print(stats_line(r), file=sys.stderr, flush=True)
+    return 0
 
 
 def _eval_parser(sub) -> None:
@@ -285,6 +322,8 @@ def main(argv=None) -> int:
             return _cmd_plan(a)
         if a.cmd == "eval":
             return _cmd_eval(a)
+        if a.cmd == "generate":
+            return _cmd_generate(a)
         return _cmd_plot(a)
     except _known() as exc:
         print(f"hpengine: error: {exc}", file=sys.stderr, flush=True)

@@ -252,8 +252,10 @@ class CheckpointConfig:
     keep: int = _f(3, "most recent checkpoints kept", check=_POS)
     at_end: bool = _f(True, "save a checkpoint after the last step (unless `every` already saved it), so every "
                             "run leaves a model for `hpengine eval` and `--resume`")
-    init_from: str = _f("", "start from the parameters of an exported checkpoint file (hpengine ckpt export); "
-                            "optimizer state starts fresh")
+    init_from: str = _f("", "start from the parameters of an exported checkpoint file (hpengine ckpt export), "
+                            'or "hf:DIR" for a local Hugging Face model folder (config.json and safetensors '
+                            "weights of a GPT2LMHeadModel -> gpt or LlamaForCausalLM -> llama, shaped as "
+                            "[model]); optimizer state starts fresh")
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from . import checkpoint, launch, plan, state, trace
+from . import checkpoint, hf_import, launch, plan, state, trace
 from .backend import BackendError, keep_heap, make_backend
 from .comm import Comm, agree_or_raise
 from .config import Config, to_dict, to_toml
@@ -273,7 +273,11 @@ def restore(eng, cfg, resume) -> int:
         load_together(eng, reader)
         start, what = reader.step, f"resumed from {reader.dir} at step {reader.step}"
     else:
-        reader = checkpoint.ExportReader(cfg.checkpoint.init_from)
+        src = cfg.checkpoint.init_from
+        if src.startswith(hf_import.PREFIX):
+            reader = hf_import.HFReader(src[len(hf_import.PREFIX):], cfg.model, eng.true_shapes())
+        else:
+            reader = checkpoint.ExportReader(src)
         load_together(eng, reader, params_only=True)
         start, what = 0, f"parameters initialised from {cfg.checkpoint.init_from}"
     reader.close()

@@ -1,0 +1,102 @@
+"""`checkpoint.init_from = "hf:DIR"` on folders written by transformers: a randomly initialised (and then
+randomly perturbed, so no LayerNorm/RMSNorm weight is 1 and no bias 0) GPT2LMHeadModel or LlamaForCausalLM,
+tied and untied, float64, saved with save_pretrained; hpengine loads the folder into a one-process engine
+and its forward (model blocks with LocalTP, as tests/interop/test_hf_export.py) gives transformers' logits:
+GPT-2 to 1e-10; stock HF llama (float32 RMSNorm statistics, softmax and rotary angles) to 1e-5, and to
+1e-10 with modeling_llama's float32 read as float64 (as tests/interop/test_hf_llama.py). The GPT-2 folder
+has n_positions 32 > model.seq_len 16: hpengine takes the first 16 position embeddings.
+
+Needs the `interop` extra (torch, transformers >= 5) and safetensors; skipped without them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers", minversion="5")
+pytest.importorskip("safetensors")
+
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.models.llama import modeling_llama  # noqa: E402
+
+from hpengine.config import load_config  # noqa: E402
+from hpengine.models import LocalTP, build_model  # noqa: E402
+from hpengine.nn import layernorm_forward, rmsnorm_forward  # noqa: E402
+from hpengine.train import build, restore  # noqa: E402
+
+T, V, C, L, H = 16, 256, 16, 2, 4
+CASES = ["gpt", "gpt_tied", "llama", "llama_tied"]
+
+
+class _Float64Torch:
+    """modeling_llama's view of torch with its float32 upcasts read as float64."""
+    def __getattr__(self, name):
+        return torch.float64 if name in ("float32", "float") else getattr(torch, name)
+
+
+def hf_model(case: str):
+    tied = case.endswith("_tied")
+    torch.manual_seed(0)
+    if case.startswith("gpt"):
+        conf = GPT2Config(vocab_size=V, n_positions=2 * T, n_embd=C, n_layer=L, n_head=H, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied,
+                          attn_implementation="eager")
+        model = GPT2LMHeadModel(conf)
+        extra = ["model.kind='gpt'"]
+    else:
+        conf = LlamaConfig(vocab_size=V, hidden_size=C, intermediate_size=24, num_hidden_layers=L,
+                           num_attention_heads=H, num_key_value_heads=2, max_position_embeddings=T,
+                           rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+                           tie_word_embeddings=tied, attn_implementation="eager")
+        model = LlamaForCausalLM(conf)
+        extra = ["model.kind='llama'", "model.n_kv_heads=2", "model.ffn_hidden=24", "model.rope_theta=500.0",
+                 "model.norm_eps=1e-5"]
+    model = model.to(torch.float64).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model, [*extra, f"model.tie_head={str(tied).lower()}"]
+
+
+def hpengine_logits(P, mcfg, ids):
+    model, xp, tp = build_model(mcfg), np, LocalTP()
+    x, _ = model.embed_forward(xp, P, ids, tp)
+    for i in range(model.n_layers):
+        x, _ = model.layer_forward(xp, P, i, x, tp)
+    if mcfg.kind == "gpt":
+        h, _ = layernorm_forward(xp, x, P["ln_f.w"], P["ln_f.b"])
+    else:
+        h, _ = rmsnorm_forward(xp, x, P["norm.w"], mcfg.norm_eps)
+    w = P["wte"].T if mcfg.tie_head else P["lm_head.w"]
+    return h @ w
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hf_import_same_logits(tmp_path, small_corpus, case, monkeypatch):
+    model, extra = hf_model(case)
+    folder = tmp_path / "hf"
+    model.save_pretrained(folder)
+    cfg = load_config(None, [f"model.seq_len={T}", f"model.d_model={C}", f"model.n_layers={L}",
+                             f"model.n_heads={H}", f"model.vocab_size={V}", "model.dtype='float64'",
+                             "runtime.backend='numpy'", "train.global_batch=4", f"data.path={small_corpus}",
+                             f"train.out_dir={tmp_path / 'run'}", f"checkpoint.init_from=hf:{folder}", *extra])
+    eng = build(cfg)
+    assert restore(eng, cfg, None) == 0
+    P = eng.named_params()
+
+    ids = np.random.default_rng(0).integers(0, V, (2, T))
+    want = hpengine_logits(P, cfg.model, ids)
+    with torch.no_grad():
+        stock = model(input_ids=torch.from_numpy(ids)).logits.numpy()
+    assert np.abs(want).max() > 1e-3
+    if cfg.model.kind == "gpt":
+        np.testing.assert_allclose(want, stock, rtol=1e-10, atol=1e-10)
+        return
+    np.testing.assert_allclose(want, stock, rtol=1e-5, atol=1e-5)
+    with monkeypatch.context() as m:
+        m.setattr(modeling_llama, "torch", _Float64Torch())     # rotary inv_freq too, made at load time
+        again = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float64, attn_implementation="eager").eval()
+        with torch.no_grad():
+            exact = again(input_ids=torch.from_numpy(ids)).logits.numpy()
+    np.testing.assert_allclose(want, exact, rtol=1e-10, atol=1e-10)
