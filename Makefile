@@ -10,7 +10,7 @@ export MKL_NUM_THREADS ?= 1
 MPIEXEC := $(BIN)/mpiexec
 TEST_TIMEOUT ?= 300
 
-.PHONY: train test test-unit test-mpi test-cluster bench clean-venv
+.PHONY: train test test-unit test-mpi test-cluster test-interop bench clean-venv
 
 # (re)install when the venv is missing or older than setup.cfg
 $(STAMP): setup.cfg pyproject.toml
@@ -22,7 +22,7 @@ $(STAMP): setup.cfg pyproject.toml
 train: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(BIN)/hpengine train configs/default.toml --set train.out_dir=runs/default-$$(date +%Y%m%d-%H%M%S)
 
-test: test-unit test-mpi test-cluster
+test: test-unit test-mpi test-cluster test-interop
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/unit
@@ -42,6 +42,16 @@ test-cluster: $(STAMP)
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SLURM_PKGS)) >/dev/null 2>&1 \
 	  || echo "SLURM not installed and not installable here: tests/cluster will skip"; }
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/cluster
+
+# against Hugging Face transformers (extra `hf`: CPU torch, transformers): installed into the venv unless
+# present; where it cannot be installed the tests skip with the reason; HF_TESTS=0 skips install and tests
+HF_TESTS ?= 1
+test-interop: $(STAMP)
+	@if [ "$(HF_TESTS)" = 0 ]; then echo "HF_TESTS=0: tests/interop skipped"; exit 0; fi; \
+	$(BIN)/python -c "import torch, transformers" 2>/dev/null || \
+	  $(BIN)/python -m pip install -q -e '.[hf]' >/dev/null 2>&1 || \
+	  echo "torch/transformers not installable here: tests/interop will skip"; \
+	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/interop
 
 # every strategy at 1, 2 and 4 ranks, interleaved repeats, a markdown table (not part of make test)
 bench: $(STAMP)

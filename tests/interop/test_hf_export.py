@@ -8,7 +8,7 @@ HF's llama keeps RMSNorm statistics, the softmax and the rotary angles in float3
 to 1e-5, and exactly with modeling_llama's float32 read as float64 (as tests/interop/test_hf_llama.py).
 A run on a trained BPE tokenizer also exports its tokenizer: AutoTokenizer encodes as the run did.
 
-Needs the `interop` extra (torch, transformers >= 5) and safetensors; skipped without them.
+Needs the `hf` extra (torch, transformers >= 5) and safetensors; skipped without them.
 """
 from __future__ import annotations
 

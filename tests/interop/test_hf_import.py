@@ -6,7 +6,7 @@ GPT-2 to 1e-10; stock HF llama (float32 RMSNorm statistics, softmax and rotary a
 1e-10 with modeling_llama's float32 read as float64 (as tests/interop/test_hf_llama.py). The GPT-2 folder
 has n_positions 32 > model.seq_len 16: hpengine takes the first 16 position embeddings.
 
-Needs the `interop` extra (torch, transformers >= 5) and safetensors; skipped without them.
+Needs the `hf` extra (torch, transformers >= 5) and safetensors; skipped without them.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ HF's Llama computes three things in float32 whatever the model dtype (RMSNorm st
 softmax, the rotary angles), so stock HF agrees only to float32 precision; the exact comparison runs
 HF's own code with modeling_llama's `torch.float32` / `torch.float` read as float64.
 
-Needs the `interop` extra (torch, transformers >= 5); skipped without it.
+Needs the `hf` extra (torch, transformers >= 5); skipped without it.
 """
 from __future__ import annotations
 
