@@ -2,9 +2,16 @@
 
 Constants are Python floats so float32/float16 inputs are never upcast.
 """
+import contextlib
 import math
 
+import numpy as np
+
 from . import fused
+
+
+def _no_overflow_warning(xp):
+    return np.errstate(over="ignore") if xp is np else contextlib.nullcontext()
 
 _K = math.sqrt(2.0 / math.pi)
 _A = 0.044715
@@ -21,7 +28,8 @@ def gelu_forward(xp, x):
     s *= -2.0 * _A * _K
     s -= 2.0 * _K
     s *= x
-    xp.exp(s, out=s)
+    with _no_overflow_warning(xp):      # exp overflows to inf for very negative x: the sigmoid is then 0
+        xp.exp(s, out=s)
     s += 1.0
     xp.reciprocal(s, out=s)
     return x * s, (x, s)

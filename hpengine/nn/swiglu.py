@@ -5,6 +5,7 @@ them in backward (two multiplies), a quarter less MLP activation memory than kee
 d/dg silu(g) = s (1 + g (1 - s)).
 """
 from . import fused
+from .activation import _no_overflow_warning
 
 
 def swiglu_forward(xp, g, u):
@@ -13,7 +14,8 @@ def swiglu_forward(xp, g, u):
         a, s = fused.swiglu_forward(xp, g, u)
         return a, (g, u, s)
     s = xp.negative(g)
-    xp.exp(s, out=s)
+    with _no_overflow_warning(xp):      # exp overflows to inf for very negative g: the sigmoid is then 0
+        xp.exp(s, out=s)
     s += 1.0
     xp.reciprocal(s, out=s)
     a = g * s
