@@ -129,3 +129,26 @@ def test_no_checkpoint_refused(tmp_path, capsys):
     assert main(["generate", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "checkpoint.at_end = true" in err and "checkpoint.every" in err
+
+
+def test_hugging_face_tokenizer_run(small_corpus, tmp_path, capsys):
+    """A run on a trained BPE: the prompt is encoded and the output decoded with the run's tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    from hpengine.data import build_corpus
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"d{i}.txt").write_text("the engine trains the model; the model learns the text.\n" * (20 + i))
+    info = build_corpus([src], tmp_path / "tok.h5", 300, train_tokenizer=True)
+    run = tmp_path / "run"
+    assert main(["train", *sets(*COMMON, *KINDS["llama"], f"data.path={tmp_path / 'tok.h5'}", "model.vocab_size=300",
+                                f"train.out_dir={run}")]) == 0
+    tok = Tokenizer.from_file(info["tokenizer_path"])
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "the engine", "--greedy", "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    r = generate(run, "the engine", 12, greedy=True, out=io.StringIO(), note=quiet)
+    ids = [t for t in r["tokens"] if t != info["eos_id"]]
+    assert r["prompt_tokens"] == len(tok.encode("the engine", add_special_tokens=False).ids)
+    assert out == tok.decode(ids) + "\n"
