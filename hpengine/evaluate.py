@@ -25,7 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import checkpoint, config as C
-from .comm import Comm, agree_or_raise
+from .comm import agree_or_raise
 from .data.dataset import check_vocab
 from .data.format import BYTES, DataError, TokenFile
 
@@ -115,20 +115,8 @@ def count_bytes(tf: TokenFile, block: int = 2**20) -> int | None:
 
 def build_engine(cfg, world):
     """train.build without a training dataset: layout, backend, mesh and the engine."""
-    from . import launch
-    from .backend import keep_heap
-    from .engine import Engine
-    from .resolve import resolve
-    from .topology import Mesh
-    from .train import agreed_backend, setup_logging
-    launch.check_world(world)
-    res = resolve(cfg, world.Get_size())
-    backend = agreed_backend(cfg, world)
-    if not backend.is_gpu:
-        keep_heap()
-    mesh = Mesh(world, res.degrees, res.order, wrap=lambda c, a: Comm(c, a, backend))
-    setup_logging(mesh)
-    return Engine(cfg, res, mesh, backend, None)
+    from .train import build
+    return build(cfg, world, with_data=False)
 
 
 def plan_passes(n_tokens: int, T: int, replicas: int, batch: int, m: int) -> list[list[tuple]]:

@@ -135,7 +135,7 @@ def hf_config(mcfg, dtype: str, eos: int | None) -> dict:
 
 
 # --- tokenizer ---------------------------------------------------------------------------------
-def _run_tokenizer(r: Reader, cfg) -> tuple[str | None, str]:
+def run_tokenizer(r: Reader, cfg) -> tuple[str | None, str]:
     """(tokenizer.json text of the run, where) — the run folder is the checkpoint's <run>/checkpoints/step_N
     grandparent, else train.out_dir of the saved config; the text must match the checkpoint's recorded sha256."""
     from .data.format import sha256_text
@@ -153,7 +153,7 @@ def _run_tokenizer(r: Reader, cfg) -> tuple[str | None, str]:
     return None, ""
 
 
-def _eos_id(r: Reader, tok: str | None) -> int | None:
+def eos_id_of(r: Reader, tok: str | None) -> int | None:
     """The end-of-document id the run trained with: the token files' (when still readable), else the byte
     tokenizer's 0, else unknown."""
     from .data.format import TokenFile
@@ -249,8 +249,8 @@ def _write_hf(folder: Path, r: Reader, cfg, P: dict, dtype: str, save_file, note
     folder.mkdir(parents=True)
     state = gpt_to_hf(P, mcfg) if mcfg.kind == "gpt" else llama_to_hf(P, mcfg)
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    tok, where = _run_tokenizer(r, cfg)
-    eos = _eos_id(r, tok)
+    tok, where = run_tokenizer(r, cfg)
+    eos = eos_id_of(r, tok)
     (folder / "config.json").write_text(json.dumps(hf_config(mcfg, dtype, eos), indent=2) + "\n")
     gen = {"bos_token_id": eos, "eos_token_id": eos, "max_length": mcfg.seq_len}
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -234,7 +234,7 @@ class HFText:
 def load(path, note=None):
     """(model, parameters, tokenizer) of a run folder, checkpoints folder or step folder."""
     from .evaluate import find_checkpoint
-    from .export import _eos_id, _run_tokenizer, read_params
+    from .export import eos_id_of, run_tokenizer, read_params
     note = note or (lambda s: print(f"hpengine: note: {s}", file=sys.stderr, flush=True))
     r = find_checkpoint(path)
     r.close()
@@ -245,14 +245,14 @@ def load(path, note=None):
     for k, v in P.items():
         if v.dtype.itemsize < 4:
             P[k] = v.astype(np.float32)
-    tok, _ = _run_tokenizer(r, cfg)
+    tok, _ = run_tokenizer(r, cfg)
     if tok is None:
         note(f"no tokenizer.json of the run found next to '{r.dir}': treating ids as UTF-8 bytes")
         text = ByteText()
     elif tok == "bytes":
         text = ByteText()
     else:
-        text = HFText(tok, _eos_id(r, tok))
+        text = HFText(tok, eos_id_of(r, tok))
     return model, P, text
 
 

@@ -127,9 +127,10 @@ def agreed_backend(cfg, world):
     return be
 
 
-def build(cfg, world=None):
-    """Resolved layout, mesh, backend, dataset and engine for this rank. Every check that needs no
-    communicator (resolve) runs before the first collective; those that can differ by rank are agreed."""
+def build(cfg, world=None, with_data: bool = True):
+    """Resolved layout, mesh, backend, dataset (unless with_data is False: the caller feeds the engine) and
+    engine for this rank. Every check that needs no communicator (resolve) runs before the first
+    collective; those that can differ by rank are agreed."""
     world = world or MPI.COMM_WORLD
     launch.check_world(world)
     res = resolve(cfg, world.Get_size())
@@ -138,7 +139,7 @@ def build(cfg, world=None):
         keep_heap()
     mesh = Mesh(world, res.degrees, res.order, wrap=lambda c, a: Comm(c, a, backend))
     setup_logging(mesh)
-    return Engine(cfg, res, mesh, backend, build_dataset(cfg, world))
+    return Engine(cfg, res, mesh, backend, build_dataset(cfg, world) if with_data else None)
 
 
 def _lines(m: dict) -> list[dict]:
