@@ -100,3 +100,44 @@ def test_hf_import_same_logits(tmp_path, small_corpus, case, monkeypatch):
         with torch.no_grad():
             exact = again(input_ids=torch.from_numpy(ids)).logits.numpy()
     np.testing.assert_allclose(want, exact, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", ["gpt", "llama"])
+def test_hf_import_under_tp2_pp2_equals_one_process(tmp_path, small_corpus, case):
+    """The transformers-saved folder loaded by 4 ranks (tp 2 x pp 2, learning rate 0, one step) holds the
+    one-process import's parameters exactly, and with them its logits (the test above)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hpengine.export import read_params
+    bindir = Path(sys.executable).parent
+    mpiexec, script = bindir / "mpiexec", bindir / "hpengine"
+    if not (mpiexec.exists() and script.exists()):
+        pytest.skip("needs mpiexec and the hpengine script beside the interpreter")
+    model, extra = hf_model(case)
+    folder = tmp_path / "hf"
+    model.save_pretrained(folder)
+    sets = [f"model.seq_len={T}", f"model.d_model={C}", f"model.n_layers={L}", f"model.n_heads={H}",
+            f"model.vocab_size={V}", "model.dtype='float64'", "runtime.backend='numpy'", "train.global_batch=4",
+            f"data.path={small_corpus}", f"checkpoint.init_from=hf:{folder}", *extra]
+    one = load_config(None, [*sets, f"train.out_dir={tmp_path / 'one'}"])
+    eng = build(one)
+    assert restore(eng, one, None) == 0
+    want = eng.named_params()
+    run = tmp_path / "run"
+    par = sets + ["optim.lr=0", "train.steps=1", "train.eval_every=0", f"train.out_dir={run}",
+                  "strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2",
+                  "strategy.pipeline.enable=true", "strategy.pipeline.degree=2", "strategy.pipeline.micro_batches=2"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL"))}
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", HPENGINE_CACHE=str(tmp_path / "cache"))
+    res = subprocess.run([str(mpiexec), "-n", "4", str(script), "train"] + [a for s in par for a in ("--set", s)],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"
+    step = sorted((run / "checkpoints").glob("step_*"))[-1]
+    reader, got = read_params(step)
+    assert reader.manifest["layout"]["tp"] == 2 and reader.manifest["layout"]["pp"] == 2
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
