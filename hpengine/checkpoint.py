@@ -234,6 +234,15 @@ def _fmt(region) -> str:
     return "[" + ", ".join(f"{s.start}:{s.stop}" for s in region) + "]"
 
 
+def read_region(a, region) -> np.ndarray:
+    """float64 values of `region` (slices) of array-like `a`; zeros beyond a's shape (padded vocabulary)."""
+    out = np.zeros(tuple(s.stop - s.start for s in region))
+    need = tuple(slice(s.start, min(s.stop, n)) for s, n in zip(region, a.shape))
+    if all(s.stop > s.start for s in need):
+        out[tuple(slice(0, s.stop - s.start) for s in need)] = a[need]
+    return out
+
+
 class ExportReader:
     """The same read() over a consolidated export file (`hpengine ckpt export`), for checkpoint.init_from."""
 
@@ -251,12 +260,7 @@ class ExportReader:
         key = f"{kind}/{name}"
         if key not in self.f:
             raise CheckpointError(f"'{self.path}' has no dataset {key!r}")
-        d = self.f[key]
-        out = np.zeros(tuple(s.stop - s.start for s in region))
-        need = tuple(slice(s.start, min(s.stop, n)) for s, n in zip(region, d.shape))
-        if all(s.stop > s.start for s in need):
-            out[tuple(slice(0, s.stop - s.start) for s in need)] = d[need]
-        return out
+        return read_region(self.f[key], region)
 
     def close(self):
         self.f.close()

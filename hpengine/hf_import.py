@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, read_region
 from .export import HF_KINDS, llama_names
 
 ARCH_KIND = {arch: kind for kind, arch in HF_KINDS.items()}
@@ -219,12 +219,7 @@ class HFReader:
         if kind != "param" or name not in self.map:
             raise CheckpointError(f"{self.where} has no {kind} {name!r}")
         hf, fn = self.map[name]
-        a = fn(self.st.get(hf))
-        out = np.zeros(tuple(s.stop - s.start for s in region))
-        need = tuple(slice(s.start, min(s.stop, n)) for s, n in zip(region, a.shape))
-        if all(s.stop > s.start for s in need):
-            out[tuple(slice(0, s.stop - s.start) for s in need)] = a[need]
-        return out
+        return read_region(fn(self.st.get(hf)), region)
 
     def close(self):
         self.st = None

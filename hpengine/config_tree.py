@@ -1,0 +1,284 @@
+"""The configuration tree: one dataclass per TOML section, every field with a default, a one-line doc
+(``metadata["doc"]``) and its check; the [model] keys of one model kind (``metadata["kinds"]``). Loading,
+validation and output live in config.py, which re-exports everything here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+MESH_AXES = ("tp", "sharding", "dp", "pp")
+
+
+class ConfigError(Exception):
+    """A config that cannot run; the one-line message names the key, the value and what is valid."""
+
+
+# ---- field helpers: a check is (predicate, what a valid value is) ---------------------------------
+
+def _f(default: Any, doc: str, *, choices: tuple | None = None, check: tuple | None = None,
+       kinds: tuple | None = None):
+    meta: dict[str, Any] = {"doc": doc}
+    if kinds is not None:        # a [model] key that applies only to these model kinds
+        meta["kinds"] = kinds
+    if choices is not None:
+        meta["choices"] = choices
+    if check is not None:
+        meta["check"] = check
+    if isinstance(default, list):
+        return field(default_factory=lambda d=tuple(default): list(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+_OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+
+
+def _must(*bounds):
+    """A check from (op, limit) pairs: ``_must(">", 0, "<", 1)`` -> "must be > 0 and < 1"."""
+    pairs = list(zip(bounds[::2], bounds[1::2]))
+    return (lambda v: all(_OPS[op](v, lim) for op, lim in pairs),
+            "must be " + " and ".join(f"{op} {lim}" for op, lim in pairs))
+
+
+_POS = _must(">=", 1)
+_DEGREE = (lambda v: v == -1 or v >= 1, "must be -1 (the ranks left over) or >= 1")
+_BETAS = (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
+          "must be a list of exactly two numbers, each >= 0 and < 1")
+_SPLIT = (lambda v: v in ("uniform", "params") if isinstance(v, str) else len(v) > 0 and min(v) >= 1,
+          'must be "uniform", "params" or a non-empty list of blocks per stage, each >= 1')
+_ORDER = (lambda v: sorted(v) == sorted(MESH_AXES), 'must be a permutation of ["tp", "sharding", "dp", "pp"]')
+_DEGREE_DOC = "ranks on this axis; -1 = the ranks left over"
+
+
+# ---- the tree -------------------------------------------------------------------------------------
+
+_LLAMA, _NOT_LLAMA = ("llama",), ("gpt", "mlp")
+
+
+@dataclass
+class ModelConfig:
+    """The network and its numerics."""
+    kind: str = _f("gpt", "model family: a GPT-2 style decoder, a Llama-family decoder (RMSNorm, SwiGLU, rotary "
+                   "embedding, grouped-query attention) or a plain MLP", choices=("gpt", "llama", "mlp"))
+    vocab_size: int = _f(256, "token vocabulary size (256 = raw bytes)", check=_POS)
+    seq_len: int = _f(128, "tokens per training sequence (context length)", check=_POS)
+    d_model: int = _f(256, "hidden width", check=_POS)
+    n_layers: int = _f(4, "number of blocks (the units pipeline stages are cut from)", check=_POS)
+    n_heads: int = _f(4, "attention (query) heads (gpt, llama); d_model must be a multiple of it", check=_POS)
+    n_kv_heads: int = _f(0, "llama: key/value heads, grouped-query attention; must divide n_heads; 0 = n_heads "
+                         "(multi-head), 1 = multi-query", check=_must(">=", 0), kinds=_LLAMA)
+    ffn_mult: int = _f(4, "gpt, mlp: feed-forward width as a multiple of d_model", check=_POS, kinds=_NOT_LLAMA)
+    ffn_hidden: int = _f(0, "llama: SwiGLU hidden width; 0 = Llama's rule, 8/3 x d_model rounded up to "
+                         "ffn_multiple_of", check=_must(">=", 0), kinds=_LLAMA)
+    ffn_multiple_of: int = _f(256, "llama: the multiple Llama's rule rounds the SwiGLU width up to", check=_POS,
+                              kinds=_LLAMA)
+    rope_theta: float = _f(10000.0, "llama: rotary embedding base (angle of pair i at position t: "
+                           "t x rope_theta^(-2i/head_dim))", check=_must(">", 0), kinds=_LLAMA)
+    norm_eps: float = _f(1e-5, "llama: RMSNorm epsilon", check=_must(">", 0), kinds=_LLAMA)
+    tie_head: bool = _f(False, "share the output head's weights with the token embedding")
+    dtype: str = _f("float32", "parameter and compute dtype (float64 for exactness checks)",
+                    choices=("float32", "float64"))
+    init_std: float = _f(0.02, "standard deviation of the normal weight initialisation", check=_must(">", 0))
+
+
+def kind_keys(kind: str) -> list[str]:
+    """The [model] keys that do not apply to model.kind = `kind`."""
+    return [f.name for f in dataclasses.fields(ModelConfig) if kind not in f.metadata.get("kinds", (kind,))]
+
+
+def _kind_error(key: str, kind: str) -> ConfigError:
+    kinds = next(f.metadata["kinds"] for f in dataclasses.fields(ModelConfig) if f.name == key)
+    return ConfigError(f"model.{key} applies to model.kind = {' or '.join(map(repr, kinds))}, not {kind!r}: "
+                       f"remove it, or set model.kind to {' or '.join(map(repr, kinds))}")
+
+
+def ffn_width(m: "ModelConfig") -> int:
+    """The SwiGLU hidden width of a llama config: ffn_hidden, or Llama's rule (int(8/3 x d_model) rounded up
+    to ffn_multiple_of)."""
+    if m.ffn_hidden:
+        return m.ffn_hidden
+    return -(-int(2 * 4 * m.d_model / 3) // m.ffn_multiple_of) * m.ffn_multiple_of
+
+
+@dataclass
+class DataSource:
+    """One token file of a blend, a `[[data.sources]]` table."""
+    path: str = _f("", "HDF5 token file", check=(bool, "must name a token file"))
+    weight: float = _f(1.0, "share of each batch's rows drawn from this file, relative to the other weights",
+                       check=_must(">", 0))
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+    path: str = _f("", 'HDF5 token file; "" = built-in corpus (or the data.sources blend)')
+    val_path: str = _f("", 'HDF5 token file that is the whole validation split (all of the training files then '
+                       'train); "" = split each training file by data.val_fraction')
+    val_fraction: float = _f(0.05, "share of each training file held out for validation: its last documents, "
+                             "from the first document boundary at or after (1 - val_fraction) x its tokens "
+                             "(a file without document boundaries is split at that token)",
+                             check=_must(">", 0, "<", 1))
+    sources: list[DataSource] = _f([], "token files blended by weight, as `[[data.sources]]` tables (path, weight); "
+                                   "each batch row picks its file by weight; data.path must then be empty")
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+    steps: int = _f(300, "optimizer steps to run", check=_POS)
+    global_batch: int = _f(8, "sequences per optimizer step, fixed by (seed, step) whatever the layout",
+                           check=_POS)
+    seed: int = _f(1234, "seed for initialisation and batch sampling")
+    eval_every: int = _f(100, "evaluate every N steps; 0 = never", check=_must(">=", 0))
+    eval_batches: int = _f(4, "validation batches per evaluation", check=_POS)
+    log_every: int = _f(10, "log a metrics line every N steps", check=_POS)
+    out_dir: str = _f("runs/default", "run folder (refused if it already holds results)")
+    models: int = _f(1, "train this many models in one job, sharing one partition and one set of "
+                        "collectives (seed claim 6)", check=_POS)
+    model_seeds: list[int] = _f([], "per-model seeds (init and data); empty = seed, seed+1, ...")
+    model_lrs: list[float] = _f([], "per-model peak learning rates; empty = optim.lr for every model")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW, learning-rate schedule and gradient clipping."""
+    lr: float = _f(3e-3, "peak learning rate", check=_must(">=", 0))
+    betas: list[float] = _f([0.9, 0.95], "Adam (beta1, beta2)", check=_BETAS)
+    eps: float = _f(1e-8, "Adam epsilon", check=_must(">", 0))
+    weight_decay: float = _f(0.1, "decoupled (AdamW) weight decay of decayed tensors", check=_must(">=", 0))
+    warmup_steps: int = _f(30, "linear warm-up steps: step i < warmup_steps runs at lr x (i+1) / warmup_steps",
+                           check=_must(">=", 0))
+    schedule: str = _f("cosine", "learning-rate decay after warm-up",
+                       choices=("cosine", "linear", "constant"))
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr",
+                             check=_must(">=", 0, "<=", 1))
+    clip_grad_norm: float = _f(1.0, "clip the global gradient norm to this; 0 = off", check=_must(">=", 0))
+
+
+@dataclass
+class DataParallelConfig:
+    """Replicas of the model; gradients averaged across them (communicator `dp`)."""
+    enable: bool = _f(False, "turn data parallelism on")
+    degree: int = _f(-1, _DEGREE_DOC, check=_DEGREE)
+    bucket_mb: float = _f(4.0, "gradient all-reduce bucket size in MiB", check=_must(">", 0))
+
+
+@dataclass
+class ShardingConfig:
+    """Optimizer state (stage 1), + gradients (2), + parameters (3) split across ranks (`sharding`)."""
+    enable: bool = _f(False, "turn sharding on")
+    degree: int = _f(-1, _DEGREE_DOC, check=_DEGREE)
+    stage: int = _f(1, "1 = optimizer state, 2 = + gradients, 3 = + parameters", choices=(1, 2, 3))
+    partition: str = _f("tensor", "whole tensors balanced by element count, or equal element ranges",
+                        choices=("tensor", "flat"))
+
+
+@dataclass
+class PipelineConfig:
+    """Consecutive blocks on consecutive ranks; micro-batches flow through a schedule (`pp`)."""
+    enable: bool = _f(False, "turn pipeline parallelism on")
+    degree: int = _f(-1, _DEGREE_DOC, check=_DEGREE)
+    micro_batches: int = _f(1, "micro-batches each pass is split into", check=_POS)
+    schedule: str = _f("1f1b", "order of forward/backward micro-steps",
+                       choices=("fthenb", "1f1b", "interleaved"))
+    virtual_stages: int = _f(1, "model chunks per rank (interleaved schedule)", check=_POS)
+    split: str | list[int] = _f("uniform", 'blocks per stage: "uniform", "params" (balance parameter '
+                                "counts) or a list of block counts", check=_SPLIT)
+
+
+@dataclass
+class TensorParallelConfig:
+    """Each matrix split across ranks, Megatron column/row style (`tp`)."""
+    enable: bool = _f(False, "turn tensor parallelism on")
+    degree: int = _f(-1, _DEGREE_DOC, check=_DEGREE)
+
+
+@dataclass
+class RecomputeConfig:
+    """Drop block activations in forward, rebuild them in backward (memory for compute)."""
+    enable: bool = _f(False, "turn activation recomputation on")
+    every: int = _f(1, "recompute every N-th block", check=_POS)
+
+
+@dataclass
+class GradientMergeConfig:
+    """Accumulate k micro-steps before one optimizer step."""
+    enable: bool = _f(False, "turn gradient merge on")
+    k_steps: int = _f(1, "sequential passes per optimizer step", check=_POS)
+
+
+@dataclass
+class AmpConfig:
+    """Low-precision compute, float32 master weights, dynamic loss scaling."""
+    enable: bool = _f(False, "turn mixed precision on")
+    dtype: str = _f("float16", "compute dtype", choices=("float16", "bfloat16"))
+    init_scale: float = _f(65536.0, "initial loss scale", check=_must(">", 0))
+    growth_interval: int = _f(1000, "overflow-free steps before the scale grows", check=_POS)
+    backoff: float = _f(0.5, "scale multiplier after an overflow", check=_must(">", 0, "<", 1))
+    growth_factor: float = _f(2.0, "scale multiplier after growth_interval clean steps", check=_must(">", 1))
+
+
+@dataclass
+class StrategyConfig:
+    """The switchable strategies; any subset may be enabled."""
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    gradient_merge: GradientMergeConfig = field(default_factory=GradientMergeConfig)
+    amp: AmpConfig = field(default_factory=AmpConfig)
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoint cadence and retention."""
+    dir: str = _f("", 'checkpoint folder; "" = `<out_dir>/checkpoints`')
+    every: int = _f(0, "save every N steps; 0 = never", check=_must(">=", 0))
+    keep: int = _f(3, "most recent checkpoints kept", check=_POS)
+    at_end: bool = _f(True, "save a checkpoint after the last step (unless `every` already saved it), so every "
+                            "run leaves a model for `hpengine eval` and `--resume`")
+    init_from: str = _f("", "start from the parameters of an exported checkpoint file (hpengine ckpt export), "
+                            'or "hf:DIR" for a local Hugging Face model folder (config.json and safetensors '
+                            "weights of a GPT2LMHeadModel -> gpt or LlamaForCausalLM -> llama, shaped as "
+                            "[model]); optimizer state starts fresh")
+
+
+@dataclass
+class RuntimeConfig:
+    """Array backend and MPI transport."""
+    backend: str = _f("auto", "array backend; auto = cupy when a GPU is visible, else numpy",
+                      choices=("auto", "numpy", "cupy"))
+    cuda_aware_mpi: bool | str = _f("auto", 'hand device buffers straight to MPI: "auto" (when the MPI library '
+                                    'says it can), true, or false (stage through pinned host memory)',
+                                    check=(lambda v: v in (True, False, "auto"), 'must be "auto", true or false'))
+    share_devices: bool = _f(False, "allow more ranks on a node than GPUs (ranks share devices; logged as a "
+                                    "warning)")
+    watchdog_s: float = _f(0.0, "abort the job when a step takes longer than this (seconds); 0 = off",
+                           check=_must(">=", 0))
+    trace: bool = _f(False, "record a timeline (compute per micro-batch, every MPI call with its bytes); "
+                     "trace.json in the run folder, for Perfetto and `hpengine plot`")
+    trace_max_events: int = _f(200000, "most timeline events kept per rank (the latest; bounds the trace's "
+                               "memory)", check=_POS)
+
+
+@dataclass
+class MeshConfig:
+    """How ranks are laid out on the mesh axes."""
+    order: list[str] = _f(list(MESH_AXES), "mesh axes, innermost (neighbouring ranks) first; "
+                          "a permutation of tp, sharding, dp, pp", check=_ORDER)
+
+
+@dataclass
+class Config:
+    """A whole training job."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
