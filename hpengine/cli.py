@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
                    "and the run's tokenizer files, loadable by AutoModelForCausalLM.from_pretrained")
     e.add_argument("--params-only", action="store_true", help="hdf5: leave out the optimizer state")
     e.add_argument("--force", action="store_true", help="replace an existing OUT")
+    e.add_argument("--model", type=int, default=None, metavar="I",
+                   help="hf: which model of a train.models > 1 checkpoint to export (0-based)")
     _plan_parser(sub)
     _plot_parser(sub)
     _eval_parser(sub)
@@ -66,6 +68,9 @@ def _generate_parser(sub) -> None:
     g.add_argument("--greedy", action="store_true", help="always the most likely token")
     g.add_argument("--no-cache", action="store_true", help="re-run the whole context for every token "
                    "(no key/value cache; for checks and benchmarks)")
+    g.add_argument("--device", default="auto", help="auto (the GPU when CuPy finds one, default), cpu or gpu")
+    g.add_argument("--model", type=int, default=None, metavar="I",
+                   help="which model of a train.models > 1 checkpoint to sample (0-based)")
 
 
 def _cmd_generate(a) -> int:
@@ -79,7 +84,7 @@ def _cmd_generate(a) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             raise DataError(f"--prompt-file '{a.prompt_file}': {exc}") from None
     r = generate(a.checkpoint, prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed, a.greedy,
-                 cache=not a.no_cache)
+                 cache=not a.no_cache, device=a.device, model_index=a.model)
     print(stats_line(r), file=sys.stderr, flush=True)
     return 0
 
@@ -226,7 +231,7 @@ def _cmd_ckpt(a) -> int:
         print(f"{a.dir}: {'ok' if not problems else 'CORRUPTED'}")
         return 0 if not problems else 1
     from .export import export
-    info = export(a.dir, a.out, a.format, params_only=a.params_only, force=a.force)
+    info = export(a.dir, a.out, a.format, params_only=a.params_only, force=a.force, model=a.model)
     print(f"wrote {info['path']}: {info['tensors']} tensors at step {info['step']}"
           + ("" if a.format == "hdf5" else f" ({a.format})"))
     return 0

@@ -185,35 +185,47 @@ def _run(eng, cfg, reader, tf, batch, checkpoint_path, data_path) -> dict:
     me = res.replica(eng.mesh.coords)
     passes = plan_passes(tf.n_tokens, T, res.replicas, batch, m)[me]
     count_here = eng.tp.rank == 0          # every tp rank holds the whole loss: count it once
-    nll, tokens = 0.0, 0
-    slot = eng.slots[0]
+    K = len(eng.slots)
+    nll, tokens = np.zeros(K), 0.0
     for first, count, length, counted in passes:
         copies = m if count % m else 1
         x, y = _windows(tf, first, count, length, T, copies)
-        out = eng.forward_backward(slot, eng.be.to_device(x), eng.be.to_device(y), float(copies), grad=False)
-        if counted and count_here:
-            nll += float(out)
-            if eng.mesh.coords["pp"] == res.pp - 1:
-                tokens += count * length
-    total = eng.world.allreduce_(np.array([nll, float(tokens)], dtype=np.float64))
-    nll_sum, n = float(total[0]), int(round(float(total[1])))
+        x, y = eng.be.to_device(x), eng.be.to_device(y)
+        for k, slot in enumerate(eng.slots):     # every model of a train.models > 1 checkpoint, same windows
+            out = eng.forward_backward(slot, x, y, float(copies), grad=False)
+            if counted and count_here:
+                nll[k] += float(out)
+        if counted and count_here and eng.mesh.coords["pp"] == res.pp - 1:
+            tokens += count * length
+    total = eng.world.allreduce_(np.concatenate([nll, [tokens]]).astype(np.float64))
+    n = int(round(float(total[-1])))
     if n != tf.n_tokens - 1:
         raise RuntimeError(f"evaluated {n} tokens, expected {tf.n_tokens - 1}")
     n_bytes = agree_or_raise(eng.world, lambda: count_bytes(tf) if eng.mesh.rank == 0 else None, DataError,
                              (DataError, OSError, ValueError))
     n_bytes = eng.world.bcast_obj(n_bytes, root=0)
+    per = [_figures(float(total[k]), n, n_bytes) for k in range(K)]
+    out = {"checkpoint": str(reader.dir), "step": reader.step, "data": str(data_path), "tokens": n,
+           "bytes": n_bytes, **per[0], "world": eng.mesh.size, "layout": eng.mesh.degrees}
+    if K > 1:
+        out["models"] = per          # the top-level figures are model 0's
+    return out
+
+
+def _figures(nll_sum: float, n: int, n_bytes) -> dict:
     loss = nll_sum / n
-    bpb = loss / math.log(2) * n / n_bytes if n_bytes else None
-    return {"checkpoint": str(reader.dir), "step": reader.step, "data": str(data_path), "tokens": n,
-            "bytes": n_bytes, "nll_sum": nll_sum, "loss": loss,
-            "perplexity": math.exp(loss) if loss < 700 else math.inf,
-            "bits_per_byte": bpb, "world": eng.mesh.size, "layout": eng.mesh.degrees}
+    return {"nll_sum": nll_sum, "loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf,
+            "bits_per_byte": loss / math.log(2) * n / n_bytes if n_bytes else None}
 
 
 def line(r: dict, checkpoint_arg) -> str:
-    bpb = "-" if r["bits_per_byte"] is None else f"{r['bits_per_byte']:.6f}"
-    return (f"eval {checkpoint_arg} on {r['data']}: {r['tokens']:,} tokens, loss {r['loss']:.6f}, "
-            f"perplexity {r['perplexity']:.4f}, bits/byte {bpb}")
+    def figs(f):
+        bpb = "-" if f["bits_per_byte"] is None else f"{f['bits_per_byte']:.6f}"
+        return f"loss {f['loss']:.6f}, perplexity {f['perplexity']:.4f}, bits/byte {bpb}"
+    head = f"eval {checkpoint_arg} on {r['data']}: {r['tokens']:,} tokens, "
+    if "models" not in r:
+        return head + figs(r)
+    return head + "; ".join(f"model {k}: {figs(f)}" for k, f in enumerate(r["models"]))
 
 
 def write_json(r: dict, out) -> None:

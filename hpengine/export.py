@@ -47,6 +47,22 @@ def _model_config(toml_text: str):
     return from_dict(tomllib.loads(toml_text))
 
 
+def select_model(P: dict, cfg, index: int | None) -> dict:
+    """One model's parameters under its own names: a train.models = K checkpoint stores model i's tensors
+    as "m{i}." + name. index None is model 0 of a one-model checkpoint; with K > 1 it must be given."""
+    k = cfg.train.models
+    if index is None and k > 1:
+        raise CheckpointError(f"the checkpoint holds {k} models (train.models = {k}): pass --model I, "
+                              f"I in 0..{k - 1}")
+    index = index or 0
+    if not 0 <= index < k:
+        raise CheckpointError(f"--model {index}: the checkpoint holds {k} model(s); valid: 0..{k - 1}")
+    if k == 1:
+        return P
+    pre = f"m{index}."
+    return {n[len(pre):]: a for n, a in P.items() if n.startswith(pre)}
+
+
 def read_params(path) -> tuple[Reader, dict]:
     """The checkpoint's parameters as global true-shape arrays in their stored dtype, by hpengine name."""
     r = Reader(path)
@@ -204,9 +220,11 @@ def _remove(p: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-def export(path, out, fmt: str = "hdf5", params_only: bool = False, force: bool = False, note=print) -> dict:
+def export(path, out, fmt: str = "hdf5", params_only: bool = False, force: bool = False, note=print,
+           model: int | None = None) -> dict:
     """Export checkpoint `path` (a step folder or a checkpoints root) to `out` in format fmt; returns
-    {"path", "step", "tensors", "format"}. `note` receives the lines worth telling the user (skipped files)."""
+    {"path", "step", "tensors", "format"}. `note` receives the lines worth telling the user (skipped files).
+    hf writes one model: `model` picks it from a several-model checkpoint (hdf5 and safetensors keep all)."""
     if fmt not in FORMATS:
         raise CheckpointError(f"unknown export format {fmt!r} (choose from {', '.join(FORMATS)})")
     out = Path(out)
@@ -227,7 +245,11 @@ def export(path, out, fmt: str = "hdf5", params_only: bool = False, force: bool 
         raise CheckpointError(f"--format hf: model.kind = {cfg.model.kind!r} has no Hugging Face "
                               f"equivalent; supported kinds: {', '.join(HF_KINDS)} (use --format safetensors "
                               "or hdf5)")
+    if fmt == "hf":
+        select_model({}, cfg, model)          # a bad or missing --model before any tensor is read
     r, P = read_params(path)
+    if fmt == "hf":
+        P = select_model(P, cfg, model)
     dtype = str(next(iter(P.values())).dtype)
     tmp = out.with_name(out.name + ".export-tmp")
     _remove(tmp)

@@ -10,8 +10,10 @@ import math
 from ..buffers import ParamSpec
 from ..nn import (attention_backward, attention_cache_elements, attention_forward, gelu_cache_elements,
                   layernorm_backward, layernorm_cache_elements, layernorm_forward, linear_backward, linear_forward)
-from .common import (Block, embed_specs, end_cache_bytes, head_backward, head_forward, head_specs, mlp_backward,
-                     mlp_forward, mlp_specs, padded_vocab, standard_blocks, tok_embed_backward, tok_embed_forward)
+from .common import (Block, LocalTP, embed_specs, end_cache_bytes, head_backward, head_forward, head_specs,
+                     mlp_backward, mlp_forward, mlp_specs, padded_vocab, standard_blocks, tok_embed_backward,
+                     tok_embed_forward)
+from .decode import KVCache, output_logits
 
 
 class GPT:
@@ -119,3 +121,29 @@ class GPT:
 
     def head_backward(self, xp, cache, G, tp, P, dloss=1.0):
         return head_backward(xp, cache, G, tp, self.tied, P, dloss)
+
+    # --- incremental decoding (models/decode.py) ------------------------------------------------
+    def decode_cache(self, xp, dtype):
+        return [KVCache(xp, self.H, self.T, self.C // self.H, dtype) for _ in range(self.L)]
+
+    def decode_embed(self, xp, P, ids, start):
+        return P["wte"][ids] + P["wpe"][start:start + ids.shape[1]]
+
+    def decode_layer(self, xp, P, i, x, cache, start):
+        p, n, H = f"h.{i}", x.shape[1], self.H
+        hd = self.C // H
+        h, _ = layernorm_forward(xp, x, P[f"{p}.ln1.w"], P[f"{p}.ln1.b"])
+        qkv, _ = linear_forward(xp, h, P[f"{p}.attn.qkv.w"], P[f"{p}.attn.qkv.b"])
+        qkv = qkv[0].reshape(n, H, 3, hd).transpose(2, 1, 0, 3)         # head-major columns [h][q,k,v][d]
+        a = cache.attend(xp, qkv[0][:, None] * (1.0 / math.sqrt(hd)), qkv[1], qkv[2], start)
+        a = a[:, 0].transpose(1, 0, 2).reshape(1, n, H * hd)
+        o, _ = linear_forward(xp, xp.ascontiguousarray(a), P[f"{p}.attn.proj.w"])
+        o += P[f"{p}.attn.proj.b"]
+        o += x
+        h2, _ = layernorm_forward(xp, o, P[f"{p}.ln2.w"], P[f"{p}.ln2.b"])
+        m, _ = mlp_forward(xp, P, f"{p}.mlp", h2, LocalTP())
+        return o + m
+
+    def head_logits(self, xp, P, x):
+        h, _ = layernorm_forward(xp, x, P["ln_f.w"], P["ln_f.b"])
+        return output_logits(xp, P, h, self.tied, self.V)

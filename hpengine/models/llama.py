@@ -21,6 +21,7 @@ from ..nn import (gqa_attention_backward, gqa_attention_forward, gqa_cache_eleme
                   swiglu_cache_elements, swiglu_forward, swiglu_recompute)
 from .common import (Block, embed_specs, end_cache_bytes, logits_loss_backward, logits_loss_forward, padded_vocab,
                      standard_blocks, tok_embed_backward, tok_embed_forward)
+from .decode import KVCache, output_logits
 
 
 class Llama:
@@ -164,3 +165,36 @@ class Llama:
         c_n, c = cache
         dh = logits_loss_backward(xp, c, G, tp, self.tied, P, dloss)
         return rmsnorm_backward(xp, dh, c_n, P["norm.w"], G["norm.w"])
+
+    # --- incremental decoding (models/decode.py) ------------------------------------------------
+    def decode_cache(self, xp, dtype):
+        return [KVCache(xp, self.K, self.T, self.hd, dtype) for _ in range(self.L)]
+
+    def decode_embed(self, xp, P, ids, start):
+        return P["wte"][ids]
+
+    def decode_layer(self, xp, P, i, x, cache, start):
+        p, n, H, K, hd = f"h.{i}", x.shape[1], self.H, self.K, self.hd
+        pos = slice(start, start + n)                       # rotary positions continue after the cache
+        (cos, sin), (qcos, qsin) = self.rope(xp, x.dtype)
+        h, _ = rmsnorm_forward(xp, x, P[f"{p}.attn_norm.w"], self.eps)
+        q, _ = linear_forward(xp, h, P[f"{p}.attn.q.w"])
+        k, _ = linear_forward(xp, h, P[f"{p}.attn.k.w"])
+        v, _ = linear_forward(xp, h, P[f"{p}.attn.v.w"])
+        q = rope_forward(xp, q.reshape(1, n, H, hd), qcos[pos], qsin[pos])[0]      # (H, n, hd), scaled
+        k = rope_forward(xp, k.reshape(1, n, K, hd), cos[pos], sin[pos])[0]        # (K, n, hd)
+        v = v[0].reshape(n, K, hd).transpose(1, 0, 2)
+        a = cache.attend(xp, q.reshape(K, H // K, n, hd), k, v, start)             # query head h: kv head h // g
+        a = a.reshape(H, n, hd).transpose(1, 0, 2).reshape(1, n, H * hd)
+        o, _ = linear_forward(xp, xp.ascontiguousarray(a), P[f"{p}.attn.o.w"])
+        o += x
+        h2, _ = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps)
+        g, _ = linear_forward(xp, h2, P[f"{p}.mlp.gate.w"])
+        u, _ = linear_forward(xp, h2, P[f"{p}.mlp.up.w"])
+        m, _ = swiglu_forward(xp, g, u)
+        d, _ = linear_forward(xp, m, P[f"{p}.mlp.down.w"])
+        return o + d
+
+    def head_logits(self, xp, P, x):
+        h, _ = rmsnorm_forward(xp, x, P["norm.w"], self.eps)
+        return output_logits(xp, P, h, self.tied, self.V)

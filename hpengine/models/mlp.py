@@ -8,8 +8,10 @@ import math
 
 from ..buffers import ParamSpec
 from ..nn import gelu_cache_elements, layernorm_backward, layernorm_cache_elements, layernorm_forward
-from .common import (Block, embed_specs, end_cache_bytes, head_backward, head_forward, head_specs, mlp_backward,
-                     mlp_forward, mlp_specs, padded_vocab, standard_blocks, tok_embed_backward, tok_embed_forward)
+from .common import (Block, LocalTP, embed_specs, end_cache_bytes, head_backward, head_forward, head_specs,
+                     mlp_backward, mlp_forward, mlp_specs, padded_vocab, standard_blocks, tok_embed_backward,
+                     tok_embed_forward)
+from .decode import output_logits
 
 
 class MLP:
@@ -81,3 +83,17 @@ class MLP:
 
     def head_backward(self, xp, cache, G, tp, P, dloss=1.0):
         return head_backward(xp, cache, G, tp, self.tied, P, dloss)
+
+    # --- incremental decoding (models/decode.py): no layer mixes positions, so nothing is cached -----
+    def decode_cache(self, xp, dtype):
+        return [None] * self.L
+
+    def decode_embed(self, xp, P, ids, start):
+        return P["wte"][ids]
+
+    def decode_layer(self, xp, P, i, x, cache, start):
+        return self.layer_forward(xp, P, i, x, LocalTP())[0]
+
+    def head_logits(self, xp, P, x):
+        h, _ = layernorm_forward(xp, x, P["ln_f.w"], P["ln_f.b"])
+        return output_logits(xp, P, h, self.tied, self.V)

@@ -62,3 +62,23 @@ def test_no_checkpoint_stops_every_rank(corpus, world):
     need(N > 1, "eval across ranks needs more than one")
     with pytest.raises(CheckpointError, match="checkpoint.every"):
         evaluate("/nonexistent/run", corpus, world=world)
+
+
+def test_two_models_on_n_ranks_equal_one_process(corpus, world):
+    need(N in LAYOUTS, f"no layout at world {N}")
+    d = tempfile.mkdtemp(prefix="hpengine-eval2-") if world.Get_rank() == 0 else None
+    d = world.bcast(d, root=0)
+    try:
+        _, _, eng = run(config(corpus, *on("data_parallel", N), "train.models=2", "train.model_seeds=[1, 5]"),
+                        world, steps=1)
+        save_state(eng, d, 1, keep=1)
+        world.Barrier()
+        got = evaluate(d, corpus, overrides=["runtime.backend=numpy", *LAYOUTS[N][1]], batch=2, world=world)
+        want = evaluate(d, corpus, overrides=["runtime.backend=numpy"], batch=2, world=MPI.COMM_SELF)
+        assert len(got["models"]) == 2 and got["models"][0]["loss"] != got["models"][1]["loss"]
+        for g, w in zip(got["models"], want["models"]):
+            assert g["loss"] == pytest.approx(w["loss"], rel=1e-12, abs=0)
+    finally:
+        world.Barrier()
+        if world.Get_rank() == 0:
+            shutil.rmtree(d, ignore_errors=True)
