@@ -15,6 +15,7 @@ from collections import OrderedDict
 import numpy as np
 
 DTYPES = {"float32": np.float32, "float64": np.float64, "float16": np.float16}
+CUBLAS_TF32_TENSOR_OP_MATH = 3       # cublasMath_t
 log = logging.getLogger("hpengine")
 
 
@@ -75,6 +76,16 @@ class Backend:
     @property
     def is_gpu(self) -> bool:
         return self.name == "cupy"
+
+    def set_matmul_precision(self, precision: str) -> str:
+        """runtime.matmul_precision: "tf32" puts this device's cuBLAS handle in TF32 tensor-op math (float32
+        GEMMs with TF32 inputs and float32 accumulation, cupy.matmul included); returns what applies."""
+        self.matmul_precision = "highest"
+        if precision == "tf32" and self.is_gpu:
+            cublas = cublas_module()
+            cublas.setMathMode(self.xp.cuda.device.get_cublas_handle(), CUBLAS_TF32_TENSOR_OP_MATH)
+            self.matmul_precision = "tf32"
+        return self.matmul_precision
 
     def sync(self) -> None:
         """Wait for queued device work; MPI must not touch a device buffer before this."""

@@ -1,7 +1,9 @@
 """Checkpoints: a folder of per-rank HDF5 shard files and a JSON manifest. Every stored piece names its
 global tensor and the global region it covers, so any layout loads any checkpoint, each rank reading
 only the pieces that overlap what it holds. Published atomically (temporary folder, fsync, rename,
-then the `latest` pointer); checksummed; no pickle anywhere, so loading can never run code.
+then the `latest` pointer); every piece and the manifest itself checksummed (ckpt_guard: the manifest's
+checksum, write failures as one line, the start-up writability check); no pickle anywhere, so loading can
+never run code.
 """
 from __future__ import annotations
 
@@ -15,14 +17,12 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from . import ckpt_guard as guard
+from .ckpt_guard import CheckpointError
 from .comm import agree_or_raise
 
 FORMAT = "hpengine-checkpoint-1"
 KINDS = ("param", "adam_m", "adam_v")
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be used; the message names the file and what is wrong."""
 
 
 def _sha(arr: np.ndarray) -> str:
@@ -44,15 +44,19 @@ def _collective(comm, fn):
 
 # --- save ----------------------------------------------------------------------------------------
 def _write_shard(path: Path, pieces) -> list[dict]:
+    """The shard is built in memory and written with plain os calls: a full disk is then an OSError here,
+    not a failure inside HDF5's deferred writes."""
     index = []
-    with h5py.File(path, "w") as f:
+    with h5py.File(path.name, "w", driver="core", backing_store=False) as f:
         for i, (name, kind, gshape, box, a, b, data) in enumerate(pieces):
             dset = f"{kind}/{i}"
             f.create_dataset(dset, data=data)
             index.append({"file": path.name, "dset": dset, "name": name, "kind": kind, "global_shape": list(gshape),
                           "box": [[s.start, s.stop] for s in box], "flat": [a, b], "dtype": str(data.dtype),
                           "sha256": _sha(data)})
-    _fsync_path(path)
+        f.flush()
+        image = f.id.get_file_image()
+    guard.write_bytes(path, image)
     return index
 
 
@@ -64,26 +68,45 @@ def save(world, root, step: int, keep: int, pieces: list, meta: dict, tracer) ->
     rank = world.rank
     final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
     t_span = tracer.now()          # the save is one "checkpoint" span
+    need = sum(world.allgather_obj(sum(p[-1].nbytes for p in pieces)))
+
+    def guarded(fn):
+        def run():
+            try:
+                return fn()
+            except (OSError, RuntimeError) as exc:       # h5py reports I/O errors as RuntimeError
+                raise guard.write_error(exc, root, step, need) from None
+        return run
 
     def prepare():
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
-            for stale in root.glob(".tmp-step_*"):       # saves that were killed half-way
+            for stale in [*root.glob(".tmp-step_*"), *root.glob(guard.DISCARDED + "*")]:   # killed half-way
                 shutil.rmtree(stale, ignore_errors=True)
+            guard.check_room(root, step, need)
             tmp.mkdir()
-    _collective(world, prepare)
-    index = _collective(world, lambda: _write_shard(tmp / f"shard_r{rank:05d}.h5", pieces) if pieces else [])
+    _collective(world, guarded(prepare))
+    try:
+        index = _collective(world, guarded(
+            lambda: _write_shard(tmp / f"shard_r{rank:05d}.h5", pieces) if pieces else []))
+    except CheckpointError:
+        if rank == 0:                                    # give the space back; `latest` is untouched
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     everything = [p for part in world.allgather_obj(index) for p in part]
 
     def publish():
         if rank != 0:
             return
-        manifest = {"format": FORMAT, "step": step, **meta, "pieces": everything}
-        (tmp / "manifest.json").write_text(json.dumps(manifest))
-        _fsync_path(tmp / "manifest.json")
+        manifest = guard.seal({"format": FORMAT, "step": step, **meta, "pieces": everything})
+        try:
+            guard.write_bytes(tmp / "manifest.json", json.dumps(manifest).encode())
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         _fsync_path(tmp)
         if final.exists():
-            shutil.rmtree(final)
+            guard.discard(final)
         os.replace(tmp, final)
         _fsync_path(root)
         (root / "latest.tmp").write_text(final.name + "\n")
@@ -91,7 +114,7 @@ def save(world, root, step: int, keep: int, pieces: list, meta: dict, tracer) ->
         os.replace(root / "latest.tmp", root / "latest")   # updated last: a crash before here keeps the old one
         _fsync_path(root)
         _prune(root, keep)
-    _collective(world, publish)
+    _collective(world, guarded(publish))
     tracer.lap("checkpoint", t_span, "save", step)
     return final
 
@@ -99,7 +122,10 @@ def save(world, root, step: int, keep: int, pieces: list, meta: dict, tracer) ->
 def _prune(root: Path, keep: int) -> None:
     steps = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in steps[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        try:
+            guard.discard(old)
+        except OSError:          # a folder that cannot be removed stays; the next save tries again
+            pass
 
 
 # --- read ----------------------------------------------------------------------------------------
@@ -131,6 +157,7 @@ class Reader:
         if self.manifest.get("format") != FORMAT:
             raise CheckpointError(f"manifest '{mpath}' has format {self.manifest.get('format')!r}, "
                                   f"expected {FORMAT!r}")
+        guard.check_manifest(self.manifest, mpath, KINDS)
         self.by_tensor = {}
         for p in self.manifest["pieces"]:
             self.by_tensor.setdefault((p["kind"], p["name"]), []).append(p)
@@ -255,6 +282,22 @@ class ExportReader:
         if self.f.attrs.get("format") != FORMAT + "-export":
             raise CheckpointError(f"'{path}' is not an hpengine export (attribute format missing)")
         self.step = int(self.f.attrs["step"])
+
+    def check_shapes(self, shapes: dict) -> None:
+        """The file must hold exactly the config's parameters at their true shapes."""
+        where = f"checkpoint.init_from = '{self.path}'"
+        theirs = {n: list(d.shape) for n, d in self.f["param"].items()} if "param" in self.f else {}
+        for name, shape in shapes.items():
+            if name not in theirs:
+                raise CheckpointError(f"{where} has no tensor {name!r}, which the config's model has "
+                                      f"(shape {list(shape)}); the file holds another model")
+            if theirs[name] != list(shape):
+                raise CheckpointError(f"{where}: tensor {name!r} has shape {theirs[name]} in the file but "
+                                      f"{list(shape)} in the config's model")
+        extra = sorted(set(theirs) - set(shapes))
+        if extra:
+            raise CheckpointError(f"{where} holds tensors the config's model lacks: {extra[:4]}; the file "
+                                  "holds another model")
 
     def read(self, kind, name, region):
         key = f"{kind}/{name}"

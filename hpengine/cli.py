@@ -7,6 +7,7 @@ rank's traceback and aborts the whole MPI job, so nothing hangs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 
@@ -85,7 +86,7 @@ def _cmd_generate(a) -> int:
             raise DataError(f"--prompt-file '{a.prompt_file}': {exc}") from None
     r = generate(a.checkpoint, prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed, a.greedy,
                  cache=not a.no_cache, device=a.device, model_index=a.model)
-    print(stats_line(r), file=sys.stderr, flush=True)
+    _say(stats_line(r))
     return 0
 
 
@@ -160,10 +161,10 @@ def _cmd_plot(a) -> int:
     try:
         written, notes = plot_run(a.run_dir, a.out)
     except PlotError as exc:
-        print(f"hpengine: error: {exc}", file=sys.stderr, flush=True)
+        _say(f"hpengine: error: {exc}")
         return 2
     for n in notes:
-        print(f"hpengine: note: {n}", file=sys.stderr, flush=True)
+        _say(f"hpengine: note: {n}")
     for path in written:
         print(f"wrote {path}")
     return 0
@@ -209,9 +210,10 @@ def _cmd_plan(a) -> int:
 
 def _cmd_train(a) -> int:
     from .config import load_config
+    from .faults import EXIT_INTERRUPTED, EXIT_STOPPED
     from .train import train
-    train(load_config(a.config, a.overrides), resume=a.resume)
-    return 0
+    stopped = train(load_config(a.config, a.overrides), resume=a.resume).get("stopped_early")
+    return 0 if not stopped else EXIT_INTERRUPTED if stopped == "SIGINT" else EXIT_STOPPED
 
 
 def _cmd_ckpt(a) -> int:
@@ -227,7 +229,7 @@ def _cmd_ckpt(a) -> int:
     if a.ckpt_cmd == "verify":
         problems = checkpoint.Reader(a.dir).verify()
         for p in problems:
-            print(f"hpengine: error: {p}", file=sys.stderr)
+            _say(f"hpengine: error: {p}")
         print(f"{a.dir}: {'ok' if not problems else 'CORRUPTED'}")
         return 0 if not problems else 1
     from .export import export
@@ -269,6 +271,10 @@ def _cmd_data(a) -> int:
     from .data import build_corpus
     from .data.build import summary_line
     source = None
+    if os.path.isdir(a.out):
+        from .data import DataError
+        raise DataError(f"--out {a.out}: is a folder; name the .h5 file to write, e.g. --out "
+                        f"{os.path.join(a.out, 'tokens.h5')}")
     if not a.paths:
         from .data.builtin import DEFAULT_MAX_BYTES, stdlib_files, stdlib_source
         a.paths, source = stdlib_files(DEFAULT_MAX_BYTES), stdlib_source()
@@ -331,12 +337,31 @@ def main(argv=None) -> int:
             return _cmd_generate(a)
         return _cmd_plot(a)
     except _known() as exc:
-        print(f"hpengine: error: {exc}", file=sys.stderr, flush=True)
+        _say(f"hpengine: error: {exc}")
         return 2
     except KeyboardInterrupt:
-        return 130
+        return _interrupted()
     except Exception:  # noqa: BLE001 - anything else must take the whole job down, not hang it
         return _abort()
+
+
+def _say(line: str) -> None:
+    """One stderr line in one write call, so the lines of several ranks never glue together."""
+    sys.stderr.flush()
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _interrupted() -> int:
+    """Ctrl-C outside the training loop's agreed stop: a peer may wait in a collective, so end the job."""
+    if "mpi4py.MPI" not in sys.modules:
+        return 130
+    from mpi4py import MPI
+    w = MPI.COMM_WORLD
+    if w.Get_size() > 1:
+        _say(f"hpengine: rank {w.Get_rank()} of {w.Get_size()}: interrupted; aborting the job")
+        w.Abort(130)
+    return 130
 
 
 def _abort() -> int:

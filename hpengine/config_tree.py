@@ -77,6 +77,10 @@ class ModelConfig:
     rope_theta: float = _f(10000.0, "llama: rotary embedding base (angle of pair i at position t: "
                            "t x rope_theta^(-2i/head_dim))", check=_must(">", 0), kinds=_LLAMA)
     norm_eps: float = _f(1e-5, "llama: RMSNorm epsilon", check=_must(">", 0), kinds=_LLAMA)
+    attention: str = _f("standard", "gpt, llama: causal attention; standard keeps every head's T x T "
+                        "probabilities for backward, flash (fused, tiled, online softmax) keeps only the output "
+                        "and one log-sum-exp per row and recomputes the scores in backward",
+                        choices=("standard", "flash"), kinds=("gpt", "llama"))
     tie_head: bool = _f(False, "share the output head's weights with the token embedding")
     dtype: str = _f("float32", "parameter and compute dtype (float64 for exactness checks)",
                     choices=("float32", "float64"))
@@ -213,7 +217,12 @@ class GradientMergeConfig:
 class AmpConfig:
     """Low-precision compute, float32 master weights, dynamic loss scaling."""
     enable: bool = _f(False, "turn mixed precision on")
-    dtype: str = _f("float16", "compute dtype", choices=("float16", "bfloat16"))
+    dtype: str = _f("float16", "compute dtype: float16, or bfloat16 (emulated on NumPy and CuPy: bf16 values in "
+                    "float32 storage, hpengine/precision.py)", choices=("float16", "bfloat16"))
+    loss_scaling: str = _f("auto", "dynamic loss scaling: auto (on for float16, off for bfloat16), dynamic, off",
+                           choices=("auto", "dynamic", "off"))
+    grad_dtype: str = _f("float32", "bfloat16 only: dtype gradients accumulate and are reduced in (float32 as "
+                         "Megatron, or bfloat16: half the gradient traffic)", choices=("float32", "bfloat16"))
     init_scale: float = _f(65536.0, "initial loss scale", check=_must(">", 0))
     growth_interval: int = _f(1000, "overflow-free steps before the scale grows", check=_POS)
     backoff: float = _f(0.5, "scale multiplier after an overflow", check=_must(">", 0, "<", 1))
@@ -256,8 +265,14 @@ class RuntimeConfig:
                                     check=(lambda v: v in (True, False, "auto"), 'must be "auto", true or false'))
     share_devices: bool = _f(False, "allow more ranks on a node than GPUs (ranks share devices; logged as a "
                                     "warning)")
-    watchdog_s: float = _f(0.0, "abort the job when a step takes longer than this (seconds); 0 = off",
+    matmul_precision: str = _f("highest", "float32 GEMMs on the GPU: highest (full float32) or tf32 (tensor "
+                               "cores, 10-bit mantissa inputs, float32 accumulation); no effect on NumPy",
+                               choices=("highest", "tf32"))
+    watchdog_s: float = _f(0.0, "abort the job when a step takes longer than this (seconds; start-up, loads, "
+                           "evaluation and saves get 10x, at least 300 s); 0 = off",
                            check=_must(">=", 0))
+    memory_check: bool = _f(True, "refuse to start when the planner's predicted memory per rank exceeds what "
+                            "the rank has (MemAvailable / ranks on the node; free device memory on a GPU)")
     trace: bool = _f(False, "record a timeline (compute per micro-batch, every MPI call with its bytes); "
                      "trace.json in the run folder, for Perfetto and `hpengine plot`")
     trace_max_events: int = _f(200000, "most timeline events kept per rank (the latest; bounds the trace's "

@@ -18,9 +18,10 @@ from .comm import Comm
 from .init import init_range
 from .models import LocalTP
 from .optim import AdamW, clip_coefficient, lr_at, sum_of_squares
+from .precision import round_bf16_, round_tree_
 from .stage import build_stage
 from .strategies import make_grad_sync
-from .strategies.amp import LossScaler
+from .strategies.amp import LossScaler, loss_scaling
 from .strategies.pipeline import PipelineExecutor
 from .strategies.tensor_parallel import TensorParallel
 from .trace import Tracer
@@ -82,10 +83,16 @@ class Engine:
         self.sync = make_grad_sync(res, self.stage, backend, mesh.comms)
         self.world = Comm(mesh.world, "world", backend)
         self.pp = mesh.comms["pp"]
-        self.scaler = LossScaler(cfg.strategy.amp) if res.amp else None
+        amp = cfg.strategy.amp
+        self.amp = res.amp
+        self.bf16 = res.amp and amp.dtype == "bfloat16"     # bf16 storage emulated on float32 (precision.py)
+        self.bf16_grads = self.bf16 and amp.grad_dtype == "bfloat16"
+        self.scaler = LossScaler(amp) if res.amp and loss_scaling(amp) else None
         # amp: float32 master weights of the owned range, from the exact (unrounded) initial values
         self.master = (init_range(self.layout, t.seed, self.sync.owned, self.xp, np.float32)
-                       if self.scaler else None)
+                       if self.amp else None)
+        if self.bf16:
+            self._round_held_params()
         # every parameter counts once in the global norm: not another stage's copy (a tied wte), and a
         # tensor replicated across tp only on tp rank 0
         self.norm_exclude = [self.layout.ranges[n] for n in sorted(self.stage.copies)]
@@ -102,7 +109,7 @@ class Engine:
 
     def _optimizer(self, slot):
         o, seg = self.cfg.optim, self.sync.owned.intersect(slot.range)
-        dtype = np.float32 if self.scaler else self.be.dtype
+        dtype = np.float32 if self.amp else self.be.dtype
         return None if seg is None else AdamW(self.xp, self.layout, seg, dtype, tuple(o.betas), o.eps, o.weight_decay)
 
     # --- forward / backward ---------------------------------------------------------------------
@@ -129,6 +136,8 @@ class Engine:
                 h, c = m.layer_forward(xp, self._P(slot, name, nxt), b.layer, h, tp)
                 if self.res.recomputed(b):
                     c = Recompute(h_in)
+            if self.bf16 and b.kind != "head":        # the loss math stays float32, as Megatron's
+                round_tree_(xp, (h, c if grad else None))
             self.sync.release(slot.prefix + name)
             caches.append(c if grad else None)
         if grad:
@@ -155,6 +164,12 @@ class Engine:
                 if isinstance(c, Recompute):     # rebuild this block's activations from its input
                     _, c = m.layer_forward(xp, P, b.layer, c.x, tp)
                 d = m.layer_backward(xp, d, c, P, self._G(slot, b.name), b.layer, tp)
+                if self.bf16:
+                    round_bf16_(xp, d)
+            if self.bf16_grads:
+                G = self.sync.grads_for(slot.prefix + b.name)
+                for sp in self.stage.block_specs[slot.prefix + b.name]:
+                    round_bf16_(xp, G[sp.name])
             self.sync.release(slot.prefix + b.name)
             self.sync.block_done(slot.prefix + b.name)
         return d
@@ -227,8 +242,10 @@ class Engine:
             self.mesh.comms["tied"].allreduce_(self.sync.grads_for(b)[tensor])
         self.sync.flush_deferred()
         g = self.sync.reduce_grads()
+        if self.bf16_grads:
+            round_bf16_(self.xp, g)
         if self.scaler is None:
-            return g
+            return g.astype(np.float32) if self.amp and g.dtype != np.float32 else g
         if not self.world.allreduce_obj(bool(self.xp.isfinite(g).all()), op=MPI.LAND):
             return None
         g32 = g.astype(np.float32)
@@ -254,7 +271,11 @@ class Engine:
                 sl = slice(r.start - own.start, r.stop - own.start)
                 opt.step(p[sl], g[sl], s.lr * lr_scale, clip_coefficient(norms[s.index], self.cfg.optim.clip_grad_norm))
         if self.master is not None:
-            self.sync.owned_params()[...] = self.master      # the float16 compute copy
+            own = self.sync.owned_params()
+            own[...] = self.master          # the 16-bit compute copy (float16 rounds in the cast)
+            if self.bf16:
+                round_bf16_(self.xp, own)
+        if self.scaler is not None:
             self.scaler.update(True)
         self.opt_steps += 1
         return lr_scale
@@ -324,6 +345,15 @@ class Engine:
             saved = reader.manifest["state"].get("loss_scaler")
             if self.scaler is not None and saved:
                 self.scaler.load(saved)
+        if self.bf16:
+            self._round_held_params()
+
+    def _round_held_params(self) -> None:
+        """bf16: the compute copy this rank holds (whole buffer and owned shard) as bfloat16 values; local,
+        and the same on every replica, since each holds the same unrounded values."""
+        for a in (getattr(self.sync.params, "data", None), self.sync.owned_params()):
+            if a is not None:
+                round_bf16_(self.xp, a)
 
     def memory(self) -> dict:
         return {"param_bytes": self.sync.param_bytes(), "grad_bytes": self.sync.grad_bytes(),

@@ -195,9 +195,23 @@ def eos_id_of(r: Reader, tok: str | None) -> int | None:
 
 
 # --- writers -----------------------------------------------------------------------------------
-def _check_out(out: Path, force: bool) -> None:
+def _check_out(out: Path, fmt: str, force: bool) -> None:
+    """Refuse, before reading anything, an output path that cannot or must not be written."""
+    if out.name in ("", ".", ".."):
+        raise CheckpointError(f"output '{out}' names no new file or folder: give a path such as "
+                              f"'{out / ('model' if fmt == 'hf' else 'model.' + ('h5' if fmt == 'hdf5' else fmt))}'")
+    if fmt != "hf" and out.is_dir():      # never replace a folder by a file, even with --force
+        raise CheckpointError(f"output '{out}' is a folder; --format {fmt} writes one file: give a file path "
+                              f"such as '{out / ('model.h5' if fmt == 'hdf5' else 'model.safetensors')}'")
     if out.exists() and not force:
         raise CheckpointError(f"'{out}' already exists (pass --force to replace it)")
+    if not out.parent.is_dir():
+        raise CheckpointError(f"output '{out}': folder '{out.parent}' does not exist (create it first)")
+
+
+def _write_failed(out: Path, exc: BaseException) -> CheckpointError:
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).split("\n")[0]
+    return CheckpointError(f"cannot write the export '{out}': {why}")
 
 
 def _publish(tmp: Path, out: Path) -> None:
@@ -228,12 +242,14 @@ def export(path, out, fmt: str = "hdf5", params_only: bool = False, force: bool 
     if fmt not in FORMATS:
         raise CheckpointError(f"unknown export format {fmt!r} (choose from {', '.join(FORMATS)})")
     out = Path(out)
-    _check_out(out, force)
+    _check_out(out, fmt, force)
     if fmt == "hdf5":
         tmp = out.with_name(out.name + ".export-tmp")
         try:
             info = export_hdf5(path, tmp, params_only=params_only)
             _publish(tmp, out)
+        except (OSError, RuntimeError) as exc:         # h5py reports I/O errors as RuntimeError
+            raise _write_failed(out, exc) from None
         finally:
             _remove(tmp)
         return {**info, "path": str(out), "format": fmt}
@@ -261,6 +277,8 @@ def export(path, out, fmt: str = "hdf5", params_only: bool = False, force: bool 
         else:
             n = _write_hf(tmp, r, cfg, P, dtype, save_file, note)
         _publish(tmp, out)
+    except (OSError, RuntimeError) as exc:
+        raise _write_failed(out, exc) from None
     finally:
         _remove(tmp)
     return {"path": str(out), "step": r.step, "tensors": n, "format": fmt}

@@ -1,6 +1,7 @@
 """How the engine meets its launcher (mpiexec, srun, qsub): the world-size check against what the
 launcher asked for, a per-rank hang watchdog that dumps stacks and aborts the whole job, and
-SIGTERM/SIGUSR1 (sent before the wall time) turned into a stop request the training loop polls.
+SIGTERM/SIGUSR1 (sent before the wall time) and a first SIGINT (Ctrl-C) turned into a stop request the
+training loop polls; a second SIGINT aborts the job at once.
 """
 from __future__ import annotations
 
@@ -17,8 +18,12 @@ from mpi4py import MPI
 
 log = logging.getLogger("hpengine")
 
-STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
-_state = {"signal": 0, "where": "", "comm": None}   # per process: signal handlers and the abort path read it
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+# phases that read or write files (or evaluate) may take longer than a step: their limit is scaled
+SLOW_PHASES = ("start", "restore", "data", "evaluate", "checkpoint")
+SLOW_FACTOR, SLOW_FLOOR_S = 10.0, 300.0
+_state = {"signal": 0, "where": "", "comm": None, "on_interrupt": None}   # per process: signal handlers and
+#                                                                           the abort path read it
 
 
 class LaunchError(RuntimeError):
@@ -118,18 +123,23 @@ def note_comm(op: str, comm: str, nbytes: int) -> None:
     _state["comm"] = (op, comm, int(nbytes))
 
 
-def _abort_world():
-    MPI.COMM_WORLD.Abort(1)
+def _abort_world(code: int = 1):
+    MPI.COMM_WORLD.Abort(code)
 
 
 class Watchdog:
     """A daemon thread per rank: when no heartbeat comes for `timeout_s` seconds, write one line naming
     the rank, its mesh coordinates and the last step/phase, dump every thread's stack, abort the job.
     timeout_s = 0 turns it off; `abort` and `stream` are replaceable for tests. The prefix is also what
-    the abort path of the command line (cli._abort) names as this rank's mesh coordinates."""
+    the abort path of the command line (cli._abort) names as this rank's mesh coordinates.
 
-    def __init__(self, timeout_s: float, prefix: str = "", abort=None, stream=None, grace_s: float = 1.0):
-        self.timeout_s, self.prefix = float(timeout_s), prefix
+    The limit is per phase: timeout_s for a training step; for the SLOW_PHASES (start-up, loading,
+    evaluation, checkpoint saves) max(SLOW_FACTOR * timeout_s, slow_floor_s), since their time grows with
+    the model and the file system rather than with the step."""
+
+    def __init__(self, timeout_s: float, prefix: str = "", abort=None, stream=None, grace_s: float = 1.0,
+                 slow_floor_s: float = SLOW_FLOOR_S):
+        self.timeout_s, self.prefix, self.slow_floor_s = float(timeout_s), prefix, float(slow_floor_s)
         self.abort, self.stream, self.grace_s = abort or _abort_world, stream, grace_s
         self.step, self.phase, self.fired = None, "start", False
         self._last = time.monotonic()
@@ -153,6 +163,11 @@ class Watchdog:
             self._thread.join()
         self._thread = None
 
+    def limit(self, phase: str | None = None) -> float:
+        """Seconds without a heartbeat after which the watchdog fires in `phase` (default: the current)."""
+        phase = self.phase if phase is None else phase
+        return max(SLOW_FACTOR * self.timeout_s, self.slow_floor_s) if phase in SLOW_PHASES else self.timeout_s
+
     def __enter__(self):
         return self.start()
 
@@ -163,7 +178,7 @@ class Watchdog:
         poll = min(1.0, self.timeout_s / 4)
         while not self._stop.wait(poll):
             idle = time.monotonic() - self._last
-            if idle > self.timeout_s:
+            if idle > self.limit():
                 self._fire(idle)
                 return
 
@@ -175,7 +190,8 @@ class Watchdog:
         last = f"; last communication entered: {comm[0]} on '{comm[1]}', {comm[2]:,} bytes" if comm else ""
         at = "before the first step" if self.step is None else f"in step {self.step}"
         out.write(f"hpengine: watchdog: rank {rank} {self.prefix} made no progress for {idle:.1f} s "
-                  f"(runtime.watchdog_s = {self.timeout_s:g}), {at}, phase '{self.phase}'{last}; "
+                  f"(runtime.watchdog_s = {self.timeout_s:g}, limit {self.limit():g} s in this phase), {at}, "
+                  f"phase '{self.phase}'{last}; "
                   f"stacks of all threads follow, then the job is aborted\n")
         _dump_stacks(out)
         time.sleep(self.grace_s)   # the other ranks' watchdogs fire too: let them write before the abort
@@ -194,7 +210,20 @@ def _dump_stacks(out) -> None:
 
 # --- stop on SIGTERM / SIGUSR1 ------------------------------------------------------------------
 def _on_signal(signum, frame):
+    if signum == signal.SIGINT:
+        if _state["signal"] == signal.SIGINT:     # a second Ctrl-C: no more waiting for the step boundary
+            sys.stderr.write("hpengine: interrupted again: aborting the job\n")
+            sys.stderr.flush()
+            _abort_world(130)
+            raise KeyboardInterrupt
+        if _state["on_interrupt"] is not None:
+            _state["on_interrupt"]()
     _state["signal"] = signum
+
+
+def on_interrupt(callback) -> None:
+    """Call `callback()` (from the signal handler) when the first SIGINT arrives; None removes it."""
+    _state["on_interrupt"] = callback
 
 
 def install_stop_handlers(names=STOP_SIGNALS):

@@ -122,7 +122,7 @@ def candidates(cfg: Config, cluster: Cluster, max_rows: int = 8):
         for sh in [s for s in _divisors(W // (tp * pp)) if gb % (W // (tp * pp)) == 0]:
             dp, share = W // (tp * pp * sh), gb * tp * pp // W
             rows = [r for r in _divisors(share) if r <= max_rows]
-            for zstage, b, rc, amp in product([0] if sh == 1 else [1, 2, 3], rows, (0, 1), (False, True)):
+            for zstage, b, rc, amp in product([0] if sh == 1 else [1, 2, 3], rows, (0, 1), ("", "float16")):
                 n = share // b          # micro-batches: the pipeline's, else gradient-merge passes
                 for sched, v in _schedules(pp, n, m.n_layers):
                     yield Resolved(tp, sh, dp, pp, zstage, "tensor" if sh <= tensors else "flat",
@@ -181,7 +181,7 @@ def config_for(cfg: Config, lay: Resolved) -> Config:
     c = copy.deepcopy(cfg)
     s = c.strategy
     on = {"data_parallel": lay.dp > 1, "sharding": lay.sh > 1, "pipeline": lay.pp > 1 or lay.m > 1 or lay.v > 1,
-          "tensor_parallel": lay.tp > 1, "recompute": lay.recompute > 0, "gradient_merge": lay.k > 1, "amp": lay.amp}
+          "tensor_parallel": lay.tp > 1, "recompute": lay.recompute > 0, "gradient_merge": lay.k > 1, "amp": bool(lay.amp)}
     for name, enable in on.items():
         getattr(s, name).enable = enable
     sets = {"data_parallel": {"degree": lay.dp}, "sharding": {"degree": lay.sh, "stage": lay.zstage,
@@ -264,7 +264,10 @@ def check_text(cfg: Config, world: int, cluster: Cluster) -> str:
         lay = resolve(cfg, world)
     except ValueError as e:
         raise PlanError(f"--world {world}: {e}") from None
-    r = evaluate(cfg, lay, cluster)
+    try:
+        r = evaluate(cfg, lay, cluster)
+    except ValueError as e:
+        raise PlanError(f"--check on {world} ranks ({describe(lay)}): {e}") from None
     out = [f"{cfg.model.kind} with {_n_params(cfg):,} parameters on {world} ranks: {describe(lay)}",
            "memory per device (bytes; the sharding rank with the largest share):"]
     for s in r["stages"]:
@@ -329,20 +332,34 @@ CLUSTER_FLAGS = ("nodes", "gpus_per_node", "mem_gb", "intra_bw_gbs", "inter_bw_g
                  "inter_latency_us", "tflops", "tflops_fp32", "tflops_fp64")   # cli.py's flags (the rest: --cluster)
 
 
+def check_args(a) -> None:
+    """One line naming a bad argument of `hpengine plan` and what is valid."""
+    for flag, least in (("top", 1), ("global_batch", 1), ("world", 1), ("max_micro_batch", 1),
+                        ("gpus_per_node", 1), ("nodes", 1)):
+        v = getattr(a, flag, None)
+        if v is not None and v < least:
+            raise PlanError(f"--{flag.replace('_', '-')} {v}: must be an integer >= {least}")
+    if getattr(a, "world", None) is not None and not a.check:
+        raise PlanError(f"--world {a.world}: only applies with --check CFG (the search uses --nodes x "
+                        "--gpus-per-node)")
+    if a.out and os.path.isdir(a.out):
+        raise PlanError(f"--out {a.out}: is a folder; name the TOML file to write, e.g. --out "
+                        f"{os.path.join(a.out, 'plan.toml')}")
+
+
 def run(a) -> str:
     """The `hpengine plan` command (arguments from cli.py); returns the text to print."""
+    check_args(a)
     if a.calibrate:
         return calibrate(a.gpus_per_node)
     cluster = load_cluster(a.cluster, **{k: getattr(a, k) for k in CLUSTER_FLAGS})
     if a.check:
         cfg = load_config(a.check, a.overrides)
-        world = a.world or cluster.world
-        if world < 1:
-            raise PlanError(f"--world {world}: must be >= 1")
+        world = cluster.world if a.world is None else a.world
         return check_text(cfg, world, cluster)
     cfg = load_config(a.config, a.overrides)
     cfg = with_preset(cfg, a.model) if a.model else cfg
-    if a.global_batch:
+    if a.global_batch is not None:
         cfg.train.global_batch = a.global_batch
         validate(cfg)
     t = time.perf_counter()
@@ -354,6 +371,9 @@ def run(a) -> str:
            "worst pipeline stage's; times per optimizer step", "", table(fit, a.top), "",
            f"best: {describe(fit[0]['layout'])}"]
     if a.out:
-        write_best(cfg, fit[0], a.out, cluster)
+        try:
+            write_best(cfg, fit[0], a.out, cluster)
+        except OSError as e:
+            raise PlanError(f"--out {a.out}: cannot write the config there ({e.strerror or e})") from None
         out.append(f"wrote {a.out}: mpiexec -n {cluster.world} hpengine train {a.out}")
     return "\n".join(out)

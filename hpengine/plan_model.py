@@ -101,9 +101,12 @@ def zero_bytes(psi: float, share: float, stage: int, w: int, g: int, k: int) -> 
             k * (share if stage >= 1 else psi))
 
 
-def precision(mcfg, amp: bool) -> tuple:
-    """(w, g, K, compute bytes): 16-bit copies and fp32 master + Adam under amp (K = 12), else the
+def precision(mcfg, amp) -> tuple:
+    """(w, g, K, compute bytes): 16-bit copies and fp32 master + Adam under float16 amp (K = 12); bfloat16
+    is emulated on float32 storage (precision.py), so its copies and activations take 4 bytes; else the
     dtype for parameters and gradients and two Adam moments (K = 8 in float32)."""
+    if amp == "bfloat16":
+        return 4, 4, 12, 4
     if amp:
         return 2, 2, 12, 2
     item = 8 if mcfg.dtype == "float64" else 4

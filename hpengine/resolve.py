@@ -106,7 +106,7 @@ class Resolved:
     schedule: str
     split: object
     recompute: int         # 0 = off, else every N-th layer
-    amp: bool
+    amp: bool | str        # False / "" off, else the amp dtype ("float16", "bfloat16"; True means float16)
     order: tuple
     share: int             # sequences per replica per step
     bucket_mb: float = 4.0
@@ -157,7 +157,8 @@ def resolve(cfg, world: int) -> Resolved:
     res = Resolved(d["tp"], d["sharding"], d["dp"], d["pp"], s.sharding.stage if d["sharding"] > 1 else 0,
                    s.sharding.partition, pc.micro_batches if pc.enable else 1, gm.k_steps if gm.enable else 1,
                    pc.virtual_stages if pc.enable else 1, pc.schedule if pc.enable else "fthenb",
-                   pc.split if pc.enable else "uniform", rc.every if rc.enable else 0, s.amp.enable,
+                   pc.split if pc.enable else "uniform", rc.every if rc.enable else 0,
+                   s.amp.dtype if s.amp.enable else "",
                    tuple(cfg.mesh.order), cfg.train.global_batch // (d["dp"] * d["sharding"]), s.data_parallel.bucket_mb)
     check(cfg, res)
     chunks(cfg.model, res)          # the pipeline split must be possible
@@ -176,10 +177,9 @@ def check(cfg, res: Resolved) -> None:
                           f"by gradient_merge.k_steps x pipeline.micro_batches = {k} x {m}; make global_batch a "
                           f"multiple of {replicas * k * m}")
     amp, mc = cfg.strategy.amp, cfg.model
-    if amp.enable and amp.dtype == "bfloat16":
-        raise LayoutError("strategy.amp.dtype = 'bfloat16' is not available: NumPy and CuPy have no bfloat16 "
-                          "arithmetic (ml_dtypes' bfloat16 matmul returns float32, so layers would silently run in "
-                          "float32); use 'float16'")
+    if amp.enable and amp.dtype == "float16" and amp.grad_dtype != "float32":
+        raise LayoutError(f"strategy.amp.grad_dtype = '{amp.grad_dtype}' applies to dtype = 'bfloat16' only "
+                          "(float16 gradients are float16, scaled); leave it at 'float32'")
     if amp.enable and mc.dtype != "float32":
         raise LayoutError(f"strategy.amp needs model.dtype = 'float32' (the master weights), got '{mc.dtype}'")
     rc = cfg.strategy.recompute
@@ -234,10 +234,10 @@ def describe(cfg, res: Resolved) -> str:
              + f" (mesh order innermost first: {', '.join(res.order)})",
              f"batch: global {cfg.train.global_batch} = {res.replicas} replica(s) x {res.share} sequences; "
              f"{res.k} pass(es) x {res.m} micro-batch(es) x {res.rows} sequences of {cfg.model.seq_len} tokens",
-             f"sharding: " + (f"stage {res.zstage}, partition {res.partition}" if res.zstage else "off"),
-             f"pipeline: " + (f"{res.schedule}, {res.v} chunk(s) per rank" if res.pp > 1 or res.m > 1 else "off"),
-             f"recompute: " + (f"every {res.recompute} layer(s)" if res.recompute else "off")
-             + f"; amp: {'on' if res.amp else 'off'}"]
+             "sharding: " + (f"stage {res.zstage}, partition {res.partition}" if res.zstage else "off"),
+             "pipeline: " + (f"{res.schedule}, {res.v} chunk(s) per rank" if res.pp > 1 or res.m > 1 else "off"),
+             "recompute: " + (f"every {res.recompute} layer(s)" if res.recompute else "off")
+             + f"; amp: {res.amp or 'off'}"]
     for s in range(res.pp):
         lines.append(f"  pp stage {s}: " + " | ".join(", ".join(ch) for ch in stage_chunks(cfg.model, res, s)))
     return "\n".join(lines)

@@ -3,7 +3,6 @@ every Comm.Split, made once. The first axis in `order` is innermost (neighbourin
 """
 from __future__ import annotations
 
-from math import prod
 
 from mpi4py import MPI
 

@@ -15,21 +15,17 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from . import checkpoint, hf_import, launch, plan, state, trace
+from . import checkpoint, ckpt_guard, faults, hf_import, launch, memcheck, plan, state, trace
 from .backend import BackendError, keep_heap, make_backend
 from .comm import Comm, agree_or_raise
 from .config import Config, to_dict, to_toml
 from .data import DataError, TokenDataset, ensure_default_corpus
-from .data.format import BYTES
 from .engine import Engine
 from .resolve import resolve
+from .run_dir import RunError, prepare_run_dir, tokenizer_json, trim_metrics  # noqa: F401 (re-exported)
 from .topology import Mesh, node_ranks
 
 log = logging.getLogger("hpengine")
-
-
-class RunError(RuntimeError):
-    """A user-facing problem with the run (folder, batch arithmetic, switch settings); one clear line."""
 
 
 def setup_logging(mesh) -> None:
@@ -62,13 +58,6 @@ def build_dataset(cfg, world):
                           DataError, (DataError,))
 
 
-def tokenizer_json(data) -> str | None:
-    """The run folder's tokenizer.json for this data (see the module doc)."""
-    if data.tokenizer is None:
-        return None
-    return json.dumps({"hpengine": "bytes"}) + "\n" if data.tokenizer == BYTES else data.tokenizer
-
-
 def data_meta(data) -> dict:
     """What a checkpoint records of the data it was trained on."""
     return {"tokenizer_sha256": data.tokenizer_sha256, "files": data.paths}
@@ -87,24 +76,13 @@ def check_same_tokenizer(recorded: dict | None, data) -> None:
         "checkpoint's tokenizer, or start a new run")
 
 
-def prepare_run_dir(cfg, world, resuming: bool = False, data=None) -> Path:
-    """The run folder; refused if it already holds results, unless resuming (metrics are appended)."""
-    out = Path(cfg.train.out_dir)
-
-    def prepare():
-        if world.Get_rank() != 0:
-            return
-        if not resuming and ((out / "metrics.jsonl").exists() or (out / "config.toml").exists()):
-            raise RunError(f"train.out_dir = '{out}' already holds results (metrics.jsonl/config.toml); "
-                           f"choose a new folder, e.g. --set train.out_dir={out}-2")
-        out.mkdir(parents=True, exist_ok=True)
-        if not (out / "config.toml").exists():
-            (out / "config.toml").write_text(to_toml(cfg))
-        tok = tokenizer_json(data) if data is not None else None
-        if tok is not None and not (resuming and (out / "tokenizer.json").exists()):
-            (out / "tokenizer.json").write_text(tok)
-    agree_or_raise(world, prepare, RunError, (RunError, OSError))
-    return out
+def compute_dtype(cfg) -> str:
+    """The dtype activations and the parameters' compute copy live in: float16 under float16 amp; bfloat16
+    is emulated on float32 storage (precision.py)."""
+    amp = cfg.strategy.amp
+    if amp.enable:
+        return "float16" if amp.dtype == "float16" else "float32"
+    return cfg.model.dtype
 
 
 def agreed_backend(cfg, world):
@@ -114,7 +92,7 @@ def agreed_backend(cfg, world):
 
     def make():
         try:
-            return make_backend(cfg.runtime.backend, "float16" if cfg.strategy.amp.enable else cfg.model.dtype,
+            return make_backend(cfg.runtime.backend, compute_dtype(cfg),
                                 local, per_node, share_devices=cfg.runtime.share_devices,
                                 cuda_aware=cfg.runtime.cuda_aware_mpi)
         except BackendError as exc:
@@ -124,6 +102,9 @@ def agreed_backend(cfg, world):
     if len(kinds) > 1:
         raise BackendError(f"runtime.backend = '{cfg.runtime.backend}' resolved differently across ranks "
                            f"({sorted(kinds)}); set runtime.backend explicitly")
+    if be.set_matmul_precision(cfg.runtime.matmul_precision) != cfg.runtime.matmul_precision and world.Get_rank() == 0:
+        log.info("runtime.matmul_precision = '%s' has no effect on NumPy (float32 GEMMs stay float32)",
+                 cfg.runtime.matmul_precision)
     return be
 
 
@@ -135,6 +116,7 @@ def build(cfg, world=None, with_data: bool = True):
     launch.check_world(world)
     res = resolve(cfg, world.Get_size())
     backend = agreed_backend(cfg, world)
+    memcheck.check(cfg, res, world, backend)
     if not backend.is_gpu:
         keep_heap()
     mesh = Mesh(world, res.degrees, res.order, wrap=lambda c, a: Comm(c, a, backend))
@@ -163,12 +145,20 @@ def train(cfg, world=None, resume=None) -> dict:
     eng = build(cfg, world)
     start = restore(eng, cfg, resume)
     out = prepare_run_dir(cfg, world, resuming=resume is not None, data=eng.data)
+    if cfg.checkpoint.at_end or cfg.checkpoint.every:       # found now, not at the first save
+        ckpt_guard.check_writable(world, checkpoint_root(cfg))
     log_start(eng, cfg)
+    ranks = faults.gather_ranks(world, eng.mesh)
+    log.info("ranks (host, pid, mesh coordinates): %s", faults.write_ranks_file(ranks, out, world.Get_rank()))
     plan.check_at_start(cfg, eng.mesh.size, log, rank=eng.mesh.rank)
+    if resume is not None:
+        trim_metrics(out, start, world.Get_rank())
     metrics_f = open(out / "metrics.jsonl", "a" if resume else "w") if world.Get_rank() == 0 else None
     tracer = trace.attach(eng, cfg)    # phase timers always; a timeline under runtime.trace
-    t_start, history = time.perf_counter(), []
+    t_start, history, stop = time.perf_counter(), [], None
     watchdog = launch.Watchdog(cfg.runtime.watchdog_s, eng.mesh.prefix()).start()
+    monitor = faults.Monitor(ranks, world.Get_rank(), watch_parent=faults.launched()).start()
+    launch.on_interrupt(monitor.interrupted)
     restore_signals = launch.install_stop_handlers()
     saved = None                 # the last step saved by this run
     try:
@@ -187,24 +177,28 @@ def train(cfg, world=None, resume=None) -> dict:
                 log_memory(eng)
             _record(cfg, m, metrics_f)
             stop = launch.stop_requested(world)
-            if stop or _ckpt_due(cfg, step):
+            if (stop and stop != "SIGINT") or _ckpt_due(cfg, step):   # Ctrl-C: stop now, no save
                 watchdog.heartbeat(step, "checkpoint")
                 save_checkpoint(eng, cfg, step + 1)
                 saved = step + 1
             if stop:
-                log.info("%s received: stopping cleanly after step %d of %d (checkpoint saved)", stop, step + 1,
-                         cfg.train.steps)
+                log.info("%s received: stopping cleanly after step %d of %d (%s)", stop, step + 1, cfg.train.steps,
+                         "checkpoint saved" if saved == step + 1 else "no checkpoint: interrupted")
                 break
-        if cfg.checkpoint.at_end and history and saved != history[-1]["step"] + 1:
+        if cfg.checkpoint.at_end and history and saved != history[-1]["step"] + 1 and stop != "SIGINT":
             watchdog.heartbeat(history[-1]["step"], "checkpoint")
             save_checkpoint(eng, cfg, history[-1]["step"] + 1)    # the final model, for eval and --resume
+        if world.Get_size() > 1:
+            world.Barrier()      # nobody exits (ends its process) while a peer still watches it
     finally:
+        monitor.stop()
+        launch.on_interrupt(None)
         watchdog.stop()
         restore_signals()
         if metrics_f:
             metrics_f.close()
     log_pipeline(eng, cfg)
-    summary = summarize(eng, history, time.perf_counter() - t_start, out)
+    summary = summarize(eng, history, time.perf_counter() - t_start, out, stop)
     trace.finish(eng, out, history, summary["wall_s"])   # trace.json, breakdown table + .json
     return summary
 
@@ -265,20 +259,28 @@ def restore(eng, cfg, resume) -> int:
     t0 = time.perf_counter()
     if resume is not None:
         path = checkpoint_root(cfg) if resume == "latest" else resume
-        try:
-            reader = checkpoint.Reader(path)
-            reader.check_shapes(eng.true_shapes())
-            check_same_tokenizer(reader.manifest.get("data"), eng.data)     # same inputs on every rank
-        except checkpoint.CheckpointError as exc:
-            raise checkpoint.CheckpointError(f"--resume {resume}: {exc}") from None
+
+        def open_checkpoint():
+            try:
+                reader = checkpoint.Reader(path)         # checks the manifest's checksum and structure
+                reader.check_shapes(eng.true_shapes())
+                check_same_tokenizer(reader.manifest.get("data"), eng.data)     # same inputs on every rank
+            except checkpoint.CheckpointError as exc:
+                raise checkpoint.CheckpointError(f"--resume {resume}: {exc}") from None
+            return reader
+        reader = agree_or_raise(eng.world, open_checkpoint, checkpoint.CheckpointError, (checkpoint.CheckpointError,))
         load_together(eng, reader)
         start, what = reader.step, f"resumed from {reader.dir} at step {reader.step}"
     else:
         src = cfg.checkpoint.init_from
-        if src.startswith(hf_import.PREFIX):
-            reader = hf_import.HFReader(src[len(hf_import.PREFIX):], cfg.model, eng.true_shapes())
-        else:
+
+        def open_export():
+            if src.startswith(hf_import.PREFIX):
+                return hf_import.HFReader(src[len(hf_import.PREFIX):], cfg.model, eng.true_shapes())
             reader = checkpoint.ExportReader(src)
+            reader.check_shapes(eng.true_shapes())      # never crop or pad a tensor of another shape
+            return reader
+        reader = agree_or_raise(eng.world, open_export, checkpoint.CheckpointError, (checkpoint.CheckpointError,))
         load_together(eng, reader, params_only=True)
         start, what = 0, f"parameters initialised from {cfg.checkpoint.init_from}"
     reader.close()
@@ -336,13 +338,13 @@ def log_pipeline(eng, cfg) -> None:
              [round(b, 3) for b, _ in stats], theory, [n for _, n in stats])
 
 
-def summarize(eng, history, wall, out) -> dict:
+def summarize(eng, history, wall, out, stopped=None) -> dict:
     toks = [m["tokens_per_s"] for m in history[1:]] or [history[0]["tokens_per_s"]]
     vals = [m["val_loss"] for m in history if "val_loss" in m]
     summary = {"steps": len(history), "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
                "final_val_loss": vals[-1] if vals else None, "wall_s": wall,
                "median_tokens_per_s": sorted(toks)[len(toks) // 2], **eng.memory(), "out_dir": str(out),
-               "tokenizer_sha256": eng.data.tokenizer_sha256}
+               "tokenizer_sha256": eng.data.tokenizer_sha256, "stopped_early": stopped}
     log.info("done: %d steps in %.1f s | loss %.4f -> %.4f | val %s | median %s tok/s | peak RSS %.0f MiB",
              summary["steps"], wall, summary["first_loss"], summary["final_loss"],
              f"{summary['final_val_loss']:.4f}" if vals else "-",

@@ -13,6 +13,7 @@ from ..nn import (attention_backward, attention_cache_elements, attention_forwar
 from .common import (Block, LocalTP, embed_specs, end_cache_bytes, head_backward, head_forward, head_specs,
                      mlp_backward, mlp_forward, mlp_specs, padded_vocab, standard_blocks, tok_embed_backward,
                      tok_embed_forward)
+from ..nn.flash import flash_attention_backward, flash_attention_forward, flash_cache_bytes
 from .decode import KVCache, output_logits
 
 
@@ -25,6 +26,7 @@ class GPT:
         self.tied = mcfg.tie_head
         self.std = mcfg.init_std
         self.n_layers = self.L
+        self.flash = getattr(mcfg, "attention", "standard") == "flash"
 
     def blocks(self) -> list[Block]:
         return standard_blocks(self.L, self.tied)
@@ -41,11 +43,13 @@ class GPT:
         """Bytes the forward caches per micro-batch of `rows` sequences, by block kind ("input": what a
         recomputed layer keeps). A layer: ln1, the qkv linear's input (ln1's output), attention (its
         output is the projection's input), ln2, the fc linear's input and the GELU (the projection's input
-        is rebuilt from it)."""
-        n, C = rows * self.T, self.C
-        layer = (2 * layernorm_cache_elements(n, C) + 2 * n * C
-                 + attention_cache_elements(rows, self.T, C // tp, self.H // tp) + gelu_cache_elements(n * self.F // tp))
-        return {"layer": layer * item, **end_cache_bytes(self.cfg, rows, tp, item, amp, share)}
+        is rebuilt from it). model.attention = "flash" keeps no T x T probabilities: qkv, the output and
+        one log-sum-exp per row and head."""
+        n, C, H = rows * self.T, self.C, self.H // tp
+        att = (flash_cache_bytes(rows, self.T, H, H, C // self.H, item) if self.flash
+               else attention_cache_elements(rows, self.T, C // tp, H) * item)
+        layer = (2 * layernorm_cache_elements(n, C) + 2 * n * C + gelu_cache_elements(n * self.F // tp)) * item + att
+        return {"layer": layer, **end_cache_bytes(self.cfg, rows, tp, item, amp, share)}
 
     def tp_allreduces(self) -> tuple:
         """Activation allreduces per layer under tensor parallelism: (forward, backward); the attention's and the MLP's reduce_from_tp
@@ -91,7 +95,7 @@ class GPT:
         p = f"h.{i}"
         h, c_ln1 = layernorm_forward(xp, x, P[f"{p}.ln1.w"], P[f"{p}.ln1.b"])
         qkv, c_qkv = linear_forward(xp, tp.copy_to_tp(h), P[f"{p}.attn.qkv.w"], P[f"{p}.attn.qkv.b"])
-        a, c_att = attention_forward(xp, qkv, self.H // tp.size)
+        a, c_att = (flash_attention_forward if self.flash else attention_forward)(xp, qkv, self.H // tp.size)
         o, c_proj = linear_forward(xp, a, P[f"{p}.attn.proj.w"])
         o = tp.reduce_from_tp(o)
         o += P[f"{p}.attn.proj.b"]
@@ -110,7 +114,7 @@ class GPT:
         dx1 += dy
         G[f"{p}.attn.proj.b"] += dx1.reshape(-1, self.C).sum(axis=0)
         da = linear_backward(xp, tp.reduce_from_tp_backward(dx1), c_proj, P[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.w"])
-        dqkv = attention_backward(xp, da, c_att)
+        dqkv = (flash_attention_backward if self.flash else attention_backward)(xp, da, c_att)
         dh = tp.copy_to_tp_backward(linear_backward(xp, dqkv, c_qkv, P[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.w"],
                                                    G[f"{p}.attn.qkv.b"]))
         dx1 += layernorm_backward(xp, dh, c_ln1, P[f"{p}.ln1.w"], G[f"{p}.ln1.w"], G[f"{p}.ln1.b"])

@@ -21,6 +21,7 @@ from ..nn import (gqa_attention_backward, gqa_attention_forward, gqa_cache_eleme
                   swiglu_cache_elements, swiglu_forward, swiglu_recompute)
 from .common import (Block, embed_specs, end_cache_bytes, logits_loss_backward, logits_loss_forward, padded_vocab,
                      standard_blocks, tok_embed_backward, tok_embed_forward)
+from ..nn.flash import flash_cache_bytes, flash_gqa_backward, flash_gqa_forward
 from .decode import KVCache, output_logits
 
 
@@ -34,6 +35,7 @@ class Llama:
         self.tied, self.std, self.eps = mcfg.tie_head, mcfg.init_std, mcfg.norm_eps
         self.n_layers = self.L
         self._tables = {}
+        self.flash = getattr(mcfg, "attention", "standard") == "flash"
 
     def blocks(self) -> list[Block]:
         return standard_blocks(self.L, self.tied)
@@ -50,10 +52,12 @@ class Llama:
         """Bytes the forward caches per micro-batch of `rows` sequences, by block kind ("input": what a
         recomputed layer keeps). A layer: two RMSNorms, the q/k/v linears' input and the gate/up linears'
         input (the norms' outputs), the attention (rotated q and k, v, probabilities, its output, which
-        is the o linear's input) and the SiLU gating (the down linear's input is rebuilt from it)."""
-        n, C = rows * self.T, self.C
-        att = gqa_cache_elements(rows, self.T, self.H // tp, self.K // tp, self.hd, score_elements(self.T))
-        layer = 2 * rmsnorm_cache_bytes(n, C, item) + (2 * n * C + att + swiglu_cache_elements(n * self.F // tp)) * item
+        is the o linear's input) and the SiLU gating (the down linear's input is rebuilt from it).
+        model.attention = "flash" keeps one log-sum-exp per row and head in place of the probabilities."""
+        n, C, H, K = rows * self.T, self.C, self.H // tp, self.K // tp
+        att = (flash_cache_bytes(rows, self.T, H, K, self.hd, item) if self.flash
+               else gqa_cache_elements(rows, self.T, H, K, self.hd, score_elements(self.T)) * item)
+        layer = 2 * rmsnorm_cache_bytes(n, C, item) + (2 * n * C + swiglu_cache_elements(n * self.F // tp)) * item + att
         return {"layer": layer, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
                                                   rmsnorm_cache_bytes(n, C, item))}
 
@@ -119,7 +123,8 @@ class Llama:
         v, c_v = linear_forward(xp, h, P[f"{p}.attn.v.w"])
         q = rope_forward(xp, q.reshape(B, T, H, hd), qcos, qsin)
         k = rope_forward(xp, k.reshape(B, T, K, hd), cos, sin)
-        a, c_att = gqa_attention_forward(xp, q, k, v.reshape(B, T, K, hd).transpose(0, 2, 1, 3))
+        attend = flash_gqa_forward if self.flash else gqa_attention_forward
+        a, c_att = attend(xp, q, k, v.reshape(B, T, K, hd).transpose(0, 2, 1, 3))
         o, c_o = linear_forward(xp, a, P[f"{p}.attn.o.w"])
         o = tp.reduce_from_tp(o)
         o += x                  # o is ours: the residual sum needs no new array
@@ -148,7 +153,7 @@ class Llama:
         dx += dy
         # attention branch
         da = linear_backward(xp, tp.reduce_from_tp_backward(dx), c_o, P[f"{p}.attn.o.w"], G[f"{p}.attn.o.w"])
-        dq, dk, dv = gqa_attention_backward(xp, da, c_att)
+        dq, dk, dv = (flash_gqa_backward if self.flash else gqa_attention_backward)(xp, da, c_att)
         B, K, T, hd = dv.shape
         dh = linear_backward(xp, rope_backward(xp, dq, qcos, qsin), c_q, P[f"{p}.attn.q.w"], G[f"{p}.attn.q.w"])
         dh += linear_backward(xp, rope_backward(xp, dk, cos, sin), c_k, P[f"{p}.attn.k.w"], G[f"{p}.attn.k.w"])

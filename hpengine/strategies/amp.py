@@ -1,8 +1,16 @@
-"""Mixed precision: dynamic loss scaling. Compute runs in float16; the owner of each range keeps the
-float32 master weights and AdamW moments (engine.py). An overflow anywhere makes every rank skip the
-same step and lower the scale; `growth_interval` clean steps in a row raise it again.
+"""Mixed precision: dynamic loss scaling. Compute runs in float16 or bfloat16; the owner of each range keeps
+the float32 master weights and AdamW moments (engine.py). An overflow anywhere makes every rank skip the
+same step and lower the scale; `growth_interval` clean steps in a row raise it again. bfloat16 has
+float32's exponent range, so it trains without loss scaling by default (amp.loss_scaling = "auto").
 """
 from __future__ import annotations
+
+
+def loss_scaling(acfg) -> bool:
+    """Whether dynamic loss scaling runs: "auto" = float16 only."""
+    if acfg.loss_scaling == "auto":
+        return acfg.dtype == "float16"
+    return acfg.loss_scaling == "dynamic"
 
 
 class LossScaler:

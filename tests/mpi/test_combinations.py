@@ -1,6 +1,7 @@
 """Every combination of the seven switches, with parallel degrees that fit the world, for the GPT and the
-Llama model kinds, trains like one process: float64 to rtol 1e-10 without amp; with amp (float16 compute) within AMP_RTOL of the float32
-one-process run. At -n 8 a sample of 3-axis meshes runs."""
+Llama model kinds, trains like one process: float64 to rtol 1e-10 without amp; with amp (float16 or, in
+every other case, bfloat16 compute) within AMP_RTOL of the float32 one-process run. At -n 8 a sample of
+3-axis meshes runs."""
 import itertools
 
 import numpy as np
@@ -44,6 +45,11 @@ def combos(n):
     return cases
 
 
+def bf16(i):
+    """Which amp cases run bfloat16: every other pair of cases, so both dtypes meet every mesh."""
+    return (i // 2) % 2 == 1
+
+
 def overrides(mesh, rc, gm, amp, i):
     o = []
     for axis, deg in mesh.items():
@@ -61,8 +67,8 @@ def overrides(mesh, rc, gm, amp, i):
         o += ["strategy.recompute.enable=true", "strategy.recompute.every=2"]
     if gm:
         o += ["strategy.gradient_merge.enable=true", "strategy.gradient_merge.k_steps=2"]
-    if amp:
-        o += ["strategy.amp.enable=true", "model.dtype=float32"]
+    if amp:             # float16 and bfloat16 (emulated, precision.py) take turns
+        o += ["strategy.amp.enable=true", "model.dtype=float32"] + (["strategy.amp.dtype=bfloat16"] if bf16(i) else [])
     return o
 
 
@@ -70,9 +76,11 @@ _REF = {}
 
 
 def reference(corpus, kind, dtype, steps=STEPS):
+    """The one-process run in dtype; "bfloat16" is the one-process bfloat16 amp run."""
     if (kind, dtype, steps) not in _REF:
-        _REF[kind, dtype, steps] = run(config(corpus, *BASE, *KINDS[kind], f"model.dtype={dtype}"), MPI.COMM_SELF,
-                                       steps)
+        prec = ([f"model.dtype={dtype}"] if dtype != "bfloat16" else
+                ["model.dtype=float32", "strategy.amp.enable=true", "strategy.amp.dtype=bfloat16"])
+        _REF[kind, dtype, steps] = run(config(corpus, *BASE, *KINDS[kind], *prec), MPI.COMM_SELF, steps)
     return _REF[kind, dtype, steps]
 
 
@@ -86,15 +94,18 @@ CASES = combos(N)
 def test_combination(corpus, world, case, kind):
     mesh, rc, gm, amp = CASES[case]
     losses, params, eng = run(config(corpus, *BASE, *KINDS[kind], *overrides(mesh, rc, gm, amp, case)), world, STEPS)
-    ref_l, ref_p, ref_eng = reference(corpus, kind, "float32" if amp else "float64")
+    ref_dtype = "bfloat16" if amp and bf16(case) else "float32" if amp else "float64"
+    ref_l, ref_p, ref_eng = reference(corpus, kind, ref_dtype)
     if amp:
+        # float16 against the float32 run; bfloat16 against the one-process bfloat16 run, whose only
+        # differences are float32 sums in another order, now and then rounding to the other bf16 neighbour
         np.testing.assert_allclose(losses, ref_l, rtol=AMP_LOSS_RTOL)
         # Adam normalises each gradient element, so tiny float16 differences in near-zero gradients move
         # single weights by up to ~lr: compare the whole update, not element by element
-        init = reference(corpus, kind, "float32", steps=0)[1]
+        init = reference(corpus, kind, ref_dtype, steps=0)[1]
         flat = lambda d: np.concatenate([np.ravel(d[n]) for n in sorted(ref_p)])  # noqa: E731
         upd_err = np.linalg.norm(flat(params) - flat(ref_p)) / np.linalg.norm(flat(ref_p) - flat(init))
-        assert upd_err < AMP_UPDATE_RTOL, f"amp update differs from float32 by {upd_err:.3%}"
+        assert upd_err < AMP_UPDATE_RTOL, f"amp update differs from {ref_dtype} by {upd_err:.3%}"
         np.testing.assert_allclose(eng.grad_norms, ref_eng.grad_norms, rtol=AMP_LOSS_RTOL)
     else:
         assert_same(losses, ref_l)

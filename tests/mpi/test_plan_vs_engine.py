@@ -42,6 +42,8 @@ LAYOUTS = [
     ("amp_tp2_pp2_tied", lambda n: n % 4 == 0, TP2 + PP2 + DP + [
         S + "amp.enable=true", "model.dtype=float32", "model.tie_head=true", S + "pipeline.micro_batches=2"]),
     ("two_models_sharding1", ANY, SH + ["train.models=2"]),
+    ("flash_tp2_recompute_dp", EVEN, TP2 + DP + [S + "recompute.enable=true", "model.attention=flash"]),
+    ("llama_flash_dp", ANY, LLAMA + DP + ["model.attention=flash"]),
     ("llama_dp_recompute", ANY, LLAMA + DP + [S + "recompute.enable=true"]),
     ("llama_tp2_sharding3", EVEN, LLAMA + TP2 + SH + [S + "sharding.stage=3"]),
     ("llama_amp_sharding2_tied", ANY, LLAMA + SH + [S + "sharding.stage=2", S + "amp.enable=true", "model.dtype=float32",

@@ -234,7 +234,7 @@ def test_unknown_key_in_the_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra,key", [
-    (["strategy.amp.enable=true", "strategy.amp.dtype='bfloat16'"], "strategy.amp.dtype"),
+    (["strategy.amp.enable=true", "strategy.amp.grad_dtype='bfloat16'"], "strategy.amp.grad_dtype"),
     (["strategy.amp.enable=true", "model.dtype='float64'"], "model.dtype"),
     (["strategy.recompute.enable=true", "strategy.recompute.every=3"], "strategy.recompute.every"),
     (["strategy.gradient_merge.enable=true", "strategy.gradient_merge.k_steps=3"], "k_steps"),

@@ -1,0 +1,227 @@
+"""Fused causal attention, flash-attention style (model.attention = "flash").
+
+Query positions come in blocks of `bq`, keys in blocks of `bk`. A query block walks the key blocks up to
+the diagonal with an online softmax (a running row max m and row sum l); key blocks wholly above the
+diagonal are never visited. The T x T scores are never stored: forward keeps only its output and the
+row log-sum-exp lse = m + log(l), (B, H, T). Backward recomputes each score tile from lse,
+p = exp(s - lse), and uses D = rowsum(dO * O) in place of rowsum(dP * P), as FlashAttention-2 does.
+
+Both layouts of the models go through one blocked core over grouped rows: the g = H / K query heads of
+a key/value head fold into the row axis, row t * g + j being query head k * g + j at position t, so a
+tile is one batched GEMM per (batch row, key/value head) and dK, dV sum over the group inside it.
+
+This array-module-generic code is what runs on the CPU, and it is the NumPy twin of kernels/attention.cu
+(hpengine/nn/flash_cuda.py launches it when xp is CuPy and the dtype is float32 or float64). Half
+precision inputs are computed in float32 here; lse is then float32.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .attention import _heads, _mm
+
+BQ = 64          # query positions per block on the CPU (read at call time when bq is None)
+BK = 64          # keys per block (likewise)
+CUDA = True      # launch kernels/attention.cu on CuPy (False: run this code on CuPy too)
+
+
+def flash_cache_elements(B: int, T: int, H: int, K: int, hd: int) -> int:
+    """Elements the forward caches for B sequences of T tokens, H query heads over K key/value heads of
+    hd: q (H), k and v (K each), the output (H) per token and head dim (GPT's fused qkv and output are
+    the same 4H with K = H), and one lse per query head and position. No score is kept: no T^2 term."""
+    return B * T * (hd * (2 * H + 2 * K) + H)
+
+
+def flash_cache_bytes(B: int, T: int, H: int, K: int, hd: int, item: int) -> int:
+    """flash_cache_elements in bytes; lse is stored in float32 at least (half inputs compute in float32)."""
+    return B * T * (hd * (2 * H + 2 * K) * item + H * max(item, 4))
+
+
+def _tiles(T: int, b: int):
+    return [(a, min(a + b, T)) for a in range(0, T, b)]
+
+
+def _ctype(xp, dtype):
+    return np.dtype(np.float32) if np.dtype(dtype).itemsize < 4 else np.dtype(dtype)
+
+
+def _bias(xp, a, b, c, d, g, dtype):
+    # (g*(b-a), d-c): -inf where key c+j comes after query a + i // g, else 0
+    qpos = a + xp.arange(g * (b - a)) // g
+    kpos = c + xp.arange(d - c)
+    return xp.where(kpos[None, :] > qpos[:, None], -xp.inf, 0.0).astype(dtype)
+
+
+def _use_cuda(xp, *arrays) -> bool:
+    return (CUDA and xp.__name__ == "cupy"
+            and all(a.dtype == arrays[0].dtype for a in arrays) and arrays[0].dtype.itemsize in (4, 8)
+            and arrays[0].dtype.kind == "f")
+
+
+def flash_forward_core(xp, qg, k, v, g: int, bq: int | None = None, bk: int | None = None):
+    """qg (B, K, T*g, hd) grouped rows (already scaled), k, v (B, K, T, hd) in any strides ->
+    og (B, K, T*g, hd) and lse (B, K, T*g), in the compute dtype."""
+    B, K, R, hd = qg.shape
+    T = k.shape[2]
+    bq, bk = bq or BQ, bk or BK
+    ct = _ctype(xp, qg.dtype)
+    qg, k, v = (a.astype(ct, copy=False) for a in (qg, k, v))
+    og = xp.empty((B, K, R, hd), dtype=ct)
+    lse = xp.empty((B, K, R), dtype=ct)
+    for a, b in _tiles(T, bq):
+        rows = slice(a * g, b * g)
+        qb = qg[:, :, rows]
+        n = (b - a) * g
+        m = xp.full((B, K, n, 1), -xp.inf, dtype=ct)
+        s_l = xp.zeros((B, K, n, 1), dtype=ct)
+        acc = xp.zeros((B, K, n, hd), dtype=ct)
+        for c, d in _tiles(T, bk):
+            if c > b - 1:               # every key after every query of the block: skipped
+                break
+            s = _mm(xp, qb, k[:, :, c:d].swapaxes(-1, -2))
+            if d - 1 > a:               # the tile crosses the diagonal
+                s += _bias(xp, a, b, c, d, g, ct)
+            # the first key block holds key 0, which every query sees: m is finite from then on
+            mn = xp.maximum(m, s.max(axis=-1, keepdims=True))
+            alpha = xp.exp(m - mn)
+            s -= mn
+            xp.exp(s, out=s)
+            s_l *= alpha
+            s_l += s.sum(axis=-1, keepdims=True)
+            acc *= alpha
+            _mm(xp, s, v[:, :, c:d], acc, accumulate=True)
+            m = mn
+        og[:, :, rows] = acc / s_l
+        lse[:, :, rows] = (m + xp.log(s_l))[..., 0]
+    return og, lse
+
+
+def flash_backward_core(xp, qg, k, v, og, dog, lse, g: int, bq: int | None = None, bk: int | None = None):
+    """Gradients of the blocked attention from its saved output og and lse (grouped rows, as in
+    flash_forward_core): -> dqg (B, K, T*g, hd), dk, dv (B, K, T, hd), in the compute dtype."""
+    B, K, R, hd = qg.shape
+    T = k.shape[2]
+    bq, bk = bq or BQ, bk or BK
+    ct = _ctype(xp, qg.dtype)
+    qg, k, v, og, dog, lse = (a.astype(ct, copy=False) for a in (qg, k, v, og, dog, lse))
+    dd = xp.einsum("bkrd,bkrd->bkr", dog, og)[..., None]       # D = rowsum(dO * O)
+    lse = lse[..., None]
+    dqg = xp.zeros((B, K, R, hd), dtype=ct)
+    dk, dv = xp.empty((B, K, T, hd), dtype=ct), xp.empty((B, K, T, hd), dtype=ct)
+    for c, d in _tiles(T, bk):
+        kb, vb = k[:, :, c:d], v[:, :, c:d]
+        dkb, dvb = xp.zeros((B, K, d - c, hd), dtype=ct), xp.zeros((B, K, d - c, hd), dtype=ct)
+        for a, b in _tiles(T, bq):
+            if b - 1 < c:               # every query of the block before the first key: skipped
+                continue
+            rows = slice(a * g, b * g)
+            qb, dob = qg[:, :, rows], dog[:, :, rows]
+            s = _mm(xp, qb, kb.swapaxes(-1, -2))
+            if d - 1 > a:
+                s += _bias(xp, a, b, c, d, g, ct)
+            s -= lse[:, :, rows]
+            p = xp.exp(s, out=s)
+            _mm(xp, p.swapaxes(-1, -2), dob, dvb, accumulate=True)
+            ds = _mm(xp, dob, vb.swapaxes(-1, -2))
+            ds -= dd[:, :, rows]
+            ds *= p
+            _mm(xp, ds.swapaxes(-1, -2), qb, dkb, accumulate=True)
+            dqg[:, :, rows] += _mm(xp, ds, kb)
+        dk[:, :, c:d] = dkb
+        dv[:, :, c:d] = dvb
+    return dqg, dk, dv
+
+
+# ---- GPT: fused head-major qkv (B, T, H*3*hd) -> (B, T, H*hd) ------------------------------------------
+
+def flash_attention_forward(xp, qkv, n_heads: int, bq: int | None = None, bk: int | None = None):
+    """Twin of attention_forward: returns y (B, T, H*hd) and the cache (qkv, y, lse, bq, bk)."""
+    B, T, C3 = qkv.shape
+    if C3 % (3 * n_heads):
+        raise ValueError(f"qkv last dim {C3} is not a multiple of 3 * n_heads = {3 * n_heads}")
+    hd = C3 // (3 * n_heads)
+    scale = 1.0 / math.sqrt(hd)
+    q, k, v = _heads(qkv, n_heads, 3)
+    y = xp.empty((B, T, n_heads * hd), dtype=qkv.dtype)
+    (o,) = _heads(y, n_heads, 1)
+    if _use_cuda(xp, qkv):
+        from . import flash_cuda
+        lse = flash_cuda.forward(xp, q, k, v, o, scale)
+    else:
+        og, lse = flash_forward_core(xp, q * scale, k, v, 1, bq, bk)
+        o[...] = og
+    return y, (qkv, y, lse, bq, bk)
+
+
+def flash_attention_backward(xp, dy, cache):
+    """Twin of attention_backward: dy (B, T, H*hd) -> dqkv (B, T, H*3*hd)."""
+    qkv, y, lse, bq, bk = cache
+    B, T, C3 = qkv.shape
+    H = lse.shape[1]
+    scale = 1.0 / math.sqrt(C3 // (3 * H))
+    q, k, v = _heads(qkv, H, 3)
+    (do,), (o,) = _heads(dy, H, 1), _heads(y, H, 1)
+    dqkv = xp.empty((B, T, C3), dtype=dy.dtype)
+    dq, dk, dv = _heads(dqkv, H, 3)
+    if _use_cuda(xp, qkv, dy):
+        from . import flash_cuda
+        flash_cuda.backward(xp, q, k, v, o, do, lse, dq, dk, dv, scale)
+        return dqkv
+    dqg, dkg, dvg = flash_backward_core(xp, q * scale, k, v, o, do, lse, 1, bq, bk)
+    dqg *= scale
+    dq[...], dk[...], dv[...] = dqg, dkg, dvg
+    return dqkv
+
+
+# ---- Llama: grouped-query q (B, H, T, hd) rotated and scaled, k, v (B, K, T, hd) -------------------------
+
+def _group_rows(a, K, g):
+    # (B, K*g, T, hd) -> (B, K, T*g, hd), row t*g + j = head k*g + j at t (a view when g == 1)
+    B, _, T, hd = a.shape
+    return a.reshape(B, K, g, T, hd).swapaxes(2, 3).reshape(B, K, T * g, hd)
+
+
+def _token_rows(a, K, g):
+    # (B, T, K*g*hd) -> (B, K, T*g, hd) in grouped-row order (a copy unless K == 1)
+    B, T, _ = a.shape
+    return a.reshape(B, T, K, g, -1).transpose(0, 2, 1, 3, 4).reshape(B, K, T * g, -1)
+
+
+def flash_gqa_forward(xp, q, k, v, bq: int | None = None, bk: int | None = None):
+    """Twin of gqa_attention_forward: returns y (B, T, H*hd) and the cache (q, k, v, y, lse, bq, bk)."""
+    B, H, T, hd = q.shape
+    K = k.shape[1]
+    if H % K:
+        raise ValueError(f"{H} query heads do not split into groups of {K} key/value heads")
+    g = H // K
+    y = xp.empty((B, T, H * hd), dtype=q.dtype)
+    if _use_cuda(xp, q, k, v):
+        from . import flash_cuda
+        lse = flash_cuda.forward(xp, q, k, v, y.reshape(B, T, H, hd).transpose(0, 2, 1, 3), 1.0)
+    else:
+        og, lseg = flash_forward_core(xp, _group_rows(q, K, g), k, v, g, bq, bk)
+        y.reshape(B, T, K, g, hd).transpose(0, 2, 1, 3, 4)[...] = og.reshape(B, K, T, g, hd)
+        lse = xp.ascontiguousarray(lseg.reshape(B, K, T, g).swapaxes(2, 3).reshape(B, H, T))
+    return y, (q, k, v, y, lse, bq, bk)
+
+
+def flash_gqa_backward(xp, dy, cache):
+    """Twin of gqa_attention_backward: dy (B, T, H*hd) -> dq (B, H, T, hd), dk, dv (B, K, T, hd)."""
+    q, k, v, y, lse, bq, bk = cache
+    B, H, T, hd = q.shape
+    K = k.shape[1]
+    g = H // K
+    if _use_cuda(xp, q, k, v, dy):
+        from . import flash_cuda
+        dq, dk, dv = (xp.empty(a.shape, dtype=dy.dtype) for a in (q, k, k))
+        per_head = lambda a: a.reshape(B, T, H, hd).transpose(0, 2, 1, 3)     # noqa: E731
+        flash_cuda.backward(xp, q, k, v, per_head(y), per_head(dy), lse, dq, dk, dv, 1.0)
+        return dq, dk, dv
+    lseg = lse.reshape(B, K, g, T).swapaxes(2, 3).reshape(B, K, T * g)
+    dqg, dk, dv = flash_backward_core(xp, _group_rows(q, K, g), k, v, _token_rows(y, K, g),
+                                      _token_rows(dy, K, g), lseg, g, bq, bk)
+    dq = xp.ascontiguousarray(dqg.reshape(B, K, T, g, hd).transpose(0, 1, 3, 2, 4).reshape(B, H, T, hd))
+    dt = dy.dtype
+    return dq.astype(dt, copy=False), dk.astype(dt, copy=False), dv.astype(dt, copy=False)

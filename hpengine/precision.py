@@ -1,0 +1,50 @@
+"""bfloat16 as a storage format, emulated on float32 arrays: the values are rounded to the nearest
+bfloat16 (ties to even, as ml_dtypes and CUDA's __float2bfloat16_rn do) and kept in float32, so NumPy's
+float32 BLAS and every float32 kernel compute on them unchanged.
+
+Under strategy.amp with dtype = "bfloat16" the engine rounds at the points where a bf16 implementation
+stores a tensor: the compute copy of the parameters (written from the float32 masters after every update,
+after initialisation and after a load), every block's output activation and its saved activations
+(caches), every block's input gradient in backward and, with amp.grad_dtype = "bfloat16", the gradients
+each block accumulates and the reduced gradient. Inside a block the arithmetic is float32, as inside a
+fused kernel that reads bf16 and computes in fp32.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+EXP = 0x7F800000
+
+
+def round_bf16_(xp, a):
+    """Round float32 array a in place to bfloat16 values (nearest, ties to even); inf stays inf, NaN NaN.
+    Returns a."""
+    if a.dtype != np.float32:
+        raise TypeError(f"bf16 rounding needs float32 storage, got {a.dtype}")
+    if a.size == 0:
+        return a
+    u = a.view(xp.uint32)
+    special = (u & EXP) == EXP                   # inf or NaN: never carried into the exponent
+    bias = (u >> 16) & 1
+    bias += 0x7FFF
+    bias[special] = 0
+    nan = xp.isnan(a) if bool(special.any()) else None
+    u += bias
+    u &= xp.uint32(0xFFFF0000)
+    if nan is not None:
+        a[nan] = np.nan                          # a payload only in the low bits would truncate to inf
+    return a
+
+
+def round_tree_(xp, obj, seen=None):
+    """round_bf16_ every float32 array inside a nested cache (tuples, lists, objects with .x); each base
+    array once. Parameter views inside a cache are rounded values already, so rounding them is a no-op."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, (tuple, list)):
+        for o in obj:
+            round_tree_(xp, o, seen)
+    elif hasattr(obj, "x") and not hasattr(obj, "dtype"):
+        round_tree_(xp, obj.x, seen)
+    elif getattr(obj, "dtype", None) == np.float32 and getattr(obj, "ndim", 0) > 0 and id(obj) not in seen:
+        seen.add(id(obj))
+        round_bf16_(xp, obj)
