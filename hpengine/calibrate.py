@@ -80,10 +80,15 @@ def _alone(w, fn):
 
 # ---- one core ----------------------------------------------------------------------------------------
 
+def gemm_rate(np, dtype, n: int = 768) -> float:
+    """FLOP/s of one n x n x n matmul in dtype on this process (the best of ROUNDS rounds)."""
+    a = np.ones((n, n), dtype=dtype)
+    return 2 * n**3 / _per_call(lambda: a @ a)
+
+
 def _primitives(np) -> dict:
     def rate(dtype, n=768):
-        a = np.ones((n, n), dtype=dtype)
-        return 2 * n**3 / _per_call(lambda: a @ a)
+        return gemm_rate(np, dtype, n)
     f32 = rate(np.float32)
     block_s, act_s = _block_costs(np, f32)
     a, b = np.ones(1 << 24), np.empty(1 << 24)     # one process: a memory copy stands in for the link

@@ -20,7 +20,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", default=None, help="TOML config (default: built-in defaults)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set optim.lr=1e-3 (repeatable)")
-    t.add_argument("--resume", default=None, help="checkpoint folder or 'latest'")
+    t.add_argument("--resume", default=None, metavar="DIR|latest|auto",
+                   help="continue from a checkpoint: a checkpoint folder; 'latest' (the newest under the run "
+                   "folder's checkpoints/); or 'auto' (that one when it exists, else a fresh start; refused "
+                   "when train.out_dir is empty, holds results without a checkpoint, or is already complete). "
+                   "Batch jobs pass auto so a requeued job continues by itself")
     _data_parser(sub)
     c = sub.add_parser("config", help="print the config reference, a resolved config, or (--world N) check it "
                        "fully for N ranks without MPI and print the layout")
@@ -319,6 +323,25 @@ def _known():
 
 
 def main(argv=None) -> int:
+    """Run one command; its exit status. A reader that closes stdout early (`hpengine ckpt info DIR | head
+    -3`) ends the command quietly, as SIGPIPE ends a standard tool."""
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()          # the last buffered lines go out here, not in the exit's flush
+        return rc
+    except BrokenPipeError:
+        return _closed_pipe()
+
+
+def _closed_pipe() -> int:
+    try:           # what is left in the buffer goes nowhere, so the interpreter's exit flush is silent too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 141                      # 128 + SIGPIPE, the status a shell reports for `cat BIG | head -1`
+
+
+def _main(argv) -> int:
     a = _parser().parse_args(argv)
     try:
         if a.cmd == "train":
@@ -336,11 +359,13 @@ def main(argv=None) -> int:
         if a.cmd == "generate":
             return _cmd_generate(a)
         return _cmd_plot(a)
+    except KeyboardInterrupt:       # first: _known() imports modules an interrupt may have cut short
+        return _interrupted()
     except _known() as exc:
         _say(f"hpengine: error: {exc}")
         return 2
-    except KeyboardInterrupt:
-        return _interrupted()
+    except BrokenPipeError:
+        raise                       # main ends quietly
     except Exception:  # noqa: BLE001 - anything else must take the whole job down, not hang it
         return _abort()
 

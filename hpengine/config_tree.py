@@ -265,6 +265,9 @@ class RuntimeConfig:
                                     check=(lambda v: v in (True, False, "auto"), 'must be "auto", true or false'))
     share_devices: bool = _f(False, "allow more ranks on a node than GPUs (ranks share devices; logged as a "
                                     "warning)")
+    blas_threads: int = _f(0, "threads of each rank's CPU BLAS/OpenMP pool; 0 = automatic: the cores the process "
+                           "may run on divided by the ranks on its node, at least 1, unless OMP_NUM_THREADS, "
+                           "OPENBLAS_NUM_THREADS or MKL_NUM_THREADS is set (then those count)", check=_must(">=", 0))
     matmul_precision: str = _f("highest", "float32 GEMMs on the GPU: highest (full float32) or tf32 (tensor "
                                "cores, 10-bit mantissa inputs, float32 accumulation); no effect on NumPy",
                                choices=("highest", "tf32"))
@@ -277,6 +280,11 @@ class RuntimeConfig:
                      "trace.json in the run folder, for Perfetto and `hpengine plot`")
     trace_max_events: int = _f(200000, "most timeline events kept per rank (the latest; bounds the trace's "
                                "memory)", check=_POS)
+    tensorboard: bool = _f(False, "write TensorBoard event files (loss, val loss, lr, grad norm, loss scale, "
+                           "tokens/s, MFU) into <out_dir>/tensorboard/ (rank 0; no extra package needed)")
+    peak_tflops: float = _f(0.0, "peak dense TFLOP/s of one rank's device that MFU is measured against; 0 = "
+                            "automatic: NVIDIA's datasheet figure for an H100, H200 or A100 at the run's "
+                            "precision, a float GEMM timed on one core on the CPU", check=_must(">=", 0))
 
 
 @dataclass

@@ -289,7 +289,7 @@ class Engine:
         per = [{"model": s.index, "loss": losses[s.index], "lr": s.lr * lr_scale, "grad_norm": norms[s.index]}
                for s in self.slots]
         toks = self.cfg.train.global_batch * self.cfg.model.seq_len * len(self.slots)
-        out = {"step": step, **{k: v for k, v in per[0].items() if k != "model"},
+        out = {"step": step + 1, **{k: v for k, v in per[0].items() if k != "model"},
                "tokens_per_s": toks / dt, "step_ms": dt * 1e3}
         if self.scaler is not None:
             out["loss_scale"] = self.scaler.scale
@@ -365,3 +365,9 @@ class Engine:
 
     def n_params(self) -> int:
         return sum(int(np.prod(s.global_shape)) for s in self.layout.specs)
+
+    def param_counts(self) -> tuple[int, int]:
+        """(parameters of the whole model, of this pipeline stage), every tensor counted once (a copy of
+        another stage's tensor, such as the tied head's wte, counts there). Collective on the pp axis."""
+        mine = sum(int(np.prod(s.global_shape)) for s in self.layout.specs if s.name not in self.stage.copies)
+        return (sum(self.pp.allgather_obj(mine)) if self.res.pp > 1 else mine), mine

@@ -1,6 +1,7 @@
-"""`hpengine plot RUN_DIR`: PNGs of a run folder — training and validation loss against step and tokens,
-throughput against step, and the pipeline Gantt chart (stages x time, forward/backward per micro-batch)
-drawn from trace.json. matplotlib is an optional extra (`pip install 'hpengine[plot]'`).
+"""`hpengine plot RUN_DIR`: PNGs of a run folder — loss.png: the training loss (raw, faint, under its
+moving average) and validation loss against step (tokens on the top axis), the learning rate and the
+gradient norm; throughput against step; and the pipeline Gantt chart (stages x time, forward/backward
+per micro-batch) drawn from trace.json. matplotlib is an optional extra (`pip install 'hpengine[plot]'`).
 """
 from __future__ import annotations
 
@@ -80,24 +81,56 @@ def _by_model(rows):
     return models
 
 
-def plot_loss(plt, rows, tokens, path: Path) -> Path:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, xkey in zip(axes, ("step", "tokens")):
-        for model, rs in _by_model(rows).items():
-            tag = "" if len(set(r.get("model", 0) for r in rows)) == 1 else f" (model {model})"
-            x = [(r["step"] + 1) * (tokens if xkey == "tokens" else 1) for r in rs]
-            ax.plot(x, [r["loss"] for r in rs], lw=1.2, label="train" + tag)
-            val = [(xx, r["val_loss"]) for xx, r in zip(x, rs) if "val_loss" in r]
-            if val:
-                ax.plot(*zip(*val), "o-", ms=4, label="validation" + tag)
-        ax.set_xlabel("step" if xkey == "step" else "tokens (per model)")
-        ax.grid(alpha=0.3)
-    if not tokens:
-        axes[1].set_title("tokens unknown (no config.toml)")
-    axes[0].set_ylabel("loss")
-    axes[0].legend()
-    fig.suptitle("loss")
+SMOOTHING = 0.9      # EMA weight of the smoothed loss (debiased, as TensorBoard's smoothing)
+
+
+def ema(values: list[float], weight: float = SMOOTHING) -> list[float]:
+    """Debiased exponential moving average: s_t = w s_(t-1) + (1 - w) x_t, divided by 1 - w^t."""
+    out, s = [], 0.0
+    for t, v in enumerate(values, 1):
+        s = weight * s + (1 - weight) * v
+        out.append(s / (1 - weight ** t))
+    return out
+
+
+def loss_figure(plt, rows, tokens):
+    """Three panels against step: the loss (raw faint, its EMA over it, validation points), the learning
+    rate and the gradient norm; a tokens axis on top of the loss panel when tokens per step are known."""
+    fig, (ax, ax_lr, ax_gn) = plt.subplots(3, 1, figsize=(9, 9), sharex=True, height_ratios=(2, 1, 1))
+    models = _by_model(rows)
+    for i, (model, rs) in enumerate(models.items()):
+        tag = "" if len(models) == 1 else f" (model {model})"
+        colour = f"C{i}"
+        x = [r["step"] for r in rs]
+        loss = [r["loss"] for r in rs]
+        ax.plot(x, loss, lw=0.8, alpha=0.3, color=colour, label="train (raw)" + tag)
+        ax.plot(x, ema(loss), lw=1.6, color=colour, label=f"train (EMA {SMOOTHING})" + tag)
+        val = [(xx, r["val_loss"]) for xx, r in zip(x, rs) if "val_loss" in r]
+        if val:
+            ax.plot(*zip(*val), "o--", ms=4, lw=1, color=colour, mfc="white", label="validation" + tag)
+        ax_lr.plot(x, [r["lr"] for r in rs], lw=1.2, color=colour, label="lr" + tag)
+        ax_gn.plot(x, [r["grad_norm"] for r in rs], lw=1.0, color=colour, label="grad norm" + tag)
+    ax.set_title("loss")
+    ax.set_ylabel("loss")
+    ax.legend()
+    if tokens:
+        top = ax.secondary_xaxis("top", functions=(lambda s: s * tokens, lambda t: t / tokens))
+        top.set_xlabel("tokens (per model)")
+    ax_lr.set_title("learning rate")
+    ax_lr.set_ylabel("lr")
+    ax_gn.set_title("gradient norm (before clipping)")
+    ax_gn.set_ylabel("global grad norm")
+    if all(r["grad_norm"] > 0 for r in rows):
+        ax_gn.set_yscale("log")
+    ax_gn.set_xlabel("step")
+    for a in (ax, ax_lr, ax_gn):
+        a.grid(alpha=0.3)
     fig.tight_layout()
+    return fig
+
+
+def plot_loss(plt, rows, tokens, path: Path) -> Path:
+    fig = loss_figure(plt, rows, tokens)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -105,7 +138,7 @@ def plot_loss(plt, rows, tokens, path: Path) -> Path:
 
 def plot_throughput(plt, rows, path: Path) -> Path:
     rs = _by_model(rows)[rows[0].get("model", 0)]
-    steps, tps = [r["step"] + 1 for r in rs], [r["tokens_per_s"] for r in rs]
+    steps, tps = [r["step"] for r in rs], [r["tokens_per_s"] for r in rs]
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot(steps, tps, lw=1.2, label="tokens/s (all models)")
     med = statistics.median(tps[1:] or tps)
@@ -132,7 +165,7 @@ def gantt_window(events) -> tuple[float, float, str]:
             steps[s] = (min(lo, e["ts"]), max(hi, e["ts"] + e["dur"]))
     if steps:
         last = max(steps)
-        return (*steps[last], f"step {last + 1}")
+        return (*steps[last], f"step {last}")
     xs = [e for e in events if e["ph"] == "X"]
     return min(e["ts"] for e in xs), max(e["ts"] + e["dur"] for e in xs), "whole trace"
 

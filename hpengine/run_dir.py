@@ -52,13 +52,14 @@ def prepare_run_dir(cfg, world, resuming: bool = False, data=None) -> Path:
 
 
 def trim_metrics(out: Path, start: int, rank: int) -> None:
-    """On resume: drop metrics.jsonl rows of steps >= start (a crash after the checkpoint left rows that
-    the resumed run replays), so every step appears once."""
+    """On resume from the checkpoint of step `start` (optimizer steps completed): drop metrics.jsonl rows of
+    steps > start (a crash after the checkpoint left rows that the resumed run replays; rows number steps
+    from 1), so every step appears once."""
     path = out / "metrics.jsonl"
     if rank != 0 or not path.exists():
         return
     keep = [line for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and _step_of(line) < start]
+            if line.strip() and _step_of(line) <= start]
     path.write_text("".join(keep))
 
 

@@ -21,9 +21,12 @@ from .comm import Comm, agree_or_raise
 from .config import Config, to_dict, to_toml
 from .data import DataError, TokenDataset, ensure_default_corpus
 from .engine import Engine
-from .resolve import resolve
+from .resolve import chunks, resolve
+from .resume_auto import resolve_resume
 from .run_dir import RunError, prepare_run_dir, tokenizer_json, trim_metrics  # noqa: F401 (re-exported)
 from .topology import Mesh, node_ranks
+from . import progress, tensorboard as tboard
+from .threads import pin as pin_blas_threads, describe as blas_threads_line
 
 log = logging.getLogger("hpengine")
 
@@ -89,6 +92,7 @@ def agreed_backend(cfg, world):
     """This rank's backend (its GPU chosen by node-local rank); devices can differ between nodes, so
     the ranks agree before any of them raises."""
     local, per_node = node_ranks(world)
+    pin_blas_threads(cfg.runtime.blas_threads, per_node)     # before the first BLAS call of the run
 
     def make():
         try:
@@ -132,10 +136,10 @@ def _lines(m: dict) -> list[dict]:
     return [{**common, **pm} for pm in m["models"]]
 
 
-def _fmt(m: dict) -> str:
-    s = ("" if "model" not in m else f"model {m['model']} | ") + (f"step {m['step'] + 1:>5} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f}"
+def _fmt(m: dict, total: int | str = "?") -> str:
+    s = ("" if "model" not in m else f"model {m['model']} | ") + (f"step {m['step']:>5}/{total} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f}"
          f" | {m['tokens_per_s']:,.0f} tok/s | {m['step_ms']:.0f} ms")
-    return s + (f" | val {m['val_loss']:.4f}" if "val_loss" in m else "")
+    return s + progress.suffix(m) + (f" | val {m['val_loss']:.4f}" if "val_loss" in m else "")
 
 
 def train(cfg, world=None, resume=None) -> dict:
@@ -143,7 +147,11 @@ def train(cfg, world=None, resume=None) -> dict:
     final summary (same on every rank)."""
     world = world or MPI.COMM_WORLD
     eng = build(cfg, world)
+    resume = resolve_resume(cfg, world, resume, log)     # --resume auto: a checkpoint, or None
     start = restore(eng, cfg, resume)
+    if start >= cfg.train.steps:              # the same step on every rank: every rank refuses together
+        raise RunError(f"--resume {resume}: the checkpoint is at step {start} and train.steps = "
+                       f"{cfg.train.steps}: nothing to train; raise train.steps (--set train.steps=N) to go on")
     out = prepare_run_dir(cfg, world, resuming=resume is not None, data=eng.data)
     if cfg.checkpoint.at_end or cfg.checkpoint.every:       # found now, not at the first save
         ckpt_guard.check_writable(world, checkpoint_root(cfg))
@@ -154,6 +162,8 @@ def train(cfg, world=None, resume=None) -> dict:
     if resume is not None:
         trim_metrics(out, start, world.Get_rank())
     metrics_f = open(out / "metrics.jsonl", "a" if resume else "w") if world.Get_rank() == 0 else None
+    prog = progress.begin(eng, cfg, world, start, compute_dtype(cfg), log)     # MFU peak, ETA, memory
+    tbw = tboard.open_writer(cfg, out, world.Get_rank())
     tracer = trace.attach(eng, cfg)    # phase timers always; a timeline under runtime.trace
     t_start, history, stop = time.perf_counter(), [], None
     watchdog = launch.Watchdog(cfg.runtime.watchdog_s, eng.mesh.prefix()).start()
@@ -163,31 +173,36 @@ def train(cfg, world=None, resume=None) -> dict:
     saved = None                 # the last step saved by this run
     try:
         for step in range(start, cfg.train.steps):
-            watchdog.heartbeat(step, "train_step")
+            watchdog.heartbeat(step + 1, "train_step")       # the step in progress, 1-based as everywhere
             t = tracer.now()
             m = eng.train_step(step)
-            tracer.lap("step", t, "step", step)
+            tracer.lap("step", t, "step", step + 1)
             if _eval_due(cfg, step):
-                watchdog.heartbeat(step, "evaluate")
+                watchdog.heartbeat(step + 1, "evaluate")
                 t = tracer.now()
                 _add_eval(m, eng.evaluate())
                 tracer.lap("eval", t)
+            m.update(prog.update(m))
             history.append(m)
             if step == start:
                 log_memory(eng)
             _record(cfg, m, metrics_f)
+            if tbw:
+                tbw.scalars(m["step"], tboard.scalars_of(_lines(m)))
             stop = launch.stop_requested(world)
+            if stop and stop != "SIGINT" and step + 1 == cfg.train.steps:
+                stop = None      # it came during the last step: the run is complete, not stopped early
             if (stop and stop != "SIGINT") or _ckpt_due(cfg, step):   # Ctrl-C: stop now, no save
-                watchdog.heartbeat(step, "checkpoint")
+                watchdog.heartbeat(step + 1, "checkpoint")
                 save_checkpoint(eng, cfg, step + 1)
                 saved = step + 1
             if stop:
                 log.info("%s received: stopping cleanly after step %d of %d (%s)", stop, step + 1, cfg.train.steps,
                          "checkpoint saved" if saved == step + 1 else "no checkpoint: interrupted")
                 break
-        if cfg.checkpoint.at_end and history and saved != history[-1]["step"] + 1 and stop != "SIGINT":
+        if cfg.checkpoint.at_end and history and saved != history[-1]["step"] and stop != "SIGINT":
             watchdog.heartbeat(history[-1]["step"], "checkpoint")
-            save_checkpoint(eng, cfg, history[-1]["step"] + 1)    # the final model, for eval and --resume
+            save_checkpoint(eng, cfg, history[-1]["step"])    # the final model, for eval and --resume
         if world.Get_size() > 1:
             world.Barrier()      # nobody exits (ends its process) while a peer still watches it
     finally:
@@ -197,6 +212,8 @@ def train(cfg, world=None, resume=None) -> dict:
         restore_signals()
         if metrics_f:
             metrics_f.close()
+        if tbw:
+            tbw.close()
     log_pipeline(eng, cfg)
     summary = summarize(eng, history, time.perf_counter() - t_start, out, stop)
     trace.finish(eng, out, history, summary["wall_s"])   # trace.json, breakdown table + .json
@@ -225,12 +242,12 @@ def _record(cfg, m, metrics_f) -> None:
     for line in _lines(m):
         metrics_f.write(json.dumps(line) + "\n")
     metrics_f.flush()
-    step = m["step"]
-    if (step + 1) % cfg.train.log_every == 0 or step == 0 or "val_loss" in m:
+    step = m["step"]       # optimizer steps completed, 1-based
+    if step % cfg.train.log_every == 0 or step == 1 or "val_loss" in m:
         for line in _lines(m):
-            log.info("%s", _fmt(line))
+            log.info("%s", _fmt(line, cfg.train.steps))
     elif sys.stdout.isatty():
-        print(f"\r  step {step + 1}/{cfg.train.steps} loss {m['loss']:.4f}", end="", flush=True)
+        print(f"\r  step {step}/{cfg.train.steps} loss {m['loss']:.4f}", end="", flush=True)
 
 
 def checkpoint_root(cfg) -> Path:
@@ -310,10 +327,14 @@ def log_start(eng, cfg) -> None:
     log.info("config (resolved; written to config.toml; keys not at their default): %s",
              ", ".join(changed_keys(cfg)) or "all defaults")
     log.info("%s", eng.mesh.describe())
+    log.info("%s", blas_threads_line())
     if eng.sync.describe():
         log.info("%s", eng.sync.describe())
-    log.info("model %s: %s parameters, %d blocks, dtype %s, backend %s", cfg.model.kind,
-             f"{eng.n_params():,}", len(eng.stage.blocks), cfg.model.dtype, eng.be.name)
+    whole, mine = eng.param_counts()      # collective on pp: every rank runs log_start
+    share = (f" (pipeline stage {eng.mesh.coords['pp']} of {eng.res.pp}: {mine:,} parameters, {len(eng.stage.blocks)} "
+             "blocks)" if eng.res.pp > 1 else "")
+    log.info("model %s: %s parameters, %d blocks%s, dtype %s, backend %s", cfg.model.kind, f"{whole:,}",
+             sum(len(c) for c in chunks(cfg.model, eng.res)), share, cfg.model.dtype, eng.be.name)
 
 
 def log_memory(eng) -> None:

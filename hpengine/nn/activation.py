@@ -15,24 +15,32 @@ def _no_overflow_warning(xp):
 
 _K = math.sqrt(2.0 / math.pi)
 _A = 0.044715
+# |x| beyond which sigmoid(2u) rounds to exactly 0 or 1 even in float64 (2u > 1900 > 745, where exp(-2u)
+# is below the smallest subnormal); 30^3 is still finite in float16
+_SAT = 30.0
 
 
 def gelu_forward(xp, x):
     # x: (...) -> y: (...); y = 0.5 x (1 + tanh(u)), u = K (x + A x^3)
     # 0.5 (1 + tanh(u)) == sigmoid(2u): one exp is ~2x cheaper than tanh on CPU,
-    # and avoids the cancellation in 1 + tanh(u) for negative x.
+    # and avoids the cancellation in 1 + tanh(u) for negative x. The exp takes -|2u| only, so nothing
+    # overflows: sigmoid(2u) = 1 / (1 + e) for x >= 0 and e / (1 + e) for x < 0, e = exp(-|2u|).
     if fused.usable(xp, x):
         y, s = fused.gelu_forward(xp, x)
         return y, (x, s)
-    s = x * x
+    t = xp.clip(x, -_SAT, _SAT)         # s is exactly 0 or 1 beyond; x^3 stays finite in float16
+    s = t * t
     s *= -2.0 * _A * _K
     s -= 2.0 * _K
-    s *= x
-    with _no_overflow_warning(xp):      # exp overflows to inf for very negative x: the sigmoid is then 0
-        xp.exp(s, out=s)
-    s += 1.0
-    xp.reciprocal(s, out=s)
-    return x * s, (x, s)
+    s *= t                              # z = -2u
+    neg = s > 0                         # x < 0
+    xp.abs(s, out=s)
+    xp.negative(s, out=s)
+    xp.exp(s, out=s)                    # e = exp(-|2u|) in (0, 1]: never overflows
+    r = s + 1.0
+    xp.reciprocal(r, out=r)             # 1 / (1 + e): the sigmoid for x >= 0
+    r *= xp.where(neg, s, 1.0)          # e / (1 + e) for x < 0 (x >= 0: times 1, bit for bit)
+    return x * r, (x, r)
 
 
 def gelu_backward(xp, dy, cache):
@@ -41,10 +49,11 @@ def gelu_backward(xp, dy, cache):
     # with s = sigmoid(2u): dy/dx = s + 2 x s (1 - s) K (1 + 3 A x^2)
     if fused.usable(xp, x, s, dy):
         return fused.gelu_backward(xp, x, s, dy)
-    d = x * x
+    t = xp.clip(x, -_SAT, _SAT)         # beyond _SAT, s (1 - s) is exactly 0: the same derivative
+    d = t * t
     d *= 6.0 * _A * _K
     d += 2.0 * _K
-    d *= x
+    d *= t
     d *= 1.0 - s
     d += 1.0
     d *= s

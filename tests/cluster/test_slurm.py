@@ -1,13 +1,12 @@
 """The job scripts on a real single-node SLURM (started here, stopped afterwards): jobs/slurm_train.sbatch
-with srun --mpi=pmi2 and with mpiexec, jobs/pbs_train.pbs through sbatch's #PBS support and the qsub
-wrapper, SIGUSR1 before the wall time, and the clear failures (wrong srun --mpi, missing config, more
-ranks than the mesh uses). Skips when SLURM is not installed (Debian: slurm-wlm slurmctld slurmd
-slurm-client munge slurm-wlm-torque)."""
+with srun --mpi=pmi2 and with mpiexec, jobs/pbs_train.pbs (and pbspro_train.pbs) through sbatch's #PBS
+support and the qsub wrapper, and the clear failures (wrong srun --mpi, missing config, more ranks than the mesh uses).
+Stopping before the wall time, requeue and resume: test_slurm_requeue.py. Skips when SLURM is not installed
+(Debian: slurm-wlm slurmctld slurmd slurm-client munge slurm-wlm-torque)."""
 import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from slurm_cluster import SlurmCluster, missing_tools  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH, PBS = ROOT / "jobs" / "slurm_train.sbatch", ROOT / "jobs" / "pbs_train.pbs"
+PBSPRO = ROOT / "jobs" / "pbspro_train.pbs"       # select=1:ncpus=4:mpiprocs=4, runs pbs_train.pbs
 pytestmark = pytest.mark.skipif(bool(missing_tools()), reason=f"SLURM not installed (missing {missing_tools()}); "
                                 "apt-get install slurm-wlm slurmctld slurmd slurm-client munge slurm-wlm-torque")
 CONFIG = """\
@@ -84,9 +84,10 @@ def test_slurm_script_trains_on_all_tasks(cluster, config, tmp_path, launcher):
     assert ("srun --mpi=pmi2" if launcher == "srun" else "bin/mpiexec -n 4") in text
 
 
-def test_pbs_script_under_sbatch_reads_pbs_lines(cluster, config, tmp_path):
+@pytest.mark.parametrize("script", [PBS, PBSPRO], ids=["torque", "pbspro"])
+def test_pbs_script_under_sbatch_reads_pbs_lines(cluster, config, tmp_path, script):
     run = tmp_path / "run"
-    st, text = _sbatch(cluster, PBS, tmp_path, "pbs", CONFIG=config, OUT_DIR=run)
+    st, text = _sbatch(cluster, script, tmp_path, "pbs", CONFIG=config, OUT_DIR=run)
     _check_trained(st, text, run)
     assert st["NumTasks"] == "4" and st["TimeLimit"] == "00:30:00" and st["JobName"] == "hpengine"
 
@@ -99,27 +100,6 @@ def test_pbs_script_through_qsub_wrapper(cluster, config, tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     st = cluster.wait(p.stdout.strip().split(".")[0], timeout=240)
     _check_trained(st, out.read_text(), run)
-
-
-def test_usr1_before_wall_time_stops_after_a_step(cluster, config, tmp_path):
-    run, out = tmp_path / "run", tmp_path / "sig.out"
-    job = cluster.submit(SBATCH, f"--export=ALL,CONFIG={config},OUT_DIR={run},EXTRA_ARGS=--set train.steps=3000",
-                         "--time=5", f"--output={out}", cwd=ROOT)
-    try:
-        metrics, t_end = run / "metrics.jsonl", time.monotonic() + 120
-        while not metrics.exists() or metrics.read_text().count("\n") < 3:
-            assert time.monotonic() < t_end, out.read_text() if out.exists() else "the job never started"
-            time.sleep(0.3)
-        subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True, env=cluster.env())
-        st = cluster.wait(job, timeout=120)
-    finally:
-        subprocess.run(["scancel", job], env=cluster.env(), capture_output=True)
-    text = out.read_text()
-    assert st["JobState"] == "COMPLETED", text
-    assert "SIGUSR1 (wall time near): asking the ranks to stop" in text
-    assert "SIGUSR1 received: stopping cleanly after step" in text
-    steps = json.loads((run / "summary.json").read_text())["steps"]
-    assert 3 <= steps < 3000
 
 
 def test_wrong_srun_mpi_type_is_one_clear_error(cluster, config, tmp_path):

@@ -149,7 +149,7 @@ def test_resume_in_a_new_process_group_is_bitwise(tmp_path, small_corpus, capsys
     assert f"resumed from {split / 'checkpoints' / STEP2} at step 2" in res.stdout
 
     a, b = metrics(straight), metrics(split)
-    assert [m["step"] for m in b] == [0, 1, 2, 3]
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm", "lr"):
         assert [m[key] for m in b] == [m[key] for m in a], key     # JSON floats round-trip: bitwise
 
@@ -216,12 +216,12 @@ def test_sigkill_while_saving_keeps_the_previous_checkpoint(tmp_path, small_corp
     assert rc == 2 and "no manifest.json" in one_line(err)
 
     before = metrics(out)
-    assert [m["step"] for m in before] == [0, 1, 2, 3]
+    assert [m["step"] for m in before] == [1, 2, 3, 4]
     rc, stdout, err = cli(capsys, "train", *args, "--resume", "latest")
     assert rc == 0, err
     assert "at step 2" in stdout
     lines = metrics(out)              # the replayed steps replace the rows written after the checkpoint
-    assert [m["step"] for m in lines] == [0, 1, 2, 3]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
     assert [m["loss"] for m in lines] == [m["loss"] for m in before]
     assert not stale.exists()
     assert (root / "latest").read_text().strip() == "step_00000004"
@@ -253,7 +253,7 @@ def test_stale_temporary_folder_next_to_a_good_checkpoint(tmp_path, small_corpus
     rc, stdout, err = cli(capsys, "train", *tiny(small_corpus, out, "train.steps=4", "checkpoint.every=2"),
                           "--resume", "latest")
     assert rc == 0, err
-    assert [m["step"] for m in metrics(out)] == [0, 1, 2, 3]
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
     assert tree_hash(root / STEP2) == good
     assert not stale.exists(), "the save of step 4 removes the stale .tmp-step_00000004"
 
@@ -307,7 +307,7 @@ def test_sigterm_saves_at_the_step_boundary_and_exits_cleanly(tmp_path, small_co
     assert rc == 75, f"exit {rc}\n{stdout}\n{stderr}"
     steps = [m["step"] for m in metrics(out)]
     n = len(steps)
-    assert steps == list(range(n)) and 3 <= n < 100000
+    assert steps == list(range(1, n + 1)) and 3 <= n < 100000
     root = out / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", f"step_{n:08d}"]
     assert (root / "latest").read_text().strip() == f"step_{n:08d}"
@@ -318,7 +318,7 @@ def test_sigterm_saves_at_the_step_boundary_and_exits_cleanly(tmp_path, small_co
     rc, stdout, err = cli(capsys, "train", *more, "--resume", "latest")
     assert rc == 0, err
     assert f"at step {n}" in stdout
-    assert [m["step"] for m in metrics(out)] == list(range(n)) + [n, n + 1]
+    assert [m["step"] for m in metrics(out)] == list(range(1, n + 3))
 
 
 # ---------------------------------------------------------------- 4. damaged checkpoints
@@ -502,3 +502,25 @@ def test_info_export_and_init_from(tmp_path, small_corpus, capsys, ckpt_run):
     again = read_export(tmp_path / "again.h5")
     for name in shapes:
         assert np.array_equal(again[f"param/{name}"], data[f"param/{name}"]), name
+
+
+def test_info_into_a_closed_pipe_ends_quietly(tmp_path, ckpt_run):
+    """`hpengine ckpt info DIR | head -1`: the reader leaves early; the command ends without a traceback,
+    as a tool ended by SIGPIPE does (status 141)."""
+    exe, root = BIN / "hpengine", ckpt_run / "checkpoints"
+    if not exe.exists():
+        pytest.skip(f"no hpengine next to {sys.executable}")
+    env = child_env(tmp_path)
+    res = subprocess.run(["bash", "-c", f"'{exe}' ckpt info '{root}' | head -1"], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert res.stdout.startswith(f"{root / STEP2}: step 2,") and res.stdout.count("\n") == 1
+    # the same with the reader surely gone before the first write (head may still be reading above)
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        res = subprocess.run([str(exe), "ckpt", "info", str(root)], stdout=w, stderr=subprocess.PIPE, text=True,
+                             env=env, timeout=60)
+    finally:
+        os.close(w)
+    assert (res.returncode, res.stderr) == (141, "")

@@ -60,14 +60,15 @@ def test_every_field_has_a_doc():
 
 def test_default_toml_loads_and_lists_every_strategy():
     cfg = load_config(DEFAULT_TOML)
-    # the main job (make train, 4 ranks): dp x sharding stage 2; every other key at its default
+    # the main job (make train, 4 ranks; any world size the batch divides): sharding stage 2 over every
+    # rank, a global batch of 24 for 100 steps; every other key at its default
     want = Config()
-    want.strategy.data_parallel.enable = True
-    want.strategy.sharding.enable, want.strategy.sharding.degree, want.strategy.sharding.stage = True, 2, 2
+    want.strategy.sharding.enable, want.strategy.sharding.degree, want.strategy.sharding.stage = True, -1, 2
+    want.train.global_batch, want.train.steps = 24, 100
     assert cfg == want, "configs/default.toml spells out the defaults apart from the main job's switches"
     raw = tomllib.loads(DEFAULT_TOML.read_text())
     assert set(raw["strategy"]) == {f.name for f in dataclasses.fields(C.StrategyConfig)}
-    assert {n for n, t in raw["strategy"].items() if t["enable"]} == {"data_parallel", "sharding"}
+    assert {n for n, t in raw["strategy"].items() if t["enable"]} == {"sharding"}
     assert set(leaf_keys(raw)) == set(leaf_keys(C.to_dict(cfg))), "default.toml shows every key"
 
 

@@ -189,8 +189,9 @@ def test_error_line_and_its_newline_in_one_write(monkeypatch, tmp_path):
 
 # ---- metrics.jsonl on resume ------------------------------------------------------------------------
 def test_trim_metrics_drops_replayed_steps(tmp_path):
-    rows = [{"step": s, "loss": 1.0} for s in range(7)] + [{"step": 5, "loss": 2.0, "model": 1}]
+    # rows number optimizer steps completed from 1: resuming the checkpoint of step 5 keeps rows 1..5
+    rows = [{"step": s, "loss": 1.0} for s in range(1, 8)] + [{"step": 6, "loss": 2.0, "model": 1}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     trim_metrics(tmp_path, 5, rank=0)
     steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2, 3, 4]
+    assert steps == [1, 2, 3, 4, 5]

@@ -176,8 +176,8 @@ def test_resume_leaves_each_step_once_in_metrics(tmp_path, small_corpus):
     base = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_layers=2", "model.n_heads=2",
             "train.global_batch=4", "runtime.backend='numpy'", f"data.path={small_corpus}",
             f"train.out_dir={out}", "checkpoint.every=3", "checkpoint.keep=5"]
-    train(load_config(None, base + ["train.steps=5"]))      # saves steps 3 and 5; metrics rows 0..4
+    train(load_config(None, base + ["train.steps=5"]))      # saves steps 3 and 5; metrics rows 1..5
     step3 = sorted((out / "checkpoints").glob("step_*"))[0]
     s = train(load_config(None, base + ["train.steps=7"]), resume=str(step3))   # a crash after step 3
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(7)) and s["stopped_early"] is None
+    assert steps == list(range(1, 8)) and s["stopped_early"] is None     # after step 3 comes step 4, once

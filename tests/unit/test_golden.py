@@ -79,7 +79,7 @@ def run_golden(tmp_path) -> list[float]:
     summary = train(cfg)
     lines = (out / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
-    assert [r["step"] for r in rows] == list(range(5))
+    assert [r["step"] for r in rows] == list(range(1, 6))
     losses = [r["loss"] for r in rows]
     assert summary["first_loss"] == losses[0] and summary["final_loss"] == losses[-1]
     return losses

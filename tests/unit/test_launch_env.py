@@ -215,7 +215,7 @@ def test_watchdog_in_train_loop_aborts_a_hung_rank(tmp_path, small_corpus):
     p, dt = _inject(tmp_path, small_corpus, 4, "sleep", 1, 2, "runtime.watchdog_s=2")
     assert p.returncode != 0 and dt < 30, (p.returncode, dt)
     assert "hpengine: watchdog: rank 1 [r1 dp1 sh0 pp0 tp0] made no progress" in p.stderr
-    assert "in step 2, phase 'train_step'" in p.stderr and "time.sleep(300)" not in p.stdout
+    assert "in step 3, phase 'train_step'" in p.stderr and "time.sleep(300)" not in p.stdout   # the third step
     assert "Thread 0x" in p.stderr                           # faulthandler's stack dump
 
 

@@ -21,7 +21,7 @@ from hpengine.train import train
 
 TINY = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_layers=2",
         "model.n_heads=2", "train.global_batch=4", "runtime.backend='numpy'"]
-KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_ms"}
+KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "mfu", "elapsed_s", "eta_s", "mem_bytes"}
 
 
 def tiny(data, out, *extra):
@@ -41,13 +41,14 @@ def test_short_run_learns_and_writes_its_run_folder(tmp_path, small_corpus):
                                  "train.eval_every=20", "train.log_every=10"))
     summary = train(cfg)
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == list(range(60))
+    assert [r["step"] for r in rows] == list(range(1, 61))     # optimizer steps completed, from 1
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000060"   # the same numbering
     for r in rows:
-        evaluated = (r["step"] + 1) % 20 == 0
+        evaluated = r["step"] % 20 == 0
         assert set(r) == KEYS | ({"val_loss"} if evaluated else set()), r
         assert all(isinstance(r[k], (int, float)) and math.isfinite(r[k]) for k in r)
-        # lr 3e-3, warm-up 5 then constant: steps 0..4 -> 3e-3 * (step + 1) / 5, then 3e-3
-        assert r["lr"] == pytest.approx(3e-3 * min(r["step"] + 1, 5) / 5, rel=1e-12)
+        # lr 3e-3, warm-up 5 then constant: steps 1..5 -> 3e-3 * step / 5, then 3e-3
+        assert r["lr"] == pytest.approx(3e-3 * min(r["step"], 5) / 5, rel=1e-12)
         assert r["grad_norm"] > 0 and r["tokens_per_s"] > 0 and r["step_ms"] > 0
     first, last = rows[0]["loss"], rows[-1]["loss"]
     assert abs(first - math.log(256)) < 0.3
@@ -324,7 +325,7 @@ def test_console_script_trains(tmp_path, small_corpus):
     res = run_script(args, tmp_path)
     assert res.returncode == 0, res.stderr
     assert res.stderr == ""
-    assert [r["step"] for r in read_metrics(out)] == [0, 1]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
     assert "step" in res.stdout and "loss" in res.stdout
 
 

@@ -1,0 +1,38 @@
+"""The job scripts without a scheduler: bash syntax, shellcheck (when installed), and setup_env running with
+`set -u` off (conda's activation scripts read unset variables), so the first problem reported is the real one."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+JOBS = Path(__file__).resolve().parents[2] / "jobs"
+SCRIPTS = [JOBS / "slurm_train.sbatch", JOBS / "pbs_train.pbs", JOBS / "pbspro_train.pbs"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_bash_syntax(script):
+    p = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+def test_shellcheck_is_clean():
+    p = subprocess.run(["shellcheck", *map(str, SCRIPTS)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS[:2], ids=lambda p: p.name)
+def test_setup_env_may_read_unset_variables(script, tmp_path):
+    """A SETUP_ENV file like conda's activate (reads an unset variable) must not stop the job; the run
+    then fails on the missing config, the first real problem, before anything is launched."""
+    env_file = tmp_path / "activate.sh"
+    env_file.write_text('if [ -n "$HPE_SURELY_UNSET_VARIABLE" ]; then :; fi\nexport HPE_SETUP_RAN=1\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_"))}
+    env.update(SETUP_ENV=str(env_file), CONFIG=str(tmp_path / "missing.toml"), HPENGINE_ROOT=str(tmp_path), NP="1")
+    p = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert "unbound variable" not in p.stderr, p.stderr
+    assert p.returncode == 2 and f"config '{tmp_path / 'missing.toml'}' not found" in p.stderr, p.stderr

@@ -1,0 +1,104 @@
+"""`hpengine train --resume auto` in one process: a fresh start in an empty folder, a bit-exact continuation
+when the folder holds a checkpoint, one clear line where auto makes no sense (no run folder, results without
+a checkpoint, a complete run, a misspelt value), and a stop signal during the last step is a finished run
+(exit 0), not an early stop (75)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpengine import launch
+from hpengine.cli import main
+
+TINY = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_layers=2", "model.n_heads=2",
+        "train.global_batch=4", "runtime.backend='numpy'", "train.log_every=1000", "train.eval_every=0"]
+
+
+def args(corpus, out, *extra) -> list[str]:
+    res = []
+    for item in [*TINY, f"data.path={corpus}", f"train.out_dir={out}", *extra]:
+        res += ["--set", item]
+    return res
+
+
+def cli(capsys, *a) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(["train", *[str(x) for x in a]])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hpengine: error: "), err
+    return lines[0]
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_auto_starts_fresh_then_continues_bit_exactly(tmp_path, small_corpus, capsys):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert cli(capsys, *args(small_corpus, straight, "train.steps=6"))[0] == 0
+    rc, out, err = cli(capsys, *args(small_corpus, split, "train.steps=3"), "--resume", "auto")
+    assert rc == 0, err
+    assert f"--resume auto: no checkpoint under {split / 'checkpoints'} yet: starting from step 0" in out
+    rc, out, err = cli(capsys, *args(small_corpus, split, "train.steps=6"), "--resume", "auto")
+    assert rc == 0, err
+    assert f"--resume auto: resuming from the latest checkpoint under {split / 'checkpoints'} (step 3)" in out
+    assert summary(split)["final_loss"] == summary(straight)["final_loss"]
+    losses = [[json.loads(x)["loss"] for x in (o / "metrics.jsonl").read_text().splitlines()] for o in (split, straight)]
+    assert len(losses[0]) == 6 and losses[0] == losses[1]
+
+
+def test_auto_refuses_an_empty_out_dir(tmp_path, small_corpus, capsys):
+    rc, _, err = cli(capsys, *args(small_corpus, "", "train.steps=2"), "--resume", "auto")
+    assert rc == 2
+    assert "--resume auto: train.out_dir = '' is empty" in one_line(err)
+
+
+def test_auto_refuses_results_without_a_checkpoint(tmp_path, small_corpus, capsys):
+    out = tmp_path / "run"
+    assert cli(capsys, *args(small_corpus, out, "train.steps=2", "checkpoint.at_end=false"))[0] == 0
+    before = (out / "metrics.jsonl").read_text()
+    rc, _, err = cli(capsys, *args(small_corpus, out, "train.steps=4"), "--resume", "auto")
+    assert rc == 2
+    line = one_line(err)
+    assert f"train.out_dir = '{out}' holds results (metrics.jsonl, config.toml) but no checkpoint" in line
+    assert (out / "metrics.jsonl").read_text() == before          # nothing overwritten
+
+
+def test_auto_refuses_a_complete_run(tmp_path, small_corpus, capsys):
+    out = tmp_path / "run"
+    assert cli(capsys, *args(small_corpus, out, "train.steps=2"))[0] == 0
+    rc, _, err = cli(capsys, *args(small_corpus, out, "train.steps=2"), "--resume", "auto")
+    assert rc == 2
+    assert f"the run in '{out}' is already complete" in one_line(err) and "train.steps = 2" in err
+
+
+def test_a_misspelt_resume_value_names_the_valid_ones(tmp_path, small_corpus, capsys):
+    rc, _, err = cli(capsys, *args(small_corpus, tmp_path / "run", "train.steps=2"), "--resume", "lastest")
+    assert rc == 2
+    line = one_line(err)
+    assert "--resume 'lastest': the checkpoint folder does not exist" in line and "'latest'" in line and "'auto'" in line
+
+
+@pytest.mark.parametrize("steps,code", [(1, 0), (3, 75)])
+def test_a_stop_during_the_last_step_is_a_finished_run(tmp_path, small_corpus, capsys, monkeypatch, steps, code):
+    """A stop signal seen after step 1: with 1 step the run is complete (0, requeueing would be wrong),
+    with 3 steps it stopped early (75, resumable)."""
+    monkeypatch.setattr(launch, "stop_requested", lambda comm=None: "SIGUSR1")
+    out = tmp_path / "run"
+    rc, _, err = cli(capsys, *args(small_corpus, out, f"train.steps={steps}"))
+    assert rc == code, err
+    assert summary(out)["stopped_early"] == (None if code == 0 else "SIGUSR1")
+
+
+def test_resume_latest_of_a_complete_run_is_one_line(tmp_path, small_corpus, capsys):
+    out = tmp_path / "done"
+    assert cli(capsys, *args(small_corpus, out, "train.steps=2"))[0] == 0
+    rc, _, err = cli(capsys, *args(small_corpus, out, "train.steps=2"), "--resume", "latest")
+    assert rc == 2 and "checkpoint is at step 2 and train.steps = 2: nothing to train" in one_line(err)
