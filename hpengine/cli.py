@@ -325,6 +325,9 @@ def _known():
 def main(argv=None) -> int:
     """Run one command; its exit status. A reader that closes stdout early (`hpengine ckpt info DIR | head
     -3`) ends the command quietly, as SIGPIPE ends a standard tool."""
+    from . import startguard
+    if startguard.under_launcher():     # a Ctrl-C during start-up waits for MPI, then aborts every rank
+        startguard.arm()
     try:
         rc = _main(argv)
         sys.stdout.flush()          # the last buffered lines go out here, not in the exit's flush

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from . import checkpoint, ckpt_guard, faults, hf_import, launch, memcheck, plan, state, trace
+from . import checkpoint, ckpt_guard, faults, hf_import, launch, memcheck, plan, startguard, state, trace
 from .backend import BackendError, keep_heap, make_backend
 from .comm import Comm, agree_or_raise
 from .config import Config, to_dict, to_toml
@@ -116,6 +116,7 @@ def build(cfg, world=None, with_data: bool = True):
     """Resolved layout, mesh, backend, dataset (unless with_data is False: the caller feeds the engine) and
     engine for this rank. Every check that needs no communicator (resolve) runs before the first
     collective; those that can differ by rank are agreed."""
+    startguard.mpi_ready()          # a Ctrl-C during start-up: now MPI can abort every rank
     world = world or MPI.COMM_WORLD
     launch.check_world(world)
     res = resolve(cfg, world.Get_size())

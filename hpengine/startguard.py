@@ -1,0 +1,55 @@
+"""A Ctrl-C while the ranks are still starting (importing, inside MPI_Init) must not strand the others.
+
+Python's default SIGINT handler raises KeyboardInterrupt; a rank that gets it before MPI is up exits on its
+own, and its peers then wait inside MPI_Init for it forever (Hydra's proxy does not always end them). Under
+a launcher the command line therefore installs this handler first: until mpi4py has initialised MPI an
+interrupt is only noted, and the rank goes on into MPI_Init with the others; `mpi_ready()`, called once MPI
+is up, raises the KeyboardInterrupt then, and the command line's handler aborts the whole job with 130
+(MPI_Abort reaches every rank). After that, SIGINT raises at once, as usual, until the training loop takes it
+over for its agreed stop at the step boundary (launch.install_stop_handlers).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+LAUNCHER_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "SLURM_STEP_ID")
+_state = {"pending": False, "armed": False}
+
+
+def under_launcher(env=os.environ) -> bool:
+    """Whether an MPI launcher started this process (read from its environment: no MPI import)."""
+    return any(k in env for k in LAUNCHER_VARS)
+
+
+def _mpi_up() -> bool:
+    """MPI is initialised (False while mpi4py.MPI is still importing: its module exists half-made)."""
+    mod = sys.modules.get("mpi4py.MPI")
+    try:
+        return mod is not None and bool(mod.Is_initialized()) and not bool(mod.Is_finalized())
+    except AttributeError:
+        return False
+
+
+def _on_sigint(signum, frame):
+    if _mpi_up():
+        raise KeyboardInterrupt
+    _state["pending"] = True        # raised by mpi_ready(), when an abort can reach every rank
+
+
+def arm() -> bool:
+    """Install the start-up handler (main thread only); returns whether it is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(signal.SIGINT, _on_sigint)
+    _state["armed"] = True
+    return True
+
+
+def mpi_ready() -> None:
+    """Call once MPI is initialised: an interrupt noted during start-up is raised now."""
+    if _state["pending"]:
+        _state["pending"] = False
+        raise KeyboardInterrupt
