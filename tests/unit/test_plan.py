@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 
