@@ -18,16 +18,35 @@ _A = 0.044715
 # |x| beyond which sigmoid(2u) rounds to exactly 0 or 1 even in float64 (2u > 1900 > 745, where exp(-2u)
 # is below the smallest subnormal); 30^3 is still finite in float16
 _SAT = 30.0
+# largest argument whose exp is finite, by itemsize: float32 exp(88.7) and float64 exp(709.8) overflow
+_EXP_MAX = {4: 88.0, 8: 709.0}
 
 
 def gelu_forward(xp, x):
     # x: (...) -> y: (...); y = 0.5 x (1 + tanh(u)), u = K (x + A x^3)
-    # 0.5 (1 + tanh(u)) == sigmoid(2u): one exp is ~2x cheaper than tanh on CPU,
-    # and avoids the cancellation in 1 + tanh(u) for negative x. The exp takes -|2u| only, so nothing
-    # overflows: sigmoid(2u) = 1 / (1 + e) for x >= 0 and e / (1 + e) for x < 0, e = exp(-|2u|).
+    # 0.5 (1 + tanh(u)) == sigmoid(2u) = 1 / (1 + exp(-2u)): one exp is ~2x cheaper than tanh on CPU, and
+    # it avoids the cancellation in 1 + tanh(u) for negative x. -2u is capped where exp would overflow
+    # (_EXP_MAX): beyond it the sigmoid is below the dtype's smallest normal number, so nothing overflows
+    # and the value is the true one to the dtype's precision.
     if fused.usable(xp, x):
         y, s = fused.gelu_forward(xp, x)
         return y, (x, s)
+    if x.dtype.itemsize < 4:
+        return _gelu_forward_half(xp, x)
+    s = x * x
+    s *= -2.0 * _A * _K
+    s -= 2.0 * _K
+    s *= x                              # z = -2u
+    xp.minimum(s, _EXP_MAX[x.dtype.itemsize], out=s)
+    xp.exp(s, out=s)
+    s += 1.0
+    xp.reciprocal(s, out=s)             # s = sigmoid(2u)
+    return x * s, (x, s)
+
+
+def _gelu_forward_half(xp, x):
+    # float16: x^3 and exp(-2u) leave float16's range early, so the exponent is exp(-|2u|) only:
+    # sigmoid(2u) = 1 / (1 + e) for x >= 0 and e / (1 + e) for x < 0, e = exp(-|2u|)
     t = xp.clip(x, -_SAT, _SAT)         # s is exactly 0 or 1 beyond; x^3 stays finite in float16
     s = t * t
     s *= -2.0 * _A * _K
@@ -39,7 +58,7 @@ def gelu_forward(xp, x):
     xp.exp(s, out=s)                    # e = exp(-|2u|) in (0, 1]: never overflows
     r = s + 1.0
     xp.reciprocal(r, out=r)             # 1 / (1 + e): the sigmoid for x >= 0
-    r *= xp.where(neg, s, 1.0)          # e / (1 + e) for x < 0 (x >= 0: times 1, bit for bit)
+    r *= xp.where(neg, s, 1.0)          # e / (1 + e) for x < 0
     return x * r, (x, r)
 
 
@@ -49,8 +68,8 @@ def gelu_backward(xp, dy, cache):
     # with s = sigmoid(2u): dy/dx = s + 2 x s (1 - s) K (1 + 3 A x^2)
     if fused.usable(xp, x, s, dy):
         return fused.gelu_backward(xp, x, s, dy)
-    t = xp.clip(x, -_SAT, _SAT)         # beyond _SAT, s (1 - s) is exactly 0: the same derivative
-    d = t * t
+    t = xp.clip(x, -_SAT, _SAT) if x.dtype.itemsize < 4 else x   # float16: keep x^3 finite; beyond
+    d = t * t                                                     # _SAT, s (1 - s) is exactly 0 anyway
     d *= 6.0 * _A * _K
     d += 2.0 * _K
     d *= t
