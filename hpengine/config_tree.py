@@ -204,6 +204,10 @@ class RecomputeConfig:
     """Drop block activations in forward, rebuild them in backward (memory for compute)."""
     enable: bool = _f(False, "turn activation recomputation on")
     every: int = _f(1, "recompute every N-th block", check=_POS)
+    granularity: str = _f("full", 'what a recomputed block drops: "full" keeps only its input; "selective" keeps '
+                          "everything but the attention probabilities, rebuilt in backward from the cached q and k "
+                          "(the mlp kind and flash attention keep no probabilities: nothing is dropped)",
+                          choices=("full", "selective"))
 
 
 @dataclass

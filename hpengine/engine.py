@@ -123,7 +123,8 @@ class Engine:
 
     def chunk_forward(self, slot, chunk, h, y, norm: float, grad: bool = True):
         """Forward of one chunk (consecutive block names) of one model; the head returns the loss.
-        A recomputed block keeps only its input; backward rebuilds its activations."""
+        A recomputed block keeps only its input (or, selective, all but its attention probabilities);
+        backward rebuilds the rest."""
         xp, m, tp, caches = self.xp, slot.model, self.tp, []
         for n, name in enumerate(chunk):
             b, nxt = slot.block(name), chunk[n + 1] if n + 1 < len(chunk) else None
@@ -133,7 +134,8 @@ class Engine:
             elif b.kind == "head":
                 h, c = m.head_forward(xp, self._P(slot, name), h, y, norm, tp)
             else:
-                h, c = m.layer_forward(xp, self._P(slot, name, nxt), b.layer, h, tp)
+                h, c = m.layer_forward(xp, self._P(slot, name, nxt), b.layer, h, tp,
+                                       keep_scores=not self.res.drops_scores(b))
                 if self.res.recomputed(b):
                     c = Recompute(h_in)
             if self.bf16 and b.kind != "head":        # the loss math stays float32, as Megatron's

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from .buffers import partition
+from . import plan_recompute as rc
 from .models import build_model
 from .resolve import AXES, Resolved, resolve
 from .stage import build_stage, owner
@@ -134,20 +135,17 @@ def model_state(mcfg, st: Stage, lay: Resolved, models: int, sh_rank=None) -> di
 
 def block_activations(mcfg, lay: Resolved, item: int) -> dict:
     """Bytes the engine's forward caches per block kind for one micro-batch (what Engine.cache_peak
-    counts), as the model's layers report them; "input" is what a recomputed layer keeps."""
+    counts), as the model's layers report them; "input" is what a recomputed layer keeps, "scores" what
+    selective recompute drops."""
     return build_model(mcfg, lay.tp).cache_bytes(lay.rows, lay.tp, item, lay.amp, lay.share)
 
 
-def _recomputed(st: Stage, lay: Resolved) -> set:
-    """Names of the stage's blocks that keep only their input."""
-    return {b.name for b in st.kinds if lay.recomputed(b)}
-
-
 def chunk_activations(mcfg, st: Stage, chunk, lay: Resolved, item: int) -> int:
-    """Cached bytes of one micro-batch through one chunk: a recomputed layer keeps only its input.
-    Caches hold no weights (backward is handed them), so stage 3 frees gathered blocks after use."""
-    a, again, kind = block_activations(mcfg, lay, item), _recomputed(st, lay), {b.name: b.kind for b in st.kinds}
-    return sum(a["input" if b in again else kind[b]] for b in chunk)
+    """Cached bytes of one micro-batch through one chunk: a recomputed layer keeps only its input (or,
+    selective, all but its probabilities). Caches hold no weights (backward is handed them), so stage 3
+    frees gathered blocks after use."""
+    a = block_activations(mcfg, lay, item)
+    return sum(rc.cached(a, st, lay, b) for b in chunk)
 
 
 def activations(mcfg, st: Stage, lay: Resolved, stage: int, item: int) -> int:
@@ -185,8 +183,7 @@ def buffers(mcfg, st: Stage, lay: Resolved, own: int) -> int:
     out = (MAX_INFLIGHT + 1) * big * g if lay.zstage >= 2 else 0
     if lay.zstage == 3:
         out += (2 * big + sum(st.block(d) for d in _read_blocks(st))) * w
-    if _recomputed(st, lay):
-        out += block_activations(mcfg, lay, item)["layer"]
+    out += rc.transient(block_activations(mcfg, lay, item), st, lay)
     if lay.pp > 1:
         out += 2 * lay.rows * mcfg.seq_len * mcfg.d_model * item
     return out + (4 * own if lay.amp else 0)
@@ -243,7 +240,7 @@ def _tp_activation_calls(mcfg, st: Stage, lay: Resolved) -> int:
     layer's forward and backward ones (its forward's again when it is recomputed), the embedding's
     forward and the head's backward."""
     fwd, bwd = build_model(mcfg, lay.tp).tp_allreduces()
-    again = len(_recomputed(st, lay))
+    again = len(rc.full(st, lay))
     return (fwd + bwd) * st.layers + fwd * again + len(st.of_kind("embed")) + len(st.of_kind("head"))
 
 
@@ -292,12 +289,10 @@ def matmul_flops(mcfg, tokens: int, weights: int, layers: int, tp: int, f: int =
 
 
 def flops_per_microbatch(mcfg, st: Stage, lay: Resolved) -> float:
-    """6·N·tokens over the weights this rank multiplies by, plus attention scores; a recomputed layer
-    runs its forward again (2·N·tokens and its attention forward); the head is never recomputed."""
-    tokens, again = lay.rows * mcfg.seq_len, _recomputed(st, lay)
-    extra = sum(2 * tokens * n for b, n in st.matmuls if b in again)
-    extra += build_model(mcfg, lay.tp).attention_flops(tokens, lay.tp) * len(again)
-    return matmul_flops(mcfg, tokens, st.matmul, st.layers, lay.tp) + extra
+    """6·N·tokens over the weights this rank multiplies by, plus attention scores, plus what the
+    recomputed layers rebuild (plan_recompute.extra_flops)."""
+    tokens = lay.rows * mcfg.seq_len
+    return matmul_flops(mcfg, tokens, st.matmul, st.layers, lay.tp) + rc.extra_flops(mcfg, st, lay, tokens)
 
 
 def _device_flops(mcfg, lay: Resolved, cluster) -> float:
@@ -319,11 +314,11 @@ def compute_s(mcfg, st: Stage, lay: Resolved, cluster) -> float:
     FLOPs at the sustained rate; on CPUs (calibrated block_us, act_ns) also a fixed overhead per block
     pass (forward, backward, and a recomputed block's second forward) and the elementwise passes
     (layernorm, softmax, GELU, residuals) over the activations the forward caches, by their bytes (a
-    second forward: about half of its layer's again)."""
+    second forward: about half of its layer's again; a selective rebuild: the probabilities)."""
     item = precision(mcfg, lay.amp)[3]
-    again = len(_recomputed(st, lay))
+    again = len(rc.full(st, lay))
     a = block_activations(mcfg, lay, item)
-    cached = sum(a[b.kind] for b in st.kinds) + again * a["layer"] / 2
+    cached = sum(a[b.kind] for b in st.kinds) + rc.elementwise_bytes(a, st, lay)
     return (flops_per_microbatch(mcfg, st, lay) / _device_flops(mcfg, lay, cluster)
             + (2 * len(st.names) + again) * cluster.block_us * 1e-6 + cached / 4 * cluster.act_ns * 1e-9)
 

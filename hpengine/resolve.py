@@ -110,6 +110,7 @@ class Resolved:
     order: tuple
     share: int             # sequences per replica per step
     bucket_mb: float = 4.0
+    granularity: str = "full"     # recompute.granularity: "full" or "selective"
 
     @property
     def rows(self) -> int:
@@ -133,9 +134,17 @@ class Resolved:
         """Which slice of the global batch the rank at `coords` takes."""
         return coords["dp"] * self.sh + coords["sharding"]
 
-    def recomputed(self, block) -> bool:
-        """Whether a block (models.Block) keeps only its input in forward."""
+    def selected(self, block) -> bool:
+        """Whether recompute.every picks a block (models.Block): every N-th layer, never the embedding or head."""
         return bool(self.recompute) and block.kind == "layer" and block.layer % self.recompute == 0
+
+    def recomputed(self, block) -> bool:
+        """Whether a block keeps only its input in forward (granularity "full")."""
+        return self.selected(block) and self.granularity == "full"
+
+    def drops_scores(self, block) -> bool:
+        """Whether a block keeps all but its attention probabilities in forward (granularity "selective")."""
+        return self.selected(block) and self.granularity == "selective"
 
 
 def requested_degrees(cfg) -> dict:
@@ -159,7 +168,8 @@ def resolve(cfg, world: int) -> Resolved:
                    pc.virtual_stages if pc.enable else 1, pc.schedule if pc.enable else "fthenb",
                    pc.split if pc.enable else "uniform", rc.every if rc.enable else 0,
                    s.amp.dtype if s.amp.enable else "",
-                   tuple(cfg.mesh.order), cfg.train.global_batch // (d["dp"] * d["sharding"]), s.data_parallel.bucket_mb)
+                   tuple(cfg.mesh.order), cfg.train.global_batch // (d["dp"] * d["sharding"]),
+                   s.data_parallel.bucket_mb, rc.granularity if rc.enable else "full")
     check(cfg, res)
     chunks(cfg.model, res)          # the pipeline split must be possible
     return res
@@ -237,6 +247,7 @@ def describe(cfg, res: Resolved) -> str:
              "sharding: " + (f"stage {res.zstage}, partition {res.partition}" if res.zstage else "off"),
              "pipeline: " + (f"{res.schedule}, {res.v} chunk(s) per rank" if res.pp > 1 or res.m > 1 else "off"),
              "recompute: " + (f"every {res.recompute} layer(s)" if res.recompute else "off")
+             + (", selective" if res.recompute and res.granularity == "selective" else "")
              + f"; amp: {res.amp or 'off'}"]
     for s in range(res.pp):
         lines.append(f"  pp stage {s}: " + " | ".join(", ".join(ch) for ch in stage_chunks(cfg.model, res, s)))

@@ -228,7 +228,9 @@ class TokenDataset:
         for i in range(count):
             p, o = parts[src[start + i]], int(offs[start + i])
             windows[i] = p.file.read(p.lo + o, p.lo + o + n)
-        return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])
+        # copies whatever the row count (one row of windows would already be contiguous, and a view keeps
+        # the whole window buffer alive in the caches that hold the targets)
+        return windows[:, :-1].copy(), windows[:, 1:].copy()
 
     def close(self) -> None:
         for tf in self._files:

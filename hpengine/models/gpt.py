@@ -8,8 +8,9 @@ from __future__ import annotations
 import math
 
 from ..buffers import ParamSpec
-from ..nn import (attention_backward, attention_cache_elements, attention_forward, gelu_cache_elements,
-                  layernorm_backward, layernorm_cache_elements, layernorm_forward, linear_backward, linear_forward)
+from ..nn import (attention_backward, attention_cache_elements, attention_drop_scores, attention_forward,
+                  attention_restore_scores, gelu_cache_elements, layernorm_backward, layernorm_cache_elements,
+                  layernorm_forward, linear_backward, linear_forward, score_elements)
 from .common import (Block, LocalTP, embed_specs, end_cache_bytes, head_backward, head_forward, head_specs,
                      mlp_backward, mlp_forward, mlp_specs, padded_vocab, standard_blocks, tok_embed_backward,
                      tok_embed_forward)
@@ -44,12 +45,14 @@ class GPT:
         recomputed layer keeps). A layer: ln1, the qkv linear's input (ln1's output), attention (its
         output is the projection's input), ln2, the fc linear's input and the GELU (the projection's input
         is rebuilt from it). model.attention = "flash" keeps no T x T probabilities: qkv, the output and
-        one log-sum-exp per row and head."""
+        one log-sum-exp per row and head. "scores": the probabilities' part of "layer", which selective
+        recompute drops (0 under flash)."""
         n, C, H = rows * self.T, self.C, self.H // tp
         att = (flash_cache_bytes(rows, self.T, H, H, C // self.H, item) if self.flash
                else attention_cache_elements(rows, self.T, C // tp, H) * item)
         layer = (2 * layernorm_cache_elements(n, C) + 2 * n * C + gelu_cache_elements(n * self.F // tp)) * item + att
-        return {"layer": layer, **end_cache_bytes(self.cfg, rows, tp, item, amp, share)}
+        scores = 0 if self.flash else rows * H * score_elements(self.T) * item
+        return {"layer": layer, "scores": scores, **end_cache_bytes(self.cfg, rows, tp, item, amp, share)}
 
     def tp_allreduces(self) -> tuple:
         """Activation allreduces per layer under tensor parallelism: (forward, backward); the attention's and the MLP's reduce_from_tp
@@ -90,7 +93,9 @@ class GPT:
         G["wpe"][: dx.shape[1]] += dx.sum(axis=0)
         tok_embed_backward(xp, dx, cache, G, tp)
 
-    def layer_forward(self, xp, P, i, x, tp):
+    def layer_forward(self, xp, P, i, x, tp, keep_scores=True):
+        # keep_scores=False (selective recompute): the cache drops the attention probabilities, which
+        # layer_backward rebuilds; flash attention keeps none anyway
         # x: (B, T, C) -> (B, T, C)
         p = f"h.{i}"
         h, c_ln1 = layernorm_forward(xp, x, P[f"{p}.ln1.w"], P[f"{p}.ln1.b"])
@@ -104,6 +109,8 @@ class GPT:
         h2, c_ln2 = layernorm_forward(xp, x1, P[f"{p}.ln2.w"], P[f"{p}.ln2.b"])
         m, c_mlp = mlp_forward(xp, P, f"{p}.mlp", h2, tp)
         x1 += m
+        if not (keep_scores or self.flash):
+            c_att = attention_drop_scores(c_att)
         return x1, (c_ln1, c_qkv, c_att, c_proj, c_ln2, c_mlp)
 
     def layer_backward(self, xp, dy, cache, P, G, i, tp):
@@ -114,7 +121,10 @@ class GPT:
         dx1 += dy
         G[f"{p}.attn.proj.b"] += dx1.reshape(-1, self.C).sum(axis=0)
         da = linear_backward(xp, tp.reduce_from_tp_backward(dx1), c_proj, P[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.w"])
-        dqkv = (flash_attention_backward if self.flash else attention_backward)(xp, da, c_att)
+        if self.flash:
+            dqkv = flash_attention_backward(xp, da, c_att)
+        else:
+            dqkv = attention_backward(xp, da, attention_restore_scores(xp, c_att))
         dh = tp.copy_to_tp_backward(linear_backward(xp, dqkv, c_qkv, P[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.w"],
                                                    G[f"{p}.attn.qkv.b"]))
         dx1 += layernorm_backward(xp, dh, c_ln1, P[f"{p}.ln1.w"], G[f"{p}.ln1.w"], G[f"{p}.ln1.b"])

@@ -15,7 +15,8 @@ import math
 
 from ..buffers import ParamSpec
 from ..config import ffn_width
-from ..nn import (gqa_attention_backward, gqa_attention_forward, gqa_cache_elements, linear_backward,
+from ..nn import (gqa_attention_backward, gqa_attention_forward, gqa_cache_elements, gqa_drop_scores,
+                  gqa_restore_scores, linear_backward,
                   linear_drop_input, linear_forward, linear_restore_input, rmsnorm_backward, rmsnorm_cache_bytes,
                   rmsnorm_forward, rope_backward, rope_forward, rope_tables, score_elements, swiglu_backward,
                   swiglu_cache_elements, swiglu_forward, swiglu_recompute)
@@ -53,12 +54,14 @@ class Llama:
         recomputed layer keeps). A layer: two RMSNorms, the q/k/v linears' input and the gate/up linears'
         input (the norms' outputs), the attention (rotated q and k, v, probabilities, its output, which
         is the o linear's input) and the SiLU gating (the down linear's input is rebuilt from it).
-        model.attention = "flash" keeps one log-sum-exp per row and head in place of the probabilities."""
+        model.attention = "flash" keeps one log-sum-exp per row and head in place of the probabilities.
+        "scores": the probabilities' part of "layer", which selective recompute drops (0 under flash)."""
         n, C, H, K = rows * self.T, self.C, self.H // tp, self.K // tp
         att = (flash_cache_bytes(rows, self.T, H, K, self.hd, item) if self.flash
                else gqa_cache_elements(rows, self.T, H, K, self.hd, score_elements(self.T)) * item)
         layer = 2 * rmsnorm_cache_bytes(n, C, item) + (2 * n * C + swiglu_cache_elements(n * self.F // tp)) * item + att
-        return {"layer": layer, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
+        scores = 0 if self.flash else rows * H * score_elements(self.T) * item
+        return {"layer": layer, "scores": scores, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
                                                   rmsnorm_cache_bytes(n, C, item))}
 
     def tp_allreduces(self) -> tuple:
@@ -111,7 +114,9 @@ class Llama:
     def embed_backward(self, xp, dx, cache, G, tp):
         tok_embed_backward(xp, dx, cache, G, tp)
 
-    def layer_forward(self, xp, P, i, x, tp):
+    def layer_forward(self, xp, P, i, x, tp, keep_scores=True):
+        # keep_scores=False (selective recompute): the cache drops the attention probabilities, which
+        # layer_backward rebuilds; flash attention keeps none anyway
         # x: (B, T, C) -> (B, T, C)
         p, (B, T, _) = f"h.{i}", x.shape
         H, K, hd = P[f"{p}.attn.q.w"].shape[1] // self.hd, P[f"{p}.attn.k.w"].shape[1] // self.hd, self.hd
@@ -136,6 +141,8 @@ class Llama:
         d, c_d = linear_forward(xp, m, P[f"{p}.mlp.down.w"])
         del m
         o += tp.reduce_from_tp(d)
+        if not (keep_scores or self.flash):
+            c_att = gqa_drop_scores(c_att)
         return o, (c_n1, c_q, c_k, c_v, c_att, c_o, c_n2, c_g, c_u, c_sw, linear_drop_input(c_d))
 
     def layer_backward(self, xp, dy, cache, P, G, i, tp):
@@ -153,7 +160,10 @@ class Llama:
         dx += dy
         # attention branch
         da = linear_backward(xp, tp.reduce_from_tp_backward(dx), c_o, P[f"{p}.attn.o.w"], G[f"{p}.attn.o.w"])
-        dq, dk, dv = (flash_gqa_backward if self.flash else gqa_attention_backward)(xp, da, c_att)
+        if self.flash:
+            dq, dk, dv = flash_gqa_backward(xp, da, c_att)
+        else:
+            dq, dk, dv = gqa_attention_backward(xp, da, gqa_restore_scores(xp, c_att))
         B, K, T, hd = dv.shape
         dh = linear_backward(xp, rope_backward(xp, dq, qcos, qsin), c_q, P[f"{p}.attn.q.w"], G[f"{p}.attn.q.w"])
         dh += linear_backward(xp, rope_backward(xp, dk, cos, sin), c_k, P[f"{p}.attn.k.w"], G[f"{p}.attn.k.w"])

@@ -33,10 +33,11 @@ class MLP:
 
     def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int) -> dict:
         """Bytes the forward caches per micro-batch of `rows` sequences, by block kind ("input": what a
-        recomputed layer keeps). A layer: its layernorm, the fc linear's input and the GELU."""
+        recomputed layer keeps). A layer: its layernorm, the fc linear's input and the GELU; no attention
+        probabilities ("scores": 0), so selective recompute keeps the whole cache."""
         n, C = rows * self.cfg.seq_len, self.C
         layer = layernorm_cache_elements(n, C) + n * C + gelu_cache_elements(n * self.F // tp)
-        return {"layer": layer * item, **end_cache_bytes(self.cfg, rows, tp, item, amp, share)}
+        return {"layer": layer * item, "scores": 0, **end_cache_bytes(self.cfg, rows, tp, item, amp, share)}
 
     def tp_allreduces(self) -> tuple:
         """Activation allreduces per layer under tensor parallelism: (forward, backward); the MLP's reduce_from_tp
@@ -65,7 +66,8 @@ class MLP:
     def embed_backward(self, xp, dx, cache, G, tp):
         tok_embed_backward(xp, dx, cache, G, tp)
 
-    def layer_forward(self, xp, P, i, x, tp):
+    def layer_forward(self, xp, P, i, x, tp, keep_scores=True):
+        # no attention, so no scores to drop: selective recompute keeps this layer's cache whole
         # x: (B, T, C) -> (B, T, C)
         p = f"h.{i}"
         h, c_ln = layernorm_forward(xp, x, P[f"{p}.ln.w"], P[f"{p}.ln.b"])

@@ -6,8 +6,10 @@ its forward caches, which the planner's memory model reads.
 """
 from .activation import (gelu_backward, gelu_cache_elements, gelu_forward, gelu_recompute, relu_backward,
                          relu_forward)
-from .attention import attention_backward, attention_cache_elements, attention_forward, score_elements
-from .gqa import gqa_attention_backward, gqa_attention_forward, gqa_cache_elements
+from .attention import (attention_backward, attention_cache_elements, attention_drop_scores, attention_forward,
+                        attention_restore_scores, score_elements)
+from .gqa import (gqa_attention_backward, gqa_attention_forward, gqa_cache_elements, gqa_drop_scores,
+                  gqa_restore_scores)
 from .embedding import embedding_backward, embedding_cache_bytes, embedding_forward
 from .layernorm import layernorm_backward, layernorm_cache_elements, layernorm_forward
 from .linear import linear_backward, linear_drop_input, linear_forward, linear_restore_input
@@ -22,11 +24,11 @@ __all__ = [
     "layernorm_forward", "layernorm_backward",
     "linear_drop_input", "linear_restore_input", "gelu_recompute",
     "gelu_forward", "gelu_backward", "relu_forward", "relu_backward",
-    "attention_forward", "attention_backward",
+    "attention_forward", "attention_backward", "attention_drop_scores", "attention_restore_scores",
     "cross_entropy_forward", "cross_entropy_backward",
     "layernorm_cache_elements", "gelu_cache_elements", "attention_cache_elements", "score_elements",
     "embedding_cache_bytes",
     "rmsnorm_forward", "rmsnorm_backward", "rmsnorm_cache_bytes", "rope_tables", "rope_forward", "rope_backward",
     "swiglu_forward", "swiglu_backward", "swiglu_recompute", "swiglu_cache_elements",
-    "gqa_attention_forward", "gqa_attention_backward", "gqa_cache_elements",
+    "gqa_attention_forward", "gqa_attention_backward", "gqa_cache_elements", "gqa_drop_scores", "gqa_restore_scores",
 ]

@@ -85,22 +85,46 @@ def attention_forward(xp, qkv, n_heads):
         (o,) = _heads(y, n_heads, 1)
     ps = []
     for a, b in _blocks(T):
-        p = _mm(xp, q[:, :, a:b], k[:, :, :b].swapaxes(-1, -2))
-        if fused.usable(xp, p) and p.flags.c_contiguous:
-            fused.causal_softmax_(p, a)         # mask, max, exp, sum and scale in one pass
-        else:
-            p += _causal_bias(xp, a, b, p.dtype)
-            # Row max is finite (the diagonal is never masked), so this is stable.
-            p -= p.max(axis=-1, keepdims=True)
-            xp.exp(p, out=p)
-            s = _rowsum(xp, p)
-            xp.reciprocal(s, out=s)
-            p *= s
+        p = _scores(xp, q, k, a, b)
         _mm(xp, p, v[:, :, :b], o[:, :, a:b])
         ps.append(p)
     if gpu:
         y = o.transpose(0, 2, 1, 3).reshape(B, T, n_heads * hd)     # one copy back to (B, T, H*hd)
     return y, (qkv, q, ps, y)
+
+
+def _scores(xp, q, k, a, b):
+    # the probabilities of query rows a..b-1 over keys 0..b-1: the forward's exact operations
+    p = _mm(xp, q[:, :, a:b], k[:, :, :b].swapaxes(-1, -2))
+    if fused.usable(xp, p) and p.flags.c_contiguous:
+        fused.causal_softmax_(p, a)         # mask, max, exp, sum and scale in one pass
+    else:
+        p += _causal_bias(xp, a, b, p.dtype)
+        # Row max is finite (the diagonal is never masked), so this is stable.
+        p -= p.max(axis=-1, keepdims=True)
+        xp.exp(p, out=p)
+        s = _rowsum(xp, p)
+        xp.reciprocal(s, out=s)
+        p *= s
+    return p
+
+
+def attention_drop_scores(cache):
+    """The cache without its probabilities (selective recompute): qkv, the scaled q and the output stay."""
+    qkv, q, _, y = cache
+    return qkv, q, None, y
+
+
+def attention_restore_scores(xp, cache):
+    """A cache from attention_drop_scores with its probabilities rebuilt from the cached q and k, bit for
+    bit those of the forward (the same operations on the same arrays); a whole cache comes back as is."""
+    qkv, q, ps, y = cache
+    if ps is not None:
+        return cache
+    k = _heads(qkv, q.shape[1], 3)[1]
+    if _on_gpu(xp):                 # the forward's contiguous copy of the keys
+        k = xp.ascontiguousarray(k)
+    return qkv, q, [_scores(xp, q, k, a, b) for a, b in _blocks(qkv.shape[1])], y
 
 
 def attention_backward(xp, dy, cache):

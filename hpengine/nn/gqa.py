@@ -61,6 +61,26 @@ def gqa_attention_forward(xp, q, k, v):
     return y, (qs, k, v, ps, y)
 
 
+def gqa_drop_scores(cache):
+    """The cache without its probabilities (selective recompute): the grouped queries, k, v and y stay."""
+    qs, k, v, _, y = cache
+    return qs, k, v, None, y
+
+
+def gqa_restore_scores(xp, cache):
+    """A cache from gqa_drop_scores with its probabilities rebuilt from the cached queries and keys, bit
+    for bit those of the forward (the same operations on the same arrays); a whole cache comes back as is."""
+    qs, k, v, ps, y = cache
+    if ps is not None:
+        return cache
+    ps = []
+    for (a, b), qb in zip(_blocks(k.shape[2]), qs):
+        p = _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2))
+        _softmax_(xp, p, a)
+        ps.append(p)
+    return qs, k, v, ps, y
+
+
 def gqa_attention_backward(xp, dy, cache):
     # dy: (B, T, H*hd) -> dq (B, H, T, hd), dk, dv (B, K, T, hd)
     qs, k, v, ps, y = cache

@@ -49,6 +49,10 @@ LAYOUTS = [
     ("llama_amp_sharding2_tied", ANY, LLAMA + SH + [S + "sharding.stage=2", S + "amp.enable=true", "model.dtype=float32",
                                                    "model.tie_head=true"]),
     ("llama_tp2_pp2_dp", lambda n: n % 4 == 0, LLAMA + TP2 + PP2 + DP + [S + "pipeline.micro_batches=2"]),
+    ("selective_dp", ANY, DP + [S + "recompute.enable=true", S + "recompute.granularity=selective"]),
+    ("llama_tp2_pp2_selective_every2", lambda n: n % 4 == 0, LLAMA + TP2 + PP2 + DP + [
+        S + "pipeline.micro_batches=2", "model.n_layers=4", S + "recompute.enable=true", S + "recompute.every=2",
+        S + "recompute.granularity=selective"]),
     ("llama_pp2_interleaved_recompute", EVEN, LLAMA + PP2 + DP + [
         S + "pipeline.micro_batches=2", S + "pipeline.schedule=interleaved", S + "pipeline.virtual_stages=2",
         "model.n_layers=4", S + "recompute.enable=true", S + "recompute.every=2"]),
@@ -77,3 +81,31 @@ def test_plan_equals_engine(corpus, world, name, fits, extra):
                for axis, c in eng.mesh.comms.items() if c is not None and c.stats}
     predicted = {axis: {op: steps * b for op, b in ops.items()} for axis, ops in pred["traffic"].items()}
     assert counted == predicted, where
+
+
+RC = [S + "recompute.enable=true"]
+# (name, which world sizes it fits, overrides, whether selective drops anything: the mlp kind has no probabilities)
+GRANULARITY = [
+    ("gpt_dp", ANY, DP, True),
+    ("llama_dp_every2", ANY, LLAMA + DP + [S + "recompute.every=2"], True),
+    ("gpt_tp2_pp2", lambda n: n % 4 == 0, TP2 + PP2 + DP + [S + "pipeline.micro_batches=2"], True),
+    ("mlp_dp", ANY, DP + ["model.kind=mlp"], False),
+]
+
+
+@pytest.mark.parametrize("name,fits,extra,drops", GRANULARITY, ids=[x[0] for x in GRANULARITY])
+def test_selective_peak_between_off_and_full(corpus, world, name, fits, extra, drops):
+    """The engine's activation peak: recompute off > selective > full (selective = off for the mlp kind),
+    and the planner predicts the selective one exactly."""
+    n = world.Get_size()
+    need(fits(n), f"{name} does not fit a world of {n} ranks")
+    peaks = {}
+    for g, more in (("off", []), ("full", RC), ("selective", RC + [S + "recompute.granularity=selective"])):
+        cfg = config(corpus, "runtime.backend=numpy", *extra, *more)
+        eng = build(cfg, world)
+        eng.train_step(0)
+        peaks[g] = eng.memory()["activation_peak_bytes"]
+        if g == "selective":
+            assert peaks[g] == for_rank(cfg, n, eng.mesh.coords)["memory"]["activations"], name
+    assert peaks["full"] < peaks["selective"] <= peaks["off"], (name, peaks)
+    assert (peaks["selective"] < peaks["off"]) == drops, (name, peaks)

@@ -217,6 +217,7 @@ def test_negative_lr():
     ("strategy.sharding.stage=4", ["1", "2", "3"]),
     ("strategy.sharding.partition='rows'", ['"tensor"', '"flat"']),
     ("strategy.amp.dtype='float8'", ['"float16"', '"bfloat16"']),
+    ("strategy.recompute.granularity='partial'", ['"full"', '"selective"']),
     ("runtime.backend='torch'", ['"auto"', '"numpy"', '"cupy"']),
 ])
 def test_enum_lists_valid_choices(item, valid):
