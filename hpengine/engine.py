@@ -18,7 +18,7 @@ from .comm import Comm
 from .init import init_range
 from .models import LocalTP
 from .optim import AdamW, clip_coefficient, lr_at, sum_of_squares
-from .precision import round_bf16_, round_tree_
+from .precision import round_bf16_
 from .stage import build_stage
 from .strategies import make_grad_sync
 from .strategies.amp import LossScaler, loss_scaling
@@ -52,22 +52,29 @@ class Recompute:
     x: object
 
 
+def cache_arrays(obj):
+    """The arrays inside a nested cache (tuples, lists, a Recompute's input), in order."""
+    if isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from cache_arrays(o)
+    elif isinstance(obj, Recompute):
+        yield from cache_arrays(obj.x)
+    elif hasattr(obj, "nbytes") and hasattr(obj, "base"):
+        yield obj
+
+
 def cache_nbytes(obj, skip_roots: set, seen=None) -> int:
     """Bytes of the distinct arrays inside a nested cache, skipping views of parameter storage."""
     seen = set() if seen is None else seen
-    if isinstance(obj, (tuple, list)):
-        return sum(cache_nbytes(o, skip_roots, seen) for o in obj)
-    if isinstance(obj, Recompute):
-        return cache_nbytes(obj.x, skip_roots, seen)
-    if not hasattr(obj, "nbytes") or not hasattr(obj, "base"):
-        return 0
-    root = obj
-    while getattr(root, "base", None) is not None:
-        root = root.base
-    if id(root) in skip_roots or id(root) in seen:
-        return 0
-    seen.add(id(root))
-    return int(root.nbytes)
+    total = 0
+    for a in cache_arrays(obj):
+        root = a
+        while getattr(root, "base", None) is not None:
+            root = root.base
+        if id(root) not in skip_roots and id(root) not in seen:
+            seen.add(id(root))
+            total += int(root.nbytes)
+    return total
 
 
 class Engine:
@@ -139,7 +146,9 @@ class Engine:
                 if self.res.recomputed(b):
                     c = Recompute(h_in)
             if self.bf16 and b.kind != "head":        # the loss math stays float32, as Megatron's
-                round_tree_(xp, (h, c if grad else None))
+                for a in cache_arrays((h, c if grad else None)):   # parameter views: bf16 already, a no-op
+                    if a.dtype == np.float32 and a.ndim:
+                        round_bf16_(xp, a)
             self.sync.release(slot.prefix + name)
             caches.append(c if grad else None)
         if grad:

@@ -34,17 +34,3 @@ def round_bf16_(xp, a):
     if nan is not None:
         a[nan] = np.nan                          # a payload only in the low bits would truncate to inf
     return a
-
-
-def round_tree_(xp, obj, seen=None):
-    """round_bf16_ every float32 array inside a nested cache (tuples, lists, objects with .x); each base
-    array once. Parameter views inside a cache are rounded values already, so rounding them is a no-op."""
-    seen = set() if seen is None else seen
-    if isinstance(obj, (tuple, list)):
-        for o in obj:
-            round_tree_(xp, o, seen)
-    elif hasattr(obj, "x") and not hasattr(obj, "dtype"):
-        round_tree_(xp, obj.x, seen)
-    elif getattr(obj, "dtype", None) == np.float32 and getattr(obj, "ndim", 0) > 0 and id(obj) not in seen:
-        seen.add(id(obj))
-        round_bf16_(xp, obj)
