@@ -118,6 +118,28 @@ class Comm:
         buf = self._out(arr)
         return self._req(self.c.Iallgatherv(MPI.IN_PLACE, [buf, counts, displs, None]), buf, arr)
 
+    def allgather(self, send, recv):
+        """recv (size x send's elements) = every rank's send, in rank order; counted as recv's bytes."""
+        if self.size == 1:
+            recv.reshape(-1)[...] = send.reshape(-1)
+            return recv
+        self._count("allgather", recv)
+        sbuf, rbuf = self._out(send), self._out(recv, copy=False)
+        self.c.Allgather(sbuf, rbuf)
+        self._in(rbuf, recv)
+        return recv
+
+    def reduce_scatter(self, send, recv, op=MPI.SUM):
+        """recv = block `rank` of the sum over ranks of send (size equal blocks); counted as send's bytes."""
+        if self.size == 1:
+            recv.reshape(-1)[...] = send.reshape(-1)
+            return recv
+        self._count("reduce_scatter", send)
+        sbuf, rbuf = self._out(send), self._out(recv, copy=False)
+        self.c.Reduce_scatter_block(sbuf, rbuf, op=op)
+        self._in(rbuf, recv)
+        return recv
+
     def bcast_(self, arr, root: int):
         if self.size > 1:
             self._count("bcast", arr)
@@ -198,7 +220,8 @@ def testall(reqs) -> bool:
 
 # the Comm methods a tracer times, with the MPI call each stands for
 TRACED = {"allreduce_": "Allreduce", "iallreduce_": "Iallreduce", "ireduce": "Ireduce", "allgatherv_": "Allgatherv",
-          "iallgatherv_": "Iallgatherv", "bcast_": "Bcast", "isend": "Isend", "irecv": "Irecv",
+          "iallgatherv_": "Iallgatherv", "allgather": "Allgather",
+          "reduce_scatter": "Reduce_scatter_block", "bcast_": "Bcast", "isend": "Isend", "irecv": "Irecv",
           "allreduce_obj": "allreduce", "bcast_obj": "bcast", "allgather_obj": "allgather", "barrier": "Barrier"}
 
 

@@ -190,6 +190,9 @@ class PipelineConfig:
     virtual_stages: int = _f(1, "model chunks per rank (interleaved schedule)", check=_POS)
     split: str | list[int] = _f("uniform", 'blocks per stage: "uniform", "params" (balance parameter '
                                 "counts) or a list of block counts", check=_SPLIT)
+    scatter_gather: bool = _f(True, "with tensor parallelism (and no sequence parallelism): each tp rank sends "
+                              "1/tp of an activation to the next stage, which all-gathers it over tp (Megatron's "
+                              "scatter/gather); false sends the whole activation from every tp rank")
 
 
 @dataclass
@@ -197,6 +200,10 @@ class TensorParallelConfig:
     """Each matrix split across ranks, Megatron column/row style (`tp`)."""
     enable: bool = _f(False, "turn tensor parallelism on")
     degree: int = _f(-1, _DEGREE_DOC, check=_DEGREE)
+    sequence_parallel: bool = _f(False, "split the norms, residuals and their caches along the sequence across the "
+                                 "tp ranks (Korthikanti et al. 2022): allreduces become reduce-scatter + all-gather, "
+                                 "activation memory outside attention and the MLP drops by the tp degree; needs "
+                                 "model.seq_len divisible by the degree")
 
 
 @dataclass

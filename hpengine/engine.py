@@ -23,6 +23,7 @@ from .stage import build_stage
 from .strategies import make_grad_sync
 from .strategies.amp import LossScaler, loss_scaling
 from .strategies.pipeline import PipelineExecutor
+from .strategies.sequence_parallel import SequenceParallel
 from .strategies.tensor_parallel import TensorParallel
 from .trace import Tracer
 
@@ -81,7 +82,8 @@ class Engine:
     def __init__(self, cfg, res, mesh, backend, dataset):
         self.cfg, self.res, self.mesh, self.be, self.data = cfg, res, mesh, backend, dataset
         self.xp = backend.xp
-        self.tp = TensorParallel(mesh.comms["tp"], cfg.model.vocab_size) if res.tp > 1 else LocalTP()
+        tp_kind = SequenceParallel if res.sp else TensorParallel
+        self.tp = tp_kind(mesh.comms["tp"], cfg.model.vocab_size) if res.tp > 1 else LocalTP()
         t = cfg.train
         seeds = tuple(t.model_seeds or [t.seed + i for i in range(t.models)])
         lrs = tuple(t.model_lrs or [cfg.optim.lr] * t.models)
@@ -105,13 +107,18 @@ class Engine:
         self.norm_exclude = [self.layout.ranges[n] for n in sorted(self.stage.copies)]
         if self.tp.rank > 0:
             self.norm_exclude += [self.layout.ranges[sp.name] for sp in self.layout.specs if sp.tp_dim is None]
+        # sequence parallel: the owned gradient's slices of tensors every tp rank holds whole, summed over tp
+        own = self.sync.owned
+        self.replicated = [(c.start - own.start, c.stop - own.start) for c in
+                           (own.intersect(self.layout.ranges[sp.name]) for sp in self.layout.specs if sp.tp_dim is None)
+                           if c is not None] if res.sp else []
         self.opts = [self._optimizer(s) for s in self.slots]
         self.share = res.share
         self.cache_bytes = self.cache_peak = 0
         self.opt_steps = 0          # optimizer updates applied (AdamW's bias-correction count)
         self.unit_lr = dataclasses.replace(cfg.optim, lr=1.0)
         self.pipe = PipelineExecutor(self.pp, self.xp, backend.dtype, res.pp, res.v, res.m, res.schedule,
-                                     cfg.model.d_model)
+                                     cfg.model.d_model, res.seq_parts, mesh.comms["tp"] if res.scatter else None)
         self.tracer = Tracer()      # train.py hands in a recording one under runtime.trace
 
     def _optimizer(self, slot):
@@ -253,6 +260,7 @@ class Engine:
             self.mesh.comms["tied"].allreduce_(self.sync.grads_for(b)[tensor])
         self.sync.flush_deferred()
         g = self.sync.reduce_grads()
+        self.tp.sum_replicated_(g, self.replicated)
         if self.bf16_grads:
             round_bf16_(self.xp, g)
         if self.scaler is None:

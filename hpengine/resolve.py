@@ -111,6 +111,13 @@ class Resolved:
     share: int             # sequences per replica per step
     bucket_mb: float = 4.0
     granularity: str = "full"     # recompute.granularity: "full" or "selective"
+    sp: bool = False              # sequence parallelism (tp > 1 only)
+    scatter: bool = False         # pipeline sends split across tp (pp > 1, tp > 1, no sp)
+
+    @property
+    def seq_parts(self) -> int:
+        """Pieces each sequence is cut into outside the tensor-parallel regions."""
+        return self.tp if self.sp else 1
 
     @property
     def rows(self) -> int:
@@ -170,6 +177,8 @@ def resolve(cfg, world: int) -> Resolved:
                    s.amp.dtype if s.amp.enable else "",
                    tuple(cfg.mesh.order), cfg.train.global_batch // (d["dp"] * d["sharding"]),
                    s.data_parallel.bucket_mb, rc.granularity if rc.enable else "full")
+    sp = d["tp"] > 1 and s.tensor_parallel.sequence_parallel
+    res = dataclasses.replace(res, sp=sp, scatter=d["tp"] > 1 and d["pp"] > 1 and not sp and pc.scatter_gather)
     check(cfg, res)
     chunks(cfg.model, res)          # the pipeline split must be possible
     return res
@@ -201,6 +210,9 @@ def check(cfg, res: Resolved) -> None:
         bad = build_model(mc).tp_divides(tp)
         if bad:
             raise LayoutError(f"tensor_parallel.degree = {tp} must divide {bad}")
+        if res.sp and mc.seq_len % tp:
+            raise LayoutError(f"strategy.tensor_parallel.sequence_parallel needs model.seq_len = {mc.seq_len} "
+                              f"divisible by tensor_parallel.degree = {tp}; use a multiple of {tp} or turn it off")
     pc = cfg.strategy.pipeline
     if pc.enable and pc.schedule == "interleaved":
         if pc.virtual_stages < 2:
@@ -246,6 +258,8 @@ def describe(cfg, res: Resolved) -> str:
              f"{res.k} pass(es) x {res.m} micro-batch(es) x {res.rows} sequences of {cfg.model.seq_len} tokens",
              "sharding: " + (f"stage {res.zstage}, partition {res.partition}" if res.zstage else "off"),
              "pipeline: " + (f"{res.schedule}, {res.v} chunk(s) per rank" if res.pp > 1 or res.m > 1 else "off"),
+             "tensor parallel: " + (f"degree {res.tp}" + (", sequence parallel" if res.sp else "")
+                                    + (", pipeline sends split across tp" if res.scatter else "") if res.tp > 1 else "off"),
              "recompute: " + (f"every {res.recompute} layer(s)" if res.recompute else "off")
              + (", selective" if res.recompute and res.granularity == "selective" else "")
              + f"; amp: {res.amp or 'off'}"]

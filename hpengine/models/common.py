@@ -55,6 +55,20 @@ class LocalTP:
     def reduce_from_tp_backward(self, dx):   # ... identity backward
         return dx
 
+    seq_parts = 1                            # sequence parallelism: the sequence is whole
+
+    def local_positions(self, n: int) -> slice:
+        return slice(0, n)
+
+    def stash_inputs(self, x, *caches):      # linear caches kept as they are
+        return caches
+
+    def unstash_inputs(self, stash):
+        return stash
+
+    def sum_replicated_(self, g, ranges) -> None:
+        pass
+
     def cross_entropy_forward(self, xp, logits, targets, norm):
         return cross_entropy_forward(xp, logits, targets, norm)
 
@@ -91,17 +105,18 @@ def mlp_specs(p, C, F, std, proj_std):
             ParamSpec(f"{p}.proj.b", (C,), decay=False, init="zeros", block=p.split(".mlp")[0])]
 
 
-def end_cache_bytes(mcfg, rows: int, tp: int, item: int, amp: bool, share: int, norm_bytes=None) -> dict:
+def end_cache_bytes(mcfg, rows: int, tp: int, item: int, amp: bool, share: int, norm_bytes=None, parts: int = 1) -> dict:
     """Bytes the embedding and the head cache per micro-batch of `rows` sequences: the embedding its
     indices; the head its final norm (`norm_bytes`; default a layernorm's), the linear's input (the norm's
     output), the loss's probabilities (float32 under amp) and the targets (its own index and mask under tp;
-    else it references the pass's int64 targets, `share` sequences)."""
+    else it references the pass's int64 targets, `share` sequences). Sequence parallelism (`parts` pieces)
+    splits the norm, the linear's input and a recomputed layer's input; `norm_bytes` is then per piece."""
     T, C = mcfg.seq_len, mcfg.d_model
     n, Vp = rows * T, padded_vocab(mcfg.vocab_size, tp)
     targets = embedding_cache_bytes(n) if tp > 1 else share * T * 8
-    norm = layernorm_cache_elements(n, C) * item if norm_bytes is None else norm_bytes
-    head = norm + n * C * item + n * (Vp // tp) * (4 if amp else item) + targets
-    return {"embed": embedding_cache_bytes(n), "head": head, "input": n * C * item}
+    norm = layernorm_cache_elements(n // parts, C) * item if norm_bytes is None else norm_bytes
+    head = norm + n // parts * C * item + n * (Vp // tp) * (4 if amp else item) + targets
+    return {"embed": embedding_cache_bytes(n), "head": head, "input": n // parts * C * item}
 
 
 def tok_embed_forward(xp, P, idx, tp):
@@ -138,6 +153,7 @@ def logits_loss_forward(xp, P, h, targets, norm, tp, tied):
     # the head after its norm: h (B, T, C) -> logits -> loss
     w, _ = head_weight(P, None, tied)
     logits, c_lin = linear_forward(xp, tp.copy_to_tp(h), w)
+    c_lin = tp.stash_inputs(h, c_lin)
     if logits.dtype.itemsize < 4:      # amp: the softmax and loss in float32, as Megatron does
         logits = logits.astype(xp.float32)
     loss, c_ce = tp.cross_entropy_forward(xp, logits, targets, norm)
@@ -145,7 +161,7 @@ def logits_loss_forward(xp, P, h, targets, norm, tp, tied):
 
 
 def logits_loss_backward(xp, cache, G, tp, tied, P, dloss=1.0):
-    c_lin, c_ce = cache
+    (c_lin,), c_ce = tp.unstash_inputs(cache[0]), cache[1]
     dlogits = tp.cross_entropy_backward(xp, c_ce, dloss)   # dloss = the amp loss scale
     w, dw = head_weight(P, G, tied)
     if dlogits.dtype != dw.dtype:
@@ -156,6 +172,7 @@ def logits_loss_backward(xp, cache, G, tp, tied, P, dloss=1.0):
 def mlp_forward(xp, P, p, x, tp):
     # x: (B, T, C) -> (B, T, C), the residual branch only
     h, c1 = linear_forward(xp, tp.copy_to_tp(x), P[f"{p}.fc.w"], P[f"{p}.fc.b"])
+    c1 = tp.stash_inputs(x, c1)
     g, c2 = gelu_forward(xp, h)
     o, c3 = linear_forward(xp, g, P[f"{p}.proj.w"])
     # g is rebuilt in backward from the GELU cache (one multiply): a third less MLP activation memory
@@ -166,10 +183,11 @@ def mlp_forward(xp, P, p, x, tp):
 
 
 def mlp_backward(xp, do, cache, P, G, p, tp):
-    c1, c2, c3 = cache
+    stash, c2, c3 = cache
     G[f"{p}.proj.b"] += do.reshape(-1, do.shape[-1]).sum(axis=0)
     c3 = linear_restore_input(c3, gelu_recompute(xp, c2))
     dg = linear_backward(xp, tp.reduce_from_tp_backward(do), c3, P[f"{p}.proj.w"], G[f"{p}.proj.w"])
     del c3
     dh = gelu_backward(xp, dg, c2)
+    (c1,) = tp.unstash_inputs(stash)
     return tp.copy_to_tp_backward(linear_backward(xp, dh, c1, P[f"{p}.fc.w"], G[f"{p}.fc.w"], G[f"{p}.fc.b"]))

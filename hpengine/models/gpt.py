@@ -40,19 +40,21 @@ class GPT:
                     f"{self.C}" + (f" (and cannot exceed the {mc.n_heads} heads)" if tp > mc.n_heads else ""))
         return ""
 
-    def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int) -> dict:
+    def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int, parts: int = 1) -> dict:
         """Bytes the forward caches per micro-batch of `rows` sequences, by block kind ("input": what a
         recomputed layer keeps). A layer: ln1, the qkv linear's input (ln1's output), attention (its
         output is the projection's input), ln2, the fc linear's input and the GELU (the projection's input
         is rebuilt from it). model.attention = "flash" keeps no T x T probabilities: qkv, the output and
         one log-sum-exp per row and head. "scores": the probabilities' part of "layer", which selective
-        recompute drops (0 under flash)."""
+        recompute drops (0 under flash). parts: pieces of the sequence under sequence parallelism, which
+        split the layernorms' caches, the linear inputs and a recomputed layer's input."""
         n, C, H = rows * self.T, self.C, self.H // tp
+        ns = n // parts
         att = (flash_cache_bytes(rows, self.T, H, H, C // self.H, item) if self.flash
                else attention_cache_elements(rows, self.T, C // tp, H) * item)
-        layer = (2 * layernorm_cache_elements(n, C) + 2 * n * C + gelu_cache_elements(n * self.F // tp)) * item + att
+        layer = (2 * layernorm_cache_elements(ns, C) + 2 * ns * C + gelu_cache_elements(n * self.F // tp)) * item + att
         scores = 0 if self.flash else rows * H * score_elements(self.T) * item
-        return {"layer": layer, "scores": scores, **end_cache_bytes(self.cfg, rows, tp, item, amp, share)}
+        return {"layer": layer, "scores": scores, **end_cache_bytes(self.cfg, rows, tp, item, amp, share, parts=parts)}
 
     def tp_allreduces(self) -> tuple:
         """Activation allreduces per layer under tensor parallelism: (forward, backward); the attention's and the MLP's reduce_from_tp
@@ -86,11 +88,11 @@ class GPT:
     def embed_forward(self, xp, P, idx, tp):
         # idx: (B, T) -> x: (B, T, C)
         x, cache = tok_embed_forward(xp, P, idx, tp)
-        x += P["wpe"][: idx.shape[1]]
+        x += P["wpe"][tp.local_positions(x.shape[1])]     # this rank's positions under sequence parallelism
         return x, cache
 
     def embed_backward(self, xp, dx, cache, G, tp):
-        G["wpe"][: dx.shape[1]] += dx.sum(axis=0)
+        G["wpe"][tp.local_positions(dx.shape[1])] += dx.sum(axis=0)
         tok_embed_backward(xp, dx, cache, G, tp)
 
     def layer_forward(self, xp, P, i, x, tp, keep_scores=True):
@@ -100,6 +102,7 @@ class GPT:
         p = f"h.{i}"
         h, c_ln1 = layernorm_forward(xp, x, P[f"{p}.ln1.w"], P[f"{p}.ln1.b"])
         qkv, c_qkv = linear_forward(xp, tp.copy_to_tp(h), P[f"{p}.attn.qkv.w"], P[f"{p}.attn.qkv.b"])
+        c_qkv = tp.stash_inputs(h, c_qkv)
         a, c_att = (flash_attention_forward if self.flash else attention_forward)(xp, qkv, self.H // tp.size)
         o, c_proj = linear_forward(xp, a, P[f"{p}.attn.proj.w"])
         o = tp.reduce_from_tp(o)
@@ -125,6 +128,7 @@ class GPT:
             dqkv = flash_attention_backward(xp, da, c_att)
         else:
             dqkv = attention_backward(xp, da, attention_restore_scores(xp, c_att))
+        (c_qkv,) = tp.unstash_inputs(c_qkv)
         dh = tp.copy_to_tp_backward(linear_backward(xp, dqkv, c_qkv, P[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.w"],
                                                    G[f"{p}.attn.qkv.b"]))
         dx1 += layernorm_backward(xp, dh, c_ln1, P[f"{p}.ln1.w"], G[f"{p}.ln1.w"], G[f"{p}.ln1.b"])

@@ -49,20 +49,22 @@ class Llama:
                     "Megatron; use a degree that divides n_kv_heads)")
         return ""
 
-    def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int) -> dict:
+    def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int, parts: int = 1) -> dict:
         """Bytes the forward caches per micro-batch of `rows` sequences, by block kind ("input": what a
         recomputed layer keeps). A layer: two RMSNorms, the q/k/v linears' input and the gate/up linears'
         input (the norms' outputs), the attention (rotated q and k, v, probabilities, its output, which
         is the o linear's input) and the SiLU gating (the down linear's input is rebuilt from it).
         model.attention = "flash" keeps one log-sum-exp per row and head in place of the probabilities.
-        "scores": the probabilities' part of "layer", which selective recompute drops (0 under flash)."""
+        "scores": the probabilities' part of "layer", which selective recompute drops (0 under flash).
+        parts: sequence pieces (sequence parallelism splits the norms and the linears' inputs)."""
         n, C, H, K = rows * self.T, self.C, self.H // tp, self.K // tp
+        ns = n // parts
         att = (flash_cache_bytes(rows, self.T, H, K, self.hd, item) if self.flash
                else gqa_cache_elements(rows, self.T, H, K, self.hd, score_elements(self.T)) * item)
-        layer = 2 * rmsnorm_cache_bytes(n, C, item) + (2 * n * C + swiglu_cache_elements(n * self.F // tp)) * item + att
+        layer = 2 * rmsnorm_cache_bytes(ns, C, item) + (2 * ns * C + swiglu_cache_elements(n * self.F // tp)) * item + att
         scores = 0 if self.flash else rows * H * score_elements(self.T) * item
         return {"layer": layer, "scores": scores, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
-                                                  rmsnorm_cache_bytes(n, C, item))}
+                                                  rmsnorm_cache_bytes(ns, C, item), parts)}
 
     def tp_allreduces(self) -> tuple:
         """Activation allreduces per layer under tensor parallelism: (forward, backward); the attention's and
@@ -118,14 +120,16 @@ class Llama:
         # keep_scores=False (selective recompute): the cache drops the attention probabilities, which
         # layer_backward rebuilds; flash attention keeps none anyway
         # x: (B, T, C) -> (B, T, C)
-        p, (B, T, _) = f"h.{i}", x.shape
+        p, (B, T) = f"h.{i}", (x.shape[0], x.shape[1] * tp.seq_parts)   # T: the whole sequence
         H, K, hd = P[f"{p}.attn.q.w"].shape[1] // self.hd, P[f"{p}.attn.k.w"].shape[1] // self.hd, self.hd
         (cos, sin), (qcos, qsin) = self.rope(xp, x.dtype)
-        h, c_n1 = rmsnorm_forward(xp, x, P[f"{p}.attn_norm.w"], self.eps)
-        h = tp.copy_to_tp(h)
+        hs, c_n1 = rmsnorm_forward(xp, x, P[f"{p}.attn_norm.w"], self.eps)
+        h = tp.copy_to_tp(hs)
         q, c_q = linear_forward(xp, h, P[f"{p}.attn.q.w"])
         k, c_k = linear_forward(xp, h, P[f"{p}.attn.k.w"])
         v, c_v = linear_forward(xp, h, P[f"{p}.attn.v.w"])
+        c_qkv = tp.stash_inputs(hs, c_q, c_k, c_v)
+        del h, hs
         q = rope_forward(xp, q.reshape(B, T, H, hd), qcos, qsin)
         k = rope_forward(xp, k.reshape(B, T, K, hd), cos, sin)
         attend = flash_gqa_forward if self.flash else gqa_attention_forward
@@ -133,27 +137,30 @@ class Llama:
         o, c_o = linear_forward(xp, a, P[f"{p}.attn.o.w"])
         o = tp.reduce_from_tp(o)
         o += x                  # o is ours: the residual sum needs no new array
-        h2, c_n2 = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps)
-        h2 = tp.copy_to_tp(h2)
+        h2s, c_n2 = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps)
+        h2 = tp.copy_to_tp(h2s)
         g, c_g = linear_forward(xp, h2, P[f"{p}.mlp.gate.w"])
         u, c_u = linear_forward(xp, h2, P[f"{p}.mlp.up.w"])
+        c_gu = tp.stash_inputs(h2s, c_g, c_u)
+        del h2, h2s
         m, c_sw = swiglu_forward(xp, g, u)
         d, c_d = linear_forward(xp, m, P[f"{p}.mlp.down.w"])
         del m
         o += tp.reduce_from_tp(d)
         if not (keep_scores or self.flash):
             c_att = gqa_drop_scores(c_att)
-        return o, (c_n1, c_q, c_k, c_v, c_att, c_o, c_n2, c_g, c_u, c_sw, linear_drop_input(c_d))
+        return o, (c_n1, c_qkv, c_att, c_o, c_n2, c_gu, c_sw, linear_drop_input(c_d))
 
     def layer_backward(self, xp, dy, cache, P, G, i, tp):
         p = f"h.{i}"
-        c_n1, c_q, c_k, c_v, c_att, c_o, c_n2, c_g, c_u, c_sw, c_d = cache
+        c_n1, c_qkv, c_att, c_o, c_n2, c_gu, c_sw, c_d = cache
         (cos, sin), (qcos, qsin) = self.rope(xp, dy.dtype)
         # MLP branch
         c_d = linear_restore_input(c_d, swiglu_recompute(xp, c_sw))
         dm = linear_backward(xp, tp.reduce_from_tp_backward(dy), c_d, P[f"{p}.mlp.down.w"], G[f"{p}.mlp.down.w"])
         del c_d
         dg, du = swiglu_backward(xp, dm, c_sw)
+        c_g, c_u = tp.unstash_inputs(c_gu)
         dh2 = linear_backward(xp, dg, c_g, P[f"{p}.mlp.gate.w"], G[f"{p}.mlp.gate.w"])
         dh2 += linear_backward(xp, du, c_u, P[f"{p}.mlp.up.w"], G[f"{p}.mlp.up.w"])
         dx = rmsnorm_backward(xp, tp.copy_to_tp_backward(dh2), c_n2, P[f"{p}.mlp_norm.w"], G[f"{p}.mlp_norm.w"])
@@ -165,6 +172,7 @@ class Llama:
         else:
             dq, dk, dv = gqa_attention_backward(xp, da, gqa_restore_scores(xp, c_att))
         B, K, T, hd = dv.shape
+        c_q, c_k, c_v = tp.unstash_inputs(c_qkv)
         dh = linear_backward(xp, rope_backward(xp, dq, qcos, qsin), c_q, P[f"{p}.attn.q.w"], G[f"{p}.attn.q.w"])
         dh += linear_backward(xp, rope_backward(xp, dk, cos, sin), c_k, P[f"{p}.attn.k.w"], G[f"{p}.attn.k.w"])
         dh += linear_backward(xp, dv.transpose(0, 2, 1, 3), c_v, P[f"{p}.attn.v.w"], G[f"{p}.attn.v.w"])

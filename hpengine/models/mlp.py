@@ -31,13 +31,15 @@ class MLP:
             return f"the ffn width ffn_mult x d_model = {self.F} and model.d_model = {self.C}"
         return ""
 
-    def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int) -> dict:
+    def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int, parts: int = 1) -> dict:
         """Bytes the forward caches per micro-batch of `rows` sequences, by block kind ("input": what a
         recomputed layer keeps). A layer: its layernorm, the fc linear's input and the GELU; no attention
-        probabilities ("scores": 0), so selective recompute keeps the whole cache."""
+        probabilities ("scores": 0), so selective recompute keeps the whole cache. parts: sequence pieces
+        (sequence parallelism splits the layernorm and the fc input)."""
         n, C = rows * self.cfg.seq_len, self.C
-        layer = layernorm_cache_elements(n, C) + n * C + gelu_cache_elements(n * self.F // tp)
-        return {"layer": layer * item, "scores": 0, **end_cache_bytes(self.cfg, rows, tp, item, amp, share)}
+        layer = layernorm_cache_elements(n // parts, C) + n // parts * C + gelu_cache_elements(n * self.F // tp)
+        return {"layer": layer * item, "scores": 0, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
+                                                                       parts=parts)}
 
     def tp_allreduces(self) -> tuple:
         """Activation allreduces per layer under tensor parallelism: (forward, backward); the MLP's reduce_from_tp

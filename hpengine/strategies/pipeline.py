@@ -22,8 +22,11 @@ class PipelineExecutor:
     forward(chunk, x, targets, grad) -> (out, cache); backward(chunk, dout, cache) -> din;
     begin_pass(last) tells the gradient sync whether a backward finishes the step's gradients."""
 
-    def __init__(self, pp_comm, xp, dtype, p: int, v: int, m: int, schedule: str, width: int):
+    def __init__(self, pp_comm, xp, dtype, p: int, v: int, m: int, schedule: str, width: int, seq_parts: int = 1,
+                 split_comm=None):
         self.pp, self.xp, self.dtype, self.p, self.v, self.m, self.width = pp_comm, xp, dtype, p, v, m, width
+        self.seq_parts = seq_parts      # sequence parallel: a stage's activations hold T / tp positions
+        self.split = split_comm         # scatter/gather: the tp Comm whose ranks send 1/tp each
         self.stage = pp_comm.rank
         self.buffers = {}
         self.V = p * v
@@ -48,10 +51,20 @@ class PipelineExecutor:
             buf = self.buffers[key] = self.xp.empty(shape, dtype=self.dtype)
         return buf
 
+    def _piece(self, arr):
+        """This tp rank's 1/tp of arr's elements (scatter/gather), else arr."""
+        if self.split is None:
+            return arr
+        flat, n = arr.reshape(-1), arr.size // self.split.size
+        return flat[self.split.rank * n:(self.split.rank + 1) * n]
+
     def _recv(self, mb, g_src, g_dst, direction, shape):
         buf = self._buffer(mb, g_dst, direction, shape)
         t = self.tr.now()
-        self.pp.irecv(buf, source=g_src % self.p, tag=self._tag(mb, g_dst, direction)).Wait()
+        self.pp.irecv(self._piece(buf), source=g_src % self.p, tag=self._tag(mb, g_dst, direction)).Wait()
+        if self.split is not None:      # every tp rank of the sender sent its piece to its peer here
+            n = buf.size // self.split.size
+            self.split.allgatherv_(buf.reshape(-1), [n] * self.split.size, [r * n for r in range(self.split.size)])
         self.tr.lap("pipeline idle", t, "wait F" if direction == FWD else "wait B", (mb, g_dst))
         return buf
 
@@ -65,10 +78,10 @@ class PipelineExecutor:
         return self._recv(mb, g + 1, g, BWD, shape)
 
     def send_forward(self, out, mb, g):
-        return self.pp.isend(out, dest=(g + 1) % self.p, tag=self._tag(mb, g + 1, FWD))
+        return self.pp.isend(self._piece(out), dest=(g + 1) % self.p, tag=self._tag(mb, g + 1, FWD))
 
     def send_backward(self, din, mb, g):
-        return self.pp.isend(din, dest=(g - 1) % self.p, tag=self._tag(mb, g - 1, BWD))
+        return self.pp.isend(self._piece(din), dest=(g - 1) % self.p, tag=self._tag(mb, g - 1, BWD))
 
     def run(self, chunks, forward, backward, begin_pass, x, y, last_pass: bool, grad: bool = True,
             tracer=OFF) -> float:
@@ -76,7 +89,7 @@ class PipelineExecutor:
         index c = global chunk // p); returns the loss share (last stage)."""
         m, V = self.m, self.V
         rows = x.shape[0] // m
-        act_shape = (rows, x.shape[1], self.width)
+        act_shape = (rows, x.shape[1] // self.seq_parts, self.width)
         actions = self.actions if grad else self._forward_only()
         caches, sends, loss, live = {}, [], 0.0, 0
         self.tr = tr = tracer if grad else OFF     # evaluation is one span in train.py

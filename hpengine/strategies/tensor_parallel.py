@@ -30,6 +30,23 @@ class TensorParallel:
     def reduce_from_tp_backward(self, dx):
         return dx
 
+    # --- what sequence parallelism (sequence_parallel.py) changes; neutral here -----------------
+    seq_parts = 1             # pieces the sequence is cut into between tensor-parallel regions
+
+    def local_positions(self, n: int) -> slice:
+        """Positions of this rank's n tokens of each sequence."""
+        return slice(0, n)
+
+    def stash_inputs(self, x, *caches):
+        """The linear caches of a region's entry, whose input is copy_to_tp(x), as the forward keeps them."""
+        return caches
+
+    def unstash_inputs(self, stash):
+        return stash
+
+    def sum_replicated_(self, g, ranges) -> None:
+        """Gradients of tensors every tp rank holds whole: already equal on every rank."""
+
     # --- vocabulary-parallel cross-entropy ------------------------------------------------------
     def cross_entropy_forward(self, xp, logits, targets, norm):
         # logits: (B, T, V/tp) this rank's vocabulary slice; targets: (B, T) global ids
