@@ -43,12 +43,16 @@ def pipeline(p, m):
 
 
 TP2 = ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2"]
+TP4 = ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=4"]
+SP = ["strategy.tensor_parallel.sequence_parallel=true"]
 
 # (name, ranks, overrides)
 CASES = [("1 process", 1, []), ("dp", 2, DP), ("dp", 4, DP)] \
     + [(f"sharding stage {s}", n, sharding(s)) for s in (1, 2, 3) for n in (2, 4)] \
     + [(f"pp {p} m {m}", p, pipeline(p, m)) for p in (2, 4) for m in (4, 8)] \
-    + [("tp 2", 2, TP2), ("tp 2 x pp 2 m 4", 4, TP2 + pipeline(2, 4))]
+    + [("tp 2", 2, TP2), ("tp 2 sp", 2, TP2 + SP), ("tp 4", 4, TP4), ("tp 4 sp", 4, TP4 + SP),
+       ("tp 2 x pp 2 m 4", 4, TP2 + pipeline(2, 4)),
+       ("tp 2 x pp 2 m 4 unsplit sends", 4, TP2 + pipeline(2, 4) + ["strategy.pipeline.scatter_gather=false"])]
 QUICK = {("1 process", 1), ("dp", 2), ("sharding stage 2", 2), ("pp 2 m 4", 2), ("tp 2", 2)}
 
 # PyTorch peers: (name, ranks, mode, the hpengine case it is paired with); each runs right after its peer
@@ -122,6 +126,7 @@ def worker(a) -> None:
     for c in comms:
         nbytes[c.name] = nbytes.get(c.name, 0) + sum(b for _, b in c.stats.values())
     rows = w.gather({"bytes": nbytes, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                     "act": eng.memory()["activation_peak_bytes"],
                      "bubble": 1 - eng.pipe.busy_s / eng.pipe.wall_s if eng.pipe.wall_s else None,
                      "sync_wait_s": eng.tracer.seconds["grad sync wait"] / a.steps,
                      "dp_bytes": sum(b for _, b in eng.mesh.comms["dp"].stats.values()) / a.steps}, root=0)
@@ -137,6 +142,7 @@ def worker(a) -> None:
     pc = cfg.strategy.pipeline
     bubbles = [r["bubble"] for r in rows if r["bubble"] is not None]
     out = {"tokens_per_s": tokens / med, "median_step_ms": med * 1e3, "peak_rss_bytes": max(r["rss"] for r in rows),
+           "activation_peak_bytes": max(r["act"] for r in rows),
            "bytes_per_step": {k: v for k, v in per_comm.items() if v},
            "bubble": statistics.mean(bubbles) if pc.enable and bubbles else None,
            "bubble_theory": bubble_fraction(pc.schedule, pc.degree, pc.micro_batches) if pc.enable else None,
@@ -270,6 +276,7 @@ def summarize(results: dict, pairs: dict) -> list[dict]:
         med = lambda k: statistics.median(r[k] for r in good) if good[0].get(k) is not None else None  # noqa: E731
         rows.append({"case": name, "ranks": n, "torch": torch, "pair": pairs.get((name, n)), "runs": len(good),
                      "tokens_per_s": med("tokens_per_s"), "peak_rss_mib": med("peak_rss_bytes") / 2**20,
+                     "act_mib": (med("activation_peak_bytes") or 0) / 2**20,
                      "bytes_per_step": good[0].get("bytes_per_step", {}), "bubble": med("bubble"),
                      "bubble_theory": good[0].get("bubble_theory"), "sync_wait_ms": med("sync_wait_ms"),
                      "raw_allreduce_ms": med("raw_allreduce_ms")})
@@ -280,7 +287,7 @@ def markdown(rows, a, header, torch_note=None) -> str:
     ok = {(r["case"], r["ranks"]): r for r in rows if "error" not in r}
     base = {t: next((r["tokens_per_s"] for r in rows if r["ranks"] == 1 and r["torch"] == t and "error" not in r),
                     None) for t in (False, True)}
-    out = [header, "", "| case | ranks | tokens/s (median) | vs 1 process | hpengine / torch | peak RSS MiB (max rank) "
+    out = [header, "", "| case | ranks | tokens/s (median) | vs 1 process | hpengine / torch | peak RSS / activations MiB (max rank) "
            "| MiB/step per communicator (all ranks) | pipeline bubble measured / theory | dp sync wait / raw "
            "Allreduce, ms |", "|---|---:|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
@@ -296,7 +303,7 @@ def markdown(rows, a, header, torch_note=None) -> str:
         peer = ok.get(r["pair"]) if r["torch"] else None
         vs = f"{peer['tokens_per_s'] / r['tokens_per_s']:.2f}x" if peer else "-"
         out.append(f"| {r['case']} | {r['ranks']} | {r['tokens_per_s']:,.0f} | {ratio} | {vs} | "
-                   f"{r['peak_rss_mib']:.0f} | {comm} | {bub} | {sync} |")
+                   f"{r['peak_rss_mib']:.0f} / {r['act_mib']:.0f} | {comm} | {bub} | {sync} |")
     out += ["", f"Medians of {a.repeats} interleaved repeat(s), each {a.steps} timed steps after {a.warmup} warm-up; "
             "a step lasts as long as its slowest rank. Bytes are what each rank hands to MPI (comm stats), "
             "summed over ranks. The dp sync wait is the part of the gradient all-reduce that backward did not "

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_all import DP, ROOT, THREADS, TP2, _why, pipeline, sharding
+from bench_all import DP, ROOT, SP, THREADS, TP2, _why, pipeline, sharding
 
 from hpengine.config import load_config
 from hpengine.plan import evaluate, load_cluster
@@ -34,8 +34,9 @@ MODEL = ["model.kind=gpt", "model.d_model=128", "model.seq_len=64", "model.n_lay
          "runtime.backend=numpy"]
 LAYOUTS = {4: [("dp 4", DP), ("sharding 2 x 4", sharding(2)), ("sharding 3 x 4", sharding(3)),
                ("pp 2 (1f1b, m 4) x dp 2", pipeline(2, 4) + DP), ("tp 2 x dp 2", TP2 + DP),
-               ("tp 2 x pp 2 (1f1b, m 4)", TP2 + pipeline(2, 4))],
-           2: [("dp 2", DP), ("sharding 3 x 2", sharding(3)), ("pp 2 (1f1b, m 4)", pipeline(2, 4)), ("tp 2", TP2)],
+               ("tp 2 x pp 2 (1f1b, m 4)", TP2 + pipeline(2, 4)), ("tp 2 sp x dp 2", TP2 + SP + DP)],
+           2: [("dp 2", DP), ("sharding 3 x 2", sharding(3)), ("pp 2 (1f1b, m 4)", pipeline(2, 4)), ("tp 2", TP2),
+               ("tp 2 sp", TP2 + SP)],
            1: [("1 process", [])]}
 TOLERANCE = 0.30
 

@@ -30,10 +30,7 @@ class SequenceParallel(TensorParallel):
     def _gather(self, x):
         """(B, T/t, C) on each rank -> (B, T, C) everywhere."""
         B, n, C = x.shape
-        out = np.empty_like(x, shape=(self.size, B, n, C))
-        self.comm.allgather(np.ascontiguousarray(x), out)
-        full = out.transpose(1, 0, 2, 3)
-        return full.reshape(B, self.size * n, C) if B == 1 else np.ascontiguousarray(full).reshape(B, -1, C)
+        return self.comm.allgather_axis1(np.ascontiguousarray(x), np.empty_like(x, shape=(B, self.size * n, C)))
 
     def _scatter_sum(self, x):
         """(B, T, C) partial sums on each rank -> this rank's (B, T/t, C) piece of their sum."""
