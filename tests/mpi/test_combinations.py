@@ -1,7 +1,7 @@
 """Every combination of the seven switches, with parallel degrees that fit the world, for the GPT and the
 Llama model kinds, trains like one process: float64 to rtol 1e-10 without amp; with amp (float16 or, in
-every other case, bfloat16 compute) within AMP_RTOL of the float32 one-process run. At -n 8 a sample of
-3-axis meshes runs."""
+every other case, bfloat16 compute) within AMP_RTOL of the float32 one-process run. Every other case with
+tensor parallelism turns sequence parallelism on. At -n 8 a sample of 3-axis meshes runs."""
 import itertools
 
 import numpy as np
@@ -63,6 +63,8 @@ def overrides(mesh, rc, gm, amp, i):
               f"strategy.pipeline.schedule={sched}"]
         if sched == "interleaved":
             o.append("strategy.pipeline.virtual_stages=2")
+    if "tp" in mesh and i % 2:      # sequence parallelism in every other tp case
+        o.append("strategy.tensor_parallel.sequence_parallel=true")
     if rc:
         o += ["strategy.recompute.enable=true", "strategy.recompute.every=2"]
     if gm:
