@@ -20,6 +20,15 @@ KEYS = ("nodes", "gpus_per_node", "cores_per_node", "mem_gb", "intra_bw_gbs", "i
         "block_us", "act_ns", "optimizer_ns")
 
 
+def calibrate_device(gpus_per_node: int | None = None, device: str = "auto") -> str:
+    """--calibrate --device cpu | gpu | auto (a GPU when CuPy sees one): the [cluster] table to print."""
+    from .backend import cupy_usable
+    if device == "gpu" or (device == "auto" and cupy_usable()):
+        from .calibrate_gpu import calibrate_gpu
+        return calibrate_gpu(gpus_per_node)
+    return calibrate(gpus_per_node)
+
+
 def calibrate(gpus_per_node: int | None = None) -> str:
     """Measure this machine and return a [cluster] table for --cluster (on rank 0; "" elsewhere)."""
     import numpy as np

@@ -136,8 +136,19 @@ def _plan_parser(sub) -> None:
                            ("intra-latency-us", float, "latency inside a node, microseconds"),
                            ("inter-latency-us", float, "latency between nodes, microseconds"),
                            ("tflops", float, "sustained 16-bit TFLOP/s per device (amp)"),
-                           ("tflops-fp32", float, "sustained float32 TFLOP/s"), ("tflops-fp64", float, "float64")):
+                           ("tflops-fp32", float, "sustained float32 TFLOP/s"), ("tflops-fp64", float, "float64"),
+                           ("reserve-gb", float, "memory kept free per device, GB (default: min(4, 5 %% of "
+                            "--mem-gb))")):
         pl.add_argument(f"--{flag}", type=tp, help=what)
+    pl.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                    help="--calibrate: measure the CPU (NumPy) or the GPU (CuPy); auto: the GPU when CuPy sees one")
+    pl.error = _plan_usage_error
+
+
+def _plan_usage_error(message: str):
+    """A bad `hpengine plan` argument: one stderr line (argparse's usage block left out), exit status 2."""
+    _say(f"hpengine plan: error: {message} (hpengine plan --help lists the arguments)")
+    raise SystemExit(2)
 
 
 def _cmd_plan(a) -> int:
@@ -284,7 +295,10 @@ def _closed_pipe() -> int:
 
 
 def _main(argv) -> int:
-    a = _parser().parse_args(argv)
+    p = _parser()
+    if list(sys.argv[1:] if argv is None else argv)[:1] == ["plan"]:    # unknown plan flags: one line too
+        p.error = _plan_usage_error
+    a = p.parse_args(argv)
     try:
         if a.cmd == "train":
             return _cmd_train(a)

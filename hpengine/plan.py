@@ -6,87 +6,18 @@ train.py calls check_at_start to log the prediction for the job it runs.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import os
 import time
-import tomllib
-from dataclasses import dataclass
 from itertools import product
 
-from .calibrate import GB, calibrate
+from .calibrate import GB, calibrate_device
+from .cluster import Cluster, PlanError, load_cluster  # noqa: F401 - Cluster and PlanError are part of plan's API
 from .config import ConfigError, Config, ModelConfig, enabled_strategies, load_config, to_toml, validate
 from .models import build_model
 from .plan_model import predict_stage, stages, step_time
 from .presets import ALIASES, PRESETS
 from .resolve import SWITCH_OF_AXIS, Resolved, resolve
-
-
-class PlanError(ConfigError):
-    """A planning request that cannot be answered (unknown preset, bad cluster, nothing fits)."""
-
-
-@dataclass
-class Cluster:
-    """The machine: devices, their memory and sustained FLOP/s, and the links between them."""
-    nodes: int = 1
-    gpus_per_node: int = 8
-    mem_gb: float = 80.0            # memory per device
-    intra_bw_gbs: float = 150.0     # per-device bandwidth inside a node (NVLink)
-    inter_bw_gbs: float = 25.0      # per-device bandwidth between nodes (InfiniBand)
-    intra_latency_us: float = 5.0   # per round of a small collective (--calibrate: as the engine calls one)
-    inter_latency_us: float = 10.0
-    tflops: float = 150.0           # sustained 16-bit FLOP/s (amp)
-    tflops_fp32: float = 15.0
-    tflops_fp64: float = 7.5
-    # measured on CPUs by --calibrate; the defaults leave them out (a GPU's step is its FLOPs and links)
-    cores_per_node: float = 0       # CPU cores the node's ranks share in effect (0: one per device, none shared)
-    block_us: float = 0.0           # overhead of a block's forward or backward pass (Python, NumPy calls)
-    act_ns: float = 0.0             # per 4 bytes of activations a forward caches: elementwise work, fwd + bwd
-    optimizer_ns: float = 0.0       # per owned float32 element: AdamW, its norm and zeroing
-    step_overhead_us: float = 0.0   # fixed per-step cost (Python, data); --calibrate leaves it out
-    overlap: float = 1.0            # share of the last backward that hides gradient sync (0: no progress beside it)
-    reduce_bw_gbs: float = 0.0      # a block's gradient reduced to its owner, inside a node (0: the link's)
-    allgather_bw_gbs: float = 0.0   # a block gathered from its owner (stage 3), inside a node (0: the link's)
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-
-MAY_BE_ZERO = ("cores_per_node", "block_us", "act_ns", "optimizer_ns", "step_overhead_us", "overlap", "reduce_bw_gbs",
-               "allgather_bw_gbs")
-
-
-def load_cluster(path=None, **flags) -> Cluster:
-    """A Cluster from the [cluster] table of a TOML file, then flags (None = not given); checked."""
-    raw = {}
-    if path:
-        try:
-            with open(path, "rb") as fh:
-                doc = tomllib.load(fh)
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise PlanError(f"--cluster {path}: {e}") from None
-        if not isinstance(doc.get("cluster"), dict):
-            raise PlanError(f"--cluster {path}: no [cluster] table")
-        raw = doc["cluster"]
-    raw.update({k: v for k, v in flags.items() if v is not None})
-    names = {f.name: f.type for f in dataclasses.fields(Cluster)}
-    for k, v in raw.items():
-        if k not in names:
-            raise PlanError(f"cluster.{k}: unknown key; valid keys: {', '.join(names)}")
-        ok = isinstance(v, int) if names[k] == "int" else isinstance(v, (int, float))
-        least = "non-negative" if k in MAY_BE_ZERO else "positive"
-        if not ok or isinstance(v, bool) or not (v >= 0 if k in MAY_BE_ZERO else v > 0) or not math.isfinite(v):
-            raise PlanError(f"cluster.{k} = {v!r}: must be a {least} {'integer' if names[k] == 'int' else 'number'}")
-    c = Cluster(**raw)
-    if c.inter_bw_gbs > c.intra_bw_gbs:
-        raise PlanError(f"cluster: inter_bw_gbs = {c.inter_bw_gbs} exceeds intra_bw_gbs = {c.intra_bw_gbs}; links "
-                        "between nodes are not faster than inside one, check the figures")
-    if c.inter_latency_us < c.intra_latency_us:
-        raise PlanError(f"cluster: inter_latency_us = {c.inter_latency_us} is below intra_latency_us = "
-                        f"{c.intra_latency_us}; check the figures")
-    return c
 
 
 def with_preset(cfg: Config, name: str) -> Config:
@@ -112,22 +43,33 @@ def _tp_ok(m, tp: int) -> bool:
     return not build_model(m).tp_divides(tp)
 
 
+def _recompute_modes(m) -> list[tuple]:
+    """(every, granularity) options: off, full, and selective where the model keeps attention probabilities."""
+    scores = build_model(m).cache_bytes(1, 1, 1, False, 1)["scores"]
+    return [(0, "full"), (1, "full")] + ([(1, "selective")] if scores else [])
+
+
 def candidates(cfg: Config, cluster: Cluster, max_rows: int = 8):
     """Every legal layout (resolve.Resolved) on the cluster: degrees that multiply to the world, tp within a
-    node and dividing heads and widths, exact batch arithmetic, each schedule, recompute, amp."""
+    node and dividing heads and widths (with and without sequence parallelism), exact batch arithmetic,
+    each schedule, recompute (full, selective), amp."""
     m, W, gb = cfg.model, cluster.world, cfg.train.global_batch
     tps = [t for t in _divisors(W) if t <= cluster.gpus_per_node and _tp_ok(m, t)]
+    modes, split_sends = _recompute_modes(m), cfg.strategy.pipeline.scatter_gather
     for tp, pp in [(t, p) for t in tps for p in _divisors(W // t) if p <= m.n_layers]:
         tensors = min(len(st.sizes(cfg.train.models)) for st in stages(m, tp, pp, 1))
+        sps = (False, True) if tp > 1 and m.seq_len % tp == 0 else (False,)
         for sh in [s for s in _divisors(W // (tp * pp)) if gb % (W // (tp * pp)) == 0]:
             dp, share = W // (tp * pp * sh), gb * tp * pp // W
             rows = [r for r in _divisors(share) if r <= max_rows]
-            for zstage, b, rc, amp in product([0] if sh == 1 else [1, 2, 3], rows, (0, 1), ("", "float16")):
+            for zstage, b, (rc, gran), amp, sp in product([0] if sh == 1 else [1, 2, 3], rows, modes, ("", "float16"),
+                                                          sps):
                 n = share // b          # micro-batches: the pipeline's, else gradient-merge passes
                 for sched, v in _schedules(pp, n, m.n_layers):
                     yield Resolved(tp, sh, dp, pp, zstage, "tensor" if sh <= tensors else "flat",
-                                 n if pp > 1 else 1, 1 if pp > 1 else n, v, sched, "uniform", rc, amp,
-                                 tuple(cfg.mesh.order), share, cfg.strategy.data_parallel.bucket_mb)
+                                   n if pp > 1 else 1, 1 if pp > 1 else n, v, sched, "uniform", rc, amp,
+                                   tuple(cfg.mesh.order), share, cfg.strategy.data_parallel.bucket_mb, gran, sp,
+                                   tp > 1 and pp > 1 and not sp and split_sends)
 
 
 def _schedules(pp: int, m: int, layers: int):
@@ -151,12 +93,13 @@ def evaluate(cfg: Config, lay: Resolved, cluster: Cluster | None, stage_ids=None
 
 
 def search(cfg: Config, cluster: Cluster, max_rows: int = 8) -> tuple[list[dict], int]:
-    """(layouts that fit, fastest first; how many were evaluated). Raises PlanError when none fits."""
+    """(layouts that fit in the device memory less the reserve, fastest first; how many were evaluated).
+    Raises PlanError when none fits."""
     fit, smallest, n = [], None, 0
     for lay in candidates(cfg, cluster, max_rows):
         n += 1
         r = evaluate(cfg, lay, cluster, (0, 1, lay.pp - 1))
-        if r["memory"]["total"] <= cluster.mem_gb * GB:
+        if r["memory"]["total"] <= cluster.usable_gb * GB:
             fit.append(r)
         elif smallest is None or r["memory"]["total"] < smallest["memory"]["total"]:
             smallest = r
@@ -165,7 +108,9 @@ def search(cfg: Config, cluster: Cluster, max_rows: int = 8) -> tuple[list[dict]
                         f"{cfg.train.global_batch} and the model's heads/widths admit no degrees that multiply to it")
     if not fit:
         raise PlanError(f"no layout fits: the smallest needs {smallest['memory']['total'] / GB:.1f} GB per device "
-                        f"({describe(smallest['layout'])}) but devices have {cluster.mem_gb:g} GB")
+                        f"({describe(smallest['layout'])}) but devices have {cluster.usable_gb:.4g} GB: "
+                        f"{cluster.mem_gb:g} GB less {cluster.reserve:g} GB kept free (cluster.reserve_gb, "
+                        "--reserve-gb)")
     fit.sort(key=lambda r: (round(r["time"]["step"], 9), _sent(r), r["memory"]["total"]))
     return fit, n
 
@@ -188,7 +133,8 @@ def config_for(cfg: Config, lay: Resolved) -> Config:
                                                               "partition": lay.partition},
             "pipeline": {"degree": lay.pp, "micro_batches": lay.m, "schedule": lay.schedule,
                          "virtual_stages": lay.v, "split": lay.split},
-            "tensor_parallel": {"degree": lay.tp}, "recompute": {"every": lay.recompute},
+            "tensor_parallel": {"degree": lay.tp, "sequence_parallel": lay.sp},
+            "recompute": {"every": lay.recompute, "granularity": lay.granularity},
             "gradient_merge": {"k_steps": lay.k}}
     for name, values in sets.items():
         if on[name]:                   # a switched-off table keeps the user's values
@@ -202,12 +148,12 @@ def config_for(cfg: Config, lay: Resolved) -> Config:
 
 def describe(lay: Resolved) -> str:
     """The switches of a layout in words: 'tp 8 x pp 4 (1f1b, 16 micro-batches) x sharding 2 (stage 1)'."""
-    parts = [f"tp {lay.tp}"] if lay.tp > 1 else []
+    parts = [f"tp {lay.tp}" + (" (sequence parallel)" if lay.sp else "")] if lay.tp > 1 else []
     if lay.pp > 1:
         parts.append(f"pp {lay.pp} ({lay.schedule}{f' v={lay.v}' if lay.v > 1 else ''}, {lay.m} micro-batches)")
     parts += [f"dp {lay.dp}"] if lay.dp > 1 else []
     parts += [f"sharding {lay.sh} (stage {lay.zstage})"] if lay.sh > 1 else []
-    extra = ([f"gradient merge {lay.k}"] if lay.k > 1 else []) + (["recompute"] if lay.recompute else []) \
+    extra = ([f"gradient merge {lay.k}"] if lay.k > 1 else []) + ([f"{'selective ' if lay.granularity == 'selective' else ''}recompute"] if lay.recompute else []) \
         + (["amp"] if lay.amp else [])
     return " x ".join(parts or ["1 rank"]) + "".join(f", {e}" for e in extra) + f"; {lay.rows} seq per micro-batch"
 
@@ -230,14 +176,15 @@ def table(results: list[dict], top: int) -> str:
     ms, mn = _unit(max(r["memory"]["total"] for r in rows), [(GB, "GB"), (1e6, "MB"), (1, "B")])
     ts, tn = _unit(max(r["time"]["step"] for r in rows), [(1, "s"), (1e-3, "ms"), (1e-6, "us")])
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'sh':>4} {'st':>2} {'sched':>11} {'m':>4} {'k':>3} {'mb':>3} "
-            f"{'rc':>2} {'amp':>3} | " + " ".join(f"{SHORT.get(c, c):>6}" for c in MEM_COLS) + f" {mn} | "
+            f"{'sp':>2} {'rc':>2} {'amp':>3} | " + " ".join(f"{SHORT.get(c, c):>6}" for c in MEM_COLS) + f" {mn} | "
             + " ".join(f"{SHORT.get(c, c):>7}" for c in TIME_COLS) + f" {tn} | {'tok/s':>9}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows, 1):
         lay = r["layout"]
         sched = "-" if lay.pp == 1 else lay.schedule + (f"/{lay.v}" if lay.v > 1 else "")
         lines.append(f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {lay.sh:>4} {lay.zstage or '-':>2} {sched:>11} "
-                     f"{lay.m:>4} {lay.k:>3} {lay.rows:>3} {'y' if lay.recompute else '-':>2} "
+                     f"{lay.m:>4} {lay.k:>3} {lay.rows:>3} {'y' if lay.sp else '-':>2} "
+                     f"{(lay.granularity[0] if lay.recompute else '-'):>2} "
                      f"{'y' if lay.amp else '-':>3} | " + " ".join(f"{r['memory'][c] / ms:>6.1f}" for c in MEM_COLS)
                      + "    | " + " ".join(f"{r['time'][c] / ts:>7.2f}" for c in TIME_COLS)
                      + f"    | {r['tokens_per_s']:>9,.0f}")
@@ -278,9 +225,10 @@ def check_text(cfg: Config, world: int, cluster: Cluster) -> str:
     out.append(f"traffic per step (pp stage {r['stage']}, bytes each rank counts):")
     for axis, ops in next(s for s in r["stages"] if s["stage"] == r["stage"])["traffic"].items():
         out.append(f"  {axis}: " + ", ".join(f"{op} {_bytes(b)}" for op, b in ops.items()))
-    fits = r["memory"]["total"] <= cluster.mem_gb * GB
-    out.append(f"{'fits' if fits else 'does NOT fit'} in {cluster.mem_gb:g} GB per device "
-               f"(worst stage {_bytes(r['memory']['total'])})")
+    total, usable = r["memory"]["total"], cluster.usable_gb * GB
+    room = f"headroom {_bytes(usable - total)}" if total <= usable else f"{_bytes(total - usable)} over"
+    out.append(f"{'fits' if total <= usable else 'does NOT fit'} in {cluster.mem_gb:g} GB per device less "
+               f"{cluster.reserve:g} GB kept free (worst stage {_bytes(total)}, {room})")
     return "\n".join(out)
 
 
@@ -290,7 +238,8 @@ def write_best(cfg: Config, best: dict, path: str, cluster: Cluster) -> Config:
     degree = {SWITCH_OF_AXIS[a]: d for a, d in resolve(c, cluster.world).degrees.items()}
     names = [f"{n}({degree[n]})" if n in degree else n for n in enabled_strategies(c)]
     head = [f"# hpengine plan for {cluster.world} devices ({cluster.nodes} x {cluster.gpus_per_node}, "
-            f"{cluster.mem_gb:g} GB): mpiexec -n {cluster.world} hpengine train {os.path.basename(path)}",
+            f"{cluster.mem_gb:g} GB, {cluster.reserve:g} GB kept free): mpiexec -n {cluster.world} hpengine train "
+            f"{os.path.basename(path)}",
             f"# strategies: {', '.join(names) or 'none (one rank)'}",
             f"# predicted: {best['memory']['total'] / GB:.2f} GB per device, step {best['time']['step']:.3g} s"]
     if c.model.vocab_size > 256 and not (c.data.path or getattr(c.data, "sources", None)):
@@ -311,7 +260,7 @@ def check_at_start(cfg: Config, world: int, log, rank: int = 0) -> dict | None:
     try:
         path, mem = os.environ.get("HPENGINE_CLUSTER"), os.environ.get("HPENGINE_DEVICE_MEMORY_GB")
         cluster = load_cluster(path) if path else None
-        limit = float(mem) * GB if mem else (cluster.mem_gb * GB if cluster else None)
+        limit = float(mem) * GB if mem else (cluster.usable_gb * GB if cluster else None)
         r = evaluate(cfg, resolve(cfg, world), cluster)
     except (ConfigError, ValueError, OSError) as e:
         log.warning("plan: no prediction for this job (%s)", e)
@@ -329,7 +278,8 @@ def check_at_start(cfg: Config, world: int, log, rank: int = 0) -> dict | None:
 
 
 CLUSTER_FLAGS = ("nodes", "gpus_per_node", "mem_gb", "intra_bw_gbs", "inter_bw_gbs", "intra_latency_us",
-                 "inter_latency_us", "tflops", "tflops_fp32", "tflops_fp64")   # cli.py's flags (the rest: --cluster)
+                 "inter_latency_us", "tflops", "tflops_fp32", "tflops_fp64",
+                 "reserve_gb")   # cli.py's flags (the rest: --cluster)
 
 
 def check_args(a) -> None:
@@ -339,6 +289,8 @@ def check_args(a) -> None:
         v = getattr(a, flag, None)
         if v is not None and v < least:
             raise PlanError(f"--{flag.replace('_', '-')} {v}: must be an integer >= {least}")
+    if getattr(a, "device", "auto") != "auto" and not a.calibrate:
+        raise PlanError(f"--device {a.device}: only applies with --calibrate")
     if getattr(a, "world", None) is not None and not a.check:
         raise PlanError(f"--world {a.world}: only applies with --check CFG (the search uses --nodes x "
                         "--gpus-per-node)")
@@ -351,7 +303,7 @@ def run(a) -> str:
     """The `hpengine plan` command (arguments from cli.py); returns the text to print."""
     check_args(a)
     if a.calibrate:
-        return calibrate(a.gpus_per_node)
+        return calibrate_device(a.gpus_per_node, getattr(a, "device", "auto"))
     cluster = load_cluster(a.cluster, **{k: getattr(a, k) for k in CLUSTER_FLAGS})
     if a.check:
         cfg = load_config(a.check, a.overrides)

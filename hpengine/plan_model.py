@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from .buffers import partition
-from . import plan_recompute as rc
+from . import plan_gpu, plan_recompute as rc, plan_tp
 from .models import build_model
 from .resolve import AXES, Resolved, resolve
 from .stage import build_stage, owner
@@ -37,6 +37,7 @@ class Stage:
     deps: tuple = ()       # (block, (blocks of this stage whose tensors it reads)), from stage.build_stage
     matmuls: tuple = ()    # (block, weight elements it multiplies by)
     tied: int = 0          # elements whose gradient is summed with another stage (a tied wte and its copy)
+    replicated: tuple = ()  # per tensor (sizes' order, one model): whether every tp rank holds it whole
 
     def sizes(self, models: int) -> list[int]:
         """Tensor element counts in layout order, for `models` models sharing the buffer."""
@@ -74,7 +75,7 @@ def _stages(mkey, tp, p, v, split) -> list[Stage]:
     for s in range(p):
         st = build_stage(mcfg, res, s, 0, models=[model])
         slot, lay = st.slots[0], st.layout
-        blocks, matmuls = [], []
+        blocks, matmuls, replicated = [], [], []
         for name in slot.blocks:
             b = slot.block(name)
             specs = st.block_specs[name]
@@ -85,11 +86,12 @@ def _stages(mkey, tp, p, v, split) -> list[Stage]:
             for t in b.reads:       # a tied head multiplies by wte, held here or by the embedding block
                 mm += next(math.prod(sp.local_shape(0, tp)) for sp in model.specs(owner(model, t)) if sp.name == t)
             blocks.append((name, tuple(sizes)))
+            replicated += [sp.tp_dim is None for sp in specs]
             matmuls.append((name, mm))
         kinds = tuple(slot.block(n) for n in slot.blocks)
         out.append(Stage(tuple(blocks), slot.chunks, sum(k.kind == "layer" for k in kinds), sum(n for _, n in matmuls),
                          kinds, tuple(st.deps.items()), tuple(matmuls),
-                         sum(lay.ranges[t].size for t in set(st.tied.values()))))
+                         sum(lay.ranges[t].size for t in set(st.tied.values())), tuple(replicated)))
     return out
 
 
@@ -137,7 +139,7 @@ def block_activations(mcfg, lay: Resolved, item: int) -> dict:
     """Bytes the engine's forward caches per block kind for one micro-batch (what Engine.cache_peak
     counts), as the model's layers report them; "input" is what a recomputed layer keeps, "scores" what
     selective recompute drops."""
-    return build_model(mcfg, lay.tp).cache_bytes(lay.rows, lay.tp, item, lay.amp, lay.share)
+    return build_model(mcfg, lay.tp).cache_bytes(lay.rows, lay.tp, item, lay.amp, lay.share, lay.seq_parts)
 
 
 def chunk_activations(mcfg, st: Stage, chunk, lay: Resolved, item: int) -> int:
@@ -185,7 +187,7 @@ def buffers(mcfg, st: Stage, lay: Resolved, own: int) -> int:
         out += (2 * big + sum(st.block(d) for d in _read_blocks(st))) * w
     out += rc.transient(block_activations(mcfg, lay, item), st, lay)
     if lay.pp > 1:
-        out += 2 * lay.rows * mcfg.seq_len * mcfg.d_model * item
+        out += 2 * lay.rows * mcfg.seq_len // lay.seq_parts * mcfg.d_model * item
     return out + (4 * own if lay.amp else 0)
 
 
@@ -221,27 +223,19 @@ def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=Non
         out["dp"] = {"allreduce": psi * g + F64 * M}
     tokens = lay.share * mcfg.seq_len * M
     if lay.tp > 1:
-        heads = len(st.of_kind("head"))
-        ce = 3 * heads * (4 if lay.amp else item)     # the loss's max, sum and target logit
-        out["tp"] = {"allreduce": tokens * (_tp_activation_calls(mcfg, st, lay) * mcfg.d_model * item + ce) + F64 * M}
+        rep = plan_tp.replicated_owned(st, lay, M, _partition, sh_rank) if lay.sp else 0
+        out["tp"] = plan_tp.traffic(mcfg, st, lay, tokens, item, g, 4 if lay.amp else item, F64 * M, rep)
     hops = _hops(lay, stage)
     if hops:                 # activations to the next virtual stage, gradients to the previous one
-        act = tokens * mcfg.d_model * item * hops
+        act, gathered = plan_tp.pipeline_bytes(mcfg, lay, tokens, item, hops)
         out["pp"] = {"send": act, "recv": act}
+        if gathered:
+            out["tp"]["allgather"] = out["tp"].get("allgather", 0) + gathered
     if lay.pp > 1:
         out["pp"]["allreduce"] = 2 * F64 * M
         if st.tied:
             out["tied"] = {"allreduce": M * st.tied * g}
     return out
-
-
-def _tp_activation_calls(mcfg, st: Stage, lay: Resolved) -> int:
-    """Allreduces of a (B, T, C) activation per micro-batch through the stage under tensor parallelism: a
-    layer's forward and backward ones (its forward's again when it is recomputed), the embedding's
-    forward and the head's backward."""
-    fwd, bwd = build_model(mcfg, lay.tp).tp_allreduces()
-    again = len(rc.full(st, lay))
-    return (fwd + bwd) * st.layers + fwd * again + len(st.of_kind("embed")) + len(st.of_kind("head"))
 
 
 def _hops(lay: Resolved, stage: int) -> int:
@@ -311,16 +305,20 @@ def oversubscription(lay: Resolved, cluster) -> float:
 
 def compute_s(mcfg, st: Stage, lay: Resolved, cluster) -> float:
     """Seconds of one micro-batch of one model through the stage on one device (or core): its matmul
-    FLOPs at the sustained rate; on CPUs (calibrated block_us, act_ns) also a fixed overhead per block
-    pass (forward, backward, and a recomputed block's second forward) and the elementwise passes
-    (layernorm, softmax, GELU, residuals) over the activations the forward caches, by their bytes (a
-    second forward: about half of its layer's again; a selective rebuild: the probabilities)."""
+    FLOPs at the sustained rate (GPU clusters with gemm_half_dim, mem_bw_gbs or launch_us: each GEMM at
+    its shape's rate and the cached bytes' element-wise passes at the memory bandwidth, plan_gpu.py); on
+    CPUs (calibrated block_us, act_ns) also a fixed overhead per block pass (forward, backward, and a
+    recomputed block's second forward) and the elementwise passes (layernorm, softmax, GELU, residuals)
+    over the activations the forward caches, by their bytes (a second forward: about half of its layer's
+    again; a selective rebuild: the probabilities)."""
     item = precision(mcfg, lay.amp)[3]
     again = len(rc.full(st, lay))
     a = block_activations(mcfg, lay, item)
     cached = sum(a[b.kind] for b in st.kinds) + rc.elementwise_bytes(a, st, lay)
-    return (flops_per_microbatch(mcfg, st, lay) / _device_flops(mcfg, lay, cluster)
-            + (2 * len(st.names) + again) * cluster.block_us * 1e-6 + cached / 4 * cluster.act_ns * 1e-9)
+    peak = _device_flops(mcfg, lay, cluster)
+    work = (plan_gpu.compute_s(mcfg, st, lay, cluster, peak, item, cached) if plan_gpu.enabled(cluster)
+            else flops_per_microbatch(mcfg, st, lay) / peak)
+    return work + (2 * len(st.names) + again) * cluster.block_us * 1e-6 + cached / 4 * cluster.act_ns * 1e-9
 
 
 # small allreduces a step makes on each axis: squared gradient norms (sharding, pp, tp), losses (sharding, dp, pp)
@@ -345,11 +343,16 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
     deg = _degrees(lay)
     fixed += sum(collective_s("allreduce", deg[a], 0, c, *link(lay, a, cluster)) for a, c in SCALAR_CALLS.items())
     out = {"compute": comp, "tp": 0.0, "pp": 0.0, "dp": 0.0, "sharding": 0.0, "fixed": fixed}
-    if "tp" in tr:
-        calls = M * (_tp_activation_calls(mcfg, st, lay) + 2 * len(st.of_kind("head")))
-        out["tp"] = collective_s("allreduce", lay.tp, tr["tp"]["allreduce"] / mb, calls, *link(lay, "tp", cluster))
+    tp_link = lambda op: link(lay, "tp", cluster, op)      # noqa: E731
+    _, gathered = plan_tp.pipeline_bytes(mcfg, lay, lay.share * mcfg.seq_len * M, precision(mcfg, lay.amp)[3],
+                                         _hops(lay, stage))
+    if "tp" in tr:          # the tp regions' collectives; a split pipeline send's gather counts with pp
+        per_mb = {op: (n - (gathered if op == "allgather" else 0)) / mb for op, n in tr["tp"].items()}
+        out["tp"] = plan_tp.tp_seconds(mcfg, st, lay, M, {op: n for op, n in per_mb.items() if n}, tp_link,
+                                       collective_s)
     if "pp" in tr:
-        out["pp"] = collective_s("send", 2, tr["pp"]["send"] / mb, _hops(lay, stage) * M, *link(lay, "pp", cluster))
+        out["pp"] = (collective_s("send", 2, tr["pp"]["send"] / mb, _hops(lay, stage) * M, *link(lay, "pp", cluster))
+                     + plan_tp.pipeline_gather_seconds(lay, gathered / mb, _hops(lay, stage), M, tp_link, collective_s))
     hide = cluster.overlap * comp           # what may hide gradient sync: the last backward, 2/3 of a micro-batch
     if "dp" in tr:
         a, b = link(lay, "dp", cluster)

@@ -1,0 +1,68 @@
+"""The planner's sequence parallelism against Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models", section 4.2.2): with tensor and sequence parallelism of degree t, every part of a
+layer's activations is split t ways, so a layer caches exactly 1/t of what it caches on one rank; without
+sequence parallelism the norms and the linear inputs stay whole on every rank. Layouts: the config's
+switch reaches the resolved layout and the planner's search."""
+import pytest
+
+from hpengine.config import load_config
+from hpengine.models import build_model
+from hpengine.plan import Cluster, candidates, config_for
+from hpengine.plan_tp import activation_calls
+from hpengine.plan_model import stages
+from hpengine.resolve import LayoutError, resolve
+
+MODEL = ["model.d_model=64", "model.n_heads=8", "model.seq_len=32", "model.n_layers=2", "model.vocab_size=256"]
+KINDS = {"gpt": [], "gpt_flash": ["model.attention=flash"], "mlp": ["model.kind=mlp"],
+         "llama": ["model.kind=llama", "model.n_kv_heads=4", "model.ffn_hidden=96"],
+         "llama_flash": ["model.kind=llama", "model.n_kv_heads=4", "model.ffn_hidden=96", "model.attention=flash"]}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("item", [2, 4])
+def test_layer_activations_split_t_ways(kind, t, item):
+    mcfg = load_config(None, MODEL + KINDS[kind]).model
+    rows = 3
+    one = build_model(mcfg, 1).cache_bytes(rows, 1, item, item == 2, rows)
+    sp = build_model(mcfg, t).cache_bytes(rows, t, item, item == 2, rows, parts=t)
+    tp = build_model(mcfg, t).cache_bytes(rows, t, item, item == 2, rows)
+    assert sp["layer"] * t == one["layer"]
+    assert sp["input"] * t == one["input"]
+    assert sp["scores"] * t == one["scores"]
+    # plain tp keeps the norms' caches and the two linear inputs whole: more than 1/t, less than one rank
+    assert one["layer"] > tp["layer"] > sp["layer"]
+
+
+def test_sequence_parallel_calls_by_hand():
+    """Per micro-batch through a whole 2-layer GPT: plain tp 2 allreduces forward + 2 backward per layer,
+    1 for the embedding, 1 for the head; sequence parallel 3 x 2 all-gathers and 2 x 2 reduce-scatters per
+    layer, the embedding 1 + 1, the head 2 + 1 (the same count tests/mpi measures on the engine)."""
+    mcfg = load_config(None, MODEL).model
+    st = stages(mcfg, 2, 1, 1)[0]
+    plain = resolve(load_config(None, MODEL + ["strategy.tensor_parallel.enable=true"]), 2)
+    sp = resolve(load_config(None, MODEL + ["strategy.tensor_parallel.enable=true",
+                                            "strategy.tensor_parallel.sequence_parallel=true"]), 2)
+    assert activation_calls(mcfg, st, plain) == {"allreduce": 4 * 2 + 2}
+    assert activation_calls(mcfg, st, sp) == {"allgather": 6 * 2 + 3, "reduce_scatter": 4 * 2 + 2}
+
+
+def test_seq_len_must_divide():
+    cfg = load_config(None, MODEL + ["model.seq_len=30", "strategy.tensor_parallel.enable=true",
+                                     "strategy.tensor_parallel.sequence_parallel=true"])
+    with pytest.raises(LayoutError, match=r"model.seq_len = 30 divisible by tensor_parallel.degree = 4"):
+        resolve(cfg, 4)
+
+
+def test_one_rank_leaves_it_off():
+    cfg = load_config(None, MODEL + ["strategy.tensor_parallel.sequence_parallel=true"])
+    assert not resolve(cfg, 1).sp
+
+
+def test_search_offers_sequence_parallel_and_selective_and_writes_them():
+    cfg = load_config(None, MODEL + ["train.global_batch=8"])
+    lays = list(candidates(cfg, Cluster(nodes=1, gpus_per_node=4)))
+    assert any(l.sp for l in lays) and any(l.granularity == "selective" and l.recompute for l in lays)
+    assert not any(l.sp for l in lays if l.tp == 1)
+    for lay in [l for l in lays if l.sp or l.scatter][:20]:
+        assert resolve(config_for(cfg, lay), lay.world) == lay
