@@ -25,7 +25,8 @@ if str(HERE) not in sys.path:
 from gpu_check_bandwidth import worker_bandwidth                               # noqa: E402
 from gpu_check_hpengine import worker_corpus, worker_hpengine, worker_losses    # noqa: E402
 from gpu_check_options import parse, part_limit                                # noqa: E402
-from gpu_check_report import Row, build_rows, format_table, markdown_table, pytest_counts, verdict  # noqa: E402
+from gpu_check_report import (Row, build_rows, cluster_table, format_table, markdown_table, pytest_counts,  # noqa: E402
+                              verdict)
 from gpu_check_torch import worker_torch                                        # noqa: E402
 
 
@@ -179,6 +180,10 @@ def orchestrate(a) -> int:
             runner.run("bandwidth", me + ["--worker", "bandwidth", "--bw-params", str(a.bw_params), "--bw-reps",
                                           str(a.bw_reps), "--bw-inner", str(a.bw_inner), "--pack-segments",
                                           str(a.pack_segments)], part_limit(a, "bandwidth"))
+        if "calibrate" in a.parts:     # the planner's GPU figures (plan_gpu.py) for clusters/h200_node.toml
+            r = runner.run("calibrate", [sys.executable, "-m", "hpengine", "plan", "--calibrate", "--device",
+                                         "cpu" if a.cpu_smoke else "gpu"], part_limit(a, "calibrate"), parse_json=False)
+            r["cluster"] = cluster_table(r.pop("log") or "")
         speed_args = ["--steps", str(a.steps), "--warmup-steps", str(a.warmup_steps), "--warmup-s",
                       str(a.warmup_s), "--gpt2-batch", str(a.gpt2_batch)]
         torch_cmd = [a.torch_python, str(Path(__file__).resolve())] + (["--cpu-smoke"] if a.cpu_smoke else [])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of hpengine, for one GPU machine without network access: the GPU tests, the
-# AdamW and pack kernels' bandwidth against a device-to-device copy, tokens/s of the reference GPT and of a
+# AdamW and pack kernels' bandwidth against a device-to-device copy, the planner's GPU calibration, tokens/s of the reference GPT and of a
 # GPT-2-small-sized model next to PyTorch eager, and a 2-rank host-staged run on the one GPU. Prints a
 # table last; with $OUT set, writes gpu_check.json, gpu_check.md and gpu_check.log there. Under 8 minutes:
 # setup <= ~30 s, then the parts inside a 440 s deadline, each with its own limit (benchmarks/gpu_check.py).

@@ -10,7 +10,7 @@ import re
 import sys
 
 DESCRIPTION = "GPU check: GPU tests, kernel bandwidth, tokens/s vs PyTorch eager, a 2-rank staged run."
-PARTS = ("tests", "bandwidth", "ref", "dp2", "gpt2")       # the order they run in
+PARTS = ("tests", "bandwidth", "calibrate", "ref", "dp2", "gpt2")       # the order they run in
 ADAMW_BYTES_PER_PARAM = 28        # read p, g, m, v + write p, m, v (float32); the mask byte not counted
 BW_TARGET = 0.85                  # kernel bandwidth / copy bandwidth
 SPEED_TARGET = 1.0                # hpengine tokens/s / PyTorch eager tokens/s
@@ -29,7 +29,7 @@ SMOKE_MODELS = {
 }
 # per-part limits in seconds (GPU, smoke); the overall deadline clips them further
 LIMITS = {
-    "corpus": (30, 30), "tests": (150, 60), "bandwidth": (60, 30),
+    "corpus": (30, 30), "tests": (150, 60), "bandwidth": (60, 30), "calibrate": (60, 30),
     "hpengine": (120, 45), "torch": (75, 45), "dp2-1": (60, 45), "dp2-2": (90, 45),
 }
 WORKER_NAMES = ("corpus", "bandwidth", "hpengine", "torch", "losses")

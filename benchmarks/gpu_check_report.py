@@ -64,6 +64,16 @@ def pytest_counts(text: str) -> dict | None:
     return None
 
 
+def cluster_table(text: str) -> dict:
+    """The `key = value` lines of a printed [cluster] table (plan --calibrate), numbers as floats."""
+    out = {}
+    for line in text.splitlines():
+        m = re.fullmatch(r"\s*([a-z_0-9]+)\s*=\s*([-+0-9.eE]+)\s*", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
 # ------------------------------------------------------------------------------- the table
 
 @dataclass
@@ -146,6 +156,17 @@ def rows_bandwidth(res: dict | None, smoke: bool) -> list[Row]:
     return rows
 
 
+def rows_calibrate(res: dict | None) -> list[Row]:
+    """The planner's measured GPU figures (for clusters/h200_node.toml), information only."""
+    c = (res or {}).get("cluster") or {}
+    if not c or res.get("error"):
+        return [Row("planner calibration (plan --calibrate)", _err(res, "calibrate") if res else "not run", "-",
+                    "SKIP" if res and res.get("skipped") else "INFO", res or {})]
+    keys = [k for k in ("gemm_eff_max", "gemm_half_dim", "mem_bw_gbs", "launch_us", "tflops", "tflops_fp32", "act_ns")
+            if k in c]
+    return [Row("planner calibration (plan --calibrate)", ", ".join(f"{k} {c[k]:.4g}" for k in keys), "-", "INFO", c)]
+
+
 def rows_speed(model: str, shape: dict, hpe: dict | None, torch_res: dict, attn: list[str], smoke: bool) -> list[Row]:
     label = "ref GPT" if model == "ref" else "GPT-2 small"
     what = f"tokens/s {label} {model_label(shape)}"
@@ -205,6 +226,8 @@ def build_rows(results: dict, a) -> list[Row]:
         rows += rows_tests(results.get("tests"), smoke)
     if "bandwidth" in a.parts:
         rows += rows_bandwidth(results.get("bandwidth"), smoke)
+    if "calibrate" in a.parts:
+        rows += rows_calibrate(results.get("calibrate"))
     for m in ("ref", "gpt2"):
         if m in a.parts:
             rows += rows_speed(m, model_shape(a, m), results.get(f"{m}:hpengine"),

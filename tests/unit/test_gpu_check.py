@@ -235,6 +235,7 @@ def test_cpu_smoke_end_to_end(tmp_path):
     assert by["GPU tests (pytest tests/gpu)"]["status"] == "PASS"
     assert doc["results"]["bandwidth"]["timings"]["adamw"]["traffic"] == 28 * (1 << 20)
     assert doc["results"]["ref:hpengine"]["tokens_per_s"] > 0
+    assert doc["results"]["calibrate"]["cluster"]["tflops_fp32"] > 0      # --device cpu in the smoke run
     mpi = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
     if mpi:
         assert [r["status"] for r in doc["rows"] if r["what"].startswith("2 ranks")] == ["PASS", "PASS"]
