@@ -228,8 +228,8 @@ class GradientMergeConfig:
 class AmpConfig:
     """Low-precision compute, float32 master weights, dynamic loss scaling."""
     enable: bool = _f(False, "turn mixed precision on")
-    dtype: str = _f("float16", "compute dtype: float16, or bfloat16 (emulated on NumPy and CuPy: bf16 values in "
-                    "float32 storage, hpengine/precision.py)", choices=("float16", "bfloat16"))
+    dtype: str = _f("float16", "compute dtype: float16, or bfloat16 (bf16 values in float32 storage, "
+                    "hpengine/precision.py; every GEMM with bf16 operands and float32 sums, nn/bf16_gemm.py)", choices=("float16", "bfloat16"))
     loss_scaling: str = _f("auto", "dynamic loss scaling: auto (on for float16, off for bfloat16), dynamic, off",
                            choices=("auto", "dynamic", "off"))
     grad_dtype: str = _f("float32", "bfloat16 only: dtype gradients accumulate and are reduced in (float32 as "

@@ -17,6 +17,7 @@ from . import state
 from .comm import Comm
 from .init import init_range
 from .models import LocalTP
+from .nn import bf16_gemm
 from .optim import AdamW, clip_coefficient, lr_at, sum_of_squares
 from .precision import round_bf16_
 from .stage import build_stage
@@ -202,7 +203,8 @@ class Engine:
         is on); returns this rank's share of the global-mean loss."""
         fwd = lambda chunk, h, t, g: self.chunk_forward(slot, chunk, h, t, norm, g)  # noqa: E731
         bwd = lambda chunk, d, c: self.chunk_backward(slot, chunk, d, c)  # noqa: E731
-        return self.pipe.run(slot.chunks, fwd, bwd, self.sync.begin_pass, x, y, last_pass, grad, self.tracer)
+        with bf16_gemm.operands(self.bf16):     # bf16 amp: every GEMM takes bfloat16 operands
+            return self.pipe.run(slot.chunks, fwd, bwd, self.sync.begin_pass, x, y, last_pass, grad, self.tracer)
 
     def _rows(self, split, step, seed):
         x, y = self.data.batch(split, step, seed, self.cfg.train.global_batch,

@@ -6,7 +6,8 @@ Under strategy.amp with dtype = "bfloat16" the engine rounds at the points where
 stores a tensor: the compute copy of the parameters (written from the float32 masters after every update,
 after initialisation and after a load), every block's output activation and its saved activations
 (caches), every block's input gradient in backward and, with amp.grad_dtype = "bfloat16", the gradients
-each block accumulates and the reduced gradient. Inside a block the arithmetic is float32, as inside a
+each block accumulates and the reduced gradient. Every GEMM takes bfloat16 operands and sums in float32
+(nn/bf16_gemm.py, inside the engine's passes); the rest of a block's arithmetic is float32, as inside a
 fused kernel that reads bf16 and computes in fp32.
 """
 from __future__ import annotations

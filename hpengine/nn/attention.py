@@ -14,7 +14,7 @@ first attending only to the first half of the keys: a quarter of the scores
 """
 import math
 
-from . import fused, gemm
+from . import bf16_gemm, fused, gemm
 
 
 def _blocks(T):
@@ -48,7 +48,10 @@ def _heads(a, n_heads, parts):
 
 
 def _mm(xp, a, b, out=None, accumulate=False):
-    # a @ b, into out or added to it; on CuPy through strided cuBLAS calls that copy no operand
+    # a @ b, into out or added to it; on CuPy through strided cuBLAS calls that copy no operand; bf16
+    # operands under bf16 amp (bf16_gemm.py)
+    if bf16_gemm.active():
+        return bf16_gemm.matmul(xp, a, b, out, accumulate)
     if _on_gpu(xp):
         return gemm.matmul(xp, a, b, out, accumulate)
     if accumulate:

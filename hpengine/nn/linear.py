@@ -2,14 +2,14 @@
 
 Leading dims are folded into one so every product is a single 2-D GEMM.
 """
-from . import fused, gemm
+from . import bf16_gemm, fused, gemm
 
 
 def linear_forward(xp, x, w, b=None):
     # x: (..., C), w: (C, OC), b: (OC,) or None -> y: (..., OC)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    y = x2 @ w
+    y = bf16_gemm.matmul(xp, x2, w) if bf16_gemm.active() else x2 @ w
     if b is not None:
         y += b
     # the cache keeps no weight: under stage-3 sharding the gathered weights are freed after forward
@@ -20,7 +20,9 @@ def linear_backward(xp, dy, cache, w, dw, db=None):
     # dy: (..., OC), w, dw: (C, OC), db: (OC,) or None -> dx: (..., C)
     x2, lead = cache
     dy2 = dy.reshape(-1, w.shape[1])
-    if fused.usable(xp, x2, dy2, dw):
+    if bf16_gemm.active():                                   # bf16 amp: bfloat16 operands, float32 sums
+        bf16_gemm.matmul(xp, x2.T, dy2, dw, accumulate=True)
+    elif fused.usable(xp, x2, dy2, dw):
         gemm.matmul(xp, x2.T, dy2, dw, accumulate=True)     # cuBLAS adds into dw: no temporary
     else:
         dw += x2.T @ dy2
@@ -28,7 +30,8 @@ def linear_backward(xp, dy, cache, w, dw, db=None):
         fused.colsum_(xp, dy2, db)
     elif db is not None:
         db += dy2.sum(axis=0)
-    return (dy2 @ w.T).reshape(*lead, w.shape[0])
+    dx = bf16_gemm.matmul(xp, dy2, w.T) if bf16_gemm.active() else dy2 @ w.T
+    return dx.reshape(*lead, w.shape[0])
 
 
 def linear_drop_input(cache):

@@ -1,0 +1,131 @@
+"""Matrix products with bfloat16 operands and float32 accumulation, as a bf16 implementation runs every
+GEMM on tensor cores (cuBLAS with CUDA_R_16BF inputs and CUBLAS_COMPUTE_32F; Megatron's bf16 training).
+
+Under strategy.amp with dtype = "bfloat16" the engine runs its passes inside `operands(True)`; the layers'
+GEMMs (linear forward and both backward products, every attention product) then come here. Arrays stay
+float32 (precision.py's emulated storage) and the operands are rounded to the nearest bfloat16 on the way
+in:
+- NumPy: rounded float32 copies multiplied by float32 BLAS. A product of two bf16 values is exact in
+  float32 (8 + 8 significant bits), so this is the tensor-core GEMM up to the order of the float32 sums.
+- CuPy: each operand converted once to bf16 bits (uint16, contiguous; one pass that reads the strided
+  view), then cublasGemmStridedBatchedEx over the calls gemm.plan makes for those contiguous copies and
+  the (possibly strided) float32 output, which it writes or accumulates into.
+`launch_args` builds the cuBLAS arguments without a GPU, so the CPU tests emulate them in NumPy against
+CuPy's binding order.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from ..precision import round_bf16_
+from . import gemm
+
+CUDA_R_32F, CUDA_R_16BF = 0, 14            # cudaDataType_t
+CUBLAS_COMPUTE_32F = 68                    # cublasComputeType_t
+CUBLAS_GEMM_DEFAULT = -1                   # cublasGemmAlgo_t: cuBLAS picks (tensor cores for bf16)
+_STATE = {"on": False}
+
+# float32 x -> uint16 y, the bfloat16 nearest x (ties to even); inf stays inf, a NaN stays a NaN (a payload
+# only in the low half would otherwise truncate to inf). The body of cupy.ElementwiseKernel; the CPU tests
+# compile it inside a __global__ function with nvcc.
+TO_BF16_BODY = """
+unsigned int u = __float_as_uint(x);
+if ((u & 0x7F800000u) == 0x7F800000u) {
+    y = (unsigned short)((u >> 16) | ((u & 0x007FFFFFu) ? 0x0040u : 0u));
+} else {
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    y = (unsigned short)(u >> 16);
+}
+"""
+_KERNEL: dict = {}
+
+
+@contextlib.contextmanager
+def operands(bf16: bool):
+    """GEMMs inside take bfloat16 operands when bf16 is true (the engine's passes under bf16 amp)."""
+    prev, _STATE["on"] = _STATE["on"], bool(bf16)
+    try:
+        yield
+    finally:
+        _STATE["on"] = prev
+
+
+def active() -> bool:
+    return _STATE["on"]
+
+
+def matmul(xp, a, b, out=None, accumulate=False):
+    """out = a @ b (or out += a @ b) with a and b rounded to bfloat16, float32 products and sums; float32
+    arrays in and out (equal leading dims, as gemm.plan takes them). Returns out."""
+    if a.dtype != np.float32 or b.dtype != np.float32:
+        raise TypeError(f"bf16 operands come from float32 storage, got {a.dtype} @ {b.dtype}")
+    if xp.__name__ != "cupy":
+        r = _rounded(xp, a) @ _rounded(xp, b)
+        if out is None:
+            return r
+        if accumulate:
+            out += r
+        else:
+            out[...] = r
+        return out
+    if out is None:
+        out = xp.empty(a.shape[:-1] + b.shape[-1:], dtype=np.float32)
+        accumulate = False
+    a16, b16 = to_bf16_bits(xp, a), to_bf16_bits(xp, b)
+    calls = gemm.plan(a16.shape, _elements(a16), b16.shape, _elements(b16), out.shape, _elements(out))
+    target = out
+    if calls is None:                    # an output cuBLAS cannot write in place: a contiguous one first
+        target = xp.empty(out.shape, dtype=np.float32)
+        calls = gemm.plan(a16.shape, _elements(a16), b16.shape, _elements(b16), target.shape, _elements(target))
+    _launch(xp, calls, a16, b16, target, accumulate and target is out)
+    if target is not out:
+        if accumulate:
+            out += target
+        else:
+            out[...] = target
+    return out
+
+
+def _rounded(xp, a):
+    return round_bf16_(xp, np.array(a, dtype=np.float32, copy=True))
+
+
+def _elements(x) -> tuple:
+    return tuple(s // x.itemsize for s in x.strides)
+
+
+def to_bf16_bits(xp, a):
+    """The bfloat16 bits (uint16, C-contiguous) of float32 array a, in one pass over any strides (CuPy)."""
+    if "k" not in _KERNEL:
+        _KERNEL["k"] = xp.ElementwiseKernel("float32 x", "uint16 y", TO_BF16_BODY, "hpengine_to_bf16")
+    return _KERNEL["k"](a, xp.empty(a.shape, dtype=np.uint16))
+
+
+def bf16_bits_numpy(a: np.ndarray) -> np.ndarray:
+    """TO_BF16_BODY in NumPy (the CPU tests hold it against ml_dtypes)."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    special = (u & 0x7F800000) == 0x7F800000
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    kept = ((u >> 16) | np.where((u & 0x007FFFFF) != 0, 0x0040, 0)).astype(np.uint16)
+    return np.where(special, kept, rounded).astype(np.uint16)
+
+
+def launch_args(calls, a_ptr: int, b_ptr: int, out_ptr: int, alpha_ptr: int, beta_ptr: int, handle: int) -> list:
+    """The arguments of cublas.gemmStridedBatchedEx for each planned call, in CuPy's binding order: (handle,
+    transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb, strideB, beta, C, Ctype, ldc,
+    strideC, batchCount, computeType, algo). cuBLAS's A is b (bf16 bits, 2 bytes an element), its B is a,
+    C the float32 output (see gemm.plan)."""
+    return [(handle, c.transa, c.transb, c.m, c.n, c.k, alpha_ptr, b_ptr + 2 * c.a_off, CUDA_R_16BF, c.lda,
+             c.stride_a, a_ptr + 2 * c.b_off, CUDA_R_16BF, c.ldb, c.stride_b, beta_ptr, out_ptr + 4 * c.c_off,
+             CUDA_R_32F, c.ldc, c.stride_c, c.batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) for c in calls]
+
+
+def _launch(xp, calls, a16, b16, out, accumulate):
+    from .. import backend
+    cublas = backend.cublas_module()
+    one, beta = np.ones(1, np.float32), np.full(1, 1.0 if accumulate else 0.0, np.float32)
+    for args in launch_args(calls, a16.data.ptr, b16.data.ptr, out.data.ptr, one.ctypes.data, beta.ctypes.data,
+                            xp.cuda.device.get_cublas_handle()):
+        cublas.gemmStridedBatchedEx(*args)

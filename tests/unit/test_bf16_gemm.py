@@ -1,0 +1,169 @@
+"""GEMMs with bfloat16 operands and float32 accumulation (hpengine/nn/bf16_gemm.py) without a GPU: the
+conversion to bf16 bits against ml_dtypes, the NumPy product against a float64 oracle on ml_dtypes-rounded
+operands, the cuBLAS GemmStridedBatchedEx arguments emulated in NumPy (column-major, through the pointers
+they carry) for the views attention multiplies, the conversion kernel's body compiled by nvcc, and the
+engine routing every GEMM through it under bf16 amp only."""
+from __future__ import annotations
+
+import ctypes
+import inspect
+
+import ml_dtypes
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpengine import kernels
+from hpengine.config import load_config
+from hpengine.nn import bf16_gemm, gemm
+from hpengine.train import build
+
+
+def bf16(a) -> np.ndarray:
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def test_bits_equal_ml_dtypes():
+    rng = np.random.default_rng(0)
+    u = rng.integers(0, 2**32, size=500_000, dtype=np.uint64).astype(np.uint32)
+    u = np.concatenate([u, np.array([0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0x7F7FFFFF, 0x00008000,
+                                     0x3F808000, 0x3F818000, 0x80000000, 0], np.uint32)])
+    x = u.view(np.float32)
+    got = bf16_gemm.bf16_bits_numpy(x)
+    with np.errstate(invalid="ignore"):
+        want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    back = (got.astype(np.uint32) << 16).view(np.float32)
+    assert np.isnan(back[nan]).all()                       # a NaN stays a NaN, never inf
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_numpy_product_is_bf16_operands_float32_sums(accumulate):
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(size=(3, 17, 40)).astype(np.float32), rng.normal(size=(3, 40, 9)).astype(np.float32)
+    out = rng.normal(size=(3, 17, 9)).astype(np.float32)
+    start = out.copy()
+    bf16_gemm.matmul(np, a, b, out, accumulate)
+    oracle = bf16(a).astype(np.float64) @ bf16(b).astype(np.float64) + (start if accumulate else 0)
+    np.testing.assert_allclose(out, oracle, rtol=2e-6, atol=2e-6)
+    assert not np.allclose(a.astype(np.float64) @ b, oracle, rtol=1e-5, atol=1e-5)   # the rounding shows
+    assert bf16_gemm.matmul(np, a, b).dtype == np.float32
+
+
+class Memory:
+    """Pointers the cuBLAS arguments carry, mapped back to the NumPy buffers they point into."""
+
+    def __init__(self, *bufs):
+        self.bufs = bufs
+
+    def at(self, ptr: int, itemsize: int):
+        for buf in self.bufs:
+            base = buf.__array_interface__["data"][0]
+            if base <= ptr < base + buf.nbytes:
+                assert (ptr - base) % itemsize == 0 and buf.itemsize == itemsize
+                return buf, (ptr - base) // itemsize
+        raise AssertionError(f"pointer {ptr:#x} outside every buffer")
+
+
+def _matrix(flat, off, rows, cols, ld, stored):
+    i, j = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    return flat[off + i + j * ld] if stored else off + i + j * ld
+
+
+def emulate_ex(args, mem: Memory):
+    """cublasGemmStridedBatchedEx in NumPy: bf16 A and B (uint16 bits), float32 C, float32 compute."""
+    for (handle, ta, tb, m, n, k, alpha, A, at, lda, sa, B, bt, ldb, sb, beta, C, ct, ldc, sc, batch, comp,
+         algo) in args:
+        assert (at, bt, ct, comp) == (bf16_gemm.CUDA_R_16BF, bf16_gemm.CUDA_R_16BF, bf16_gemm.CUDA_R_32F,
+                                      bf16_gemm.CUBLAS_COMPUTE_32F)
+        alpha_v, beta_v = ctypes.c_float.from_address(alpha).value, ctypes.c_float.from_address(beta).value
+        abuf, aoff = mem.at(A, 2)
+        bbuf, boff = mem.at(B, 2)
+        cbuf, coff = mem.at(C, 4)
+        af, bf, cf = (abuf.reshape(-1).astype(np.uint32) << 16).view(np.float32), \
+            (bbuf.reshape(-1).astype(np.uint32) << 16).view(np.float32), cbuf.reshape(-1)
+        for t in range(batch):
+            Am = _matrix(af, aoff + t * sa, *((m, k) if ta == gemm.N else (k, m)), lda, True)
+            Bm = _matrix(bf, boff + t * sb, *((k, n) if tb == gemm.N else (n, k)), ldb, True)
+            Am, Bm = (Am if ta == gemm.N else Am.T), (Bm if tb == gemm.N else Bm.T)
+            ic = _matrix(None, coff + t * sc, m, n, ldc, False)
+            cf[ic] = alpha_v * (Am.astype(np.float64) @ Bm) + beta_v * cf[ic]
+
+
+def _elements(x):
+    return tuple(s // x.itemsize for s in x.strides)
+
+
+CASES = {
+    # (a view, b view, out view) as attention and the linears take them
+    "linear": lambda r: (r.normal(size=(24, 16)), r.normal(size=(16, 48)), None),
+    "weight_grad_transposed": lambda r: (r.normal(size=(24, 16)).T, r.normal(size=(24, 48)), None),
+    "heads_qk": lambda r: (lambda v: (v[:, :, :, 0].transpose(0, 2, 1, 3),
+                                      v[:, :, :, 1].transpose(0, 2, 1, 3).swapaxes(-1, -2), None))(
+        r.normal(size=(2, 8, 3 * 3 * 4)).reshape(2, 8, 3, 3, 4)),
+    "pv_into_strided_out": lambda r: (r.normal(size=(2, 3, 8, 8)), r.normal(size=(2, 3, 8, 4)),
+                                      np.zeros((2, 8, 3, 4), np.float32).transpose(0, 2, 1, 3)),
+}
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("case", list(CASES))
+def test_cublas_ex_arguments_emulated(case, accumulate):
+    rng = np.random.default_rng(2)
+    a, b, out = CASES[case](rng)
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    if out is None:
+        out = np.zeros(a.shape[:-1] + b.shape[-1:], np.float32)
+    out[...] = rng.normal(size=out.shape)
+    start = out.copy()
+    a16, b16 = bf16_gemm.bf16_bits_numpy(a), bf16_gemm.bf16_bits_numpy(b)     # contiguous, as on the GPU
+    calls = gemm.plan(a16.shape, _elements(a16), b16.shape, _elements(b16), out.shape, _elements(out))
+    assert calls is not None
+    one, beta = np.ones(1, np.float32), np.full(1, 1.0 if accumulate else 0.0, np.float32)
+    base = out.base if out.base is not None else out
+    args = bf16_gemm.launch_args(calls, a16.ctypes.data, b16.ctypes.data, out.ctypes.data, one.ctypes.data,
+                                 beta.ctypes.data, 7)
+    assert all(len(x) == 23 and x[0] == 7 for x in args)
+    emulate_ex(args, Memory(a16, b16, base))
+    want = bf16(a).astype(np.float64) @ bf16(b) + (start if accumulate else 0)
+    np.testing.assert_allclose(out, want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.skipif(kernels.find_nvcc() is None, reason="nvcc not installed")
+def test_conversion_body_compiles(tmp_path):
+    src = tmp_path / "to_bf16.cu"
+    src.write_text('extern "C" __global__ void to_bf16(const float* xs, unsigned short* ys, int n) {\n'
+                   "    int i = blockIdx.x * blockDim.x + threadIdx.x;\n    if (i >= n) return;\n"
+                   "    float x = xs[i];\n    unsigned short y;\n" + bf16_gemm.TO_BF16_BODY + "    ys[i] = y;\n}\n")
+    logs = kernels.compile_check("to_bf16", archs=("sm_80",), path=str(src), compiler="nvcc")
+    assert "error" not in logs["sm_80"].lower()
+
+
+def test_operands_scope_restores():
+    assert not bf16_gemm.active()
+    with bf16_gemm.operands(True):
+        assert bf16_gemm.active()
+        with bf16_gemm.operands(False):
+            assert not bf16_gemm.active()
+        assert bf16_gemm.active()
+    assert not bf16_gemm.active()
+
+
+@pytest.mark.parametrize("amp", [[], ["strategy.amp.enable=true", "strategy.amp.dtype=float16"],
+                                 ["strategy.amp.enable=true", "strategy.amp.dtype=bfloat16"]])
+def test_engine_routes_gemms_only_under_bf16(monkeypatch, amp):
+    calls = []
+    real = bf16_gemm.matmul
+    monkeypatch.setattr(bf16_gemm, "matmul", lambda *a, **k: calls.append(inspect.stack()[1].filename) or real(*a, **k))
+    cfg = load_config(None, ["model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.seq_len=8",
+                             "train.global_batch=4", "runtime.backend=numpy", "model.dtype=float32", *amp])
+    eng = build(cfg, MPI.COMM_SELF)
+    eng.train_step(0)
+    bf = "strategy.amp.dtype=bfloat16" in amp
+    # the linears: 4 a layer and the head's, 3 GEMMs each; attention: 2 forward and 4 backward per query block
+    linear = sum(f.endswith("linear.py") for f in calls)
+    attention = sum(f.endswith("attention.py") for f in calls)
+    assert (linear, len(calls) - linear - attention) == ((2 * 4 + 1) * 3 if bf else 0, 0)
+    assert (attention > 0 and attention % (2 * 6) == 0) if bf else attention == 0
+    assert not bf16_gemm.active()
