@@ -285,17 +285,15 @@ class Engine:
         the schedule's factor."""
         own = self.sync.owned
         p = self.sync.owned_params() if self.master is None else self.master
+        # amp: the optimizer writes the compute copy (float16, or float32 holding bf16 values) in its pass
+        copy = self.sync.owned_params() if self.master is not None else None
         lr_scale = lr_at(step, self.unit_lr, self.cfg.train.steps)     # each model has its own peak lr
         for s, opt in zip(self.slots, self.opts):
             if opt is not None:
                 r = own.intersect(s.range)
                 sl = slice(r.start - own.start, r.stop - own.start)
-                opt.step(p[sl], g[sl], s.lr * lr_scale, clip_coefficient(norms[s.index], self.cfg.optim.clip_grad_norm))
-        if self.master is not None:
-            own = self.sync.owned_params()
-            own[...] = self.master          # the 16-bit compute copy (float16 rounds in the cast)
-            if self.bf16:
-                round_bf16_(self.xp, own)
+                opt.step(p[sl], g[sl], s.lr * lr_scale, clip_coefficient(norms[s.index], self.cfg.optim.clip_grad_norm),
+                         None if copy is None else copy[sl])
         if self.scaler is not None:
             self.scaler.update(True)
         self.opt_steps += 1

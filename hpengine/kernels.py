@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import backend
+from .precision import round_bf16_
 
 KERNELS = ("adamw", "pack", "fused")
 ARCHS = ("sm_80", "sm_90")          # A100, H100/H200
@@ -210,10 +211,12 @@ def chunk_plan(size: int, chunk: int, runs) -> list[tuple[int, int, list[tuple[i
     return out
 
 
-def adamw_numpy(p, g, m, v, mask, c: AdamWCoefs, half=None, *, plan=None, scratch=None) -> None:
-    """Twin of adamw_f32 / adamw_f32_half / adamw_f64: updates p, m, v (and writes half) in place with
-    the kernel's operations in the kernel's order. plan (chunk_plan of mask's runs) may replace mask;
-    scratch is two vectors as long as the plan's longest chunk. Works on CuPy arrays too."""
+def adamw_numpy(p, g, m, v, mask, c: AdamWCoefs, copy=None, *, plan=None, scratch=None) -> None:
+    """Twin of adamw_f32 / adamw_f32_half / adamw_f32_bf16 / adamw_f64: updates p, m, v in place with the
+    kernel's operations in the kernel's order and writes the compute copy when given: float16 (rounded to
+    nearest) or float32 holding the nearest bfloat16 values (precision.round_bf16_). plan (chunk_plan of
+    mask's runs) may replace mask; scratch is two vectors as long as the plan's longest chunk. Works on
+    CuPy arrays too."""
     xp = backend.array_module(p)
     dt = p.dtype.type
     b1, c1, b2, c2, step, eps, keep = (dt(x) for x in c)      # each rounded once, as in the kernel
@@ -240,36 +243,41 @@ def adamw_numpy(p, g, m, v, mask, c: AdamWCoefs, half=None, *, plan=None, scratc
             for ra, rb in runs:
                 pc[ra:rb] *= keep
         pc -= b
-        if half is not None:
-            half[i:j] = pc
+        if copy is not None:
+            copy[i:j] = pc
+            if copy.dtype == np.float32:
+                round_bf16_(xp, copy[i:j])
 
 
-def adamw_cupy(p, g, m, v, mask, c: AdamWCoefs, half=None) -> None:
-    """Launch adamw_f32 / adamw_f32_half / adamw_f64 on CuPy arrays (same contract as adamw_numpy)."""
+def adamw_cupy(p, g, m, v, mask, c: AdamWCoefs, copy=None) -> None:
+    """Launch adamw_f32 / adamw_f32_half / adamw_f32_bf16 / adamw_f64 on CuPy arrays (same contract as
+    adamw_numpy)."""
     n = p.size
-    for nm, a in (("g", g), ("m", m), ("v", v), ("mask", mask)) + ((("half", half),) if half is not None else ()):
+    for nm, a in (("g", g), ("m", m), ("v", v), ("mask", mask)) + ((("copy", copy),) if copy is not None else ()):
         if a.size != n or not a.flags.c_contiguous:
             raise ValueError(f"adamw: {nm} must be contiguous with {n} elements like p; got {a.shape}")
     if mask.dtype.itemsize != 1 or any(a.dtype != p.dtype for a in (g, m, v)):
         raise ValueError(f"adamw: p, g, m, v share one dtype and mask is bytes; got {p.dtype}, {g.dtype}, "
                          f"{m.dtype}, {v.dtype}, mask {mask.dtype}")
-    if p.dtype == np.float32:
-        entry, width = ("adamw_f32_half" if half is not None else "adamw_f32"), 4
-    elif p.dtype == np.float64 and half is None:
+    copies = {None: "adamw_f32", np.dtype(np.float16): "adamw_f32_half", np.dtype(np.float32): "adamw_f32_bf16"}
+    kind = None if copy is None else copy.dtype
+    if p.dtype == np.float32 and kind in copies:
+        entry, width = copies[kind], 4
+    elif p.dtype == np.float64 and copy is None:
         entry, width = "adamw_f64", 2
     else:
-        raise ValueError(f"adamw: no kernel for p.dtype = {p.dtype} (half copy: {half is not None}); "
-                         "float32 (with or without half) and float64 are supported")
+        raise ValueError(f"adamw: no kernel for p.dtype = {p.dtype} (compute copy: {kind}); float32 (with no "
+                         "copy, a float16 copy or a bfloat16-valued float32 copy) and float64 are supported")
     if n == 0:
         return
-    args = (p, g, m, v, mask) + ((half,) if half is not None else ()) + (np.int64(n),)
+    args = (p, g, m, v, mask) + ((copy,) if copy is not None else ()) + (np.int64(n),)
     args += tuple(p.dtype.type(x) for x in c)                # RawKernel scalars must carry the C type
     function("adamw", entry)((blocks_for(-(-n // width)),), (THREADS,), args)
 
 
-def adamw(p, g, m, v, mask, c: AdamWCoefs, half=None) -> None:
+def adamw(p, g, m, v, mask, c: AdamWCoefs, copy=None) -> None:
     """The fused update on whichever device the arrays live."""
-    (adamw_numpy if isinstance(p, np.ndarray) else adamw_cupy)(p, g, m, v, mask, c, half)
+    (adamw_numpy if isinstance(p, np.ndarray) else adamw_cupy)(p, g, m, v, mask, c, copy)
 
 
 # ----------------------------------------------------------------------------- pack / unpack

@@ -3,8 +3,8 @@ bfloat16 (ties to even, as ml_dtypes and CUDA's __float2bfloat16_rn do) and kept
 float32 BLAS and every float32 kernel compute on them unchanged.
 
 Under strategy.amp with dtype = "bfloat16" the engine rounds at the points where a bf16 implementation
-stores a tensor: the compute copy of the parameters (written from the float32 masters after every update,
-after initialisation and after a load), every block's output activation and its saved activations
+stores a tensor: the compute copy of the parameters (written from the float32 masters by the AdamW pass
+itself, kernels.adamw_numpy and the adamw_f32_bf16 kernel, after initialisation and after a load), every block's output activation and its saved activations
 (caches), every block's input gradient in backward and, with amp.grad_dtype = "bfloat16", the gradients
 each block accumulates and the reduced gradient. Every GEMM takes bfloat16 operands and sums in float32
 (nn/bf16_gemm.py, inside the engine's passes); the rest of a block's arithmetic is float32, as inside a

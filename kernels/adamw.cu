@@ -1,13 +1,15 @@
-// Fused AdamW over one owned range of a flat buffer (entries adamw_f32, adamw_f32_half, adamw_f64).
+// Fused AdamW over one owned range of a flat buffer (entries adamw_f32, adamw_f32_half, adamw_f32_bf16,
+// adamw_f64).
 // NumPy twin: hpengine.kernels.adamw_numpy; launcher: hpengine.kernels.adamw_cupy.
 //
 // Launch assumptions
 //   * 1-D grid and 1-D blocks of any size: every loop is grid-stride, so any grid covers any n
 //     (the launcher uses 256 threads and at most a few blocks per SM).
 //   * p, g, m, v hold the same n elements (the owned range); mask holds n bytes, nonzero where the
-//     element's tensor takes weight decay; half (adamw_f32_half) receives the n updated weights as fp16.
-//     The arrays do not overlap.
-//   * 16-byte vector loads when p, g, m, v (and half, 8 bytes) sit at the same offset from a 16-byte
+//     element's tensor takes weight decay; half (adamw_f32_half) receives the n updated weights as fp16,
+//     bf16 (adamw_f32_bf16) as float32 holding the nearest bfloat16 (ties to even; a NaN becomes the
+//     canonical 0x7FC00000, inf stays inf: hpengine.precision.round_bf16_). The arrays do not overlap.
+//   * 16-byte vector loads when p, g, m, v (and bf16; half, 8 bytes) sit at the same offset from a 16-byte
 //     boundary: a scalar peel up to p's first aligned element, vectors, a scalar tail. Otherwise every
 //     element runs scalar (still coalesced). The launcher keeps m and v aligned like p.
 //   * Every operation is IEEE round-to-nearest with subnormals kept (inline PTX: CuPy appends -ftz=true,
@@ -37,6 +39,15 @@ __device__ __forceinline__ unsigned short to_half(float x) {
     return h;
 }
 
+__device__ __forceinline__ float to_bf16_value(float x) {
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7F800000u) == 0x7F800000u) return (u & 0x007FFFFFu) ? __uint_as_float(0x7FC00000u) : x;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return __uint_as_float(u & 0xFFFF0000u);
+}
+
+enum { NO_COPY = 0, HALF_COPY = 1, BF16_COPY = 2 };
+
 template <typename T> struct Vec;
 template <> struct Vec<float> { typedef float4 type; enum { N = 4 }; };
 template <> struct Vec<double> { typedef double2 type; enum { N = 2 }; };
@@ -57,16 +68,18 @@ __device__ __forceinline__ T update(T p, T g, T& m, T& v, unsigned char decay, c
     return sub_rn(p, u);
 }
 
-template <typename T, bool HALF>
+template <typename T, int COPY>
 __device__ void adamw_body(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m,
                            T* __restrict__ v, const unsigned char* __restrict__ mask,
-                           unsigned short* __restrict__ half, long long n, const Coefs<T> c) {
+                           void* __restrict__ copy, long long n, const Coefs<T> c) {
+    unsigned short* half = (unsigned short*)copy;
+    float* bf16 = (float*)copy;
     typedef typename Vec<T>::type VT;
     const int N = Vec<T>::N;
     long long head = (long long)(((16 - ((u64)p & 15)) & 15) / sizeof(T));
     if (head > n) head = n;
     bool vec = aligned(g + head, 16) && aligned(m + head, 16) && aligned(v + head, 16) &&
-               (!HALF || aligned(half + head, 2 * N));
+               (COPY != HALF_COPY || aligned(half + head, 2 * N)) && (COPY != BF16_COPY || aligned(bf16 + head, 16));
     if (!vec) head = n;                                   // uniform across the grid: no divergence
     const long long nvec = (n - head) / N, rest = n - nvec * N;
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -84,11 +97,16 @@ __device__ void adamw_body(T* __restrict__ p, const T* __restrict__ g, T* __rest
         *reinterpret_cast<VT*>(p + i) = pv;
         *reinterpret_cast<VT*>(m + i) = mv;
         *reinterpret_cast<VT*>(v + i) = vv;
-        if (HALF) {                                       // only instantiated for float: N == 4
+        if (COPY == HALF_COPY) {                          // only instantiated for float: N == 4
             uint2 h;
             h.x = (unsigned)to_half((float)pe[0]) | ((unsigned)to_half((float)pe[1]) << 16);
             h.y = (unsigned)to_half((float)pe[2]) | ((unsigned)to_half((float)pe[3]) << 16);
             *reinterpret_cast<uint2*>(half + i) = h;
+        }
+        if (COPY == BF16_COPY) {                          // float only: N == 4
+            float4 b = make_float4(to_bf16_value((float)pe[0]), to_bf16_value((float)pe[1]),
+                                   to_bf16_value((float)pe[2]), to_bf16_value((float)pe[3]));
+            *reinterpret_cast<float4*>(bf16 + i) = b;
         }
     }
     for (long long r = tid; r < rest; r += stride) {      // the peel [0, head) and the tail
@@ -98,7 +116,8 @@ __device__ void adamw_body(T* __restrict__ p, const T* __restrict__ g, T* __rest
         p[i] = pi;
         m[i] = mi;
         v[i] = vi;
-        if (HALF) half[i] = to_half((float)pi);
+        if (COPY == HALF_COPY) half[i] = to_half((float)pi);
+        if (COPY == BF16_COPY) bf16[i] = to_bf16_value((float)pi);
     }
 }
 
@@ -106,7 +125,7 @@ extern "C" __global__ void adamw_f32(float* p, const float* g, float* m, float* 
                                      const unsigned char* mask, long long n, float b1, float c1,
                                      float b2, float c2, float step, float eps, float keep) {
     const Coefs<float> c = {b1, c1, b2, c2, step, eps, keep};
-    adamw_body<float, false>(p, g, m, v, mask, 0, n, c);
+    adamw_body<float, NO_COPY>(p, g, m, v, mask, 0, n, c);
 }
 
 extern "C" __global__ void adamw_f32_half(float* p, const float* g, float* m, float* v,
@@ -114,12 +133,20 @@ extern "C" __global__ void adamw_f32_half(float* p, const float* g, float* m, fl
                                           float b1, float c1, float b2, float c2, float step, float eps,
                                           float keep) {
     const Coefs<float> c = {b1, c1, b2, c2, step, eps, keep};
-    adamw_body<float, true>(p, g, m, v, mask, half, n, c);
+    adamw_body<float, HALF_COPY>(p, g, m, v, mask, half, n, c);
+}
+
+extern "C" __global__ void adamw_f32_bf16(float* p, const float* g, float* m, float* v,
+                                          const unsigned char* mask, float* bf16, long long n,
+                                          float b1, float c1, float b2, float c2, float step, float eps,
+                                          float keep) {
+    const Coefs<float> c = {b1, c1, b2, c2, step, eps, keep};
+    adamw_body<float, BF16_COPY>(p, g, m, v, mask, bf16, n, c);
 }
 
 extern "C" __global__ void adamw_f64(double* p, const double* g, double* m, double* v,
                                      const unsigned char* mask, long long n, double b1, double c1,
                                      double b2, double c2, double step, double eps, double keep) {
     const Coefs<double> c = {b1, c1, b2, c2, step, eps, keep};
-    adamw_body<double, false>(p, g, m, v, mask, 0, n, c);
+    adamw_body<double, NO_COPY>(p, g, m, v, mask, 0, n, c);
 }

@@ -64,15 +64,16 @@ class AdamW:
     def nbytes(self) -> int:
         return self.m.nbytes + self.v.nbytes
 
-    def step(self, p, g, lr: float, grad_coef: float = 1.0, half=None) -> None:
+    def step(self, p, g, lr: float, grad_coef: float = 1.0, copy=None) -> None:
         """Update p (this range of the parameters, in place) from g (its gradient, scaled by
-        grad_coef: clipping and loss-scale undo folded into one multiply). half, when given,
-        receives the updated weights in float16 (amp's compute copy)."""
+        grad_coef: clipping and loss-scale undo folded into one multiply). copy, when given, receives
+        the updated weights in the same pass as amp's compute copy: float16, or float32 holding
+        bfloat16 values."""
         self.t += 1
         c = adamw_coefs(self.t, lr, (self.b1, self.b2), self.eps, self.wd, grad_coef)
         if self.fused:
             if self.m.data.ptr % 16 != p.data.ptr % 16:
                 self.m, self.v = _aligned_like(self.xp, self.m, p), _aligned_like(self.xp, self.v, p)
-            adamw_cupy(p, g, self.m, self.v, self.mask, c, half)
+            adamw_cupy(p, g, self.m, self.v, self.mask, c, copy)
         else:
-            adamw_numpy(p, g, self.m, self.v, None, c, half, plan=self._plan, scratch=self._scratch)
+            adamw_numpy(p, g, self.m, self.v, None, c, copy, plan=self._plan, scratch=self._scratch)

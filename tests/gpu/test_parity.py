@@ -70,6 +70,21 @@ def test_adamw_half_kernel_equals_twin(n, off):
     assert same_bits(dp, p) and same_bits(dhalf, half)
 
 
+@pytest.mark.parametrize("n", [1, 7, 4096, 100_003])
+@pytest.mark.parametrize("off", [0, 2])
+def test_adamw_bf16_kernel_equals_twin(n, off):
+    """adamw_f32_bf16: the float32 copy holding bf16 values, bit for bit the twin's (round_bf16_)."""
+    rng = np.random.default_rng(8)
+    p, g, m, v, mask = adamw_inputs(rng, n, np.float32)
+    p *= 10.0 ** rng.integers(-30, 30, n)                          # bf16 rounding across the exponent range
+    dp, dg, dm, dv, dmask = (on_device(a, off) for a in (p, g, m, v, mask))
+    copy, dcopy = np.empty(n, np.float32), on_device(np.zeros(n, np.float32), off)
+    c = kernels.adamw_coefs(2, 1e-3, (0.9, 0.999), 1e-8, 0.01, 0.5)
+    kernels.adamw_numpy(p, g, m, v, mask, c, copy)
+    kernels.adamw(dp, dg, dm, dv, dmask, c, dcopy)
+    assert same_bits(dp, p) and same_bits(dcopy, copy)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("r", [Range(0, 150_000), Range(13, 150_001), Range(40_001, 40_010)])
 def test_optimizer_on_cupy_equals_numpy(dtype, r):

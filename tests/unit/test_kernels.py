@@ -13,6 +13,7 @@ from hpengine import backend, kernels
 from hpengine.buffers import Layout, ParamSpec, Range
 from hpengine.optim import AdamW
 from hpengine.optim.adamw import decay_mask, decay_runs
+from hpengine.precision import round_bf16_
 
 NVCC = kernels.find_nvcc()
 NVRTC = kernels.find_nvrtc()
@@ -154,6 +155,22 @@ def test_adamw_twin_half_copy_and_zero_decay():
     assert half.tobytes() == p.astype(np.float16).tobytes()
 
 
+def test_adamw_twin_bf16_copy():
+    """The bfloat16 compute copy written in the update's pass equals rounding the updated weights after it
+    (precision.round_bf16_, itself ml_dtypes bit for bit), the weights unchanged by writing it."""
+    rng = np.random.default_rng(3)
+    n = 70_000
+    p, g = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    p2, copy = p.copy(), np.full(n, np.nan, np.float32)
+    c = kernels.adamw_coefs(3, 1e-3, (0.9, 0.95), 1e-8, 0.1, 0.5)
+    mask = (rng.random(n) < 0.7).astype(np.uint8)
+    kernels.adamw_numpy(p, g, np.zeros(n, np.float32), np.zeros(n, np.float32), mask, c, copy)
+    kernels.adamw_numpy(p2, g, np.zeros(n, np.float32), np.zeros(n, np.float32), mask, c)
+    assert p.tobytes() == p2.tobytes()
+    assert copy.tobytes() == round_bf16_(np, p2.copy()).tobytes()
+    assert not np.array_equal(copy, p)
+
+
 def test_mask_runs_and_chunk_plan():
     mask = np.array([0, 1, 1, 0, 0, 1, 0, 1, 1, 1], np.uint8)
     assert kernels.mask_runs(mask) == [(1, 3), (5, 6), (7, 10)]
@@ -265,16 +282,18 @@ def _check_launch(call, rows=False, strided=()):
     assert len(grid) == 1 or grid[1] <= 65535
 
 
-@pytest.mark.parametrize("dtype,half", [(np.float32, False), (np.float32, True), (np.float64, False)])
-def test_adamw_launch_matches_kernel_signature(launches, dtype, half):
+@pytest.mark.parametrize("dtype,copy", [(np.float32, None), (np.float32, np.float16), (np.float32, np.float32),
+                                        (np.float64, None)])
+def test_adamw_launch_matches_kernel_signature(launches, dtype, copy):
     n = 1001
     arrs = [np.zeros(n, dtype) for _ in range(4)]
-    h = np.zeros(n, np.float16) if half else None
+    h = np.zeros(n, copy) if copy else None
     kernels.adamw_cupy(*arrs, np.zeros(n, np.uint8), kernels.adamw_coefs(1, 1e-3, (0.9, 0.95), 1e-8, 0.1), h)
     (call,) = launches
-    assert call[1] == {np.float32: "adamw_f32_half" if half else "adamw_f32", np.float64: "adamw_f64"}[dtype]
+    want = {None: "adamw_f32", np.float16: "adamw_f32_half", np.float32: "adamw_f32_bf16"}[copy]
+    assert call[1] == (want if dtype == np.float32 else "adamw_f64")
     _check_launch(call)
-    assert call[4][5 + half] == n
+    assert call[4][5 + (copy is not None)] == n
 
 
 def test_adamw_launch_refuses_mismatched_arrays(launches):
