@@ -3,7 +3,11 @@ GPU compute model (plan_gpu.py) on this device and print them as a [cluster] tab
 several shapes, fitted to eff(d) = eff_max · d / (d + d_half) of the datasheet peak (progress.PEAK_TFLOPS);
 the memory bandwidth of large element-wise kernels (a copy and an add, by the bytes they move); and the
 cost of a kernel call, from tiny kernels back to back (what the host spends to launch one, as the engine
-launches them). Links are not measured here: take them from a clusters/*.toml file or the flags.
+launches them); and, under `mpiexec -n N` with N > 1 (one GPU a rank), the link between them as the
+engine uses it: allreduces of device buffers through comm.Comm (host-staged or CUDA-aware, whichever the
+engine would pick), their latency from a one-element call and their bandwidth from 1 MiB to 64 MiB
+(link_figures). Those are intra-node figures when the ranks share a node; the inter-node ones still come
+from a clusters/*.toml file or the flags.
 
 The measuring needs a GPU; the fitting (fit_device) takes the measured (size, seconds) tuples only, so it
 is tested without one.
@@ -25,6 +29,8 @@ COPY_ELEMENTS = (1 << 24, 1 << 26, 1 << 28)          # float32: 64 MiB to 1 GiB 
 LAUNCH_CALLS = (200, 2000)
 KEYS = ("gpus_per_node", "mem_gb", "tflops", "tflops_fp32", "tflops_fp64", "gemm_half_dim", "gemm_eff_max",
         "mem_bw_gbs", "launch_us")
+LINK_KEYS = ("intra_bw_gbs", "intra_latency_us")
+LINK_ELEMENTS = (1 << 18, 1 << 24)                  # float32: 1 MiB and 64 MiB
 
 
 def fit_device(gemm, copies, launches, peak: float) -> dict:
@@ -37,29 +43,71 @@ def fit_device(gemm, copies, launches, peak: float) -> dict:
 
 
 def table(vals: dict, device: str) -> str:
+    links = all(k in vals for k in LINK_KEYS)
     lines = [f"# measured by hpengine plan --calibrate --device gpu on {device}: GEMM efficiency, memory "
-             "bandwidth and kernel launch; the links are not measured (copy them from clusters/*.toml)", "[cluster]"]
-    for k in KEYS:
+             "bandwidth and kernel launch" + ("; the intra-node link by device-buffer allreduces" if links else
+                                             "; links not measured (one rank; copy them from clusters/*.toml)"),
+             "[cluster]"]
+    for k in KEYS + (LINK_KEYS if links else ()):
         v = vals[k]
         lines.append(f"{k} = {v if isinstance(v, int) else f'{v:.4g}'}")
     return "\n".join(lines) + "\n"
 
 
 def calibrate_gpu(gpus_per_node: int | None = None) -> str:
-    """Measure this rank's GPU (rank 0 of the job; the others wait) and return the [cluster] table."""
+    """Measure rank 0's GPU (the others wait) and, with several ranks, the link between the ranks' GPUs;
+    return the [cluster] table (on rank 0; "" elsewhere)."""
     from mpi4py import MPI
+
+    from .backend import BackendError, cupy_usable
+    if not cupy_usable():
+        raise BackendError("plan --calibrate --device gpu: no usable CUDA device (CuPy not installed or no GPU "
+                           "visible); use --device cpu")
     w = MPI.COMM_WORLD
-    out = _measure(gpus_per_node) if w.Get_rank() == 0 else ""
+    links = _links(w) if w.Get_size() > 1 else {}
+    out = _measure(gpus_per_node, links) if w.Get_rank() == 0 else ""
     w.Barrier()
     return out
 
 
-def _measure(gpus_per_node) -> str:
-    from .backend import BackendError, cupy_module, cupy_usable
+def link_figures(w, comm, xp, elements=LINK_ELEMENTS, reps: int = 5) -> dict:
+    """intra_bw_gbs and intra_latency_us of allreduces through `comm` (a comm.Comm over w) on float32
+    arrays of module xp: the slowest rank's best time per call, a one-element call for the latency (per
+    round of recursive doubling) and the growth from the smaller to the larger size for the bandwidth over
+    the 2(n-1)/n of the bytes a ring moves (the planner's alpha-beta model)."""
+    from mpi4py import MPI
+    n = w.Get_size()
+
+    def per_call(size) -> float:
+        x = xp.ones(size, dtype=xp.float32)
+        comm.allreduce_(x)                          # warm-up (and the staging buffer's first allocation)
+        best = math.inf
+        for _ in range(ROUNDS):
+            w.Barrier()
+            t = time.perf_counter()
+            for _ in range(reps):
+                comm.allreduce_(x)
+            best = min(best, (time.perf_counter() - t) / reps)
+        return w.allreduce(best, op=MPI.MAX)
+    small, big = (per_call(s) for s in elements)
+    lat = per_call(1) / max(1, math.ceil(math.log2(n)))
+    moved = 2 * (n - 1) / n * 4 * (elements[1] - elements[0])
+    return {"intra_bw_gbs": moved / max(big - small, 1e-9) / 1e9, "intra_latency_us": lat * 1e6}
+
+
+def _links(w) -> dict:
+    """link_figures on this rank's GPU (node-local rank modulo the devices), as the engine would reach MPI."""
+    from .backend import make_backend
+    from .comm import Comm
+    from .topology import node_ranks
+    local, size = node_ranks(w)
+    be = make_backend("cupy", "float32", local, size, share_devices=True)
+    return link_figures(w, Comm(w, "calibrate", be), be.xp)
+
+
+def _measure(gpus_per_node, links=None) -> str:
+    from .backend import BackendError, cupy_module
     from .progress import table_peak
-    if not cupy_usable():
-        raise BackendError("plan --calibrate --device gpu: no usable CUDA device (CuPy not installed or no GPU "
-                           "visible); use --device cpu")
     cp = cupy_module()
     dev = cp.cuda.Device(0)
     props = cp.cuda.runtime.getDeviceProperties(0)
@@ -75,7 +123,7 @@ def _measure(gpus_per_node) -> str:
     vals.update(gpus_per_node=gpus_per_node or cp.cuda.runtime.getDeviceCount(),
                 mem_gb=cp.cuda.runtime.memGetInfo()[1] / 1e9, tflops=peak16,
                 tflops_fp32=peaks["fp32"] or big[cp.float32] / vals["gemm_eff_max"],
-                tflops_fp64=peaks["fp64"] or big[cp.float64] / vals["gemm_eff_max"])
+                tflops_fp64=peaks["fp64"] or big[cp.float64] / vals["gemm_eff_max"], **(links or {}))
     return table(vals, name)
 
 
