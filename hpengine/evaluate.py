@@ -62,6 +62,8 @@ def eval_config(manifest: dict, cfg_path=None, overrides=(), world_size: int = 1
     if world_size > 1 and not any(raw.get("strategy", {}).get(s, {}).get("enable") for s in AXIS_SWITCHES):
         raw.setdefault("strategy", {})["data_parallel"] = {"enable": True, "degree": -1}
     s = raw.get("strategy", {})
+    if "tensor_parallel" in s:     # forward only, no activations kept: sequence parallelism would save nothing,
+        s["tensor_parallel"]["sequence_parallel"] = False     # and the last window's length need not divide by tp
     m = s.get("pipeline", {}).get("micro_batches", 1) if s.get("pipeline", {}).get("enable") else 1
     k = s.get("gradient_merge", {}).get("k_steps", 1) if s.get("gradient_merge", {}).get("enable") else 1
     raw.setdefault("train", {})["global_batch"] = world_size * m * k     # divides by any replica count

@@ -21,7 +21,8 @@ def on(name, deg):
 
 LAYOUTS = {  # world size -> extra --set layouts ([] = the default: data parallel over every rank)
     2: [[], on("tensor_parallel", 2), on("sharding", 2) + ["strategy.sharding.stage=3"],
-        on("pipeline", 2) + ["strategy.pipeline.micro_batches=2"]],
+        on("pipeline", 2) + ["strategy.pipeline.micro_batches=2"],
+        on("tensor_parallel", 2) + ["strategy.tensor_parallel.sequence_parallel=true"]],
     4: [[], on("pipeline", 2) + on("tensor_parallel", 2),
         on("sharding", 2) + ["strategy.sharding.stage=3"] + on("pipeline", 2)
         + ["strategy.pipeline.micro_batches=2"]],
@@ -44,7 +45,7 @@ def ckpt(corpus, world):
         shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.mark.parametrize("i", range(4))
+@pytest.mark.parametrize("i", range(5))
 @pytest.mark.parametrize("batch", [1, 3])
 def test_eval_on_n_ranks_equals_one_process(ckpt, corpus, world, i, batch):
     need(N > 1 and i < len(LAYOUTS.get(N, [])), f"no layout {i} at world {N}")
@@ -82,3 +83,26 @@ def test_two_models_on_n_ranks_equal_one_process(corpus, world):
         world.Barrier()
         if world.Get_rank() == 0:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_sequence_parallel_eval_of_an_odd_last_window(ckpt, world, tmp_path_factory):
+    """A file whose last window holds an odd number of targets, under tp 2 with sequence parallelism
+    asked for: the same figures as one process (evaluation keeps no activations, so it runs plain tp)."""
+    need(N == 2, "tp 2 over 2 ranks")
+    from hpengine.data import TokenFile, build_corpus
+    path = None
+    if world.Get_rank() == 0:
+        d = tmp_path_factory.mktemp("odd")
+        for extra in range(8):
+            src = d / f"t{extra}.txt"
+            src.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 40 + b"x" * extra)
+            path = build_corpus([str(src)], str(d / f"odd{extra}.h5"))["path"]
+            with TokenFile(path) as tf:
+                if ((tf.n_tokens - 1) % 8) % 2:
+                    break
+    path = world.bcast(str(path), root=0)
+    sp = ["runtime.backend=numpy", *on("tensor_parallel", 2), "strategy.tensor_parallel.sequence_parallel=true"]
+    got = evaluate(ckpt, path, overrides=sp, batch=2, world=world)
+    want = evaluate(ckpt, path, overrides=["runtime.backend=numpy"], batch=2, world=MPI.COMM_SELF)
+    assert got["tokens"] == want["tokens"] and got["tokens"] % 8 % 2 == 1
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-12, abs=0)
