@@ -56,33 +56,21 @@ def test_adamw_kernel_equals_twin(dtype, n, offs):
         assert same_bits(dp, p) and same_bits(dm, m) and same_bits(dv, v), f"step {t}"
 
 
+@pytest.mark.parametrize("copy", [np.float16, np.float32])
 @pytest.mark.parametrize("n", [1, 7, 4096, 100_003])
 @pytest.mark.parametrize("off", [0, 2])
-def test_adamw_half_kernel_equals_twin(n, off):
+def test_adamw_copy_kernel_equals_twin(copy, n, off):
+    """amp's compute copy written in the update's pass: float16 (adamw_f32_half) or float32 holding bf16
+    values (adamw_f32_bf16), bit for bit the twin's."""
     rng = np.random.default_rng(7)
     p, g, m, v, mask = adamw_inputs(rng, n, np.float32)
-    p *= 1e3                                                       # exercise fp16 rounding at scale
+    p *= 1e3 if copy == np.float16 else 10.0 ** rng.integers(-30, 30, n)    # rounding at scale / across exponents
     dp, dg, dm, dv, dmask = (on_device(a, off) for a in (p, g, m, v, mask))
-    half, dhalf = np.empty(n, np.float16), on_device(np.zeros(n, np.float16), off)
+    host, dev = np.empty(n, copy), on_device(np.zeros(n, copy), off)
     c = kernels.adamw_coefs(1, 1e-3, (0.9, 0.999), 1e-8, 0.01, 0.5)
-    kernels.adamw_numpy(p, g, m, v, mask, c, half)
-    kernels.adamw(dp, dg, dm, dv, dmask, c, dhalf)
-    assert same_bits(dp, p) and same_bits(dhalf, half)
-
-
-@pytest.mark.parametrize("n", [1, 7, 4096, 100_003])
-@pytest.mark.parametrize("off", [0, 2])
-def test_adamw_bf16_kernel_equals_twin(n, off):
-    """adamw_f32_bf16: the float32 copy holding bf16 values, bit for bit the twin's (round_bf16_)."""
-    rng = np.random.default_rng(8)
-    p, g, m, v, mask = adamw_inputs(rng, n, np.float32)
-    p *= 10.0 ** rng.integers(-30, 30, n)                          # bf16 rounding across the exponent range
-    dp, dg, dm, dv, dmask = (on_device(a, off) for a in (p, g, m, v, mask))
-    copy, dcopy = np.empty(n, np.float32), on_device(np.zeros(n, np.float32), off)
-    c = kernels.adamw_coefs(2, 1e-3, (0.9, 0.999), 1e-8, 0.01, 0.5)
-    kernels.adamw_numpy(p, g, m, v, mask, c, copy)
-    kernels.adamw(dp, dg, dm, dv, dmask, c, dcopy)
-    assert same_bits(dp, p) and same_bits(dcopy, copy)
+    kernels.adamw_numpy(p, g, m, v, mask, c, host)
+    kernels.adamw(dp, dg, dm, dv, dmask, c, dev)
+    assert same_bits(dp, p) and same_bits(dev, host)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
