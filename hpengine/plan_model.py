@@ -15,7 +15,7 @@ from . import plan_gpu, plan_recompute as rc, plan_tp
 from .models import build_model
 from .resolve import AXES, Resolved, resolve
 from .stage import build_stage, owner
-from .strategies.schedules import bubble_fraction, make_schedule
+from .strategies.schedules import bubble_fraction, peak_live
 from .strategies.sharding import MAX_INFLIGHT
 
 F64 = 8                  # the engine's loss and squared-norm vectors are float64, one entry per model
@@ -155,25 +155,7 @@ def activations(mcfg, st: Stage, lay: Resolved, stage: int, item: int) -> int:
     chunk (F-then-B holds m, 1F1B min(p - s, m), interleaved per Megatron 2021). Several models run
     their passes one after another, so one model's caches are live at a time."""
     w = tuple(chunk_activations(mcfg, st, ch, lay, item) for ch in st.chunks)
-    return _peak_live(lay.schedule, lay.pp, lay.m, lay.v, stage, w)
-
-
-def _peak_live(schedule, p, m, v, stage, weights) -> int:
-    if v == 1:
-        n = m if schedule == "fthenb" else min(p - stage, m)
-        return n * weights[0]
-    return max(sum(n * w for n, w in zip(vec, weights)) for vec in _live_counts(schedule, p, m, v, stage))
-
-
-@functools.lru_cache(maxsize=4096)
-def _live_counts(schedule, p, m, v, stage) -> frozenset:
-    """The distinct (live caches per chunk) vectors after each forward of the stage's schedule."""
-    live, seen = [0] * v, set()
-    for a in make_schedule(schedule, p, m, stage, v):
-        live[a.chunk] += 1 if a.kind == "F" else -1
-        if a.kind == "F":
-            seen.add(tuple(live))
-    return frozenset(seen)
+    return peak_live(lay.schedule, lay.pp, lay.m, lay.v, stage, w)
 
 
 def buffers(mcfg, st: Stage, lay: Resolved, own: int) -> int:

@@ -5,6 +5,7 @@ The pipeline executor only walks these lists; nothing here touches MPI.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 SCHEDULES = ("fthenb", "1f1b", "interleaved")
@@ -154,3 +155,23 @@ def simulate(p: int, m: int, name: str, v: int = 1, *, actions=None) -> dict:
         rounds += 1
     busy = [len(acts) for acts in actions]
     return {"rounds": rounds, "busy": busy, "bubble": 1 - sum(busy) / (p * rounds) if rounds else 0.0}
+
+
+def peak_live(schedule: str, p: int, m: int, v: int, stage: int, weights) -> int:
+    """Most cached bytes stage `stage` holds at once when chunk c's caches weigh weights[c] (F-then-B: m,
+    1F1B: min(p - stage, m), interleaved: the worst mix of live chunks along its schedule)."""
+    if v == 1:
+        n = m if schedule == "fthenb" else min(p - stage, m)
+        return n * weights[0]
+    return max(sum(n * w for n, w in zip(vec, weights)) for vec in _live_counts(schedule, p, m, v, stage))
+
+
+@functools.lru_cache(maxsize=4096)
+def _live_counts(schedule, p, m, v, stage) -> frozenset:
+    """The distinct (live caches per chunk) vectors after each forward of the stage's schedule."""
+    live, seen = [0] * v, set()
+    for a in make_schedule(schedule, p, m, stage, v):
+        live[a.chunk] += 1 if a.kind == "F" else -1
+        if a.kind == "F":
+            seen.add(tuple(live))
+    return frozenset(seen)

@@ -15,10 +15,10 @@ from hpengine.config import enabled_strategies, load_config
 from hpengine.models import build_model
 from hpengine.plan import (Cluster, PlanError, candidates, check_at_start, config_for, load_cluster, search,
                            with_preset, write_best)
-from hpengine.plan_model import (_peak_live, block_activations, collective_s, compute_s, flops_per_microbatch,
+from hpengine.plan_model import (block_activations, collective_s, compute_s, flops_per_microbatch,
                                   link, model_state, stage_times, stages, step_time, zero_bytes)
 from hpengine.resolve import split_blocks
-from hpengine.strategies.schedules import make_schedule, peak_in_flight
+from hpengine.strategies.schedules import make_schedule, peak_in_flight, peak_live
 from hpengine.resolve import resolve
 
 TINY = ["model.kind=gpt", "model.d_model=16", "model.n_layers=4", "model.n_heads=4", "model.seq_len=8",
@@ -94,10 +94,10 @@ def test_activations_held_per_schedule():
         for m in range(1, 13):
             for s in range(p):
                 for name in ("fthenb", "1f1b"):
-                    assert _peak_live(name, p, m, 1, s, (1,)) == peak_in_flight(make_schedule(name, p, m, s))
+                    assert peak_live(name, p, m, 1, s, (1,)) == peak_in_flight(make_schedule(name, p, m, s))
                 for v in (2, 3):
                     if m % p == 0:
-                        got = _peak_live("interleaved", p, m, v, s, (1,) * v)
+                        got = peak_live("interleaved", p, m, v, s, (1,) * v)
                         assert got == peak_in_flight(make_schedule("interleaved", p, m, s, v))
                         if s == 0:
                             assert got == min(p * v + p - 1, m * v)
