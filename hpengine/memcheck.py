@@ -59,7 +59,8 @@ def remedies(mem: dict) -> str:
                    "strategy.tensor_parallel or strategy.pipeline, or use more ranks/nodes or a smaller [model]")
     if mem.get("activations", 0) > 0.1 * mem["total"]:
         out.append("cut activations with strategy.recompute, strategy.gradient_merge (k_steps), more "
-                   "strategy.pipeline.micro_batches or a smaller train.global_batch / model.seq_len")
+                   "strategy.pipeline.micro_batches, strategy.tensor_parallel.sequence_parallel (with tp), "
+                   "model.attention = 'flash' or a smaller train.global_batch / model.seq_len")
     return "; ".join(out)
 
 
