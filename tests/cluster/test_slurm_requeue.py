@@ -58,6 +58,10 @@ def test_usr1_stops_requeues_and_resumes_to_the_same_loss(cluster, config, tmp_p
         while (st := cluster.job_state(job)).get("JobState") != "PENDING":     # requeued: same id, pending
             assert st.get("JobState") == "RUNNING" and time.monotonic() < t_end, (st, out.read_text())
             time.sleep(0.2)
+        t_end = time.monotonic() + 10        # slurmctld may show the requeued job pending a moment before
+        while st.get("Reason") == "None" and time.monotonic() < t_end:     # it records the BeginTime hold
+            time.sleep(0.2)
+            st = cluster.job_state(job)
         assert st["Restarts"] == "1" and st["Reason"] == "BeginTime", st
         _wait_step_gone(cluster, job)
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, env=cluster.env())
