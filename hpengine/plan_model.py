@@ -46,6 +46,11 @@ class Stage:
     def block(self, name: str) -> int:
         return sum(dict(self.blocks)[name])
 
+    @functools.cached_property
+    def kind_of(self) -> dict:
+        """{block name: models.Block}, built once per stage (the search asks for every block of every layout)."""
+        return {b.name: b for b in self.kinds}
+
     def of_kind(self, kind: str) -> list[str]:
         return [b.name for b in self.kinds if b.kind == kind]
 

@@ -19,23 +19,10 @@ def selective(st, lay) -> set:
 
 def cached(a: dict, st, lay, block: str) -> int:
     """Bytes one micro-batch leaves cached by `block`, from the model's cache_bytes `a`."""
-    b = _kinds(st)[block]
+    b = st.kind_of[block]
     if lay.recomputed(b):
         return a["input"]
     return a[b.kind] - (a["scores"] if lay.drops_scores(b) else 0)
-
-
-def _kinds(st) -> dict:
-    """{block name: models.Block} of a stage, built once per stage object."""
-    found = _KINDS.get(id(st))
-    if found is None or found[0] is not st:
-        if len(_KINDS) > 4096:
-            _KINDS.clear()
-        found = _KINDS[id(st)] = (st, {b.name: b for b in st.kinds})
-    return found[1]
-
-
-_KINDS: dict = {}       # id -> (the stage, kept alive so the id stays its own; its block map)
 
 
 def transient(a: dict, st, lay) -> int:

@@ -40,7 +40,8 @@ def standard_blocks(n_layers: int, tied: bool) -> list[Block]:
 
 
 class LocalTP:
-    """Tensor-parallel hooks for tp = 1: every conjugate pair is the identity."""
+    """Tensor-parallel hooks for tp = 1: every conjugate pair is the identity (strategies.TensorParallel and
+    SequenceParallel subclass it and replace the halves that communicate)."""
     rank, size = 0, 1
 
     def copy_to_tp(self, x):                 # identity forward ...
@@ -55,19 +56,22 @@ class LocalTP:
     def reduce_from_tp_backward(self, dx):   # ... identity backward
         return dx
 
-    seq_parts = 1                            # sequence parallelism: the sequence is whole
+    # --- what sequence parallelism changes (strategies/sequence_parallel.py); neutral here ------
+    seq_parts = 1                            # pieces the sequence is cut into between tp regions
 
     def local_positions(self, n: int) -> slice:
+        """Positions of this rank's n tokens of each sequence."""
         return slice(0, n)
 
-    def stash_inputs(self, x, *caches):      # linear caches kept as they are
+    def stash_inputs(self, x, *caches):
+        """The linear caches of a region's entry, whose input is copy_to_tp(x), as the forward keeps them."""
         return caches
 
     def unstash_inputs(self, stash):
         return stash
 
     def sum_replicated_(self, g, ranges) -> None:
-        pass
+        """Gradients of tensors every tp rank holds whole: already equal on every rank."""
 
     def cross_entropy_forward(self, xp, logits, targets, norm):
         return cross_entropy_forward(xp, logits, targets, norm)

@@ -21,6 +21,7 @@ import math
 import numpy as np
 
 from .attention import _heads, _mm
+from .gqa import gqa_shapes
 
 BQ = 64          # query positions per block on the CPU (read at call time when bq is None)
 BK = 64          # keys per block (likewise)
@@ -191,12 +192,7 @@ def _token_rows(a, K, g):
 
 def flash_gqa_forward(xp, q, k, v, bq: int | None = None, bk: int | None = None):
     """Twin of gqa_attention_forward: returns y (B, T, H*hd) and the cache (q, k, v, y, lse, bq, bk)."""
-    B, H, T, hd = q.shape
-    K = k.shape[1]
-    if H % K:
-        raise ValueError(f"{H} query heads do not split into groups of {K} key/value heads")
-    g = H // K
-    y = xp.empty((B, T, H * hd), dtype=q.dtype)
+    (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k)
     if _use_cuda(xp, q, k, v):
         from . import flash_cuda
         lse = flash_cuda.forward(xp, q, k, v, y.reshape(B, T, H, hd).transpose(0, 2, 1, 3), 1.0)

@@ -40,14 +40,19 @@ def _softmax_(xp, p, a):
     p5 *= s
 
 
-def gqa_attention_forward(xp, q, k, v):
-    # q: (B, H, T, hd), k, v: (B, K, T, hd) -> y: (B, T, H*hd)
+def gqa_shapes(xp, q, k):
+    """(B, H, T, hd, K, g) of q (B, H, T, hd) over k (B, K, T, hd), g query heads per key/value head, and
+    the output y (B, T, H*hd), unfilled."""
     B, H, T, hd = q.shape
     K = k.shape[1]
     if H % K:
         raise ValueError(f"{H} query heads do not split into groups of {K} key/value heads")
-    g = H // K
-    y = xp.empty((B, T, H * hd), dtype=q.dtype)
+    return (B, H, T, hd, K, H // K), xp.empty((B, T, H * hd), dtype=q.dtype)
+
+
+def gqa_attention_forward(xp, q, k, v):
+    # q: (B, H, T, hd), k, v: (B, K, T, hd) -> y: (B, T, H*hd)
+    (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k)
     y5 = _per_head(y, K, g)
     qs, ps = [], []
     for a, b in _blocks(T):

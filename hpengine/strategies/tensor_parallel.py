@@ -10,42 +10,23 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from ..models import LocalTP
 
-class TensorParallel:
-    """The hooks of tp rank `comm.rank` of `comm.size`; `vocab` is the unpadded vocabulary size."""
+
+class TensorParallel(LocalTP):
+    """The hooks of tp rank `comm.rank` of `comm.size`; `vocab` is the unpadded vocabulary size. The
+    identity halves of the pairs and the hooks sequence parallelism changes (sequence_parallel.py) stay
+    LocalTP's: neutral here."""
 
     def __init__(self, comm, vocab: int):
         self.comm, self.rank, self.size, self.vocab = comm, comm.rank, comm.size, vocab
 
-    # --- the conjugate pairs (each half named after its pair) ---------------------------------
-    def copy_to_tp(self, x):
-        return x
-
+    # --- the allreduce halves of the conjugate pairs (each named after its pair) ----------------
     def copy_to_tp_backward(self, dx):
         return self.comm.allreduce_(np.ascontiguousarray(dx) if not dx.flags.c_contiguous else dx)
 
     def reduce_from_tp(self, x):
         return self.comm.allreduce_(np.ascontiguousarray(x) if not x.flags.c_contiguous else x)
-
-    def reduce_from_tp_backward(self, dx):
-        return dx
-
-    # --- what sequence parallelism (sequence_parallel.py) changes; neutral here -----------------
-    seq_parts = 1             # pieces the sequence is cut into between tensor-parallel regions
-
-    def local_positions(self, n: int) -> slice:
-        """Positions of this rank's n tokens of each sequence."""
-        return slice(0, n)
-
-    def stash_inputs(self, x, *caches):
-        """The linear caches of a region's entry, whose input is copy_to_tp(x), as the forward keeps them."""
-        return caches
-
-    def unstash_inputs(self, stash):
-        return stash
-
-    def sum_replicated_(self, g, ranges) -> None:
-        """Gradients of tensors every tp rank holds whole: already equal on every rank."""
 
     # --- vocabulary-parallel cross-entropy ------------------------------------------------------
     def cross_entropy_forward(self, xp, logits, targets, norm):

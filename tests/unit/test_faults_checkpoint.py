@@ -16,6 +16,7 @@ from hpengine import checkpoint, ckpt_guard
 from hpengine.cli import main
 from hpengine.config import load_config
 from hpengine.train import build, save_state
+from test_checkpoint import cli  # noqa: E402 - `hpengine ARGS` in this process (tests/unit/test_checkpoint.py)
 
 BIN = Path(sys.executable).parent
 T = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_layers=2", "model.n_heads=2",
@@ -28,13 +29,6 @@ def sets(corpus, out, *extra) -> list[str]:
     for item in [*T, f"data.path={corpus}", f"train.out_dir={out}", *extra]:
         args += ["--set", item]
     return args
-
-
-def cli(capsys, *args) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def one_line(err: str) -> str:
