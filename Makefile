@@ -10,7 +10,7 @@ export MKL_NUM_THREADS ?= 1
 MPIEXEC := $(BIN)/mpiexec
 TEST_TIMEOUT ?= 300
 
-.PHONY: train test test-unit test-mpi test-cluster test-interop bench clean-venv
+.PHONY: train test test-imports test-unit test-mpi test-cluster test-interop bench clean-venv
 
 # (re)install when the venv is missing or older than setup.cfg
 $(STAMP): setup.cfg pyproject.toml
@@ -22,7 +22,11 @@ $(STAMP): setup.cfg pyproject.toml
 train: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(BIN)/hpengine train configs/default.toml --set train.out_dir=runs/default-$$(date +%Y%m%d-%H%M%S)
 
-test: test-unit test-mpi test-cluster test-interop
+test: test-imports test-unit test-mpi test-cluster test-interop
+
+# the house's import rules (setup.cfg [importlinter]): which rooms may import which, and no circles
+test-imports: $(STAMP)
+	$(BIN)/lint-imports --config setup.cfg
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/unit

@@ -100,10 +100,10 @@ def worker(a) -> None:
     import numpy as np
     from mpi4py import MPI
 
-    from hpengine.config import load_config
-    from hpengine.strategies.schedules import bubble_fraction
-    from hpengine.trace import Tracer, comms_of
-    from hpengine.train import build
+    from hpengine.config.load import load_config
+    from hpengine.layout.schedules import bubble_fraction
+    from hpengine.run.trace import Tracer, comms_of
+    from hpengine.run.train import build
 
     cfg = load_config(None, ["train.eval_every=0", *a.overrides])
     eng = build(cfg)

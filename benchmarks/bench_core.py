@@ -35,8 +35,8 @@ def parse(argv=None):
 
 
 def run(a) -> dict:
-    from hpengine.config import load_config  # noqa: PLC0415 - after the thread variables are set
-    from hpengine.train import build  # noqa: PLC0415
+    from hpengine.config.load import load_config  # noqa: PLC0415 - after the thread variables are set
+    from hpengine.run.train import build  # noqa: PLC0415
 
     cfg = load_config(None, ["train.eval_every=0", *a.overrides])
     eng = build(cfg)

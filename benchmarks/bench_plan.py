@@ -25,9 +25,9 @@ from pathlib import Path
 
 from bench_all import DP, ROOT, SP, THREADS, TP2, _why, pipeline, sharding
 
-from hpengine.config import load_config
-from hpengine.plan import evaluate, load_cluster
-from hpengine.resolve import resolve
+from hpengine.config.load import load_config
+from hpengine.planner.search import evaluate, load_cluster
+from hpengine.layout.resolve import resolve
 
 MODEL = ["model.kind=gpt", "model.d_model=128", "model.seq_len=64", "model.n_layers=4", "model.n_heads=4",
          "model.dtype=float32", "train.global_batch=8", "train.eval_every=0", "train.log_every=1000",

@@ -57,7 +57,7 @@ def pack_segments(n: int, k: int, seed: int = 0):
 
 
 def worker_bandwidth(a) -> dict:
-    from hpengine import kernels                         # noqa: PLC0415
+    from hpengine.device import kernels                         # noqa: PLC0415
     import numpy as np                                   # noqa: PLC0415
     if a.cpu_smoke:
         xp, timer, device = np, HostTimer(), "cpu (NumPy twins)"

@@ -28,10 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hpengine.calibrate import GB  # noqa: E402
-from hpengine.config import ConfigError, load_config  # noqa: E402
-from hpengine.plan import evaluate, load_cluster  # noqa: E402
-from hpengine.resolve import resolve  # noqa: E402
+from hpengine.planner.calibrate import GB  # noqa: E402
+from hpengine.config.load import ConfigError, load_config  # noqa: E402
+from hpengine.planner.search import evaluate, load_cluster  # noqa: E402
+from hpengine.layout.resolve import resolve  # noqa: E402
 
 V, S = 51200, 2048
 # (name, heads, hidden, layers, tp, pp, gpus, batch, published TFLOP/s per GPU)

@@ -1,6 +1,6 @@
 """`python -m hpengine ...` is the same as the `hpengine` command."""
 import sys
 
-from .cli import main
+from hpengine.cli.commands import main
 
 sys.exit(main())

@@ -4,7 +4,7 @@
 """
 from mpi4py import MPI
 
-from hpengine.topology import Mesh
+from hpengine.dist.topology import Mesh
 
 world = MPI.COMM_WORLD
 tp = 2 if world.Get_size() % 2 == 0 else 1

@@ -8,8 +8,8 @@ otherwise the backend copies it to a pinned host mirror (stage_out) and back (st
 import numpy as np
 from mpi4py import MPI
 
-from hpengine.backend import cupy_usable, make_backend
-from hpengine.topology import node_ranks
+from hpengine.device.backend import cupy_usable, make_backend
+from hpengine.dist.topology import node_ranks
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # 08 - all-reduce on NumPy and CuPy buffers: NumPy arrays go straight to MPI; CuPy arrays go
-# straight too with a CUDA-aware MPI, else through a pinned host mirror (hpengine.backend staging).
+# straight too with a CUDA-aware MPI, else through a pinned host mirror (hpengine.device.backend staging).
 set -euo pipefail
 source "$(dirname "$0")/_env.sh"                             # repo root, venv MPICH on PATH, $OUT
 

@@ -1,10 +1,10 @@
 """Token data: the token-file format (format.py), building files from text (inputs.py, tokenizer.py,
 build.py, builtin.py) and reading them for training (dataset.py). No MPI here: the engine decides which
 rank builds a corpus and everyone reads it."""
-from .build import build_corpus
-from .builtin import default_corpus_path, ensure_default_corpus
-from .dataset import TokenDataset
-from .format import DataError, TokenFile, token_dtype
+from hpengine.data.build import build_corpus
+from hpengine.data.builtin import default_corpus_path, ensure_default_corpus
+from hpengine.data.dataset import TokenDataset
+from hpengine.data.format import DataError, TokenFile, token_dtype
 
 __all__ = ["DataError", "TokenDataset", "TokenFile", "build_corpus", "default_corpus_path", "ensure_default_corpus",
            "token_dtype"]

@@ -25,9 +25,9 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from . import inputs
-from . import tokenizer as toks
-from .format import BYTES, DataError, make_durable, write_token_file
+from hpengine.data import inputs
+from hpengine.data import tokenizer as toks
+from hpengine.data.format import BYTES, DataError, make_durable, write_token_file
 
 log = logging.getLogger("hpengine.data")
 

@@ -6,9 +6,9 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from .build import build_corpus
-from .format import DataError
-from .inputs import SKIP_DIRS, walk
+from hpengine.data.build import build_corpus
+from hpengine.data.format import DataError
+from hpengine.data.inputs import SKIP_DIRS, walk
 
 DEFAULT_MAX_BYTES = 16 * 2**20
 _STDLIB_SKIP_DIRS = SKIP_DIRS | {"test", "tests", "idle_test", "site-packages", "dist-packages"}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .format import BYTES, DataError, TokenFile
+from hpengine.data.format import BYTES, DataError, TokenFile
 
 log = logging.getLogger("hpengine.data")
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from .format import DataError
+from hpengine.data.format import DataError
 
 log = logging.getLogger("hpengine.data")
 

@@ -32,7 +32,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .format import BYTES, DataError, sha256_text, token_dtype
+from hpengine.data.format import BYTES, DataError, sha256_text, token_dtype
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
 TRAINED_EOS = "<|endoftext|>"

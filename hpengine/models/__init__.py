@@ -1,8 +1,10 @@
-"""Models: parameter specs and block functions built from nn/. They never import MPI."""
-from .common import LocalTP
-from .gpt import GPT
-from .llama import Llama
-from .mlp import MLP
+"""Models: one file per kind (gpt, llama, mlp) declaring its parameter specs and blocks, with layer pairs
+built from nn/; common.py holds what the kinds share. They never import MPI: parallelism reaches them only
+through the parallel context they are handed. Exports: GPT, Llama, MLP, LocalTP, build_model."""
+from hpengine.models.common import LocalTP
+from hpengine.models.gpt import GPT
+from hpengine.models.llama import Llama
+from hpengine.models.mlp import MLP
 
 
 def build_model(mcfg, tp_size: int = 1):

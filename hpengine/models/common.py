@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..buffers import ParamSpec
-from ..nn import (cross_entropy_backward, cross_entropy_forward, embedding_backward, embedding_cache_bytes,
+from hpengine.params.buffers import ParamSpec
+from hpengine.nn import (cross_entropy_backward, cross_entropy_forward, embedding_backward, embedding_cache_bytes,
                   embedding_forward, gelu_backward, gelu_forward, gelu_recompute, layernorm_backward,
                   layernorm_cache_elements, layernorm_forward, linear_backward, linear_drop_input, linear_forward,
                   linear_restore_input)

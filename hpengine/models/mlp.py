@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import math
 
-from ..buffers import ParamSpec
-from ..nn import gelu_cache_elements, layernorm_backward, layernorm_cache_elements, layernorm_forward
-from .common import (Block, LocalTP, embed_specs, end_cache_bytes, head_backward, head_forward, head_specs,
+from hpengine.params.buffers import ParamSpec
+from hpengine.nn import gelu_cache_elements, layernorm_backward, layernorm_cache_elements, layernorm_forward
+from hpengine.models.common import (Block, LocalTP, embed_specs, end_cache_bytes, head_backward, head_forward, head_specs,
                      mlp_backward, mlp_forward, mlp_specs, padded_vocab, standard_blocks, tok_embed_backward,
                      tok_embed_forward)
-from .decode import output_logits
+from hpengine.models.decode import output_logits
 
 
 class MLP:

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from . import fused
+from hpengine.nn import fused
 
 
 def _no_overflow_warning(xp):

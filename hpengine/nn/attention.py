@@ -14,7 +14,7 @@ first attending only to the first half of the keys: a quarter of the scores
 """
 import math
 
-from . import bf16_gemm, fused, gemm
+from hpengine.nn import bf16_gemm, fused, gemm
 
 
 def _blocks(T):

@@ -19,8 +19,9 @@ import contextlib
 
 import numpy as np
 
-from ..precision import round_bf16_
-from . import gemm
+from hpengine.device.precision import round_bf16_
+from hpengine.nn import gemm
+from hpengine.device import backend
 
 CUDA_R_32F, CUDA_R_16BF = 0, 14            # cudaDataType_t
 CUBLAS_COMPUTE_32F = 68                    # cublasComputeType_t
@@ -123,7 +124,6 @@ def launch_args(calls, a_ptr: int, b_ptr: int, out_ptr: int, alpha_ptr: int, bet
 
 
 def _launch(xp, calls, a16, b16, out, accumulate):
-    from .. import backend
     cublas = backend.cublas_module()
     one, beta = np.ones(1, np.float32), np.full(1, 1.0 if accumulate else 0.0, np.float32)
     for args in launch_args(calls, a16.data.ptr, b16.data.ptr, out.data.ptr, one.ctypes.data, beta.ctypes.data,

@@ -3,7 +3,7 @@
 `vocab_start` lets a rank hold rows [vocab_start, vocab_start + V_local) of a
 vocab-parallel table: ids outside that range read zero rows and get no gradient.
 """
-from .. import backend
+from hpengine.device import backend
 
 
 def embedding_forward(xp, idx, w, vocab_start=0):

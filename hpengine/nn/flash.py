@@ -20,8 +20,9 @@ import math
 
 import numpy as np
 
-from .attention import _heads, _mm
-from .gqa import gqa_shapes
+from hpengine.nn.attention import _heads, _mm
+from hpengine.nn.gqa import gqa_shapes
+from hpengine.nn import flash_cuda
 
 BQ = 64          # query positions per block on the CPU (read at call time when bq is None)
 BK = 64          # keys per block (likewise)
@@ -148,7 +149,6 @@ def flash_attention_forward(xp, qkv, n_heads: int, bq: int | None = None, bk: in
     y = xp.empty((B, T, n_heads * hd), dtype=qkv.dtype)
     (o,) = _heads(y, n_heads, 1)
     if _use_cuda(xp, qkv):
-        from . import flash_cuda
         lse = flash_cuda.forward(xp, q, k, v, o, scale)
     else:
         og, lse = flash_forward_core(xp, q * scale, k, v, 1, bq, bk)
@@ -167,7 +167,6 @@ def flash_attention_backward(xp, dy, cache):
     dqkv = xp.empty((B, T, C3), dtype=dy.dtype)
     dq, dk, dv = _heads(dqkv, H, 3)
     if _use_cuda(xp, qkv, dy):
-        from . import flash_cuda
         flash_cuda.backward(xp, q, k, v, o, do, lse, dq, dk, dv, scale)
         return dqkv
     dqg, dkg, dvg = flash_backward_core(xp, q * scale, k, v, o, do, lse, 1, bq, bk)
@@ -194,7 +193,6 @@ def flash_gqa_forward(xp, q, k, v, bq: int | None = None, bk: int | None = None)
     """Twin of gqa_attention_forward: returns y (B, T, H*hd) and the cache (q, k, v, y, lse, bq, bk)."""
     (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k)
     if _use_cuda(xp, q, k, v):
-        from . import flash_cuda
         lse = flash_cuda.forward(xp, q, k, v, y.reshape(B, T, H, hd).transpose(0, 2, 1, 3), 1.0)
     else:
         og, lseg = flash_forward_core(xp, _group_rows(q, K, g), k, v, g, bq, bk)
@@ -210,7 +208,6 @@ def flash_gqa_backward(xp, dy, cache):
     K = k.shape[1]
     g = H // K
     if _use_cuda(xp, q, k, v, dy):
-        from . import flash_cuda
         dq, dk, dv = (xp.empty(a.shape, dtype=dy.dtype) for a in (q, k, k))
         per_head = lambda a: a.reshape(B, T, H, hd).transpose(0, 2, 1, 3)     # noqa: E731
         flash_cuda.backward(xp, q, k, v, per_head(y), per_head(dy), lse, dq, dk, dv, 1.0)

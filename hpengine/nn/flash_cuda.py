@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import kernels
+from hpengine.device import kernels
 
 HD_MAX = 128
 # suffix -> (ROWS, TPR, KT), as instantiated by the ENTRIES lines of kernels/attention.cu

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import kernels
+from hpengine.device import kernels
 
 ENABLED = True
 _SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}

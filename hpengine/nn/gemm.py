@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import backend
+from hpengine.device import backend
 
 N, T = 0, 1                       # cuBLAS operation codes (CUBLAS_OP_N, CUBLAS_OP_T)
 MAX_LOOPED_CALLS = 4              # more calls than this only when copies are worth saving ...

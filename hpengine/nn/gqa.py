@@ -8,8 +8,8 @@ one GEMM per (batch row, kv head) whose rows are all the group's queries: the ke
 never repeated per query head, and backward's dk and dv sum over the group inside the GEMM. Query rows
 come in the same two causal blocks as nn/attention.py (the fully masked quarter is never computed).
 """
-from . import fused
-from .attention import _blocks, _causal_bias, _mm, _rowsum
+from hpengine.nn import fused
+from hpengine.nn.attention import _blocks, _causal_bias, _mm, _rowsum
 
 
 def _grouped(a, K, g, a0, b0):

@@ -5,7 +5,7 @@ Row means are GEMVs / einsums: a reduction over a short last axis is several
 times slower in NumPy and would allocate a temporary for every product. Half
 precision (amp) keeps NumPy's reductions, which accumulate in float32.
 """
-from . import fused
+from hpengine.nn import fused
 
 
 def _rowmean(xp, a, b=None):

@@ -2,7 +2,7 @@
 
 Leading dims are folded into one so every product is a single 2-D GEMM.
 """
-from . import bf16_gemm, fused, gemm
+from hpengine.nn import bf16_gemm, fused, gemm
 
 
 def linear_forward(xp, x, w, b=None):

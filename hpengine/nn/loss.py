@@ -3,7 +3,7 @@
 `norm` is the global token count of the optimizer step, so partial losses from
 ranks (or micro-batches) that each see part of the batch sum to the global mean.
 """
-from . import fused
+from hpengine.nn import fused
 
 
 def cross_entropy_forward(xp, logits, targets, norm):

@@ -6,7 +6,7 @@ LlamaRMSNorm: the normalised x is rounded back to x's dtype before the weight mu
 cache keeps the normalised input (x's dtype) and 1/rms per row (float32 under amp), so backward
 needs no recompute.
 """
-from . import fused
+from hpengine.nn import fused
 
 
 def _compute_dtype(xp, dtype):

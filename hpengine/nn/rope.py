@@ -7,12 +7,13 @@ The rotation is linear, so backward rotates the gradient by the opposite angle. 
 attention's batched products want; backward turns that around. A scale folded into the tables (the
 query's 1/sqrt(hd)) costs nothing.
 """
-from . import fused
+import numpy as np
+
+from hpengine.nn import fused
 
 
 def rope_tables(xp, T: int, hd: int, theta: float, dtype, scale: float = 1.0):
     """cos and sin (T, hd/2) of every position and frequency, times `scale`, computed in float64."""
-    import numpy as np
     if hd % 2:
         raise ValueError(f"rotary embedding needs an even head dimension, got {hd}")
     inv = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)

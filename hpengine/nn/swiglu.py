@@ -4,8 +4,8 @@ The cache keeps g, u and s = sigmoid(g); the output a (the down projection's inp
 them in backward (two multiplies), a quarter less MLP activation memory than keeping it.
 d/dg silu(g) = s (1 + g (1 - s)).
 """
-from . import fused
-from .activation import _no_overflow_warning
+from hpengine.nn import fused
+from hpengine.nn.activation import _no_overflow_warning
 
 
 def swiglu_forward(xp, g, u):

@@ -1,9 +1,9 @@
 """Parallel strategies. Each owns one concern; the engine talks to the gradient-sync strategy through
 the GradSync protocol in base.py, and hands each strategy the frozen stage description and the
 communicators it needs, never itself."""
-from .base import GradSync, LocalSync
-from .data_parallel import DataParallelSync
-from .sharding import ShardedSync
+from hpengine.strategies.base import GradSync, LocalSync
+from hpengine.strategies.data_parallel import DataParallelSync
+from hpengine.strategies.sharding import ShardedSync
 
 
 def make_grad_sync(res, stage, backend, comms) -> GradSync:

@@ -10,8 +10,8 @@ from typing import Protocol
 
 import numpy as np
 
-from ..buffers import FlatBuffer, Range
-from ..init import init_flat
+from hpengine.params.buffers import FlatBuffer, Range
+from hpengine.params.init import init_flat
 
 
 class Merged:

@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 
-from ..buffers import Range
-from ..comm import testall, waitall
-from .base import LocalSync
+from hpengine.params.buffers import Range
+from hpengine.dist.comm import testall, waitall
+from hpengine.strategies.base import LocalSync
 
 
 def make_buckets(done_order, block_ranges, cap_bytes, itemsize):

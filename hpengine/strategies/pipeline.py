@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 
-from ..comm import testall, waitall
-from ..trace import OFF
-from .schedules import Action, make_schedule
+from hpengine.dist.comm import testall, waitall
+from hpengine.dist.tracer import OFF
+from hpengine.layout.schedules import Action, make_schedule
 
 FWD, BWD = 0, 1
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..nn.linear import linear_drop_input, linear_restore_input
-from .tensor_parallel import TensorParallel
+from hpengine.nn.linear import linear_drop_input, linear_restore_input
+from hpengine.strategies.tensor_parallel import TensorParallel
 
 
 class SequenceParallel(TensorParallel):

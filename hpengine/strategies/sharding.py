@@ -12,12 +12,12 @@ import time
 
 import numpy as np
 
-from ..buffers import FlatBuffer, Layout, imbalance, partition
-from ..comm import testall, waitall
-from ..init import init_range
-from .base import LocalSync, Merged
+from hpengine.params.buffers import FlatBuffer, Layout, imbalance, partition
+from hpengine.dist.comm import testall, waitall
+from hpengine.params.init import init_range
+from hpengine.layout.resolve import MAX_INFLIGHT
+from hpengine.strategies.base import LocalSync, Merged
 
-MAX_INFLIGHT = 2   # blocks whose gradient reduction may be in flight at once (stages 2 and 3)
 
 
 class ShardedSync(LocalSync):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ..models import LocalTP
+from hpengine.models import LocalTP
 
 
 class TensorParallel(LocalTP):

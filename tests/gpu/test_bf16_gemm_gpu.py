@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpengine import backend
-from hpengine.config import load_config
+from hpengine.device import backend
+from hpengine.config.load import load_config
 from hpengine.nn import bf16_gemm
-from hpengine.train import build
+from hpengine.run.train import build
 
 pytestmark = pytest.mark.skipif(not backend.cupy_usable(), reason="needs CuPy and a usable CUDA device")
 

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from hpengine import backend
+from hpengine.device import backend
 from hpengine.nn import flash, flash_cuda
 
 pytestmark = pytest.mark.skipif(not backend.cupy_usable(), reason="needs CuPy and a usable CUDA device")

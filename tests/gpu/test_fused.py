@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpengine import backend
+from hpengine.device import backend
 from hpengine.nn import (attention_backward, attention_forward, cross_entropy_backward, cross_entropy_forward,
                          fused, gelu_backward, gelu_forward, layernorm_backward, layernorm_forward)
 

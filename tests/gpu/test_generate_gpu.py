@@ -8,9 +8,9 @@ import io
 import numpy as np
 import pytest
 
-from hpengine import backend
-from hpengine.cli import main
-from hpengine.generate import generate
+from hpengine.device import backend
+from hpengine.cli.commands import main
+from hpengine.apps.generate import generate
 
 pytestmark = pytest.mark.skipif(not backend.cupy_usable(), reason="needs CuPy and a usable CUDA device")
 KINDS = {"gpt": ["model.kind=gpt", "model.n_heads=2"],

@@ -7,8 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpengine import backend, kernels
-from hpengine.buffers import Layout, ParamSpec, Range
+from hpengine.device import backend
+from hpengine.device import kernels
+from hpengine.dist import comm
+from hpengine.params.buffers import Layout, ParamSpec, Range
 from hpengine.optim import AdamW
 
 pytestmark = pytest.mark.skipif(not backend.cupy_usable(), reason="needs CuPy and a usable CUDA device")
@@ -134,10 +136,10 @@ def test_host_staging_round_trip_and_mpi():
 
 
 def test_cuda_aware_mpi_takes_device_buffers():
-    if not backend.mpi_cuda_support():
+    if not comm.mpi_cuda_support():
         pytest.skip("this MPI library does not report CUDA support")
     from mpi4py import MPI
-    be = backend.make_backend("cupy", "float32", cuda_aware="auto")
+    be = backend.make_backend("cupy", "float32", cuda_aware=comm.mpi_cuda_support())
     a = cp.arange(10, dtype=cp.float32)
     assert be.stage_out(a) is a                                    # stage_out has synchronised
     out = cp.zeros_like(a)
@@ -150,8 +152,8 @@ def test_cuda_aware_mpi_takes_device_buffers():
 def test_float64_training_on_cupy_equals_numpy(tmp_path, small_corpus):
     import json
 
-    from hpengine.config import load_config
-    from hpengine.train import train
+    from hpengine.config.load import load_config
+    from hpengine.run.train import train
     common = ["model.kind='gpt'", "model.seq_len=16", "model.d_model=32", "model.n_layers=2",
               "model.n_heads=2", "model.dtype='float64'", "train.global_batch=4", "train.steps=4",
               "train.eval_every=0", "optim.clip_grad_norm=1.0", f"data.path={small_corpus}"]

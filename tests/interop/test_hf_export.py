@@ -30,9 +30,9 @@ pytest.importorskip("safetensors")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
-from hpengine.checkpoint import Reader  # noqa: E402
-from hpengine.cli import main  # noqa: E402
-from hpengine.config import from_dict  # noqa: E402
+from hpengine.checkpoint.shards import Reader  # noqa: E402
+from hpengine.cli.commands import main  # noqa: E402
+from hpengine.config.load import from_dict  # noqa: E402
 from hpengine.models import LocalTP, build_model  # noqa: E402
 from hpengine.nn import layernorm_forward, rmsnorm_forward  # noqa: E402
 
@@ -175,7 +175,7 @@ def test_hf_export_after_tensor_parallel_training_generates_the_same(tmp_path, s
     capsys.readouterr()
     assert main(["generate", str(run), "--prompt", prompt, "--greedy", "--max-new-tokens", "32"]) == 0
     printed = capsys.readouterr().out
-    from hpengine.generate import generate
+    from hpengine.apps.generate import generate
     got = generate(run, prompt, max_new=32, greedy=True, out=io.StringIO(), note=lambda s: None)["tokens"]
     shown = bytes(t for t in got if t != 0).decode("utf-8", errors="replace") + "\n"
     assert printed == shown                     # the CLI printed the ids' text

@@ -20,10 +20,10 @@ pytest.importorskip("safetensors")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
-from hpengine.config import load_config  # noqa: E402
+from hpengine.config.load import load_config  # noqa: E402
 from hpengine.models import LocalTP, build_model  # noqa: E402
 from hpengine.nn import layernorm_forward, rmsnorm_forward  # noqa: E402
-from hpengine.train import build, restore  # noqa: E402
+from hpengine.run.train import build, restore  # noqa: E402
 
 T, V, C, L, H = 16, 256, 16, 2, 4
 CASES = ["gpt", "gpt_tied", "llama", "llama_tied"]
@@ -111,7 +111,7 @@ def test_hf_import_under_tp2_pp2_equals_one_process(tmp_path, small_corpus, case
     import sys
     from pathlib import Path
 
-    from hpengine.export import read_params
+    from hpengine.checkpoint.export import read_params
     bindir = Path(sys.executable).parent
     mpiexec, script = bindir / "mpiexec", bindir / "hpengine"
     if not (mpiexec.exists() and script.exists()):

@@ -24,7 +24,7 @@ pytest.importorskip("transformers", minversion="5")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
-from hpengine.config import ffn_width, load_config  # noqa: E402
+from hpengine.config.load import ffn_width, load_config  # noqa: E402
 from hpengine.models import LocalTP, build_model  # noqa: E402
 
 B, T, V, C, L, H, F, THETA, EPS = 2, 8, 37, 16, 2, 4, 24, 50.0, 1e-5

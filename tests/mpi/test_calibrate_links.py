@@ -6,8 +6,8 @@ import math
 import numpy as np
 
 from helpers import need
-from hpengine import calibrate_gpu
-from hpengine.comm import Comm
+from hpengine.planner import calibrate_gpu
+from hpengine.dist.comm import Comm
 
 
 def test_link_figures_on_host_buffers(world):

@@ -8,9 +8,9 @@ import pytest
 from mpi4py import MPI
 
 from helpers import config, need, run
-from hpengine.checkpoint import CheckpointError
-from hpengine.evaluate import evaluate
-from hpengine.train import save_state
+from hpengine.checkpoint.shards import CheckpointError
+from hpengine.apps.evaluate import evaluate
+from hpengine.run.train import save_state
 
 N = MPI.COMM_WORLD.Get_size()
 

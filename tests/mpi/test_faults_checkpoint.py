@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from helpers import config
-from hpengine import checkpoint, ckpt_guard
-from hpengine.train import build, restore, save_state
+from hpengine.checkpoint import shards as checkpoint
+from hpengine.checkpoint import guard as ckpt_guard
+from hpengine.run.train import build, restore, save_state
 
 STAGE3 = ["strategy.sharding.enable=true", "strategy.sharding.stage=3"]
 

@@ -10,8 +10,8 @@ import pytest
 from mpi4py import MPI
 
 from helpers import LLAMA, config, need, run
-from hpengine.export import export
-from hpengine.train import build, restore, save_state
+from hpengine.checkpoint.export import export
+from hpengine.run.train import build, restore, save_state
 
 MODELS = {"gpt": ["model.n_heads=4", "model.n_layers=4", "model.vocab_size=257"],
           "llama": ["model.n_heads=4", "model.n_layers=4", "model.vocab_size=257", *LLAMA]}

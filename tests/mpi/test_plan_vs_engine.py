@@ -5,8 +5,8 @@ are within 10% of the engine's counted live caches (here they are equal)."""
 import pytest
 
 from helpers import LLAMA, config, need
-from hpengine.plan_model import for_rank
-from hpengine.train import build
+from hpengine.planner.model import for_rank
+from hpengine.run.train import build
 
 S = "strategy."
 DP = [S + "data_parallel.enable=true"]

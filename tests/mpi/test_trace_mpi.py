@@ -10,10 +10,10 @@ import pytest
 from helpers import TINY
 from mpi4py import MPI
 
-from hpengine import train as train_mod
-from hpengine.comm import TRACED
-from hpengine.config import load_config
-from hpengine.train import train
+from hpengine.run import train as train_mod
+from hpengine.dist.comm import TRACED
+from hpengine.config.load import load_config
+from hpengine.run.train import train
 
 WORLD = MPI.COMM_WORLD
 
@@ -87,7 +87,7 @@ def test_merged_trace_has_every_rank_and_the_pipeline(corpus, folder):
     if eng.mesh.degrees["dp"] > 1:
         assert "comm:dp" in cats
     if WORLD.Get_rank() == 0:
-        from hpengine.plot import plot_run      # matplotlib is in the test extra: a missing one fails here
+        from hpengine.apps.plot import plot_run      # matplotlib is in the test extra: a missing one fails here
         written, notes = plot_run(out)
         assert not notes and os.path.exists(os.path.join(out, "plots", "pipeline_gantt.png")), (written, notes)
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpengine.config import load_config
-from hpengine.engine import Recompute
-from hpengine.precision import round_bf16_
-from hpengine.train import build, save_state
+from hpengine.config.load import load_config
+from hpengine.engine.engine import Recompute
+from hpengine.device.precision import round_bf16_
+from hpengine.run.train import build, save_state
 
 BF16 = ["strategy.amp.enable=true", "strategy.amp.dtype=bfloat16", "model.dtype=float32"]
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.seq_len=16", "train.global_batch=8",
@@ -105,7 +105,7 @@ def test_bf16_resume_is_bit_exact(small_corpus, tmp_path):
     b = engine(small_corpus, *BF16, "model.kind=llama", "model.n_kv_heads=2")
     got = [b.train_step(s)["loss"] for s in range(2)]
     save_state(b, tmp_path, 2, keep=1)
-    from hpengine import checkpoint
+    from hpengine.checkpoint import shards as checkpoint
     c = engine(small_corpus, *BF16, "model.kind=llama", "model.n_kv_heads=2")
     c.load(checkpoint.Reader(tmp_path))
     got += [c.train_step(s)["loss"] for s in range(2, 4)]

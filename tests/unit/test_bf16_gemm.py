@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpengine import kernels
-from hpengine.config import load_config
+from hpengine.device import kernels
+from hpengine.config.load import load_config
 from hpengine.nn import bf16_gemm, gemm
-from hpengine.train import build
+from hpengine.run.train import build
 
 
 def bf16(a) -> np.ndarray:

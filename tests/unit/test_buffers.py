@@ -1,4 +1,4 @@
-"""Unit tests for hpengine.buffers (ParamSpec, Layout, FlatBuffer, partition) and hpengine.init
+"""Unit tests for hpengine.params.buffers (ParamSpec, Layout, FlatBuffer, partition) and hpengine.params.init
 (layout-invariant initialisation)."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from math import prod
 import numpy as np
 import pytest
 
-from hpengine.buffers import FlatBuffer, Layout, ParamSpec, Range, imbalance, partition
-from hpengine.init import init_flat, init_tensor
+from hpengine.params.buffers import FlatBuffer, Layout, ParamSpec, Range, imbalance, partition
+from hpengine.params.init import init_flat, init_tensor
 
 
 def specs_example():

@@ -19,9 +19,9 @@ import h5py
 import numpy as np
 import pytest
 
-from hpengine.cli import main
-from hpengine.config import load_config
-from hpengine.train import build, restore
+from hpengine.cli.commands import main
+from hpengine.config.load import load_config
+from hpengine.run.train import build, restore
 
 BIN = Path(sys.executable).parent
 TINY = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_layers=2", "model.n_heads=2",
@@ -167,8 +167,8 @@ def test_resume_in_a_new_process_group_is_bitwise(tmp_path, small_corpus, capsys
 KILL_DURING_SECOND_SAVE = r"""
 import sys, time
 import h5py
-from hpengine import checkpoint
-from hpengine.cli import main
+from hpengine.checkpoint import shards as checkpoint
+from hpengine.cli.commands import main
 
 marker, argv = sys.argv[1], sys.argv[2:]
 real, calls = checkpoint._write_shard, []

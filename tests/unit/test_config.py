@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from hpengine import config as C
-from hpengine.config import Config, ConfigError, load_config
+from hpengine.config import load as C
+from hpengine.config.load import Config, ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOML = ROOT / "configs" / "default.toml"
@@ -320,7 +320,7 @@ def test_describe_mentions_every_key():
 
 
 def test_strategy_queries():
-    from hpengine.resolve import requested_degrees
+    from hpengine.layout.resolve import requested_degrees
     cfg = load_config(None, ["strategy.pipeline.enable=true", "strategy.pipeline.degree=2",
                              "strategy.amp.enable=true", "strategy.data_parallel.degree=4"])
     assert C.enabled_strategies(cfg) == ["pipeline", "amp"]

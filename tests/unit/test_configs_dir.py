@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hpengine.cli import main
+from hpengine.cli.commands import main
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
 

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from hpengine.calibrate import physical_cores
+from hpengine.planner.calibrate import physical_cores
 
 
 def fake_cpuinfo(sockets: int, cores: int, threads: int) -> str:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hpengine import data
-from hpengine.cli import main
+from hpengine.cli.commands import main
 from hpengine.data import DataError, TokenFile, build, build_corpus, builtin, inputs, tokenizer
 from hpengine.data.format import sha256_text
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from hpengine.cli import main
+from hpengine.cli.commands import main
 from hpengine.data import DataError, TokenFile, build, build_corpus, token_dtype
 from hpengine.data import tokenizer as toks
 from hpengine.data.format import sha256_text

@@ -15,11 +15,11 @@ import h5py
 import numpy as np
 import pytest
 
-from hpengine.checkpoint import CheckpointError
-from hpengine.config import load_config
+from hpengine.checkpoint.shards import CheckpointError
+from hpengine.config.load import load_config
 from hpengine.data import DataError, TokenDataset
 from hpengine.data.format import sha256_text, write_token_file
-from hpengine.train import check_same_tokenizer, tokenizer_json, train
+from hpengine.run.train import check_same_tokenizer, tokenizer_json, train
 
 HF = json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}}})
 

@@ -11,12 +11,12 @@ import h5py
 import numpy as np
 import pytest
 
-from hpengine import checkpoint
-from hpengine.cli import main
-from hpengine.config import from_dict
+from hpengine.checkpoint import shards as checkpoint
+from hpengine.cli.commands import main
+from hpengine.config.load import from_dict
 from hpengine.data import build_corpus
 from hpengine.data.format import TokenFile
-from hpengine.evaluate import count_bytes, plan_passes
+from hpengine.apps.evaluate import count_bytes, plan_passes
 from hpengine.models import LocalTP, build_model
 
 T = 16

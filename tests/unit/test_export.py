@@ -11,9 +11,9 @@ import h5py
 import numpy as np
 import pytest
 
-from hpengine import export as ex
-from hpengine.checkpoint import Reader
-from hpengine.cli import main
+from hpengine.checkpoint import export as ex
+from hpengine.checkpoint.shards import Reader
+from hpengine.cli.commands import main
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 

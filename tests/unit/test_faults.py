@@ -12,10 +12,13 @@ from types import SimpleNamespace
 import pytest
 from mpi4py import MPI
 
-from hpengine import cli, faults, launch, memcheck
-from hpengine.config import load_config
-from hpengine.resolve import resolve
-from hpengine.run_dir import trim_metrics
+from hpengine.cli import commands as cli
+from hpengine.run import faults
+from hpengine.dist import watchdog
+from hpengine.run import memcheck
+from hpengine.config.load import load_config
+from hpengine.layout.resolve import resolve
+from hpengine.run.run_dir import trim_metrics
 
 TINY = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_layers=2", "model.n_heads=2",
         "train.global_batch=4", "runtime.backend='numpy'"]
@@ -24,7 +27,7 @@ TINY = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_laye
 # ---- watchdog: saves, loads and evaluation get a scaled limit ---------------------------------------
 def test_watchdog_does_not_fire_in_a_slow_save_but_does_in_a_step():
     fired = []
-    w = launch.Watchdog(0.2, "[r0]", abort=lambda: fired.append(1), stream=io.StringIO(), grace_s=0,
+    w = watchdog.Watchdog(0.2, "[r0]", abort=lambda: fired.append(1), stream=io.StringIO(), grace_s=0,
                         slow_floor_s=0).start()
     try:
         assert w.limit("checkpoint") == pytest.approx(2.0) and w.limit("train_step") == pytest.approx(0.2)
@@ -39,9 +42,9 @@ def test_watchdog_does_not_fire_in_a_slow_save_but_does_in_a_step():
 
 
 def test_slow_phases_have_a_floor():
-    assert launch.Watchdog(1).limit("checkpoint") == launch.SLOW_FLOOR_S
-    assert launch.Watchdog(1).limit("evaluate") == launch.SLOW_FLOOR_S
-    assert launch.Watchdog(1).limit("train_step") == 1
+    assert watchdog.Watchdog(1).limit("checkpoint") == watchdog.SLOW_FLOOR_S
+    assert watchdog.Watchdog(1).limit("evaluate") == watchdog.SLOW_FLOOR_S
+    assert watchdog.Watchdog(1).limit("train_step") == 1
 
 
 # ---- monitor: a peer that dies is named; the interrupt grace -----------------------------------------

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from hpengine import checkpoint, ckpt_guard
-from hpengine.cli import main
-from hpengine.config import load_config
-from hpengine.train import build, save_state
+from hpengine.checkpoint import shards as checkpoint
+from hpengine.checkpoint import guard as ckpt_guard
+from hpengine.cli.commands import main
+from hpengine.config.load import load_config
+from hpengine.run.train import build, save_state
 from test_checkpoint import cli  # noqa: E402 - `hpengine ARGS` in this process (tests/unit/test_checkpoint.py)
 
 BIN = Path(sys.executable).parent
@@ -86,7 +87,7 @@ from mpi4py import MPI                      # MPI starts before the limit: its s
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 lim = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_FSIZE, (lim, lim))
-from hpengine.cli import main
+from hpengine.cli.commands import main
 sys.exit(main(sys.argv[2:]))
 """
 
@@ -290,7 +291,7 @@ def test_a_checkpoint_dir_under_a_file_is_named(tmp_path, small_corpus, capsys):
 UNWRITABLE = r"""
 import os, sys
 from mpi4py import MPI
-from hpengine import ckpt_guard             # imported first: the interpreter's files may be private to root
+from hpengine.checkpoint import guard as ckpt_guard             # imported first: the interpreter's files may be private to root
 if os.geteuid() == 0:                       # root writes anywhere: check as an ordinary user
     os.setgid(65534)
     os.setuid(65534)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hpengine.config import load_config
-from hpengine.train import train
+from hpengine.config.load import load_config
+from hpengine.run.train import train
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec from the mpich wheel not installed")

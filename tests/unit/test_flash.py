@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from hpengine.engine import cache_nbytes
+from hpengine.layout.cache import cache_nbytes
 from hpengine.nn import attention_backward, attention_forward
 from hpengine.nn import flash
 from hpengine.nn.gqa import gqa_attention_backward, gqa_attention_forward

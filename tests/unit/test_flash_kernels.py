@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from hpengine import kernels
+from hpengine.device import kernels
 from hpengine.nn import flash, flash_cuda
 
 SRC = kernels.source_path("attention").read_text()

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpengine.config import ConfigError, load_config
+from hpengine.config.load import ConfigError, load_config
 from hpengine.nn import flash, score_elements
-from hpengine.plan_model import for_rank
-from hpengine.train import build
+from hpengine.planner.model import for_rank
+from hpengine.run.train import build
 
 B, T, V = 2, 16, 32
 KIND_KEYS = {"gpt": ["model.n_heads=2"],

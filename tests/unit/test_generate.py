@@ -7,8 +7,8 @@ import io
 import numpy as np
 import pytest
 
-from hpengine.cli import main
-from hpengine.generate import full_logits, generate, load, sample
+from hpengine.cli.commands import main
+from hpengine.apps.generate import full_logits, generate, load, sample
 
 T = 48
 COMMON = ["model.dtype=float64", f"model.seq_len={T}", "model.d_model=16", "model.n_layers=2", "train.steps=2",

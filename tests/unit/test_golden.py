@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from hpengine.config import load_config
+from hpengine.config.load import load_config
 from hpengine.data import build_corpus
-from hpengine.train import train
+from hpengine.run.train import train
 
 GOLDEN = Path(__file__).with_name("golden_losses.json")
 REGEN = os.environ.get("HPENGINE_REGEN_GOLDEN") == "1"

@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpengine import export as ex
-from hpengine import hf_import
-from hpengine.checkpoint import Reader
-from hpengine.cli import main
-from hpengine.config import load_config
-from hpengine.train import build, restore
+from hpengine.checkpoint import export as ex
+from hpengine.checkpoint import hf_import
+from hpengine.checkpoint.shards import Reader
+from hpengine.cli.commands import main
+from hpengine.config.load import load_config
+from hpengine.run.train import build, restore
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 

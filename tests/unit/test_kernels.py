@@ -9,11 +9,13 @@ import re
 import numpy as np
 import pytest
 
-from hpengine import backend, kernels
-from hpengine.buffers import Layout, ParamSpec, Range
+from hpengine.device import backend
+from hpengine.device import kernels
+from hpengine.dist import comm
+from hpengine.params.buffers import Layout, ParamSpec, Range
 from hpengine.optim import AdamW
 from hpengine.optim.adamw import decay_mask, decay_runs
-from hpengine.precision import round_bf16_
+from hpengine.device.precision import round_bf16_
 
 NVCC = kernels.find_nvcc()
 NVRTC = kernels.find_nvrtc()
@@ -373,7 +375,7 @@ def test_numpy_backend_hands_its_own_arrays_to_mpi():
     a = np.arange(4.0)
     assert be.stage_out(a) is a
     be.stage_in(a, a)
-    assert backend.resolve_cuda_aware("auto", be) is False and backend.resolve_cuda_aware(True, be) is False
+    assert comm.resolve_cuda_aware("auto", be) is False and comm.resolve_cuda_aware(True, be) is False
     assert backend.array_module(a) is np
 
 
@@ -387,6 +389,6 @@ def test_cupy_backend_without_cupy_is_a_clear_error():
 
 def test_local_rank_and_mpi_cuda_query():
     from mpi4py import MPI
-    from hpengine.topology import node_ranks
+    from hpengine.dist.topology import node_ranks
     assert node_ranks(MPI.COMM_SELF) == (0, 1)
-    assert isinstance(backend.mpi_cuda_support(), bool)
+    assert isinstance(comm.mpi_cuda_support(), bool)

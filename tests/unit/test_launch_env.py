@@ -1,4 +1,4 @@
-"""hpengine.launch: the world-size check against launcher variables (fake worlds, patched env), the hang
+"""hpengine.run.launch: the world-size check against launcher variables (fake worlds, patched env), the hang
 watchdog and the stop signals in process, and under a real mpiexec: one rank failing or hanging ends
 the whole job within seconds, a SIGTERM on one rank stops every rank after the same step."""
 import io
@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from hpengine import launch
+from hpengine.run import launch
+from hpengine.dist import watchdog
 
 BIN = Path(sys.executable).parent
 MPIEXEC = BIN / "mpiexec"
@@ -27,9 +28,10 @@ needs_mpiexec = pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec from th
 @pytest.fixture(autouse=True)
 def restore_launch_state():
     """Watchdogs and signal handlers record per-process state; give each test a clean copy."""
-    saved = dict(launch._state)
+    saved, saved_wd = dict(launch._state), dict(watchdog._state)
     yield
     launch._state.update(saved)
+    watchdog._state.update(saved_wd)
 
 
 class FakeWorld:
@@ -119,7 +121,7 @@ def test_cli_reports_launch_error_in_one_line(tmp_path, small_corpus):
 # --- watchdog and signals in process -------------------------------------------------------------
 def _fired(timeout_s, beat_every=None, run_s=0.6):
     out, aborted = io.StringIO(), threading.Event()
-    wd = launch.Watchdog(timeout_s, "[r0 dp0 sh0 pp0 tp0]", abort=aborted.set, stream=out, grace_s=0,
+    wd = watchdog.Watchdog(timeout_s, "[r0 dp0 sh0 pp0 tp0]", abort=aborted.set, stream=out, grace_s=0,
                          slow_floor_s=0).start()     # start-up's limit: 10 x timeout_s
     t_end = time.monotonic() + run_s
     step = 0
@@ -133,7 +135,7 @@ def _fired(timeout_s, beat_every=None, run_s=0.6):
 
 
 def test_watchdog_fires_without_heartbeats_and_names_rank_and_phase():
-    launch.note_comm("allreduce", "dp", 4096)
+    watchdog.note_comm("allreduce", "dp", 4096)
     fired, text = _fired(0.2, run_s=5)
     assert fired
     first = text.splitlines()[0]
@@ -144,7 +146,7 @@ def test_watchdog_fires_without_heartbeats_and_names_rank_and_phase():
 
 def test_watchdog_quiet_while_heartbeats_come_and_off_at_zero():
     assert _fired(0.3, beat_every=0.02) == (False, "")
-    wd = launch.Watchdog(0, "x").start()
+    wd = watchdog.Watchdog(0, "x").start()
     assert wd._thread is None
     wd.stop()
 
@@ -166,7 +168,8 @@ def test_stop_signal_sets_flag_and_restores_handler():
 INJECT = """
 import os, signal, sys, time
 from mpi4py import MPI
-from hpengine import cli, engine
+from hpengine.cli import commands as cli
+from hpengine.engine import engine
 mode, rank, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 orig = engine.Engine.train_step
 def train_step(self, step):
@@ -232,7 +235,7 @@ def test_sigterm_on_one_rank_stops_every_rank_after_that_step(tmp_path, small_co
 WATCHDOG_ONLY = """
 import sys, time
 from mpi4py import MPI
-from hpengine.launch import Watchdog
+from hpengine.dist.watchdog import Watchdog
 w = MPI.COMM_WORLD
 wd = Watchdog(float(sys.argv[1]), f"[r{w.Get_rank()} dp{w.Get_rank()} sh0 pp0 tp0]").start()
 wd.heartbeat(7, "gradient sync")

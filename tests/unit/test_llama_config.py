@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from hpengine import config as C
-from hpengine.cli import main
-from hpengine.config import ConfigError, load_config
+from hpengine.config import load as C
+from hpengine.cli.commands import main
+from hpengine.config.load import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

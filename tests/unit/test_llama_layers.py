@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from hpengine.engine import cache_nbytes
+from hpengine.layout.cache import cache_nbytes
 from test_layers import numgrad  # central differences (tests/unit/test_layers.py)
 from hpengine.nn import attention_forward, attention_backward, score_elements
 from hpengine.nn.gqa import gqa_attention_backward, gqa_attention_forward, gqa_cache_elements

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpengine.config import load_config
-from hpengine.train import build
+from hpengine.config.load import load_config
+from hpengine.run.train import build
 
 B, T, V = 4, 8, 32
 FD_H = 5e-4      # 5-point stencil: truncation ~h^4, round-off ~eps/h, both far below the tolerance

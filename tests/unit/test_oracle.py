@@ -1,7 +1,7 @@
 """An independent float64 NumPy oracle of the tiny models, against the engine's one-process run.
 
 The oracle below is written from the equations, not from hpengine's layers (nothing from hpengine.nn,
-hpengine.models, hpengine.optim or hpengine.kernels is imported):
+hpengine.models, hpengine.optim or hpengine.device.kernels is imported):
 
 * GPT (pre-LN, GPT-2): x = wte[ids] + wpe[:T]; per layer x += attn(LN1(x)), x += mlp(LN2(x)), with
   causal softmax attention (scores scaled by 1/sqrt(head_dim)) and mlp(h) = gelu(h Wfc + bfc) Wp + bp,
@@ -33,8 +33,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpengine.config import load_config
-from hpengine.train import build
+from hpengine.config.load import load_config
+from hpengine.run.train import build
 
 V, T, C, L, H, FFN = 64, 8, 16, 2, 2, 4
 B = 4

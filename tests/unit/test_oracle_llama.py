@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpengine.config import load_config
-from hpengine.train import build
+from hpengine.config.load import load_config
+from hpengine.run.train import build
 
 B, T, V, C = 3, 8, 32, 16
 

@@ -10,16 +10,16 @@ from dataclasses import replace
 
 import pytest
 
-from hpengine.cli import main
-from hpengine.config import enabled_strategies, load_config
+from hpengine.cli.commands import main
+from hpengine.config.load import enabled_strategies, load_config
 from hpengine.models import build_model
-from hpengine.plan import (Cluster, PlanError, candidates, check_at_start, config_for, load_cluster, search,
+from hpengine.planner.search import (Cluster, PlanError, candidates, check_at_start, config_for, load_cluster, search,
                            with_preset, write_best)
-from hpengine.plan_model import (block_activations, collective_s, compute_s, flops_per_microbatch,
+from hpengine.planner.model import (block_activations, collective_s, compute_s, flops_per_microbatch,
                                   link, model_state, stage_times, stages, step_time, zero_bytes)
-from hpengine.resolve import split_blocks
-from hpengine.strategies.schedules import make_schedule, peak_in_flight, peak_live
-from hpengine.resolve import resolve
+from hpengine.layout.resolve import split_blocks
+from hpengine.layout.schedules import make_schedule, peak_in_flight, peak_live
+from hpengine.layout.resolve import resolve
 
 TINY = ["model.kind=gpt", "model.d_model=16", "model.n_layers=4", "model.n_heads=4", "model.seq_len=8",
         "train.global_batch=16"]

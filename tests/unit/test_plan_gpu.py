@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from hpengine.calibrate import GB
-from hpengine.calibrate_gpu import fit_device, table
-from hpengine.cli import main
-from hpengine.config import load_config
+from hpengine.planner.calibrate import GB
+from hpengine.planner.calibrate_gpu import fit_device, table
+from hpengine.cli.commands import main
+from hpengine.config.load import load_config
 from hpengine.models import build_model
-from hpengine.plan import Cluster, PlanError, evaluate, load_cluster, search, with_preset
-from hpengine.plan_gpu import gemm_flops, gemm_s, gemms
-from hpengine.plan_model import block_activations, compute_s, flops_per_microbatch, stages
-from hpengine.resolve import resolve
+from hpengine.planner.search import Cluster, PlanError, evaluate, load_cluster, search, with_preset
+from hpengine.planner.gpu import gemm_flops, gemm_s, gemms
+from hpengine.planner.model import block_activations, compute_s, flops_per_microbatch, stages
+from hpengine.layout.resolve import resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 A100 = ROOT / "clusters" / "a100_80gb_dgx.toml"

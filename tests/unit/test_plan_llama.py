@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from hpengine.cli import main
-from hpengine.config import ModelConfig, kind_keys, load_config, validate
-from hpengine.plan import with_preset
-from hpengine.plan_model import flops_per_microbatch, stages
-from hpengine.presets import ALIASES, PRESETS
-from hpengine.resolve import resolve
+from hpengine.cli.commands import main
+from hpengine.config.load import ModelConfig, kind_keys, load_config, validate
+from hpengine.planner.search import with_preset
+from hpengine.planner.model import flops_per_microbatch, stages
+from hpengine.planner.presets import ALIASES, PRESETS
+from hpengine.layout.resolve import resolve
 
 # parameters of the released checkpoints (the Hugging Face safetensors totals)
 PUBLISHED = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3.2-1b": 1_235_814_400}

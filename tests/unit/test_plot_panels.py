@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpengine.plot import _pyplot, ema, loss_figure
+from hpengine.apps.plot import _pyplot, ema, loss_figure
 
 
 def metrics(models=1, steps=12):

@@ -7,9 +7,10 @@ import re
 
 import pytest
 
-from hpengine import progress
-from hpengine.config import ConfigError, load_config
-from hpengine.train import train
+from hpengine.run import progress
+from hpengine.planner import peaks
+from hpengine.config.load import ConfigError, load_config
+from hpengine.run.train import train
 
 V, T, C, L, B = 256, 8, 16, 2, 4          # vocabulary, seq_len, d_model, layers, global batch
 TINY = ["model.kind='gpt'", f"model.seq_len={T}", f"model.d_model={C}", f"model.n_layers={L}", "model.n_heads=2",
@@ -91,12 +92,12 @@ def test_eta_uses_the_mean_of_the_recent_steps():
 
 
 def test_peak_table_knows_the_datacenter_gpus():
-    assert progress.table_peak("NVIDIA H200", "16bit") == 989.0
-    assert progress.table_peak("NVIDIA H100 80GB HBM3", "fp32") == 67.0
-    assert progress.table_peak("NVIDIA H100 PCIe", "16bit") == 756.0
-    assert progress.table_peak("NVIDIA A100-SXM4-80GB", "16bit") == 312.0
-    assert progress.table_peak("NVIDIA A100-SXM4-80GB", "fp32") == 19.5
-    assert progress.table_peak("NVIDIA GeForce RTX 4090", "fp32") is None
+    assert peaks.table_peak("NVIDIA H200", "16bit") == 989.0
+    assert peaks.table_peak("NVIDIA H100 80GB HBM3", "fp32") == 67.0
+    assert peaks.table_peak("NVIDIA H100 PCIe", "16bit") == 756.0
+    assert peaks.table_peak("NVIDIA A100-SXM4-80GB", "16bit") == 312.0
+    assert peaks.table_peak("NVIDIA A100-SXM4-80GB", "fp32") == 19.5
+    assert peaks.table_peak("NVIDIA GeForce RTX 4090", "fp32") is None
 
 
 class _FakeGPU:
@@ -119,10 +120,10 @@ def test_unknown_gpu_without_peak_names_the_key():
 
 
 def test_precision_column_follows_amp_dtype_and_tf32():
-    assert progress.precision_of(load_config(None, ["strategy.amp.enable=true"])) == "16bit"
-    assert progress.precision_of(load_config(None, ["model.dtype='float64'"])) == "fp64"
-    assert progress.precision_of(load_config(None, ["runtime.matmul_precision='tf32'"])) == "tf32"
-    assert progress.precision_of(load_config(None, [])) == "fp32"
+    assert peaks.precision_of(load_config(None, ["strategy.amp.enable=true"])) == "16bit"
+    assert peaks.precision_of(load_config(None, ["model.dtype='float64'"])) == "fp64"
+    assert peaks.precision_of(load_config(None, ["runtime.matmul_precision='tf32'"])) == "tf32"
+    assert peaks.precision_of(load_config(None, [])) == "fp32"
 
 
 def test_negative_peak_is_one_clear_line():

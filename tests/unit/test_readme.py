@@ -2,7 +2,7 @@
 import dataclasses
 from pathlib import Path
 
-from hpengine import config as C
+from hpengine.config import load as C
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 

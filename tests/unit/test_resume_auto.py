@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hpengine import launch
-from hpengine.cli import main
+from hpengine.run import launch
+from hpengine.cli.commands import main
 
 TINY = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_layers=2", "model.n_heads=2",
         "train.global_batch=4", "runtime.backend='numpy'", "train.log_every=1000", "train.eval_every=0"]

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (hpengine.strategies.schedules): completeness and order of every stage's
+"""Pipeline schedules as data (hpengine.layout.schedules): completeness and order of every stage's
 actions, activation memory, deadlock-free simulation with the theoretical bubble, broken schedules
 caught by the simulation, and input validation."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from hpengine.strategies.schedules import (Action, bubble_fraction, fthenb, interleaved,
+from hpengine.layout.schedules import (Action, bubble_fraction, fthenb, interleaved,
                                            make_schedule, one_f_one_b, peak_in_flight, simulate)
 
 PS = range(1, 9)

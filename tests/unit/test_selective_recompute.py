@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpengine.config import load_config
+from hpengine.config.load import load_config
 from hpengine.models import LocalTP, build_model
 from hpengine.nn import (attention_backward, attention_drop_scores, attention_forward, attention_restore_scores,
                          gqa_attention_backward, gqa_attention_forward, gqa_drop_scores, gqa_restore_scores)
-from hpengine.plan_model import flops_per_microbatch, stages
-from hpengine.resolve import resolve
+from hpengine.planner.model import flops_per_microbatch, stages
+from hpengine.layout.resolve import resolve
 
 B, T = 2, 8
 

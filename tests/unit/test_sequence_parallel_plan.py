@@ -5,12 +5,12 @@ sequence parallelism the norms and the linear inputs stay whole on every rank. L
 switch reaches the resolved layout and the planner's search."""
 import pytest
 
-from hpengine.config import load_config
+from hpengine.config.load import load_config
 from hpengine.models import build_model
-from hpengine.plan import Cluster, candidates, config_for
-from hpengine.plan_tp import activation_calls
-from hpengine.plan_model import stages
-from hpengine.resolve import LayoutError, resolve
+from hpengine.planner.search import Cluster, candidates, config_for
+from hpengine.planner.tp import activation_calls
+from hpengine.planner.model import stages
+from hpengine.layout.resolve import LayoutError, resolve
 
 MODEL = ["model.d_model=64", "model.n_heads=8", "model.seq_len=32", "model.n_layers=2", "model.vocab_size=256"]
 KINDS = {"gpt": [], "gpt_flash": ["model.attention=flash"], "mlp": ["model.kind=mlp"],

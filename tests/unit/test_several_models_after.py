@@ -10,12 +10,12 @@ import tomllib
 import numpy as np
 import pytest
 
-from hpengine import checkpoint
-from hpengine.cli import main
-from hpengine.config import from_dict
+from hpengine.checkpoint import shards as checkpoint
+from hpengine.cli.commands import main
+from hpengine.config.load import from_dict
 from hpengine.data import build_corpus
 from hpengine.data.format import TokenFile
-from hpengine.generate import KVDecoder, generate, load
+from hpengine.apps.generate import KVDecoder, generate, load
 from hpengine.models import LocalTP, build_model
 
 T = 16

@@ -7,9 +7,9 @@ import struct
 
 import pytest
 
-from hpengine import tensorboard as tb
-from hpengine.config import load_config
-from hpengine.train import train
+from hpengine.run import tensorboard as tb
+from hpengine.config.load import load_config
+from hpengine.run.train import train
 
 TINY = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_layers=2", "model.n_heads=2",
         "train.global_batch=4", "runtime.backend='numpy'", "train.steps=6", "train.eval_every=3",

@@ -14,8 +14,8 @@ import numpy  # noqa: F401  (loads the BLAS library threadpoolctl reports)
 import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from hpengine import threads
-from hpengine.config import ConfigError, load_config
+from hpengine.device import threads
+from hpengine.config.load import ConfigError, load_config
 
 BIN = Path(sys.executable).parent
 NO_ENV = {}
@@ -72,8 +72,8 @@ RANK_SCRIPT = """
 import json, os, sys
 from mpi4py import MPI
 from threadpoolctl import threadpool_info
-from hpengine.config import load_config
-from hpengine.train import train
+from hpengine.config.load import load_config
+from hpengine.run.train import train
 train(load_config(None, json.loads(sys.argv[1])))
 blas = sorted({p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"})
 rank = MPI.COMM_WORLD.Get_rank()

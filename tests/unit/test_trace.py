@@ -8,13 +8,13 @@ import sys
 import pytest
 from mpi4py import MPI
 
-from hpengine import train as train_mod
-from hpengine.cli import main
-from hpengine.comm import TRACED
-from hpengine.config import ConfigError, load_config
-from hpengine.plot import PlotError, plot_run
-from hpengine.trace import CATEGORIES, OFF, Tracer, merge, model_flops
-from hpengine.train import train
+from hpengine.run import train as train_mod
+from hpengine.cli.commands import main
+from hpengine.dist.comm import TRACED
+from hpengine.config.load import ConfigError, load_config
+from hpengine.apps.plot import PlotError, plot_run
+from hpengine.run.trace import CATEGORIES, OFF, Tracer, merge, model_flops
+from hpengine.run.train import train
 
 TINY = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_layers=2", "model.n_heads=2",
         "train.global_batch=4", "runtime.backend='numpy'", "train.steps=4", "train.eval_every=2"]

@@ -13,11 +13,11 @@ import h5py
 import numpy as np
 import pytest
 
-from hpengine.cli import main
-from hpengine.config import load_config
+from hpengine.cli.commands import main
+from hpengine.config.load import load_config
 from hpengine.data import TokenDataset, TokenFile
 from hpengine.optim import clip_coefficient, lr_at
-from hpengine.train import train
+from hpengine.run.train import train
 
 TINY = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_layers=2",
         "model.n_heads=2", "train.global_batch=4", "runtime.backend='numpy'"]

@@ -1,0 +1,343 @@
+"""Checkpoints: a folder of per-rank HDF5 shard files and a JSON manifest. Every stored piece names its
+global tensor and the global region it covers, so any layout loads any checkpoint, each rank reading
+only the pieces that overlap what it holds. Published atomically (temporary folder, fsync, rename,
+then the `latest` pointer); every piece and the manifest itself checksummed (ckpt_guard: the manifest's
+checksum, write failures as one line, the start-up writability check); no pickle anywhere, so loading can
+never run code.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from math import prod
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from hpengine.checkpoint import guard
+from hpengine.checkpoint.guard import CheckpointError
+from hpengine.dist.comm import agree_or_raise
+
+FORMAT = "hpengine-checkpoint-1"
+KINDS = ("param", "adam_m", "adam_v")
+
+
+def _sha(arr: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _collective(comm, fn):
+    """Run fn on every rank; if any rank fails, every rank raises CheckpointError with the first message."""
+    return agree_or_raise(comm, fn, CheckpointError, (OSError, CheckpointError, KeyError, ValueError))
+
+
+# --- save ----------------------------------------------------------------------------------------
+def _write_shard(path: Path, pieces) -> list[dict]:
+    """The shard is built in memory and written with plain os calls: a full disk is then an OSError here,
+    not a failure inside HDF5's deferred writes."""
+    index = []
+    with h5py.File(path.name, "w", driver="core", backing_store=False) as f:
+        for i, (name, kind, gshape, box, a, b, data) in enumerate(pieces):
+            dset = f"{kind}/{i}"
+            f.create_dataset(dset, data=data)
+            index.append({"file": path.name, "dset": dset, "name": name, "kind": kind, "global_shape": list(gshape),
+                          "box": [[s.start, s.stop] for s in box], "flat": [a, b], "dtype": str(data.dtype),
+                          "sha256": _sha(data)})
+        f.flush()
+        image = f.id.get_file_image()
+    guard.write_bytes(path, image)
+    return index
+
+
+def save(world, root, step: int, keep: int, pieces: list, meta: dict, tracer) -> Path:
+    """Collective over `world` (a comm.Comm): write this rank's `pieces` (state.checkpoint_pieces) of the
+    checkpoint of `step` under root/step_XXXXXXXX; rank 0 writes the manifest (`meta`: config, state,
+    shapes, layout, world) and points `latest` at it."""
+    root = Path(root)
+    rank = world.rank
+    final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
+    t_span = tracer.now()          # the save is one "checkpoint" span
+    need = sum(world.allgather_obj(sum(p[-1].nbytes for p in pieces)))
+
+    def guarded(fn):
+        def run():
+            try:
+                return fn()
+            except (OSError, RuntimeError) as exc:       # h5py reports I/O errors as RuntimeError
+                raise guard.write_error(exc, root, step, need) from None
+        return run
+
+    def prepare():
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in [*root.glob(".tmp-step_*"), *root.glob(guard.DISCARDED + "*")]:   # killed half-way
+                shutil.rmtree(stale, ignore_errors=True)
+            guard.check_room(root, step, need)
+            tmp.mkdir()
+    _collective(world, guarded(prepare))
+    try:
+        index = _collective(world, guarded(
+            lambda: _write_shard(tmp / f"shard_r{rank:05d}.h5", pieces) if pieces else []))
+    except CheckpointError:
+        if rank == 0:                                    # give the space back; `latest` is untouched
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    everything = [p for part in world.allgather_obj(index) for p in part]
+
+    def publish():
+        if rank != 0:
+            return
+        manifest = guard.seal({"format": FORMAT, "step": step, **meta, "pieces": everything})
+        try:
+            guard.write_bytes(tmp / "manifest.json", json.dumps(manifest).encode())
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _fsync_path(tmp)
+        if final.exists():
+            guard.discard(final)
+        os.replace(tmp, final)
+        _fsync_path(root)
+        (root / "latest.tmp").write_text(final.name + "\n")
+        _fsync_path(root / "latest.tmp")
+        os.replace(root / "latest.tmp", root / "latest")   # updated last: a crash before here keeps the old one
+        _fsync_path(root)
+        _prune(root, keep)
+    _collective(world, guarded(publish))
+    tracer.lap("checkpoint", t_span, "save", step)
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in steps[:-keep]:
+        try:
+            guard.discard(old)
+        except OSError:          # a folder that cannot be removed stays; the next save tries again
+            pass
+
+
+# --- read ----------------------------------------------------------------------------------------
+def resolve(path) -> Path:
+    """A checkpoint folder, or a checkpoints root whose `latest` names one."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint '{p}' does not exist")
+    if (p / "manifest.json").exists():
+        return p
+    if (p / "latest").exists():
+        target = p / (p / "latest").read_text().strip()
+        if (target / "manifest.json").exists():
+            return target
+        raise CheckpointError(f"'{p / 'latest'}' points at '{target.name}', which has no manifest.json")
+    raise CheckpointError(f"'{p}' is not a checkpoint: no manifest.json and no 'latest' pointer inside")
+
+
+class Reader:
+    """Reads global regions of tensors from a checkpoint folder, verifying each piece it uses."""
+
+    def __init__(self, path):
+        self.dir = resolve(path)
+        mpath = self.dir / "manifest.json"
+        try:
+            self.manifest = json.loads(mpath.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"manifest '{mpath}' is unreadable or not JSON: {exc}") from None
+        if self.manifest.get("format") != FORMAT:
+            raise CheckpointError(f"manifest '{mpath}' has format {self.manifest.get('format')!r}, "
+                                  f"expected {FORMAT!r}")
+        guard.check_manifest(self.manifest, mpath, KINDS)
+        self.by_tensor = {}
+        for p in self.manifest["pieces"]:
+            self.by_tensor.setdefault((p["kind"], p["name"]), []).append(p)
+        self.files = {}
+
+    def check_shapes(self, shapes: dict) -> None:
+        """The checkpoint must hold the same model (tensor names and unpadded shapes)."""
+        mine = self.manifest["shapes"]
+        if mine != shapes:
+            diff = sorted(set(mine) ^ set(shapes)) or \
+                [n for n in shapes if list(shapes[n]) != list(mine[n])]
+            raise CheckpointError(f"checkpoint '{self.dir}' holds a different model than the config: tensors "
+                                  f"{diff[:4]} differ (e.g. {diff[0]}: checkpoint {mine.get(diff[0])}, config "
+                                  f"{shapes.get(diff[0])})")
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    def _data(self, piece) -> np.ndarray:
+        path = self.dir / piece["file"]
+        try:
+            if path not in self.files:
+                self.files[path] = h5py.File(path, "r")
+            data = self.files[path][piece["dset"]][...]
+        except (OSError, KeyError) as exc:
+            raise CheckpointError(f"shard '{path}' is missing, truncated or corrupted "
+                                  f"(reading {piece['dset']}: {exc})") from None
+        if _sha(data) != piece["sha256"]:
+            raise CheckpointError(f"shard '{path}': checksum mismatch in {piece['dset']} ({piece['kind']} of "
+                                  f"{piece['name']}); the file is corrupted")
+        return data
+
+    def read(self, kind: str, name: str, region) -> np.ndarray:
+        """float64 values of global region (a tuple of slices) of tensor `name`; padding (beyond the
+        tensor's true shape) reads as 0."""
+        true = self.manifest["shapes"].get(name)
+        if true is None:
+            raise CheckpointError(f"checkpoint '{self.dir}' has no tensor {name!r}")
+        out = np.zeros(tuple(s.stop - s.start for s in region))
+        need = tuple(slice(s.start, min(s.stop, t)) for s, t in zip(region, true))
+        filled = 0
+        for piece in self.by_tensor.get((kind, name), []):
+            filled += self._place(piece, region, need, out)
+        if filled != prod(max(0, s.stop - s.start) for s in need):
+            raise CheckpointError(f"checkpoint '{self.dir}' does not cover {kind} of {name} {_fmt(need)} "
+                                  f"(a shard file or piece is missing)")
+        return out
+
+    def _place(self, piece, region, need, out) -> int:
+        box = [slice(a, b) for a, b in piece["box"]]
+        shape = tuple(s.stop - s.start for s in box)
+        a, b = piece["flat"]
+        row = prod(shape[1:]) if len(shape) > 1 else 1
+        lo0, hi0 = box[0].start + a // row, box[0].start + (b - 1) // row + 1   # rows the piece touches
+        if min(hi0, need[0].stop) <= max(lo0, need[0].start) or any(
+                min(bx.stop, nd.stop) <= max(bx.start, nd.start) for bx, nd in zip(box[1:], need[1:])):
+            return 0
+        data = self._data(piece)
+        if a == 0 and b == prod(shape):                  # a whole box: copy the overlap directly
+            cut = [slice(max(bx.start, nd.start), min(bx.stop, nd.stop)) for bx, nd in zip(box, need)]
+            src = tuple(slice(c.start - bx.start, c.stop - bx.start) for c, bx in zip(cut, box))
+            dst = tuple(slice(c.start - rg.start, c.stop - rg.start) for c, rg in zip(cut, region))
+            out[dst] = data.reshape(shape)[src]
+            return prod(c.stop - c.start for c in cut)
+        coords = np.unravel_index(np.arange(a, b), shape)
+        g = [c + bx.start for c, bx in zip(coords, box)]
+        inside = np.ones(b - a, dtype=bool)
+        for gi, nd in zip(g, need):
+            inside &= (gi >= nd.start) & (gi < nd.stop)
+        out[tuple(gi[inside] - rg.start for gi, rg in zip(g, region))] = data[inside]
+        return int(inside.sum())
+
+    def verify(self) -> list[str]:
+        """Problems found by reading every piece and checking its checksum ([] = intact)."""
+        problems, broken = [], set()
+        for p in self.manifest["pieces"]:
+            if p["file"] in broken:
+                continue
+            path = self.dir / p["file"]
+            try:
+                if path not in self.files:
+                    self.files[path] = h5py.File(path, "r")
+            except OSError as exc:
+                broken.add(p["file"])
+                problems.append(f"shard '{path}' is missing, truncated or not HDF5: {exc}")
+                continue
+            try:
+                self._data(p)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+        return problems
+
+    def close(self):
+        for f in self.files.values():
+            f.close()
+        self.files = {}
+
+
+def _fmt(region) -> str:
+    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in region) + "]"
+
+
+def read_region(a, region) -> np.ndarray:
+    """float64 values of `region` (slices) of array-like `a`; zeros beyond a's shape (padded vocabulary)."""
+    out = np.zeros(tuple(s.stop - s.start for s in region))
+    need = tuple(slice(s.start, min(s.stop, n)) for s, n in zip(region, a.shape))
+    if all(s.stop > s.start for s in need):
+        out[tuple(slice(0, s.stop - s.start) for s in need)] = a[need]
+    return out
+
+
+class ExportReader:
+    """The same read() over a consolidated export file (`hpengine ckpt export`), for checkpoint.init_from."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        try:
+            self.f = h5py.File(self.path, "r")
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint.init_from = '{path}': not a readable HDF5 file ({exc})") from None
+        if self.f.attrs.get("format") != FORMAT + "-export":
+            raise CheckpointError(f"'{path}' is not an hpengine export (attribute format missing)")
+        self.step = int(self.f.attrs["step"])
+
+    def check_shapes(self, shapes: dict) -> None:
+        """The file must hold exactly the config's parameters at their true shapes."""
+        where = f"checkpoint.init_from = '{self.path}'"
+        theirs = {n: list(d.shape) for n, d in self.f["param"].items()} if "param" in self.f else {}
+        for name, shape in shapes.items():
+            if name not in theirs:
+                raise CheckpointError(f"{where} has no tensor {name!r}, which the config's model has "
+                                      f"(shape {list(shape)}); the file holds another model")
+            if theirs[name] != list(shape):
+                raise CheckpointError(f"{where}: tensor {name!r} has shape {theirs[name]} in the file but "
+                                      f"{list(shape)} in the config's model")
+        extra = sorted(set(theirs) - set(shapes))
+        if extra:
+            raise CheckpointError(f"{where} holds tensors the config's model lacks: {extra[:4]}; the file "
+                                  "holds another model")
+
+    def read(self, kind, name, region):
+        key = f"{kind}/{name}"
+        if key not in self.f:
+            raise CheckpointError(f"'{self.path}' has no dataset {key!r}")
+        return read_region(self.f[key], region)
+
+    def close(self):
+        self.f.close()
+
+
+def export(path, out, params_only: bool = False) -> dict:
+    """Write one consolidated HDF5 file of global tensors (params and Adam moments, or params only),
+    plain h5py."""
+    r = Reader(path)
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.attrs["format"] = FORMAT + "-export"
+            f.attrs["step"] = r.step
+            f.attrs["config"] = r.manifest["config"]
+            f.attrs["state"] = json.dumps(r.manifest["state"])
+            for name, shape in r.manifest["shapes"].items():
+                region = tuple(slice(0, n) for n in shape)
+                for kind in (("param",) if params_only else KINDS):
+                    pieces = r.by_tensor.get((kind, name))
+                    if pieces:   # stored in the dtype the checkpoint holds
+                        f.create_dataset(f"{kind}/{name}", data=r.read(kind, name, region).astype(pieces[0]["dtype"]))
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+        r.close()
+    return {"tensors": len(r.manifest["shapes"]), "step": r.step, "path": str(out)}
+
+
+def info(path) -> dict:
+    r = Reader(path)
+    files = sorted({p["file"] for p in r.manifest["pieces"]})
+    size = sum((r.dir / f).stat().st_size for f in files if (r.dir / f).exists())
+    return {"dir": str(r.dir), "step": r.step, "layout": r.manifest["layout"], "world": r.manifest["world"],
+            "tensors": len(r.manifest["shapes"]), "elements": sum(prod(s) for s in r.manifest["shapes"].values()),
+            "files": len(files), "bytes": size, "state": r.manifest["state"]}

@@ -1,0 +1,5 @@
+"""The command line `hpengine train | config | data | plan | ckpt | eval | generate | plot` (commands.py; the
+after-training commands in after.py). Exports: main, the console entry point."""
+from hpengine.cli.commands import main
+
+__all__ = ["main"]

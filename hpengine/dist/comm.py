@@ -1,0 +1,279 @@
+"""The only module that hands arrays to mpi4py. Wraps one communicator per mesh axis, syncs the
+device before MPI touches a buffer (staging through pinned host memory when the MPI is not CUDA-aware),
+and counts bytes and calls per operation so tests and the planner can compare traffic with formulas.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections import defaultdict
+
+from mpi4py import MPI
+
+from hpengine.dist.watchdog import note_comm
+
+log = logging.getLogger("hpengine")
+
+
+class Staged:
+    """A non-blocking request whose host staging buffer is copied back into the device array when it
+    completes (only used on a GPU without CUDA-aware MPI)."""
+
+    def __init__(self, req, host, arr, backend):
+        self.req, self.host, self.arr, self.backend, self.done = req, host, arr, backend, False
+
+    def finish(self):
+        if not self.done:
+            self.done = True
+            if self.arr is not None:
+                self.backend.stage_in(self.host, self.arr)
+
+    def Wait(self):
+        self.req.Wait()
+        self.finish()
+
+    def Test(self):
+        if self.req.Test():
+            self.finish()
+            return True
+        return False
+
+
+class Comm:
+    """A communicator plus traffic counters: stats[op] = [calls, bytes]."""
+
+    def __init__(self, mpi_comm, name: str, backend=None):
+        self.c = mpi_comm
+        self.name = name
+        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.backend = backend
+        self.stats = defaultdict(lambda: [0, 0])
+        self._types = {}            # strided datatypes of allgather_axis1, by shape
+
+    def _count(self, op, arr):
+        st = self.stats[op]
+        st[0] += 1
+        st[1] += int(arr.nbytes)
+        note_comm(op, self.name, arr.nbytes)     # what the hang watchdog names if this call never returns
+
+    def _out(self, arr, copy=True):
+        """The buffer MPI may touch for arr (arr itself on NumPy or CUDA-aware MPI), after a sync."""
+        return arr if self.backend is None else self.backend.stage_out(arr, copy)
+
+    def _in(self, buf, arr):
+        if buf is not arr:
+            self.backend.stage_in(buf, arr)
+
+    def _req(self, req, buf, arr):
+        return req if buf is arr or arr is None else Staged(req, buf, arr, self.backend)
+
+    def reset_stats(self):
+        self.stats.clear()
+
+    # Timeline events. Off (tracer None) the methods are the plain ones above, so tracing off
+    # costs nothing; on, this instance's methods are shadowed by timed wrappers (trace.Tracer).
+    tracer = None
+
+    def set_tracer(self, tracer) -> None:
+        """Record every call (MPI name, communicator, bytes, start/end) on `tracer`; None stops."""
+        self.tracer = tracer if self.size > 1 else None
+        for meth, call in TRACED.items():
+            if self.tracer is None:
+                self.__dict__.pop(meth, None)
+            else:
+                setattr(self, meth, _timed(self, call, getattr(type(self), meth)))
+
+    # --- collectives on arrays (in place where the name ends in _) ----------------------------
+    def allreduce_(self, arr, op=MPI.SUM):
+        if self.size > 1:
+            self._count("allreduce", arr)
+            buf = self._out(arr)
+            self.c.Allreduce(MPI.IN_PLACE, buf, op=op)
+            self._in(buf, arr)
+        return arr
+
+    def iallreduce_(self, arr, op=MPI.SUM):
+        self._count("allreduce", arr)
+        buf = self._out(arr)
+        return self._req(self.c.Iallreduce(MPI.IN_PLACE, buf, op=op), buf, arr)
+
+    def ireduce(self, send, recv, root: int, op=MPI.SUM):
+        """Non-blocking reduce of `send` into `recv` on `root` (recv ignored elsewhere; recv is send
+        means in place on the root)."""
+        self._count("reduce", send)
+        sbuf = self._out(send)
+        if self.rank != root:
+            return self._req(self.c.Ireduce(sbuf, None, op=op, root=root), sbuf, None)
+        if recv is send:
+            return self._req(self.c.Ireduce(MPI.IN_PLACE, sbuf, op=op, root=root), sbuf, send)
+        rbuf = self._out(recv, copy=False)
+        return self._req(self.c.Ireduce(sbuf, rbuf, op=op, root=root), rbuf, recv)
+
+    def allgatherv_(self, arr, counts, displs):
+        """Every rank contributes arr[displs[r]:displs[r]+counts[r]]; all get the whole arr."""
+        if self.size > 1:
+            self._count("allgather", arr)
+            buf = self._out(arr)
+            self.c.Allgatherv(MPI.IN_PLACE, [buf, counts, displs, None])
+            self._in(buf, arr)
+        return arr
+
+    def iallgatherv_(self, arr, counts, displs):
+        self._count("allgather", arr)
+        buf = self._out(arr)
+        return self._req(self.c.Iallgatherv(MPI.IN_PLACE, [buf, counts, displs, None]), buf, arr)
+
+    def allgather_axis1(self, send, recv):
+        """recv (B, size x n, ...) = every rank's send (B, n, ...) placed at rank x n along axis 1, gathered
+        straight into place by a strided MPI datatype (no reordering copy); counted as recv's bytes."""
+        if self.size == 1:
+            recv[...] = send
+            return recv
+        self._count("allgather", recv)
+        B, block = send.shape[0], send[0].nbytes
+        key = (B, block, recv[0].nbytes)
+        dt = self._types.get(key)
+        if dt is None:
+            vec = MPI.BYTE.Create_vector(B, block, recv[0].nbytes)
+            dt = self._types[key] = vec.Create_resized(0, block)
+            dt.Commit()
+            vec.Free()
+        sbuf, rbuf = self._out(send), self._out(recv, copy=False)
+        self.c.Allgather([sbuf, send.nbytes, MPI.BYTE], [rbuf, 1, dt])
+        self._in(rbuf, recv)
+        return recv
+
+    def reduce_scatter(self, send, recv, op=MPI.SUM):
+        """recv = block `rank` of the sum over ranks of send (size equal blocks); counted as send's bytes."""
+        if self.size == 1:
+            recv.reshape(-1)[...] = send.reshape(-1)
+            return recv
+        self._count("reduce_scatter", send)
+        sbuf, rbuf = self._out(send), self._out(recv, copy=False)
+        self.c.Reduce_scatter_block(sbuf, rbuf, op=op)
+        self._in(rbuf, recv)
+        return recv
+
+    def bcast_(self, arr, root: int):
+        if self.size > 1:
+            self._count("bcast", arr)
+            buf = self._out(arr, copy=self.rank == root)
+            self.c.Bcast(buf, root=root)
+            self._in(buf, arr)
+        return arr
+
+    def isend(self, arr, dest: int, tag: int):
+        self._count("send", arr)
+        buf = self._out(arr)
+        return self._req(self.c.Isend(buf, dest=dest, tag=tag), buf, None)
+
+    def irecv(self, arr, source: int, tag: int):
+        self._count("recv", arr)
+        buf = self._out(arr, copy=False)
+        return self._req(self.c.Irecv(buf, source=source, tag=tag), buf, arr)
+
+    # --- small pickled control messages ---------------------------------------------------------
+    def allreduce_obj(self, obj, op=MPI.SUM):
+        return self.c.allreduce(obj, op=op) if self.size > 1 else obj
+
+    def bcast_obj(self, obj, root: int = 0):
+        return self.c.bcast(obj, root=root) if self.size > 1 else obj
+
+    def allgather_obj(self, obj):
+        return self.c.allgather(obj) if self.size > 1 else [obj]
+
+    def barrier(self):
+        if self.size > 1:
+            self.c.Barrier()
+
+
+def agree_or_raise(comm, fn, error=RuntimeError, catch=(Exception,)):
+    """Run fn on every rank of comm (an mpi4py communicator or a Comm) and fail together: when fn raised
+    one of `catch` on any rank, every rank raises the lowest such rank's message, as that exception's
+    class where it is one of `catch` (else `error`). Returns fn's result. Use it for every check whose
+    outcome can differ between ranks (files, environment, devices), so no rank waits alone in a
+    collective while another has given up."""
+    out = err = None
+    try:
+        out = fn()
+    except catch as exc:
+        err = (type(exc).__name__, str(exc))
+    raw = comm.c if isinstance(comm, Comm) else comm
+    errs = [e for e in (raw.allgather(err) if raw.Get_size() > 1 else [err]) if e]
+    if errs:
+        name, msg = errs[0]
+        raise next((c for c in catch if c.__name__ == name and c is not Exception), error)(msg)
+    return out
+
+
+def _raw(r):
+    return r.req if isinstance(r, Staged) else r
+
+
+def waitall(reqs) -> None:
+    reqs = [r for r in reqs if r is not None]
+    if reqs:
+        MPI.Request.Waitall([_raw(r) for r in reqs])
+        for r in reqs:
+            if isinstance(r, Staged):
+                r.finish()
+
+
+def testall(reqs) -> bool:
+    """Let MPI progress outstanding requests (MPICH advances non-blocking collectives only inside
+    MPI calls); True when all are complete."""
+    if not reqs:
+        return True
+    if MPI.Request.Testall([_raw(r) for r in reqs]):
+        for r in reqs:
+            if isinstance(r, Staged):
+                r.finish()
+        return True
+    return False
+
+
+# the Comm methods a tracer times, with the MPI call each stands for
+TRACED = {"allreduce_": "Allreduce", "iallreduce_": "Iallreduce", "ireduce": "Ireduce", "allgatherv_": "Allgatherv",
+          "iallgatherv_": "Iallgatherv", "allgather_axis1": "Allgather",
+          "reduce_scatter": "Reduce_scatter_block", "bcast_": "Bcast", "isend": "Isend", "irecv": "Irecv",
+          "allreduce_obj": "allreduce", "bcast_obj": "bcast", "allgather_obj": "allgather", "barrier": "Barrier"}
+
+
+def _timed(comm, call, fn):
+    """fn (an unbound Comm method) as a timeline event: non-blocking calls span their issue only."""
+    def timed(*args, **kw):
+        tok = comm.tracer.comm_start(comm.name, call, int(getattr(args[0], "nbytes", 0)) if args else 0)
+        out = fn(comm, *args, **kw)
+        comm.tracer.comm_end(tok)
+        return out
+    return timed
+
+
+def mpi_cuda_support() -> bool:
+    """Whether the MPI library says it reads and writes CUDA device buffers (False when it says
+    nothing): MPI 4.1's mpi_memory_alloc_kinds, else MPIX_Query_cuda_support (Open MPI, MPICH)."""
+    query = getattr(MPI, "Query_cuda_support", None)
+    if query is not None:
+        return bool(query())
+    kinds = MPI.INFO_ENV.Get("mpi_memory_alloc_kinds") or ""
+    if "cuda" in kinds:
+        return True
+    try:
+        fn = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
+    except (OSError, AttributeError):
+        return False
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return bool(fn())
+
+
+def resolve_cuda_aware(setting, backend) -> bool:
+    """runtime.cuda_aware_mpi ('auto' | True | False) for this backend: device buffers go straight to
+    MPI only on a GPU backend and, under 'auto', only when the library says it can take them."""
+    if not backend.is_gpu:
+        return False
+    if setting == "auto" or setting is None:
+        return mpi_cuda_support()
+    if setting is True and not mpi_cuda_support():
+        log.warning("runtime.cuda_aware_mpi = true but the MPI library does not report CUDA support; "
+                    "device buffers are passed to MPI anyway")
+    return bool(setting)

@@ -1,0 +1,362 @@
+"""The engine: this rank's model stage (one or several models sharing one flat buffer and one partition),
+the gradient-sync strategy, the owned-shard AdamW, and one optimizer step read top to bottom:
+passes -> reduced gradients -> global norms -> update -> metrics.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import resource
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from hpengine.engine import state
+from hpengine.dist.comm import Comm
+from hpengine.params.init import init_range
+from hpengine.models import LocalTP
+from hpengine.nn import bf16_gemm
+from hpengine.optim import AdamW, clip_coefficient, lr_at, sum_of_squares
+from hpengine.device.precision import round_bf16_
+from hpengine.layout.stage import build_stage
+from hpengine.strategies import make_grad_sync
+from hpengine.strategies.amp import LossScaler, loss_scaling
+from hpengine.strategies.pipeline import PipelineExecutor
+from hpengine.strategies.sequence_parallel import SequenceParallel
+from hpengine.strategies.tensor_parallel import TensorParallel
+from hpengine.dist.tracer import Tracer
+from hpengine.layout.cache import Recompute, cache_arrays, cache_nbytes
+
+log = logging.getLogger("hpengine")
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or inf reached the loss or gradients (outside amp's loss scaling)."""
+
+
+class Prefixed:
+    """A model's view of a shared buffer: its names without the 'm{i}.' prefix."""
+
+    def __init__(self, buf, prefix):
+        self.buf, self.prefix = buf, prefix
+
+    def __getitem__(self, name):
+        return self.buf[self.prefix + name]
+
+    def __setitem__(self, name, value):
+        self.buf[self.prefix + name] = value
+
+
+class Engine:
+    def __init__(self, cfg, res, mesh, backend, dataset):
+        self.cfg, self.res, self.mesh, self.be, self.data = cfg, res, mesh, backend, dataset
+        self.xp = backend.xp
+        tp_kind = SequenceParallel if res.sp else TensorParallel
+        self.tp = tp_kind(mesh.comms["tp"], cfg.model.vocab_size) if res.tp > 1 else LocalTP()
+        t = cfg.train
+        seeds = tuple(t.model_seeds or [t.seed + i for i in range(t.models)])
+        lrs = tuple(t.model_lrs or [cfg.optim.lr] * t.models)
+        self.stage = build_stage(cfg.model, res, mesh.coords["pp"], self.tp.rank, seeds, lrs)
+        self.layout, self.slots = self.stage.layout, self.stage.slots
+        self.sync = make_grad_sync(res, self.stage, backend, mesh.comms)
+        self.world = Comm(mesh.world, "world", backend)
+        self.pp = mesh.comms["pp"]
+        amp = cfg.strategy.amp
+        self.amp = res.amp
+        self.bf16 = res.amp and amp.dtype == "bfloat16"     # bf16 storage emulated on float32 (precision.py)
+        self.bf16_grads = self.bf16 and amp.grad_dtype == "bfloat16"
+        self.scaler = LossScaler(amp) if res.amp and loss_scaling(amp) else None
+        # amp: float32 master weights of the owned range, from the exact (unrounded) initial values
+        self.master = (init_range(self.layout, t.seed, self.sync.owned, self.xp, np.float32)
+                       if self.amp else None)
+        if self.bf16:
+            self._round_held_params()
+        # every parameter counts once in the global norm: not another stage's copy (a tied wte), and a
+        # tensor replicated across tp only on tp rank 0
+        self.norm_exclude = [self.layout.ranges[n] for n in sorted(self.stage.copies)]
+        if self.tp.rank > 0:
+            self.norm_exclude += [self.layout.ranges[sp.name] for sp in self.layout.specs if sp.tp_dim is None]
+        # sequence parallel: the owned gradient's slices of tensors every tp rank holds whole, summed over tp
+        own = self.sync.owned
+        self.replicated = [(c.start - own.start, c.stop - own.start) for c in
+                           (own.intersect(self.layout.ranges[sp.name]) for sp in self.layout.specs if sp.tp_dim is None)
+                           if c is not None] if res.sp else []
+        self.opts = [self._optimizer(s) for s in self.slots]
+        self.share = res.share
+        self.cache_bytes = self.cache_peak = 0
+        self.opt_steps = 0          # optimizer updates applied (AdamW's bias-correction count)
+        self.unit_lr = dataclasses.replace(cfg.optim, lr=1.0)
+        self.pipe = PipelineExecutor(self.pp, self.xp, backend.dtype, res.pp, res.v, res.m, res.schedule,
+                                     cfg.model.d_model, res.seq_parts, mesh.comms["tp"] if res.scatter else None)
+        self.tracer = Tracer()      # train.py hands in a recording one under runtime.trace
+
+    def _optimizer(self, slot):
+        o, seg = self.cfg.optim, self.sync.owned.intersect(slot.range)
+        dtype = np.float32 if self.amp else self.be.dtype
+        return None if seg is None else AdamW(self.xp, self.layout, seg, dtype, tuple(o.betas), o.eps, o.weight_decay)
+
+    # --- forward / backward ---------------------------------------------------------------------
+    def _P(self, slot, b, nxt=None):
+        buf = self.sync.params_for(slot.prefix + b, nxt and slot.prefix + nxt)
+        return Prefixed(buf, slot.prefix) if slot.prefix else buf
+
+    def _G(self, slot, b):
+        buf = self.sync.grads_for(slot.prefix + b)
+        return Prefixed(buf, slot.prefix) if slot.prefix else buf
+
+    def chunk_forward(self, slot, chunk, h, y, norm: float, grad: bool = True):
+        """Forward of one chunk (consecutive block names) of one model; the head returns the loss.
+        A recomputed block keeps only its input (or, selective, all but its attention probabilities);
+        backward rebuilds the rest."""
+        xp, m, tp, caches = self.xp, slot.model, self.tp, []
+        for n, name in enumerate(chunk):
+            b, nxt = slot.block(name), chunk[n + 1] if n + 1 < len(chunk) else None
+            h_in = h
+            if b.kind == "embed":
+                h, c = m.embed_forward(xp, self._P(slot, name, nxt), h, tp)
+            elif b.kind == "head":
+                h, c = m.head_forward(xp, self._P(slot, name), h, y, norm, tp)
+            else:
+                h, c = m.layer_forward(xp, self._P(slot, name, nxt), b.layer, h, tp,
+                                       keep_scores=not self.res.drops_scores(b))
+                if self.res.recomputed(b):
+                    c = Recompute(h_in)
+            if self.bf16 and b.kind != "head":        # the loss math stays float32, as Megatron's
+                for a in cache_arrays((h, c if grad else None)):   # parameter views: bf16 already, a no-op
+                    if a.dtype == np.float32 and a.ndim:
+                        round_bf16_(xp, a)
+            self.sync.release(slot.prefix + name)
+            caches.append(c if grad else None)
+        if grad:
+            self._count_caches(caches, +1)
+        return h, caches
+
+    def chunk_backward(self, slot, chunk, d, caches):
+        """Backward of one chunk; returns the gradient of its input (None for the embedding)."""
+        xp, m, tp = self.xp, slot.model, self.tp
+        self._count_caches(caches, -1)
+        for n in reversed(range(len(chunk))):
+            b, c = slot.block(chunk[n]), caches[n]
+            caches[n] = None
+            # stage 3 gathers the block's parameters again here, prefetching the block before it
+            prev = chunk[n - 1] if n and slot.block(chunk[n - 1]).bwd_params else None
+            if b.kind == "head":
+                d = m.head_backward(xp, c, self._G(slot, b.name), tp, self._P(slot, b.name, prev),
+                                    self.scaler.scale if self.scaler else 1.0)
+            elif b.kind == "embed":
+                m.embed_backward(xp, d, c, self._G(slot, b.name), tp)
+                d = None
+            else:
+                P = self._P(slot, b.name, prev)
+                if isinstance(c, Recompute):     # rebuild this block's activations from its input
+                    _, c = m.layer_forward(xp, P, b.layer, c.x, tp)
+                d = m.layer_backward(xp, d, c, P, self._G(slot, b.name), b.layer, tp)
+                if self.bf16:
+                    round_bf16_(xp, d)
+            if self.bf16_grads:
+                G = self.sync.grads_for(slot.prefix + b.name)
+                for sp in self.stage.block_specs[slot.prefix + b.name]:
+                    round_bf16_(xp, G[sp.name])
+            self.sync.release(slot.prefix + b.name)
+            self.sync.block_done(slot.prefix + b.name)
+        return d
+
+    def _count_caches(self, caches, sign: int) -> None:
+        """Bytes of live activation caches (parameters they reference are not counted)."""
+        self.cache_bytes += sign * cache_nbytes(caches, self.sync.param_roots())
+        self.cache_peak = max(self.cache_peak, self.cache_bytes)
+
+    def forward_backward(self, slot, x, y, norm: float, grad: bool = True, last_pass: bool = True) -> float:
+        """One pass of one model over rows x, y (split into micro-batches, through the pipeline when it
+        is on); returns this rank's share of the global-mean loss."""
+        fwd = lambda chunk, h, t, g: self.chunk_forward(slot, chunk, h, t, norm, g)  # noqa: E731
+        bwd = lambda chunk, d, c: self.chunk_backward(slot, chunk, d, c)  # noqa: E731
+        with bf16_gemm.operands(self.bf16):     # bf16 amp: every GEMM takes bfloat16 operands
+            return self.pipe.run(slot.chunks, fwd, bwd, self.sync.begin_pass, x, y, last_pass, grad, self.tracer)
+
+    def _rows(self, split, step, seed):
+        x, y = self.data.batch(split, step, seed, self.cfg.train.global_batch,
+                               start=self.res.replica(self.mesh.coords) * self.share, count=self.share)
+        return self.be.to_device(x), self.be.to_device(y)
+
+    # --- one optimizer step ---------------------------------------------------------------------
+    def train_step(self, step: int) -> dict:
+        """One optimizer step of every model. Returns the metrics of the step (same on every rank);
+        with several models, 'models' holds one entry per model."""
+        t0, tr = time.perf_counter(), self.tracer
+        losses = self._passes(step)
+        t = tr.now()
+        g = self._reduced_grads()
+        t = tr.lap("grad sync wait", t)
+        if g is None:              # amp overflow somewhere: every rank skips this step together
+            self.scaler.update(False)
+            log.warning("step %d: gradient overflow, step skipped on every rank; loss scale -> %g",
+                        step + 1, self.scaler.scale)
+            self.sync.share_params()
+            return self._metrics(step, t0, self._losses(losses), [float("inf")] * len(self.slots), 0.0, skipped=True)
+        norms = self._global_norms(g)
+        if not np.isfinite(norms).all():      # the same reduced values on every rank: a collective decision
+            self._report_non_finite(step, losses, g)
+        lr_scale = self._update(g, norms, step)
+        t = tr.lap("optimizer", t)
+        self.sync.share_params()
+        t = tr.lap("param share", t)
+        losses = self._losses(losses)
+        self.be.sync()
+        tr.lap("loss sync", t)
+        return self._metrics(step, t0, losses, norms, lr_scale)
+
+    def _passes(self, step: int) -> list[float]:
+        """Forward and backward of the step's k passes of every model; this rank's loss shares."""
+        tr, t = self.tracer, self.tracer.now()
+        norm = float(self.cfg.train.global_batch * self.cfg.model.seq_len)
+        batches = [self._rows("train", step, s.seed) for s in self.slots]
+        tr.lap("data", t)
+        self.sync.begin_step()
+        losses, k = [0.0] * len(self.slots), self.res.k
+        rows = self.share // k
+        # under amp an overflow is expected and handled (the step is skipped): no NumPy warnings for it
+        with np.errstate(over="ignore", invalid="ignore") if self.scaler else contextlib.nullcontext():
+            for j in range(k):
+                part = slice(j * rows, (j + 1) * rows)
+                for s, (x, y) in zip(self.slots, batches):
+                    losses[s.index] += self.forward_backward(s, x[part], y[part], norm, last_pass=(j == k - 1))
+        return losses
+
+    def _reduced_grads(self):
+        """The owned gradient summed over replicas and tied copies (float32 and unscaled under amp);
+        None when amp saw an overflow on any rank."""
+        for b, tensor in self.stage.tied.items():
+            self.mesh.comms["tied"].allreduce_(self.sync.grads_for(b)[tensor])
+        self.sync.flush_deferred()
+        g = self.sync.reduce_grads()
+        self.tp.sum_replicated_(g, self.replicated)
+        if self.bf16_grads:
+            round_bf16_(self.xp, g)
+        if self.scaler is None:
+            return g.astype(np.float32) if self.amp and g.dtype != np.float32 else g
+        if not self.world.allreduce_obj(bool(self.xp.isfinite(g).all()), op=MPI.LAND):
+            return None
+        g32 = g.astype(np.float32)
+        g32 *= 1.0 / self.scaler.scale
+        return g32
+
+    def _global_norms(self, g) -> list[float]:
+        """Gradient norm of every model, each parameter counted once whatever the layout."""
+        own = self.sync.owned
+        sq = [self._sumsq(g, own.intersect(s.range)) for s in self.slots]
+        sq = self.pp.allreduce_(np.array(self.sync.norm_allreduce(sq)))
+        return [float(np.sqrt(v)) for v in self.mesh.comms["tp"].allreduce_(sq)]
+
+    def _update(self, g, norms, step: int) -> float:
+        """Clipped AdamW on the owned range of every model (on the float32 masters under amp); returns
+        the schedule's factor."""
+        own = self.sync.owned
+        p = self.sync.owned_params() if self.master is None else self.master
+        # amp: the optimizer writes the compute copy (float16, or float32 holding bf16 values) in its pass
+        copy = self.sync.owned_params() if self.master is not None else None
+        lr_scale = lr_at(step, self.unit_lr, self.cfg.train.steps)     # each model has its own peak lr
+        for s, opt in zip(self.slots, self.opts):
+            if opt is not None:
+                r = own.intersect(s.range)
+                sl = slice(r.start - own.start, r.stop - own.start)
+                opt.step(p[sl], g[sl], s.lr * lr_scale, clip_coefficient(norms[s.index], self.cfg.optim.clip_grad_norm),
+                         None if copy is None else copy[sl])
+        if self.scaler is not None:
+            self.scaler.update(True)
+        self.opt_steps += 1
+        return lr_scale
+
+    def _losses(self, losses: list) -> list[float]:
+        """The global-mean loss of every model, the same on every rank."""
+        return list(self.pp.allreduce_(np.array(self.sync.loss_allreduce(losses))))
+
+    def _metrics(self, step, t0, losses, norms, lr_scale, skipped=False) -> dict:
+        dt = time.perf_counter() - t0
+        per = [{"model": s.index, "loss": losses[s.index], "lr": s.lr * lr_scale, "grad_norm": norms[s.index]}
+               for s in self.slots]
+        toks = self.cfg.train.global_batch * self.cfg.model.seq_len * len(self.slots)
+        out = {"step": step + 1, **{k: v for k, v in per[0].items() if k != "model"},
+               "tokens_per_s": toks / dt, "step_ms": dt * 1e3}
+        if self.scaler is not None:
+            out["loss_scale"] = self.scaler.scale
+        if skipped:
+            out["skipped"] = True
+        if len(self.slots) > 1:
+            out["models"] = per
+        return out
+
+    def _report_non_finite(self, step, losses, g):
+        """A NaN/inf loss or gradient is reported with the step and the ranks that saw it, never trained on."""
+        bad = not (np.isfinite(losses).all() and bool(self.xp.isfinite(g).all()))
+        ranks = [r for r, b in enumerate(self.world.allgather_obj(bad)) if b]
+        raise NonFiniteError(f"step {step + 1}: non-finite loss or gradient on rank(s) {ranks} "
+                             f"(losses here: {losses}); stopping instead of training on it")
+
+    def evaluate(self) -> list[float]:
+        """Validation loss of every model on the first eval_batches validation batches."""
+        cfg = self.cfg
+        norm = float(cfg.train.global_batch * cfg.model.seq_len * cfg.train.eval_batches)
+        totals = [0.0] * len(self.slots)
+        for s in self.slots:
+            for i in range(cfg.train.eval_batches):
+                x, y = self._rows("val", i, s.seed)
+                totals[s.index] += self.forward_backward(s, x, y, norm, grad=False)
+        return self._losses(totals)
+
+    def _sumsq(self, g, r):
+        """Squared norm of the owned gradient in r, counting excluded ranges (copies, tp replicas) zero times."""
+        if r is None:
+            return 0.0
+        own = self.sync.owned
+        total = sum_of_squares(self.xp, g[r.start - own.start:r.stop - own.start])
+        for ex in self.norm_exclude:
+            cut = ex.intersect(r)
+            if cut is not None:
+                total -= sum_of_squares(self.xp, g[cut.start - own.start:cut.stop - own.start])
+        return total
+
+    # --- state and accounting -------------------------------------------------------------------
+    def named_params(self) -> dict:
+        """Every tensor of every model as its whole global array (collective; for comparing layouts)."""
+        return state.named_params(self.stage, self.sync, self.tp, self.mesh.comms)
+
+    def true_shapes(self) -> dict:
+        return state.true_shapes(self.slots)
+
+    def load(self, reader, params_only: bool = False) -> None:
+        """This rank's part of a checkpoint (or of an export's parameters) into the engine."""
+        steps = state.load_state(self.stage, self.sync, self.opts, self.master, self.tp, self.be, reader, params_only)
+        if steps is not None:
+            self.opt_steps = steps
+            saved = reader.manifest["state"].get("loss_scaler")
+            if self.scaler is not None and saved:
+                self.scaler.load(saved)
+        if self.bf16:
+            self._round_held_params()
+
+    def _round_held_params(self) -> None:
+        """bf16: the compute copy this rank holds (whole buffer and owned shard) as bfloat16 values; local,
+        and the same on every replica, since each holds the same unrounded values."""
+        for a in (getattr(self.sync.params, "data", None), self.sync.owned_params()):
+            if a is not None:
+                round_bf16_(self.xp, a)
+
+    def memory(self) -> dict:
+        return {"param_bytes": self.sync.param_bytes(), "grad_bytes": self.sync.grad_bytes(),
+                "optim_bytes": sum(o.nbytes() for o in self.opts if o is not None)
+                + (int(self.master.nbytes) if self.master is not None else 0),
+                "transient_peak_bytes": self.sync.transient_peak,
+                "activation_peak_bytes": self.cache_peak,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+    def n_params(self) -> int:
+        return sum(int(np.prod(s.global_shape)) for s in self.layout.specs)
+
+    def param_counts(self) -> tuple[int, int]:
+        """(parameters of the whole model, of this pipeline stage), every tensor counted once (a copy of
+        another stage's tensor, such as the tied head's wte, counts there). Collective on the pp axis."""
+        mine = sum(int(np.prod(s.global_shape)) for s in self.layout.specs if s.name not in self.stage.copies)
+        return (sum(self.pp.allgather_obj(mine)) if self.res.pp > 1 else mine), mine

@@ -1,0 +1,270 @@
+"""The layout a config gets on a world of N ranks, and every check that needs no communicator.
+
+`resolve(cfg, world)` is pure (no MPI): degrees with the -1 filled in, mesh order, batch arithmetic,
+pipeline chunks, the "switch off means neutral value" rule. The engine, the planner, trace.py and
+train.py all read the `Resolved` it returns; nothing else derives a degree.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+from hpengine.params.buffers import partition
+from hpengine.config.load import MESH_AXES, ConfigError, validate
+from hpengine.models import build_model
+from hpengine.config.load import ModelConfig
+
+AXES = MESH_AXES          # innermost first by default
+SWITCH_OF_AXIS = {"tp": "tensor_parallel", "sharding": "sharding", "dp": "data_parallel", "pp": "pipeline"}
+
+MAX_INFLIGHT = 2   # blocks whose gradient reduction may be in flight at once (stages 2 and 3)
+
+
+class LayoutError(ConfigError):
+    """A config whose switches cannot run on this world size (one line naming the values)."""
+
+
+class TopologyError(ValueError):
+    pass
+
+
+class PipelineError(ValueError):
+    pass
+
+
+def split_blocks(blocks, p: int, v: int, split, param_count) -> list[list[str]]:
+    """The model's blocks (models.Block, in order) cut into p·v consecutive chunks of block names; what
+    precedes the first layer goes with the first chunk, what follows the last with the last.
+
+    split: "uniform" (layers as even as possible), "params" (balanced by parameter count), or a list of
+    layers per chunk."""
+    names, P = [b.name for b in blocks], p * v
+    layers = [b.name for b in blocks if b.kind == "layer"]
+    L = len(layers)
+    if P > L:
+        raise PipelineError(f"pipeline.degree x virtual_stages = {p} x {v} = {P} chunks but the model has only "
+                            f"{L} blocks (model.n_layers); use at most {L} chunks")
+    if split == "params":
+        rs = partition([param_count(b) for b in names], P, "tensor")
+        sizes, out, i = [param_count(b) for b in names], [], 0
+        for r in rs:
+            chunk, acc = [], 0
+            while i < len(names) and acc < r.size:
+                chunk.append(names[i])
+                acc += sizes[i]
+                i += 1
+            out.append(chunk)
+        return out
+    if split == "uniform":
+        counts = [L // P + (1 if c < L % P else 0) for c in range(P)]
+    else:
+        counts = list(split)
+        if len(counts) != P or sum(counts) != L or min(counts) < 1:
+            raise PipelineError(f"pipeline.split = {counts}: needs {P} entries (degree x virtual_stages), each >= 1, "
+                                f"summing to model.n_layers = {L}")
+    first, last = names.index(layers[0]), names.index(layers[-1])
+    chunks, start = [], 0
+    for n in counts:
+        chunks.append(layers[start:start + n])
+        start += n
+    chunks[0][:0] = names[:first]
+    chunks[-1] += names[last + 1:]
+    return chunks
+
+
+def resolve_degrees(world: int, requested: dict) -> dict:
+    """Replace the one degree of -1 by the ranks left over; check the product is the world size."""
+    listing = lambda d: ", ".join(f"{a}={d[a]}" for a in AXES)  # noqa: E731
+    free = [a for a in AXES if requested[a] == -1]
+    if len(free) > 1:
+        raise TopologyError(f"only one degree may be -1 (the ranks left over), got {listing(requested)} "
+                            f"on a world of {world} ranks")
+    fixed = math.prod(requested[a] for a in AXES if a not in free)
+    degrees = dict(requested)
+    if free:
+        if world % fixed:
+            raise TopologyError(f"degrees {listing(requested)}: the fixed degrees multiply to {fixed}, "
+                                f"which does not divide the world size {world}")
+        degrees[free[0]] = world // fixed
+    if math.prod(degrees.values()) != world:
+        raise TopologyError(f"degrees {listing(degrees)} multiply to {math.prod(degrees.values())} but the world "
+                            f"size is {world}; make the product equal the number of ranks (mpiexec -n)")
+    return degrees
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The switches and degrees of one job, resolved for a world size (switched-off means neutral)."""
+    tp: int
+    sh: int
+    dp: int
+    pp: int
+    zstage: int            # sharding stage, 0 when the sharding axis has one rank
+    partition: str
+    m: int                 # micro-batches per pass
+    k: int                 # passes per step (gradient merge)
+    v: int                 # model chunks per pipeline rank
+    schedule: str
+    split: object
+    recompute: int         # 0 = off, else every N-th layer
+    amp: bool | str        # False / "" off, else the amp dtype ("float16", "bfloat16"; True means float16)
+    order: tuple
+    share: int             # sequences per replica per step
+    bucket_mb: float = 4.0
+    granularity: str = "full"     # recompute.granularity: "full" or "selective"
+    sp: bool = False              # sequence parallelism (tp > 1 only)
+    scatter: bool = False         # pipeline sends split across tp (pp > 1, tp > 1, no sp)
+
+    @property
+    def seq_parts(self) -> int:
+        """Pieces each sequence is cut into outside the tensor-parallel regions."""
+        return self.tp if self.sp else 1
+
+    @property
+    def rows(self) -> int:
+        """Sequences per micro-batch."""
+        return self.share // (self.k * self.m)
+
+    @property
+    def degrees(self) -> dict:
+        return {"tp": self.tp, "sharding": self.sh, "dp": self.dp, "pp": self.pp}
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.sh * self.dp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that each take a different slice of the global batch (dp x sharding)."""
+        return self.dp * self.sh
+
+    def replica(self, coords: dict) -> int:
+        """Which slice of the global batch the rank at `coords` takes."""
+        return coords["dp"] * self.sh + coords["sharding"]
+
+    def selected(self, block) -> bool:
+        """Whether recompute.every picks a block (models.Block): every N-th layer, never the embedding or head."""
+        return bool(self.recompute) and block.kind == "layer" and block.layer % self.recompute == 0
+
+    def recomputed(self, block) -> bool:
+        """Whether a block keeps only its input in forward (granularity "full")."""
+        return self.selected(block) and self.granularity == "full"
+
+    def drops_scores(self, block) -> bool:
+        """Whether a block keeps all but its attention probabilities in forward (granularity "selective")."""
+        return self.selected(block) and self.granularity == "selective"
+
+
+def requested_degrees(cfg) -> dict:
+    """{axis: degree} as the config asks (1 when the switch is off, -1 = the ranks left over)."""
+    out = {}
+    for a in AXES:
+        table = getattr(cfg.strategy, SWITCH_OF_AXIS[a])
+        out[a] = table.degree if table.enable else 1
+    return out
+
+
+def resolve(cfg, world: int) -> Resolved:
+    """The layout of cfg on `world` ranks; raises LayoutError (or the topology's/pipeline's error) naming
+    the offending values. Everything here is decided identically on every rank."""
+    validate(cfg)
+    s = cfg.strategy
+    d = resolve_degrees(world, requested_degrees(cfg))
+    pc, gm, rc = s.pipeline, s.gradient_merge, s.recompute
+    res = Resolved(d["tp"], d["sharding"], d["dp"], d["pp"], s.sharding.stage if d["sharding"] > 1 else 0,
+                   s.sharding.partition, pc.micro_batches if pc.enable else 1, gm.k_steps if gm.enable else 1,
+                   pc.virtual_stages if pc.enable else 1, pc.schedule if pc.enable else "fthenb",
+                   pc.split if pc.enable else "uniform", rc.every if rc.enable else 0,
+                   s.amp.dtype if s.amp.enable else "",
+                   tuple(cfg.mesh.order), cfg.train.global_batch // (d["dp"] * d["sharding"]),
+                   s.data_parallel.bucket_mb, rc.granularity if rc.enable else "full")
+    sp = d["tp"] > 1 and s.tensor_parallel.sequence_parallel
+    res = dataclasses.replace(res, sp=sp, scatter=d["tp"] > 1 and d["pp"] > 1 and not sp and pc.scatter_gather)
+    check(cfg, res)
+    chunks(cfg.model, res)          # the pipeline split must be possible
+    return res
+
+
+def check(cfg, res: Resolved) -> None:
+    """Batch arithmetic (every division exact), precision, recompute, tensor-parallel and schedule rules."""
+    gb, replicas = cfg.train.global_batch, res.replicas
+    if gb % replicas:
+        raise LayoutError(f"train.global_batch = {gb} is not divisible by dp x sharding = {res.dp} x {res.sh} = "
+                          f"{replicas}; use a multiple of {replicas}")
+    k, m = res.k, res.m
+    if (gb // replicas) % (k * m):
+        raise LayoutError(f"a replica's share of the batch ({gb} / {replicas} = {gb // replicas}) is not divisible "
+                          f"by gradient_merge.k_steps x pipeline.micro_batches = {k} x {m}; make global_batch a "
+                          f"multiple of {replicas * k * m}")
+    amp, mc = cfg.strategy.amp, cfg.model
+    if amp.enable and amp.dtype == "float16" and amp.grad_dtype != "float32":
+        raise LayoutError(f"strategy.amp.grad_dtype = '{amp.grad_dtype}' applies to dtype = 'bfloat16' only "
+                          "(float16 gradients are float16, scaled); leave it at 'float32'")
+    if amp.enable and mc.dtype != "float32":
+        raise LayoutError(f"strategy.amp needs model.dtype = 'float32' (the master weights), got '{mc.dtype}'")
+    rc = cfg.strategy.recompute
+    if rc.enable and rc.every > mc.n_layers:
+        raise LayoutError(f"strategy.recompute.every = {rc.every} is larger than the block count "
+                          f"model.n_layers = {mc.n_layers}; use 1..{mc.n_layers}")
+    tp = res.tp
+    if tp > 1:
+        bad = build_model(mc).tp_divides(tp)
+        if bad:
+            raise LayoutError(f"tensor_parallel.degree = {tp} must divide {bad}")
+        if res.sp and mc.seq_len % tp:
+            raise LayoutError(f"strategy.tensor_parallel.sequence_parallel needs model.seq_len = {mc.seq_len} "
+                              f"divisible by tensor_parallel.degree = {tp}; use a multiple of {tp} or turn it off")
+    pc = cfg.strategy.pipeline
+    if pc.enable and pc.schedule == "interleaved":
+        if pc.virtual_stages < 2:
+            raise LayoutError(f"pipeline.schedule = 'interleaved' needs pipeline.virtual_stages >= 2, got "
+                              f"{pc.virtual_stages}")
+        if m % res.pp:
+            raise LayoutError(f"pipeline.schedule = 'interleaved' needs pipeline.micro_batches ({m}) to be a "
+                              f"multiple of pipeline.degree ({res.pp})")
+    elif pc.enable and pc.virtual_stages != 1:
+        raise LayoutError(f"pipeline.virtual_stages = {pc.virtual_stages} needs pipeline.schedule = 'interleaved'")
+
+
+def chunks(mcfg, res: Resolved) -> list[tuple[str, ...]]:
+    """The model's block names cut into pp x v consecutive chunks (rank s holds chunks s, s + pp, ...)."""
+    split = tuple(res.split) if isinstance(res.split, list) else res.split
+    return _chunks(_model_key(mcfg), res.pp, res.v, split)
+
+
+def stage_chunks(mcfg, res: Resolved, stage: int) -> tuple[tuple[str, ...], ...]:
+    """The chunks pipeline rank `stage` holds, in its local order."""
+    every = chunks(mcfg, res)
+    return tuple(every[c * res.pp + stage] for c in range(res.v))
+
+
+def _model_key(mcfg) -> tuple:
+    return dataclasses.astuple(mcfg)
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunks(mkey, p, v, split) -> list[tuple[str, ...]]:
+    model = build_model(ModelConfig(*mkey))
+    count = lambda b: sum(math.prod(sp.global_shape) for sp in model.specs(b))  # noqa: E731
+    return [tuple(c) for c in split_blocks(model.blocks(), p, v, list(split) if isinstance(split, tuple) else split,
+                                           count)]
+
+
+def describe(cfg, res: Resolved) -> str:
+    """The resolved layout in words and numbers (`hpengine config CFG --world N`)."""
+    lines = [f"world {res.world}: " + " x ".join(f"{a} {res.degrees[a]}" for a in reversed(res.order))
+             + f" (mesh order innermost first: {', '.join(res.order)})",
+             f"batch: global {cfg.train.global_batch} = {res.replicas} replica(s) x {res.share} sequences; "
+             f"{res.k} pass(es) x {res.m} micro-batch(es) x {res.rows} sequences of {cfg.model.seq_len} tokens",
+             "sharding: " + (f"stage {res.zstage}, partition {res.partition}" if res.zstage else "off"),
+             "pipeline: " + (f"{res.schedule}, {res.v} chunk(s) per rank" if res.pp > 1 or res.m > 1 else "off"),
+             "tensor parallel: " + (f"degree {res.tp}" + (", sequence parallel" if res.sp else "")
+                                    + (", pipeline sends split across tp" if res.scatter else "") if res.tp > 1 else "off"),
+             "recompute: " + (f"every {res.recompute} layer(s)" if res.recompute else "off")
+             + (", selective" if res.recompute and res.granularity == "selective" else "")
+             + f"; amp: {res.amp or 'off'}"]
+    for s in range(res.pp):
+        lines.append(f"  pp stage {s}: " + " | ".join(", ".join(ch) for ch in stage_chunks(cfg.model, res, s)))
+    return "\n".join(lines)

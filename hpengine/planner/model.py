@@ -1,0 +1,411 @@
+"""The planner's model of one layout: what each rank holds (ZeRO model states, activation caches,
+transient buffers) and sends (bytes per communicator and operation) in one optimizer step, and an
+alpha-beta time model on a cluster. Byte counts come from the model's own ParamSpecs and the engine's
+partition and schedules, so they equal what the engine allocates and its comm.py counters record.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+from hpengine.params.buffers import partition
+from hpengine.planner import gpu as plan_gpu
+from hpengine.planner import recompute as rc
+from hpengine.planner import tp as plan_tp
+from hpengine.models import build_model
+from hpengine.layout.resolve import AXES, Resolved, resolve
+from hpengine.layout.stage import build_stage, owner
+from hpengine.layout.schedules import bubble_fraction, peak_live
+from hpengine.layout.resolve import MAX_INFLIGHT
+from hpengine.config.load import ModelConfig
+
+F64 = 8                  # the engine's loss and squared-norm vectors are float64, one entry per model
+_bubble = functools.lru_cache(maxsize=4096)(bubble_fraction)     # the planner asks often; it builds a schedule
+
+
+# ---- what a pipeline stage holds -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage of one model, per tp rank (stage.build_stage's description reduced to counts):
+    its blocks in layout order with their element counts (including another stage's tensors it keeps a
+    copy of), its chunks, and shape facts."""
+    blocks: tuple          # ((name, [tensor elements, ...]), ...)
+    chunks: tuple          # block names per local chunk
+    layers: int
+    matmul: int            # elements of the weights this stage multiplies by (per tp rank)
+    kinds: tuple = ()      # models.Block of each block, in layout order
+    deps: tuple = ()       # (block, (blocks of this stage whose tensors it reads)), from stage.build_stage
+    matmuls: tuple = ()    # (block, weight elements it multiplies by)
+    tied: int = 0          # elements whose gradient is summed with another stage (a tied wte and its copy)
+    replicated: tuple = ()  # per tensor (sizes' order, one model): whether every tp rank holds it whole
+
+    def sizes(self, models: int) -> list[int]:
+        """Tensor element counts in layout order, for `models` models sharing the buffer."""
+        return [n for _ in range(models) for _, sz in self.blocks for n in sz]
+
+    def block(self, name: str) -> int:
+        return sum(dict(self.blocks)[name])
+
+    @functools.cached_property
+    def kind_of(self) -> dict:
+        """{block name: models.Block}, built once per stage (the search asks for every block of every layout)."""
+        return {b.name: b for b in self.kinds}
+
+    def of_kind(self, kind: str) -> list[str]:
+        return [b.name for b in self.kinds if b.kind == kind]
+
+    @property
+    def psi(self) -> int:
+        return sum(sum(sz) for _, sz in self.blocks)
+
+    @property
+    def names(self) -> list[str]:
+        return [b for b, _ in self.blocks]
+
+
+def stages(mcfg, tp: int, p: int, v: int, split="uniform") -> list[Stage]:
+    """Every pipeline stage of the model, cut as the engine cuts it."""
+    key = tuple(split) if isinstance(split, list) else split
+    return _stages(dataclasses.astuple(mcfg), tp, p, v, key)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stages(mkey, tp, p, v, split) -> list[Stage]:
+    mcfg = ModelConfig(*mkey)
+    res = Resolved(tp, 1, 1, p, 0, "tensor", 1, 1, v, "fthenb", list(split) if isinstance(split, tuple) else split,
+                   0, False, AXES, 1)
+    model = build_model(mcfg, tp)
+    out = []
+    for s in range(p):
+        st = build_stage(mcfg, res, s, 0, models=[model])
+        slot, lay = st.slots[0], st.layout
+        blocks, matmuls, replicated = [], [], []
+        for name in slot.blocks:
+            b = slot.block(name)
+            specs = st.block_specs[name]
+            sizes = [lay.ranges[sp.name].size for sp in specs]
+            mm = 0
+            if b.kind != "embed":   # embedding lookups are no matmul; a copied tensor counts as a read below
+                mm += sum(n for sp, n in zip(specs, sizes) if len(sp.global_shape) == 2 and sp.name not in st.copies)
+            for t in b.reads:       # a tied head multiplies by wte, held here or by the embedding block
+                mm += next(math.prod(sp.local_shape(0, tp)) for sp in model.specs(owner(model, t)) if sp.name == t)
+            blocks.append((name, tuple(sizes)))
+            replicated += [sp.tp_dim is None for sp in specs]
+            matmuls.append((name, mm))
+        kinds = tuple(slot.block(n) for n in slot.blocks)
+        out.append(Stage(tuple(blocks), slot.chunks, sum(k.kind == "layer" for k in kinds), sum(n for _, n in matmuls),
+                         kinds, tuple(st.deps.items()), tuple(matmuls),
+                         sum(lay.ranges[t].size for t in set(st.tied.values())), tuple(replicated)))
+    return out
+
+
+# ---- memory ----------------------------------------------------------------------------------------
+
+def zero_bytes(psi: float, share: float, stage: int, w: int, g: int, k: int) -> tuple:
+    """ZeRO (Rajbhandari et al. 2020) model states of a rank owning `share` of `psi` elements:
+    (parameters, gradients, optimizer) with w, g, k bytes per element; stage 0 = not sharded."""
+    return (w * (share if stage >= 3 else psi), g * (share if stage >= 2 else psi),
+            k * (share if stage >= 1 else psi))
+
+
+def precision(mcfg, amp) -> tuple:
+    """(w, g, K, compute bytes): 16-bit copies and fp32 master + Adam under float16 amp (K = 12); bfloat16
+    is emulated on float32 storage (precision.py), so its copies and activations take 4 bytes; else the
+    dtype for parameters and gradients and two Adam moments (K = 8 in float32)."""
+    if amp == "bfloat16":
+        return 4, 4, 12, 4
+    if amp:
+        return 2, 2, 12, 2
+    item = 8 if mcfg.dtype == "float64" else 4
+    return item, item, 2 * item, item
+
+
+def owned(st: Stage, lay: Resolved, models: int, sh_rank=None) -> int:
+    """Elements this sharding rank owns (the largest share when sh_rank is None)."""
+    if lay.sh == 1:
+        return st.psi * models
+    ranges = _partition(tuple(st.sizes(models)), lay.sh, lay.partition)
+    return max(r.size for r in ranges) if sh_rank is None else ranges[sh_rank].size
+
+
+@functools.lru_cache(maxsize=4096)
+def _partition(sizes, n, mode):
+    return partition(list(sizes), n, mode)
+
+
+def model_state(mcfg, st: Stage, lay: Resolved, models: int, sh_rank=None) -> dict:
+    w, g, k, _ = precision(mcfg, lay.amp)
+    p, gr, o = zero_bytes(st.psi * models, owned(st, lay, models, sh_rank), lay.zstage, w, g, k)
+    return {"params": p, "grads": gr, "optimizer": o}
+
+
+def block_activations(mcfg, lay: Resolved, item: int) -> dict:
+    """Bytes the engine's forward caches per block kind for one micro-batch (what Engine.cache_peak
+    counts), as the model's layers report them; "input" is what a recomputed layer keeps, "scores" what
+    selective recompute drops."""
+    return build_model(mcfg, lay.tp).cache_bytes(lay.rows, lay.tp, item, lay.amp, lay.share, lay.seq_parts)
+
+
+def chunk_activations(mcfg, st: Stage, chunk, lay: Resolved, item: int) -> int:
+    """Cached bytes of one micro-batch through one chunk: a recomputed layer keeps only its input (or,
+    selective, all but its probabilities). Caches hold no weights (backward is handed them), so stage 3
+    frees gathered blocks after use."""
+    a = block_activations(mcfg, lay, item)
+    return sum(rc.cached(a, st, lay, b) for b in chunk)
+
+
+def activations(mcfg, st: Stage, lay: Resolved, stage: int, item: int) -> int:
+    """Peak cached bytes on this stage: the schedule's live (micro-batch, chunk) caches, weighted by
+    chunk (F-then-B holds m, 1F1B min(p - s, m), interleaved per Megatron 2021). Several models run
+    their passes one after another, so one model's caches are live at a time."""
+    w = tuple(chunk_activations(mcfg, st, ch, lay, item) for ch in st.chunks)
+    return peak_live(lay.schedule, lay.pp, lay.m, lay.v, stage, w)
+
+
+def buffers(mcfg, st: Stage, lay: Resolved, own: int) -> int:
+    """Transient bytes: stage >= 2 keeps up to MAX_INFLIGHT + 1 blocks of temporary gradients, stage 3
+    two gathered blocks (current and prefetched, + the tied embedding); a recomputed layer is rebuilt
+    in backward; pipelines hold two activations; amp unscales the owned gradient into float32."""
+    w, g, _, item = precision(mcfg, lay.amp)
+    big = max(st.block(b) for b in st.names)
+    out = (MAX_INFLIGHT + 1) * big * g if lay.zstage >= 2 else 0
+    if lay.zstage == 3:
+        out += (2 * big + sum(st.block(d) for d in _read_blocks(st))) * w
+    out += rc.transient(block_activations(mcfg, lay, item), st, lay)
+    if lay.pp > 1:
+        out += 2 * lay.rows * mcfg.seq_len // lay.seq_parts * mcfg.d_model * item
+    return out + (4 * own if lay.amp else 0)
+
+
+# ---- communication ---------------------------------------------------------------------------------
+
+def _read_blocks(st: Stage, blocks=None) -> list[str]:
+    """Blocks of this stage whose tensors another block of it (of `blocks`) reads: gathered with it too."""
+    return [d for b, ds in st.deps if blocks is None or b in blocks for d in ds]
+
+
+def gathered_per_microbatch(mcfg, st: Stage) -> int:
+    """Elements stage 3 gathers per micro-batch and model: every block in forward and again in backward
+    (except blocks whose backward reads no parameters, the embedding); a block gathers the blocks whose
+    tensors it reads with it both times (a tied head: the embedding)."""
+    total, bwd = 0, {b.name: b.bwd_params for b in st.kinds}
+    for chunk in st.chunks:
+        total += sum((1 + bwd[b]) * st.block(b) for b in chunk)
+        total += 2 * sum(st.block(d) for d in _read_blocks(st, chunk))
+    return total
+
+
+def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=None) -> dict:
+    """{axis: {op: bytes}} one rank sends in one optimizer step, as comm.py counts it (every rank
+    counts its own buffer of a collective; "tied" is the first/last-stage wte gradient sum)."""
+    w, g, _, item = precision(mcfg, lay.amp)
+    M, psi, out = models, st.psi * models, {}
+    if lay.sh > 1:
+        gathers = psi * w if lay.zstage < 3 else lay.k * lay.m * M * gathered_per_microbatch(mcfg, st) * w
+        out["sharding"] = {"reduce": psi * g, "allgather": gathers, "allreduce": 2 * F64 * M}
+        if lay.dp > 1:
+            out["dp"] = {"allreduce": owned(st, lay, M, sh_rank) * g + F64 * M}
+    elif lay.dp > 1:
+        out["dp"] = {"allreduce": psi * g + F64 * M}
+    tokens = lay.share * mcfg.seq_len * M
+    if lay.tp > 1:
+        rep = plan_tp.replicated_owned(st, lay, M, _partition, sh_rank) if lay.sp else 0
+        out["tp"] = plan_tp.traffic(mcfg, st, lay, tokens, item, g, 4 if lay.amp else item, F64 * M, rep)
+    hops = _hops(lay, stage)
+    if hops:                 # activations to the next virtual stage, gradients to the previous one
+        act, gathered = plan_tp.pipeline_bytes(mcfg, lay, tokens, item, hops)
+        out["pp"] = {"send": act, "recv": act}
+        if gathered:
+            out["tp"]["allgather"] = out["tp"].get("allgather", 0) + gathered
+    if lay.pp > 1:
+        out["pp"]["allreduce"] = 2 * F64 * M
+        if st.tied:
+            out["tied"] = {"allreduce": M * st.tied * g}
+    return out
+
+
+def _hops(lay: Resolved, stage: int) -> int:
+    """Sends per micro-batch of one rank: forward out of every chunk but the last virtual stage,
+    backward out of every chunk but the first."""
+    V = lay.pp * lay.v
+    return sum((c * lay.pp + stage < V - 1) + (c * lay.pp + stage > 0) for c in range(lay.v))
+
+
+def stage_facts(cfg, lay: Resolved) -> list[Stage]:
+    return stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split)
+
+
+# ---- time ------------------------------------------------------------------------------------------
+
+def link(lay: Resolved, axis: str, cluster, op: str = "allreduce") -> tuple:
+    """(latency s, bandwidth B/s) of an operation on a mesh axis: intra-node when its ranks, spaced by
+    the degrees of the axes inside it (mesh order, innermost first), fall in one node; a reduce or an
+    allgather at its own measured bandwidth where the cluster gives one (between nodes, at most that)."""
+    deg = _degrees(lay)
+    stride = math.prod(deg[a] for a in lay.order[:lay.order.index(axis)])
+    span, gpn = stride * deg[axis], cluster.gpus_per_node
+    own = {"reduce": cluster.reduce_bw_gbs, "allgather": cluster.allgather_bw_gbs}.get(op, 0.0) * 1e9
+    if span <= gpn and gpn % span == 0:
+        return cluster.intra_latency_us * 1e-6, own or cluster.intra_bw_gbs * 1e9
+    return cluster.inter_latency_us * 1e-6, min(own or math.inf, cluster.inter_bw_gbs * 1e9)
+
+
+def collective_s(op: str, n: int, nbytes: float, calls: float, alpha: float, beta: float) -> float:
+    """Alpha-beta cost: the bytes a ring moves (allreduce 2(n-1)/n, reduce and allgather (n-1)/n,
+    send/recv all of them) and ceil(log2 n) latencies per call (recursive doubling or a binomial
+    tree, what MPI uses for the small messages where latency matters; one per send)."""
+    if op in ("send", "recv"):
+        return nbytes / beta + calls * alpha
+    if n <= 1:
+        return 0.0
+    share = 2 * (n - 1) / n if op == "allreduce" else (n - 1) / n
+    return share * nbytes / beta + calls * math.ceil(math.log2(n)) * alpha
+
+
+def matmul_flops(mcfg, tokens: int, weights: int, layers: int, tp: int, f: int = 6) -> float:
+    """f·N·tokens over N weights (f = 6 forward and backward), plus the attention scores and their
+    product with the values, f/2 times their forward."""
+    return f * tokens * weights + f // 2 * build_model(mcfg, tp).attention_flops(tokens, tp) * layers
+
+
+def flops_per_microbatch(mcfg, st: Stage, lay: Resolved) -> float:
+    """6·N·tokens over the weights this rank multiplies by, plus attention scores, plus what the
+    recomputed layers rebuild (plan_recompute.extra_flops)."""
+    tokens = lay.rows * mcfg.seq_len
+    return matmul_flops(mcfg, tokens, st.matmul, st.layers, lay.tp) + rc.extra_flops(mcfg, st, lay, tokens)
+
+
+def _device_flops(mcfg, lay: Resolved, cluster) -> float:
+    if lay.amp:
+        return cluster.tflops * 1e12
+    return (cluster.tflops_fp64 if mcfg.dtype == "float64" else cluster.tflops_fp32) * 1e12
+
+
+def oversubscription(lay: Resolved, cluster) -> float:
+    """How many of a node's ranks share each CPU core (>= 1): with more ranks on a node than cores
+    (cluster.cores_per_node; 0 = a core per device), each computes at that fraction of its rate."""
+    cores = cluster.cores_per_node
+    ranks = min(lay.tp * lay.sh * lay.dp * lay.pp, cluster.gpus_per_node)
+    return max(1.0, ranks / cores) if cores else 1.0
+
+
+def compute_s(mcfg, st: Stage, lay: Resolved, cluster) -> float:
+    """Seconds of one micro-batch of one model through the stage on one device (or core): its matmul
+    FLOPs at the sustained rate (GPU clusters with gemm_half_dim, mem_bw_gbs or launch_us: each GEMM at
+    its shape's rate and the cached bytes' element-wise passes at the memory bandwidth, plan_gpu.py); on
+    CPUs (calibrated block_us, act_ns) also a fixed overhead per block pass (forward, backward, and a
+    recomputed block's second forward) and the elementwise passes (layernorm, softmax, GELU, residuals)
+    over the activations the forward caches, by their bytes (a second forward: about half of its layer's
+    again; a selective rebuild: the probabilities)."""
+    item = precision(mcfg, lay.amp)[3]
+    again = len(rc.full(st, lay))
+    a = block_activations(mcfg, lay, item)
+    cached = sum(a[b.kind] for b in st.kinds) + rc.elementwise_bytes(a, st, lay)
+    peak = _device_flops(mcfg, lay, cluster)
+    work = (plan_gpu.compute_s(mcfg, st, lay, cluster, peak, item, cached) if plan_gpu.enabled(cluster)
+            else flops_per_microbatch(mcfg, st, lay) / peak)
+    return work + (2 * len(st.names) + again) * cluster.block_us * 1e-6 + cached / 4 * cluster.act_ns * 1e-9
+
+
+# small allreduces a step makes on each axis: squared gradient norms (sharding, pp, tp), losses (sharding, dp, pp)
+SCALAR_CALLS = {"sharding": 2, "dp": 1, "pp": 2, "tp": 1}
+
+
+def _degrees(lay: Resolved) -> dict:
+    return {"tp": lay.tp, "sharding": lay.sh, "dp": lay.dp, "pp": lay.pp}
+
+
+def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster, sh_rank=None) -> dict:
+    """Seconds per micro-batch (compute, tp, pp: on the critical path) and per step (dp, sharding:
+    exposed after overlapping the last backward / the forward prefetch; fixed: the optimizer over the
+    owned elements, the scalar allreduces and the per-step overhead)."""
+    tr, M = traffic(mcfg, st, lay, stage, models), models
+    slow = oversubscription(lay, cluster)
+    comp = slow * M * compute_s(mcfg, st, lay, cluster)
+    mb = lay.k * lay.m
+    own = owned(st, lay, M, sh_rank) if lay.zstage else st.psi * M
+    K = precision(mcfg, lay.amp)[2]                  # optimizer_ns is measured in float32 (K = 8 bytes)
+    fixed = slow * (cluster.optimizer_ns * 1e-9 * own * K / 8 + cluster.step_overhead_us * 1e-6)
+    deg = _degrees(lay)
+    fixed += sum(collective_s("allreduce", deg[a], 0, c, *link(lay, a, cluster)) for a, c in SCALAR_CALLS.items())
+    out = {"compute": comp, "tp": 0.0, "pp": 0.0, "dp": 0.0, "sharding": 0.0, "fixed": fixed}
+    tp_link = lambda op: link(lay, "tp", cluster, op)      # noqa: E731
+    _, gathered = plan_tp.pipeline_bytes(mcfg, lay, lay.share * mcfg.seq_len * M, precision(mcfg, lay.amp)[3],
+                                         _hops(lay, stage))
+    if "tp" in tr:          # the tp regions' collectives; a split pipeline send's gather counts with pp
+        per_mb = {op: (n - (gathered if op == "allgather" else 0)) / mb for op, n in tr["tp"].items()}
+        out["tp"] = plan_tp.tp_seconds(mcfg, st, lay, M, {op: n for op, n in per_mb.items() if n}, tp_link,
+                                       collective_s)
+    if "pp" in tr:
+        out["pp"] = (collective_s("send", 2, tr["pp"]["send"] / mb, _hops(lay, stage) * M, *link(lay, "pp", cluster))
+                     + plan_tp.pipeline_gather_seconds(lay, gathered / mb, _hops(lay, stage), M, tp_link, collective_s))
+    hide = cluster.overlap * comp           # what may hide gradient sync: the last backward, 2/3 of a micro-batch
+    if "dp" in tr:
+        a, b = link(lay, "dp", cluster)
+        calls = 1 if lay.sh > 1 else max(1, math.ceil(tr["dp"]["allreduce"] / (lay.bucket_mb * 2**20)))
+        t = collective_s("allreduce", lay.dp, tr["dp"]["allreduce"], calls, a, b)
+        out["dp"] = t if lay.sh > 1 else max(0.0, t - 2 / 3 * hide)
+    if "sharding" in tr:
+        parts = len(st.names) * M + lay.sh - 1          # a reduce per (block, owner) piece
+        red = collective_s("reduce", lay.sh, tr["sharding"]["reduce"], parts,
+                           *link(lay, "sharding", cluster, "reduce"))
+        # stage 3 gathers each block from its owner, twice a micro-batch; stages 1-2 share every range once
+        gathers = mb * M * sum(1 + b.bwd_params for b in st.kinds) if lay.zstage == 3 else 1
+        gat = collective_s("allgather", lay.sh, tr["sharding"]["allgather"], gathers,
+                           *link(lay, "sharding", cluster, "allgather" if lay.zstage == 3 else "allreduce"))
+        prefetch = mb * hide / 3 if lay.zstage == 3 else 0.0
+        out["sharding"] = max(0.0, red - 2 / 3 * hide) + max(0.0, gat - prefetch)
+    return out
+
+
+def predict_stage(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster=None, sh_rank=None) -> dict:
+    """Memory (bytes) and traffic of one rank of `stage`; times when a cluster is given."""
+    item = precision(mcfg, lay.amp)[3]
+    mem = model_state(mcfg, st, lay, models, sh_rank)
+    mem["activations"] = activations(mcfg, st, lay, stage, item)
+    mem["buffers"] = buffers(mcfg, st, lay, owned(st, lay, models, sh_rank))
+    mem["total"] = sum(mem.values())
+    out = {"stage": stage, "memory": mem, "traffic": traffic(mcfg, st, lay, stage, models, sh_rank)}
+    if cluster is not None:
+        out["times"] = stage_times(mcfg, st, lay, stage, models, cluster, sh_rank)
+    return out
+
+
+def step_time(per_stage: list[dict], lay: Resolved) -> dict:
+    """Combine stages: the slowest micro-batch sets the pipeline's pace (plus the schedule's bubble),
+    then the slowest stage's exposed gradient sync and parameter sharing. With more ranks than cores,
+    a rank waiting in the bubble still takes its share of a core (MPI waits by polling), so the
+    bubble, like the compute, runs at the oversubscribed pace."""
+    slow = max(per_stage, key=lambda s: s["times"]["compute"] + s["times"]["tp"] + s["times"]["pp"])["times"]
+    t_mb = slow["compute"] + slow["tp"] + slow["pp"]
+    f = _bubble(lay.schedule, lay.pp, lay.m, lay.v) if lay.pp > 1 else 0.0
+    per_pass = lay.m * t_mb / (1 - f)
+    sync = max(per_stage, key=lambda s: s["times"]["dp"] + s["times"]["sharding"] + s["times"]["fixed"])["times"]
+    n = lay.k * lay.m
+    out = {"compute": n * slow["compute"], "tp": n * slow["tp"], "pp": n * slow["pp"], "dp": sync["dp"],
+           "sharding": sync["sharding"], "fixed": sync["fixed"], "bubble": lay.k * (per_pass - lay.m * t_mb)}
+    out["step"] = lay.k * per_pass + sync["dp"] + sync["sharding"] + sync["fixed"]
+    return out
+
+
+def for_rank(cfg, world: int, coords: dict, cluster=None) -> dict:
+    """The prediction for the rank at mesh `coords` (its pipeline stage and sharding share)."""
+    lay = resolve(cfg, world)
+    st = stage_facts(cfg, lay)[coords["pp"]]
+    return predict_stage(cfg.model, st, lay, coords["pp"], cfg.train.models, cluster, coords["sharding"])
+
+
+def evaluate(cfg, lay: Resolved, cluster, stage_ids=None) -> dict:
+    """Prediction for a layout: per-stage results, the worst stage's memory, the step time."""
+    sts = stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split)
+    ids = range(lay.pp) if stage_ids is None else sorted({s for s in stage_ids if 0 <= s < lay.pp})
+    per = [predict_stage(cfg.model, sts[s], lay, s, cfg.train.models, cluster) for s in ids]
+    worst = max(per, key=lambda r: r["memory"]["total"])
+    out = {"layout": lay, "stages": per, "memory": worst["memory"], "stage": worst["stage"]}
+    if cluster is not None:
+        out["time"] = step_time(per, lay)
+        out["tokens_per_s"] = cfg.train.global_batch * cfg.model.seq_len * cfg.train.models / out["time"]["step"]
+    return out

@@ -1,0 +1,92 @@
+"""The planner's model of tensor-parallel traffic: the activation collectives of the tp regions (allreduces,
+or under sequence parallelism all-gathers and reduce-scatters), the loss statistics, the once-a-step sum of
+the replicated tensors' gradients under sequence parallelism, and pipeline sends split across tp (each tp
+rank sends 1/tp, the receiving stage all-gathers). Bytes as comm.py counts them: an allreduce and a
+reduce-scatter count the buffer sent, an all-gather the buffer gathered."""
+from __future__ import annotations
+
+import functools
+
+from hpengine.planner import recompute as rc
+from hpengine.models import build_model
+
+
+def activation_calls(mcfg, st, lay) -> dict:
+    """Collectives of a (B, T, C) activation per micro-batch through the stage, by operation. A layer has
+    `a` region exits forward (the attention and the MLP: 2; the mlp kind: 1) and `a` entries backward; a
+    recomputed layer runs its forward again. Plain tp: each is an allreduce, plus the embedding's forward
+    and the head's backward. Sequence parallel: an entry all-gathers forward and reduce-scatters
+    backward, an exit the reverse, and an entry's linear gathers its input again in backward; the
+    embedding reduce-scatters forward and gathers backward; the head gathers forward, again in backward,
+    and reduce-scatters."""
+    a, _ = build_model(mcfg, lay.tp).tp_allreduces()
+    layers, again = st.layers, len(rc.full(st, lay))
+    ends = len(st.of_kind("embed")), len(st.of_kind("head"))
+    if not lay.sp:
+        return {"allreduce": 2 * a * layers + a * again + sum(ends)}
+    return {"allgather": 3 * a * layers + a * again + ends[0] + 2 * ends[1],
+            "reduce_scatter": 2 * a * layers + a * again + ends[0] + ends[1]}
+
+
+def replicated_owned(st, lay, models: int, partition_of, sh_rank=None) -> int:
+    """Elements of tensors every tp rank holds whole inside this rank's owned range (the largest over
+    sharding ranks when sh_rank is None): under sequence parallelism their gradients are summed over tp."""
+    sizes, flags = tuple(st.sizes(models)), st.replicated * models
+    if lay.sh == 1:
+        return sum(n for n, f in zip(sizes, flags) if f)
+    per_rank = _replicated_per_rank(sizes, flags, tuple(partition_of(sizes, lay.sh, lay.partition)))
+    return max(per_rank) if sh_rank is None else per_rank[sh_rank]
+
+
+@functools.lru_cache(maxsize=1024)
+def _replicated_per_rank(sizes, flags, ranges) -> tuple:
+    """Replicated elements inside each owned range (ranges: the partition, in flat-buffer order)."""
+    spans, at = [], 0
+    for n, f in zip(sizes, flags):
+        if f:
+            spans.append((at, at + n))
+        at += n
+    return tuple(sum(max(0, min(b, r.stop) - max(a, r.start)) for a, b in spans) for r in ranges)
+
+
+def traffic(mcfg, st, lay, tokens: int, item: int, g: int, loss_item: int, scalars: int, replicated: int) -> dict:
+    """{op: bytes} on the tp communicator in one step: `tokens` of the step through the stage, activations
+    of `item` bytes, gradients of `g`; the loss's max, sum and target logit per head in `loss_item` bytes;
+    `scalars` bytes of squared norms; the replicated gradients under sequence parallelism."""
+    C = mcfg.d_model
+    ce = 3 * len(st.of_kind("head")) * loss_item
+    out = {op: tokens * n * C * item for op, n in activation_calls(mcfg, st, lay).items()}
+    out["allreduce"] = out.get("allreduce", 0) + tokens * ce + scalars + (replicated * g if lay.sp else 0)
+    return out
+
+
+def pipeline_bytes(mcfg, lay, tokens: int, item: int, hops: int) -> tuple:
+    """(bytes sent = received over pp, bytes all-gathered over tp) per step: an activation or its
+    gradient per hop, 1/tp of it under sequence parallelism or when sends are split across tp."""
+    whole = tokens * mcfg.d_model * item * hops
+    if lay.sp:
+        return whole // lay.tp, 0
+    if lay.scatter:
+        return whole // lay.tp, whole
+    return whole, 0
+
+
+def tp_seconds(mcfg, st, lay, models: int, per_mb: dict, link_of, collective_s) -> float:
+    """Seconds per micro-batch of the tp collectives: `per_mb` {op: bytes per micro-batch}; an all-gather
+    and a reduce-scatter move (n-1)/n of their bytes, an allreduce twice that; latency per call."""
+    calls = activation_calls(mcfg, st, lay)
+    heads = len(st.of_kind("head"))
+    total = 0.0
+    for op, nbytes in per_mb.items():
+        n_calls = models * (calls.get(op, 0) + (2 * heads if op == "allreduce" else 0))
+        kind = "reduce" if op == "reduce_scatter" else op
+        total += collective_s(kind, lay.tp, nbytes, max(n_calls, 1), *link_of("allreduce"))
+    return total
+
+
+def pipeline_gather_seconds(lay, gathered_per_mb: float, hops: int, models: int, link_of, collective_s) -> float:
+    """The receiving stage's all-gather over tp of split sends, per micro-batch."""
+    if not gathered_per_mb:
+        return 0.0
+    return collective_s("allgather", lay.tp, gathered_per_mb, hops * models, *link_of("allreduce"))
+

@@ -1,0 +1,127 @@
+"""Building a rank's engine from a config: logging, the agreed backend (its GPU chosen by node-local rank),
+the dataset (the built-in corpus made once, by rank 0), the mesh and its communicators; and loading a
+checkpoint into it on every rank together. The training loop (train.py) and the apps both start here.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from mpi4py import MPI
+
+from hpengine.checkpoint import shards as checkpoint
+from hpengine.data import DataError, TokenDataset, ensure_default_corpus
+from hpengine.device.backend import BackendError, keep_heap, make_backend
+from hpengine.device.threads import pin as pin_blas_threads
+from hpengine.dist.comm import Comm, agree_or_raise, resolve_cuda_aware
+from hpengine.dist.topology import Mesh, node_ranks
+from hpengine.engine.engine import Engine
+from hpengine.layout.resolve import resolve
+from hpengine.run import launch, memcheck, startguard
+
+log = logging.getLogger("hpengine")
+
+
+def setup_logging(mesh) -> None:
+    logger = logging.getLogger("hpengine")
+    logger.handlers.clear()
+    h = logging.StreamHandler(sys.stdout)
+    h.setFormatter(logging.Formatter(f"{mesh.prefix()} %(message)s"))
+    logger.addHandler(h)
+    logger.setLevel(logging.INFO if mesh.rank == 0 else logging.WARNING)
+    logger.propagate = False
+
+
+def resolve_data_path(cfg, world) -> str:
+    """data.path; "" when data.sources blends files; else the built-in corpus (built once, by rank 0)."""
+    if cfg.data.path or cfg.data.sources:
+        return cfg.data.path
+    # one rank builds the cached corpus; the rest wait and read it
+    path = agree_or_raise(world, lambda: str(ensure_default_corpus()) if world.Get_rank() == 0 else None,
+                          DataError, (DataError, OSError))
+    return world.bcast(path, root=0)
+
+
+def build_dataset(cfg, world):
+    """The token dataset of data.path / data.sources / data.val_path; a file that one rank cannot read
+    stops every rank with its message."""
+    d, m = cfg.data, cfg.model
+    path = resolve_data_path(cfg, world)
+    return agree_or_raise(world, lambda: TokenDataset(path, m.seq_len, m.vocab_size, d.val_fraction,
+                                                      val_path=d.val_path, sources=d.sources),
+                          DataError, (DataError,))
+
+
+def data_meta(data) -> dict:
+    """What a checkpoint records of the data it was trained on."""
+    return {"tokenizer_sha256": data.tokenizer_sha256, "files": data.paths}
+
+
+def check_same_tokenizer(recorded: dict | None, data) -> None:
+    """Token ids mean nothing under another tokenizer: refuse data whose tokenizer differs from the one a
+    checkpoint recorded. Checkpoints that record none (older ones, or trained on version-1 files) pass."""
+    old = (recorded or {}).get("tokenizer_sha256")
+    if old is None or old == data.tokenizer_sha256:
+        return
+    new = data.tokenizer_sha256 or "none (version-1 files)"
+    raise checkpoint.CheckpointError(
+        f"the checkpoint was trained on data with tokenizer sha256 {old} ({', '.join(recorded.get('files', []))}) "
+        f"but the data now has tokenizer sha256 {new} ({', '.join(data.paths)}): resume on data built with the "
+        "checkpoint's tokenizer, or start a new run")
+
+
+def compute_dtype(cfg) -> str:
+    """The dtype activations and the parameters' compute copy live in: float16 under float16 amp; bfloat16
+    is emulated on float32 storage (precision.py)."""
+    amp = cfg.strategy.amp
+    if amp.enable:
+        return "float16" if amp.dtype == "float16" else "float32"
+    return cfg.model.dtype
+
+
+def agreed_backend(cfg, world):
+    """This rank's backend (its GPU chosen by node-local rank); devices can differ between nodes, so
+    the ranks agree before any of them raises."""
+    local, per_node = node_ranks(world)
+    pin_blas_threads(cfg.runtime.blas_threads, per_node)     # before the first BLAS call of the run
+
+    def make():
+        try:
+            be = make_backend(cfg.runtime.backend, compute_dtype(cfg), local, per_node,
+                              share_devices=cfg.runtime.share_devices)
+            be.cuda_aware = resolve_cuda_aware(cfg.runtime.cuda_aware_mpi, be)
+            return be
+        except BackendError as exc:
+            raise BackendError(f"rank {world.Get_rank()}: {exc}") from None
+    be = agree_or_raise(world, make, BackendError, (BackendError,))
+    kinds = set(world.allgather(be.name))
+    if len(kinds) > 1:
+        raise BackendError(f"runtime.backend = '{cfg.runtime.backend}' resolved differently across ranks "
+                           f"({sorted(kinds)}); set runtime.backend explicitly")
+    if be.set_matmul_precision(cfg.runtime.matmul_precision) != cfg.runtime.matmul_precision and world.Get_rank() == 0:
+        log.info("runtime.matmul_precision = '%s' has no effect on NumPy (float32 GEMMs stay float32)",
+                 cfg.runtime.matmul_precision)
+    return be
+
+
+def build(cfg, world=None, with_data: bool = True):
+    """Resolved layout, mesh, backend, dataset (unless with_data is False: the caller feeds the engine) and
+    engine for this rank. Every check that needs no communicator (resolve) runs before the first
+    collective; those that can differ by rank are agreed."""
+    startguard.mpi_ready()          # a Ctrl-C during start-up: now MPI can abort every rank
+    world = world or MPI.COMM_WORLD
+    launch.check_world(world)
+    res = resolve(cfg, world.Get_size())
+    backend = agreed_backend(cfg, world)
+    memcheck.check(cfg, res, world, backend)
+    if not backend.is_gpu:
+        keep_heap()
+    mesh = Mesh(world, res.degrees, res.order, wrap=lambda c, a: Comm(c, a, backend))
+    setup_logging(mesh)
+    return Engine(cfg, res, mesh, backend, build_dataset(cfg, world) if with_data else None)
+
+
+def load_together(eng, reader, params_only: bool = False) -> None:
+    """Every rank loads its part; a rank that cannot makes every rank stop with its message."""
+    agree_or_raise(eng.world, lambda: eng.load(reader, params_only), checkpoint.CheckpointError,
+                   (OSError, checkpoint.CheckpointError, KeyError, ValueError))

@@ -1,0 +1,99 @@
+"""Refuse a job whose predicted memory per rank (the planner's model, plan_model.py) exceeds the memory
+this rank can have, before anything large is allocated: on CPU the node's MemAvailable (/proc/meminfo)
+divided by the ranks on the node; on a GPU the device's free memory divided by the ranks sharing it.
+The ranks agree, so every rank stops with the same line. `runtime.memory_check = false` skips it.
+"""
+from __future__ import annotations
+
+import math
+
+from hpengine.dist.comm import agree_or_raise
+from hpengine.config.load import ConfigError
+from hpengine.planner.model import evaluate as predict_layout
+from hpengine.dist.topology import node_ranks
+
+
+class MemoryCheckError(ConfigError):
+    """The job cannot fit in this rank's memory."""
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e12:.3g} TB" if n >= 1e12 else f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
+
+
+def mem_available(path: str = "/proc/meminfo") -> int | None:
+    """MemAvailable of this node in bytes; None where the kernel does not say."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def device_free(backend) -> int | None:
+    try:
+        return int(backend.xp.cuda.runtime.memGetInfo()[0])
+    except Exception:  # noqa: BLE001 - no figure, no check
+        return None
+
+
+def limit_per_rank(backend, per_node: int, n_devices: int = 1) -> tuple[int, str] | None:
+    """(bytes this rank may use, how that was found) or None when unknown."""
+    if backend.is_gpu:
+        free = device_free(backend)
+        sharing = max(1, math.ceil(per_node / max(1, n_devices)))
+        return None if free is None else (free // sharing, f"free device memory {_gb(free)} / {sharing} "
+                                                            f"rank(s) on the device")
+    avail = mem_available()
+    return None if avail is None else (avail // per_node, f"MemAvailable {_gb(avail)} / {per_node} rank(s) "
+                                                          "on this node")
+
+
+def remedies(mem: dict) -> str:
+    """The switches that shrink the largest parts of the prediction."""
+    state = mem.get("params", 0) + mem.get("grads", 0) + mem.get("optimizer", 0)
+    out = []
+    if state >= mem.get("activations", 0):
+        out.append("shard the model state (strategy.sharding.enable=true, stage=3), split it with "
+                   "strategy.tensor_parallel or strategy.pipeline, or use more ranks/nodes or a smaller [model]")
+    if mem.get("activations", 0) > 0.1 * mem["total"]:
+        out.append("cut activations with strategy.recompute, strategy.gradient_merge (k_steps), more "
+                   "strategy.pipeline.micro_batches, strategy.tensor_parallel.sequence_parallel (with tp), "
+                   "model.attention = 'flash' or a smaller train.global_batch / model.seq_len")
+    return "; ".join(out)
+
+
+def predict(cfg, res) -> dict | None:
+    try:
+        return predict_layout(cfg, res, None)["memory"]
+    except (ConfigError, ValueError, ArithmeticError):
+        return None
+
+
+def check(cfg, res, world, backend, limit=None) -> None:
+    """Raise MemoryCheckError on every rank when a rank's predicted memory exceeds its limit (collective)."""
+    if not getattr(cfg.runtime, "memory_check", True):
+        return
+    _, per_node = node_ranks(world)
+    mem = predict(cfg, res)
+
+    def fits():
+        lim = limit if limit is not None else limit_per_rank(backend, per_node, _devices(backend))
+        if mem is None or lim is None or mem["total"] <= lim[0]:
+            return
+        parts = ", ".join(f"{k} {_gb(v)}" for k, v in mem.items() if k != "total" and v)
+        raise MemoryCheckError(
+            f"the job needs about {_gb(mem['total'])} per rank ({parts}) but rank {world.Get_rank()} has "
+            f"{_gb(lim[0])} ({lim[1]}); to fit: {remedies(mem)}; or --set runtime.memory_check=false to "
+            "start anyway")
+    agree_or_raise(world, fits, MemoryCheckError, (MemoryCheckError,))
+
+
+def _devices(backend) -> int:
+    try:
+        return int(backend.xp.cuda.runtime.getDeviceCount()) if backend.is_gpu else 1
+    except Exception:  # noqa: BLE001
+        return 1

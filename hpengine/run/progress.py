@@ -1,0 +1,113 @@
+"""The progress line and the fields it adds to every metrics.jsonl row: elapsed time and ETA, model FLOPs
+utilisation (MFU) against a peak the backend knows or the user sets, and memory (peak RSS on the CPU,
+device memory in use on a GPU).
+
+MFU = model FLOPs of a step (trace.model_flops: 6 x Psi x tokens + attention, all models) / the step's
+train time / (peak FLOP/s per rank x ranks). The peak per rank is runtime.peak_tflops when set; else, on
+a GPU, the dense figure of NVIDIA's datasheet for the device (PEAK_TFLOPS) at the precision the GEMMs run
+in; else, on the CPU, a float GEMM on one core timed at start-up (calibrate.gemm_rate, about 0.1 s).
+"""
+from __future__ import annotations
+
+import collections
+import resource
+import time
+
+import numpy as np
+
+from hpengine.planner.peaks import PEAK_TFLOPS, precision_of, table_peak
+from hpengine.planner.calibrate import _alone, gemm_rate
+from hpengine.run.trace import model_flops
+
+RECENT = 20          # steps whose mean wall time gives the ETA
+
+
+def device_name(backend) -> str:
+    """The CUDA device's name, e.g. "NVIDIA H200"; "cpu" on NumPy."""
+    if not backend.is_gpu:
+        return "cpu"
+    name = backend.xp.cuda.runtime.getDeviceProperties(backend.device or 0)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def peak_per_rank(cfg, backend, world, compute_dtype: str) -> tuple[float | None, str]:
+    """(peak FLOP/s of one rank, where the figure comes from); (None, why) when no peak is known.
+    Collective on the CPU path (rank 0 times the GEMM while the others sleep; every rank gets its figure)."""
+    if cfg.runtime.peak_tflops > 0:
+        return cfg.runtime.peak_tflops * 1e12, "runtime.peak_tflops"
+    prec = precision_of(cfg)
+    if backend.is_gpu:
+        name = device_name(backend)
+        peak = table_peak(name, prec)
+        if peak is None:
+            return None, (f"no peak known for the GPU '{name}' (the table knows "
+                          f"{', '.join(k for k, _ in PEAK_TFLOPS)}): set runtime.peak_tflops")
+        return peak * 1e12, f"{name}, dense {prec} datasheet figure"
+
+    n = 256 if compute_dtype == "float16" else 512
+    rate = _alone(world, lambda: gemm_rate(np, np.dtype(compute_dtype), n))
+    return rate, f"{compute_dtype} {n}^3 GEMM timed on one core at start-up"
+
+
+def memory_bytes(backend) -> int:
+    """Peak RSS of this process on the CPU; device memory in use (all processes) on a GPU."""
+    if backend.is_gpu:
+        free, total = backend.xp.cuda.runtime.memGetInfo()
+        return int(total - free)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Progress:
+    """Counts this run's optimizer steps and adds elapsed_s, eta_s, mfu and mem_bytes to a step's metrics.
+    total: the last step to run (train.steps); start: the optimizer steps done before this run (resume)."""
+
+    def __init__(self, total: int, start: int, flops_step: float, peak_total: float | None, mem=lambda: 0,
+                 clock=time.perf_counter):
+        self.total, self.done, self.flops_step, self.peak = total, start, flops_step, peak_total
+        self.mem, self.clock = mem, clock
+        self.t0 = clock()
+        self.ends = collections.deque([self.t0], maxlen=RECENT + 1)
+
+    def update(self, m: dict) -> dict:
+        """The new fields of step m (its step_ms is the train step's time); also counts the step."""
+        now = self.clock()
+        self.done += 1
+        self.ends.append(now)
+        per_step = (self.ends[-1] - self.ends[0]) / (len(self.ends) - 1)
+        step_s = m["step_ms"] / 1e3
+        mfu = self.flops_step / step_s / self.peak if self.peak and step_s > 0 else None
+        return {"mfu": mfu, "elapsed_s": now - self.t0, "eta_s": per_step * max(self.total - self.done, 0),
+                "mem_bytes": self.mem()}
+
+    def label(self) -> str:
+        """"N/total": optimizer steps completed, of the run's total."""
+        return f"{self.done}/{self.total}"
+
+
+def hms(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def suffix(m: dict, gpu: bool = False) -> str:
+    """What the progress line shows after tok/s and ms: MFU, memory, elapsed and ETA."""
+    out = "" if m.get("mfu") is None else f" | MFU {100 * m['mfu']:.1f}%"
+    if "mem_bytes" in m:
+        out += f" | {'dev mem' if gpu else 'RSS'} {m['mem_bytes'] / 2**20:,.0f} MiB"
+    if "elapsed_s" in m:
+        out += f" | {hms(m['elapsed_s'])} elapsed, ETA {hms(m['eta_s'])}"
+    return out
+
+
+def begin(eng, cfg, world, first: int, compute_dtype: str, log) -> Progress:
+    """The run's Progress (first: the optimizer steps already done), logging where MFU's peak comes from
+    (or why there is none). Collective."""
+    flops, _ = model_flops(eng)
+    peak, why = peak_per_rank(cfg, eng.be, world, compute_dtype)
+    n = world.Get_size()
+    if peak is None:
+        log.info("MFU not shown: %s", why)
+    else:
+        log.info("MFU against %.4g TFLOP/s per rank x %d rank(s) (%s); %.4g GFLOP per step", peak / 1e12, n, why,
+                 flops / 1e9)
+    return Progress(cfg.train.steps, first, flops, None if peak is None else peak * n, mem=lambda: memory_bytes(eng.be))

@@ -1,0 +1,279 @@
+"""The training loop: run folder, logging, evaluation cadence, metrics.jsonl, final summary.
+
+Launch with `hpengine train CONFIG` (one process) or `mpiexec -n N hpengine train CONFIG`. The run folder
+keeps the data's tokenizer as tokenizer.json: the Hugging Face tokenizer.json text the token files carry
+(its sha256 is the tokenizer_sha256 that summary.json and every checkpoint record), or {"hpengine": "bytes"}
+for byte-level files (ids 0-255 are the bytes); none for files that record no tokenizer (version 1).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from mpi4py import MPI
+
+from hpengine.checkpoint import shards as checkpoint
+from hpengine.checkpoint import guard as ckpt_guard
+from hpengine.run import faults
+from hpengine.checkpoint import hf_import
+from hpengine.run import launch
+from hpengine.dist.watchdog import Watchdog
+from hpengine.planner import search as plan
+from hpengine.engine import state
+from hpengine.run import trace
+from hpengine.dist.comm import agree_or_raise
+from hpengine.config.load import Config, to_dict, to_toml
+from hpengine.layout.resolve import chunks
+from hpengine.run.build import (agreed_backend, build, build_dataset, check_same_tokenizer, compute_dtype,  # noqa: F401
+                                 data_meta, load_together, setup_logging)
+from hpengine.run.resume import resolve_resume
+from hpengine.run.run_dir import RunError, prepare_run_dir, tokenizer_json, trim_metrics  # noqa: F401 (re-exported)
+from hpengine.run import progress
+from hpengine.run import tensorboard as tboard
+from hpengine.device.threads import describe as blas_threads_line
+from hpengine.layout.schedules import bubble_fraction
+
+log = logging.getLogger("hpengine")
+
+
+def _lines(m: dict) -> list[dict]:
+    """metrics.jsonl lines of one step: one, or one per model (with a `model` field)."""
+    if "models" not in m:
+        return [m]
+    common = {k: v for k, v in m.items() if k not in ("models", "loss", "lr", "grad_norm", "val_loss")}
+    return [{**common, **pm} for pm in m["models"]]
+
+
+def _fmt(m: dict, total: int | str = "?") -> str:
+    s = ("" if "model" not in m else f"model {m['model']} | ") + (f"step {m['step']:>5}/{total} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f}"
+         f" | {m['tokens_per_s']:,.0f} tok/s | {m['step_ms']:.0f} ms")
+    return s + progress.suffix(m) + (f" | val {m['val_loss']:.4f}" if "val_loss" in m else "")
+
+
+def train(cfg, world=None, resume=None) -> dict:
+    """Run optimizer steps up to cfg.train.steps (from a checkpoint's step when resuming); returns the
+    final summary (same on every rank)."""
+    world = world or MPI.COMM_WORLD
+    eng = build(cfg, world)
+    resume = resolve_resume(cfg, world, resume, log)     # --resume auto: a checkpoint, or None
+    start = restore(eng, cfg, resume)
+    if start >= cfg.train.steps:              # the same step on every rank: every rank refuses together
+        raise RunError(f"--resume {resume}: the checkpoint is at step {start} and train.steps = "
+                       f"{cfg.train.steps}: nothing to train; raise train.steps (--set train.steps=N) to go on")
+    out = prepare_run_dir(cfg, world, resuming=resume is not None, data=eng.data)
+    if cfg.checkpoint.at_end or cfg.checkpoint.every:       # found now, not at the first save
+        ckpt_guard.check_writable(world, checkpoint_root(cfg))
+    log_start(eng, cfg)
+    ranks = faults.gather_ranks(world, eng.mesh)
+    log.info("ranks (host, pid, mesh coordinates): %s", faults.write_ranks_file(ranks, out, world.Get_rank()))
+    plan.check_at_start(cfg, eng.mesh.size, log, rank=eng.mesh.rank)
+    if resume is not None:
+        trim_metrics(out, start, world.Get_rank())
+    metrics_f = open(out / "metrics.jsonl", "a" if resume else "w") if world.Get_rank() == 0 else None
+    prog = progress.begin(eng, cfg, world, start, compute_dtype(cfg), log)     # MFU peak, ETA, memory
+    tbw = tboard.open_writer(cfg, out, world.Get_rank())
+    tracer = trace.attach(eng, cfg)    # phase timers always; a timeline under runtime.trace
+    t_start, history, stop = time.perf_counter(), [], None
+    watchdog = Watchdog(cfg.runtime.watchdog_s, eng.mesh.prefix()).start()
+    monitor = faults.Monitor(ranks, world.Get_rank(), watch_parent=faults.launched()).start()
+    launch.on_interrupt(monitor.interrupted)
+    restore_signals = launch.install_stop_handlers()
+    saved = None                 # the last step saved by this run
+    try:
+        for step in range(start, cfg.train.steps):
+            watchdog.heartbeat(step + 1, "train_step")       # the step in progress, 1-based as everywhere
+            t = tracer.now()
+            m = eng.train_step(step)
+            tracer.lap("step", t, "step", step + 1)
+            if _eval_due(cfg, step):
+                watchdog.heartbeat(step + 1, "evaluate")
+                t = tracer.now()
+                _add_eval(m, eng.evaluate())
+                tracer.lap("eval", t)
+            m.update(prog.update(m))
+            history.append(m)
+            if step == start:
+                log_memory(eng)
+            _record(cfg, m, metrics_f)
+            if tbw:
+                tbw.scalars(m["step"], tboard.scalars_of(_lines(m)))
+            stop = launch.stop_requested(world)
+            if stop and stop != "SIGINT" and step + 1 == cfg.train.steps:
+                stop = None      # it came during the last step: the run is complete, not stopped early
+            if (stop and stop != "SIGINT") or _ckpt_due(cfg, step):   # Ctrl-C: stop now, no save
+                watchdog.heartbeat(step + 1, "checkpoint")
+                save_checkpoint(eng, cfg, step + 1)
+                saved = step + 1
+            if stop:
+                log.info("%s received: stopping cleanly after step %d of %d (%s)", stop, step + 1, cfg.train.steps,
+                         "checkpoint saved" if saved == step + 1 else "no checkpoint: interrupted")
+                break
+        if cfg.checkpoint.at_end and history and saved != history[-1]["step"] and stop != "SIGINT":
+            watchdog.heartbeat(history[-1]["step"], "checkpoint")
+            save_checkpoint(eng, cfg, history[-1]["step"])    # the final model, for eval and --resume
+        if world.Get_size() > 1:
+            world.Barrier()      # nobody exits (ends its process) while a peer still watches it
+    finally:
+        monitor.stop()
+        launch.on_interrupt(None)
+        watchdog.stop()
+        restore_signals()
+        if metrics_f:
+            metrics_f.close()
+        if tbw:
+            tbw.close()
+    log_pipeline(eng, cfg)
+    summary = summarize(eng, history, time.perf_counter() - t_start, out, stop)
+    trace.finish(eng, out, history, summary["wall_s"])   # trace.json, breakdown table + .json
+    return summary
+
+
+def _eval_due(cfg, step) -> bool:
+    ev = cfg.train.eval_every
+    return bool(ev) and ((step + 1) % ev == 0 or step + 1 == cfg.train.steps)
+
+
+def _ckpt_due(cfg, step) -> bool:
+    ev = cfg.checkpoint.every
+    return bool(ev) and ((step + 1) % ev == 0 or step + 1 == cfg.train.steps)
+
+
+def _add_eval(m, vals) -> None:
+    m["val_loss"] = vals[0]
+    for pm, v in zip(m.get("models", []), vals):
+        pm["val_loss"] = v
+
+
+def _record(cfg, m, metrics_f) -> None:
+    if metrics_f is None:
+        return
+    for line in _lines(m):
+        metrics_f.write(json.dumps(line) + "\n")
+    metrics_f.flush()
+    step = m["step"]       # optimizer steps completed, 1-based
+    if step % cfg.train.log_every == 0 or step == 1 or "val_loss" in m:
+        for line in _lines(m):
+            log.info("%s", _fmt(line, cfg.train.steps))
+    elif sys.stdout.isatty():
+        print(f"\r  step {step}/{cfg.train.steps} loss {m['loss']:.4f}", end="", flush=True)
+
+
+def checkpoint_root(cfg) -> Path:
+    return Path(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints")
+
+
+def save_state(eng, root, step: int, keep: int) -> Path:
+    """Collective: this job's checkpoint of `step` under root (checkpoint.py writes it)."""
+    pieces = state.checkpoint_pieces(eng.stage, eng.sync, eng.opts, eng.master, eng.tp, eng.mesh.coords["dp"], eng.be)
+    meta = {"config": to_toml(eng.cfg), "state": state.checkpoint_meta(eng.opt_steps, eng.scaler, len(eng.slots)),
+            "shapes": eng.true_shapes(), "layout": eng.mesh.degrees, "world": eng.mesh.size,
+            "data": data_meta(eng.data)}
+    return checkpoint.save(eng.world, root, step, keep, pieces, meta, eng.tracer)
+
+
+def save_checkpoint(eng, cfg, step: int) -> None:
+    t0 = time.perf_counter()
+    path = save_state(eng, checkpoint_root(cfg), step, cfg.checkpoint.keep)
+    log.info("checkpoint step %d -> %s (%.2f s)", step, path, time.perf_counter() - t0)
+
+
+def restore(eng, cfg, resume) -> int:
+    """Load a checkpoint (--resume) or exported parameters (checkpoint.init_from); the first step to run."""
+    if resume is None and not cfg.checkpoint.init_from:
+        return 0
+    t0 = time.perf_counter()
+    if resume is not None:
+        path = checkpoint_root(cfg) if resume == "latest" else resume
+
+        def open_checkpoint():
+            try:
+                reader = checkpoint.Reader(path)         # checks the manifest's checksum and structure
+                reader.check_shapes(eng.true_shapes())
+                check_same_tokenizer(reader.manifest.get("data"), eng.data)     # same inputs on every rank
+            except checkpoint.CheckpointError as exc:
+                raise checkpoint.CheckpointError(f"--resume {resume}: {exc}") from None
+            return reader
+        reader = agree_or_raise(eng.world, open_checkpoint, checkpoint.CheckpointError, (checkpoint.CheckpointError,))
+        load_together(eng, reader)
+        start, what = reader.step, f"resumed from {reader.dir} at step {reader.step}"
+    else:
+        src = cfg.checkpoint.init_from
+
+        def open_export():
+            if src.startswith(hf_import.PREFIX):
+                return hf_import.HFReader(src[len(hf_import.PREFIX):], cfg.model, eng.true_shapes())
+            reader = checkpoint.ExportReader(src)
+            reader.check_shapes(eng.true_shapes())      # never crop or pad a tensor of another shape
+            return reader
+        reader = agree_or_raise(eng.world, open_export, checkpoint.CheckpointError, (checkpoint.CheckpointError,))
+        load_together(eng, reader, params_only=True)
+        start, what = 0, f"parameters initialised from {cfg.checkpoint.init_from}"
+    reader.close()
+    log.info("%s (%.2f s)", what, time.perf_counter() - t0)
+    return start
+
+
+def changed_keys(cfg) -> list[str]:
+    """`key = value` for every key of the resolved config that differs from the default."""
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+    base = dict(flat(to_dict(Config())))
+    return [f"{k} = {v!r}" for k, v in flat(to_dict(cfg)) if base.get(k) != v]
+
+
+def log_start(eng, cfg) -> None:
+    log.info("config (resolved; written to config.toml; keys not at their default): %s",
+             ", ".join(changed_keys(cfg)) or "all defaults")
+    log.info("%s", eng.mesh.describe())
+    log.info("%s", blas_threads_line())
+    if eng.sync.describe():
+        log.info("%s", eng.sync.describe())
+    whole, mine = eng.param_counts()      # collective on pp: every rank runs log_start
+    share = (f" (pipeline stage {eng.mesh.coords['pp']} of {eng.res.pp}: {mine:,} parameters, {len(eng.stage.blocks)} "
+             "blocks)" if eng.res.pp > 1 else "")
+    log.info("model %s: %s parameters, %d blocks%s, dtype %s, backend %s", cfg.model.kind, f"{whole:,}",
+             sum(len(c) for c in chunks(cfg.model, eng.res)), share, cfg.model.dtype, eng.be.name)
+
+
+def log_memory(eng) -> None:
+    mem = eng.memory()
+    mib = lambda k: mem[k] / 2**20  # noqa: E731
+    log.info("memory per rank: params %.2f MiB, grads %.2f MiB, optimizer %.2f MiB, transient peak "
+             "%.2f MiB, peak RSS %.0f MiB", mib("param_bytes"), mib("grad_bytes"), mib("optim_bytes"),
+             mib("transient_peak_bytes"), mib("peak_rss_bytes"))
+
+
+def log_pipeline(eng, cfg) -> None:
+    """Measured bubble (idle share of the executor's wall time) per stage next to the theory."""
+    res, pipe = eng.res, eng.pipe
+    if not cfg.strategy.pipeline.enable or pipe.wall_s == 0:
+        return
+    bubble = 1.0 - pipe.busy_s / pipe.wall_s
+    stats = eng.pp.allgather_obj((bubble, pipe.peak_live))
+    theory = bubble_fraction(res.schedule, res.pp, res.m, res.v)
+    log.info("pipeline %s p=%d m=%d v=%d: measured bubble per stage %s (theory %.3f); peak live activation "
+             "caches per stage %s", res.schedule, res.pp, res.m, res.v,
+             [round(b, 3) for b, _ in stats], theory, [n for _, n in stats])
+
+
+def summarize(eng, history, wall, out, stopped=None) -> dict:
+    toks = [m["tokens_per_s"] for m in history[1:]] or [history[0]["tokens_per_s"]]
+    vals = [m["val_loss"] for m in history if "val_loss" in m]
+    summary = {"steps": len(history), "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
+               "final_val_loss": vals[-1] if vals else None, "wall_s": wall,
+               "median_tokens_per_s": sorted(toks)[len(toks) // 2], **eng.memory(), "out_dir": str(out),
+               "tokenizer_sha256": eng.data.tokenizer_sha256, "stopped_early": stopped}
+    log.info("done: %d steps in %.1f s | loss %.4f -> %.4f | val %s | median %s tok/s | peak RSS %.0f MiB",
+             summary["steps"], wall, summary["first_loss"], summary["final_loss"],
+             f"{summary['final_val_loss']:.4f}" if vals else "-",
+             f"{summary['median_tokens_per_s']:,.0f}", summary["peak_rss_bytes"] / 2**20)
+    if eng.mesh.rank == 0:
+        (Path(out) / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
