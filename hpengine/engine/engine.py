@@ -17,17 +17,15 @@ from hpengine.engine import state
 from hpengine.dist.comm import Comm
 from hpengine.params.init import init_range
 from hpengine.models import LocalTP
-from hpengine.nn import bf16_gemm
 from hpengine.optim import AdamW, clip_coefficient, lr_at, sum_of_squares
-from hpengine.device.precision import round_bf16_
 from hpengine.layout.stage import build_stage
 from hpengine.strategies import make_grad_sync
-from hpengine.strategies.amp import LossScaler, loss_scaling
+from hpengine.strategies.amp import Precision
 from hpengine.strategies.pipeline import PipelineExecutor
 from hpengine.strategies.sequence_parallel import SequenceParallel
 from hpengine.strategies.tensor_parallel import TensorParallel
 from hpengine.dist.tracer import Tracer
-from hpengine.layout.cache import Recompute, cache_arrays, cache_nbytes
+from hpengine.layout.cache import Recompute, cache_nbytes
 
 log = logging.getLogger("hpengine")
 
@@ -64,15 +62,12 @@ class Engine:
         self.world = Comm(mesh.world, "world", backend)
         self.pp = mesh.comms["pp"]
         amp = cfg.strategy.amp
-        self.amp = res.amp
-        self.bf16 = res.amp and amp.dtype == "bfloat16"     # bf16 storage emulated on float32 (precision.py)
-        self.bf16_grads = self.bf16 and amp.grad_dtype == "bfloat16"
-        self.scaler = LossScaler(amp) if res.amp and loss_scaling(amp) else None
+        self.precision = Precision(amp, res.amp)     # what amp rounds, where; the loss scaler
+        self.amp, self.scaler = res.amp, self.precision.scaler
         # amp: float32 master weights of the owned range, from the exact (unrounded) initial values
         self.master = (init_range(self.layout, t.seed, self.sync.owned, self.xp, np.float32)
                        if self.amp else None)
-        if self.bf16:
-            self._round_held_params()
+        self._round_held_params()
         # every parameter counts once in the global norm: not another stage's copy (a tied wte), and a
         # tensor replicated across tp only on tp rank 0
         self.norm_exclude = [self.layout.ranges[n] for n in sorted(self.stage.copies)]
@@ -94,7 +89,7 @@ class Engine:
 
     def _optimizer(self, slot):
         o, seg = self.cfg.optim, self.sync.owned.intersect(slot.range)
-        dtype = np.float32 if self.amp else self.be.dtype
+        dtype = self.precision.master_dtype(self.be.dtype)
         return None if seg is None else AdamW(self.xp, self.layout, seg, dtype, tuple(o.betas), o.eps, o.weight_decay)
 
     # --- forward / backward ---------------------------------------------------------------------
@@ -123,10 +118,7 @@ class Engine:
                                        keep_scores=not self.res.drops_scores(b))
                 if self.res.recomputed(b):
                     c = Recompute(h_in)
-            if self.bf16 and b.kind != "head":        # the loss math stays float32, as Megatron's
-                for a in cache_arrays((h, c if grad else None)):   # parameter views: bf16 already, a no-op
-                    if a.dtype == np.float32 and a.ndim:
-                        round_bf16_(xp, a)
+            self.precision.stored_activations_(xp, b.kind, h, c if grad else None)
             self.sync.release(slot.prefix + name)
             caches.append(c if grad else None)
         if grad:
@@ -144,7 +136,7 @@ class Engine:
             prev = chunk[n - 1] if n and slot.block(chunk[n - 1]).bwd_params else None
             if b.kind == "head":
                 d = m.head_backward(xp, c, self._G(slot, b.name), tp, self._P(slot, b.name, prev),
-                                    self.scaler.scale if self.scaler else 1.0)
+                                    self.precision.loss_scale)
             elif b.kind == "embed":
                 m.embed_backward(xp, d, c, self._G(slot, b.name), tp)
                 d = None
@@ -153,12 +145,9 @@ class Engine:
                 if isinstance(c, Recompute):     # rebuild this block's activations from its input
                     _, c = m.layer_forward(xp, P, b.layer, c.x, tp)
                 d = m.layer_backward(xp, d, c, P, self._G(slot, b.name), b.layer, tp)
-                if self.bf16:
-                    round_bf16_(xp, d)
-            if self.bf16_grads:
-                G = self.sync.grads_for(slot.prefix + b.name)
-                for sp in self.stage.block_specs[slot.prefix + b.name]:
-                    round_bf16_(xp, G[sp.name])
+                self.precision.input_grad_(xp, d)
+            self.precision.block_grads_(xp, self.sync.grads_for(slot.prefix + b.name),
+                                        self.stage.block_specs[slot.prefix + b.name])
             self.sync.release(slot.prefix + b.name)
             self.sync.block_done(slot.prefix + b.name)
         return d
@@ -173,7 +162,7 @@ class Engine:
         is on); returns this rank's share of the global-mean loss."""
         fwd = lambda chunk, h, t, g: self.chunk_forward(slot, chunk, h, t, norm, g)  # noqa: E731
         bwd = lambda chunk, d, c: self.chunk_backward(slot, chunk, d, c)  # noqa: E731
-        with bf16_gemm.operands(self.bf16):     # bf16 amp: every GEMM takes bfloat16 operands
+        with self.precision.gemm_operands():     # bf16 amp: every GEMM takes bfloat16 operands
             return self.pipe.run(slot.chunks, fwd, bwd, self.sync.begin_pass, x, y, last_pass, grad, self.tracer)
 
     def _rows(self, split, step, seed):
@@ -233,15 +222,7 @@ class Engine:
         self.sync.flush_deferred()
         g = self.sync.reduce_grads()
         self.tp.sum_replicated_(g, self.replicated)
-        if self.bf16_grads:
-            round_bf16_(self.xp, g)
-        if self.scaler is None:
-            return g.astype(np.float32) if self.amp and g.dtype != np.float32 else g
-        if not self.world.allreduce_obj(bool(self.xp.isfinite(g).all()), op=MPI.LAND):
-            return None
-        g32 = g.astype(np.float32)
-        g32 *= 1.0 / self.scaler.scale
-        return g32
+        return self.precision.ready_grad(self.xp, g, lambda ok: self.world.allreduce_obj(ok, op=MPI.LAND))
 
     def _global_norms(self, g) -> list[float]:
         """Gradient norm of every model, each parameter counted once whatever the layout."""
@@ -326,6 +307,16 @@ class Engine:
     def true_shapes(self) -> dict:
         return state.true_shapes(self.slots)
 
+    def state_pieces(self) -> tuple[list, dict]:
+        """What this rank saves of the training state, as load() takes it back: the pieces it alone writes
+        (owned parameters, float32 masters under amp, Adam moments) and the layout-independent facts
+        (optimizer steps, loss scaler, tensor shapes, degrees). The caller adds config and data."""
+        pieces = state.checkpoint_pieces(self.stage, self.sync, self.opts, self.master, self.tp,
+                                         self.mesh.coords["dp"], self.be)
+        meta = {"state": state.checkpoint_meta(self.opt_steps, self.scaler, len(self.slots)),
+                "shapes": self.true_shapes(), "layout": self.mesh.degrees, "world": self.mesh.size}
+        return pieces, meta
+
     def load(self, reader, params_only: bool = False) -> None:
         """This rank's part of a checkpoint (or of an export's parameters) into the engine."""
         steps = state.load_state(self.stage, self.sync, self.opts, self.master, self.tp, self.be, reader, params_only)
@@ -334,15 +325,12 @@ class Engine:
             saved = reader.manifest["state"].get("loss_scaler")
             if self.scaler is not None and saved:
                 self.scaler.load(saved)
-        if self.bf16:
-            self._round_held_params()
+        self._round_held_params()
 
     def _round_held_params(self) -> None:
         """bf16: the compute copy this rank holds (whole buffer and owned shard) as bfloat16 values; local,
         and the same on every replica, since each holds the same unrounded values."""
-        for a in (getattr(self.sync.params, "data", None), self.sync.owned_params()):
-            if a is not None:
-                round_bf16_(self.xp, a)
+        self.precision.held_params_(self.xp, (getattr(self.sync.params, "data", None), self.sync.owned_params()))
 
     def memory(self) -> dict:
         return {"param_bytes": self.sync.param_bytes(), "grad_bytes": self.sync.grad_bytes(),

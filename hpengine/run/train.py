@@ -22,7 +22,6 @@ from hpengine.checkpoint import hf_import
 from hpengine.run import launch
 from hpengine.dist.watchdog import Watchdog
 from hpengine.planner import search as plan
-from hpengine.engine import state
 from hpengine.run import trace
 from hpengine.dist.comm import agree_or_raise
 from hpengine.config.load import Config, to_dict, to_toml
@@ -167,10 +166,8 @@ def checkpoint_root(cfg) -> Path:
 
 def save_state(eng, root, step: int, keep: int) -> Path:
     """Collective: this job's checkpoint of `step` under root (checkpoint.py writes it)."""
-    pieces = state.checkpoint_pieces(eng.stage, eng.sync, eng.opts, eng.master, eng.tp, eng.mesh.coords["dp"], eng.be)
-    meta = {"config": to_toml(eng.cfg), "state": state.checkpoint_meta(eng.opt_steps, eng.scaler, len(eng.slots)),
-            "shapes": eng.true_shapes(), "layout": eng.mesh.degrees, "world": eng.mesh.size,
-            "data": data_meta(eng.data)}
+    pieces, meta = eng.state_pieces()
+    meta = {"config": to_toml(eng.cfg), **meta, "data": data_meta(eng.data)}
     return checkpoint.save(eng.world, root, step, keep, pieces, meta, eng.tracer)
 
 

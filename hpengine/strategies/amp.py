@@ -1,9 +1,16 @@
-"""Mixed precision: dynamic loss scaling. Compute runs in float16 or bfloat16; the owner of each range keeps
-the float32 master weights and AdamW moments (engine.py). An overflow anywhere makes every rank skip the
+"""Mixed precision: the run's precision policy (Precision: what amp rounds, where) and dynamic loss scaling.
+Compute runs in float16 or bfloat16; the owner of each range keeps the float32 master weights and AdamW
+moments. An overflow anywhere makes every rank skip the
 same step and lower the scale; `growth_interval` clean steps in a row raise it again. bfloat16 has
 float32's exponent range, so it trains without loss scaling by default (amp.loss_scaling = "auto").
 """
 from __future__ import annotations
+
+import numpy as np
+
+from hpengine.device.precision import round_bf16_
+from hpengine.layout.cache import cache_arrays
+from hpengine.nn import bf16_gemm
 
 
 def loss_scaling(acfg) -> bool:
@@ -37,3 +44,69 @@ class LossScaler:
 
     def load(self, st: dict) -> None:
         self.scale, self.good_steps, self.skipped = float(st["scale"]), int(st["good_steps"]), int(st["skipped"])
+
+
+class Precision:
+    """The one precision policy of a run: where amp rounds what it stores and how the reduced gradient is
+    made ready for the float32 update. With amp off every method is a no-op or a pass-through.
+
+    bfloat16 storage is emulated on float32 (device/precision.py): a bf16 implementation stores a block's
+    output and its caches, its input gradient in backward, the compute copy of the parameters and, with
+    amp.grad_dtype = "bfloat16", the gradients; each of those is rounded here and nowhere else."""
+
+    def __init__(self, acfg, amp_on: bool):
+        self.amp = amp_on
+        self.bf16 = amp_on and acfg.dtype == "bfloat16"
+        self.bf16_grads = self.bf16 and acfg.grad_dtype == "bfloat16"
+        self.scaler = LossScaler(acfg) if amp_on and loss_scaling(acfg) else None
+
+    def master_dtype(self, compute_dtype):
+        """The dtype of the owned parameters AdamW updates: float32 masters under amp."""
+        return np.float32 if self.amp else compute_dtype
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def gemm_operands(self):
+        """The context inside which every GEMM takes bfloat16 operands (bf16 amp only)."""
+        return bf16_gemm.operands(self.bf16)
+
+    def stored_activations_(self, xp, kind: str, h, cache) -> None:
+        """A block's output and what it keeps for backward, as bf16 would store them; the head's loss math
+        stays float32, as Megatron's. Parameter views inside a cache are bf16 already: a no-op on them."""
+        if self.bf16 and kind != "head":
+            for a in cache_arrays((h, cache)):
+                if a.dtype == np.float32 and a.ndim:
+                    round_bf16_(xp, a)
+
+    def input_grad_(self, xp, d) -> None:
+        """A block's input gradient in backward, as bf16 stores it."""
+        if self.bf16:
+            round_bf16_(xp, d)
+
+    def block_grads_(self, xp, G, specs) -> None:
+        """The gradients a block accumulated, under amp.grad_dtype = "bfloat16"."""
+        if self.bf16_grads:
+            for sp in specs:
+                round_bf16_(xp, G[sp.name])
+
+    def held_params_(self, xp, arrays) -> None:
+        """The compute copy of the parameters a rank holds, as bfloat16 values (after init and loads)."""
+        if self.bf16:
+            for a in arrays:
+                if a is not None:
+                    round_bf16_(xp, a)
+
+    def ready_grad(self, xp, g, all_finite):
+        """The reduced owned gradient for the update: float32 and unscaled under amp; None when the loss
+        scaler saw an overflow on any rank (`all_finite(local_ok)` agrees on it collectively)."""
+        if self.bf16_grads:
+            round_bf16_(xp, g)
+        if self.scaler is None:
+            return g.astype(np.float32) if self.amp and g.dtype != np.float32 else g
+        if not all_finite(bool(xp.isfinite(g).all())):
+            return None
+        g32 = g.astype(np.float32)
+        g32 *= 1.0 / self.scaler.scale
+        return g32
