@@ -1,5 +1,7 @@
-"""The device mesh: axes tp, sharding, dp, pp with their degrees and order; rank <-> coordinates;
-every Comm.Split, made once. The first axis in `order` is innermost (neighbouring ranks).
+"""The device mesh: axes tp, sharding, dp, pp with their degrees and order; rank <-> coordinates; every
+communicator by name, each made once: one per axis, any product of axes ("dp*sharding"), an axis folded
+inside others ("ep" of degree e inside dp*sharding, and its complement), and the tied-embedding pair. The
+first axis in `order` is innermost (neighbouring ranks).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class Mesh:
             s *= self.degrees[a]
         self.coords = self.coords_of(self.rank)
         wrap = wrap or (lambda c, axis: c)
+        self._wrap = wrap
         self.comms = {}
         for a in self.order:  # same order of Split calls on every rank
             color = sum(self.coords[b] * self.strides[b] for b in AXES if b != a)
@@ -35,6 +38,56 @@ class Mesh:
             color = sum(self.coords[b] * self.strides[b] for b in AXES if b != "pp") if ends else MPI.UNDEFINED
             c = world_comm.Split(color, self.coords["pp"])
             self.comms["tied"] = wrap(c, "tied") if ends else None
+
+    @staticmethod
+    def group_name(axes) -> str:
+        """The name of the product of `axes`, in mesh order (e.g. "dp*sharding")."""
+        return "*".join(axes)
+
+    def _product_color(self, axes) -> tuple[int, int]:
+        """(colour, key) of this rank in the product of `axes`: ranks differing only along those axes share
+        the colour; the key is the rank's index inside the product, innermost axis fastest."""
+        color = sum(self.coords[b] * self.strides[b] for b in AXES if b not in axes)
+        key, s = 0, 1
+        for a in self.order:
+            if a in axes:
+                key += self.coords[a] * s
+                s *= self.degrees[a]
+        return color, key
+
+    def group(self, *axes: str):
+        """The communicator of the ranks that differ only along `axes` (collective on the world the first
+        time a product is asked for: every rank must ask for the same products in the same order).
+        A single axis is that axis' communicator."""
+        bad = [a for a in axes if a not in AXES]
+        if bad or not axes or len(set(axes)) != len(axes):
+            raise TopologyError(f"mesh group {list(axes)}: name distinct axes among {list(AXES)}")
+        axes = tuple(a for a in self.order if a in axes)
+        name = self.group_name(axes)
+        if len(axes) == 1:
+            return self.comms[axes[0]]
+        if name not in self.comms:
+            color, key = self._product_color(axes)
+            self.comms[name] = self._wrap(self.world.Split(color, key), name)
+        return self.comms[name]
+
+    def fold(self, name: str, degree: int, inside: tuple):
+        """An axis `name` of `degree` folded inside the product of `inside` (expert parallel inside
+        dp*sharding): consecutive blocks of `degree` ranks of that product form one `name` group; the ranks
+        at the same place in every block form its complement, "{name}-dp" (the replicas of a fold's share).
+        Collective the first time; returns (the fold's communicator, its complement's)."""
+        size = 1
+        for a in inside:
+            size *= self.degrees[a]
+        if degree < 1 or size % degree:
+            raise TopologyError(f"{name} degree {degree}: must divide the {self.group_name(inside)} ranks "
+                                f"({size}); valid degrees: {[d for d in range(1, size + 1) if size % d == 0]}")
+        if name not in self.comms:
+            color, key = self._product_color(tuple(a for a in self.order if a in inside))
+            block, place = divmod(key, degree)
+            self.comms[name] = self._wrap(self.world.Split(color * size + block, place), name)
+            self.comms[f"{name}-dp"] = self._wrap(self.world.Split(color * size + place, block), f"{name}-dp")
+        return self.comms[name], self.comms[f"{name}-dp"]
 
     def coords_of(self, rank: int) -> dict:
         return {a: (rank // self.strides[a]) % self.degrees[a] for a in AXES}
