@@ -27,7 +27,7 @@ import numpy as np
 
 from hpengine.config.load import ConfigError
 from hpengine.data.format import DataError
-from hpengine.models import LocalTP, build_model
+from hpengine.models import LOCAL, build_model
 from hpengine.device import backend
 from hpengine.checkpoint.locate import find_checkpoint
 from hpengine.checkpoint.export import eos_id_of, read_params, run_tokenizer, select_model
@@ -56,10 +56,9 @@ def to_host(a):
 
 def full_logits(model, P, ids, xp=np):
     """Logits (n, V) of every position of ids, through the models' own training embed and layer functions."""
-    tp = LocalTP()
-    x, _ = model.embed_forward(xp, P, xp.asarray(np.asarray(ids, dtype=np.int64)[None, :]), tp)
+    x, _ = model.embed_forward(xp, P, xp.asarray(np.asarray(ids, dtype=np.int64)[None, :]), LOCAL)
     for i in range(model.n_layers):
-        x, _ = model.layer_forward(xp, P, i, x, tp)
+        x, _ = model.layer_forward(xp, P, i, x, LOCAL)
     return to_host(model.head_logits(xp, P, x)[0])
 
 

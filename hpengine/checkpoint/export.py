@@ -29,13 +29,12 @@ import numpy as np
 
 from hpengine.checkpoint.shards import CheckpointError, Reader, export as export_hdf5
 from hpengine.config.load import from_dict
-from hpengine.config.load import ffn_width
+from hpengine.models import hf_kinds, kind_of
 from hpengine.data.format import sha256_text
 from hpengine.data.format import TokenFile
 from hpengine.data.tokenizer import EOS_CANDIDATES
 
 FORMATS = ("hdf5", "safetensors", "hf")
-HF_KINDS = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 
 
 def _safetensors():
@@ -82,78 +81,7 @@ def read_params(path) -> tuple[Reader, dict]:
     return r, params
 
 
-# --- name maps ---------------------------------------------------------------------------------
-def gpt_qkv_to_hf(a: np.ndarray, n_heads: int) -> np.ndarray:
-    """hpengine's head-major fused qkv (columns [h][q,k,v][d]) -> GPT-2's c_attn ([q,k,v][h][d]); the last
-    axis is permuted, so this serves the (C, 3C) weight and the (3C,) bias."""
-    n = a.shape[-1]
-    hd = n // (3 * n_heads)
-    lead = a.shape[:-1]
-    return np.ascontiguousarray(a.reshape(*lead, n_heads, 3, hd).swapaxes(-3, -2).reshape(*lead, n))
 
-
-def gpt_to_hf(P: dict, mcfg) -> dict:
-    """hpengine gpt parameters -> GPT2LMHeadModel's state dict (numpy)."""
-    H = mcfg.n_heads
-    out = {"transformer.wte.weight": P["wte"], "transformer.wpe.weight": P["wpe"],
-           "transformer.ln_f.weight": P["ln_f.w"], "transformer.ln_f.bias": P["ln_f.b"]}
-    if not mcfg.tie_head:
-        out["lm_head.weight"] = P["lm_head.w"].T
-    for i in range(mcfg.n_layers):
-        p, q = f"h.{i}", f"transformer.h.{i}"
-        out[f"{q}.attn.c_attn.weight"] = gpt_qkv_to_hf(P[f"{p}.attn.qkv.w"], H)
-        out[f"{q}.attn.c_attn.bias"] = gpt_qkv_to_hf(P[f"{p}.attn.qkv.b"], H)
-        for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
-            out[f"{q}.{theirs}.weight"], out[f"{q}.{theirs}.bias"] = P[f"{p}.{ours}.w"], P[f"{p}.{ours}.b"]
-        for ours, theirs in (("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-            out[f"{q}.{theirs}.weight"], out[f"{q}.{theirs}.bias"] = P[f"{p}.{ours}.w"], P[f"{p}.{ours}.b"]
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
-
-
-def llama_names(n_layers: int, tied: bool) -> dict:
-    """hpengine llama name -> (Hugging Face name, transposed)."""
-    m = {"wte": ("model.embed_tokens.weight", False), "norm.w": ("model.norm.weight", False)}
-    if not tied:
-        m["lm_head.w"] = ("lm_head.weight", True)
-    for i in range(n_layers):
-        p, q = f"h.{i}", f"model.layers.{i}"
-        m[f"{p}.attn_norm.w"] = (f"{q}.input_layernorm.weight", False)
-        m[f"{p}.mlp_norm.w"] = (f"{q}.post_attention_layernorm.weight", False)
-        for a in "qkvo":
-            m[f"{p}.attn.{a}.w"] = (f"{q}.self_attn.{a}_proj.weight", True)
-        for a in ("gate", "up", "down"):
-            m[f"{p}.mlp.{a}.w"] = (f"{q}.mlp.{a}_proj.weight", True)
-    return m
-
-
-def llama_to_hf(P: dict, mcfg) -> dict:
-    return {hf: np.ascontiguousarray(P[n].T if t else P[n])
-            for n, (hf, t) in llama_names(mcfg.n_layers, mcfg.tie_head).items()}
-
-
-def hf_config(mcfg, dtype: str, eos: int | None) -> dict:
-    """config.json of the Hugging Face model for model config mcfg."""
-    ids = {"bos_token_id": eos, "eos_token_id": eos}     # hpengine's end-of-document token starts the next one
-    common = {"vocab_size": mcfg.vocab_size, "tie_word_embeddings": bool(mcfg.tie_head), "torch_dtype": dtype,
-              "use_cache": True, **ids}
-    if mcfg.kind == "gpt":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": mcfg.d_model,
-                "n_layer": mcfg.n_layers, "n_head": mcfg.n_heads, "n_inner": mcfg.ffn_mult * mcfg.d_model,
-                "n_positions": mcfg.seq_len, "n_ctx": mcfg.seq_len, "layer_norm_epsilon": 1e-5,
-                "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-                "summary_first_dropout": 0.0, "scale_attn_weights": True, "reorder_and_upcast_attn": False,
-                "scale_attn_by_inverse_layer_idx": False, **common}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": mcfg.d_model,
-            "intermediate_size": ffn_width(mcfg), "num_hidden_layers": mcfg.n_layers,
-            "num_attention_heads": mcfg.n_heads, "num_key_value_heads": mcfg.n_kv_heads or mcfg.n_heads,
-            "head_dim": mcfg.d_model // mcfg.n_heads, "hidden_act": "silu",
-            "max_position_embeddings": mcfg.seq_len, "rope_theta": mcfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": mcfg.rope_theta},
-            "rms_norm_eps": mcfg.norm_eps, "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
-            "initializer_range": mcfg.init_std, **common}
-
-
-# --- tokenizer ---------------------------------------------------------------------------------
 def run_tokenizer(r: Reader, cfg) -> tuple[str | None, str]:
     """(tokenizer.json text of the run, where) — the run folder is the checkpoint's <run>/checkpoints/step_N
     grandparent, else train.out_dir of the saved config; the text must match the checkpoint's recorded sha256."""
@@ -257,9 +185,9 @@ def export(path, out, fmt: str = "hdf5", params_only: bool = False, force: bool 
     r = Reader(path)          # refuse a model kind without an HF equivalent before reading any tensor
     cfg = _model_config(r.manifest["config"])
     r.close()
-    if fmt == "hf" and cfg.model.kind not in HF_KINDS:
+    if fmt == "hf" and kind_of(cfg.model.kind).hf is None:
         raise CheckpointError(f"--format hf: model.kind = {cfg.model.kind!r} has no Hugging Face "
-                              f"equivalent; supported kinds: {', '.join(HF_KINDS)} (use --format safetensors "
+                              f"equivalent; supported kinds: {', '.join(hf_kinds().values())} (use --format safetensors "
                               "or hdf5)")
     if fmt == "hf":
         select_model({}, cfg, model)          # a bad or missing --model before any tensor is read
@@ -287,11 +215,12 @@ def export(path, out, fmt: str = "hdf5", params_only: bool = False, force: bool 
 def _write_hf(folder: Path, r: Reader, cfg, P: dict, dtype: str, save_file, note) -> int:
     mcfg = cfg.model
     folder.mkdir(parents=True)
-    state = gpt_to_hf(P, mcfg) if mcfg.kind == "gpt" else llama_to_hf(P, mcfg)
+    adapter = kind_of(mcfg.kind).hf
+    state = adapter.to_hf(P, mcfg)
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     tok, where = run_tokenizer(r, cfg)
     eos = eos_id_of(r, tok)
-    (folder / "config.json").write_text(json.dumps(hf_config(mcfg, dtype, eos), indent=2) + "\n")
+    (folder / "config.json").write_text(json.dumps(adapter.hf_config(mcfg, dtype, eos), indent=2) + "\n")
     gen = {"bos_token_id": eos, "eos_token_id": eos, "max_length": mcfg.seq_len}
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     if tok is None:

@@ -16,16 +16,15 @@ from mpi4py import MPI
 from hpengine.engine import state
 from hpengine.dist.comm import Comm
 from hpengine.params.init import init_range
-from hpengine.models import LocalTP
 from hpengine.optim import AdamW, clip_coefficient, lr_at, sum_of_squares
 from hpengine.layout.stage import build_stage
 from hpengine.strategies import make_grad_sync
 from hpengine.strategies.amp import Precision
 from hpengine.strategies.pipeline import PipelineExecutor
-from hpengine.strategies.sequence_parallel import SequenceParallel
-from hpengine.strategies.tensor_parallel import TensorParallel
+from hpengine.strategies.context import make_context
 from hpengine.dist.tracer import Tracer
 from hpengine.layout.cache import Recompute, cache_nbytes
+from hpengine.layout.reduction import norm_excluded, reductions, summed_over, tied_sums
 
 log = logging.getLogger("hpengine")
 
@@ -51,8 +50,8 @@ class Engine:
     def __init__(self, cfg, res, mesh, backend, dataset):
         self.cfg, self.res, self.mesh, self.be, self.data = cfg, res, mesh, backend, dataset
         self.xp = backend.xp
-        tp_kind = SequenceParallel if res.sp else TensorParallel
-        self.tp = tp_kind(mesh.comms["tp"], cfg.model.vocab_size) if res.tp > 1 else LocalTP()
+        self.ctx = make_context(res, mesh.comms, cfg.model.vocab_size)
+        self.tp = self.ctx.tp
         t = cfg.train
         seeds = tuple(t.model_seeds or [t.seed + i for i in range(t.models)])
         lrs = tuple(t.model_lrs or [cfg.optim.lr] * t.models)
@@ -68,16 +67,14 @@ class Engine:
         self.master = (init_range(self.layout, t.seed, self.sync.owned, self.xp, np.float32)
                        if self.amp else None)
         self._round_held_params()
-        # every parameter counts once in the global norm: not another stage's copy (a tied wte), and a
-        # tensor replicated across tp only on tp rank 0
-        self.norm_exclude = [self.layout.ranges[n] for n in sorted(self.stage.copies)]
-        if self.tp.rank > 0:
-            self.norm_exclude += [self.layout.ranges[sp.name] for sp in self.layout.specs if sp.tp_dim is None]
-        # sequence parallel: the owned gradient's slices of tensors every tp rank holds whole, summed over tp
+        # per tensor: the sums that make its gradient whole and whether it counts in the norm here
+        self.reductions = reductions(self.stage, self.tp.rank, res.sp)
+        self.tied = tied_sums(self.reductions, self.stage)
+        self.norm_exclude = [self.layout.ranges[n] for n in norm_excluded(self.reductions)]
         own = self.sync.owned
         self.replicated = [(c.start - own.start, c.stop - own.start) for c in
-                           (own.intersect(self.layout.ranges[sp.name]) for sp in self.layout.specs if sp.tp_dim is None)
-                           if c is not None] if res.sp else []
+                           (own.intersect(self.layout.ranges[n]) for n in summed_over(self.reductions, "tp"))
+                           if c is not None]
         self.opts = [self._optimizer(s) for s in self.slots]
         self.share = res.share
         self.cache_bytes = self.cache_peak = 0
@@ -105,16 +102,16 @@ class Engine:
         """Forward of one chunk (consecutive block names) of one model; the head returns the loss.
         A recomputed block keeps only its input (or, selective, all but its attention probabilities);
         backward rebuilds the rest."""
-        xp, m, tp, caches = self.xp, slot.model, self.tp, []
+        xp, m, ctx, caches = self.xp, slot.model, self.ctx, []
         for n, name in enumerate(chunk):
             b, nxt = slot.block(name), chunk[n + 1] if n + 1 < len(chunk) else None
             h_in = h
             if b.kind == "embed":
-                h, c = m.embed_forward(xp, self._P(slot, name, nxt), h, tp)
+                h, c = m.embed_forward(xp, self._P(slot, name, nxt), h, ctx)
             elif b.kind == "head":
-                h, c = m.head_forward(xp, self._P(slot, name), h, y, norm, tp)
+                h, c = m.head_forward(xp, self._P(slot, name), h, y, norm, ctx)
             else:
-                h, c = m.layer_forward(xp, self._P(slot, name, nxt), b.layer, h, tp,
+                h, c = m.layer_forward(xp, self._P(slot, name, nxt), b.layer, h, ctx,
                                        keep_scores=not self.res.drops_scores(b))
                 if self.res.recomputed(b):
                     c = Recompute(h_in)
@@ -127,7 +124,7 @@ class Engine:
 
     def chunk_backward(self, slot, chunk, d, caches):
         """Backward of one chunk; returns the gradient of its input (None for the embedding)."""
-        xp, m, tp = self.xp, slot.model, self.tp
+        xp, m, ctx = self.xp, slot.model, self.ctx
         self._count_caches(caches, -1)
         for n in reversed(range(len(chunk))):
             b, c = slot.block(chunk[n]), caches[n]
@@ -135,16 +132,16 @@ class Engine:
             # stage 3 gathers the block's parameters again here, prefetching the block before it
             prev = chunk[n - 1] if n and slot.block(chunk[n - 1]).bwd_params else None
             if b.kind == "head":
-                d = m.head_backward(xp, c, self._G(slot, b.name), tp, self._P(slot, b.name, prev),
+                d = m.head_backward(xp, c, self._G(slot, b.name), ctx, self._P(slot, b.name, prev),
                                     self.precision.loss_scale)
             elif b.kind == "embed":
-                m.embed_backward(xp, d, c, self._G(slot, b.name), tp)
+                m.embed_backward(xp, d, c, self._G(slot, b.name), ctx)
                 d = None
             else:
                 P = self._P(slot, b.name, prev)
                 if isinstance(c, Recompute):     # rebuild this block's activations from its input
-                    _, c = m.layer_forward(xp, P, b.layer, c.x, tp)
-                d = m.layer_backward(xp, d, c, P, self._G(slot, b.name), b.layer, tp)
+                    _, c = m.layer_forward(xp, P, b.layer, c.x, ctx)
+                d = m.layer_backward(xp, d, c, P, self._G(slot, b.name), b.layer, ctx)
                 self.precision.input_grad_(xp, d)
             self.precision.block_grads_(xp, self.sync.grads_for(slot.prefix + b.name),
                                         self.stage.block_specs[slot.prefix + b.name])
@@ -217,11 +214,11 @@ class Engine:
     def _reduced_grads(self):
         """The owned gradient summed over replicas and tied copies (float32 and unscaled under amp);
         None when amp saw an overflow on any rank."""
-        for b, tensor in self.stage.tied.items():
-            self.mesh.comms["tied"].allreduce_(self.sync.grads_for(b)[tensor])
+        for r in self.tied:                  # a tied copy first, then the replicas, then (sp) tp
+            self.mesh.comms["tied"].allreduce_(self.sync.grads_for(r.block)[r.tensor])
         self.sync.flush_deferred()
         g = self.sync.reduce_grads()
-        self.tp.sum_replicated_(g, self.replicated)
+        self.ctx.seq.sum_replicated_(g, self.replicated)
         return self.precision.ready_grad(self.xp, g, lambda ok: self.world.allreduce_obj(ok, op=MPI.LAND))
 
     def _global_norms(self, g) -> list[float]:

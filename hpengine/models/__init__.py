@@ -1,21 +1,42 @@
 """Models: one file per kind (gpt, llama, mlp) declaring its parameter specs and blocks, with layer pairs
 built from nn/; common.py holds what the kinds share. They never import MPI: parallelism reaches them only
-through the parallel context they are handed. Exports: GPT, Llama, MLP, LocalTP, build_model."""
-from hpengine.models.common import LocalTP
+through the parallel context they are handed (context.py). Exports: the kind registry (KINDS, kind_of, hf_kinds),
+build_model, GPT, Llama, MLP, the one-rank context LOCAL, its Context type and its tp part LocalTP."""
+from dataclasses import dataclass
+from types import ModuleType
+
+from hpengine.models import hf_gpt, hf_llama
+from hpengine.models.context import LOCAL, Context, LocalTP
 from hpengine.models.gpt import GPT
 from hpengine.models.llama import Llama
 from hpengine.models.mlp import MLP
 
 
+@dataclass(frozen=True)
+class Kind:
+    """A model kind: its class and, where Hugging Face has an equivalent, its adapter module (hf_<kind>.py:
+    ARCH, to_hf, hf_config, check_config, from_hf_map). Adding a kind is a file here and a line below."""
+    model: type
+    hf: ModuleType | None = None
+
+
+KINDS = {"gpt": Kind(GPT, hf_gpt), "llama": Kind(Llama, hf_llama), "mlp": Kind(MLP)}
+
+
+def kind_of(name: str) -> Kind:
+    if name not in KINDS:
+        raise ValueError(f"model.kind = {name!r}: valid values are {', '.join(map(repr, KINDS))}")
+    return KINDS[name]
+
+
+def hf_kinds() -> dict:
+    """Hugging Face architecture name -> model kind, for the kinds that have an adapter."""
+    return {k.hf.ARCH: name for name, k in KINDS.items() if k.hf is not None}
+
+
 def build_model(mcfg, tp_size: int = 1):
     """The model object for a [model] config section (vocabulary padded to a multiple of tp_size)."""
-    if mcfg.kind == "gpt":
-        return GPT(mcfg, tp_size)
-    if mcfg.kind == "llama":
-        return Llama(mcfg, tp_size)
-    if mcfg.kind == "mlp":
-        return MLP(mcfg, tp_size)
-    raise ValueError(f"model.kind = {mcfg.kind!r}: valid values are 'gpt', 'llama', 'mlp'")
+    return kind_of(mcfg.kind).model(mcfg, tp_size)
 
 
-__all__ = ["GPT", "Llama", "MLP", "LocalTP", "build_model"]
+__all__ = ["GPT", "KINDS", "Kind", "LOCAL", "Context", "Llama", "LocalTP", "MLP", "build_model", "hf_kinds", "kind_of"]

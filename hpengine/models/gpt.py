@@ -10,10 +10,12 @@ import math
 from hpengine.params.buffers import ParamSpec
 from hpengine.nn import (attention_backward, attention_cache_elements, attention_drop_scores, attention_forward,
                   attention_restore_scores, gelu_cache_elements, layernorm_backward, layernorm_cache_elements,
-                  layernorm_forward, linear_backward, linear_forward, score_elements)
-from hpengine.models.common import (Block, LocalTP, embed_specs, end_cache_bytes, head_backward, head_forward, head_specs,
+                  layernorm_forward, linear_forward, score_elements)
+from hpengine.models.common import (Block, embed_specs, end_cache_bytes, head_backward, head_forward, head_specs,
                      mlp_backward, mlp_forward, mlp_specs, padded_vocab, standard_blocks, tok_embed_backward,
                      tok_embed_forward)
+from hpengine.models.context import LOCAL
+from hpengine.models.tp_layers import column_backward, column_forward, row_backward, row_forward
 from hpengine.nn.flash import flash_attention_backward, flash_attention_forward, flash_cache_bytes
 from hpengine.models.decode import KVCache, output_logits
 
@@ -85,60 +87,58 @@ class GPT:
         return [s for b in self.blocks() for s in self.specs(b.name)]
 
     # --- blocks -------------------------------------------------------------------------------
-    def embed_forward(self, xp, P, idx, tp):
+    def embed_forward(self, xp, P, idx, ctx):
         # idx: (B, T) -> x: (B, T, C)
-        x, cache = tok_embed_forward(xp, P, idx, tp)
-        x += P["wpe"][tp.local_positions(x.shape[1])]     # this rank's positions under sequence parallelism
+        x, cache = tok_embed_forward(xp, P, idx, ctx)
+        x += P["wpe"][ctx.seq.local_positions(x.shape[1])]     # this rank's positions under sequence parallelism
         return x, cache
 
-    def embed_backward(self, xp, dx, cache, G, tp):
-        G["wpe"][tp.local_positions(dx.shape[1])] += dx.sum(axis=0)
-        tok_embed_backward(xp, dx, cache, G, tp)
+    def embed_backward(self, xp, dx, cache, G, ctx):
+        # dx: (B, T, C) -> None
+        G["wpe"][ctx.seq.local_positions(dx.shape[1])] += dx.sum(axis=0)
+        tok_embed_backward(xp, dx, cache, G, ctx)
 
-    def layer_forward(self, xp, P, i, x, tp, keep_scores=True):
+    def layer_forward(self, xp, P, i, x, ctx, keep_scores=True):
+        # x: (B, T, C) -> (B, T, C)
         # keep_scores=False (selective recompute): the cache drops the attention probabilities, which
         # layer_backward rebuilds; flash attention keeps none anyway
-        # x: (B, T, C) -> (B, T, C)
         p = f"h.{i}"
         h, c_ln1 = layernorm_forward(xp, x, P[f"{p}.ln1.w"], P[f"{p}.ln1.b"])
-        qkv, c_qkv = linear_forward(xp, tp.copy_to_tp(h), P[f"{p}.attn.qkv.w"], P[f"{p}.attn.qkv.b"])
-        c_qkv = tp.stash_inputs(h, c_qkv)
-        a, c_att = (flash_attention_forward if self.flash else attention_forward)(xp, qkv, self.H // tp.size)
-        o, c_proj = linear_forward(xp, a, P[f"{p}.attn.proj.w"])
-        o = tp.reduce_from_tp(o)
-        o += P[f"{p}.attn.proj.b"]
+        qkv, c_qkv = column_forward(xp, ctx, h, P[f"{p}.attn.qkv.w"], P[f"{p}.attn.qkv.b"])
+        qkv, _ = ctx.attn.kv_forward(qkv, None)          # the fused core reads its keys and values from qkv
+        a, c_att = (flash_attention_forward if self.flash else attention_forward)(xp, qkv, self.H // ctx.tp.size)
+        o, c_proj = row_forward(xp, ctx, a, P[f"{p}.attn.proj.w"], P[f"{p}.attn.proj.b"])
         o += x                  # o is ours: the residual sum needs no new array
         x1 = o
         h2, c_ln2 = layernorm_forward(xp, x1, P[f"{p}.ln2.w"], P[f"{p}.ln2.b"])
-        m, c_mlp = mlp_forward(xp, P, f"{p}.mlp", h2, tp)
+        m, c_mlp = mlp_forward(xp, P, f"{p}.mlp", h2, ctx)
         x1 += m
         if not (keep_scores or self.flash):
             c_att = attention_drop_scores(c_att)
         return x1, (c_ln1, c_qkv, c_att, c_proj, c_ln2, c_mlp)
 
-    def layer_backward(self, xp, dy, cache, P, G, i, tp):
+    def layer_backward(self, xp, dy, cache, P, G, i, ctx):
+        # dy: (B, T, C) -> dx: (B, T, C)
         p = f"h.{i}"
         c_ln1, c_qkv, c_att, c_proj, c_ln2, c_mlp = cache
-        dh2 = mlp_backward(xp, dy, c_mlp, P, G, f"{p}.mlp", tp)
+        dh2 = mlp_backward(xp, dy, c_mlp, P, G, f"{p}.mlp", ctx)
         dx1 = layernorm_backward(xp, dh2, c_ln2, P[f"{p}.ln2.w"], G[f"{p}.ln2.w"], G[f"{p}.ln2.b"])
         dx1 += dy
-        G[f"{p}.attn.proj.b"] += dx1.reshape(-1, self.C).sum(axis=0)
-        da = linear_backward(xp, tp.reduce_from_tp_backward(dx1), c_proj, P[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.w"])
+        da = row_backward(xp, ctx, dx1, c_proj, P[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.b"])
         if self.flash:
             dqkv = flash_attention_backward(xp, da, c_att)
         else:
             dqkv = attention_backward(xp, da, attention_restore_scores(xp, c_att))
-        (c_qkv,) = tp.unstash_inputs(c_qkv)
-        dh = tp.copy_to_tp_backward(linear_backward(xp, dqkv, c_qkv, P[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.w"],
-                                                   G[f"{p}.attn.qkv.b"]))
+        dqkv, _ = ctx.attn.kv_backward(dqkv, None)
+        dh = column_backward(xp, ctx, dqkv, c_qkv, P[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.b"])
         dx1 += layernorm_backward(xp, dh, c_ln1, P[f"{p}.ln1.w"], G[f"{p}.ln1.w"], G[f"{p}.ln1.b"])
         return dx1
 
-    def head_forward(self, xp, P, x, targets, norm, tp):
-        return head_forward(xp, P, x, targets, norm, tp, self.tied)
+    def head_forward(self, xp, P, x, targets, norm, ctx):
+        return head_forward(xp, P, x, targets, norm, ctx, self.tied)
 
-    def head_backward(self, xp, cache, G, tp, P, dloss=1.0):
-        return head_backward(xp, cache, G, tp, self.tied, P, dloss)
+    def head_backward(self, xp, cache, G, ctx, P, dloss=1.0):
+        return head_backward(xp, cache, G, ctx, self.tied, P, dloss)
 
     # --- incremental decoding (models/decode.py) ------------------------------------------------
     def decode_cache(self, xp, dtype):
@@ -159,7 +159,7 @@ class GPT:
         o += P[f"{p}.attn.proj.b"]
         o += x
         h2, _ = layernorm_forward(xp, o, P[f"{p}.ln2.w"], P[f"{p}.ln2.b"])
-        m, _ = mlp_forward(xp, P, f"{p}.mlp", h2, LocalTP())
+        m, _ = mlp_forward(xp, P, f"{p}.mlp", h2, LOCAL)
         return o + m
 
     def head_logits(self, xp, P, x):

@@ -16,12 +16,13 @@ import math
 from hpengine.params.buffers import ParamSpec
 from hpengine.config.load import ffn_width
 from hpengine.nn import (gqa_attention_backward, gqa_attention_forward, gqa_cache_elements, gqa_drop_scores,
-                  gqa_restore_scores, linear_backward,
+                  gqa_restore_scores,
                   linear_drop_input, linear_forward, linear_restore_input, rmsnorm_backward, rmsnorm_cache_bytes,
                   rmsnorm_forward, rope_backward, rope_forward, rope_tables, score_elements, swiglu_backward,
                   swiglu_cache_elements, swiglu_forward, swiglu_recompute)
 from hpengine.models.common import (Block, embed_specs, end_cache_bytes, logits_loss_backward, logits_loss_forward, padded_vocab,
                      standard_blocks, tok_embed_backward, tok_embed_forward)
+from hpengine.models.tp_layers import columns_backward, columns_forward, row_backward, row_forward
 from hpengine.nn.flash import flash_cache_bytes, flash_gqa_backward, flash_gqa_forward
 from hpengine.models.decode import KVCache, output_logits
 
@@ -110,83 +111,79 @@ class Llama:
         return self._tables[key]
 
     # --- blocks -------------------------------------------------------------------------------
-    def embed_forward(self, xp, P, idx, tp):
-        return tok_embed_forward(xp, P, idx, tp)
+    def embed_forward(self, xp, P, idx, ctx):
+        # idx: (B, T) -> x: (B, T, C)
+        return tok_embed_forward(xp, P, idx, ctx)
 
-    def embed_backward(self, xp, dx, cache, G, tp):
-        tok_embed_backward(xp, dx, cache, G, tp)
+    def embed_backward(self, xp, dx, cache, G, ctx):
+        # dx: (B, T, C) -> None
+        tok_embed_backward(xp, dx, cache, G, ctx)
 
-    def layer_forward(self, xp, P, i, x, tp, keep_scores=True):
+    def layer_forward(self, xp, P, i, x, ctx, keep_scores=True):
+        # x: (B, T, C) -> (B, T, C)
         # keep_scores=False (selective recompute): the cache drops the attention probabilities, which
         # layer_backward rebuilds; flash attention keeps none anyway
-        # x: (B, T, C) -> (B, T, C)
-        p, (B, T) = f"h.{i}", (x.shape[0], x.shape[1] * tp.seq_parts)   # T: the whole sequence
+        p, (B, T) = f"h.{i}", (x.shape[0], x.shape[1] * ctx.seq.parts)   # T: the whole sequence
         H, K, hd = P[f"{p}.attn.q.w"].shape[1] // self.hd, P[f"{p}.attn.k.w"].shape[1] // self.hd, self.hd
         (cos, sin), (qcos, qsin) = self.rope(xp, x.dtype)
         hs, c_n1 = rmsnorm_forward(xp, x, P[f"{p}.attn_norm.w"], self.eps)
-        h = tp.copy_to_tp(hs)
-        q, c_q = linear_forward(xp, h, P[f"{p}.attn.q.w"])
-        k, c_k = linear_forward(xp, h, P[f"{p}.attn.k.w"])
-        v, c_v = linear_forward(xp, h, P[f"{p}.attn.v.w"])
-        c_qkv = tp.stash_inputs(hs, c_q, c_k, c_v)
-        del h, hs
+        (q, k, v), c_qkv = columns_forward(xp, ctx, hs, (P[f"{p}.attn.q.w"], P[f"{p}.attn.k.w"], P[f"{p}.attn.v.w"]))
+        del hs
         q = rope_forward(xp, q.reshape(B, T, H, hd), qcos, qsin)
         k = rope_forward(xp, k.reshape(B, T, K, hd), cos, sin)
+        k, v = ctx.attn.kv_forward(k, v.reshape(B, T, K, hd).transpose(0, 2, 1, 3))
         attend = flash_gqa_forward if self.flash else gqa_attention_forward
-        a, c_att = attend(xp, q, k, v.reshape(B, T, K, hd).transpose(0, 2, 1, 3))
-        o, c_o = linear_forward(xp, a, P[f"{p}.attn.o.w"])
-        o = tp.reduce_from_tp(o)
+        a, c_att = attend(xp, q, k, v)
+        o, c_o = row_forward(xp, ctx, a, P[f"{p}.attn.o.w"])
         o += x                  # o is ours: the residual sum needs no new array
         h2s, c_n2 = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps)
-        h2 = tp.copy_to_tp(h2s)
-        g, c_g = linear_forward(xp, h2, P[f"{p}.mlp.gate.w"])
-        u, c_u = linear_forward(xp, h2, P[f"{p}.mlp.up.w"])
-        c_gu = tp.stash_inputs(h2s, c_g, c_u)
-        del h2, h2s
+        (g, u), c_gu = columns_forward(xp, ctx, h2s, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]))
+        del h2s
         m, c_sw = swiglu_forward(xp, g, u)
-        d, c_d = linear_forward(xp, m, P[f"{p}.mlp.down.w"])
+        d, c_d = row_forward(xp, ctx, m, P[f"{p}.mlp.down.w"])
         del m
-        o += tp.reduce_from_tp(d)
+        o += d
         if not (keep_scores or self.flash):
             c_att = gqa_drop_scores(c_att)
         return o, (c_n1, c_qkv, c_att, c_o, c_n2, c_gu, c_sw, linear_drop_input(c_d))
 
-    def layer_backward(self, xp, dy, cache, P, G, i, tp):
+    def layer_backward(self, xp, dy, cache, P, G, i, ctx):
+        # dy: (B, T, C) -> dx: (B, T, C)
         p = f"h.{i}"
         c_n1, c_qkv, c_att, c_o, c_n2, c_gu, c_sw, c_d = cache
         (cos, sin), (qcos, qsin) = self.rope(xp, dy.dtype)
         # MLP branch
         c_d = linear_restore_input(c_d, swiglu_recompute(xp, c_sw))
-        dm = linear_backward(xp, tp.reduce_from_tp_backward(dy), c_d, P[f"{p}.mlp.down.w"], G[f"{p}.mlp.down.w"])
+        dm = row_backward(xp, ctx, dy, c_d, P[f"{p}.mlp.down.w"], G[f"{p}.mlp.down.w"])
         del c_d
         dg, du = swiglu_backward(xp, dm, c_sw)
-        c_g, c_u = tp.unstash_inputs(c_gu)
-        dh2 = linear_backward(xp, dg, c_g, P[f"{p}.mlp.gate.w"], G[f"{p}.mlp.gate.w"])
-        dh2 += linear_backward(xp, du, c_u, P[f"{p}.mlp.up.w"], G[f"{p}.mlp.up.w"])
-        dx = rmsnorm_backward(xp, tp.copy_to_tp_backward(dh2), c_n2, P[f"{p}.mlp_norm.w"], G[f"{p}.mlp_norm.w"])
+        dh2 = columns_backward(xp, ctx, (dg, du), c_gu, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]),
+                               (G[f"{p}.mlp.gate.w"], G[f"{p}.mlp.up.w"]))
+        dx = rmsnorm_backward(xp, dh2, c_n2, P[f"{p}.mlp_norm.w"], G[f"{p}.mlp_norm.w"])
         dx += dy
         # attention branch
-        da = linear_backward(xp, tp.reduce_from_tp_backward(dx), c_o, P[f"{p}.attn.o.w"], G[f"{p}.attn.o.w"])
+        da = row_backward(xp, ctx, dx, c_o, P[f"{p}.attn.o.w"], G[f"{p}.attn.o.w"])
         if self.flash:
             dq, dk, dv = flash_gqa_backward(xp, da, c_att)
         else:
             dq, dk, dv = gqa_attention_backward(xp, da, gqa_restore_scores(xp, c_att))
-        B, K, T, hd = dv.shape
-        c_q, c_k, c_v = tp.unstash_inputs(c_qkv)
-        dh = linear_backward(xp, rope_backward(xp, dq, qcos, qsin), c_q, P[f"{p}.attn.q.w"], G[f"{p}.attn.q.w"])
-        dh += linear_backward(xp, rope_backward(xp, dk, cos, sin), c_k, P[f"{p}.attn.k.w"], G[f"{p}.attn.k.w"])
-        dh += linear_backward(xp, dv.transpose(0, 2, 1, 3), c_v, P[f"{p}.attn.v.w"], G[f"{p}.attn.v.w"])
-        dx += rmsnorm_backward(xp, tp.copy_to_tp_backward(dh), c_n1, P[f"{p}.attn_norm.w"], G[f"{p}.attn_norm.w"])
+        dk, dv = ctx.attn.kv_backward(dk, dv)
+        dys = (rope_backward(xp, dq, qcos, qsin), rope_backward(xp, dk, cos, sin), dv.transpose(0, 2, 1, 3))
+        dh = columns_backward(xp, ctx, dys, c_qkv, (P[f"{p}.attn.q.w"], P[f"{p}.attn.k.w"], P[f"{p}.attn.v.w"]),
+                              (G[f"{p}.attn.q.w"], G[f"{p}.attn.k.w"], G[f"{p}.attn.v.w"]))
+        dx += rmsnorm_backward(xp, dh, c_n1, P[f"{p}.attn_norm.w"], G[f"{p}.attn_norm.w"])
         return dx
 
-    def head_forward(self, xp, P, x, targets, norm, tp):
+    def head_forward(self, xp, P, x, targets, norm, ctx):
+        # x: (B, T, C) -> loss
         h, c_n = rmsnorm_forward(xp, x, P["norm.w"], self.eps)
-        loss, c = logits_loss_forward(xp, P, h, targets, norm, tp, self.tied)
+        loss, c = logits_loss_forward(xp, P, h, targets, norm, ctx, self.tied)
         return loss, (c_n, c)
 
-    def head_backward(self, xp, cache, G, tp, P, dloss=1.0):
+    def head_backward(self, xp, cache, G, ctx, P, dloss=1.0):
+        # -> dx: (B, T, C)
         c_n, c = cache
-        dh = logits_loss_backward(xp, c, G, tp, self.tied, P, dloss)
+        dh = logits_loss_backward(xp, c, G, ctx, self.tied, P, dloss)
         return rmsnorm_backward(xp, dh, c_n, P["norm.w"], G["norm.w"])
 
     # --- incremental decoding (models/decode.py) ------------------------------------------------

@@ -8,9 +8,10 @@ import math
 
 from hpengine.params.buffers import ParamSpec
 from hpengine.nn import gelu_cache_elements, layernorm_backward, layernorm_cache_elements, layernorm_forward
-from hpengine.models.common import (Block, LocalTP, embed_specs, end_cache_bytes, head_backward, head_forward, head_specs,
+from hpengine.models.common import (Block, embed_specs, end_cache_bytes, head_backward, head_forward, head_specs,
                      mlp_backward, mlp_forward, mlp_specs, padded_vocab, standard_blocks, tok_embed_backward,
                      tok_embed_forward)
+from hpengine.models.context import LOCAL
 from hpengine.models.decode import output_logits
 
 
@@ -62,31 +63,34 @@ class MLP:
     def all_specs(self) -> list[ParamSpec]:
         return [s for b in self.blocks() for s in self.specs(b.name)]
 
-    def embed_forward(self, xp, P, idx, tp):
-        return tok_embed_forward(xp, P, idx, tp)
+    def embed_forward(self, xp, P, idx, ctx):
+        # idx: (B, T) -> x: (B, T, C)
+        return tok_embed_forward(xp, P, idx, ctx)
 
-    def embed_backward(self, xp, dx, cache, G, tp):
-        tok_embed_backward(xp, dx, cache, G, tp)
+    def embed_backward(self, xp, dx, cache, G, ctx):
+        # dx: (B, T, C) -> None
+        tok_embed_backward(xp, dx, cache, G, ctx)
 
-    def layer_forward(self, xp, P, i, x, tp, keep_scores=True):
-        # no attention, so no scores to drop: selective recompute keeps this layer's cache whole
+    def layer_forward(self, xp, P, i, x, ctx, keep_scores=True):
         # x: (B, T, C) -> (B, T, C)
+        # no attention, so no scores to drop: selective recompute keeps this layer's cache whole
         p = f"h.{i}"
         h, c_ln = layernorm_forward(xp, x, P[f"{p}.ln.w"], P[f"{p}.ln.b"])
-        m, c_mlp = mlp_forward(xp, P, f"{p}.mlp", h, tp)
+        m, c_mlp = mlp_forward(xp, P, f"{p}.mlp", h, ctx)
         return x + m, (c_ln, c_mlp)
 
-    def layer_backward(self, xp, dy, cache, P, G, i, tp):
+    def layer_backward(self, xp, dy, cache, P, G, i, ctx):
+        # dy: (B, T, C) -> dx: (B, T, C)
         p = f"h.{i}"
         c_ln, c_mlp = cache
-        dh = mlp_backward(xp, dy, c_mlp, P, G, f"{p}.mlp", tp)
+        dh = mlp_backward(xp, dy, c_mlp, P, G, f"{p}.mlp", ctx)
         return dy + layernorm_backward(xp, dh, c_ln, P[f"{p}.ln.w"], G[f"{p}.ln.w"], G[f"{p}.ln.b"])
 
-    def head_forward(self, xp, P, x, targets, norm, tp):
-        return head_forward(xp, P, x, targets, norm, tp, self.tied)
+    def head_forward(self, xp, P, x, targets, norm, ctx):
+        return head_forward(xp, P, x, targets, norm, ctx, self.tied)
 
-    def head_backward(self, xp, cache, G, tp, P, dloss=1.0):
-        return head_backward(xp, cache, G, tp, self.tied, P, dloss)
+    def head_backward(self, xp, cache, G, ctx, P, dloss=1.0):
+        return head_backward(xp, cache, G, ctx, self.tied, P, dloss)
 
     # --- incremental decoding (models/decode.py): no layer mixes positions, so nothing is cached -----
     def decode_cache(self, xp, dtype):
@@ -96,7 +100,7 @@ class MLP:
         return P["wte"][ids]
 
     def decode_layer(self, xp, P, i, x, cache, start):
-        return self.layer_forward(xp, P, i, x, LocalTP())[0]
+        return self.layer_forward(xp, P, i, x, LOCAL)[0]
 
     def head_logits(self, xp, P, x):
         h, _ = layernorm_forward(xp, x, P["ln_f.w"], P["ln_f.b"])

@@ -19,7 +19,7 @@ from hpengine.device.backend import keep_heap
 from hpengine.params.buffers import FlatBuffer, Layout as Offsets
 from hpengine.config.load import load_config
 from hpengine.layout.cache import cache_nbytes
-from hpengine.models import LocalTP, build_model
+from hpengine.models import LOCAL, build_model
 from hpengine.planner.model import block_activations, matmul_flops
 from hpengine.layout.resolve import resolve
 from hpengine.params.buffers import ParamSpec, Range
@@ -131,9 +131,9 @@ def _block(np, rows: int, seq: int, width: int, heads: int) -> tuple:
     x = np.random.default_rng(1).normal(0, 1, (rows, seq, width)).astype(np.float32)
 
     def fb():
-        y, cache = model.layer_forward(np, P, 0, x.copy(), LocalTP())
+        y, cache = model.layer_forward(np, P, 0, x.copy(), LOCAL)
         cache_nbytes(cache, set())
-        model.layer_backward(np, y, cache, P, G, 0, LocalTP())
+        model.layer_backward(np, y, cache, P, G, 0, LOCAL)
         cache_nbytes(cache, set())
     weights = sum(math.prod(sp.global_shape) for sp in specs if len(sp.global_shape) == 2)
     act = block_activations(cfg.model, resolve(cfg, 1), 4)["layer"] / 4

@@ -2,55 +2,61 @@
 Models"): between the tensor-parallel regions each tp rank holds 1/t of every sequence, so the norms,
 residuals and what they cache are split t ways instead of repeated on every rank.
 
-The conjugate pairs a block is handed change their collectives and keep their names:
-- copy_to_tp (a region's entry) all-gathers the sequence forward and reduce-scatters its gradient back;
-- reduce_from_tp (a region's exit) reduce-scatters the partial sums forward and all-gathers backward.
-A column-split linear at a region's entry keeps only this rank's piece of its input (stash_inputs) and
-gathers it again in backward, so its cache is split too (Megatron does the same).
+Two parts of the context change. The tp part (SequenceParallel) keeps the pairs' names: copy_to_tp (a
+region's entry) all-gathers the sequence forward and reduce-scatters back; reduce_from_tp (its exit)
+reduce-scatters forward and all-gathers back. The seq part (SequenceSplit) names this rank's positions,
+keeps only this rank's piece of a region-entry linear's input (stash_inputs; gathered again in backward,
+as Megatron does) and sums over tp, once a step, the gradients of the tensors every tp rank holds whole
+(norm weights, biases after a reduce, the position table), which now see only this rank's positions.
 
 Activations are (B, T, C) arrays; the sequence is axis 1, cut into t contiguous pieces in rank order.
-The tensors every tp rank holds whole (norm weights, biases after a reduce, the position table) now see
-only this rank's positions, so their gradients are summed over tp once a step (sum_replicated_).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from hpengine.models.context import LocalSeq
 from hpengine.nn.linear import linear_drop_input, linear_restore_input
 from hpengine.strategies.tensor_parallel import TensorParallel
 
 
+def gather_sequence(comm, x):
+    """(B, T/t, C) on each rank of comm -> (B, T, C) everywhere."""
+    B, n, C = x.shape
+    return comm.allgather_axis1(np.ascontiguousarray(x), np.empty_like(x, shape=(B, comm.size * n, C)))
+
+
+def scatter_sum_sequence(comm, x):
+    """(B, T, C) partial sums on each rank of comm -> this rank's (B, T/t, C) piece of their sum."""
+    B, T, C = x.shape
+    n = T // comm.size
+    pieces = np.ascontiguousarray(x.reshape(B, comm.size, n, C).transpose(1, 0, 2, 3))
+    out = np.empty_like(x, shape=(B, n, C))
+    return comm.reduce_scatter(pieces, out)
+
+
 class SequenceParallel(TensorParallel):
-    """TensorParallel with the activations outside the tp regions split along the sequence."""
-
-    @property
-    def seq_parts(self) -> int:
-        return self.size
-
-    def _gather(self, x):
-        """(B, T/t, C) on each rank -> (B, T, C) everywhere."""
-        B, n, C = x.shape
-        return self.comm.allgather_axis1(np.ascontiguousarray(x), np.empty_like(x, shape=(B, self.size * n, C)))
-
-    def _scatter_sum(self, x):
-        """(B, T, C) partial sums on each rank -> this rank's (B, T/t, C) piece of their sum."""
-        B, T, C = x.shape
-        n = T // self.size
-        pieces = np.ascontiguousarray(x.reshape(B, self.size, n, C).transpose(1, 0, 2, 3))
-        out = np.empty_like(x, shape=(B, n, C))
-        return self.comm.reduce_scatter(pieces, out)
+    """The tp part under sequence parallelism: TensorParallel whose pairs gather and scatter the sequence."""
 
     def copy_to_tp(self, x):
-        return self._gather(x)
+        return gather_sequence(self.comm, x)
 
     def copy_to_tp_backward(self, dx):
-        return self._scatter_sum(dx)
+        return scatter_sum_sequence(self.comm, dx)
 
     def reduce_from_tp(self, x):
-        return self._scatter_sum(x)
+        return scatter_sum_sequence(self.comm, x)
 
     def reduce_from_tp_backward(self, dx):
-        return self._gather(dx)
+        return gather_sequence(self.comm, dx)
+
+
+class SequenceSplit(LocalSeq):
+    """The seq part under sequence parallelism: this tp rank holds piece `comm.rank` of `comm.size` of
+    every sequence (comm: the tp communicator, which the gathers of stashed inputs run on)."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.parts = comm, comm.rank, comm.size
 
     def local_positions(self, n: int) -> slice:
         return slice(self.rank * n, (self.rank + 1) * n)
@@ -60,7 +66,7 @@ class SequenceParallel(TensorParallel):
         return (x,) + tuple(linear_drop_input(c) for c in caches)
 
     def unstash_inputs(self, stash):
-        full = self._gather(stash[0])
+        full = gather_sequence(self.comm, stash[0])
         return tuple(linear_restore_input(c, full) for c in stash[1:])
 
     def sum_replicated_(self, g, ranges) -> None:

@@ -14,9 +14,8 @@ from hpengine.models import LocalTP
 
 
 class TensorParallel(LocalTP):
-    """The hooks of tp rank `comm.rank` of `comm.size`; `vocab` is the unpadded vocabulary size. The
-    identity halves of the pairs and the hooks sequence parallelism changes (sequence_parallel.py) stay
-    LocalTP's: neutral here."""
+    """The tp part of a context (models/context.py) on tp rank `comm.rank` of `comm.size`; `vocab` is the
+    unpadded vocabulary size. The identity halves of the pairs stay LocalTP's."""
 
     def __init__(self, comm, vocab: int):
         self.comm, self.rank, self.size, self.vocab = comm, comm.rank, comm.size, vocab

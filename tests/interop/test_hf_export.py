@@ -3,7 +3,7 @@ exported folder gives hpengine's logits.
 
 Tiny float64 GPT and llama models train 2 steps on a small local corpus (one process, numpy), save a
 checkpoint, export it; transformers loads the folder in float64 (nothing missing, unexpected or
-mismatched) and its logits on random ids match hpengine's forward (model blocks with LocalTP) to 1e-10.
+mismatched) and its logits on random ids match hpengine's forward (model blocks with LOCAL) to 1e-10.
 HF's llama keeps RMSNorm statistics, the softmax and the rotary angles in float32: stock HF is compared
 to 1e-5, and exactly with modeling_llama's float32 read as float64 (as tests/interop/test_hf_llama.py).
 A run on a trained BPE tokenizer also exports its tokenizer: AutoTokenizer encodes as the run did.
@@ -33,7 +33,7 @@ from transformers.models.llama import modeling_llama  # noqa: E402
 from hpengine.checkpoint.shards import Reader  # noqa: E402
 from hpengine.cli.commands import main  # noqa: E402
 from hpengine.config.load import from_dict  # noqa: E402
-from hpengine.models import LocalTP, build_model  # noqa: E402
+from hpengine.models import LOCAL, build_model  # noqa: E402
 from hpengine.nn import layernorm_forward, rmsnorm_forward  # noqa: E402
 
 TINY = ["model.seq_len=16", "model.d_model=16", "model.n_layers=2", "model.n_heads=4", "train.global_batch=4",
@@ -73,7 +73,7 @@ def hpengine_logits(run, ids):
     P = {n: r.read("param", n, tuple(slice(0, k) for k in s)) for n, s in r.manifest["shapes"].items()}
     cfg = from_dict(tomllib.loads(r.manifest["config"]))
     r.close()
-    model, xp, tp = build_model(cfg.model), np, LocalTP()
+    model, xp, tp = build_model(cfg.model), np, LOCAL
     x, _ = model.embed_forward(xp, P, ids, tp)
     for i in range(model.n_layers):
         x, _ = model.layer_forward(xp, P, i, x, tp)

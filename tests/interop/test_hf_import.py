@@ -1,7 +1,7 @@
 """`checkpoint.init_from = "hf:DIR"` on folders written by transformers: a randomly initialised (and then
 randomly perturbed, so no LayerNorm/RMSNorm weight is 1 and no bias 0) GPT2LMHeadModel or LlamaForCausalLM,
 tied and untied, float64, saved with save_pretrained; hpengine loads the folder into a one-process engine
-and its forward (model blocks with LocalTP, as tests/interop/test_hf_export.py) gives transformers' logits:
+and its forward (model blocks with LOCAL, as tests/interop/test_hf_export.py) gives transformers' logits:
 GPT-2 to 1e-10; stock HF llama (float32 RMSNorm statistics, softmax and rotary angles) to 1e-5, and to
 1e-10 with modeling_llama's float32 read as float64 (as tests/interop/test_hf_llama.py). The GPT-2 folder
 has n_positions 32 > model.seq_len 16: hpengine takes the first 16 position embeddings.
@@ -21,7 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from transformers.models.llama import modeling_llama  # noqa: E402
 
 from hpengine.config.load import load_config  # noqa: E402
-from hpengine.models import LocalTP, build_model  # noqa: E402
+from hpengine.models import LOCAL, build_model  # noqa: E402
 from hpengine.nn import layernorm_forward, rmsnorm_forward  # noqa: E402
 from hpengine.run.train import build, restore  # noqa: E402
 
@@ -60,7 +60,7 @@ def hf_model(case: str):
 
 
 def hpengine_logits(P, mcfg, ids):
-    model, xp, tp = build_model(mcfg), np, LocalTP()
+    model, xp, tp = build_model(mcfg), np, LOCAL
     x, _ = model.embed_forward(xp, P, ids, tp)
     for i in range(model.n_layers):
         x, _ = model.layer_forward(xp, P, i, x, tp)

@@ -25,7 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
 from hpengine.config.load import ffn_width, load_config  # noqa: E402
-from hpengine.models import LocalTP, build_model  # noqa: E402
+from hpengine.models import LOCAL, build_model  # noqa: E402
 
 B, T, V, C, L, H, F, THETA, EPS = 2, 8, 37, 16, 2, 4, 24, 50.0, 1e-5
 
@@ -77,7 +77,7 @@ def hf_config(mcfg) -> LlamaConfig:
 
 def hpengine_run(model, P, ids, targets, norm):
     """Model-level forward and backward, as the engine's chunk_forward / chunk_backward call them."""
-    xp, tp = np, LocalTP()
+    xp, tp = np, LOCAL
     G = {n: np.zeros_like(a) for n, a in P.items()}
     x, c_embed = model.embed_forward(xp, P, ids, tp)
     caches = []

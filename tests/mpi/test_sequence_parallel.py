@@ -27,7 +27,7 @@ def test_sequence_parallel(corpus, world, kind, tied):
     need(n in (2, 4), "tp = world size needs 2 or 4 ranks")
     extra = [*KINDS[kind], f"model.tie_head={str(tied).lower()}"]
     losses, params, eng = run(sp_cfg(corpus, n, *extra), world, steps=3)
-    assert eng.res.sp and eng.tp.seq_parts == n
+    assert eng.res.sp and eng.ctx.seq.parts == n
     ref_l, ref_p, _ = run(config(corpus, *HEADS, *extra), MPI.COMM_SELF, steps=3)
     assert_same(losses, ref_l)
     assert_same_params(params, ref_p, atol=ADAM_FLOOR[kind])

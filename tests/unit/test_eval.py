@@ -17,7 +17,7 @@ from hpengine.config.load import from_dict
 from hpengine.data import build_corpus
 from hpengine.data.format import TokenFile
 from hpengine.apps.evaluate import count_bytes, plan_passes
-from hpengine.models import LocalTP, build_model
+from hpengine.models import LOCAL, build_model
 
 T = 16
 TINY = ["model.dtype=float64", f"model.seq_len={T}", "model.d_model=16", "model.n_layers=2", "model.n_heads=2",
@@ -62,7 +62,7 @@ def oracle(ckpt_dir, path):
     import tomllib
     cfg = from_dict(tomllib.loads(r.manifest["config"]))
     P = {n: r.read("param", n, tuple(slice(0, s) for s in shape)) for n, shape in r.manifest["shapes"].items()}
-    model, tp = build_model(cfg.model, 1), LocalTP()
+    model, tp = build_model(cfg.model, 1), LOCAL
     with TokenFile(path) as tf:
         toks = tf.read(0, tf.n_tokens).astype(np.int64)
     total, n, w = 0.0, 0, 0

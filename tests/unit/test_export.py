@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from hpengine.checkpoint import export as ex
+from hpengine.models import hf_gpt, hf_llama
 from hpengine.checkpoint.shards import Reader
 from hpengine.cli.commands import main
 
@@ -81,7 +82,7 @@ def test_gpt_qkv_permutation_by_hand():
     h, j, d = part // (3 * hd), part % (3 * hd) // hd, part % hd
     code = 100 * h + 10 * j + d              # each column's (head, part, element)
     w = np.tile(code, (C, 1)) + 1000 * np.arange(C)[:, None]      # rows keep their input index
-    hw, hb = ex.gpt_qkv_to_hf(w, H), ex.gpt_qkv_to_hf(code, H)
+    hw, hb = hf_gpt.qkv_to_hf(w, H), hf_gpt.qkv_to_hf(code, H)
     assert hw.shape == (C, 3 * C) and hb.shape == (3 * C,)
     for jj in range(3):                      # GPT-2: c_attn columns [all q | all k | all v], head-major inside
         for hh in range(H):
@@ -98,7 +99,7 @@ def test_gpt_map_names_and_shapes(runs, tied):
     P = {n: a.astype(np.float32) for n, a in global_params(run).items()}
     mcfg = ex._model_config(manifest(run)["config"]).model
     assert mcfg.tie_head == tied
-    state = ex.gpt_to_hf(P, mcfg)
+    state = hf_gpt.to_hf(P, mcfg)
     C, V, T, F = mcfg.d_model, mcfg.vocab_size, mcfg.seq_len, mcfg.ffn_mult * mcfg.d_model
     assert ("lm_head.weight" in state) == (not tied)
     assert len(state) == len(P)          # one HF tensor per hpengine tensor
@@ -110,16 +111,16 @@ def test_gpt_map_names_and_shapes(runs, tied):
         assert state[f"{q}.attn.c_attn.weight"].shape == (C, 3 * C)
         assert np.array_equal(state[f"{q}.attn.c_proj.weight"], P[f"h.{i}.attn.proj.w"])      # Conv1D: (in, out)
         assert state[f"{q}.mlp.c_fc.weight"].shape == (C, F) and state[f"{q}.mlp.c_proj.weight"].shape == (F, C)
-        assert np.array_equal(state[f"{q}.attn.c_attn.bias"], ex.gpt_qkv_to_hf(P[f"h.{i}.attn.qkv.b"], mcfg.n_heads))
+        assert np.array_equal(state[f"{q}.attn.c_attn.bias"], hf_gpt.qkv_to_hf(P[f"h.{i}.attn.qkv.b"], mcfg.n_heads))
 
 
 def test_llama_map_is_rename_and_transpose(runs):
     run = runs["llama"]
     P = global_params(run)
     mcfg = ex._model_config(manifest(run)["config"]).model
-    names = ex.llama_names(mcfg.n_layers, mcfg.tie_head)
+    names = hf_llama.names(mcfg.n_layers, mcfg.tie_head)
     assert set(names) == set(P)
-    state = ex.llama_to_hf(P, mcfg)
+    state = hf_llama.to_hf(P, mcfg)
     assert len(state) == len(P)
     for name, (hf, t) in names.items():
         assert t == (P[name].ndim == 2 and name != "wte"), name

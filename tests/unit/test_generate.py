@@ -48,8 +48,8 @@ def test_cached_logits_equal_full_forward(runs, kind):
     assert got.shape == (len(r["tokens"]), model.V)
     np.testing.assert_allclose(got, ref[r["prompt_tokens"] - 1:], rtol=0, atol=1e-10)
     # the reference through the model's own embed/layer functions, head logits computed by hand
-    from hpengine.models import LocalTP
-    tp = LocalTP()
+    from hpengine.models import LOCAL
+    tp = LOCAL
     x, _ = model.embed_forward(np, P, np.array([ids[:-1]]), tp)
     for i in range(model.n_layers):
         x, _ = model.layer_forward(np, P, i, x, tp)

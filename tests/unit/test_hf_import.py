@@ -12,8 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpengine.checkpoint import export as ex
-from hpengine.checkpoint import hf_import
+from hpengine.models import hf_gpt
 from hpengine.checkpoint.shards import Reader
 from hpengine.cli.commands import main
 from hpengine.config.load import load_config
@@ -67,9 +66,9 @@ def exported(tmp_path_factory, small_corpus):
 
 def test_qkv_inverse():
     a = np.random.default_rng(0).standard_normal((12, 36))
-    assert np.array_equal(hf_import.gpt_qkv_from_hf(ex.gpt_qkv_to_hf(a, 3), 3), a)
+    assert np.array_equal(hf_gpt.qkv_from_hf(hf_gpt.qkv_to_hf(a, 3), 3), a)
     b = np.arange(36.0)
-    assert np.array_equal(ex.gpt_qkv_to_hf(hf_import.gpt_qkv_from_hf(b, 3), 3), b)
+    assert np.array_equal(hf_gpt.qkv_to_hf(hf_gpt.qkv_from_hf(b, 3), 3), b)
 
 
 @pytest.mark.parametrize("kind", list(KIND))

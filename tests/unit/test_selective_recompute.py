@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hpengine.config.load import load_config
-from hpengine.models import LocalTP, build_model
+from hpengine.models import LOCAL, build_model
 from hpengine.nn import (attention_backward, attention_drop_scores, attention_forward, attention_restore_scores,
                          gqa_attention_backward, gqa_attention_forward, gqa_drop_scores, gqa_restore_scores)
 from hpengine.planner.model import flops_per_microbatch, stages
@@ -58,7 +58,7 @@ KINDS = {"gpt": [], "llama": ["model.kind=llama", "model.n_heads=4", "model.n_kv
 def test_layer_without_scores_gives_the_same_gradients(kind):
     mcfg = load_config(None, ["model.d_model=16", "model.n_heads=2", f"model.seq_len={T}", "model.dtype=float64",
                               *KINDS[kind]]).model
-    model, tp, rng = build_model(mcfg), LocalTP(), np.random.default_rng(2)
+    model, tp, rng = build_model(mcfg), LOCAL, np.random.default_rng(2)
     P = {sp.name: rng.normal(size=sp.global_shape) * 0.3 for sp in model.specs("h.0")}
     x, dy = rng.normal(size=(B, T, 16)), rng.normal(size=(B, T, 16))
     grads = []

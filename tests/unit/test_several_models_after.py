@@ -16,7 +16,7 @@ from hpengine.config.load import from_dict
 from hpengine.data import build_corpus
 from hpengine.data.format import TokenFile
 from hpengine.apps.generate import KVDecoder, generate, load
-from hpengine.models import LocalTP, build_model
+from hpengine.models import LOCAL, build_model
 
 T = 16
 TINY = ["model.dtype=float64", f"model.seq_len={T}", "model.d_model=16", "model.n_layers=2", "model.n_heads=2",
@@ -54,7 +54,7 @@ def test_eval_reports_each_model(run, tmp_path, capsys):
     want = []
     for i in range(2):
         model, P = model_params(run, i)
-        tp, total = LocalTP(), 0.0
+        tp, total = LOCAL, 0.0
         for w in range(0, len(toks) - 1, T):
             win = toks[w:w + T + 1]
             h, _ = model.embed_forward(np, P, win[None, :-1], tp)
@@ -77,9 +77,9 @@ def test_generate_picks_the_model(run):
         r = generate(run, "ab", 8, greedy=True, out=io.StringIO(), note=lambda s: None, model_index=i)
         model, P = model_params(run, i)
         ids = list(b"ab") + r["tokens"]
-        x, _ = model.embed_forward(np, P, np.array([ids[:-1]]), LocalTP())
+        x, _ = model.embed_forward(np, P, np.array([ids[:-1]]), LOCAL)
         for j in range(model.n_layers):
-            x, _ = model.layer_forward(np, P, j, x, LocalTP())
+            x, _ = model.layer_forward(np, P, j, x, LOCAL)
         h = x / np.sqrt((x * x).mean(-1, keepdims=True) + model.eps) * P["norm.w"]
         ref = (h @ P["lm_head.w"])[0, 1:]
         np.testing.assert_allclose(np.stack(r["logits"]), ref, rtol=0, atol=1e-10)

@@ -1,0 +1,109 @@
+"""The parallel context a model's blocks are handed: one named part per kind of communication. `tp` the
+tensor-parallel conjugate pairs and loss, `seq` this rank's piece of each sequence, `attn` the keys and
+values an attention sees, `ep` tokens sent to experts. LOCAL is one rank's, every part the identity;
+strategies/context.py builds the communicating parts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpengine.nn import cross_entropy_backward, cross_entropy_forward
+
+__all__ = ["LOCAL", "Context", "LocalAttn", "LocalEP", "LocalSeq", "LocalTP", "local_context"]
+
+
+class LocalTP:
+    """Tensor-parallel conjugate pairs for tp = 1, each the identity (strategies.TensorParallel subclasses it
+    and replaces the halves that communicate), and the whole-vocabulary cross-entropy."""
+    rank, size = 0, 1
+
+    def copy_to_tp(self, x):                 # identity forward ...
+        return x
+
+    def copy_to_tp_backward(self, dx):       # ... allreduce backward
+        return dx
+
+    def reduce_from_tp(self, x):             # allreduce forward ...
+        return x
+
+    def reduce_from_tp_backward(self, dx):   # ... identity backward
+        return dx
+
+    def cross_entropy_forward(self, xp, logits, targets, norm):
+        return cross_entropy_forward(xp, logits, targets, norm)
+
+    def cross_entropy_backward(self, xp, cache, dloss=1.0):
+        return cross_entropy_backward(xp, cache, dloss)
+
+
+class LocalSeq:
+    """Where this rank's tokens sit in each sequence, for a rank that holds them all (the sequence-parallel
+    part is strategies/sequence_parallel.py: SequenceSplit)."""
+    parts = 1                                # pieces the sequence is cut into between tp regions
+
+    def local_positions(self, n: int) -> slice:
+        """Positions of this rank's n tokens of each sequence."""
+        return slice(0, n)
+
+    def stash_inputs(self, x, *caches):
+        """The linear caches of a region's entry, whose input is copy_to_tp(x), as the forward keeps them."""
+        return caches
+
+    def unstash_inputs(self, stash):
+        """The linear caches stash_inputs kept, whole again."""
+        return stash
+
+    def sum_replicated_(self, g, ranges) -> None:
+        """Gradients of tensors every tp rank holds whole: already equal on every rank."""
+
+
+class LocalAttn:
+    """The keys and values an attention core reads, when every key it needs is this rank's: a ring or an
+    all-gather over the sequence replaces these hooks. k, v are in the layout the core takes (a fused-qkv
+    core hands its qkv as k and None as v)."""
+
+    def kv_forward(self, k, v):
+        # k, v: this rank's keys and values -> the keys and values its queries attend to
+        return k, v
+
+    def kv_backward(self, dk, dv):
+        # dk, dv: gradients of what kv_forward returned -> those of its k, v
+        return dk, dv
+
+
+class LocalEP:
+    """Tokens to experts and back when every expert is this rank's. `route` is what the router decided
+    (which expert each token goes to), which an all-to-all needs and one rank does not."""
+
+    def dispatch(self, x, route=None):
+        # x: (tokens, C) this rank's tokens -> (tokens', C) the tokens of this rank's experts
+        return x
+
+    def dispatch_backward(self, dx, route=None):
+        # dx: (tokens', C) -> (tokens, C)
+        return dx
+
+    def combine(self, y, route=None):
+        # y: (tokens', C) the experts' outputs -> (tokens, C) back at this rank's tokens
+        return y
+
+    def combine_backward(self, dy, route=None):
+        # dy: (tokens, C) -> (tokens', C)
+        return dy
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a block may communicate through, by concern; every block function takes one."""
+    tp: LocalTP
+    seq: LocalSeq
+    attn: LocalAttn
+    ep: LocalEP
+
+
+LOCAL = Context(LocalTP(), LocalSeq(), LocalAttn(), LocalEP())
+
+
+def local_context() -> Context:
+    """The one-rank context (LOCAL): every part the identity."""
+    return LOCAL

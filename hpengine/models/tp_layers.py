@@ -1,0 +1,93 @@
+"""Tensor-parallel layer pairs over a parallel context (models/context.py): the column-split linear that
+enters a tp region, the row-split linear that leaves it, the vocabulary-parallel embedding and the
+vocabulary-parallel output projection with its loss. Under LOCAL each is its nn/ layer; the models
+build their blocks from these rather than calling the conjugate pairs themselves.
+"""
+from __future__ import annotations
+
+from hpengine.nn import embedding_backward, embedding_forward, linear_backward, linear_forward
+
+__all__ = ["column_backward", "column_forward", "columns_backward", "columns_forward", "row_backward",
+           "row_forward", "vocab_embed_backward", "vocab_embed_forward", "vocab_loss_backward",
+           "vocab_loss_forward"]
+
+
+def columns_forward(xp, ctx, x, ws, bs=None):
+    # x: (B, T_local, C), ws[i]: (C, OC_i / tp) -> ([(B, T, OC_i / tp)], stash): linears sharing one input
+    h = ctx.tp.copy_to_tp(x)
+    ys, caches = [], []
+    for w, b in zip(ws, bs or (None,) * len(ws)):
+        y, c = linear_forward(xp, h, w, b)
+        ys.append(y)
+        caches.append(c)
+    # sequence parallel: the caches keep this rank's piece x, not the gathered h
+    return ys, ctx.seq.stash_inputs(x, *caches)
+
+
+def columns_backward(xp, ctx, dys, stash, ws, gws, gbs=None):
+    # dys[i]: (B, T, OC_i / tp) -> dx: (B, T_local, C), the sum over the linears in their order
+    caches = ctx.seq.unstash_inputs(stash)
+    dh = None
+    for dy, c, w, gw, gb in zip(dys, caches, ws, gws, gbs or (None,) * len(ws)):
+        d = linear_backward(xp, dy, c, w, gw, gb)
+        if dh is None:
+            dh = d
+        else:
+            dh += d
+    return ctx.tp.copy_to_tp_backward(dh)
+
+
+def column_forward(xp, ctx, x, w, b=None):
+    # x: (B, T_local, C), w: (C, OC / tp) -> y: (B, T, OC / tp), stash
+    (y,), stash = columns_forward(xp, ctx, x, (w,), None if b is None else (b,))
+    return y, stash
+
+
+def column_backward(xp, ctx, dy, stash, w, gw, gb=None):
+    # dy: (B, T, OC / tp) -> dx: (B, T_local, C)
+    return columns_backward(xp, ctx, (dy,), stash, (w,), (gw,), None if gb is None else (gb,))
+
+
+def row_forward(xp, ctx, x, w, b=None):
+    # x: (B, T, IC / tp), w: (IC / tp, C) -> y: (B, T_local, C), the linear's cache
+    y, c = linear_forward(xp, x, w)
+    y = ctx.tp.reduce_from_tp(y)
+    if b is not None:       # added once, after the partial sums are reduced
+        y += b
+    return y, c
+
+
+def row_backward(xp, ctx, dy, cache, w, gw, gb=None):
+    # dy: (B, T_local, C) -> dx: (B, T, IC / tp)
+    if gb is not None:      # from this rank's positions: sequence parallelism sums it over tp later
+        gb += dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+    return linear_backward(xp, ctx.tp.reduce_from_tp_backward(dy), cache, w, gw)
+
+
+def vocab_embed_forward(xp, ctx, idx, w):
+    # idx: (B, T) global ids, w: (V / tp, C) -> (B, T_local, C); the sum over tp restores the full rows
+    e, cache = embedding_forward(xp, idx, w, vocab_start=ctx.tp.rank * w.shape[0])
+    return ctx.tp.reduce_from_tp(e), cache
+
+
+def vocab_embed_backward(xp, ctx, dx, cache, gw):
+    # dx: (B, T_local, C) -> None; scatters into gw (V / tp, C)
+    embedding_backward(xp, ctx.tp.reduce_from_tp_backward(dx), cache, gw)
+
+
+def vocab_loss_forward(xp, ctx, h, w, targets, norm):
+    # h: (B, T_local, C), w: (C, V / tp), targets: (B, T) -> loss (this rank's share of the global mean)
+    logits, c_lin = column_forward(xp, ctx, h, w)
+    if logits.dtype.itemsize < 4:      # amp: the softmax and loss in float32, as Megatron does
+        logits = logits.astype(xp.float32)
+    loss, c_ce = ctx.tp.cross_entropy_forward(xp, logits, targets, norm)
+    return loss, (c_lin, c_ce)
+
+
+def vocab_loss_backward(xp, ctx, cache, w, gw, dloss=1.0):
+    # -> dh: (B, T_local, C); dloss is the amp loss scale
+    c_lin, c_ce = cache
+    dlogits = ctx.tp.cross_entropy_backward(xp, c_ce, dloss)
+    if dlogits.dtype != gw.dtype:
+        dlogits = dlogits.astype(gw.dtype)
+    return column_backward(xp, ctx, dlogits, c_lin, w, gw)
