@@ -24,7 +24,7 @@ import shutil
 from math import prod
 from pathlib import Path
 
-from hpengine.dist.comm import agree_or_raise
+from hpengine.dist.agree import agree_or_raise
 
 SUM_KEY = "manifest_sha256"
 SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}

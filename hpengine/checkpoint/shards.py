@@ -19,7 +19,7 @@ import numpy as np
 
 from hpengine.checkpoint import guard
 from hpengine.checkpoint.guard import CheckpointError
-from hpengine.dist.comm import agree_or_raise
+from hpengine.dist.agree import agree_or_raise
 
 FORMAT = "hpengine-checkpoint-1"
 KINDS = ("param", "adam_m", "adam_v")

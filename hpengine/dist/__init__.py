@@ -1,8 +1,9 @@
-"""Communication: Comm (comm.py, the only mpi4py calls on arrays; agree_or_raise, so ranks fail together),
-the mesh and its communicators by name (topology.py), the hang watchdog (watchdog.py) and the phase timers
-every communicator reports to (tracer.py).
+"""Communication: Comm (comm.py, the only mpi4py calls on arrays), failing together (agree.py), the mesh and
+its communicators by name (topology.py), the hang watchdog (watchdog.py) and the phase timers every
+communicator reports to (tracer.py).
 Exports: Comm, Mesh, agree_or_raise, Tracer."""
-from hpengine.dist.comm import Comm, agree_or_raise
+from hpengine.dist.comm import Comm
+from hpengine.dist.agree import agree_or_raise
 from hpengine.dist.topology import Mesh
 from hpengine.dist.tracer import Tracer
 

@@ -13,7 +13,7 @@ import threading
 
 from mpi4py import MPI
 
-from hpengine.dist.comm import agree_or_raise
+from hpengine.dist.agree import agree_or_raise
 from hpengine.dist.watchdog import abort_world
 
 log = logging.getLogger("hpengine")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from hpengine.dist.comm import agree_or_raise
+from hpengine.dist.agree import agree_or_raise
 from hpengine.config.load import ConfigError
 from hpengine.planner.model import evaluate as predict_layout
 from hpengine.dist.topology import node_ranks

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from hpengine.checkpoint.shards import CheckpointError, resolve
-from hpengine.dist.comm import agree_or_raise
+from hpengine.dist.agree import agree_or_raise
 from hpengine.run.run_dir import RunError
 
 AUTO, LATEST = "auto", "latest"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpengine.dist.comm import agree_or_raise
+from hpengine.dist.agree import agree_or_raise
 from hpengine.config.load import to_toml
 from hpengine.data.format import BYTES
 
