@@ -10,7 +10,7 @@ export MKL_NUM_THREADS ?= 1
 MPIEXEC := $(BIN)/mpiexec
 TEST_TIMEOUT ?= 300
 
-.PHONY: train test test-imports test-unit test-mpi test-cluster test-interop bench clean-venv
+.PHONY: train test test-imports test-unit test-mpi test-cluster test-interop bench docs clean-venv
 
 # (re)install when the venv is missing or older than setup.cfg
 $(STAMP): setup.cfg pyproject.toml
@@ -28,7 +28,12 @@ test: test-imports test-unit test-mpi test-cluster test-interop
 test-imports: $(STAMP)
 	$(BIN)/lint-imports --config setup.cfg
 
+# shellcheck for tests/unit/test_job_scripts.py and test_gpu_check.py: Debian's package when missing and
+# apt-get is usable as root, else those tests skip with the reason
 test-unit: $(STAMP)
+	@command -v shellcheck >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck) >/dev/null 2>&1 \
+	  || echo "shellcheck not installed and not installable here: the shellcheck tests will skip"; }
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/unit
 
 # the same MPI suite at every world size; tests read the size and skip together what does not fit
@@ -60,6 +65,10 @@ test-interop: $(STAMP)
 # every strategy at 1, 2 and 4 ranks, interleaved repeats, a markdown table (not part of make test)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_all.py
+
+# docs/configuration.md is generated from the config tree's field docs (tests/unit/test_readme.py checks it)
+docs: $(STAMP)
+	$(BIN)/hpengine config --reference > docs/configuration.md
 
 clean-venv:
 	rm -rf $(VENV)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import inspect
+import re
 
 import ml_dtypes
 import numpy as np
@@ -136,8 +137,11 @@ def test_conversion_body_compiles(tmp_path):
     src.write_text('extern "C" __global__ void to_bf16(const float* xs, unsigned short* ys, int n) {\n'
                    "    int i = blockIdx.x * blockDim.x + threadIdx.x;\n    if (i >= n) return;\n"
                    "    float x = xs[i];\n    unsigned short y;\n" + bf16_gemm.TO_BF16_BODY + "    ys[i] = y;\n}\n")
-    logs = kernels.compile_check("to_bf16", archs=("sm_80",), path=str(src), compiler="nvcc")
-    assert "error" not in logs["sm_80"].lower()
+    logs = kernels.compile_check("to_bf16", archs=("sm_80",), path=str(src), compiler="nvcc")   # raises on failure
+    log = logs["sm_80"]
+    assert "Compiling entry function 'to_bf16' for 'sm_80'" in log, log
+    assert [line for line in log.splitlines() if "warning" in line.lower()] == [], log
+    assert re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", log) == [("0", "0")], log
 
 
 def test_operands_scope_restores():

@@ -9,7 +9,10 @@ import json
 import logging
 import os
 import resource
+import shutil
+import tempfile
 import tracemalloc
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -378,12 +381,68 @@ def test_truncated_file(tmp_path, v1_corpus):
         TokenDataset(cut, seq_len=8, vocab_size=256, val_fraction=0.1)
 
 
+NOBODY = 65534
+
+
+def _open_as_nobody(path) -> str:
+    """What TokenDataset(path) does in a forked child that has dropped to uid and gid 65534 (root's
+    permission override goes with uid 0): "opened", or the exception's type and message."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                   # the child: report through the pipe, never return
+        try:
+            os.close(r)
+            try:
+                os.setgroups([])
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+            except OSError as e:
+                msg = f"cannot drop to uid {NOBODY}: {e}"
+            else:
+                try:
+                    TokenDataset(path, seq_len=8, vocab_size=256, val_fraction=0.1)
+                    msg = "opened"
+                except BaseException as e:  # noqa: BLE001 - reported to the parent, which judges it
+                    msg = f"{type(e).__name__}: {e}"
+            os.write(w, msg.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        msg = f.read().decode()
+    os.waitpid(pid, 0)
+    return msg
+
+
 def test_unreadable_file(v1_corpus):
-    if os.geteuid() == 0:
-        pytest.skip("root reads files regardless of permissions")
-    v1_corpus.chmod(0)
-    with pytest.raises(DataError, match="not found/unreadable"):
-        TokenDataset(v1_corpus, seq_len=8, vocab_size=256, val_fraction=0.1)
+    """A token file its reader may not read (mode 000) is refused as "not a readable file". Root reads any
+    file, so as root the open runs in a child that drops to uid 65534, from a folder that user can enter, and
+    the same file with mode 644 must open there (it is the mode that is refused, nothing else)."""
+    if os.geteuid() != 0:
+        v1_corpus.chmod(0)
+        with pytest.raises(DataError, match=r"tokens\.h5' not found/unreadable: not a readable file"):
+            TokenDataset(v1_corpus, seq_len=8, vocab_size=256, val_fraction=0.1)
+        return
+    folder = Path(tempfile.mkdtemp(prefix="hpengine-unreadable-"))
+    try:
+        folder.chmod(0o755)
+        path = folder / "tokens.h5"
+        shutil.copy(v1_corpus, path)
+        path.chmod(0o644)
+        msg = _open_as_nobody(path)
+        if msg.startswith("cannot drop"):
+            pytest.skip(msg)                       # e.g. a user namespace without uid 65534 mapped
+        assert msg == "opened"
+        path.chmod(0)
+        msg = _open_as_nobody(path)
+        assert msg.startswith("DataError: ") and f"'{path}' not found/unreadable: not a readable file" in msg, msg
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_directory_is_not_a_token_file(tmp_path):
+    with pytest.raises(DataError, match=r"not found/unreadable: not a readable file"):
+        TokenDataset(tmp_path, seq_len=8, vocab_size=256, val_fraction=0.1)
 
 
 # ----------------------------------------------------------------------------- run folder and resume

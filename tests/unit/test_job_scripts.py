@@ -19,7 +19,8 @@ def test_bash_syntax(script):
     assert p.returncode == 0, p.stderr
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+@pytest.mark.skipif(shutil.which("shellcheck") is None,
+                    reason="shellcheck not installed (make test-unit installs it where apt-get is usable as root)")
 def test_shellcheck_is_clean():
     p = subprocess.run(["shellcheck", *map(str, SCRIPTS)], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr

@@ -1,8 +1,9 @@
 """The planner's GPU model and memory headroom: with no GPU figures a micro-batch costs its FLOPs at the one
 sustained rate, exactly as before; with them every GEMM runs at its shape's rate, so the per-GPU throughput
-of the Megatron-LM weak-scaling runs rises with the model; a GEMM's time by hand; the GEMMs cover the
-FLOPs; the GPU calibration's fit recovers known constants; the cluster files load; layouts keep the
-reserve free; every bad `hpengine plan` input is one stderr line."""
+of the Megatron-LM weak-scaling runs rises with the model; a GEMM's time, a small GPT's GEMMs, FLOPs, GEMM
+time and element-wise time by hand; the GEMMs of the other kinds cover their FLOPs; the GPU calibration's fit
+recovers known constants; the cluster files load; layouts keep the reserve free; every bad `hpengine plan`
+input is one stderr line."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,8 @@ from hpengine.cli.commands import main
 from hpengine.config.load import load_config
 from hpengine.models import build_model
 from hpengine.planner.search import Cluster, PlanError, evaluate, load_cluster, search, with_preset
-from hpengine.planner.gpu import gemm_flops, gemm_s, gemms
-from hpengine.planner.model import block_activations, compute_s, flops_per_microbatch, stages
+from hpengine.planner.gpu import gemm_flops, gemm_s, gemms, matmul_s
+from hpengine.planner.model import compute_s, flops_per_microbatch, stages
 from hpengine.layout.resolve import resolve
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,20 +63,37 @@ def tflops_per_gpu(cfg, world, cluster) -> float:
     return flops / r["time"]["step"] / world / 1e12
 
 
+# A small GPT worked out by hand: d_model 64, 2 heads (head dim 32), 1 layer, T = 16, vocab 100 (untied head),
+# 4 sequences per micro-batch (M = 64 tokens). Per call, FLOPs 2 MKN (x batch): qkv 64x64x192 1572864, attention
+# projection 64x64x64 524288, fc 64x64x256 2097152, MLP projection 64x256x64 2097152, head 64x64x100 819200,
+# Q K^T 16x32x16 and P V 16x16x32 per sequence and head (batch 4 x 2 = 8) 131072 each. Forward and two
+# backward GEMMs: 3 x 7372800 = 22118400; full recompute runs the layer's GEMMs once more: 4 x 6553600 +
+# 3 x 819200 = 28672000; selective runs Q K^T once more: + 131072 = 22249472; a head tied to the embedding
+# multiplies by the same numbers. tp 2 halves each.
+SMALL = ["model.kind=gpt", "model.d_model=64", "model.n_heads=2", "model.n_layers=1", "model.seq_len=16",
+         "model.vocab_size=100", "train.global_batch=4", "model.dtype=float32"]
+FULL, SELECTIVE = ["strategy.recompute.enable=true"], ["strategy.recompute.enable=true",
+                                                        "strategy.recompute.granularity=selective"]
+SMALL_FLOPS = {"plain": 22118400, "full": 28672000, "selective": 22249472, "tied": 22118400}
+
+
+def small(variant, tp=1, *extra):
+    variants = {"plain": [], "full": FULL, "selective": SELECTIVE, "tied": ["model.tie_head=true"]}
+    cfg = load_config(None, SMALL + variants[variant] + list(extra))
+    return cfg, dataclasses.replace(resolve(cfg, 1), tp=tp), stages(cfg.model, tp, 1, 1)[0]
+
+
 def test_without_gpu_figures_one_rate_as_before():
-    """No gemm_half_dim, mem_bw_gbs, launch_us: FLOPs / tflops exactly, amp or not, any recompute."""
-    for extra in ([], ["strategy.amp.enable=true"], ["strategy.recompute.enable=true"],
-                  ["strategy.recompute.enable=true", "strategy.recompute.granularity=selective"]):
-        cfg = load_config(None, ["model.kind=gpt", "model.d_model=64", "model.n_heads=4", "model.n_layers=2",
-                                 "model.seq_len=32", "train.global_batch=4", *extra])
-        lay, st = resolve(cfg, 1), stages(cfg.model, 1, 1, 1)[0]
-        c = Cluster(tflops=200.0, tflops_fp32=20.0)
-        rate = (200.0 if lay.amp else 20.0) * 1e12
-        assert compute_s(cfg.model, st, lay, c) == flops_per_microbatch(cfg.model, st, lay) / rate
-    plain = with_preset(load_config(None), "1.3b")
-    lay = resolve(plain, 1)
-    st = stages(plain.model, 1, 1, 1)[0]
-    assert compute_s(plain.model, st, lay, Cluster()) == flops_per_microbatch(plain.model, st, lay) / 15e12
+    """No gemm_half_dim, mem_bw_gbs, launch_us: the hand-counted FLOPs at the one sustained rate (tflops
+    under amp, tflops_fp32 else; the default cluster's 15 TFLOP/s fp32), any recompute."""
+    for variant, amp in (("plain", False), ("plain", True), ("full", False), ("selective", False)):
+        cfg, lay, st = small(variant, 1, *(["strategy.amp.enable=true"] if amp else []))
+        assert bool(lay.amp) == amp
+        rate = (200.0 if amp else 20.0) * 1e12
+        got = compute_s(cfg.model, st, lay, Cluster(tflops=200.0, tflops_fp32=20.0))
+        assert got == pytest.approx(SMALL_FLOPS[variant] / rate, rel=1e-12)
+    cfg, lay, st = small("plain")
+    assert compute_s(cfg.model, st, lay, Cluster()) == pytest.approx(22118400 / 15e12, rel=1e-12)
 
 
 def test_gemm_time_by_hand():
@@ -90,15 +108,51 @@ def test_gemm_time_by_hand():
     assert gemm_s(1024, 1024, 1024, 1e12, 2) == pytest.approx(2 * 1024**3 / 1e12)
 
 
+@pytest.mark.parametrize("variant", ["plain", "full", "selective", "tied"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gemms_by_hand(variant, tp):
+    """The small GPT's GEMMs (calls, M, K, N, batch) per tp rank, and their FLOPs, as counted above: 3 calls
+    each (forward, the input's and the weight's gradient), 4 for a fully recomputed layer's, one more Q K^T
+    for a selectively recomputed layer; tp 2 splits qkv, fc and the head by columns, the two projections by
+    rows, and the heads. A tied head multiplies by the embedding's (vocab x d_model) slice, listed as K = vocab,
+    N = d_model (the same FLOPs, bytes and harmonic dimension)."""
+    cfg, lay, st = small(variant, tp)
+    c = 4 if variant == "full" else 3
+    qk = c + (variant == "selective")
+    t = tp
+    head = (3, 64, 100 // t, 64, 1) if variant == "tied" else (3, 64, 64, 100 // t, 1)
+    want = {(c, 64, 64, 192 // t, 1), (c, 64, 64 // t, 64, 1), (c, 64, 64, 256 // t, 1), (c, 64, 256 // t, 64, 1),
+            head, (qk, 16, 32, 16, 8 // t), (c, 16, 16, 32, 8 // t)}
+    got = gemms(cfg.model, st, lay)
+    assert sorted(got) == sorted(want)
+    assert gemm_flops(got) == SMALL_FLOPS[variant] / tp
+    assert flops_per_microbatch(cfg.model, st, lay) == SMALL_FLOPS[variant] / tp
+
+
+def test_small_gpt_gemm_time_by_hand():
+    """matmul_s of the small GPT (plain, tp 1) on a device of 1 TFLOP/s fp32 peak, gemm_eff_max 0.8, d_half
+    64, 40 GB/s, 2 us per launch, each GEMM max(batch 2MKN / (peak eff(d)), batch 4 (MK + KN + MN) / bw) + 2 us,
+    eff(d) = 0.8 d / (d + 64), d = 3 / (1/M + 1/K + 1/N):
+      qkv 64x64x192: d = 576/7, eff = 0.45; 1572864 / 0.45e12 = 3.495253 us > 114688 B / 40 GB/s = 2.8672 us
+      attention projection 64^3: d = 64, eff = 0.4; 1.31072 us > 1.2288 us
+      fc 64x64x256 and MLP projection 64x256x64: d = 256/3, eff = 16/35; 4.58752 us > 3.6864 us
+      head 64x64x100: d = 800/11, eff = 20/47; 1.92512 us > 1.6896 us
+      Q K^T 16x32x16 and P V 16x16x32, batch 8: d = 19.2, eff = 12/65; 0.709973 us < 40960 B at 40 GB/s =
+        1.024 us: memory-bound
+    3 calls each: 3 (5.495253 + 3.31072 + 2 x 6.58752 + 3.92512 + 2 x 3.024) us = 95.8624 us."""
+    cfg, lay, st = small("plain")
+    c = Cluster(gemm_half_dim=64.0, gemm_eff_max=0.8, mem_bw_gbs=40.0, launch_us=2.0)
+    assert matmul_s(cfg.model, st, lay, c, 1e12, 4) == pytest.approx(95.8624e-6, rel=1e-9)
+
+
 @pytest.mark.parametrize("kind,extra", [
-    ("gpt", []), ("gpt", ["strategy.recompute.enable=true"]),
-    ("gpt", ["strategy.recompute.enable=true", "strategy.recompute.granularity=selective"]),
-    ("gpt", ["model.tie_head=true"]), ("llama", ["model.n_kv_heads=2"]),
+    ("llama", ["model.n_kv_heads=2"]),
     ("llama", ["model.n_kv_heads=2", "strategy.recompute.enable=true", "strategy.recompute.granularity=selective"]),
     ("mlp", [])])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (2, 2)])
 def test_gemms_cover_the_flops(kind, extra, tp, pp):
-    """The GEMMs by shape add up to the FLOPs of the one-rate model, per stage."""
+    """The kinds not counted by hand above: the GEMMs enumerated from each block's weight matrices add up
+    to the closed-form FLOPs (6 N tokens over the stage's matmul weights + the attention formula), per stage."""
     cfg = load_config(None, [f"model.kind={kind}", "model.d_model=64", "model.n_heads=4", "model.n_layers=4",
                              "model.seq_len=16", "train.global_batch=4", *extra])
     lay = dataclasses.replace(resolve(cfg, 1), tp=tp, pp=pp)
@@ -228,12 +282,12 @@ def test_check_shows_the_headroom(capsys):
 
 
 def test_block_bytes_drive_the_elementwise_time():
-    """mem_bw_gbs alone: the one-rate GEMMs plus 4 passes over the cached bytes at the bandwidth."""
-    cfg = load_config(None, ["model.kind=gpt", "model.d_model=64", "model.n_heads=4", "model.n_layers=2",
-                             "model.seq_len=32", "train.global_batch=4", "model.dtype=float32"])
-    lay, st = resolve(cfg, 1), stages(cfg.model, 1, 1, 1)[0]
-    a = block_activations(cfg.model, lay, 4)
-    cached = a["embed"] + 2 * a["layer"] + a["head"]
-    c = Cluster(tflops_fp32=1.0, mem_bw_gbs=1e4)        # every GEMM here compute-bound
-    want = flops_per_microbatch(cfg.model, st, lay) / 1e12 + 4 * cached / 1e13
-    assert compute_s(cfg.model, st, lay, c) == pytest.approx(want)
+    """mem_bw_gbs alone (10 TB/s, at 1 TFLOP/s every GEMM compute-bound): the small GPT's hand-counted FLOPs
+    at the rate plus 4 passes over its cached bytes at the bandwidth. Cached, float32: the layer (64 tokens)
+    ln1 64*64 + 64 = 4160, qkv's input 4096, attention 5*64*64 = 20480 + probabilities 4 sequences x 2 heads x
+    (8*8 + 8*16) = 1536, ln2 4160, fc's input 4096, GELU 2*64*256 = 32768: 71296 elements = 285184 bytes; the
+    embedding 64 x (int64 + bool) = 576; the head's norm 4160 * 4 + its input 4096 * 4 + probabilities
+    64*100*4 + the int64 targets 4*16*8 = 59136; together 344896 bytes."""
+    cfg, lay, st = small("plain")
+    c = Cluster(tflops_fp32=1.0, mem_bw_gbs=1e4)
+    assert compute_s(cfg.model, st, lay, c) == pytest.approx(22118400 / 1e12 + 4 * 344896 / 1e13, rel=1e-12)

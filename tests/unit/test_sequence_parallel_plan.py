@@ -1,7 +1,8 @@
 """The planner's sequence parallelism against Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models", section 4.2.2): with tensor and sequence parallelism of degree t, every part of a
 layer's activations is split t ways, so a layer caches exactly 1/t of what it caches on one rank; without
-sequence parallelism the norms and the linear inputs stay whole on every rank. Layouts: the config's
+sequence parallelism the norms and the linear inputs stay whole on every rank. The bytes by hand, term by
+term, for one small GPT; the ratios for every model kind. Layouts: the config's
 switch reaches the resolved layout and the planner's search."""
 import pytest
 
@@ -9,13 +10,51 @@ from hpengine.config.load import load_config
 from hpengine.models import build_model
 from hpengine.planner.search import Cluster, candidates, config_for
 from hpengine.planner.tp import activation_calls
-from hpengine.planner.model import stages
+from hpengine.planner.model import block_activations, stages
 from hpengine.layout.resolve import LayoutError, resolve
 
 MODEL = ["model.d_model=64", "model.n_heads=8", "model.seq_len=32", "model.n_layers=2", "model.vocab_size=256"]
 KINDS = {"gpt": [], "gpt_flash": ["model.attention=flash"], "mlp": ["model.kind=mlp"],
          "llama": ["model.kind=llama", "model.n_kv_heads=4", "model.ffn_hidden=96"],
          "llama_flash": ["model.kind=llama", "model.n_kv_heads=4", "model.ffn_hidden=96", "model.attention=flash"]}
+
+
+def test_gpt_activation_bytes_by_hand():
+    """Korthikanti et al.'s per-layer accounting, term by term for this engine's caches (no dropout masks),
+    for one small GPT: d_model C = 64, 8 heads (head dim 16), T = 32, 3 sequences per micro-batch (n = 96
+    tokens), ffn 4C = 256, vocab 256, amp (2-byte activations), tensor parallelism t = 2 (4 local heads).
+    A layer caches, in elements (ns = n / t tokens under sequence parallelism, n without):
+
+      term                                    one rank       tp 2           tp 2 + sp
+      ln1: xhat + rstd, ns C + ns             96*64+96=6240  6240           48*64+48=3120
+      qkv's input (ln1's output), ns C        6144           6144           3072
+      attention: qkv, scaled q, y, 5 n C / t  30720          15360          15360
+        probabilities, rows * H/t * 768       3*8*768=18432  3*4*768=9216   9216
+        (causal, two query blocks of 16: 16*16 + 16*32 = 768 per sequence and head)
+      ln2, ns C + ns                          6240           6240           3120
+      fc's input (ln2's output), ns C         6144           6144           3072
+      GELU: input + sigmoid, 2 n 4C / t       49152          24576          24576
+      sum                                     123072         73920          61536
+      bytes (x 2)                             246144         147840         123072
+
+    Sequence parallelism splits the norms and the linear inputs t ways too: 246144 / 2 = 123072. The
+    probabilities alone ("scores", what selective recompute drops): 36864, 18432, 18432 bytes; a recomputed
+    layer's input, ns C * 2: 12288, 12288, 6144. The head: final norm (ns C + ns) * 2 + its linear's
+    input ns C * 2 + the loss's float32 probabilities n * 256/t * 4 + targets (one rank: 3 * 32 int64 = 768;
+    under tp its own int64 index and bool mask, 96 * 9 = 864): 12480 + 12288 + 98304 + 768 = 123840;
+    12480 + 12288 + 49152 + 864 = 74784; 6240 + 6144 + 49152 + 864 = 62400. The embedding keeps 96 * 9 =
+    864 bytes of indices and masks in each case."""
+    base = MODEL + ["train.global_batch=3", "strategy.amp.enable=true"]
+    tp = ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2"]
+    want = {"one": dict(layer=246144, scores=36864, input=12288, head=123840, embed=864),
+            "tp": dict(layer=147840, scores=18432, input=12288, head=74784, embed=864),
+            "sp": dict(layer=123072, scores=18432, input=6144, head=62400, embed=864)}
+    for name, extra, world in (("one", [], 1), ("tp", tp, 2),
+                               ("sp", tp + ["strategy.tensor_parallel.sequence_parallel=true"], 2)):
+        cfg = load_config(None, base + extra)
+        lay = resolve(cfg, world)
+        assert (lay.tp, lay.sp, lay.rows) == (world, name == "sp", 3)
+        assert block_activations(cfg.model, lay, 2) == want[name], name
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
