@@ -1,8 +1,8 @@
-"""The configuration: the dataclass tree (config_tree.py) loaded from TOML, ``--set`` overrides, validation,
+"""The configuration: the dataclass tree (tree.py) loaded from TOML, ``--set`` overrides, validation,
 TOML output.
 
-Each TOML section maps 1:1 to a dataclass of config_tree.py; every field has a default and a one-line doc
-(``metadata["doc"]``, which :func:`describe` turns into the README's config reference). No MPI here:
+Each TOML section maps 1:1 to a dataclass of tree.py; every field has a default and a one-line doc
+(``metadata["doc"]``, which :func:`describe` turns into docs/configuration.md). No MPI here:
 :func:`validate` runs before any communicator exists, and every error names the dotted key.
 """
 from __future__ import annotations
@@ -293,10 +293,19 @@ def to_toml(cfg: Config) -> str:
     return "\n".join(lines) + "\n"
 
 
+REFERENCE_FILE = "docs/configuration.md"
+
+
 def describe() -> str:
-    """A markdown config reference: one table per section with key, default and doc."""
-    lines = ["## Configuration reference", "",
-             "Every key is optional; `--set section.key=value` overrides any of them."]
+    """The markdown config reference, docs/configuration.md: one table per section with key, default and doc
+    (`make docs` writes it; tests/unit/test_readme.py checks that the committed file is this text)."""
+    lines = ["# Configuration reference", "",
+             f"Generated from the field docs of `hpengine/config/tree.py` by `make docs` (`hpengine config "
+             f"--reference > {REFERENCE_FILE}`): edit the docs there and regenerate, never this file.", "",
+             "Every key is optional; `--set section.key=value` overrides any of them (the value is TOML: "
+             "`--set optim.betas=[0.9,0.99]`). `hpengine config CONFIG` prints a config with every key resolved; "
+             "`hpengine config CONFIG --world N` also checks it for N ranks and prints the layout.", "",
+             "## Sections"]
     for path, cls in _sections(Config, []):
         header = f"[[{'.'.join(path)}]]" if _is_array(path) else f"[{'.'.join(path)}]"
         lines += ["", f"### `{header}`", "", cls.__doc__.strip().splitlines()[0], "",

@@ -1,6 +1,6 @@
 """The configuration tree: one dataclass per TOML section, every field with a default, a one-line doc
 (``metadata["doc"]``) and its check; the [model] keys of one model kind (``metadata["kinds"]``). Loading,
-validation and output live in config.py, which re-exports everything here.
+validation and output live in load.py, which re-exports everything here.
 """
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ class TrainConfig:
     log_every: int = _f(10, "log a metrics line every N steps", check=_POS)
     out_dir: str = _f("runs/default", "run folder (refused if it already holds results)")
     models: int = _f(1, "train this many models in one job, sharing one partition and one set of "
-                        "collectives (seed claim 6)", check=_POS)
+                        "collectives (CN115114927A claim 6)", check=_POS)
     model_seeds: list[int] = _f([], "per-model seeds (init and data); empty = seed, seed+1, ...")
     model_lrs: list[float] = _f([], "per-model peak learning rates; empty = optim.lr for every model")
 
@@ -229,7 +229,7 @@ class AmpConfig:
     """Low-precision compute, float32 master weights, dynamic loss scaling."""
     enable: bool = _f(False, "turn mixed precision on")
     dtype: str = _f("float16", "compute dtype: float16, or bfloat16 (bf16 values in float32 storage, "
-                    "hpengine/precision.py; every GEMM with bf16 operands and float32 sums, nn/bf16_gemm.py)", choices=("float16", "bfloat16"))
+                    "hpengine/device/precision.py; every GEMM with bf16 operands and float32 sums, nn/bf16_gemm.py)", choices=("float16", "bfloat16"))
     loss_scaling: str = _f("auto", "dynamic loss scaling: auto (on for float16, off for bfloat16), dynamic, off",
                            choices=("auto", "dynamic", "off"))
     grad_dtype: str = _f("float32", "bfloat16 only: dtype gradients accumulate and are reduced in (float32 as "

@@ -97,7 +97,7 @@ class TokenFile:
                             "empty for the built-in corpus)")
         if not h5py.is_hdf5(self.path):
             raise DataError(f"data file '{self.path}' is not an HDF5 file: expected one written by "
-                            "`hpengine data build` (format: README, 'Token files')")
+                            "`hpengine data build` (format: docs/data.md, 'Token files')")
         try:
             self._h5 = h5py.File(self.path, "r")
             self._open()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from hpengine.run import launch
 from hpengine.dist.watchdog import Watchdog
 from hpengine.planner import search as plan
 from hpengine.run import trace
-from hpengine.dist.comm import agree_or_raise
+from hpengine.dist.agree import agree_or_raise
 from hpengine.config.load import Config, to_dict, to_toml
 from hpengine.layout.resolve import chunks
 from hpengine.run.build import (agreed_backend, build, build_dataset, check_same_tokenizer, compute_dtype,  # noqa: F401
@@ -127,7 +128,24 @@ def train(cfg, world=None, resume=None) -> dict:
     log_pipeline(eng, cfg)
     summary = summarize(eng, history, time.perf_counter() - t_start, out, stop)
     trace.finish(eng, out, history, summary["wall_s"])   # trace.json, breakdown table + .json
+    log.info("%s", next_steps(cfg, out, stop))              # the last line: where the run is, what to try
     return summary
+
+
+def next_steps(cfg, out, stop=None) -> str:
+    """The run's last line (rank 0): its folder and the commands to try next on it."""
+    q = shlex.quote(str(out))
+    root = checkpoint_root(cfg)
+    if not (root / "latest").exists():
+        return f"run folder {q} (no checkpoint saved); next: hpengine plot {q}"
+    ck = q if not cfg.checkpoint.dir else shlex.quote(str(root))
+    model = " --model 0" if cfg.train.models > 1 else ""
+    if stop:
+        return (f"run folder {q} (stopped early by {stop}); continue with: hpengine train {q}/config.toml "
+                f"--resume latest")
+    data = shlex.quote(cfg.data.val_path) if cfg.data.val_path else "TOKENS.h5"   # hpengine data build ... --out
+    return (f"run folder {q}; next: hpengine generate {ck}{model} --prompt 'def ' ; "
+            f"hpengine eval {ck} --data {data} ; hpengine plot {q}")
 
 
 def _eval_due(cfg, step) -> bool:
