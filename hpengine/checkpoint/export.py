@@ -12,10 +12,9 @@ Global tensors are read at their true shape (the manifest's `shapes`), so tensor
 padding never reaches an export. Every format is written under a temporary name and renamed at the end;
 an existing OUT is refused unless force.
 
-GPT-2's Conv1D stores weights (in, out), as hpengine does, so no GPT tensor is transposed — but hpengine's
-fused qkv is head-major (column h*3*hd + j*hd + d is head h, part j in q, k, v, element d) while GPT-2's
-c_attn is [all q | all k | all v] (column j*C + h*hd + d): the columns and the bias are permuted. Llama's
-HF linears are (out, in): every 2-D tensor but the embedding is transposed (README, "Model kinds").
+What each kind's tensors are called and how they are laid out in Hugging Face is the kind's adapter's
+(models/hf_gpt.py: GPT-2's Conv1D is (in, out) as here, but its c_attn columns are permuted from the
+head-major fused qkv; models/hf_llama.py: every 2-D tensor but the embedding is transposed; docs/models.md).
 """
 from __future__ import annotations
 
