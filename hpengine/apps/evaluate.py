@@ -25,12 +25,12 @@ import numpy as np
 from mpi4py import MPI
 
 from hpengine.checkpoint import shards as checkpoint
-from hpengine.config import load as C
 from hpengine.checkpoint.locate import find_checkpoint
-from hpengine.dist.agree import agree_or_raise
-from hpengine.run.build import build, load_together
+from hpengine.config import load as C
 from hpengine.data.dataset import check_vocab
 from hpengine.data.format import BYTES, DataError, TokenFile
+from hpengine.dist.agree import agree_or_raise
+from hpengine.run.build import build, load_together
 
 log = logging.getLogger("hpengine")
 

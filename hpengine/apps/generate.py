@@ -25,13 +25,17 @@ import tomllib
 
 import numpy as np
 
-from hpengine.config.load import ConfigError
-from hpengine.data.format import DataError
-from hpengine.models import LOCAL, build_model
-from hpengine.device import backend
+from hpengine.checkpoint.export import (
+    eos_id_of,
+    read_params,
+    run_tokenizer,
+    select_model,
+)
 from hpengine.checkpoint.locate import find_checkpoint
-from hpengine.checkpoint.export import eos_id_of, read_params, run_tokenizer, select_model
-from hpengine.config.load import from_dict
+from hpengine.config.load import ConfigError, from_dict
+from hpengine.data.format import DataError
+from hpengine.device import backend
+from hpengine.models import LOCAL, build_model
 
 DEVICES = ("auto", "cpu", "gpu")
 

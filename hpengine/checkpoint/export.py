@@ -28,10 +28,9 @@ import numpy as np
 
 from hpengine.checkpoint.shards import CheckpointError, Reader, export as export_hdf5
 from hpengine.config.load import from_dict
-from hpengine.models import hf_kinds, kind_of
-from hpengine.data.format import sha256_text
-from hpengine.data.format import TokenFile
+from hpengine.data.format import TokenFile, sha256_text
 from hpengine.data.tokenizer import EOS_CANDIDATES
+from hpengine.models import hf_kinds, kind_of
 
 FORMATS = ("hdf5", "safetensors", "hf")
 

@@ -6,10 +6,10 @@ import sys
 
 from mpi4py import MPI
 
-from hpengine.run.faults import say
-from hpengine.data import DataError
-from hpengine.apps.generate import generate, stats_line
 from hpengine.apps.evaluate import evaluate, line, write_json
+from hpengine.apps.generate import generate, stats_line
+from hpengine.data import DataError
+from hpengine.run.faults import say
 
 
 def generate_parser(sub) -> None:

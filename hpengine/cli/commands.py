@@ -13,32 +13,28 @@ import traceback
 
 from mpi4py import MPI
 
-from hpengine.cli.after import cmd_eval, cmd_generate, eval_parser, generate_parser
-from hpengine.run.faults import say
 from hpengine.apps.plot import PlotError, plot_run
-from hpengine.planner.search import run
-from hpengine.config.load import load_config
-from hpengine.run.faults import EXIT_INTERRUPTED, EXIT_STOPPED
-from hpengine.run.train import train
 from hpengine.checkpoint import shards as checkpoint
 from hpengine.checkpoint.export import export
+from hpengine.checkpoint.shards import CheckpointError
+from hpengine.cli.after import cmd_eval, cmd_generate, eval_parser, generate_parser
+from hpengine.config.load import ConfigError, describe, load_config, to_toml
+from hpengine.data import DataError, build_corpus
+from hpengine.data.build import summary_line
+from hpengine.data.builtin import DEFAULT_MAX_BYTES, stdlib_files, stdlib_source
 from hpengine.data.format import TokenFile, sha256_text
 from hpengine.data.tokenizer import kind_of
-from hpengine.data import build_corpus
-from hpengine.data.build import summary_line
-from hpengine.data import DataError
-from hpengine.data.builtin import DEFAULT_MAX_BYTES, stdlib_files, stdlib_source
-from hpengine.config.load import ConfigError, describe, to_toml
-from hpengine.layout import resolve
 from hpengine.device.backend import BackendError
-from hpengine.checkpoint.shards import CheckpointError
-from hpengine.engine.engine import NonFiniteError
-from hpengine.run.launch import LaunchError
 from hpengine.dist.topology import TopologyError
-from hpengine.layout.resolve import PipelineError
-from hpengine.run.train import RunError
-from hpengine.run import startguard
 from hpengine.dist.watchdog import where
+from hpengine.engine.engine import NonFiniteError
+from hpengine.layout import resolve
+from hpengine.layout.resolve import PipelineError
+from hpengine.planner import search as plan
+from hpengine.run import startguard
+from hpengine.run.faults import EXIT_INTERRUPTED, EXIT_STOPPED, say
+from hpengine.run.launch import LaunchError
+from hpengine.run.train import RunError, train
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -177,7 +173,7 @@ def _plan_usage_error(message: str):
 
 
 def _cmd_plan(a) -> int:
-    text = run(a)
+    text = plan.run(a)
     try:
         if text:
             print(text, flush=True)
@@ -334,8 +330,6 @@ def _say(line: str) -> None:
 
 def _interrupted() -> int:
     """Ctrl-C outside the training loop's agreed stop: a peer may wait in a collective, so end the job."""
-    if "mpi4py.MPI" not in sys.modules:
-        return 130
     w = MPI.COMM_WORLD
     if w.Get_size() > 1:
         _say(f"hpengine: rank {w.Get_rank()} of {w.Get_size()}: interrupted; aborting the job")

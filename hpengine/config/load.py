@@ -20,9 +20,29 @@ from typing import Any
 
 from hpengine.config.toml_out import emit_table, toml_value
 from hpengine.config.tree import (  # noqa: F401 - the tree, re-exported
-    MESH_AXES, ConfigError, ModelConfig, DataSource, DataConfig, TrainConfig, OptimConfig, DataParallelConfig,
-    ShardingConfig, PipelineConfig, TensorParallelConfig, RecomputeConfig, GradientMergeConfig, AmpConfig,
-    StrategyConfig, CheckpointConfig, RuntimeConfig, MeshConfig, Config, kind_keys, ffn_width, _kind_error)
+    MESH_AXES,
+    AmpConfig,
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    DataParallelConfig,
+    DataSource,
+    GradientMergeConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimConfig,
+    PipelineConfig,
+    RecomputeConfig,
+    RuntimeConfig,
+    ShardingConfig,
+    StrategyConfig,
+    TensorParallelConfig,
+    TrainConfig,
+    _kind_error,
+    ffn_width,
+    kind_keys,
+)
 
 
 @functools.cache

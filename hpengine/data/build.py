@@ -25,8 +25,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from hpengine.data import inputs
-from hpengine.data import tokenizer as toks
+from hpengine.data import inputs, tokenizer as toks
 from hpengine.data.format import BYTES, DataError, make_durable, write_token_file
 
 log = logging.getLogger("hpengine.data")

@@ -7,9 +7,9 @@ CUDA-aware MPI, through the pinned host buffers of `HostStaging` around each MPI
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import sys
-import logging
 from collections import OrderedDict
 
 import numpy as np

@@ -13,6 +13,7 @@ the pool itself, through threadpoolctl:
 from __future__ import annotations
 
 import os
+
 from threadpoolctl import threadpool_limits
 
 ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")

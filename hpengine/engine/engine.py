@@ -13,18 +13,18 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from hpengine.engine import state
 from hpengine.dist.comm import Comm
-from hpengine.params.init import init_range
-from hpengine.optim import AdamW, clip_coefficient, lr_at, sum_of_squares
-from hpengine.layout.stage import build_stage
-from hpengine.strategies import make_grad_sync
-from hpengine.strategies.amp import Precision
-from hpengine.strategies.pipeline import PipelineExecutor
-from hpengine.strategies.context import make_context
 from hpengine.dist.tracer import Tracer
+from hpengine.engine import state
 from hpengine.layout.cache import Recompute, cache_nbytes
 from hpengine.layout.reduction import norm_excluded, reductions, summed_over, tied_sums
+from hpengine.layout.stage import build_stage
+from hpengine.optim import AdamW, clip_coefficient, lr_at, sum_of_squares
+from hpengine.params.init import init_range
+from hpengine.strategies import make_grad_sync
+from hpengine.strategies.amp import Precision
+from hpengine.strategies.context import make_context
+from hpengine.strategies.pipeline import PipelineExecutor
 
 log = logging.getLogger("hpengine")
 

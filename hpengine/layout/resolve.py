@@ -11,10 +11,9 @@ import functools
 import math
 from dataclasses import dataclass
 
-from hpengine.params.buffers import partition
-from hpengine.config.load import MESH_AXES, ConfigError, validate
+from hpengine.config.load import MESH_AXES, ConfigError, ModelConfig, validate
 from hpengine.models import build_model
-from hpengine.config.load import ModelConfig
+from hpengine.params.buffers import partition
 
 AXES = MESH_AXES          # innermost first by default
 SWITCH_OF_AXIS = {"tp": "tensor_parallel", "sharding": "sharding", "dp": "data_parallel", "pp": "pipeline"}

@@ -9,9 +9,9 @@ import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from hpengine.params.buffers import Layout, Range
-from hpengine.models import build_model
 from hpengine.layout.resolve import Resolved, stage_chunks
+from hpengine.models import build_model
+from hpengine.params.buffers import Layout, Range
 
 
 @dataclass(frozen=True)

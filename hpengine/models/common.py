@@ -8,12 +8,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpengine.models.tp_layers import (
+    column_backward,
+    column_forward,
+    row_backward,
+    row_forward,
+    vocab_embed_backward,
+    vocab_embed_forward,
+    vocab_loss_backward,
+    vocab_loss_forward,
+)
+from hpengine.nn import (
+    embedding_cache_bytes,
+    gelu_backward,
+    gelu_forward,
+    gelu_recompute,
+    layernorm_backward,
+    layernorm_cache_elements,
+    layernorm_forward,
+    linear_drop_input,
+    linear_restore_input,
+)
 from hpengine.params.buffers import ParamSpec
-from hpengine.nn import (embedding_cache_bytes, gelu_backward, gelu_forward, gelu_recompute, layernorm_backward,
-                  layernorm_cache_elements, layernorm_forward, linear_drop_input, linear_restore_input)
-from hpengine.models.tp_layers import (column_backward, column_forward, row_backward, row_forward,
-                                       vocab_embed_backward, vocab_embed_forward, vocab_loss_backward,
-                                       vocab_loss_forward)
 
 __all__ = ["Block", "padded_vocab"]
 

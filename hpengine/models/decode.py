@@ -9,8 +9,8 @@ Every model offers the same four methods, so the generator never branches on the
 """
 from __future__ import annotations
 
-from hpengine.nn import linear_forward
 from hpengine.models.common import head_weight
+from hpengine.nn import linear_forward
 
 
 class KVCache:

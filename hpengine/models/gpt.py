@@ -7,17 +7,48 @@ from __future__ import annotations
 
 import math
 
-from hpengine.params.buffers import ParamSpec
-from hpengine.nn import (attention_backward, attention_cache_elements, attention_drop_scores, attention_forward,
-                  attention_restore_scores, gelu_cache_elements, layernorm_backward, layernorm_cache_elements,
-                  layernorm_forward, linear_forward, score_elements)
-from hpengine.models.common import (Block, embed_specs, end_cache_bytes, head_backward, head_forward, head_specs,
-                     mlp_backward, mlp_forward, mlp_specs, padded_vocab, standard_blocks, tok_embed_backward,
-                     tok_embed_forward)
+from hpengine.models.common import (
+    Block,
+    embed_specs,
+    end_cache_bytes,
+    head_backward,
+    head_forward,
+    head_specs,
+    mlp_backward,
+    mlp_forward,
+    mlp_specs,
+    padded_vocab,
+    standard_blocks,
+    tok_embed_backward,
+    tok_embed_forward,
+)
 from hpengine.models.context import LOCAL
-from hpengine.models.tp_layers import column_backward, column_forward, row_backward, row_forward
-from hpengine.nn.flash import flash_attention_backward, flash_attention_forward, flash_cache_bytes
 from hpengine.models.decode import KVCache, output_logits
+from hpengine.models.tp_layers import (
+    column_backward,
+    column_forward,
+    row_backward,
+    row_forward,
+)
+from hpengine.nn import (
+    attention_backward,
+    attention_cache_elements,
+    attention_drop_scores,
+    attention_forward,
+    attention_restore_scores,
+    gelu_cache_elements,
+    layernorm_backward,
+    layernorm_cache_elements,
+    layernorm_forward,
+    linear_forward,
+    score_elements,
+)
+from hpengine.nn.flash import (
+    flash_attention_backward,
+    flash_attention_forward,
+    flash_cache_bytes,
+)
+from hpengine.params.buffers import ParamSpec
 
 
 class GPT:

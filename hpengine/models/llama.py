@@ -13,18 +13,48 @@ from __future__ import annotations
 
 import math
 
-from hpengine.params.buffers import ParamSpec
 from hpengine.config.load import ffn_width
-from hpengine.nn import (gqa_attention_backward, gqa_attention_forward, gqa_cache_elements, gqa_drop_scores,
-                  gqa_restore_scores,
-                  linear_drop_input, linear_forward, linear_restore_input, rmsnorm_backward, rmsnorm_cache_bytes,
-                  rmsnorm_forward, rope_backward, rope_forward, rope_tables, score_elements, swiglu_backward,
-                  swiglu_cache_elements, swiglu_forward, swiglu_recompute)
-from hpengine.models.common import (Block, embed_specs, end_cache_bytes, logits_loss_backward, logits_loss_forward, padded_vocab,
-                     standard_blocks, tok_embed_backward, tok_embed_forward)
-from hpengine.models.tp_layers import columns_backward, columns_forward, row_backward, row_forward
-from hpengine.nn.flash import flash_cache_bytes, flash_gqa_backward, flash_gqa_forward
+from hpengine.models.common import (
+    Block,
+    embed_specs,
+    end_cache_bytes,
+    logits_loss_backward,
+    logits_loss_forward,
+    padded_vocab,
+    standard_blocks,
+    tok_embed_backward,
+    tok_embed_forward,
+)
 from hpengine.models.decode import KVCache, output_logits
+from hpengine.models.tp_layers import (
+    columns_backward,
+    columns_forward,
+    row_backward,
+    row_forward,
+)
+from hpengine.nn import (
+    gqa_attention_backward,
+    gqa_attention_forward,
+    gqa_cache_elements,
+    gqa_drop_scores,
+    gqa_restore_scores,
+    linear_drop_input,
+    linear_forward,
+    linear_restore_input,
+    rmsnorm_backward,
+    rmsnorm_cache_bytes,
+    rmsnorm_forward,
+    rope_backward,
+    rope_forward,
+    rope_tables,
+    score_elements,
+    swiglu_backward,
+    swiglu_cache_elements,
+    swiglu_forward,
+    swiglu_recompute,
+)
+from hpengine.nn.flash import flash_cache_bytes, flash_gqa_backward, flash_gqa_forward
+from hpengine.params.buffers import ParamSpec
 
 
 class Llama:

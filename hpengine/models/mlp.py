@@ -6,13 +6,30 @@ from __future__ import annotations
 
 import math
 
-from hpengine.params.buffers import ParamSpec
-from hpengine.nn import gelu_cache_elements, layernorm_backward, layernorm_cache_elements, layernorm_forward
-from hpengine.models.common import (Block, embed_specs, end_cache_bytes, head_backward, head_forward, head_specs,
-                     mlp_backward, mlp_forward, mlp_specs, padded_vocab, standard_blocks, tok_embed_backward,
-                     tok_embed_forward)
+from hpengine.models.common import (
+    Block,
+    embed_specs,
+    end_cache_bytes,
+    head_backward,
+    head_forward,
+    head_specs,
+    mlp_backward,
+    mlp_forward,
+    mlp_specs,
+    padded_vocab,
+    standard_blocks,
+    tok_embed_backward,
+    tok_embed_forward,
+)
 from hpengine.models.context import LOCAL
 from hpengine.models.decode import output_logits
+from hpengine.nn import (
+    gelu_cache_elements,
+    layernorm_backward,
+    layernorm_cache_elements,
+    layernorm_forward,
+)
+from hpengine.params.buffers import ParamSpec
 
 
 class MLP:

@@ -5,7 +5,12 @@ build their blocks from these rather than calling the conjugate pairs themselves
 """
 from __future__ import annotations
 
-from hpengine.nn import embedding_backward, embedding_forward, linear_backward, linear_forward
+from hpengine.nn import (
+    embedding_backward,
+    embedding_forward,
+    linear_backward,
+    linear_forward,
+)
 
 __all__ = ["column_backward", "column_forward", "columns_backward", "columns_forward", "row_backward",
            "row_forward", "vocab_embed_backward", "vocab_embed_forward", "vocab_loss_backward",

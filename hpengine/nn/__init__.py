@@ -4,19 +4,54 @@ Backwards accumulate (+=) into the gradient views they are handed and return
 the input gradient (docs/architecture.md, "Layers"). Each module also says how many elements
 its forward caches, which the planner's memory model reads.
 """
-from hpengine.nn.activation import (gelu_backward, gelu_cache_elements, gelu_forward, gelu_recompute, relu_backward,
-                         relu_forward)
-from hpengine.nn.attention import (attention_backward, attention_cache_elements, attention_drop_scores, attention_forward,
-                        attention_restore_scores, score_elements)
-from hpengine.nn.gqa import (gqa_attention_backward, gqa_attention_forward, gqa_cache_elements, gqa_drop_scores,
-                  gqa_restore_scores)
-from hpengine.nn.embedding import embedding_backward, embedding_cache_bytes, embedding_forward
-from hpengine.nn.layernorm import layernorm_backward, layernorm_cache_elements, layernorm_forward
-from hpengine.nn.linear import linear_backward, linear_drop_input, linear_forward, linear_restore_input
+from hpengine.nn.activation import (
+                         gelu_backward,
+                         gelu_cache_elements,
+                         gelu_forward,
+                         gelu_recompute,
+                         relu_backward,
+                         relu_forward,
+)
+from hpengine.nn.attention import (
+                         attention_backward,
+                         attention_cache_elements,
+                         attention_drop_scores,
+                         attention_forward,
+                         attention_restore_scores,
+                         score_elements,
+)
+from hpengine.nn.embedding import (
+                         embedding_backward,
+                         embedding_cache_bytes,
+                         embedding_forward,
+)
+from hpengine.nn.gqa import (
+                         gqa_attention_backward,
+                         gqa_attention_forward,
+                         gqa_cache_elements,
+                         gqa_drop_scores,
+                         gqa_restore_scores,
+)
+from hpengine.nn.layernorm import (
+                         layernorm_backward,
+                         layernorm_cache_elements,
+                         layernorm_forward,
+)
+from hpengine.nn.linear import (
+                         linear_backward,
+                         linear_drop_input,
+                         linear_forward,
+                         linear_restore_input,
+)
 from hpengine.nn.loss import cross_entropy_backward, cross_entropy_forward
 from hpengine.nn.rmsnorm import rmsnorm_backward, rmsnorm_cache_bytes, rmsnorm_forward
 from hpengine.nn.rope import rope_backward, rope_forward, rope_tables
-from hpengine.nn.swiglu import swiglu_backward, swiglu_cache_elements, swiglu_forward, swiglu_recompute
+from hpengine.nn.swiglu import (
+                         swiglu_backward,
+                         swiglu_cache_elements,
+                         swiglu_forward,
+                         swiglu_recompute,
+)
 
 __all__ = [
     "linear_forward", "linear_backward",

@@ -19,9 +19,9 @@ import contextlib
 
 import numpy as np
 
+from hpengine.device import backend
 from hpengine.device.precision import round_bf16_
 from hpengine.nn import gemm
-from hpengine.device import backend
 
 CUDA_R_32F, CUDA_R_16BF = 0, 14            # cudaDataType_t
 CUBLAS_COMPUTE_32F = 68                    # cublasComputeType_t

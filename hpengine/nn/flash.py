@@ -20,9 +20,9 @@ import math
 
 import numpy as np
 
+from hpengine.nn import flash_cuda
 from hpengine.nn.attention import _heads, _mm
 from hpengine.nn.gqa import gqa_shapes
-from hpengine.nn import flash_cuda
 
 BQ = 64          # query positions per block on the CPU (read at call time when bq is None)
 BK = 64          # keys per block (likewise)

@@ -7,8 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from hpengine.device.kernels import (
+    CHUNK,
+    adamw_coefs,
+    adamw_cupy,
+    adamw_numpy,
+    chunk_plan,
+)
 from hpengine.params.buffers import Range
-from hpengine.device.kernels import CHUNK, adamw_coefs, adamw_cupy, adamw_numpy, chunk_plan
 
 
 def decay_mask(layout, r: Range, xp, dtype):

@@ -10,22 +10,20 @@ from __future__ import annotations
 import math
 import os
 import time
+
 import numpy as np
 from mpi4py import MPI
 
-from hpengine.device.backend import cupy_usable
-from hpengine.planner.calibrate_gpu import calibrate_gpu
-from hpengine.device.backend import keep_heap
-from hpengine.params.buffers import FlatBuffer, Layout as Offsets
 from hpengine.config.load import load_config
+from hpengine.device.backend import cupy_usable, keep_heap
+from hpengine.dist.comm import Comm, testall, waitall
 from hpengine.layout.cache import cache_nbytes
-from hpengine.models import LOCAL, build_model
-from hpengine.planner.model import block_activations, matmul_flops
 from hpengine.layout.resolve import resolve
-from hpengine.params.buffers import ParamSpec, Range
+from hpengine.models import LOCAL, build_model
 from hpengine.optim import AdamW, sum_of_squares
-from hpengine.dist.comm import Comm, waitall
-from hpengine.dist.comm import testall
+from hpengine.params.buffers import FlatBuffer, Layout as Offsets, ParamSpec, Range
+from hpengine.planner.calibrate_gpu import calibrate_gpu
+from hpengine.planner.model import block_activations, matmul_flops
 
 GB = 1e9
 ROUNDS = 5                        # timed rounds of each primitive; the best (or the median) is kept

@@ -20,13 +20,11 @@ import time
 
 from mpi4py import MPI
 
-from hpengine.planner.peaks import table_peak
-from hpengine.planner.gpu import fit_bandwidth, fit_gemm, fit_line
-from hpengine.device.backend import BackendError, cupy_usable
-from hpengine.device.backend import make_backend
+from hpengine.device.backend import BackendError, cupy_module, cupy_usable, make_backend
 from hpengine.dist.comm import Comm
 from hpengine.dist.topology import node_ranks
-from hpengine.device.backend import cupy_module
+from hpengine.planner.gpu import fit_bandwidth, fit_gemm, fit_line
+from hpengine.planner.peaks import table_peak
 
 ROUNDS = 5
 # (M, K, N): squares from launch-bound to compute-bound, and a transformer layer's shapes (tokens x C x 3C,

@@ -26,10 +26,10 @@ import dataclasses
 import functools
 import math
 
-from hpengine.models import build_model
-from hpengine.planner import recompute as rc
 from hpengine.config.load import ModelConfig
 from hpengine.layout.stage import owner
+from hpengine.models import build_model
+from hpengine.planner import recompute as rc
 
 # element-wise traffic per cached byte: forward writes it and the next operation reads it, backward reads
 # it and writes and reads its gradient (layernorm, softmax, GELU, residual adds, each unfused)

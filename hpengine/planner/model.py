@@ -10,16 +10,13 @@ import functools
 import math
 from dataclasses import dataclass
 
-from hpengine.params.buffers import partition
-from hpengine.planner import gpu as plan_gpu
-from hpengine.planner import recompute as rc
-from hpengine.planner import tp as plan_tp
-from hpengine.models import build_model
-from hpengine.layout.resolve import AXES, Resolved, resolve
-from hpengine.layout.stage import build_stage, owner
-from hpengine.layout.schedules import bubble_fraction, peak_live
-from hpengine.layout.resolve import MAX_INFLIGHT
 from hpengine.config.load import ModelConfig
+from hpengine.layout.resolve import AXES, MAX_INFLIGHT, Resolved, resolve
+from hpengine.layout.schedules import bubble_fraction, peak_live
+from hpengine.layout.stage import build_stage, owner
+from hpengine.models import build_model
+from hpengine.params.buffers import partition
+from hpengine.planner import gpu as plan_gpu, recompute as rc, tp as plan_tp
 
 F64 = 8                  # the engine's loss and squared-norm vectors are float64, one entry per model
 _bubble = functools.lru_cache(maxsize=4096)(bubble_fraction)     # the planner asks often; it builds a schedule

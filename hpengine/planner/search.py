@@ -11,13 +11,21 @@ import os
 import time
 from itertools import product
 
+from hpengine.config.load import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    enabled_strategies,
+    load_config,
+    to_toml,
+    validate,
+)
+from hpengine.layout.resolve import SWITCH_OF_AXIS, Resolved, resolve
+from hpengine.models import build_model
 from hpengine.planner.calibrate import GB, calibrate_device
 from hpengine.planner.cluster import Cluster, PlanError, load_cluster  # noqa: F401 - Cluster and PlanError are part of plan's API
-from hpengine.config.load import ConfigError, Config, ModelConfig, enabled_strategies, load_config, to_toml, validate
-from hpengine.models import build_model
 from hpengine.planner.model import evaluate, predict_stage, stages, step_time  # noqa: F401 - evaluate is part of plan's API
 from hpengine.planner.presets import ALIASES, PRESETS
-from hpengine.layout.resolve import SWITCH_OF_AXIS, Resolved, resolve
 
 
 def with_preset(cfg: Config, name: str) -> Config:

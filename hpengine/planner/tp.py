@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import functools
 
-from hpengine.planner import recompute as rc
 from hpengine.models import build_model
+from hpengine.planner import recompute as rc
 
 
 def activation_calls(mcfg, st, lay) -> dict:

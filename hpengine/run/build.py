@@ -13,8 +13,8 @@ from hpengine.checkpoint import shards as checkpoint
 from hpengine.data import DataError, TokenDataset, ensure_default_corpus
 from hpengine.device.backend import BackendError, keep_heap, make_backend
 from hpengine.device.threads import pin as pin_blas_threads
-from hpengine.dist.comm import Comm, resolve_cuda_aware
 from hpengine.dist.agree import agree_or_raise
+from hpengine.dist.comm import Comm, resolve_cuda_aware
 from hpengine.dist.topology import Mesh, node_ranks
 from hpengine.engine.engine import Engine
 from hpengine.layout.resolve import resolve

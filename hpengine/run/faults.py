@@ -20,6 +20,7 @@ import select
 import socket
 import threading
 import time
+
 from mpi4py import MPI
 
 from hpengine.run.launch import launcher_size

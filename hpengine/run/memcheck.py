@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import math
 
-from hpengine.dist.agree import agree_or_raise
 from hpengine.config.load import ConfigError
-from hpengine.planner.model import evaluate as predict_layout
+from hpengine.dist.agree import agree_or_raise
 from hpengine.dist.topology import node_ranks
+from hpengine.planner.model import evaluate as predict_layout
 
 
 class MemoryCheckError(ConfigError):

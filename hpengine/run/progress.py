@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from hpengine.planner.peaks import PEAK_TFLOPS, precision_of, table_peak
 from hpengine.planner.calibrate import _alone, gemm_rate
+from hpengine.planner.peaks import PEAK_TFLOPS, precision_of, table_peak
 from hpengine.run.trace import model_flops
 
 RECENT = 20          # steps whose mean wall time gives the ETA

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpengine.dist.agree import agree_or_raise
 from hpengine.config.load import to_toml
 from hpengine.data.format import BYTES
+from hpengine.dist.agree import agree_or_raise
 
 
 class RunError(RuntimeError):

@@ -16,25 +16,27 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from hpengine.checkpoint import shards as checkpoint
-from hpengine.checkpoint import guard as ckpt_guard
-from hpengine.run import faults
-from hpengine.checkpoint import hf_import
-from hpengine.run import launch
-from hpengine.dist.watchdog import Watchdog
-from hpengine.planner import search as plan
-from hpengine.run import trace
-from hpengine.dist.agree import agree_or_raise
+from hpengine.checkpoint import guard as ckpt_guard, hf_import, shards as checkpoint
 from hpengine.config.load import Config, to_dict, to_toml
+from hpengine.device.threads import describe as blas_threads_line
+from hpengine.dist.agree import agree_or_raise
+from hpengine.dist.watchdog import Watchdog
 from hpengine.layout.resolve import chunks
-from hpengine.run.build import (agreed_backend, build, build_dataset, check_same_tokenizer, compute_dtype,  # noqa: F401
-                                 data_meta, load_together, setup_logging)
+from hpengine.layout.schedules import bubble_fraction
+from hpengine.planner import search as plan
+from hpengine.run import faults, launch, progress, tensorboard as tboard, trace
+from hpengine.run.build import (  # noqa: F401
+    agreed_backend,
+    build,
+    build_dataset,
+    check_same_tokenizer,
+    compute_dtype,
+    data_meta,
+    load_together,
+    setup_logging,
+)
 from hpengine.run.resume import resolve_resume
 from hpengine.run.run_dir import RunError, prepare_run_dir, tokenizer_json, trim_metrics  # noqa: F401 (re-exported)
-from hpengine.run import progress
-from hpengine.run import tensorboard as tboard
-from hpengine.device.threads import describe as blas_threads_line
-from hpengine.layout.schedules import bubble_fraction
 
 log = logging.getLogger("hpengine")
 

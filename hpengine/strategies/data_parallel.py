@@ -10,8 +10,8 @@ import time
 
 import numpy as np
 
-from hpengine.params.buffers import Range
 from hpengine.dist.comm import testall, waitall
+from hpengine.params.buffers import Range
 from hpengine.strategies.base import LocalSync
 
 

@@ -12,12 +12,11 @@ import time
 
 import numpy as np
 
-from hpengine.params.buffers import FlatBuffer, Layout, imbalance, partition
 from hpengine.dist.comm import testall, waitall
-from hpengine.params.init import init_range
 from hpengine.layout.resolve import MAX_INFLIGHT
+from hpengine.params.buffers import FlatBuffer, Layout, imbalance, partition
+from hpengine.params.init import init_range
 from hpengine.strategies.base import LocalSync, Merged
-
 
 
 class ShardedSync(LocalSync):
