@@ -2,9 +2,9 @@
 
 DIR holds config.json and model.safetensors (or sharded model-*.safetensors with
 model.safetensors.index.json) of a GPT2LMHeadModel (-> model.kind = "gpt") or a LlamaForCausalLM
-(-> "llama"). The inverse of `hpengine ckpt export --format hf` (hpengine/export.py): GPT-2's c_attn
-columns [q|k|v][head][d] are permuted back to hpengine's head-major qkv, Llama's (out, in) linears are
-transposed. HFReader serves hpengine-named global tensors through the same read() as
+(-> "llama"). The inverse of `hpengine ckpt export --format hf` (checkpoint/export.py); the names and
+layout changes are the kind's adapter's (models/hf_gpt.py: GPT-2's c_attn columns [q|k|v][head][d] permuted
+back to hpengine's head-major qkv; models/hf_llama.py: Llama's (out, in) linears transposed). HFReader serves hpengine-named global tensors through the same read() as
 checkpoint.ExportReader, so every layout (tensor-parallel slices, sharded ranges, pipeline stages) loads
 it unchanged; each tensor is read lazily (memory-mapped) when a rank asks for it.
 
@@ -121,9 +121,9 @@ class HFReader:
             raise CheckpointError(f"{where}: '{cpath}' is missing or not JSON ({exc})") from None
         kind = _check_config(hc, mcfg, f"hf:{folder}")
         self.st = _Safetensors(_files(self.dir, where), where)
-        if kind == "gpt" and "transformer.wte.weight" not in self.st.entries and "wte.weight" in self.st.entries:
-            self.st.entries = {f"transformer.{k}": v for k, v in self.st.entries.items()}   # bare GPT2Model names
-        self.map = kind_of(kind).hf.from_hf_map(mcfg)
+        adapter = kind_of(kind).hf
+        self.st.entries = adapter.full_names(self.st.entries)
+        self.map = adapter.from_hf_map(mcfg)
         extra = sorted(set(shapes) - set(self.map))
         if extra:
             raise CheckpointError(f"{where}: the run has tensors {extra[:4]} with no Hugging Face counterpart")

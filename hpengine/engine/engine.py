@@ -309,7 +309,8 @@ class Engine:
         (owned parameters, float32 masters under amp, Adam moments) and the layout-independent facts
         (optimizer steps, loss scaler, tensor shapes, degrees). The caller adds config and data."""
         pieces = state.checkpoint_pieces(self.stage, self.sync, self.opts, self.master, self.tp,
-                                         self.mesh.coords["dp"], self.be)
+                                         self.mesh.coords["dp"], self.be,
+                                         frozenset(r.tensor for r in self.reductions if not r.counted))
         meta = {"state": state.checkpoint_meta(self.opt_steps, self.scaler, len(self.slots)),
                 "shapes": self.true_shapes(), "layout": self.mesh.degrees, "world": self.mesh.size}
         return pieces, meta

@@ -9,10 +9,11 @@ import dataclasses
 import numpy as np
 
 
-def checkpoint_pieces(stage, sync, opts, master, tp, dp_coord: int, backend) -> list:
+def checkpoint_pieces(stage, sync, opts, master, tp, dp_coord: int, backend, elsewhere: frozenset) -> list:
     """What this rank alone saves: (name, kind, global_shape, tp box, flat a, b, host array) for the owned
-    parameters (float32 masters under amp) and Adam moments; dp replicas, tp replicas of replicated
-    tensors and another stage's copies are left to the one rank that saves them."""
+    parameters (float32 masters under amp) and Adam moments. dp replicas are left to dp rank 0, and the
+    tensors in `elsewhere` (those this rank does not count: tp replicas of replicated tensors, another
+    stage's copies; layout/reduction.py) to the one rank that counts them."""
     if dp_coord != 0:
         return []
     own, lay, host = sync.owned, stage.layout, backend.to_host
@@ -25,7 +26,7 @@ def checkpoint_pieces(stage, sync, opts, master, tp, dp_coord: int, backend) -> 
         m, v = host(opt.m), host(opt.v)
         for name, part, off in lay.tensors_in(seg):
             spec = lay.by_name[name]
-            if (spec.tp_dim is None and tp.rank > 0) or name in stage.copies:
+            if name in elsewhere:
                 continue
             box = spec.tp_slices(tp.rank, tp.size)
             a, b = off, off + part.size

@@ -15,7 +15,7 @@ from hpengine.models.mlp import MLP
 @dataclass(frozen=True)
 class Kind:
     """A model kind: its class and, where Hugging Face has an equivalent, its adapter module (hf_<kind>.py:
-    ARCH, to_hf, hf_config, check_config, from_hf_map). Adding a kind is a file here and a line below."""
+    ARCH, to_hf, hf_config, check_config, full_names, from_hf_map). Adding a kind is a file here and a line below."""
     model: type
     hf: ModuleType | None = None
 

@@ -77,6 +77,13 @@ def check_config(hc: dict, mcfg, where: str) -> bool:
     return bool(hc.get("tie_word_embeddings", True))
 
 
+def full_names(entries: dict) -> dict:
+    """A folder's tensors under GPT2LMHeadModel's names: a bare GPT2Model's ("wte.weight") gain "transformer."."""
+    if "transformer.wte.weight" not in entries and "wte.weight" in entries:
+        return {f"transformer.{k}": v for k, v in entries.items()}
+    return entries
+
+
 def from_hf_map(mcfg) -> dict:
     """hpengine gpt name -> (Hugging Face name, transform of the HF array)."""
     H = mcfg.n_heads

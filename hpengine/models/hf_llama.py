@@ -71,6 +71,11 @@ def check_config(hc: dict, mcfg, where: str) -> bool:
     return bool(hc.get("tie_word_embeddings", False))
 
 
+def full_names(entries: dict) -> dict:
+    """A folder's tensors under LlamaForCausalLM's names (they already are)."""
+    return entries
+
+
 def from_hf_map(mcfg) -> dict:
     """hpengine llama name -> (Hugging Face name, transform of the HF array)."""
     return {n: (hf, (lambda a: a.T) if t else (lambda a: a)) for n, (hf, t) in names(mcfg.n_layers, mcfg.tie_head).items()}
