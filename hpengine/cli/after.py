@@ -1,5 +1,5 @@
 """The command line's after-training commands: `hpengine generate` and `hpengine eval` (parsers and
-commands; cli.py wires them in)."""
+commands; commands.py wires them in)."""
 from __future__ import annotations
 
 import sys

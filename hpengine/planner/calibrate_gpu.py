@@ -1,5 +1,5 @@
 """`hpengine plan --calibrate` on a GPU (CuPy, through backend.py): measure the figures of the planner's
-GPU compute model (plan_gpu.py) on this device and print them as a [cluster] table: the rate of GEMMs of
+GPU compute model (planner/gpu.py) on this device and print them as a [cluster] table: the rate of GEMMs of
 several shapes, fitted to eff(d) = eff_max · d / (d + d_half) of the datasheet peak (peaks.PEAK_TFLOPS);
 the memory bandwidth of large element-wise kernels (a copy and an add, by the bytes they move); and the
 cost of a kernel call, from tiny kernels back to back (what the host spends to launch one, as the engine

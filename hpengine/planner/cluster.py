@@ -1,5 +1,5 @@
 """The machine the planner plans for: `Cluster` (devices, memory and what is kept free of it, FLOP/s, links,
-the CPU figures --calibrate measures and the GPU figures of plan_gpu.py) and `load_cluster`, which reads a
+the CPU figures --calibrate measures and the GPU figures of planner/gpu.py) and `load_cluster`, which reads a
 [cluster] table and flags and checks every value, one line per mistake."""
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class Cluster:
     overlap: float = 1.0            # share of the last backward that hides gradient sync (0: no progress beside it)
     reduce_bw_gbs: float = 0.0      # a block's gradient reduced to its owner, inside a node (0: the link's)
     allgather_bw_gbs: float = 0.0   # a block gathered from its owner (stage 3), inside a node (0: the link's)
-    # GPUs (plan_gpu.py; all 0: one sustained rate for every GEMM). Set, tflops* are datasheet peaks and a
+    # GPUs (planner/gpu.py; all 0: one sustained rate for every GEMM). Set, tflops* are datasheet peaks and a
     # GEMM of harmonic mean dimension d sustains gemm_eff_max * d / (d + gemm_half_dim) of them
     gemm_half_dim: float = 0.0      # GEMM dimension at which half of gemm_eff_max is reached
     gemm_eff_max: float = 1.0       # share of the peak the largest GEMMs sustain

@@ -1,6 +1,6 @@
 """The planner's GPU compute time: each GEMM of a micro-batch at the rate its shape reaches, the
 element-wise passes at the device memory's bandwidth, and a launch cost per GEMM. Used by
-plan_model.compute_s when the cluster gives any of gemm_half_dim, mem_bw_gbs, launch_us (all 0 by
+planner/model.py: compute_s when the cluster gives any of gemm_half_dim, mem_bw_gbs, launch_us (all 0 by
 default: one sustained FLOP/s for every GEMM, the CPU model).
 
 A GEMM of (M x K) by (K x N), `batch` times (attention: one per sequence and head), takes

@@ -270,7 +270,7 @@ def matmul_flops(mcfg, tokens: int, weights: int, layers: int, tp: int, f: int =
 
 def flops_per_microbatch(mcfg, st: Stage, lay: Resolved) -> float:
     """6·N·tokens over the weights this rank multiplies by, plus attention scores, plus what the
-    recomputed layers rebuild (plan_recompute.extra_flops)."""
+    recomputed layers rebuild (planner/recompute.py: extra_flops)."""
     tokens = lay.rows * mcfg.seq_len
     return matmul_flops(mcfg, tokens, st.matmul, st.layers, lay.tp) + rc.extra_flops(mcfg, st, lay, tokens)
 
@@ -292,7 +292,7 @@ def oversubscription(lay: Resolved, cluster) -> float:
 def compute_s(mcfg, st: Stage, lay: Resolved, cluster) -> float:
     """Seconds of one micro-batch of one model through the stage on one device (or core): its matmul
     FLOPs at the sustained rate (GPU clusters with gemm_half_dim, mem_bw_gbs or launch_us: each GEMM at
-    its shape's rate and the cached bytes' element-wise passes at the memory bandwidth, plan_gpu.py); on
+    its shape's rate and the cached bytes' element-wise passes at the memory bandwidth, planner/gpu.py); on
     CPUs (calibrated block_us, act_ns) also a fixed overhead per block pass (forward, backward, and a
     recomputed block's second forward) and the elementwise passes (layernorm, softmax, GELU, residuals)
     over the activations the forward caches, by their bytes (a second forward: about half of its layer's

@@ -1,5 +1,5 @@
 """`hpengine plan`: enumerate the legal switch combinations and degrees for a model on a cluster, rank them
-by the predicted step time among those whose predicted memory fits (plan_model.py), print the table and
+by the predicted step time among those whose predicted memory fits (planner/model.py), print the table and
 write the best as a config; `--check` predicts one config; `--calibrate` measures this machine; and
 train.py calls check_at_start to log the prediction for the job it runs.
 """
@@ -274,7 +274,7 @@ def check_at_start(cfg: Config, world: int, log, rank: int = 0) -> dict | None:
 
 CLUSTER_FLAGS = ("nodes", "gpus_per_node", "mem_gb", "intra_bw_gbs", "inter_bw_gbs", "intra_latency_us",
                  "inter_latency_us", "tflops", "tflops_fp32", "tflops_fp64",
-                 "reserve_gb")   # cli.py's flags (the rest: --cluster)
+                 "reserve_gb")   # cli/commands.py's flags (the rest: --cluster)
 
 
 def check_args(a) -> None:
@@ -295,7 +295,7 @@ def check_args(a) -> None:
 
 
 def run(a) -> str:
-    """The `hpengine plan` command (arguments from cli.py); returns the text to print."""
+    """The `hpengine plan` command (arguments from cli/commands.py); returns the text to print."""
     check_args(a)
     if a.calibrate:
         return calibrate_device(a.gpus_per_node, getattr(a, "device", "auto"))

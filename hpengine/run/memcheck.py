@@ -1,4 +1,4 @@
-"""Refuse a job whose predicted memory per rank (the planner's model, plan_model.py) exceeds the memory
+"""Refuse a job whose predicted memory per rank (the planner's model, planner/model.py) exceeds the memory
 this rank can have, before anything large is allocated: on CPU the node's MemAvailable (/proc/meminfo)
 divided by the ranks on the node; on a GPU the device's free memory divided by the ranks sharing it.
 The ranks agree, so every rank stops with the same line. `runtime.memory_check = false` skips it.

@@ -185,7 +185,7 @@ def checkpoint_root(cfg) -> Path:
 
 
 def save_state(eng, root, step: int, keep: int) -> Path:
-    """Collective: this job's checkpoint of `step` under root (checkpoint.py writes it)."""
+    """Collective: this job's checkpoint of `step` under root (checkpoint/shards.py writes it)."""
     pieces, meta = eng.state_pieces()
     meta = {"config": to_toml(eng.cfg), **meta, "data": data_meta(eng.data)}
     return checkpoint.save(eng.world, root, step, keep, pieces, meta, eng.tracer)
