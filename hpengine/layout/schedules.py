@@ -23,7 +23,8 @@ class Action:
         return f"{self.kind}{self.mb}" + (f".c{self.chunk}" if self.chunk else "")
 
 
-def _check(p, m, stage):
+def check_args(p, m, stage):
+    """Refuse a pipeline size, micro-batch count or stage that no schedule can take (one line each)."""
     if p < 1:
         raise ValueError(f"pipeline size p={p} must be >= 1")
     if m < 1:
@@ -51,7 +52,7 @@ def _warmup_steady_cooldown(fwd, bwd, warmup):
 
 def fthenb(p: int, m: int, stage: int) -> list[Action]:
     """GPipe: every forward, then every backward; holds all m micro-batches' activations."""
-    _check(p, m, stage)
+    check_args(p, m, stage)
     return [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
 
 
@@ -59,7 +60,7 @@ def one_f_one_b(p: int, m: int, stage: int) -> list[Action]:
     """1F1B (PipeDream-flush, Megatron's non-interleaved schedule). Stage s runs p - s - 1 warm-up
     forwards so the first backward reaches it just as its own pipe is full; it then holds at most
     min(p - s, m) micro-batches instead of m."""
-    _check(p, m, stage)
+    check_args(p, m, stage)
     warmup = min(p - stage - 1, m)
     return _warmup_steady_cooldown([Action("F", i) for i in range(m)],
                                    [Action("B", i) for i in range(m)], warmup)
@@ -70,7 +71,7 @@ def interleaved(p: int, m: int, stage: int, v: int) -> list[Action]:
     forward takes micro-batches in groups of p through chunk 0, then the same group through chunk 1,
     ...; backwards walk the chunks in reverse. Same ordering as Megatron's
     forward_backward_pipelining_with_interleaving (with microbatch group size p)."""
-    _check(p, m, stage)
+    check_args(p, m, stage)
     _check_interleaved(p, m, v)
     total = m * v
 

@@ -53,6 +53,11 @@ class LocalSeq:
         """The linear caches stash_inputs kept, whole again."""
         return stash
 
+    def stashed_caches(self, stash):
+        """The linear caches stash_inputs kept, as kept: nothing is gathered, so an input may be missing,
+        which an input gradient does not read (tp_layers' split backwards, B half)."""
+        return stash
+
     def sum_replicated_(self, g, ranges) -> None:
         """Gradients of tensors every tp rank holds whole: already equal on every rank."""
 

@@ -2,6 +2,11 @@
 enters a tp region, the row-split linear that leaves it, the vocabulary-parallel embedding and the
 vocabulary-parallel output projection with its loss. Under LOCAL each is its nn/ layer; the models
 build their blocks from these rather than calling the conjugate pairs themselves.
+
+The linears' backwards also come as two halves for a zero-bubble pipeline (Qi et al. 2023): `*_input` (B, the
+input gradient the previous stage waits for) and `*_weight` (W, the weight gradients, run later). Together
+they accumulate bit for bit what the fused backward does and run the same collectives, one of them later:
+a column linear's gather of its stashed input (sequence parallelism) moves into W.
 """
 from __future__ import annotations
 
@@ -9,12 +14,15 @@ from hpengine.nn import (
     embedding_backward,
     embedding_forward,
     linear_backward,
+    linear_backward_input,
+    linear_backward_weight,
     linear_forward,
 )
 
-__all__ = ["column_backward", "column_forward", "columns_backward", "columns_forward", "row_backward",
-           "row_forward", "vocab_embed_backward", "vocab_embed_forward", "vocab_loss_backward",
-           "vocab_loss_forward"]
+__all__ = ["column_backward", "column_backward_input", "column_backward_weight", "column_forward",
+           "columns_backward", "columns_backward_input", "columns_backward_weight", "columns_forward",
+           "row_backward", "row_backward_input", "row_backward_weight", "row_forward", "vocab_embed_backward",
+           "vocab_embed_forward", "vocab_loss_backward", "vocab_loss_forward"]
 
 
 def columns_forward(xp, ctx, x, ws, bs=None):
@@ -42,6 +50,34 @@ def columns_backward(xp, ctx, dys, stash, ws, gws, gbs=None):
     return ctx.tp.copy_to_tp_backward(dh)
 
 
+def columns_backward_input(xp, ctx, dys, stash, ws):
+    # dys[i]: (B, T, OC_i / tp) -> dx: (B, T_local, C), the sum over the linears in their order
+    """The input half (B) of columns_backward: dx = copy_to_tp_backward(sum of dys[i] @ ws[i].T), no weight
+    gradient. It reads no stashed input (ctx.seq.stashed_caches): dx needs none, so nothing is gathered here."""
+    caches = ctx.seq.stashed_caches(stash)
+    dh = None
+    for dy, c, w in zip(dys, caches, ws):
+        d = linear_backward_input(xp, dy, c, w)
+        if dh is None:
+            dh = d
+        else:
+            dh += d
+    return ctx.tp.copy_to_tp_backward(dh)
+
+
+def columns_backward_weight(xp, ctx, dys, stash, gws, gbs=None):
+    # dys[i]: (B, T, OC_i / tp) -> None; gws[i] += h.T @ dys[i], gbs[i] += column sums of dys[i]
+    """The weight half (W) of columns_backward. Under sequence parallelism the stashed input is this rank's
+    piece of h, and the all-gather that rebuilds h happens here (ctx.seq.unstash_inputs), not in B: only
+    dW = h.T @ dy reads it, so B, which the previous stage waits for, runs no gather for it, and from B to W
+    the stash holds this rank's (B, T/t, C) piece rather than the whole (B, T, C). The gather is a tp
+    collective: every tp rank runs its W halves in the same order (the ranks of a stage run one schedule).
+    dys must reach W as B was handed them (unmodified)."""
+    caches = ctx.seq.unstash_inputs(stash)
+    for dy, c, gw, gb in zip(dys, caches, gws, gbs or (None,) * len(gws)):
+        linear_backward_weight(xp, dy, c, gw, gb)
+
+
 def column_forward(xp, ctx, x, w, b=None):
     # x: (B, T_local, C), w: (C, OC / tp) -> y: (B, T, OC / tp), stash
     (y,), stash = columns_forward(xp, ctx, x, (w,), None if b is None else (b,))
@@ -51,6 +87,16 @@ def column_forward(xp, ctx, x, w, b=None):
 def column_backward(xp, ctx, dy, stash, w, gw, gb=None):
     # dy: (B, T, OC / tp) -> dx: (B, T_local, C)
     return columns_backward(xp, ctx, (dy,), stash, (w,), (gw,), None if gb is None else (gb,))
+
+
+def column_backward_input(xp, ctx, dy, stash, w):
+    # dy: (B, T, OC / tp) -> dx: (B, T_local, C)
+    return columns_backward_input(xp, ctx, (dy,), stash, (w,))
+
+
+def column_backward_weight(xp, ctx, dy, stash, gw, gb=None):
+    # dy: (B, T, OC / tp) -> None; accumulates gw (C, OC / tp) and gb
+    columns_backward_weight(xp, ctx, (dy,), stash, (gw,), None if gb is None else (gb,))
 
 
 def row_forward(xp, ctx, x, w, b=None):
@@ -67,6 +113,30 @@ def row_backward(xp, ctx, dy, cache, w, gw, gb=None):
     if gb is not None:      # from this rank's positions: sequence parallelism sums it over tp later
         gb += dy.reshape(-1, dy.shape[-1]).sum(axis=0)
     return linear_backward(xp, ctx.tp.reduce_from_tp_backward(dy), cache, w, gw)
+
+
+def row_backward_input(xp, ctx, dy, cache, w, gb=None):
+    # dy: (B, T_local, C) -> (dx: (B, T, IC / tp), dy_full: (B, T, C), what row_backward_weight takes)
+    """The input half (B) of row_backward: dx, and the bias gradient. The cache may lack its input
+    (linear_drop_input): dx reads none, so a rebuilt input (gelu_recompute, swiglu_recompute) can wait for W.
+
+    dy_full is dy as the row linear sees it, reduce_from_tp_backward(dy): under sequence parallelism the
+    all-gather both halves need, run once, here; otherwise dy itself, which the caller must then leave
+    unmodified until W runs (models/gpt.py writes into the gradient it hands the attention projection).
+    gb is summed here, from this rank's positions of dy, as row_backward does (sequence parallelism sums
+    it over tp later): W holds only the gathered dy_full, and one column sum is cheap.
+    """
+    if gb is not None:      # from this rank's positions: sequence parallelism sums it over tp later
+        gb += dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+    dy_full = ctx.tp.reduce_from_tp_backward(dy)
+    return linear_backward_input(xp, dy_full, cache, w), dy_full
+
+
+def row_backward_weight(xp, ctx, dy_full, cache, gw):
+    # dy_full: (B, T, C) from row_backward_input -> None; gw (IC / tp, C) += x.T @ dy_full
+    """The weight half (W) of row_backward; the cache must hold its input again (linear_restore_input).
+    ctx is not read (the gather ran in B) and is taken so every tp W half is called alike."""
+    linear_backward_weight(xp, dy_full, cache, gw)
 
 
 def vocab_embed_forward(xp, ctx, idx, w):

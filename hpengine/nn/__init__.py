@@ -22,6 +22,8 @@ from hpengine.nn.attention import (
 )
 from hpengine.nn.embedding import (
                          embedding_backward,
+                         embedding_backward_input,
+                         embedding_backward_weight,
                          embedding_cache_bytes,
                          embedding_forward,
 )
@@ -34,17 +36,27 @@ from hpengine.nn.gqa import (
 )
 from hpengine.nn.layernorm import (
                          layernorm_backward,
+                         layernorm_backward_input,
+                         layernorm_backward_weight,
                          layernorm_cache_elements,
                          layernorm_forward,
 )
 from hpengine.nn.linear import (
                          linear_backward,
+                         linear_backward_input,
+                         linear_backward_weight,
                          linear_drop_input,
                          linear_forward,
                          linear_restore_input,
 )
 from hpengine.nn.loss import cross_entropy_backward, cross_entropy_forward
-from hpengine.nn.rmsnorm import rmsnorm_backward, rmsnorm_cache_bytes, rmsnorm_forward
+from hpengine.nn.rmsnorm import (
+                         rmsnorm_backward,
+                         rmsnorm_backward_input,
+                         rmsnorm_backward_weight,
+                         rmsnorm_cache_bytes,
+                         rmsnorm_forward,
+)
 from hpengine.nn.rope import rope_backward, rope_forward, rope_tables
 from hpengine.nn.swiglu import (
                          swiglu_backward,
@@ -66,4 +78,7 @@ __all__ = [
     "rmsnorm_forward", "rmsnorm_backward", "rmsnorm_cache_bytes", "rope_tables", "rope_forward", "rope_backward",
     "swiglu_forward", "swiglu_backward", "swiglu_recompute", "swiglu_cache_elements",
     "gqa_attention_forward", "gqa_attention_backward", "gqa_cache_elements", "gqa_drop_scores", "gqa_restore_scores",
+    # split backwards: the input half (B) and the weight half (W) of each weight-carrying layer
+    "linear_backward_input", "linear_backward_weight", "layernorm_backward_input", "layernorm_backward_weight",
+    "rmsnorm_backward_input", "rmsnorm_backward_weight", "embedding_backward_input", "embedding_backward_weight",
 ]

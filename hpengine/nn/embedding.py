@@ -40,6 +40,19 @@ def embedding_backward(xp, dy, cache, dw):
     return None
 
 
+def embedding_backward_input(xp, dy, cache):
+    # dy: (B, T, C) -> None: token ids have no gradient
+    """The input half (B) of a split embedding backward: nothing, as the lookup's input is token ids."""
+    return None
+
+
+def embedding_backward_weight(xp, dy, cache, dw):
+    # dy: (B, T, C), dw: (V_local, C) -> None
+    """The weight half (W): all of embedding_backward, the scatter-add into dw. Deferred, it needs dy as
+    backward was handed it: the caller keeps dy unmodified until W runs."""
+    return embedding_backward(xp, dy, cache, dw)
+
+
 def embedding_cache_bytes(n: int) -> int:
     """Bytes the forward caches for n token ids: an int64 index and a bool mask each."""
     return n * (8 + 1)

@@ -64,6 +64,25 @@ def layernorm_backward(xp, dy, cache, w, dw, db):
     return g.reshape(dy.shape)
 
 
+def layernorm_backward_input(xp, dy, cache, w, dw, db):
+    # dy: (..., C), w, dw, db: (C,) -> dx: (..., C)
+    """The input half (B) of a split backward, which also takes the weight gradients: it is
+    layernorm_backward itself, and layernorm_backward_weight is a no-op.
+
+    dw and db are two column sums over (N, C), fewer passes than dx makes anyway and tiny beside the
+    GEMMs around a norm, so deferring them would save the critical path almost nothing; deferred, they
+    would keep dy and the cached xhat, two (N, C) arrays, alive until W, and bind the caller to leave dy
+    unmodified. Done here, the cache and dy are free as soon as B returns.
+    """
+    return layernorm_backward(xp, dy, cache, w, dw, db)
+
+
+def layernorm_backward_weight(xp, dy, cache, dw, db):
+    # dy: (..., C), dw, db: (C,) -> None; adds nothing (layernorm_backward_input did)
+    """The weight half (W) of the split: a no-op (layernorm_backward_input says why), with the arguments
+    of linear_backward_weight so a queue of W halves can call each the same way; it reads none of them."""
+
+
 def layernorm_cache_elements(n: int, C: int) -> int:
     """Elements the forward caches for n rows of width C: xhat and one rstd per row."""
     return n * C + n

@@ -1,6 +1,8 @@
 """Dense (affine) layer: y = x @ w + b over any number of leading dims.
 
-Leading dims are folded into one so every product is a single 2-D GEMM.
+Leading dims are folded into one so every product is a single 2-D GEMM. linear_backward is its two
+halves, which a zero-bubble pipeline runs apart (Qi et al. 2023): linear_backward_input (B, dx, which
+the previous stage waits for) and linear_backward_weight (W, dw and db, which can wait).
 """
 from hpengine.nn import bf16_gemm, fused, gemm
 
@@ -18,8 +20,36 @@ def linear_forward(xp, x, w, b=None):
 
 def linear_backward(xp, dy, cache, w, dw, db=None):
     # dy: (..., OC), w, dw: (C, OC), db: (OC,) or None -> dx: (..., C)
-    x2, lead = cache
+    linear_backward_weight(xp, dy, cache, dw, db)
+    return linear_backward_input(xp, dy, cache, w)
+
+
+def linear_backward_input(xp, dy, cache, w):
+    # dy: (..., OC), w: (C, OC) -> dx: (..., C)
+    """The input half (B) of linear_backward: dx = dy @ w.T, no weight gradient.
+
+    Reads only the leading shape from `cache`, never the input, so a cache from linear_drop_input will
+    do. This and linear_backward_weight, in either order, accumulate bit for bit what linear_backward
+    does, on every path. dy is left as it was.
+    """
+    lead = cache[1]
     dy2 = dy.reshape(-1, w.shape[1])
+    dx = bf16_gemm.matmul(xp, dy2, w.T) if bf16_gemm.active() else dy2 @ w.T
+    return dx.reshape(*lead, w.shape[0])
+
+
+def linear_backward_weight(xp, dy, cache, dw, db=None):
+    # dy: (..., OC), dw: (C, OC), db: (OC,) or None -> None
+    """The weight half (W) of linear_backward: dw += x.T @ dy, db += the column sums of dy.
+
+    Run after linear_backward_input, it needs the same dy, unmodified: a fused caller sometimes writes
+    into dy right after backward (`dx1 += ...` in models/gpt.py); one that defers W must stop doing so
+    or hand W a copy. The cache's input must be there (linear_restore_input puts back one that was
+    dropped). The path is chosen when W runs: a deferred W of a bf16 amp pass goes inside the same
+    bf16_gemm.operands(True) as its B.
+    """
+    x2 = cache[0]
+    dy2 = dy.reshape(-1, dw.shape[1])
     if bf16_gemm.active():                                   # bf16 amp: bfloat16 operands, float32 sums
         bf16_gemm.matmul(xp, x2.T, dy2, dw, accumulate=True)
     elif fused.usable(xp, x2, dy2, dw):
@@ -30,8 +60,6 @@ def linear_backward(xp, dy, cache, w, dw, db=None):
         fused.colsum_(xp, dy2, db)
     elif db is not None:
         db += dy2.sum(axis=0)
-    dx = bf16_gemm.matmul(xp, dy2, w.T) if bf16_gemm.active() else dy2 @ w.T
-    return dx.reshape(*lead, w.shape[0])
 
 
 def linear_drop_input(cache):

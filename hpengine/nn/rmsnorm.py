@@ -55,6 +55,25 @@ def rmsnorm_backward(xp, dy, cache, w, dw):
     return g.astype(dy.dtype, copy=False).reshape(dy.shape)
 
 
+def rmsnorm_backward_input(xp, dy, cache, w, dw):
+    # dy: (..., C), w, dw: (C,) -> dx: (..., C)
+    """The input half (B) of a split backward, which also takes the weight gradient: it is
+    rmsnorm_backward itself, and rmsnorm_backward_weight is a no-op.
+
+    dw is one column sum over (N, C), tiny beside the GEMMs around a norm, so deferring it would save the
+    critical path almost nothing; deferred, it would keep dy and the cached xhat, two (N, C) arrays, alive
+    until W, and bind the caller to leave dy unmodified. Done here, the cache and dy are free as soon as B
+    returns.
+    """
+    return rmsnorm_backward(xp, dy, cache, w, dw)
+
+
+def rmsnorm_backward_weight(xp, dy, cache, dw):
+    # dy: (..., C), dw: (C,) -> None; adds nothing (rmsnorm_backward_input did)
+    """The weight half (W) of the split: a no-op (rmsnorm_backward_input says why), with the arguments
+    of linear_backward_weight less db; it reads none of them."""
+
+
 def rmsnorm_cache_bytes(n: int, C: int, item: int) -> int:
     """Bytes the forward caches for n rows of width C in a dtype of `item` bytes: the normalised input
     and one 1/rms per row (float32 when the data is half precision)."""

@@ -69,6 +69,10 @@ class SequenceSplit(LocalSeq):
         full = gather_sequence(self.comm, stash[0])
         return tuple(linear_restore_input(c, full) for c in stash[1:])
 
+    def stashed_caches(self, stash):
+        # without their inputs: no gather
+        return stash[1:]
+
     def sum_replicated_(self, g, ranges) -> None:
         """Sum over tp the gradient slices g[a:b] of the replicated tensors, in one allreduce."""
         if not ranges:
