@@ -103,7 +103,7 @@ def worker(a) -> None:
     from hpengine.config.load import load_config
     from hpengine.layout.schedules import bubble_fraction
     from hpengine.run.trace import Tracer, comms_of
-    from hpengine.run.train import build
+    from hpengine.run.build import build
 
     cfg = load_config(None, ["train.eval_every=0", *a.overrides])
     eng = build(cfg)

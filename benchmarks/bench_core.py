@@ -36,7 +36,7 @@ def parse(argv=None):
 
 def run(a) -> dict:
     from hpengine.config.load import load_config  # noqa: PLC0415 - after the thread variables are set
-    from hpengine.run.train import build  # noqa: PLC0415
+    from hpengine.run.build import build  # noqa: PLC0415
 
     cfg = load_config(None, ["train.eval_every=0", *a.overrides])
     eng = build(cfg)

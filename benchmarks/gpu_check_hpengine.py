@@ -21,7 +21,7 @@ def worker_corpus(a) -> dict:
 def build_engine(shape: dict, data: str, backend: str):
     """One process's hpengine Engine for a model shape (float32, no evaluation, a long schedule)."""
     from hpengine.config.load import load_config              # noqa: PLC0415
-    from hpengine.run.train import build                     # noqa: PLC0415
+    from hpengine.run.build import build                     # noqa: PLC0415
     return build(load_config(None, [
         "train.eval_every=0", f"runtime.backend='{backend}'",
         "runtime.cuda_aware_mpi=false", f"data.path='{data}'", f"model.d_model={shape['d_model']}",
@@ -75,7 +75,7 @@ def worker_losses(a) -> dict | None:
     how the ranks reached MPI (CUDA-aware or not, bytes of pinned staging buffers, device ids)."""
     from mpi4py import MPI                               # noqa: PLC0415
     from hpengine.config.load import load_config              # noqa: PLC0415
-    from hpengine.run.train import build                     # noqa: PLC0415
+    from hpengine.run.build import build                     # noqa: PLC0415
     world = MPI.COMM_WORLD
     shape = model_shape(a, "ref")
     common = [f"runtime.backend='{'numpy' if a.cpu_smoke else 'cupy'}'", "runtime.cuda_aware_mpi=false",

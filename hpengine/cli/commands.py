@@ -34,7 +34,8 @@ from hpengine.planner import search as plan
 from hpengine.run import startguard
 from hpengine.run.faults import EXIT_INTERRUPTED, EXIT_STOPPED, say
 from hpengine.run.launch import LaunchError
-from hpengine.run.train import RunError, train
+from hpengine.run.run_dir import RunError
+from hpengine.run.train import train
 
 
 def _parser() -> argparse.ArgumentParser:

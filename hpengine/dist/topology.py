@@ -27,7 +27,7 @@ class Mesh:
             s *= self.degrees[a]
         self.coords = self.coords_of(self.rank)
         wrap = wrap or (lambda c, axis: c)
-        self._wrap = wrap
+        self._wrap, self._folds = wrap, {}
         self.comms = {}
         for a in self.order:  # same order of Split calls on every rank
             color = sum(self.coords[b] * self.strides[b] for b in AXES if b != a)
@@ -82,6 +82,9 @@ class Mesh:
         if degree < 1 or size % degree:
             raise TopologyError(f"{name} degree {degree}: must divide the {self.group_name(inside)} ranks "
                                 f"({size}); valid degrees: {[d for d in range(1, size + 1) if size % d == 0]}")
+        if self._folds.setdefault(name, degree) != degree:
+            raise TopologyError(f"{name} was folded with degree {self._folds[name]}; it cannot be folded "
+                                f"again with degree {degree}")
         if name not in self.comms:
             color, key = self._product_color(tuple(a for a in self.order if a in inside))
             block, place = divmod(key, degree)

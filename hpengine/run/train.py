@@ -25,18 +25,15 @@ from hpengine.layout.resolve import chunks
 from hpengine.layout.schedules import bubble_fraction
 from hpengine.planner import search as plan
 from hpengine.run import faults, launch, progress, tensorboard as tboard, trace
-from hpengine.run.build import (  # noqa: F401
-    agreed_backend,
+from hpengine.run.build import (
     build,
-    build_dataset,
     check_same_tokenizer,
     compute_dtype,
     data_meta,
     load_together,
-    setup_logging,
 )
 from hpengine.run.resume import resolve_resume
-from hpengine.run.run_dir import RunError, prepare_run_dir, tokenizer_json, trim_metrics  # noqa: F401 (re-exported)
+from hpengine.run.run_dir import RunError, prepare_run_dir, trim_metrics
 
 log = logging.getLogger("hpengine")
 

@@ -11,7 +11,7 @@ from mpi4py import MPI
 from hpengine.device import backend
 from hpengine.config.load import load_config
 from hpengine.nn import bf16_gemm
-from hpengine.run.train import build
+from hpengine.run.build import build
 
 pytestmark = pytest.mark.skipif(not backend.cupy_usable(), reason="needs CuPy and a usable CUDA device")
 

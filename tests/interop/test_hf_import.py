@@ -23,7 +23,8 @@ from transformers.models.llama import modeling_llama  # noqa: E402
 from hpengine.config.load import load_config  # noqa: E402
 from hpengine.models import LOCAL, build_model  # noqa: E402
 from hpengine.nn import layernorm_forward, rmsnorm_forward  # noqa: E402
-from hpengine.run.train import build, restore  # noqa: E402
+from hpengine.run.build import build  # noqa: E402
+from hpengine.run.train import restore
 
 T, V, C, L, H = 16, 256, 16, 2, 4
 CASES = ["gpt", "gpt_tied", "llama", "llama_tied"]

@@ -4,7 +4,7 @@ import pytest
 from mpi4py import MPI
 
 from hpengine.config.load import load_config
-from hpengine.run.train import build
+from hpengine.run.build import build
 
 TINY = ["model.kind=gpt", "model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.seq_len=8",
         "model.dtype=float64", "train.global_batch=8", "optim.warmup_steps=2", "optim.lr=1e-2",

@@ -8,7 +8,8 @@ import pytest
 from mpi4py import MPI
 
 from helpers import LLAMA, assert_same, assert_same_params, config, need, run
-from hpengine.run.train import build, restore, save_state
+from hpengine.run.build import build
+from hpengine.run.train import restore, save_state
 
 N_SAVE, N_MORE = 2, 2
 DP, SH, PP, TP = "data_parallel", "sharding", "pipeline", "tensor_parallel"

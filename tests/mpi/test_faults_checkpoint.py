@@ -12,7 +12,8 @@ import pytest
 from helpers import config
 from hpengine.checkpoint import shards as checkpoint
 from hpengine.checkpoint import guard as ckpt_guard
-from hpengine.run.train import build, restore, save_state
+from hpengine.run.build import build
+from hpengine.run.train import restore, save_state
 
 STAGE3 = ["strategy.sharding.enable=true", "strategy.sharding.stage=3"]
 

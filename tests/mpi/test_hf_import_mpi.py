@@ -11,7 +11,8 @@ from mpi4py import MPI
 
 from helpers import LLAMA, config, need, run
 from hpengine.checkpoint.export import export
-from hpengine.run.train import build, restore, save_state
+from hpengine.run.build import build
+from hpengine.run.train import restore, save_state
 
 MODELS = {"gpt": ["model.n_heads=4", "model.n_layers=4", "model.vocab_size=257"],
           "llama": ["model.n_heads=4", "model.n_layers=4", "model.vocab_size=257", *LLAMA]}

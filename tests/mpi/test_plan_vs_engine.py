@@ -6,7 +6,7 @@ import pytest
 
 from helpers import LLAMA, config, need
 from hpengine.planner.model import for_rank
-from hpengine.run.train import build
+from hpengine.run.build import build
 
 S = "strategy."
 DP = [S + "data_parallel.enable=true"]

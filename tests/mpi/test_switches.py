@@ -51,7 +51,7 @@ def test_selective_recompute_is_bit_exact(corpus, world, name, ranks, extra):
 
 def run_counting_passes(cfg, world, steps):
     """Like helpers.run, also recording the rows of every forward_backward pass train_step makes."""
-    from hpengine.run.train import build
+    from hpengine.run.build import build
     eng = build(cfg, world)
     passes, plain = [], eng.forward_backward
 
@@ -90,7 +90,7 @@ def test_amp_overflow_skips_the_same_step_everywhere(corpus, world):
              "strategy.amp.backoff=1e-5"]
     if n > 1:
         extra += ["strategy.sharding.enable=true", f"strategy.sharding.degree={n}", "strategy.sharding.stage=2"]
-    from hpengine.run.train import build
+    from hpengine.run.build import build
     eng = build(config(corpus, *extra), world)
     before = eng.named_params()
     m = eng.train_step(0)
@@ -105,7 +105,7 @@ def test_amp_overflow_skips_the_same_step_everywhere(corpus, world):
 
 
 def test_amp_scale_grows_after_growth_interval(corpus, world):
-    from hpengine.run.train import build
+    from hpengine.run.build import build
     dp = "true" if world.Get_size() > 1 else "false"
     eng = build(config(corpus, "model.dtype=float32", "strategy.amp.enable=true", "strategy.amp.init_scale=4",
                        "strategy.amp.growth_interval=2", "strategy.amp.growth_factor=2",

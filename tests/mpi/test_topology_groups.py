@@ -62,3 +62,6 @@ def test_bad_group_and_fold_are_one_clear_error():
     if N > 1:
         with pytest.raises(TopologyError, match=r"valid degrees: \[1"):
             mesh.fold("ep", N + 1, ("dp", "sharding"))
+        mesh.fold("ep", N, ("dp", "sharding"))
+        with pytest.raises(TopologyError, match="folded with degree"):
+            mesh.fold("ep", 1, ("dp", "sharding"))

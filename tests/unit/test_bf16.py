@@ -11,7 +11,8 @@ from mpi4py import MPI
 from hpengine.config.load import load_config
 from hpengine.engine.engine import Recompute
 from hpengine.device.precision import round_bf16_
-from hpengine.run.train import build, save_state
+from hpengine.run.build import build
+from hpengine.run.train import save_state
 
 BF16 = ["strategy.amp.enable=true", "strategy.amp.dtype=bfloat16", "model.dtype=float32"]
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.seq_len=16", "train.global_batch=8",

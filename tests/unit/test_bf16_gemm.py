@@ -17,7 +17,7 @@ from mpi4py import MPI
 from hpengine.device import kernels
 from hpengine.config.load import load_config
 from hpengine.nn import bf16_gemm, gemm
-from hpengine.run.train import build
+from hpengine.run.build import build
 
 
 def bf16(a) -> np.ndarray:

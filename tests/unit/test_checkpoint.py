@@ -21,7 +21,8 @@ import pytest
 
 from hpengine.cli.commands import main
 from hpengine.config.load import load_config
-from hpengine.run.train import build, restore
+from hpengine.run.build import build
+from hpengine.run.train import restore
 
 BIN = Path(sys.executable).parent
 TINY = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_layers=2", "model.n_heads=2",

@@ -22,7 +22,9 @@ from hpengine.checkpoint.shards import CheckpointError
 from hpengine.config.load import load_config
 from hpengine.data import DataError, TokenDataset
 from hpengine.data.format import sha256_text, write_token_file
-from hpengine.run.train import check_same_tokenizer, tokenizer_json, train
+from hpengine.run.build import check_same_tokenizer
+from hpengine.run.run_dir import tokenizer_json
+from hpengine.run.train import train
 
 HF = json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}}})
 

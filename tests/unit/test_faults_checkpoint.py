@@ -16,7 +16,8 @@ from hpengine.checkpoint import shards as checkpoint
 from hpengine.checkpoint import guard as ckpt_guard
 from hpengine.cli.commands import main
 from hpengine.config.load import load_config
-from hpengine.run.train import build, save_state
+from hpengine.run.build import build
+from hpengine.run.train import save_state
 from test_checkpoint import cli  # noqa: E402 - `hpengine ARGS` in this process (tests/unit/test_checkpoint.py)
 
 BIN = Path(sys.executable).parent

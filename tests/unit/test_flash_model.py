@@ -12,7 +12,7 @@ from mpi4py import MPI
 from hpengine.config.load import ConfigError, load_config
 from hpengine.nn import flash, score_elements
 from hpengine.planner.model import for_rank
-from hpengine.run.train import build
+from hpengine.run.build import build
 
 B, T, V = 2, 16, 32
 KIND_KEYS = {"gpt": ["model.n_heads=2"],

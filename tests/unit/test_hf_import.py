@@ -16,7 +16,8 @@ from hpengine.models import hf_gpt
 from hpengine.checkpoint.shards import Reader
 from hpengine.cli.commands import main
 from hpengine.config.load import load_config
-from hpengine.run.train import build, restore
+from hpengine.run.build import build
+from hpengine.run.train import restore
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 

@@ -13,7 +13,7 @@ import pytest
 from mpi4py import MPI
 
 from hpengine.config.load import load_config
-from hpengine.run.train import build
+from hpengine.run.build import build
 
 B, T, V = 4, 8, 32
 FD_H = 5e-4      # 5-point stencil: truncation ~h^4, round-off ~eps/h, both far below the tolerance

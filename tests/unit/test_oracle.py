@@ -34,7 +34,7 @@ import pytest
 from mpi4py import MPI
 
 from hpengine.config.load import load_config
-from hpengine.run.train import build
+from hpengine.run.build import build
 
 V, T, C, L, H, FFN = 64, 8, 16, 2, 2, 4
 B = 4

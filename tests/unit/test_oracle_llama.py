@@ -20,7 +20,7 @@ import pytest
 from mpi4py import MPI
 
 from hpengine.config.load import load_config
-from hpengine.run.train import build
+from hpengine.run.build import build
 
 B, T, V, C = 3, 8, 32, 16
 
