@@ -171,9 +171,10 @@ def gantt_window(events) -> tuple[float, float, str]:
 
 
 def plot_gantt(plt, events, ranks, path: Path, max_rows: int = 16):
-    """Stages x time for the last step: F (light) and B (dark) bars per micro-batch (colour), recv waits
-    grey. One row per rank (grouped by pipeline stage); with many ranks, one rank per stage."""
-    fb = [e for e in events if e["ph"] == "X" and e.get("cat") in ("forward", "backward", "pipeline idle")]
+    """Stages x time for the last step: F (light), B (dark) and, under a zero-bubble schedule, W (dark,
+    hatched) bars per micro-batch (colour), recv waits grey. One row per rank (grouped by pipeline stage);
+    with many ranks, one rank per stage."""
+    fb = [e for e in events if e["ph"] == "X" and e.get("cat") in ("forward", "backward", "weights", "pipeline idle")]
     if not any(e["cat"] != "pipeline idle" for e in fb):
         return None
     lo, hi, what = gantt_window(events)
@@ -196,7 +197,8 @@ def plot_gantt(plt, events, ranks, path: Path, max_rows: int = 16):
             ax.broken_barh([(x0, w)], (y[e["pid"]] - 0.15, 0.3), color="0.75")
             continue
         colour = cmap((2 * mb) % 20 + (1 if e["cat"] == "forward" else 0))
-        ax.broken_barh([(x0, w)], (y[e["pid"]] - 0.4, 0.8), facecolor=colour, edgecolor="black", lw=0.4)
+        ax.broken_barh([(x0, w)], (y[e["pid"]] - 0.4, 0.8), facecolor=colour, edgecolor="black", lw=0.4,
+                       hatch="//" if e["cat"] == "weights" else None)
         if w > (hi - lo) / 1e3 / 60:
             ax.text(x0 + w / 2, y[e["pid"]], e["name"], ha="center", va="center", fontsize=7)
     ax.set_yticks(range(len(rows)))
@@ -205,7 +207,9 @@ def plot_gantt(plt, events, ranks, path: Path, max_rows: int = 16):
     ax.set_xlim(0, (hi - lo) / 1e3)
     ax.set_xlabel(f"ms since the start of {what}")
     kind = "pipeline" if any(coords[r].get("pp", 0) for r in rows) else "no pipeline"
-    ax.set_title(f"{kind}, {what}: forward (light) / backward (dark) per micro-batch (colour), recv waits (grey)")
+    split = any(e["cat"] == "weights" for e in fb)
+    ax.set_title(f"{kind}, {what}: forward (light) / backward (dark)" + (" / weight gradients (hatched)" if split else "")
+                 + " per micro-batch (colour), recv waits (grey)")
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

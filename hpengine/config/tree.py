@@ -185,9 +185,12 @@ class PipelineConfig:
     enable: bool = _f(False, "turn pipeline parallelism on")
     degree: int = _f(-1, _DEGREE_DOC, check=_DEGREE)
     micro_batches: int = _f(1, "micro-batches each pass is split into", check=_POS)
-    schedule: str = _f("1f1b", "order of forward/backward micro-steps",
-                       choices=("fthenb", "1f1b", "interleaved"))
-    virtual_stages: int = _f(1, "model chunks per rank (interleaved schedule)", check=_POS)
+    schedule: str = _f("1f1b", "order of forward/backward micro-steps: fthenb (GPipe), 1f1b, interleaved "
+                       "(virtual_stages >= 2), or zero bubble, each backward split into its input and weight "
+                       "gradients: zb1p (ZB-H1, 1f1b's activation memory) and zbv (ZB-V, two chunks per rank in a V, "
+                       "micro_batches >= 2 x degree - 1)",
+                       choices=("fthenb", "1f1b", "interleaved", "zb1p", "zbv"))
+    virtual_stages: int = _f(1, "model chunks per rank (interleaved schedule; zbv always has 2)", check=_POS)
     split: str | list[int] = _f("uniform", 'blocks per stage: "uniform", "params" (balance parameter '
                                 "counts) or a list of block counts", check=_SPLIT)
     scatter_gather: bool = _f(True, "with tensor parallelism (and no sequence parallelism): each tp rank sends "

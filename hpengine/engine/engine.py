@@ -19,6 +19,7 @@ from hpengine.engine import state
 from hpengine.layout.cache import Recompute, cache_nbytes
 from hpengine.layout.reduction import norm_excluded, reductions, summed_over, tied_sums
 from hpengine.layout.stage import build_stage
+from hpengine.nn import run_all
 from hpengine.optim import AdamW, clip_coefficient, lr_at, sum_of_squares
 from hpengine.params.init import init_range
 from hpengine.strategies import make_grad_sync
@@ -122,8 +123,10 @@ class Engine:
             self._count_caches(caches, +1)
         return h, caches
 
-    def chunk_backward(self, slot, chunk, d, caches):
-        """Backward of one chunk; returns the gradient of its input (None for the embedding)."""
+    def chunk_backward(self, slot, chunk, d, caches, defer=None):
+        """Backward of one chunk; returns the gradient of its input (None for the embedding). With `defer` (a
+        list) it is the input half B of a split backward: each block's weight-gradient work goes on defer as
+        (block, works), for chunk_weights to run, and the block's gradients are finished there."""
         xp, m, ctx = self.xp, slot.model, self.ctx
         self._count_caches(caches, -1)
         for n in reversed(range(len(chunk))):
@@ -131,36 +134,60 @@ class Engine:
             caches[n] = None
             # stage 3 gathers the block's parameters again here, prefetching the block before it
             prev = chunk[n - 1] if n and slot.block(chunk[n - 1]).bwd_params else None
+            works = None if defer is None else []
             if b.kind == "head":
                 d = m.head_backward(xp, c, self._G(slot, b.name), ctx, self._P(slot, b.name, prev),
-                                    self.precision.loss_scale)
+                                    self.precision.loss_scale, works)
             elif b.kind == "embed":
-                m.embed_backward(xp, d, c, self._G(slot, b.name), ctx)
+                m.embed_backward(xp, d, c, self._G(slot, b.name), ctx, works)
                 d = None
             else:
                 P = self._P(slot, b.name, prev)
                 if isinstance(c, Recompute):     # rebuild this block's activations from its input
                     _, c = m.layer_forward(xp, P, b.layer, c.x, ctx)
-                d = m.layer_backward(xp, d, c, P, self._G(slot, b.name), b.layer, ctx)
+                d = m.layer_backward(xp, d, c, P, self._G(slot, b.name), b.layer, ctx, works)
                 self.precision.input_grad_(xp, d)
-            self.precision.block_grads_(xp, self.sync.grads_for(slot.prefix + b.name),
-                                        self.stage.block_specs[slot.prefix + b.name])
             self.sync.release(slot.prefix + b.name)
-            self.sync.block_done(slot.prefix + b.name)
+            if defer is None:
+                self._block_grads_done(slot, b.name)
+            else:
+                defer.append((b.name, works))
+        if defer is not None:
+            self._count_stash(defer, +1)
         return d
+
+    def chunk_weights(self, slot, defer) -> None:
+        """The weight half W of a split chunk backward: the work chunk_backward put on defer, block by block in
+        backward order; each block's gradients are then finished (rounded under bf16 gradients, reduced)."""
+        self._count_stash(defer, -1)
+        for name, works in defer:
+            run_all(works)
+            self._block_grads_done(slot, name)
+
+    def _block_grads_done(self, slot, name) -> None:
+        self.precision.block_grads_(self.xp, self.sync.grads_for(slot.prefix + name),
+                                    self.stage.block_specs[slot.prefix + name])
+        self.sync.block_done(slot.prefix + name)
 
     def _count_caches(self, caches, sign: int) -> None:
         """Bytes of live activation caches (parameters they reference are not counted)."""
         self.cache_bytes += sign * cache_nbytes(caches, self.sync.param_roots())
         self.cache_peak = max(self.cache_peak, self.cache_bytes)
 
+    def _count_stash(self, defer, sign: int) -> None:
+        """Bytes of a split backward's W stash: what its deferred work alone still holds."""
+        self.cache_bytes += sign * cache_nbytes([w.held for _, ws in defer for w in ws], self.sync.param_roots())
+        self.cache_peak = max(self.cache_peak, self.cache_bytes)
+
     def forward_backward(self, slot, x, y, norm: float, grad: bool = True, last_pass: bool = True) -> float:
         """One pass of one model over rows x, y (split into micro-batches, through the pipeline when it
         is on); returns this rank's share of the global-mean loss."""
         fwd = lambda chunk, h, t, g: self.chunk_forward(slot, chunk, h, t, norm, g)  # noqa: E731
-        bwd = lambda chunk, d, c: self.chunk_backward(slot, chunk, d, c)  # noqa: E731
+        bwd = lambda chunk, d, c, defer: self.chunk_backward(slot, chunk, d, c, defer)  # noqa: E731
+        wgt = lambda chunk, defer: self.chunk_weights(slot, defer)  # noqa: E731
         with self.precision.gemm_operands():     # bf16 amp: every GEMM takes bfloat16 operands
-            return self.pipe.run(slot.chunks, fwd, bwd, self.sync.begin_pass, x, y, last_pass, grad, self.tracer)
+            return self.pipe.run(slot.chunks, fwd, bwd, self.sync.begin_pass, x, y, last_pass, grad, self.tracer,
+                                 wgt)
 
     def _rows(self, split, step, seed):
         x, y = self.data.batch(split, step, seed, self.cfg.train.global_batch,

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from hpengine.config.load import MESH_AXES, ConfigError, ModelConfig, validate
+from hpengine.layout.schedules import chunks_per_stage, placement
 from hpengine.models import build_model
 from hpengine.params.buffers import partition
 
@@ -174,7 +175,8 @@ def resolve(cfg, world: int) -> Resolved:
     pc, gm, rc = s.pipeline, s.gradient_merge, s.recompute
     res = Resolved(d["tp"], d["sharding"], d["dp"], d["pp"], s.sharding.stage if d["sharding"] > 1 else 0,
                    s.sharding.partition, pc.micro_batches if pc.enable else 1, gm.k_steps if gm.enable else 1,
-                   pc.virtual_stages if pc.enable else 1, pc.schedule if pc.enable else "fthenb",
+                   (chunks_per_stage(pc.schedule) or pc.virtual_stages) if pc.enable else 1,
+                   pc.schedule if pc.enable else "fthenb",
                    pc.split if pc.enable else "uniform", rc.every if rc.enable else 0,
                    s.amp.dtype if s.amp.enable else "",
                    tuple(cfg.mesh.order), cfg.train.global_batch // (d["dp"] * d["sharding"]),
@@ -223,20 +225,29 @@ def check(cfg, res: Resolved) -> None:
         if m % res.pp:
             raise LayoutError(f"pipeline.schedule = 'interleaved' needs pipeline.micro_batches ({m}) to be a "
                               f"multiple of pipeline.degree ({res.pp})")
+    elif pc.enable and pc.schedule == "zbv":
+        if pc.virtual_stages not in (1, 2):
+            raise LayoutError(f"pipeline.schedule = 'zbv' places 2 model chunks per rank (a V); "
+                              f"pipeline.virtual_stages = {pc.virtual_stages} must be 2 (or left at 1)")
+        if m < 2 * res.pp - 1:
+            raise LayoutError(f"pipeline.schedule = 'zbv' needs pipeline.micro_batches >= 2 x degree - 1 = "
+                              f"{2 * res.pp - 1} for degree {res.pp}, got {m}")
     elif pc.enable and pc.virtual_stages != 1:
-        raise LayoutError(f"pipeline.virtual_stages = {pc.virtual_stages} needs pipeline.schedule = 'interleaved'")
+        raise LayoutError(f"pipeline.virtual_stages = {pc.virtual_stages} needs pipeline.schedule = 'interleaved' "
+                          f"(zbv always has 2; {pc.schedule} has 1)")
 
 
 def chunks(mcfg, res: Resolved) -> list[tuple[str, ...]]:
-    """The model's block names cut into pp x v consecutive chunks (rank s holds chunks s, s + pp, ...)."""
+    """The model's block names cut into pp x v consecutive chunks (rank s holds chunks s, s + pp, ..., or
+    s and 2 pp - 1 - s under zbv)."""
     split = tuple(res.split) if isinstance(res.split, list) else res.split
     return _chunks(_model_key(mcfg), res.pp, res.v, split)
 
 
 def stage_chunks(mcfg, res: Resolved, stage: int) -> tuple[tuple[str, ...], ...]:
-    """The chunks pipeline rank `stage` holds, in its local order."""
-    every = chunks(mcfg, res)
-    return tuple(every[c * res.pp + stage] for c in range(res.v))
+    """The chunks pipeline rank `stage` holds, in its local order (zbv: chunk 1 runs back up the pipe)."""
+    every, place = chunks(mcfg, res), placement(res.schedule, res.pp, res.v)
+    return tuple(every[place.virtual(stage, c)] for c in range(res.v))
 
 
 def _model_key(mcfg) -> tuple:

@@ -1,36 +1,17 @@
 """Pipeline schedules as data: per-stage lists of forward/backward actions (GPipe F-then-B, 1F1B,
-Megatron's interleaved 1F1B), their theoretical bubble, the activations they hold, and a dataflow
-simulation of all stages together that proves a schedule free of deadlock and measures its bubble.
+Megatron's interleaved 1F1B, and the zero-bubble ZB-H1 and ZB-V of zero_bubble.py, whose backwards are
+split into B and W), their theoretical bubble, the activations they hold, and a dataflow simulation of
+all stages together that proves a schedule free of deadlock and measures its bubble.
 The pipeline executor only walks these lists; nothing here touches MPI.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
-SCHEDULES = ("fthenb", "1f1b", "interleaved")
+from hpengine.layout.actions import Action, Placement, check_args
+from hpengine.layout.zero_bubble import ZERO_BUBBLE, make_zero_bubble, simulate_schedule, zb_rounds
 
-
-@dataclass(frozen=True)
-class Action:
-    """One unit of pipeline work on a stage: forward or backward of micro-batch `mb` through local
-    model chunk `chunk` (virtual stage chunk * p + stage; always 0 unless interleaved)."""
-    kind: str
-    mb: int
-    chunk: int = 0
-
-    def __str__(self):
-        return f"{self.kind}{self.mb}" + (f".c{self.chunk}" if self.chunk else "")
-
-
-def check_args(p, m, stage):
-    """Refuse a pipeline size, micro-batch count or stage that no schedule can take (one line each)."""
-    if p < 1:
-        raise ValueError(f"pipeline size p={p} must be >= 1")
-    if m < 1:
-        raise ValueError(f"number of micro-batches m={m} must be >= 1")
-    if not 0 <= stage < p:
-        raise ValueError(f"stage={stage} must be in 0..{p - 1} for p={p}")
+SCHEDULES = ("fthenb", "1f1b", "interleaved", *ZERO_BUBBLE)
 
 
 def _check_interleaved(p, m, v):
@@ -89,22 +70,44 @@ def interleaved(p: int, m: int, stage: int, v: int) -> list[Action]:
                                    [unit(k, False) for k in range(total)], warmup)
 
 
+def chunks_per_stage(name: str) -> int | None:
+    """The model chunks per stage schedule `name` fixes (zbv: its V of two), None where it is a free choice."""
+    return 2 if name == "zbv" else None
+
+
 def make_schedule(name: str, p: int, m: int, stage: int, v: int = 1) -> list[Action]:
-    """The action list of `stage` for schedule `name` ("fthenb" | "1f1b" | "interleaved")."""
+    """The action list of `stage` for schedule `name` (one of SCHEDULES)."""
     if name == "interleaved":
         return interleaved(p, m, stage, v)
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
-    if v != 1:
-        raise ValueError(f"schedule {name!r} has one model chunk per stage, got v={v} "
-                         f"(use 'interleaved' for v >= 2)")
+    want = chunks_per_stage(name) or 1
+    if v != want:
+        raise ValueError(f"schedule {name!r} has {want} model chunk(s) per stage, got v={v}"
+                         + (" (use 'interleaved' for v >= 2)" if want == 1 else ""))
+    if name in ZERO_BUBBLE:
+        return make_zero_bubble(name, p, m, stage)
     return fthenb(p, m, stage) if name == "fthenb" else one_f_one_b(p, m, stage)
 
 
+def placement(name: str, p: int, v: int = 1) -> Placement:
+    """Where schedule `name` puts each stage's chunks in the model: the V of zbv, else c * p + stage."""
+    return Placement(p, v, vee=name == "zbv")
+
+
+def splits_backward(name: str) -> bool:
+    """Whether schedule `name` runs each backward as B now and W later (the zero-bubble ones)."""
+    return name in ZERO_BUBBLE
+
+
 def bubble_fraction(name: str, p: int, m: int, v: int = 1) -> float:
-    """Theoretical idle fraction with equal forward and backward cost: the p - 1 fill/drain slots
-    over the whole step; interleaving shrinks each slot to 1/v of a stage's work."""
+    """Theoretical idle fraction with equal forward, input-gradient and weight-gradient cost: for the fused
+    schedules the p - 1 fill/drain slots over the whole step (interleaving shrinks each slot to 1/v of a
+    stage's work); for the zero-bubble ones the closed forms derived in zero_bubble.py."""
     make_schedule(name, p, m, 0, v)  # validates all inputs the same way
+    if name in ZERO_BUBBLE:
+        work = 3 * m * v
+        return 1 - work / zb_rounds(name, p, m)
     work = v * m if name == "interleaved" else m
     return (p - 1) / (work + p - 1)
 
@@ -133,7 +136,10 @@ def simulate(p: int, m: int, name: str, v: int = 1, *, actions=None) -> dict:
     """Run every stage's list together, one unit-time action per stage per round, each stage blocked
     on its next action until that action's input (the neighbour's forward or backward output) exists.
     `actions` (one list per stage) replaces the named schedule, e.g. to test a broken one.
-    Returns {"rounds", "busy", "bubble"}; raises RuntimeError("deadlock ...") if all stages stall."""
+    Returns {"rounds", "busy", "bubble"}; raises RuntimeError("deadlock ...") if all stages stall.
+    A zero-bubble schedule runs in zero_bubble.simulate, which knows W and the V placement."""
+    if actions is None and name in ZERO_BUBBLE:
+        return simulate_schedule(name, p, m)
     if actions is None:
         actions = [make_schedule(name, p, m, s, v) for s in range(p)]
     if len(actions) != p:
@@ -158,13 +164,35 @@ def simulate(p: int, m: int, name: str, v: int = 1, *, actions=None) -> dict:
     return {"rounds": rounds, "busy": busy, "bubble": 1 - sum(busy) / (p * rounds) if rounds else 0.0}
 
 
-def peak_live(schedule: str, p: int, m: int, v: int, stage: int, weights) -> int:
+def peak_live(schedule: str, p: int, m: int, v: int, stage: int, weights, stash=None) -> int:
     """Most cached bytes stage `stage` holds at once when chunk c's caches weigh weights[c] (F-then-B: m,
-    1F1B: min(p - stage, m), interleaved: the worst mix of live chunks along its schedule)."""
+    1F1B: min(p - stage, m), interleaved: the worst mix of live chunks along its schedule). A zero-bubble
+    schedule also holds, from each B to its W, the W stash of stash[c] bytes, which replaces the chunk's
+    caches when B starts (the engine counts the same way: caches out, stash in, after each F and B)."""
+    if schedule in ZERO_BUBBLE:
+        return max(sum(n * w for n, w in zip(vec[:v], weights)) + sum(n * w for n, w in zip(vec[v:], stash))
+                   for vec in _held_counts(schedule, p, m, v, stage))
     if v == 1:
         n = m if schedule == "fthenb" else min(p - stage, m)
         return n * weights[0]
     return max(sum(n * w for n, w in zip(vec, weights)) for vec in _live_counts(schedule, p, m, v, stage))
+
+
+@functools.lru_cache(maxsize=4096)
+def _held_counts(schedule, p, m, v, stage) -> frozenset:
+    """The distinct (live caches per chunk, W stashes per chunk) vectors after each F and B of a split schedule."""
+    live, seen = [0] * (2 * v), set()
+    for a in make_schedule(schedule, p, m, stage, v):
+        if a.kind == "F":
+            live[a.chunk] += 1
+        elif a.kind == "B":
+            live[a.chunk] -= 1
+            live[v + a.chunk] += 1
+        else:
+            live[v + a.chunk] -= 1
+        if a.kind != "W":
+            seen.add(tuple(live))
+    return frozenset(seen)
 
 
 @functools.lru_cache(maxsize=4096)

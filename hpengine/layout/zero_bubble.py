@@ -2,35 +2,16 @@
 which the previous virtual stage waits for) and W (weight gradient, which nobody waits for), so that W's
 fill the bubbles. ZB-H1 ("zb1p") and ZB-V ("zbv") as per-stage action lists, and a timed dataflow
 simulation of all stages that proves a schedule free of deadlock and measures its bubble and memory.
-The engine cannot run these yet: they are not in schedules.SCHEDULES."""
+schedules.make_schedule hands them to the executor like the fused schedules."""
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
 
-from hpengine.layout.schedules import Action, check_args
+from hpengine.layout.actions import Action, Placement, check_args
 
 ZERO_BUBBLE = ("zb1p", "zbv")
 KINDS = ("F", "B", "W")
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Which virtual stage local chunk c of stage s computes: c * p + s, as Megatron interleaves, or with
-    `vee` odd chunks run back up the pipe (ZB-V: chunk 1 of stage s is virtual stage 2p - 1 - s)."""
-    p: int
-    v: int = 1
-    vee: bool = False
-
-    def virtual(self, stage: int, chunk: int) -> int:
-        """The virtual stage that `chunk` of `stage` computes."""
-        back = self.vee and chunk % 2
-        return chunk * self.p + (self.p - 1 - stage if back else stage)
-
-    def stage_of(self, g: int) -> int:
-        """The stage that holds virtual stage `g`."""
-        chunk, k = divmod(g, self.p)
-        return self.p - 1 - k if self.vee and chunk % 2 else k
 
 
 @dataclass(frozen=True)
@@ -127,6 +108,11 @@ def zbv(p: int, m: int, stage: int) -> list[Action]:
     for _ in range(p - r):
         out += [act("B", 0), act("W", 0)]
     return out + [act("W", c) for c in (1, 0) for _ in range(m - done["W", c])]
+
+
+def zb_rounds(name: str, p: int, m: int) -> int:
+    """The step's length in unit actions (T_F = T_B = T_W = 1), as derived in zb1p's and zbv's docstrings."""
+    return 3 * m + 2 * p - 1 - min(p, m) if name == "zb1p" else 6 * m + p - 1
 
 
 def make_zero_bubble(name: str, p: int, m: int, stage: int) -> list[Action]:

@@ -89,13 +89,19 @@ def end_cache_bytes(mcfg, rows: int, tp: int, item: int, amp: bool, share: int, 
     indices; the head its final norm (`norm_bytes`; default a layernorm's), the linear's input (the norm's
     output), the loss's probabilities (float32 under amp) and the targets (its own index and mask under tp;
     else it references the pass's int64 targets, `share` sequences). Sequence parallelism (`parts` pieces)
-    splits the norm, the linear's input and a recomputed layer's input; `norm_bytes` is then per piece."""
+    splits the norm, the linear's input and a recomputed layer's input; `norm_bytes` is then per piece.
+
+    "w_embed", "w_head": the W stash of a split backward (nn/deferred.py), what a block's deferred
+    weight-gradient work holds from B to W: the embedding its input gradient and indices, the head the
+    logits' gradient (in the gradients' dtype, which is the activations') and the linear's input."""
     T, C = mcfg.seq_len, mcfg.d_model
     n, Vp = rows * T, padded_vocab(mcfg.vocab_size, tp)
     targets = embedding_cache_bytes(n) if tp > 1 else share * T * 8
     norm = layernorm_cache_elements(n // parts, C) * item if norm_bytes is None else norm_bytes
     head = norm + n // parts * C * item + n * (Vp // tp) * (4 if amp else item) + targets
-    return {"embed": embedding_cache_bytes(n), "head": head, "input": n // parts * C * item}
+    return {"embed": embedding_cache_bytes(n), "head": head, "input": n // parts * C * item,
+            "w_embed": n // parts * C * item + embedding_cache_bytes(n),
+            "w_head": (n * (Vp // tp) + n // parts * C) * item}
 
 
 def tok_embed_forward(xp, P, idx, ctx):
@@ -103,9 +109,9 @@ def tok_embed_forward(xp, P, idx, ctx):
     return vocab_embed_forward(xp, ctx, idx, P["wte"])
 
 
-def tok_embed_backward(xp, dx, cache, G, ctx):
+def tok_embed_backward(xp, dx, cache, G, ctx, defer=None):
     # dx: (B, T, C) -> None (scatters into G["wte"])
-    vocab_embed_backward(xp, ctx, dx, cache, G["wte"])
+    vocab_embed_backward(xp, ctx, dx, cache, G["wte"], defer)
 
 
 def head_weight(P, G, tied):
@@ -121,10 +127,10 @@ def head_forward(xp, P, x, targets, norm, ctx, tied):
     return loss, (c_ln, c)
 
 
-def head_backward(xp, cache, G, ctx, tied, P, dloss=1.0):
+def head_backward(xp, cache, G, ctx, tied, P, dloss=1.0, defer=None):
     # -> dx: (B, T, C)
     c_ln, c = cache
-    dh = logits_loss_backward(xp, c, G, ctx, tied, P, dloss)
+    dh = logits_loss_backward(xp, c, G, ctx, tied, P, dloss, defer)
     return layernorm_backward(xp, dh, c_ln, P["ln_f.w"], G["ln_f.w"], G["ln_f.b"])
 
 
@@ -134,10 +140,10 @@ def logits_loss_forward(xp, P, h, targets, norm, ctx, tied):
     return vocab_loss_forward(xp, ctx, h, w, targets, norm)
 
 
-def logits_loss_backward(xp, cache, G, ctx, tied, P, dloss=1.0):
+def logits_loss_backward(xp, cache, G, ctx, tied, P, dloss=1.0, defer=None):
     # -> dh: (B, T, C); dloss = the amp loss scale
     w, dw = head_weight(P, G, tied)
-    return vocab_loss_backward(xp, ctx, cache, w, dw, dloss)
+    return vocab_loss_backward(xp, ctx, cache, w, dw, dloss, defer)
 
 
 def mlp_forward(xp, P, p, x, ctx):
@@ -149,11 +155,11 @@ def mlp_forward(xp, P, p, x, ctx):
     return o, (c1, c2, linear_drop_input(c3))
 
 
-def mlp_backward(xp, do, cache, P, G, p, ctx):
-    # do: (B, T, C) -> dx: (B, T, C)
+def mlp_backward(xp, do, cache, P, G, p, ctx, defer=None):
+    # do: (B, T, C) -> dx: (B, T, C); `do` must stay unmodified until a deferred W runs
     stash, c2, c3 = cache
     c3 = linear_restore_input(c3, gelu_recompute(xp, c2))
-    dg = row_backward(xp, ctx, do, c3, P[f"{p}.proj.w"], G[f"{p}.proj.w"], G[f"{p}.proj.b"])
+    dg = row_backward(xp, ctx, do, c3, P[f"{p}.proj.w"], G[f"{p}.proj.w"], G[f"{p}.proj.b"], defer)
     del c3
     dh = gelu_backward(xp, dg, c2)
-    return column_backward(xp, ctx, dh, stash, P[f"{p}.fc.w"], G[f"{p}.fc.w"], G[f"{p}.fc.b"])
+    return column_backward(xp, ctx, dh, stash, P[f"{p}.fc.w"], G[f"{p}.fc.w"], G[f"{p}.fc.b"], defer)

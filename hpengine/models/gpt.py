@@ -42,6 +42,7 @@ from hpengine.nn import (
     layernorm_forward,
     linear_forward,
     score_elements,
+    weight_grad,
 )
 from hpengine.nn.flash import (
     flash_attention_backward,
@@ -49,6 +50,10 @@ from hpengine.nn.flash import (
     flash_cache_bytes,
 )
 from hpengine.params.buffers import ParamSpec
+
+
+def _position_grad(gw, positions, dx):
+    gw[positions] += dx.sum(axis=0)
 
 
 class GPT:
@@ -87,7 +92,11 @@ class GPT:
                else attention_cache_elements(rows, self.T, C // tp, H) * item)
         layer = (2 * layernorm_cache_elements(ns, C) + 2 * ns * C + gelu_cache_elements(n * self.F // tp)) * item + att
         scores = 0 if self.flash else rows * H * score_elements(self.T) * item
-        return {"layer": layer, "scores": scores, **end_cache_bytes(self.cfg, rows, tp, item, amp, share, parts=parts)}
+        # W stash (split backward): each row linear's whole output gradient and input, each column linear's
+        # output gradient and input (a piece of it under sequence parallelism): dy, g, dh, h2; dx1, a, dqkv, h
+        w = n * (2 * C + 2 * C // parts + (2 * self.F + 4 * C) // tp) * item
+        return {"layer": layer, "scores": scores, "w_layer": w,
+                **end_cache_bytes(self.cfg, rows, tp, item, amp, share, parts=parts)}
 
     def tp_allreduces(self) -> tuple:
         """Activation allreduces per layer under tensor parallelism: (forward, backward); the attention's and the MLP's reduce_from_tp
@@ -124,10 +133,10 @@ class GPT:
         x += P["wpe"][ctx.seq.local_positions(x.shape[1])]     # this rank's positions under sequence parallelism
         return x, cache
 
-    def embed_backward(self, xp, dx, cache, G, ctx):
-        # dx: (B, T, C) -> None
-        G["wpe"][ctx.seq.local_positions(dx.shape[1])] += dx.sum(axis=0)
-        tok_embed_backward(xp, dx, cache, G, ctx)
+    def embed_backward(self, xp, dx, cache, G, ctx, defer=None):
+        # dx: (B, T, C) -> None: all weight gradient
+        weight_grad(defer, _position_grad, G["wpe"], ctx.seq.local_positions(dx.shape[1]), dx, held=(dx,))
+        tok_embed_backward(xp, dx, cache, G, ctx, defer)
 
     def layer_forward(self, xp, P, i, x, ctx, keep_scores=True):
         # x: (B, T, C) -> (B, T, C)
@@ -148,28 +157,32 @@ class GPT:
             c_att = attention_drop_scores(c_att)
         return x1, (c_ln1, c_qkv, c_att, c_proj, c_ln2, c_mlp)
 
-    def layer_backward(self, xp, dy, cache, P, G, i, ctx):
-        # dy: (B, T, C) -> dx: (B, T, C)
+    def layer_backward(self, xp, dy, cache, P, G, i, ctx, defer=None):
+        # dy: (B, T, C) -> dx: (B, T, C); defer: a list for the weight-gradient products (nn/deferred.py),
+        # which read dy and the gradients below as made here: none of them is written after it is made
         p = f"h.{i}"
         c_ln1, c_qkv, c_att, c_proj, c_ln2, c_mlp = cache
-        dh2 = mlp_backward(xp, dy, c_mlp, P, G, f"{p}.mlp", ctx)
+        dh2 = mlp_backward(xp, dy, c_mlp, P, G, f"{p}.mlp", ctx, defer)
         dx1 = layernorm_backward(xp, dh2, c_ln2, P[f"{p}.ln2.w"], G[f"{p}.ln2.w"], G[f"{p}.ln2.b"])
         dx1 += dy
-        da = row_backward(xp, ctx, dx1, c_proj, P[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.b"])
+        da = row_backward(xp, ctx, dx1, c_proj, P[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.b"],
+                          defer)
         if self.flash:
             dqkv = flash_attention_backward(xp, da, c_att)
         else:
             dqkv = attention_backward(xp, da, attention_restore_scores(xp, c_att))
         dqkv, _ = ctx.attn.kv_backward(dqkv, None)
-        dh = column_backward(xp, ctx, dqkv, c_qkv, P[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.b"])
-        dx1 += layernorm_backward(xp, dh, c_ln1, P[f"{p}.ln1.w"], G[f"{p}.ln1.w"], G[f"{p}.ln1.b"])
-        return dx1
+        dh = column_backward(xp, ctx, dqkv, c_qkv, P[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.b"],
+                             defer)
+        dx = layernorm_backward(xp, dh, c_ln1, P[f"{p}.ln1.w"], G[f"{p}.ln1.w"], G[f"{p}.ln1.b"])
+        dx += dx1           # into the new array: a deferred W still reads dx1 (a + b is b + a, bit for bit)
+        return dx
 
     def head_forward(self, xp, P, x, targets, norm, ctx):
         return head_forward(xp, P, x, targets, norm, ctx, self.tied)
 
-    def head_backward(self, xp, cache, G, ctx, P, dloss=1.0):
-        return head_backward(xp, cache, G, ctx, self.tied, P, dloss)
+    def head_backward(self, xp, cache, G, ctx, P, dloss=1.0, defer=None):
+        return head_backward(xp, cache, G, ctx, self.tied, P, dloss, defer)
 
     # --- incremental decoding (models/decode.py) ------------------------------------------------
     def decode_cache(self, xp, dtype):

@@ -94,7 +94,9 @@ class Llama:
                else gqa_cache_elements(rows, self.T, H, K, self.hd, score_elements(self.T)) * item)
         layer = 2 * rmsnorm_cache_bytes(ns, C, item) + (2 * ns * C + swiglu_cache_elements(n * self.F // tp)) * item + att
         scores = 0 if self.flash else rows * H * score_elements(self.T) * item
-        return {"layer": layer, "scores": scores, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
+        # W stash (split backward), as gpt's: dy, the gating, dg, du, h2; dx, a, dq, dk, dv, h
+        w = n * (2 * C + 2 * C // parts + (3 * self.F + 2 * self.C + 2 * self.K * self.hd) // tp) * item
+        return {"layer": layer, "scores": scores, "w_layer": w, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
                                                   rmsnorm_cache_bytes(ns, C, item), parts)}
 
     def tp_allreduces(self) -> tuple:
@@ -145,9 +147,9 @@ class Llama:
         # idx: (B, T) -> x: (B, T, C)
         return tok_embed_forward(xp, P, idx, ctx)
 
-    def embed_backward(self, xp, dx, cache, G, ctx):
+    def embed_backward(self, xp, dx, cache, G, ctx, defer=None):
         # dx: (B, T, C) -> None
-        tok_embed_backward(xp, dx, cache, G, ctx)
+        tok_embed_backward(xp, dx, cache, G, ctx, defer)
 
     def layer_forward(self, xp, P, i, x, ctx, keep_scores=True):
         # x: (B, T, C) -> (B, T, C)
@@ -177,22 +179,23 @@ class Llama:
             c_att = gqa_drop_scores(c_att)
         return o, (c_n1, c_qkv, c_att, c_o, c_n2, c_gu, c_sw, linear_drop_input(c_d))
 
-    def layer_backward(self, xp, dy, cache, P, G, i, ctx):
-        # dy: (B, T, C) -> dx: (B, T, C)
+    def layer_backward(self, xp, dy, cache, P, G, i, ctx, defer=None):
+        # dy: (B, T, C) -> dx: (B, T, C); defer: a list for the weight-gradient products (nn/deferred.py),
+        # which read dy and the gradients below as made here: none of them is written after it is made
         p = f"h.{i}"
         c_n1, c_qkv, c_att, c_o, c_n2, c_gu, c_sw, c_d = cache
         (cos, sin), (qcos, qsin) = self.rope(xp, dy.dtype)
         # MLP branch
         c_d = linear_restore_input(c_d, swiglu_recompute(xp, c_sw))
-        dm = row_backward(xp, ctx, dy, c_d, P[f"{p}.mlp.down.w"], G[f"{p}.mlp.down.w"])
+        dm = row_backward(xp, ctx, dy, c_d, P[f"{p}.mlp.down.w"], G[f"{p}.mlp.down.w"], defer=defer)
         del c_d
         dg, du = swiglu_backward(xp, dm, c_sw)
         dh2 = columns_backward(xp, ctx, (dg, du), c_gu, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]),
-                               (G[f"{p}.mlp.gate.w"], G[f"{p}.mlp.up.w"]))
+                               (G[f"{p}.mlp.gate.w"], G[f"{p}.mlp.up.w"]), defer=defer)
         dx = rmsnorm_backward(xp, dh2, c_n2, P[f"{p}.mlp_norm.w"], G[f"{p}.mlp_norm.w"])
         dx += dy
         # attention branch
-        da = row_backward(xp, ctx, dx, c_o, P[f"{p}.attn.o.w"], G[f"{p}.attn.o.w"])
+        da = row_backward(xp, ctx, dx, c_o, P[f"{p}.attn.o.w"], G[f"{p}.attn.o.w"], defer=defer)
         if self.flash:
             dq, dk, dv = flash_gqa_backward(xp, da, c_att)
         else:
@@ -200,9 +203,10 @@ class Llama:
         dk, dv = ctx.attn.kv_backward(dk, dv)
         dys = (rope_backward(xp, dq, qcos, qsin), rope_backward(xp, dk, cos, sin), dv.transpose(0, 2, 1, 3))
         dh = columns_backward(xp, ctx, dys, c_qkv, (P[f"{p}.attn.q.w"], P[f"{p}.attn.k.w"], P[f"{p}.attn.v.w"]),
-                              (G[f"{p}.attn.q.w"], G[f"{p}.attn.k.w"], G[f"{p}.attn.v.w"]))
-        dx += rmsnorm_backward(xp, dh, c_n1, P[f"{p}.attn_norm.w"], G[f"{p}.attn_norm.w"])
-        return dx
+                              (G[f"{p}.attn.q.w"], G[f"{p}.attn.k.w"], G[f"{p}.attn.v.w"]), defer=defer)
+        dn = rmsnorm_backward(xp, dh, c_n1, P[f"{p}.attn_norm.w"], G[f"{p}.attn_norm.w"])
+        dn += dx            # into the new array: a deferred W still reads dx (a + b is b + a, bit for bit)
+        return dn
 
     def head_forward(self, xp, P, x, targets, norm, ctx):
         # x: (B, T, C) -> loss
@@ -210,10 +214,10 @@ class Llama:
         loss, c = logits_loss_forward(xp, P, h, targets, norm, ctx, self.tied)
         return loss, (c_n, c)
 
-    def head_backward(self, xp, cache, G, ctx, P, dloss=1.0):
+    def head_backward(self, xp, cache, G, ctx, P, dloss=1.0, defer=None):
         # -> dx: (B, T, C)
         c_n, c = cache
-        dh = logits_loss_backward(xp, c, G, ctx, self.tied, P, dloss)
+        dh = logits_loss_backward(xp, c, G, ctx, self.tied, P, dloss, defer)
         return rmsnorm_backward(xp, dh, c_n, P["norm.w"], G["norm.w"])
 
     # --- incremental decoding (models/decode.py) ------------------------------------------------

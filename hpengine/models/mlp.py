@@ -56,7 +56,8 @@ class MLP:
         (sequence parallelism splits the layernorm and the fc input)."""
         n, C = rows * self.cfg.seq_len, self.C
         layer = layernorm_cache_elements(n // parts, C) + n // parts * C + gelu_cache_elements(n * self.F // tp)
-        return {"layer": layer * item, "scores": 0, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
+        w = n * (C + C // parts + 2 * self.F // tp) * item      # W stash: dy, g, dh, h (models/gpt.py)
+        return {"layer": layer * item, "scores": 0, "w_layer": w, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
                                                                        parts=parts)}
 
     def tp_allreduces(self) -> tuple:
@@ -84,9 +85,9 @@ class MLP:
         # idx: (B, T) -> x: (B, T, C)
         return tok_embed_forward(xp, P, idx, ctx)
 
-    def embed_backward(self, xp, dx, cache, G, ctx):
+    def embed_backward(self, xp, dx, cache, G, ctx, defer=None):
         # dx: (B, T, C) -> None
-        tok_embed_backward(xp, dx, cache, G, ctx)
+        tok_embed_backward(xp, dx, cache, G, ctx, defer)
 
     def layer_forward(self, xp, P, i, x, ctx, keep_scores=True):
         # x: (B, T, C) -> (B, T, C)
@@ -96,18 +97,18 @@ class MLP:
         m, c_mlp = mlp_forward(xp, P, f"{p}.mlp", h, ctx)
         return x + m, (c_ln, c_mlp)
 
-    def layer_backward(self, xp, dy, cache, P, G, i, ctx):
-        # dy: (B, T, C) -> dx: (B, T, C)
+    def layer_backward(self, xp, dy, cache, P, G, i, ctx, defer=None):
+        # dy: (B, T, C) -> dx: (B, T, C); defer: a list for the weight-gradient products (nn/deferred.py)
         p = f"h.{i}"
         c_ln, c_mlp = cache
-        dh = mlp_backward(xp, dy, c_mlp, P, G, f"{p}.mlp", ctx)
+        dh = mlp_backward(xp, dy, c_mlp, P, G, f"{p}.mlp", ctx, defer)
         return dy + layernorm_backward(xp, dh, c_ln, P[f"{p}.ln.w"], G[f"{p}.ln.w"], G[f"{p}.ln.b"])
 
     def head_forward(self, xp, P, x, targets, norm, ctx):
         return head_forward(xp, P, x, targets, norm, ctx, self.tied)
 
-    def head_backward(self, xp, cache, G, ctx, P, dloss=1.0):
-        return head_backward(xp, cache, G, ctx, self.tied, P, dloss)
+    def head_backward(self, xp, cache, G, ctx, P, dloss=1.0, defer=None):
+        return head_backward(xp, cache, G, ctx, self.tied, P, dloss, defer)
 
     # --- incremental decoding (models/decode.py): no layer mixes positions, so nothing is cached -----
     def decode_cache(self, xp, dtype):

@@ -3,6 +3,8 @@ enters a tp region, the row-split linear that leaves it, the vocabulary-parallel
 vocabulary-parallel output projection with its loss. Under LOCAL each is its nn/ layer; the models
 build their blocks from these rather than calling the conjugate pairs themselves.
 
+Each backward takes `defer`: None runs it fused, as always; a list gets the weight-gradient products queued
+on it (nn/deferred.py) after the input gradient is computed, for a zero-bubble pipeline's W pass.
 The linears' backwards also come as two halves for a zero-bubble pipeline (Qi et al. 2023): `*_input` (B, the
 input gradient the previous stage waits for) and `*_weight` (W, the weight gradients, run later). Together
 they accumulate bit for bit what the fused backward does and run the same collectives, one of them later:
@@ -17,6 +19,7 @@ from hpengine.nn import (
     linear_backward_input,
     linear_backward_weight,
     linear_forward,
+    weight_grad,
 )
 
 __all__ = ["column_backward", "column_backward_input", "column_backward_weight", "column_forward",
@@ -37,8 +40,12 @@ def columns_forward(xp, ctx, x, ws, bs=None):
     return ys, ctx.seq.stash_inputs(x, *caches)
 
 
-def columns_backward(xp, ctx, dys, stash, ws, gws, gbs=None):
+def columns_backward(xp, ctx, dys, stash, ws, gws, gbs=None, defer=None):
     # dys[i]: (B, T, OC_i / tp) -> dx: (B, T_local, C), the sum over the linears in their order
+    if defer is not None:
+        dx = columns_backward_input(xp, ctx, dys, stash, ws)
+        weight_grad(defer, columns_backward_weight, xp, ctx, dys, stash, gws, gbs, held=(dys, stash))
+        return dx
     caches = ctx.seq.unstash_inputs(stash)
     dh = None
     for dy, c, w, gw, gb in zip(dys, caches, ws, gws, gbs or (None,) * len(ws)):
@@ -84,9 +91,9 @@ def column_forward(xp, ctx, x, w, b=None):
     return y, stash
 
 
-def column_backward(xp, ctx, dy, stash, w, gw, gb=None):
+def column_backward(xp, ctx, dy, stash, w, gw, gb=None, defer=None):
     # dy: (B, T, OC / tp) -> dx: (B, T_local, C)
-    return columns_backward(xp, ctx, (dy,), stash, (w,), (gw,), None if gb is None else (gb,))
+    return columns_backward(xp, ctx, (dy,), stash, (w,), (gw,), None if gb is None else (gb,), defer)
 
 
 def column_backward_input(xp, ctx, dy, stash, w):
@@ -108,8 +115,12 @@ def row_forward(xp, ctx, x, w, b=None):
     return y, c
 
 
-def row_backward(xp, ctx, dy, cache, w, gw, gb=None):
+def row_backward(xp, ctx, dy, cache, w, gw, gb=None, defer=None):
     # dy: (B, T_local, C) -> dx: (B, T, IC / tp)
+    if defer is not None:
+        dx, dy_full = row_backward_input(xp, ctx, dy, cache, w, gb)
+        weight_grad(defer, row_backward_weight, xp, ctx, dy_full, cache, gw, held=(dy_full, cache))
+        return dx
     if gb is not None:      # from this rank's positions: sequence parallelism sums it over tp later
         gb += dy.reshape(-1, dy.shape[-1]).sum(axis=0)
     return linear_backward(xp, ctx.tp.reduce_from_tp_backward(dy), cache, w, gw)
@@ -145,8 +156,12 @@ def vocab_embed_forward(xp, ctx, idx, w):
     return ctx.tp.reduce_from_tp(e), cache
 
 
-def vocab_embed_backward(xp, ctx, dx, cache, gw):
-    # dx: (B, T_local, C) -> None; scatters into gw (V / tp, C)
+def vocab_embed_backward(xp, ctx, dx, cache, gw, defer=None):
+    # dx: (B, T_local, C) -> None; scatters into gw (V / tp, C): all of it weight gradient (W)
+    weight_grad(defer, _vocab_embed_weight, xp, ctx, dx, cache, gw, held=(dx, cache))
+
+
+def _vocab_embed_weight(xp, ctx, dx, cache, gw):
     embedding_backward(xp, ctx.tp.reduce_from_tp_backward(dx), cache, gw)
 
 
@@ -159,10 +174,10 @@ def vocab_loss_forward(xp, ctx, h, w, targets, norm):
     return loss, (c_lin, c_ce)
 
 
-def vocab_loss_backward(xp, ctx, cache, w, gw, dloss=1.0):
+def vocab_loss_backward(xp, ctx, cache, w, gw, dloss=1.0, defer=None):
     # -> dh: (B, T_local, C); dloss is the amp loss scale
     c_lin, c_ce = cache
     dlogits = ctx.tp.cross_entropy_backward(xp, c_ce, dloss)
     if dlogits.dtype != gw.dtype:
         dlogits = dlogits.astype(gw.dtype)
-    return column_backward(xp, ctx, dlogits, c_lin, w, gw)
+    return column_backward(xp, ctx, dlogits, c_lin, w, gw, defer=defer)

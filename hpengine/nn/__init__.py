@@ -20,6 +20,7 @@ from hpengine.nn.attention import (
                          attention_restore_scores,
                          score_elements,
 )
+from hpengine.nn.deferred import Deferred, run_all, weight_grad
 from hpengine.nn.embedding import (
                          embedding_backward,
                          embedding_backward_input,
@@ -81,4 +82,5 @@ __all__ = [
     # split backwards: the input half (B) and the weight half (W) of each weight-carrying layer
     "linear_backward_input", "linear_backward_weight", "layernorm_backward_input", "layernorm_backward_weight",
     "rmsnorm_backward_input", "rmsnorm_backward_weight", "embedding_backward_input", "embedding_backward_weight",
+    "Deferred", "run_all", "weight_grad",
 ]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from hpengine.config.load import ModelConfig
 from hpengine.layout.resolve import AXES, MAX_INFLIGHT, Resolved, resolve
-from hpengine.layout.schedules import bubble_fraction, peak_live
+from hpengine.layout.schedules import bubble_fraction, peak_live, placement
 from hpengine.layout.stage import build_stage, owner
 from hpengine.models import build_model
 from hpengine.params.buffers import partition
@@ -63,16 +63,17 @@ class Stage:
         return [b for b, _ in self.blocks]
 
 
-def stages(mcfg, tp: int, p: int, v: int, split="uniform") -> list[Stage]:
-    """Every pipeline stage of the model, cut as the engine cuts it."""
+def stages(mcfg, tp: int, p: int, v: int, split="uniform", schedule: str = "fthenb") -> list[Stage]:
+    """Every pipeline stage of the model, cut as the engine cuts it (schedule: where the chunks sit; only
+    zbv's V differs from c * p + stage)."""
     key = tuple(split) if isinstance(split, list) else split
-    return _stages(dataclasses.astuple(mcfg), tp, p, v, key)
+    return _stages(dataclasses.astuple(mcfg), tp, p, v, key, "zbv" if schedule == "zbv" else "fthenb")
 
 
 @functools.lru_cache(maxsize=4096)
-def _stages(mkey, tp, p, v, split) -> list[Stage]:
+def _stages(mkey, tp, p, v, split, schedule) -> list[Stage]:
     mcfg = ModelConfig(*mkey)
-    res = Resolved(tp, 1, 1, p, 0, "tensor", 1, 1, v, "fthenb", list(split) if isinstance(split, tuple) else split,
+    res = Resolved(tp, 1, 1, p, 0, "tensor", 1, 1, v, schedule, list(split) if isinstance(split, tuple) else split,
                    0, False, AXES, 1)
     model = build_model(mcfg, tp)
     out = []
@@ -156,10 +157,19 @@ def chunk_activations(mcfg, st: Stage, chunk, lay: Resolved, item: int) -> int:
 
 def activations(mcfg, st: Stage, lay: Resolved, stage: int, item: int) -> int:
     """Peak cached bytes on this stage: the schedule's live (micro-batch, chunk) caches, weighted by
-    chunk (F-then-B holds m, 1F1B min(p - s, m), interleaved per Megatron 2021). Several models run
+    chunk (F-then-B holds m, 1F1B min(p - s, m), interleaved per Megatron 2021), and under a zero-bubble
+    schedule the W stashes between each B and its W. Several models run
     their passes one after another, so one model's caches are live at a time."""
     w = tuple(chunk_activations(mcfg, st, ch, lay, item) for ch in st.chunks)
-    return peak_live(lay.schedule, lay.pp, lay.m, lay.v, stage, w)
+    return peak_live(lay.schedule, lay.pp, lay.m, lay.v, stage, w,
+                     tuple(chunk_stash(mcfg, st, ch, lay, item) for ch in st.chunks))
+
+
+def chunk_stash(mcfg, st: Stage, chunk, lay: Resolved, item: int) -> int:
+    """A split backward's W stash of one micro-batch through one chunk: what its blocks' deferred
+    weight-gradient work holds from B to W (the same whether or not a layer was recomputed)."""
+    a = block_activations(mcfg, lay, item)
+    return sum(a["w_" + st.kind_of[b].kind] for b in chunk)
 
 
 def buffers(mcfg, st: Stage, lay: Resolved, own: int) -> int:
@@ -226,13 +236,18 @@ def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=Non
 
 def _hops(lay: Resolved, stage: int) -> int:
     """Sends per micro-batch of one rank: forward out of every chunk but the last virtual stage,
-    backward out of every chunk but the first."""
-    V = lay.pp * lay.v
-    return sum((c * lay.pp + stage < V - 1) + (c * lay.pp + stage > 0) for c in range(lay.v))
+    backward out of every chunk but the first, except to a chunk on this rank (zbv's turn on the last
+    rank, handed over in memory). ZB-V crosses 2p - 2 links per micro-batch each way, 1F1B p - 1."""
+    V, place = lay.pp * lay.v, placement(lay.schedule, lay.pp, lay.v)
+    out = 0
+    for c in range(lay.v):
+        g = place.virtual(stage, c)
+        out += (g < V - 1 and place.stage_of(g + 1) != stage) + (g > 0 and place.stage_of(g - 1) != stage)
+    return out
 
 
 def stage_facts(cfg, lay: Resolved) -> list[Stage]:
-    return stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split)
+    return stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule)
 
 
 # ---- time ------------------------------------------------------------------------------------------
@@ -397,7 +412,7 @@ def for_rank(cfg, world: int, coords: dict, cluster=None) -> dict:
 
 def evaluate(cfg, lay: Resolved, cluster, stage_ids=None) -> dict:
     """Prediction for a layout: per-stage results, the worst stage's memory, the step time."""
-    sts = stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split)
+    sts = stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule)
     ids = range(lay.pp) if stage_ids is None else sorted({s for s in stage_ids if 0 <= s < lay.pp})
     per = [predict_stage(cfg.model, sts[s], lay, s, cfg.train.models, cluster) for s in ids]
     worst = max(per, key=lambda r: r["memory"]["total"])

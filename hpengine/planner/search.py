@@ -83,7 +83,8 @@ def candidates(cfg: Config, cluster: Cluster, max_rows: int = 8):
 def _schedules(pp: int, m: int, layers: int):
     if pp == 1:
         return [("fthenb", 1)]
-    out = [("fthenb", 1), ("1f1b", 1)]
+    out = [("fthenb", 1), ("1f1b", 1), ("zb1p", 1)]
+    out += [("zbv", 2)] if m >= 2 * pp - 1 and 2 * pp <= layers else []
     return out + [("interleaved", v) for v in (2, 4) if m % pp == 0 and pp * v <= layers]
 
 

@@ -23,7 +23,8 @@ CLOCK_TAG = 31_337           # ping-pong tag of the clock alignment (no other me
 
 # (category, label) in table order; the label's {comms} names the communicators that category waits on
 CATEGORIES = [
-    ("forward", "compute: forward"), ("backward", "compute: backward"), ("pipeline idle", "pipeline idle (recv waits)"),
+    ("forward", "compute: forward"), ("backward", "compute: backward"),
+    ("weights", "compute: weight gradients (zero-bubble W)"), ("pipeline idle", "pipeline idle (recv waits)"),
     ("grad sync wait", "comm: gradient sync wait ({grads})"), ("optimizer", "optimizer (incl. global-norm allreduce)"),
     ("param share", "comm: parameter share ({params})"), ("loss sync", "comm: loss allreduce"),
     ("data", "data loading"), ("eval", "evaluation"), ("checkpoint", "checkpoint save"),

@@ -3,7 +3,9 @@ forward and their gradients backward with Isend/Irecv tagged by (micro-batch, vi
 Which blocks each stage holds is decided in resolve.py (split_blocks).
 
 Sends are non-blocking and receives complete in schedule order, so a schedule that simulates without
-deadlock (tests/unit/test_schedules.py) runs without one here.
+deadlock (tests/unit/test_schedules.py, test_zero_bubble.py) runs without one here. A zero-bubble schedule
+splits each backward: B hands the executor the chunk's weight-gradient work, W runs it later. Under ZB-V
+the two chunks that meet on the last rank pass activations and gradients to each other in memory.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import time
 
 from hpengine.dist.comm import testall, waitall
 from hpengine.dist.tracer import OFF
-from hpengine.layout.schedules import Action, make_schedule
+from hpengine.layout.schedules import Action, make_schedule, placement, splits_backward
 
 FWD, BWD = 0, 1
 
@@ -19,8 +21,10 @@ FWD, BWD = 0, 1
 class PipelineExecutor:
     """Walks this rank's schedule for one pass (a share of the batch split into micro-batches) of one
     model. It is handed the forward and backward of a chunk as callables, never the engine:
-    forward(chunk, x, targets, grad) -> (out, cache); backward(chunk, dout, cache) -> din;
-    begin_pass(last) tells the gradient sync whether a backward finishes the step's gradients."""
+    forward(chunk, x, targets, grad) -> (out, cache); backward(chunk, dout, cache, defer) -> din, with
+    defer None (fused) or a list the chunk's weight-gradient work goes on; weight(chunk, defer) runs that
+    list (a zero-bubble W); begin_pass(last) tells the gradient sync whether the backward (or W) that
+    follows finishes the step's gradients."""
 
     def __init__(self, pp_comm, xp, dtype, p: int, v: int, m: int, schedule: str, width: int, seq_parts: int = 1,
                  split_comm=None):
@@ -28,15 +32,17 @@ class PipelineExecutor:
         self.seq_parts = seq_parts      # sequence parallel: a stage's activations hold T / tp positions
         self.split = split_comm         # scatter/gather: the tp Comm whose ranks send 1/tp each
         self.stage = pp_comm.rank
-        self.buffers = {}
+        self.buffers, self.local = {}, {}
         self.V = p * v
+        self.place = placement(schedule, p, v)
+        self.split_bw = splits_backward(schedule)
         self.actions = make_schedule(schedule, p, m, self.stage, v) if p > 1 or m > 1 else \
             make_schedule("fthenb", 1, 1, 0)
         self.busy_s, self.wall_s, self.peak_live = 0.0, 0.0, 0
         self.tr = OFF
 
     def _g(self, chunk):
-        return chunk * self.p + self.stage
+        return self.place.virtual(self.stage, chunk)
 
     def _tag(self, mb, g, direction):
         return (mb * self.V + g) * 2 + direction
@@ -44,8 +50,10 @@ class PipelineExecutor:
     def _buffer(self, mb, g_dst, direction, shape):
         """Preallocated receive buffers, reused every step: one per (micro-batch, chunk) for activations
         (a recomputed block's cache keeps its input until that micro-batch's backward), one per chunk for
-        gradients (consumed by the backward right away). Shapes come from the config: no shape exchange."""
-        key = (mb if direction == FWD else -1, g_dst, direction, shape)
+        gradients (consumed by the backward right away; one per micro-batch too when the backward is split,
+        since the weight-gradient work W keeps the gradient until it runs). Shapes come from the config: no
+        shape exchange."""
+        key = (mb if direction == FWD or self.split_bw else -1, g_dst, direction, shape)
         buf = self.buffers.get(key)
         if buf is None:
             buf = self.buffers[key] = self.xp.empty(shape, dtype=self.dtype)
@@ -59,9 +67,12 @@ class PipelineExecutor:
         return flat[self.split.rank * n:(self.split.rank + 1) * n]
 
     def _recv(self, mb, g_src, g_dst, direction, shape):
+        src = self.place.stage_of(g_src)
+        if src == self.stage:       # ZB-V's turn: the other chunk here made it
+            return self.local.pop((mb, g_dst, direction))
         buf = self._buffer(mb, g_dst, direction, shape)
         t = self.tr.now()
-        self.pp.irecv(self._piece(buf), source=g_src % self.p, tag=self._tag(mb, g_dst, direction)).Wait()
+        self.pp.irecv(self._piece(buf), source=src, tag=self._tag(mb, g_dst, direction)).Wait()
         if self.split is not None:      # every tp rank of the sender sent its piece to its peer here
             n = buf.size // self.split.size
             self.split.allgatherv_(buf.reshape(-1), [n] * self.split.size, [r * n for r in range(self.split.size)])
@@ -78,20 +89,27 @@ class PipelineExecutor:
         return self._recv(mb, g + 1, g, BWD, shape)
 
     def send_forward(self, out, mb, g):
-        return self.pp.isend(self._piece(out), dest=(g + 1) % self.p, tag=self._tag(mb, g + 1, FWD))
+        return self._send(out, mb, g + 1, FWD)
 
     def send_backward(self, din, mb, g):
-        return self.pp.isend(self._piece(din), dest=(g - 1) % self.p, tag=self._tag(mb, g - 1, BWD))
+        return self._send(din, mb, g - 1, BWD)
+
+    def _send(self, arr, mb, g_dst, direction):
+        dest = self.place.stage_of(g_dst)
+        if dest == self.stage:
+            self.local[mb, g_dst, direction] = arr
+            return None
+        return self.pp.isend(self._piece(arr), dest=dest, tag=self._tag(mb, g_dst, direction))
 
     def run(self, chunks, forward, backward, begin_pass, x, y, last_pass: bool, grad: bool = True,
-            tracer=OFF) -> float:
+            tracer=OFF, weight=None) -> float:
         """Forward (and backward) of every micro-batch of rows x, y through `chunks` (this rank's, local
         index c = global chunk // p); returns the loss share (last stage)."""
         m, V = self.m, self.V
         rows = x.shape[0] // m
         act_shape = (rows, x.shape[1] // self.seq_parts, self.width)
         actions = self.actions if grad else self._forward_only()
-        caches, sends, loss, live = {}, [], 0.0, 0
+        caches, sends, loss, live, work = {}, [], 0.0, 0, {}
         self.tr = tr = tracer if grad else OFF     # evaluation is one span in train.py
         t_start = time.perf_counter()
         for a in actions:
@@ -111,16 +129,26 @@ class PipelineExecutor:
                     loss += float(out)
                 else:
                     sends.append(self.send_forward(out, mb, g))
-            else:
+            elif a.kind == "B":
                 begin_pass(last_pass and mb == m - 1)   # the last backward of a chunk finishes its grads
                 dout = None if g == V - 1 else self.recv_backward(mb, g, act_shape)
                 t0, t = time.perf_counter(), tr.now()
-                din = backward(chunk, dout, caches.pop((mb, a.chunk)))
+                defer = [] if self.split_bw else None
+                din = backward(chunk, dout, caches.pop((mb, a.chunk)), defer)
                 tr.lap("backward", t, "B", (mb, g))
                 self.busy_s += time.perf_counter() - t0
                 live -= 1
+                if defer is not None:
+                    work[mb, a.chunk] = defer
                 if g > 0:
                     sends.append(self.send_backward(din, mb, g))
+            else:
+                begin_pass(last_pass and mb == m - 1)   # ... or, split, its last W
+                t0, t = time.perf_counter(), tr.now()
+                weight(chunk, work.pop((mb, a.chunk)))
+                tr.lap("weights", t, "W", (mb, g))
+                self.busy_s += time.perf_counter() - t0
+            sends = [r for r in sends if r is not None]
             testall(sends)
         if sends:
             t = tr.now()

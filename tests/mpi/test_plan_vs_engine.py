@@ -1,7 +1,8 @@
 """The planner against the engine: for layouts of a tiny float64 model at this world size, the predicted
 parameter, gradient and optimizer bytes equal Engine.memory() on every rank, the predicted bytes of every
 communicator and operation equal the comm.py counters over two steps, and the predicted activation bytes
-are within 10% of the engine's counted live caches (here they are equal)."""
+are within 10% of the engine's counted live caches (here they are equal; exactly so, checked, under sequence
+parallelism and the zero-bubble schedules, whose W stash is counted too)."""
 import pytest
 
 from helpers import LLAMA, config, need
@@ -67,6 +68,18 @@ LAYOUTS = [
     ("llama_pp2_interleaved_recompute", EVEN, LLAMA + PP2 + DP + [
         S + "pipeline.micro_batches=2", S + "pipeline.schedule=interleaved", S + "pipeline.virtual_stages=2",
         "model.n_layers=4", S + "recompute.enable=true", S + "recompute.every=2"]),
+    # zero-bubble schedules: caches until B, then the W stash until W (exactly what the engine counts)
+    ("zb_pp2_zb1p_dp", EVEN, PP2 + DP + [S + "pipeline.micro_batches=4", S + "pipeline.schedule=zb1p"]),
+    ("zb_pp2_zbv_sharding3_tied", EVEN, PP2 + SH + [S + "pipeline.micro_batches=4", S + "pipeline.schedule=zbv",
+                                                    "model.n_layers=4", S + "sharding.stage=3", "model.tie_head=true"]),
+    ("zb_llama_pp2_zb1p_recompute", EVEN, LLAMA + PP2 + DP + [S + "pipeline.micro_batches=4", S + "pipeline.schedule=zb1p",
+                                                              S + "recompute.enable=true"]),
+    ("zb_sp_tp2_pp2_zbv", lambda n: n == 4, TP2 + PP2 + SP + [S + "pipeline.micro_batches=4", S + "pipeline.schedule=zbv",
+                                                              "model.n_layers=4"]),
+    ("zb_mlp_pp2_zbv_amp", EVEN, PP2 + DP + ["model.kind=mlp", S + "pipeline.micro_batches=4", S + "pipeline.schedule=zbv",
+                                             "model.n_layers=4", S + "amp.enable=true", "model.dtype=float32"]),
+    ("zb_pp4_zbv", lambda n: n == 4, [S + "pipeline.enable=true", S + "pipeline.degree=4", S + "pipeline.micro_batches=8",
+                                      S + "pipeline.schedule=zbv", "model.n_layers=8"]),
 ]
 
 
@@ -88,7 +101,7 @@ def test_plan_equals_engine(corpus, world, name, fits, extra):
     assert (got["param_bytes"], got["grad_bytes"], got["optim_bytes"]) == \
         (want["params"], want["grads"], want["optimizer"]), where
     assert abs(want["activations"] - got["activation_peak_bytes"]) <= 0.1 * got["activation_peak_bytes"], where
-    if name.startswith("sp_"):          # sequence parallel's split caches: exactly what the engine counted
+    if name.startswith(("sp_", "zb_")):     # sequence parallel's split caches, the W stash: exactly as counted
         assert want["activations"] == got["activation_peak_bytes"], where
     counted = {axis: {op: v[1] for op, v in c.stats.items()}
                for axis, c in eng.mesh.comms.items() if c is not None and c.stats}

@@ -43,12 +43,23 @@ def test_gpt_activation_bytes_by_hand():
     input ns C * 2 + the loss's float32 probabilities n * 256/t * 4 + targets (one rank: 3 * 32 int64 = 768;
     under tp its own int64 index and bool mask, 96 * 9 = 864): 12480 + 12288 + 98304 + 768 = 123840;
     12480 + 12288 + 49152 + 864 = 74784; 6240 + 6144 + 49152 + 864 = 62400. The embedding keeps 96 * 9 =
-    864 bytes of indices and masks in each case."""
+    864 bytes of indices and masks in each case.
+
+    The W stash of a split backward (zero-bubble schedules), what each block's deferred weight-gradient
+    work holds from B to W. A layer: the two row linears' whole output gradients (n C each: gathered under
+    sequence parallelism) and inputs (the GELU's output n 4C / t, the attention's output n C / t), the two
+    column linears' output gradients (n 4C / t, n 3C / t) and inputs (ns C each: this rank's piece under sp):
+    one rank 96 * (128 + 128 + 768) * 2 = 196608; tp 96 * (128 + 128 + 384) * 2 = 122880; sp 96 * (128 + 64
+    + 384) * 2 = 110592. The head: the logits' gradient n * 256 / t and the linear's input ns C: 61440,
+    36864, 30720. The embedding: its input gradient ns C and the 864 bytes of indices: 13152, 13152, 7008."""
     base = MODEL + ["train.global_batch=3", "strategy.amp.enable=true"]
     tp = ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2"]
-    want = {"one": dict(layer=246144, scores=36864, input=12288, head=123840, embed=864),
-            "tp": dict(layer=147840, scores=18432, input=12288, head=74784, embed=864),
-            "sp": dict(layer=123072, scores=18432, input=6144, head=62400, embed=864)}
+    want = {"one": dict(layer=246144, scores=36864, input=12288, head=123840, embed=864,
+                        w_layer=196608, w_head=61440, w_embed=13152),
+            "tp": dict(layer=147840, scores=18432, input=12288, head=74784, embed=864,
+                       w_layer=122880, w_head=36864, w_embed=13152),
+            "sp": dict(layer=123072, scores=18432, input=6144, head=62400, embed=864,
+                       w_layer=110592, w_head=30720, w_embed=7008)}
     for name, extra, world in (("one", [], 1), ("tp", tp, 2),
                                ("sp", tp + ["strategy.tensor_parallel.sequence_parallel=true"], 2)):
         cfg = load_config(None, base + extra)

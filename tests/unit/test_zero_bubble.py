@@ -8,7 +8,9 @@ from itertools import pairwise
 
 import pytest
 
-from hpengine.layout.schedules import SCHEDULES, Action, make_schedule, one_f_one_b, peak_in_flight
+from hpengine.config.load import ConfigError, load_config
+from hpengine.layout.resolve import chunks as model_chunks, resolve, stage_chunks
+from hpengine.layout.schedules import SCHEDULES, Action, bubble_fraction, make_schedule, one_f_one_b, peak_in_flight
 from hpengine.layout.schedules import simulate as simulate_rounds
 from hpengine.layout.zero_bubble import (ZERO_BUBBLE, Placement, Times, make_zero_bubble, placement,
                                          simulate, simulate_schedule, zb1p, zbv)
@@ -188,10 +190,21 @@ def test_single_stage_has_no_bubble():
         assert simulate_schedule(name, 1, 4)["bubble"] == 0
 
 
-def test_not_offered_to_the_engine():
-    assert not set(ZERO_BUBBLE) & set(SCHEDULES)
-    with pytest.raises(ValueError):
-        make_schedule("zb1p", 2, 4, 0)
+def test_offered_to_the_engine_with_their_chunk_counts():
+    assert set(ZERO_BUBBLE) <= set(SCHEDULES)
+    assert make_schedule("zb1p", 2, 4, 1) == make_zero_bubble("zb1p", 2, 4, 1)
+    assert make_schedule("zbv", 2, 4, 0, 2) == make_zero_bubble("zbv", 2, 4, 0)
+    with pytest.raises(ValueError, match="'zbv' has 2 model chunk"):
+        make_schedule("zbv", 2, 4, 0)
+    with pytest.raises(ValueError, match="'zb1p' has 1 model chunk"):
+        make_schedule("zb1p", 2, 4, 0, 2)
+
+
+@pytest.mark.parametrize("name,v", [("zb1p", 1), ("zbv", 2)])
+def test_theory_is_the_simulated_bubble(name, v):
+    for p in range(1, 9):
+        for m in range(2 * p - 1 if name == "zbv" else 1, 33, 3):
+            assert bubble_fraction(name, p, m, v) == pytest.approx(simulate_rounds(p, m, name, v)["bubble"], abs=1e-12)
 
 
 def deadlock(actions, place):
@@ -247,3 +260,34 @@ def test_bad_simulation_inputs(call, words_):
         call()
     msg = str(e.value)
     assert all(w in msg for w in words_) and "\n" not in msg, msg
+
+
+def _resolve(world, *extra):
+    return resolve(load_config(None, ["strategy.pipeline.enable=true", "model.n_layers=8", "train.global_batch=16",
+                                      *extra]), world)
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    (["strategy.pipeline.schedule=zbv", "strategy.pipeline.virtual_stages=3", "strategy.pipeline.micro_batches=8"], 2,
+     "pipeline.schedule = 'zbv' places 2 model chunks per rank (a V); pipeline.virtual_stages = 3 must be 2"),
+    (["strategy.pipeline.schedule=zbv", "strategy.pipeline.micro_batches=4"], 4,
+     "pipeline.schedule = 'zbv' needs pipeline.micro_batches >= 2 x degree - 1 = 7 for degree 4, got 4"),
+    (["strategy.pipeline.schedule=zbv", "strategy.pipeline.micro_batches=8", "model.n_layers=6"], 4,
+     "pipeline.degree x virtual_stages = 4 x 2 = 8 chunks but the model has only 6 blocks"),
+    (["strategy.pipeline.schedule=zb1p", "strategy.pipeline.virtual_stages=2", "strategy.pipeline.micro_batches=4"], 2,
+     "pipeline.virtual_stages = 2 needs pipeline.schedule = 'interleaved' (zbv always has 2; zb1p has 1)"),
+])
+def test_impossible_zero_bubble_layouts_are_one_clear_line(extra, world, message):
+    with pytest.raises((ConfigError, ValueError)) as e:
+        _resolve(world, *extra)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_zbv_takes_its_two_chunks_in_a_v():
+    res = _resolve(4, "strategy.pipeline.schedule=zbv", "strategy.pipeline.micro_batches=8")
+    assert (res.v, res.schedule) == (2, "zbv")
+    cfg = load_config(None, ["model.n_layers=8"])
+    every = model_chunks(cfg.model, res)
+    assert every[0][0] == "embed" and every[-1][-1] == "head"
+    # rank r: chunks r and 2p - 1 - r, so rank 0 holds the embedding and the head
+    assert [stage_chunks(cfg.model, res, r) for r in range(4)] == [(every[r], every[7 - r]) for r in range(4)]
