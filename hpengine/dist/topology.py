@@ -27,17 +27,31 @@ class Mesh:
             s *= self.degrees[a]
         self.coords = self.coords_of(self.rank)
         wrap = wrap or (lambda c, axis: c)
-        self._wrap, self._folds = wrap, {}
+        self._wrap, self._folds, self._made = wrap, {}, []
         self.comms = {}
         for a in self.order:  # same order of Split calls on every rank
             color = sum(self.coords[b] * self.strides[b] for b in AXES if b != a)
-            self.comms[a] = wrap(world_comm.Split(color, self.coords[a]), a)
+            self.comms[a] = wrap(self._split(color, self.coords[a]), a)
         self.comms["tied"] = None
         if self.degrees["pp"] > 1:   # first and last pipeline stage: the tied embedding's two copies
             ends = self.coords["pp"] in (0, self.degrees["pp"] - 1)
             color = sum(self.coords[b] * self.strides[b] for b in AXES if b != "pp") if ends else MPI.UNDEFINED
-            c = world_comm.Split(color, self.coords["pp"])
+            c = self._split(color, self.coords["pp"])
             self.comms["tied"] = wrap(c, "tied") if ends else None
+
+    def _split(self, color, key):
+        c = self.world.Split(color, key)
+        self._made.append(c)
+        return c
+
+    def free(self) -> None:
+        """Free every communicator this mesh made (collective on the world: each rank frees the same ones in
+        the same order). MPI has a few thousand communicators per process; a process that builds many
+        engines (a test suite, a sweep) frees each mesh when done with it. The mesh is unusable after."""
+        for c in self._made:
+            if c != MPI.COMM_NULL:
+                c.Free()
+        self._made, self.comms = [], {}
 
     @staticmethod
     def group_name(axes) -> str:
@@ -68,7 +82,7 @@ class Mesh:
             return self.comms[axes[0]]
         if name not in self.comms:
             color, key = self._product_color(axes)
-            self.comms[name] = self._wrap(self.world.Split(color, key), name)
+            self.comms[name] = self._wrap(self._split(color, key), name)
         return self.comms[name]
 
     def fold(self, name: str, degree: int, inside: tuple):
@@ -88,8 +102,8 @@ class Mesh:
         if name not in self.comms:
             color, key = self._product_color(tuple(a for a in self.order if a in inside))
             block, place = divmod(key, degree)
-            self.comms[name] = self._wrap(self.world.Split(color * size + block, place), name)
-            self.comms[f"{name}-dp"] = self._wrap(self.world.Split(color * size + place, block), f"{name}-dp")
+            self.comms[name] = self._wrap(self._split(color * size + block, place), name)
+            self.comms[f"{name}-dp"] = self._wrap(self._split(color * size + place, block), f"{name}-dp")
         return self.comms[name], self.comms[f"{name}-dp"]
 
     def coords_of(self, rank: int) -> dict:

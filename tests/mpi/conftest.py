@@ -10,6 +10,8 @@ import time
 import pytest
 from mpi4py import MPI
 
+from hpengine.dist.topology import Mesh
+
 WORLD = MPI.COMM_WORLD
 
 # three documents (one file each): the validation split takes whole documents, here the short last one
@@ -40,6 +42,21 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(scope="session")
 def world():
     return WORLD
+
+
+@pytest.fixture(autouse=True)
+def free_meshes(monkeypatch):
+    """Free the communicators of every mesh a test built once it is over: MPI gives a process a few
+    thousand, and the suite builds hundreds of engines. Cached results keep numbers, never communicators."""
+    made, init = [], Mesh.__init__
+
+    def record(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+    monkeypatch.setattr(Mesh, "__init__", record)
+    yield
+    for mesh in made:
+        mesh.free()
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ SP = [S + "tensor_parallel.sequence_parallel=true"]
 ANY = lambda n: True           # noqa: E731
 EVEN = lambda n: n % 2 == 0    # noqa: E731
 UPTO4 = lambda n: n <= 4       # noqa: E731
+TWO_OR_4 = lambda n: n in (2, 4)   # noqa: E731
 
 # (name, which world sizes it fits, overrides); degrees of -1 take the ranks left over
 LAYOUTS = [
@@ -69,14 +70,14 @@ LAYOUTS = [
         S + "pipeline.micro_batches=2", S + "pipeline.schedule=interleaved", S + "pipeline.virtual_stages=2",
         "model.n_layers=4", S + "recompute.enable=true", S + "recompute.every=2"]),
     # zero-bubble schedules: caches until B, then the W stash until W (exactly what the engine counts)
-    ("zb_pp2_zb1p_dp", EVEN, PP2 + DP + [S + "pipeline.micro_batches=4", S + "pipeline.schedule=zb1p"]),
-    ("zb_pp2_zbv_sharding3_tied", EVEN, PP2 + SH + [S + "pipeline.micro_batches=4", S + "pipeline.schedule=zbv",
+    ("zb_pp2_zb1p_dp", TWO_OR_4, PP2 + DP + [S + "pipeline.micro_batches=4", S + "pipeline.schedule=zb1p"]),
+    ("zb_pp2_zbv_sharding3_tied", TWO_OR_4, PP2 + SH + [S + "pipeline.micro_batches=4", S + "pipeline.schedule=zbv",
                                                     "model.n_layers=4", S + "sharding.stage=3", "model.tie_head=true"]),
-    ("zb_llama_pp2_zb1p_recompute", EVEN, LLAMA + PP2 + DP + [S + "pipeline.micro_batches=4", S + "pipeline.schedule=zb1p",
+    ("zb_llama_pp2_zb1p_recompute", TWO_OR_4, LLAMA + PP2 + DP + [S + "pipeline.micro_batches=4", S + "pipeline.schedule=zb1p",
                                                               S + "recompute.enable=true"]),
     ("zb_sp_tp2_pp2_zbv", lambda n: n == 4, TP2 + PP2 + SP + [S + "pipeline.micro_batches=4", S + "pipeline.schedule=zbv",
                                                               "model.n_layers=4"]),
-    ("zb_mlp_pp2_zbv_amp", EVEN, PP2 + DP + ["model.kind=mlp", S + "pipeline.micro_batches=4", S + "pipeline.schedule=zbv",
+    ("zb_mlp_pp2_zbv_amp", TWO_OR_4, PP2 + DP + ["model.kind=mlp", S + "pipeline.micro_batches=4", S + "pipeline.schedule=zbv",
                                              "model.n_layers=4", S + "amp.enable=true", "model.dtype=float32"]),
     ("zb_pp4_zbv", lambda n: n == 4, [S + "pipeline.enable=true", S + "pipeline.degree=4", S + "pipeline.micro_batches=8",
                                       S + "pipeline.schedule=zbv", "model.n_layers=8"]),

@@ -130,3 +130,34 @@ def test_tracing_off_records_nothing_and_bytes_match_comm_stats(corpus, folder):
     assert bd["memory"][eng.mesh.rank]["param_bytes"] == eng.memory()["param_bytes"]
     if WORLD.Get_size() > 1:
         assert sum(b["total"] for b in bd["bytes"].values()) > 0
+
+
+@pytest.mark.parametrize("schedule", ["zb1p", "zbv"])
+def test_zero_bubble_trace_has_f_b_and_w(corpus, folder, schedule):
+    """Every micro-batch's F, B and W on every chunk of this rank, each W after its B; the Gantt plot draws them."""
+    n = WORLD.Get_size()
+    if n not in (2, 4):
+        pytest.skip("pipeline over 2 or 4 ranks")
+    out = os.path.join(folder, "run")
+    m = 8 if schedule == "zbv" and n == 4 else 4
+    eng = run(corpus, out, "runtime.trace=true", "model.n_layers=8", "strategy.pipeline.enable=true",
+              f"strategy.pipeline.degree={n}", f"strategy.pipeline.micro_batches={m}",
+              f"strategy.pipeline.schedule={schedule}", "train.global_batch=8")
+    doc = read(os.path.join(out, "trace.json"))
+    mine = sorted((e for e in doc["traceEvents"] if e["ph"] == "X" and e["pid"] == eng.mesh.rank), key=lambda e: e["ts"])
+    by = {c: [e["name"] for e in mine if e["cat"] == c] for c in ("forward", "backward", "weights")}
+    v = eng.res.v
+    for cat, k in (("forward", "F"), ("backward", "B"), ("weights", "W")):
+        names = sorted(f"{k}{i}" + (f".c{eng.pipe.place.virtual(eng.mesh.coords['pp'], c)}" if v > 1 else "")
+                       for i in range(m) for c in range(v))
+        assert sorted(by[cat]) == sorted(names * 3), cat
+    first_step = [e for e in mine if e["cat"] in ("backward", "weights")][:2 * m * v]
+    seen = set()
+    for e in first_step:
+        unit = e["name"][1:]
+        assert (e["cat"] == "backward") != (unit in seen), e["name"]     # B, then its W
+        seen.add(unit)
+    if WORLD.Get_rank() == 0:
+        from hpengine.apps.plot import plot_run
+        written, notes = plot_run(out)
+        assert not notes and os.path.exists(os.path.join(out, "plots", "pipeline_gantt.png")), (written, notes)
