@@ -3,9 +3,13 @@ d_model 256, 4 heads, seq 128, float32) with 8 layers (so that pp 4 can hold zbv
 per rank) and a global batch of 16, at pp 2 and pp 4 with m = 4 and 8 micro-batches. For each layout one
 `mpiexec -n p` job builds every schedule's engine in turn, round after round (the schedules interleaved),
 warms each up, times its steps, and reports per schedule the median tokens/s, the measured bubble (the idle
-share of the executor's wall time, 1 - busy / wall, the mean over stages; the end-of-run line of
-`hpengine train` shows the same per stage) next to the schedule's theory, and the measured time of one B
-and one W relative to one F (from the engine's phase clock). Prints a Markdown table; not part of `make test`.
+share of p x the pass's span from the first stage's start to the last stage's end, 1 - sum of busy / (p x
+span), median over steps) next to the schedule's theory; per stage, the idle share of that stage's own
+executor time, which `hpengine train`'s end-of-run line shows (it leaves out the waits before a stage's
+first action and after its last: a last stage that finishes early looks busier than it was); and the
+measured time of one B and one W relative to one F (the engine's phase clock); the activation peak of the
+worst rank (the engine's count: caches, and under a zero-bubble schedule the W stash). Prints a Markdown
+table; not part of `make test`.
 
     .venv/bin/python benchmarks/bench_zero_bubble.py                     # pp 2 and 4, m 4 and 8, 3 rounds
     .venv/bin/python benchmarks/bench_zero_bubble.py --pp 2 --m 8 --rounds 5 --out /tmp/zb.md
@@ -67,22 +71,25 @@ def worker(a) -> None:
                 pipe, tr = eng.pipe, eng.tracer
                 pipe.busy_s = pipe.wall_s = 0.0
                 tr.seconds.clear()
-                toks = []
+                toks, wide = [], []
                 for s in range(a.warmup, a.warmup + a.steps):
                     toks.append(eng.train_step(s)["tokens_per_s"])
+                    runs = world.allgather(pipe.last_run)       # (start, end, busy) of every stage's pass
+                    window = max(r[1] for r in runs) - min(r[0] for r in runs)
+                    wide.append(1 - sum(r[2] for r in runs) / (p * window))
                 mine = (1 - pipe.busy_s / pipe.wall_s, tr.seconds.get("forward", 0.0), tr.seconds.get("backward", 0.0),
-                        tr.seconds.get("weights", 0.0))
+                        tr.seconds.get("weights", 0.0), eng.memory()["activation_peak_bytes"])
                 every = world.allgather(mine)
                 if world.Get_rank() == 0:
                     r = results.setdefault(f"{m} {sched}", {"m": m, "schedule": sched, "v": eng.res.v, "runs": []})
                     r["theory"] = bubble_fraction(sched, p, m, eng.res.v)
                     f, b, w = (sum(e[i] for e in every) for i in (1, 2, 3))
-                    r["runs"].append({"tokens_per_s": statistics.median(toks),
-                                      "bubble": statistics.mean(e[0] for e in every),
+                    r["runs"].append({"tokens_per_s": statistics.median(toks), "bubble": statistics.median(wide),
                                       "bubble_per_stage": [round(e[0], 4) for e in every],
                                       # per action: a zero-bubble B or W is one chunk's, as its F
-                                      "b_over_f": b / f, "w_over_f": w / f if w else None})
-                del eng
+                                      "b_over_f": b / f, "w_over_f": w / f if w else None,
+                                      "activations_mib": max(e[4] for e in every) / 2**20})
+                eng.mesh.free()
     if world.Get_rank() == 0:
         Path(a.json).write_text(json.dumps(list(results.values())))
 
@@ -94,13 +101,13 @@ def summarize(p: int, cases: list[dict]) -> list[str]:
     rows = []
     for c in sorted(cases, key=lambda c: (c["m"], SCHEDULES.index(c["schedule"]))):
         tok, bub = med([r["tokens_per_s"] for r in c["runs"]]), med([r["bubble"] for r in c["runs"]])
+        stages = [med([r["bubble_per_stage"][s] for r in c["runs"]]) for s in range(p)]
         bf = med([r["b_over_f"] for r in c["runs"]])
+        act = med([r["activations_mib"] for r in c["runs"]])
         wf = [r["w_over_f"] for r in c["runs"] if r["w_over_f"] is not None]
-        rows.append(f"| {p} | {c['m']} | {c['schedule']}{'/2' if c['v'] > 1 else ''} | {bub:.3f} | {c['theory']:.3f} | "
-                    f"{bub / bub1[c['m']]:.2f} | {tok:,.0f} | {tok / base[c['m']]:.2f} | {bf:.2f} | "
-                    f"{med(wf):.2f} |" if wf else
-                    f"| {p} | {c['m']} | {c['schedule']}{'/2' if c['v'] > 1 else ''} | {bub:.3f} | {c['theory']:.3f} | "
-                    f"{bub / bub1[c['m']]:.2f} | {tok:,.0f} | {tok / base[c['m']]:.2f} | {bf:.2f} | - |")
+        rows.append(f"| {p} | {c['m']} | {c['schedule']}{'/2' if c['v'] > 1 else ''} | {bub:.3f} | "
+                    f"{' '.join(f'{b:.3f}' for b in stages)} | {c['theory']:.3f} | {bub / bub1[c['m']]:.2f} | "
+                    f"{tok:,.0f} | {tok / base[c['m']]:.2f} | {act:.1f} | {bf:.2f} | " + (f"{med(wf):.2f} |" if wf else "- |"))
     return rows
 
 
@@ -133,8 +140,8 @@ def main(argv=None) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     lines = [f"{datetime.date.today()}, {cpu_name()}, {os.cpu_count()} cores; `{' '.join(['python', *sys.argv])}`; "
              f"{a.rounds} rounds, {a.steps} timed steps after {a.warmup} per run, one BLAS thread per rank", "",
-             "| pp | m | schedule | bubble | theory | / 1f1b's | tokens/s | / 1f1b | B / F | W / F |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| pp | m | schedule | bubble | per stage | theory | / 1f1b's | tokens/s | / 1f1b | activations MiB | B / F | "
+             "W / F |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in a.pp:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "r.json"

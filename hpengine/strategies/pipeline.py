@@ -39,6 +39,9 @@ class PipelineExecutor:
         self.actions = make_schedule(schedule, p, m, self.stage, v) if p > 1 or m > 1 else \
             make_schedule("fthenb", 1, 1, 0)
         self.busy_s, self.wall_s, self.peak_live = 0.0, 0.0, 0
+        # the last run's (start, end, busy) seconds on the host's monotonic clock, which every rank on a
+        # node shares: with the other stages' it gives the pipeline-wide bubble (benchmarks/bench_zero_bubble.py)
+        self.last_run = (0.0, 0.0, 0.0)
         self.tr = OFF
 
     def _g(self, chunk):
@@ -104,14 +107,14 @@ class PipelineExecutor:
     def run(self, chunks, forward, backward, begin_pass, x, y, last_pass: bool, grad: bool = True,
             tracer=OFF, weight=None) -> float:
         """Forward (and backward) of every micro-batch of rows x, y through `chunks` (this rank's, local
-        index c = global chunk // p); returns the loss share (last stage)."""
+        index c, computing virtual stage Placement.virtual(stage, c)); returns the loss share (last stage)."""
         m, V = self.m, self.V
         rows = x.shape[0] // m
         act_shape = (rows, x.shape[1] // self.seq_parts, self.width)
         actions = self.actions if grad else self._forward_only()
         caches, sends, loss, live, work = {}, [], 0.0, 0, {}
         self.tr = tr = tracer if grad else OFF     # evaluation is one span in train.py
-        t_start = time.perf_counter()
+        t_start, busy_before = time.perf_counter(), self.busy_s
         for a in actions:
             g, chunk, mb = self._g(a.chunk), chunks[a.chunk], a.mb
             sl = slice(mb * rows, (mb + 1) * rows)
@@ -154,7 +157,9 @@ class PipelineExecutor:
             t = tr.now()
             waitall(sends)
             tr.lap("pipeline idle", t, "drain sends")
-        self.wall_s += time.perf_counter() - t_start
+        t_end = time.perf_counter()
+        self.wall_s += t_end - t_start
+        self.last_run = (t_start, t_end, self.busy_s - busy_before)
         return loss
 
     def _forward_only(self):
