@@ -31,6 +31,7 @@ from hpengine.config.tree import (  # noqa: F401 - the tree, re-exported
     GradientMergeConfig,
     MeshConfig,
     ModelConfig,
+    MoEConfig,
     OptimConfig,
     PipelineConfig,
     RecomputeConfig,
@@ -42,6 +43,8 @@ from hpengine.config.tree import (  # noqa: F401 - the tree, re-exported
     _kind_error,
     ffn_width,
     kind_keys,
+    model_from_key,
+    model_key,
 )
 
 
@@ -208,6 +211,7 @@ def _validate_model(m: ModelConfig) -> None:
                           "d_model must be a multiple of n_heads")
     if m.kind != "llama":
         return
+    _validate_moe(m)
     kv = m.n_kv_heads or m.n_heads
     if m.n_heads % kv:
         raise ConfigError(f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.n_kv_heads}: "
@@ -216,6 +220,21 @@ def _validate_model(m: ModelConfig) -> None:
     if hd % 2:
         raise ConfigError(f"model.d_model / model.n_heads = {m.d_model} / {m.n_heads} = {hd} is odd: the rotary "
                           "embedding rotates pairs, so the head dimension must be even")
+
+
+def _validate_moe(m: ModelConfig) -> None:
+    e = m.moe
+    if not e.num_experts:
+        if e != MoEConfig():
+            raise ConfigError("model.moe keys are set but model.moe.num_experts = 0 (a dense model): set "
+                              "num_experts to the routed experts per layer, or remove the [model.moe] keys")
+        return
+    if e.top_k > e.num_experts:
+        raise ConfigError(f"model.moe.top_k = {e.top_k} is more than model.moe.num_experts = {e.num_experts}: "
+                          f"use 1..{e.num_experts}")
+    if e.dense_layers >= m.n_layers:
+        raise ConfigError(f"model.moe.dense_layers = {e.dense_layers} leaves no MoE layer in model.n_layers = "
+                          f"{m.n_layers}: use 0..{m.n_layers - 1}")
 
 
 def _validate_section(obj: Any, cls, prefix: str) -> None:
@@ -332,6 +351,8 @@ def describe() -> str:
                   "| key | default | doc |", "|---|---|---|"]
         defaults = cls()
         for f in dataclasses.fields(cls):
+            if _is_section(_hints(cls)[f.name]):      # a table inside a section ([model.moe]) has its own
+                continue
             doc = f.metadata["doc"]
             if "choices" in f.metadata:
                 doc += "; one of " + ", ".join(f"`{_show(c)}`" for c in f.metadata["choices"])

@@ -58,6 +58,29 @@ _LLAMA, _NOT_LLAMA = ("llama",), ("gpt", "mlp")
 
 
 @dataclass
+class MoEConfig:
+    """Mixture of experts for the llama kind: routed SwiGLU experts in place of the MLP (Mixtral, Qwen3-MoE).
+    Every layer after the first `dense_layers` routes each token to its top_k experts, dropless."""
+    num_experts: int = _f(0, "routed experts per MoE layer; 0 = a dense model", check=_must(">=", 0))
+    top_k: int = _f(2, "experts each token is routed to", check=_POS)
+    expert_hidden: int = _f(0, "SwiGLU width of each expert; 0 = the dense width (model.ffn_hidden or Llama's rule)",
+                            check=_must(">=", 0))
+    shared_hidden: int = _f(0, "SwiGLU width of an always-on shared expert beside the routed ones (Qwen2-MoE, "
+                            "DeepSeek); 0 = none", check=_must(">=", 0))
+    dense_layers: int = _f(0, "the first this many layers keep the dense MLP (DeepSeek's first_k_dense_replace)",
+                           check=_must(">=", 0))
+    router: str = _f("softmax", "router scores: softmax over the experts (Mixtral, Qwen3-MoE) or a sigmoid per "
+                     "expert (DeepSeek-V3); top_k of them are chosen, ties to the lower expert index",
+                     choices=("softmax", "sigmoid"))
+    norm_topk: bool = _f(True, "divide each token's top_k gates by their sum")
+    aux_loss: float = _f(0.0, "coefficient of the load-balancing loss E x sum_i f_i P_i, computed per sequence and "
+                         "averaged over the global batch (the same whatever the layout); 0 = off",
+                         check=_must(">=", 0))
+    z_loss: float = _f(0.0, "coefficient of the router z-loss, the mean over tokens of logsumexp(logits)^2; 0 = off",
+                       check=_must(">=", 0))
+
+
+@dataclass
 class ModelConfig:
     """The network and its numerics."""
     kind: str = _f("gpt", "model family: a GPT-2 style decoder, a Llama-family decoder (RMSNorm, SwiGLU, rotary "
@@ -85,6 +108,18 @@ class ModelConfig:
     dtype: str = _f("float32", "parameter and compute dtype (float64 for exactness checks)",
                     choices=("float32", "float64"))
     init_std: float = _f(0.02, "standard deviation of the normal weight initialisation", check=_must(">", 0))
+    moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "mixture of experts", "kinds": _LLAMA})
+
+
+def model_key(m: ModelConfig) -> tuple:
+    """A hashable key of a model config (for caches); model_from_key(model_key(m)) == m."""
+    return tuple(dataclasses.astuple(getattr(m, f.name)) if f.name == "moe" else getattr(m, f.name)
+                 for f in dataclasses.fields(ModelConfig))
+
+
+def model_from_key(key: tuple) -> ModelConfig:
+    names = [f.name for f in dataclasses.fields(ModelConfig)]
+    return ModelConfig(**{n: MoEConfig(*v) if n == "moe" else v for n, v in zip(names, key)})
 
 
 def kind_keys(kind: str) -> list[str]:

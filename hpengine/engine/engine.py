@@ -79,6 +79,10 @@ class Engine:
         self.opts = [self._optimizer(s) for s in self.slots]
         self.share = res.share
         self.cache_bytes = self.cache_peak = 0
+        self.moe_sums, self.layer_loss, self._norm = [np.zeros(2) for _ in self.slots], 0.0, 1.0
+        moes = [getattr(s.model, "moe", None) for s in self.slots]
+        self.moe_layers = [0 if e is None else sum(e.routed(i) for i in range(s.model.n_layers))
+                           for e, s in zip(moes, self.slots)]
         self.opt_steps = 0          # optimizer updates applied (AdamW's bias-correction count)
         self.unit_lr = dataclasses.replace(cfg.optim, lr=1.0)
         self.pipe = PipelineExecutor(self.pp, self.xp, backend.dtype, res.pp, res.v, res.m, res.schedule,
@@ -113,7 +117,11 @@ class Engine:
                 h, c = m.head_forward(xp, self._P(slot, name), h, y, norm, ctx)
             else:
                 h, c = m.layer_forward(xp, self._P(slot, name, nxt), b.layer, h, ctx,
-                                       keep_scores=not self.res.drops_scores(b))
+                                       keep_scores=not self.res.drops_scores(b), loss=self._loss_args(norm, grad))
+                st = m.layer_stats(b.layer, c)
+                if st is not None and grad:          # an MoE layer: its balancing losses join the loss
+                    self.moe_sums[slot.index] += (st.aux, st.z)
+                    self.layer_loss += st.share
                 if self.res.recomputed(b):
                     c = Recompute(h_in)
             self.precision.stored_activations_(xp, b.kind, h, c if grad else None)
@@ -144,7 +152,7 @@ class Engine:
             else:
                 P = self._P(slot, b.name, prev)
                 if isinstance(c, Recompute):     # rebuild this block's activations from its input
-                    _, c = m.layer_forward(xp, P, b.layer, c.x, ctx)
+                    _, c = m.layer_forward(xp, P, b.layer, c.x, ctx, loss=self._loss_args(self._norm, True))
                 d = m.layer_backward(xp, d, c, P, self._G(slot, b.name), b.layer, ctx, works)
                 self.precision.input_grad_(xp, d)
             self.sync.release(slot.prefix + b.name)
@@ -169,6 +177,10 @@ class Engine:
                                     self.stage.block_specs[slot.prefix + name])
         self.sync.block_done(slot.prefix + name)
 
+    def _loss_args(self, norm: float, grad: bool):
+        """What a layer with a loss of its own (an MoE layer's balancing losses) is handed: (norm, loss scale)."""
+        return (norm, self.precision.loss_scale) if grad else None
+
     def _count_caches(self, caches, sign: int) -> None:
         """Bytes of live activation caches (parameters they reference are not counted)."""
         self.cache_bytes += sign * cache_nbytes(caches, self.sync.param_roots())
@@ -185,9 +197,10 @@ class Engine:
         fwd = lambda chunk, h, t, g: self.chunk_forward(slot, chunk, h, t, norm, g)  # noqa: E731
         bwd = lambda chunk, d, c, defer: self.chunk_backward(slot, chunk, d, c, defer)  # noqa: E731
         wgt = lambda chunk, defer: self.chunk_weights(slot, defer)  # noqa: E731
+        self._norm, self.layer_loss = norm, 0.0
         with self.precision.gemm_operands():     # bf16 amp: every GEMM takes bfloat16 operands
-            return self.pipe.run(slot.chunks, fwd, bwd, self.sync.begin_pass, x, y, last_pass, grad, self.tracer,
-                                 wgt)
+            ce = self.pipe.run(slot.chunks, fwd, bwd, self.sync.begin_pass, x, y, last_pass, grad, self.tracer, wgt)
+        return ce + self.layer_loss
 
     def _rows(self, split, step, seed):
         x, y = self.data.batch(split, step, seed, self.cfg.train.global_batch,
@@ -217,9 +230,21 @@ class Engine:
         self.sync.share_params()
         t = tr.lap("param share", t)
         losses = self._losses(losses)
+        moe = self._moe_metrics()
         self.be.sync()
         tr.lap("loss sync", t)
-        return self._metrics(step, t0, losses, norms, lr_scale)
+        out = self._metrics(step, t0, losses, norms, lr_scale)
+        out.update(moe)
+        return out
+
+    def _moe_metrics(self) -> dict:
+        """The MoE layers' aux and z losses, each the mean over the MoE layers of the global-batch value (no
+        coefficient), the same on every rank; {} for dense models. The first model's, as `loss` is."""
+        if not self.moe_layers[0]:
+            return {}
+        aux, z = (self._losses([float(m[j]) for m in self.moe_sums]) for j in (0, 1))
+        n = self.moe_layers[0]
+        return {"moe_aux_loss": aux[0] / n, "moe_z_loss": z[0] / n}
 
     def _passes(self, step: int) -> list[float]:
         """Forward and backward of the step's k passes of every model; this rank's loss shares."""
@@ -229,6 +254,7 @@ class Engine:
         tr.lap("data", t)
         self.sync.begin_step()
         losses, k = [0.0] * len(self.slots), self.res.k
+        self.moe_sums = [np.zeros(2) for _ in self.slots]     # MoE layers' aux and z shares, summed
         rows = self.share // k
         # under amp an overflow is expected and handled (the step is skipped): no NumPy warnings for it
         with np.errstate(over="ignore", invalid="ignore") if self.scaler else contextlib.nullcontext():

@@ -11,7 +11,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from hpengine.config.load import MESH_AXES, ConfigError, ModelConfig, validate
+from hpengine.config.load import MESH_AXES, ConfigError, model_from_key, model_key, validate
 from hpengine.layout.schedules import chunks_per_stage, placement
 from hpengine.models import build_model
 from hpengine.params.buffers import partition
@@ -210,6 +210,10 @@ def check(cfg, res: Resolved) -> None:
         raise LayoutError(f"strategy.recompute.every = {rc.every} is larger than the block count "
                           f"model.n_layers = {mc.n_layers}; use 1..{mc.n_layers}")
     tp = res.tp
+    if tp > 1 and mc.kind == "llama" and mc.moe.num_experts:
+        raise LayoutError(f"model.moe.num_experts = {mc.moe.num_experts} with tensor_parallel.degree = {tp}: routed "
+                          "experts do not split over tensor parallelism yet; use tensor_parallel.degree = 1 (data "
+                          "parallel, sharding and every pipeline schedule work with experts)")
     if tp > 1:
         bad = build_model(mc).tp_divides(tp)
         if bad:
@@ -251,12 +255,12 @@ def stage_chunks(mcfg, res: Resolved, stage: int) -> tuple[tuple[str, ...], ...]
 
 
 def _model_key(mcfg) -> tuple:
-    return dataclasses.astuple(mcfg)
+    return model_key(mcfg)
 
 
 @functools.lru_cache(maxsize=4096)
 def _chunks(mkey, p, v, split) -> list[tuple[str, ...]]:
-    model = build_model(ModelConfig(*mkey))
+    model = build_model(model_from_key(mkey))
     count = lambda b: sum(math.prod(sp.global_shape) for sp in model.specs(b))  # noqa: E731
     return [tuple(c) for c in split_blocks(model.blocks(), p, v, list(split) if isinstance(split, tuple) else split,
                                            count)]

@@ -138,8 +138,9 @@ class GPT:
         weight_grad(defer, _position_grad, G["wpe"], ctx.seq.local_positions(dx.shape[1]), dx, held=(dx,))
         tok_embed_backward(xp, dx, cache, G, ctx, defer)
 
-    def layer_forward(self, xp, P, i, x, ctx, keep_scores=True):
+    def layer_forward(self, xp, P, i, x, ctx, keep_scores=True, loss=None):
         # x: (B, T, C) -> (B, T, C)
+        # loss (norm, loss scale) is what an MoE layer of the llama kind reads; a dense layer adds no loss
         # keep_scores=False (selective recompute): the cache drops the attention probabilities, which
         # layer_backward rebuilds; flash attention keeps none anyway
         p = f"h.{i}"
@@ -177,6 +178,10 @@ class GPT:
         dx = layernorm_backward(xp, dh, c_ln1, P[f"{p}.ln1.w"], G[f"{p}.ln1.w"], G[f"{p}.ln1.b"])
         dx += dx1           # into the new array: a deferred W still reads dx1 (a + b is b + a, bit for bit)
         return dx
+
+    def layer_stats(self, i, cache):
+        """A dense layer adds nothing to the loss (the llama kind's MoE layers do: models/moe_mlp.py)."""
+        return None
 
     def head_forward(self, xp, P, x, targets, norm, ctx):
         return head_forward(xp, P, x, targets, norm, ctx, self.tied)

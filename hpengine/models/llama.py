@@ -26,6 +26,7 @@ from hpengine.models.common import (
     tok_embed_forward,
 )
 from hpengine.models.decode import KVCache, output_logits
+from hpengine.models.moe_mlp import MoEMLP
 from hpengine.models.tp_layers import (
     columns_backward,
     columns_forward,
@@ -68,6 +69,10 @@ class Llama:
         self.n_layers = self.L
         self._tables = {}
         self.flash = getattr(mcfg, "attention", "standard") == "flash"
+        self.moe = MoEMLP(mcfg, self.F) if mcfg.moe.num_experts else None
+
+    def _routed(self, i: int) -> bool:
+        return self.moe is not None and self.moe.routed(i)
 
     def blocks(self) -> list[Block]:
         return standard_blocks(self.L, self.tied)
@@ -120,15 +125,16 @@ class Llama:
                                      true_shape=(C, self.V) if self.Vp != self.V else None))
             return out
         p, out_std = block, std / math.sqrt(2 * self.L)   # residual projections scaled down, as GPT-2 does
+        mlp = ([ParamSpec(f"{p}.mlp.gate.w", (C, self.F), tp_dim=1, std=std, block=p),
+                ParamSpec(f"{p}.mlp.up.w", (C, self.F), tp_dim=1, std=std, block=p),
+                ParamSpec(f"{p}.mlp.down.w", (self.F, C), tp_dim=0, std=out_std, block=p)]
+               if not self._routed(int(p.split(".")[1])) else self.moe.specs(p, C, std, out_std))
         return [ParamSpec(f"{p}.attn_norm.w", (C,), decay=False, init="ones", block=p),
                 ParamSpec(f"{p}.attn.q.w", (C, self.H * hd), tp_dim=1, std=std, block=p),
                 ParamSpec(f"{p}.attn.k.w", (C, self.K * hd), tp_dim=1, std=std, block=p),
                 ParamSpec(f"{p}.attn.v.w", (C, self.K * hd), tp_dim=1, std=std, block=p),
                 ParamSpec(f"{p}.attn.o.w", (self.H * hd, C), tp_dim=0, std=out_std, block=p),
-                ParamSpec(f"{p}.mlp_norm.w", (C,), decay=False, init="ones", block=p),
-                ParamSpec(f"{p}.mlp.gate.w", (C, self.F), tp_dim=1, std=std, block=p),
-                ParamSpec(f"{p}.mlp.up.w", (C, self.F), tp_dim=1, std=std, block=p),
-                ParamSpec(f"{p}.mlp.down.w", (self.F, C), tp_dim=0, std=out_std, block=p)]
+                ParamSpec(f"{p}.mlp_norm.w", (C,), decay=False, init="ones", block=p)] + mlp
 
     def all_specs(self) -> list[ParamSpec]:
         return [s for b in self.blocks() for s in self.specs(b.name)]
@@ -151,10 +157,11 @@ class Llama:
         # dx: (B, T, C) -> None
         tok_embed_backward(xp, dx, cache, G, ctx, defer)
 
-    def layer_forward(self, xp, P, i, x, ctx, keep_scores=True):
+    def layer_forward(self, xp, P, i, x, ctx, keep_scores=True, loss=None):
         # x: (B, T, C) -> (B, T, C)
         # keep_scores=False (selective recompute): the cache drops the attention probabilities, which
-        # layer_backward rebuilds; flash attention keeps none anyway
+        # layer_backward rebuilds; flash attention keeps none anyway. loss: (norm, loss scale) of a training
+        # pass, which an MoE layer's balancing losses need (models/moe_mlp.py); None when only inferring
         p, (B, T) = f"h.{i}", (x.shape[0], x.shape[1] * ctx.seq.parts)   # T: the whole sequence
         H, K, hd = P[f"{p}.attn.q.w"].shape[1] // self.hd, P[f"{p}.attn.k.w"].shape[1] // self.hd, self.hd
         (cos, sin), (qcos, qsin) = self.rope(xp, x.dtype)
@@ -169,6 +176,12 @@ class Llama:
         o, c_o = row_forward(xp, ctx, a, P[f"{p}.attn.o.w"])
         o += x                  # o is ours: the residual sum needs no new array
         h2s, c_n2 = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps)
+        if self._routed(i):
+            d, c_moe = self.moe.forward(xp, P, p, h2s, loss)
+            o += d
+            if not (keep_scores or self.flash):
+                c_att = gqa_drop_scores(c_att)
+            return o, (c_n1, c_qkv, c_att, c_o, c_n2, c_moe)
         (g, u), c_gu = columns_forward(xp, ctx, h2s, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]))
         del h2s
         m, c_sw = swiglu_forward(xp, g, u)
@@ -183,15 +196,19 @@ class Llama:
         # dy: (B, T, C) -> dx: (B, T, C); defer: a list for the weight-gradient products (nn/deferred.py),
         # which read dy and the gradients below as made here: none of them is written after it is made
         p = f"h.{i}"
-        c_n1, c_qkv, c_att, c_o, c_n2, c_gu, c_sw, c_d = cache
         (cos, sin), (qcos, qsin) = self.rope(xp, dy.dtype)
-        # MLP branch
-        c_d = linear_restore_input(c_d, swiglu_recompute(xp, c_sw))
-        dm = row_backward(xp, ctx, dy, c_d, P[f"{p}.mlp.down.w"], G[f"{p}.mlp.down.w"], defer=defer)
-        del c_d
-        dg, du = swiglu_backward(xp, dm, c_sw)
-        dh2 = columns_backward(xp, ctx, (dg, du), c_gu, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]),
-                               (G[f"{p}.mlp.gate.w"], G[f"{p}.mlp.up.w"]), defer=defer)
+        if self._routed(i):     # the routed experts run whole in B (their weight gradients are not deferred)
+            c_n1, c_qkv, c_att, c_o, c_n2, c_moe = cache
+            dh2 = self.moe.backward(xp, dy, c_moe, P, G, p)
+        else:
+            c_n1, c_qkv, c_att, c_o, c_n2, c_gu, c_sw, c_d = cache
+            # MLP branch
+            c_d = linear_restore_input(c_d, swiglu_recompute(xp, c_sw))
+            dm = row_backward(xp, ctx, dy, c_d, P[f"{p}.mlp.down.w"], G[f"{p}.mlp.down.w"], defer=defer)
+            del c_d
+            dg, du = swiglu_backward(xp, dm, c_sw)
+            dh2 = columns_backward(xp, ctx, (dg, du), c_gu, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]),
+                                   (G[f"{p}.mlp.gate.w"], G[f"{p}.mlp.up.w"]), defer=defer)
         dx = rmsnorm_backward(xp, dh2, c_n2, P[f"{p}.mlp_norm.w"], G[f"{p}.mlp_norm.w"])
         dx += dy
         # attention branch
@@ -207,6 +224,10 @@ class Llama:
         dn = rmsnorm_backward(xp, dh, c_n1, P[f"{p}.attn_norm.w"], G[f"{p}.attn_norm.w"])
         dn += dx            # into the new array: a deferred W still reads dx (a + b is b + a, bit for bit)
         return dn
+
+    def layer_stats(self, i, cache):
+        """The MoE statistics of layer i's forward (models/moe_mlp.MoEStats), None for a dense layer."""
+        return cache[-1][-1] if self._routed(i) else None
 
     def head_forward(self, xp, P, x, targets, norm, ctx):
         # x: (B, T, C) -> loss
@@ -243,6 +264,8 @@ class Llama:
         o, _ = linear_forward(xp, xp.ascontiguousarray(a), P[f"{p}.attn.o.w"])
         o += x
         h2, _ = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps)
+        if self._routed(i):
+            return o + self.moe.forward(xp, P, p, h2, None)[0]
         g, _ = linear_forward(xp, h2, P[f"{p}.mlp.gate.w"])
         u, _ = linear_forward(xp, h2, P[f"{p}.mlp.up.w"])
         m, _ = swiglu_forward(xp, g, u)

@@ -89,8 +89,9 @@ class MLP:
         # dx: (B, T, C) -> None
         tok_embed_backward(xp, dx, cache, G, ctx, defer)
 
-    def layer_forward(self, xp, P, i, x, ctx, keep_scores=True):
+    def layer_forward(self, xp, P, i, x, ctx, keep_scores=True, loss=None):
         # x: (B, T, C) -> (B, T, C)
+        # loss (norm, loss scale) is what an MoE layer of the llama kind reads; a dense layer adds no loss
         # no attention, so no scores to drop: selective recompute keeps this layer's cache whole
         p = f"h.{i}"
         h, c_ln = layernorm_forward(xp, x, P[f"{p}.ln.w"], P[f"{p}.ln.b"])
@@ -103,6 +104,10 @@ class MLP:
         c_ln, c_mlp = cache
         dh = mlp_backward(xp, dy, c_mlp, P, G, f"{p}.mlp", ctx, defer)
         return dy + layernorm_backward(xp, dh, c_ln, P[f"{p}.ln.w"], G[f"{p}.ln.w"], G[f"{p}.ln.b"])
+
+    def layer_stats(self, i, cache):
+        """A dense layer adds nothing to the loss (the llama kind's MoE layers do: models/moe_mlp.py)."""
+        return None
 
     def head_forward(self, xp, P, x, targets, norm, ctx):
         return head_forward(xp, P, x, targets, norm, ctx, self.tied)

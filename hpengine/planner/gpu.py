@@ -22,11 +22,10 @@ the same three dimensions, so a layer's GEMM runs 3 times a micro-batch (4 when 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import math
 
-from hpengine.config.load import ModelConfig
+from hpengine.config.load import model_from_key, model_key
 from hpengine.layout.stage import owner
 from hpengine.models import build_model
 from hpengine.planner import recompute as rc
@@ -67,7 +66,7 @@ def gemms(mcfg, st, lay) -> list[tuple]:
     3 calls each (forward, two in backward), one more for a fully recomputed layer, and one more Q K^T for
     a selectively recomputed layer that drops its probabilities."""
     tp, tokens, T = lay.tp, lay.rows * mcfg.seq_len, mcfg.seq_len
-    model, weights = _model_weights(dataclasses.astuple(mcfg), tp)
+    model, weights = _model_weights(model_key(mcfg), tp)
     again, sel = rc.full(st, lay), rc.selective(st, lay)
     drops = bool(model.cache_bytes(lay.rows, tp, 1, lay.amp, lay.share)["scores"])
     att = model.attention_flops(tokens, tp)
@@ -88,7 +87,7 @@ def gemms(mcfg, st, lay) -> list[tuple]:
 @functools.lru_cache(maxsize=256)
 def _model_weights(mkey, tp: int) -> tuple:
     """(the model, {block: [(rows, cols) per tp rank of each weight matrix it multiplies by]})."""
-    model = build_model(ModelConfig(*mkey), tp)
+    model = build_model(model_from_key(mkey), tp)
     shapes = {}
     for b in model.blocks():
         own = [sp.local_shape(0, tp) for sp in model.specs(b.name) if len(sp.global_shape) == 2]

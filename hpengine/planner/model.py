@@ -5,12 +5,11 @@ partition and schedules, so they equal what the engine allocates and its comm.py
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 
-from hpengine.config.load import ModelConfig
+from hpengine.config.load import model_from_key, model_key
 from hpengine.layout.resolve import AXES, MAX_INFLIGHT, Resolved, resolve
 from hpengine.layout.schedules import bubble_fraction, peak_live, placement
 from hpengine.layout.stage import build_stage, owner
@@ -67,12 +66,12 @@ def stages(mcfg, tp: int, p: int, v: int, split="uniform", schedule: str = "fthe
     """Every pipeline stage of the model, cut as the engine cuts it (schedule: where the chunks sit; only
     zbv's V differs from c * p + stage)."""
     key = tuple(split) if isinstance(split, list) else split
-    return _stages(dataclasses.astuple(mcfg), tp, p, v, key, "zbv" if schedule == "zbv" else "fthenb")
+    return _stages(model_key(mcfg), tp, p, v, key, "zbv" if schedule == "zbv" else "fthenb")
 
 
 @functools.lru_cache(maxsize=4096)
 def _stages(mkey, tp, p, v, split, schedule) -> list[Stage]:
-    mcfg = ModelConfig(*mkey)
+    mcfg = model_from_key(mkey)
     res = Resolved(tp, 1, 1, p, 0, "tensor", 1, 1, v, schedule, list(split) if isinstance(split, tuple) else split,
                    0, False, AXES, 1)
     model = build_model(mcfg, tp)

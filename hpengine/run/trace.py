@@ -148,13 +148,18 @@ def write_trace(eng, tr: Tracer, path: Path) -> None:
 def model_flops(eng) -> tuple[float, str]:
     """Training FLOPs of one optimizer step (all models) and the formula used."""
     mc, tr = eng.cfg.model, eng.cfg.train
-    psi = sum(int(_prod(sp.true_shape or sp.global_shape)) for sp in reference_order_specs(eng.slots))
+    moe = getattr(eng.slots[0].model, "moe", None)
+    # a routed expert's weights multiply only the top_k / num_experts of the tokens that choose it
+    active = (lambda name: moe.k / moe.E if ".moe.experts." in name else 1.0) if moe else (lambda name: 1.0)
+    psi = sum(int(_prod(sp.true_shape or sp.global_shape)) * active(sp.name) for sp in reference_order_specs(eng.slots))
     tokens = tr.global_batch * mc.seq_len
     layers = sum(b.kind == "layer" for b in eng.slots[0].model.blocks())
     attn = 3 * eng.slots[0].model.attention_flops(tokens, 1) * layers    # forward + backward, whole model
     formula = ("FLOPs/step = tokens x (6 x Psi + 12 x L x T x d_model) per model; Psi = parameters (tied head "
                "counted once), tokens = global_batch x seq_len, 12 L T d = attention scores and values, "
-               "forward + backward (none without attention); recomputation not counted")
+               "forward + backward (none without attention); recomputation not counted"
+               + ("; routed experts' weights count top_k / num_experts of themselves (the tokens each one sees)"
+                  if moe else ""))
     return float(tokens * 6 * psi + attn * len(eng.slots)), formula
 
 

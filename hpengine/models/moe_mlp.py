@@ -1,0 +1,97 @@
+"""The routed-experts MLP of a llama-kind MoE layer (Mixtral, Qwen3-MoE): a router to num_experts logits, each
+token's top_k SwiGLU experts weighted by their gates (nn/moe.py), and optionally one always-on shared SwiGLU
+expert added to the routed sum. Layers before moe.dense_layers keep the dense MLP.
+
+The balancing losses (aux, z) are part of the training loss: the layer's forward is handed (norm, loss scale)
+and returns its weighted share with its cache (`layer_loss`), and its backward adds their gradients. The
+experts' weights are one (E, C, F) tensor per projection; the router's is (C, E).
+"""
+from __future__ import annotations
+
+from hpengine.nn import swiglu_backward, swiglu_forward, swiglu_recompute
+from hpengine.nn.linear import linear_backward, linear_forward
+from hpengine.nn.moe import experts_backward, experts_forward, moe_cache_bytes, router_backward, router_forward
+from hpengine.params.buffers import ParamSpec
+
+
+class MoEMLP:
+    """The MoE sub-block of one model config (moe.num_experts > 0)."""
+
+    def __init__(self, mcfg, dense_width: int):
+        e = mcfg.moe
+        self.cfg, self.E, self.k, self.T = e, e.num_experts, e.top_k, mcfg.seq_len
+        self.F, self.Fs = e.expert_hidden or dense_width, e.shared_hidden
+
+    def routed(self, layer: int) -> bool:
+        """Whether layer `layer` has routed experts (else the dense MLP)."""
+        return layer >= self.cfg.dense_layers
+
+    def specs(self, p: str, C: int, std: float, out_std: float) -> list[ParamSpec]:
+        E, F, Fs = self.E, self.F, self.Fs
+        out = [ParamSpec(f"{p}.moe.router.w", (C, E), std=std, decay=False, block=p),
+               ParamSpec(f"{p}.moe.experts.gate.w", (E, C, F), std=std, block=p),
+               ParamSpec(f"{p}.moe.experts.up.w", (E, C, F), std=std, block=p),
+               ParamSpec(f"{p}.moe.experts.down.w", (E, F, C), std=out_std, block=p)]
+        if Fs:
+            out += [ParamSpec(f"{p}.moe.shared.gate.w", (C, Fs), std=std, block=p),
+                    ParamSpec(f"{p}.moe.shared.up.w", (C, Fs), std=std, block=p),
+                    ParamSpec(f"{p}.moe.shared.down.w", (Fs, C), std=out_std, block=p)]
+        return out
+
+    def forward(self, xp, P, p, h, loss=None):
+        # h: (B, T, C) -> (B, T, C), cache; loss: (norm, loss scale) in training, None when only inferring
+        B, T, C = h.shape
+        h2 = h.reshape(-1, C)
+        e = self.cfg
+        norm = loss[0] if loss else 1.0
+        idx, gates, (aux, z), load, c_r = router_forward(xp, h2, P[f"{p}.moe.router.w"], self.k, T, norm,
+                                                          e.router, e.norm_topk)
+        y, c_e = experts_forward(xp, h2, idx, gates, P[f"{p}.moe.experts.gate.w"], P[f"{p}.moe.experts.up.w"],
+                                 P[f"{p}.moe.experts.down.w"])
+        c_s = None
+        if self.Fs:
+            g, c_g = linear_forward(xp, h2, P[f"{p}.moe.shared.gate.w"])
+            u, _ = linear_forward(xp, h2, P[f"{p}.moe.shared.up.w"])
+            a, c_sw = swiglu_forward(xp, g, u)
+            s, _ = linear_forward(xp, a, P[f"{p}.moe.shared.down.w"])
+            y += s
+            c_s = (c_g, c_sw)
+        share = (e.aux_loss * aux + e.z_loss * z) if loss else 0.0
+        stats = MoEStats(aux if loss else 0.0, z if loss else 0.0, share, load, loss[1] if loss else 1.0)
+        return y.reshape(B, T, C), (c_r, c_e, c_s, stats)
+
+    def backward(self, xp, dy, cache, P, G, p):
+        # dy: (B, T, C) -> dh: (B, T, C)
+        c_r, c_e, c_s, stats = cache
+        B, T, C = dy.shape
+        dy2 = dy.reshape(-1, C)
+        dh2, dgates = experts_backward(xp, dy2, c_e, P[f"{p}.moe.experts.gate.w"], P[f"{p}.moe.experts.up.w"],
+                                       P[f"{p}.moe.experts.down.w"], G[f"{p}.moe.experts.gate.w"],
+                                       G[f"{p}.moe.experts.up.w"], G[f"{p}.moe.experts.down.w"])
+        if c_s is not None:
+            c_g, c_sw = c_s
+            a = swiglu_recompute(xp, c_sw)
+            da = linear_backward(xp, dy2, (a, (dy2.shape[0],)), P[f"{p}.moe.shared.down.w"], G[f"{p}.moe.shared.down.w"])
+            del a
+            dg, du = swiglu_backward(xp, da, c_sw)
+            dh2 += linear_backward(xp, dg, c_g, P[f"{p}.moe.shared.gate.w"], G[f"{p}.moe.shared.gate.w"])
+            dh2 += linear_backward(xp, du, c_g, P[f"{p}.moe.shared.up.w"], G[f"{p}.moe.shared.up.w"])
+        e = self.cfg
+        dh2 += router_backward(xp, dgates, c_r, P[f"{p}.moe.router.w"], G[f"{p}.moe.router.w"],
+                               e.aux_loss, e.z_loss, stats.scale)
+        return dh2.reshape(B, T, C)
+
+    def cache_bytes(self, n: int, C: int, item: int) -> int:
+        """Bytes one layer's routed experts (and shared expert) cache for n tokens."""
+        out = moe_cache_bytes(n, self.k, self.E, C, self.F, item)
+        return out + (3 * n * self.Fs * item if self.Fs else 0)      # the shared expert's g, u, sigmoid(g)
+
+
+class MoEStats:
+    """What one MoE layer's forward reports: its aux and z losses (this call's shares, unweighted), the
+    weighted share added to the training loss, the selections per expert, and the loss scale its backward
+    multiplies the balancing gradients by."""
+    __slots__ = ("aux", "z", "share", "load", "scale")
+
+    def __init__(self, aux, z, share, load, scale):
+        self.aux, self.z, self.share, self.load, self.scale = aux, z, share, load, scale

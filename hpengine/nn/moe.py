@@ -1,0 +1,275 @@
+"""Routed experts of a Mixtral / Qwen3-MoE style layer, dropless (every routed token is computed).
+
+Router: logits l = x @ w_r (N, E); scores p = softmax(l) or sigmoid(l); each token picks the k experts
+with the largest p + bias (the bias only selects: it is in neither the gates nor any gradient) and gets
+gates p[n, idx[n]], divided by their sum when norm_topk. Experts: expert e computes
+y = (silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e] on the tokens that chose it, and the layer's output is
+the gate-weighted sum over a token's k choices. Balancing losses, without their coefficients:
+- aux (Switch / GShard), per sequence b of T = seq_len tokens: f_{b,i} = the share of the sequence's T k
+  selections that chose expert i (a constant), P_{b,i} = the mean over its tokens of p[:, i];
+  aux_b = E sum_i f_{b,i} P_{b,i} (1 under perfectly uniform routing). A call returns its share
+  T / norm * sum_b aux_b, so summing every rank's share gives the mean over the global batch's sequences,
+  and d aux / d p[n, i] = E f_{b(n),i} / norm.
+- z (router z-loss): sum over tokens of logsumexp(l)^2 / norm; d z / d l = 2 logsumexp(l) softmax(l) / norm.
+The router computes in float32 when the activations are narrower (its softmax and top-k are sensitive to
+rounding) and never takes bf16 operands.
+
+Dispatch, expert GEMMs and combine are separate steps, so an all-to-all can go between them: moe_permute
+sorts the N k (token, slot) pairs by expert (stable: then by token, then by slot), the grouped SwiGLU runs
+one GEMM per expert and projection on each expert's consecutive rows, and the combine gathers each
+token's k rows back through the inverse permutation. Every token has exactly k rows, so the backward's
+"scatter-add to tokens" is a gather of k rows per token too: no atomics, and a deterministic sum.
+"""
+import numpy as np
+
+from hpengine.nn import fused, gemm
+from hpengine.nn.activation import _no_overflow_warning
+from hpengine.nn.linear import linear_backward_input, linear_backward_weight, linear_forward
+from hpengine.nn.swiglu import swiglu_backward, swiglu_forward, swiglu_recompute
+
+SCORES = ("softmax", "sigmoid")
+
+
+def _router_dtype(dtype):
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+
+
+def _as(a, dtype):
+    return a if a.dtype == dtype else a.astype(dtype)
+
+
+def _scores(xp, logits, lse, score):
+    # the same ops in forward and backward, so both see bit-identical probabilities
+    if score == "softmax":
+        return xp.exp(logits - lse[:, None])
+    p = xp.negative(logits)
+    with _no_overflow_warning(xp):      # exp overflows to inf for very negative logits: the sigmoid is then 0
+        xp.exp(p, out=p)
+    p += 1.0
+    xp.reciprocal(p, out=p)
+    return p
+
+
+def _seq_fractions(xp, idx, seq_len, E, dtype):
+    # f (B, E): the share of each sequence's seq_len * k selections that went to each expert
+    N, k = idx.shape
+    seq = xp.arange(N, dtype=np.int64) // seq_len
+    cnt = xp.bincount((seq[:, None] * E + idx).reshape(-1), minlength=(N // seq_len) * E)
+    return cnt.reshape(-1, E).astype(dtype) / (seq_len * k)
+
+
+def _stable_argsort(xp, a, axis=-1):
+    # CuPy's sorts are always stable (older ones take no `kind`)
+    if xp.__name__ == "cupy":
+        return xp.argsort(a, axis=axis)
+    return xp.argsort(a, axis=axis, kind="stable")
+
+
+def _row_flat(xp, idx, E):
+    # flat indices into a contiguous (N, E) array of the entries idx selects
+    return (xp.arange(idx.shape[0], dtype=np.int64)[:, None] * E + idx).reshape(-1)
+
+
+def router_forward(xp, x2, w, k, seq_len, norm, score="softmax", norm_topk=True, bias=None):
+    # x2: (N, C), w: (C, E), bias: (E,) or None -> idx (N, k) int64, gates (N, k), (aux, z), load (E,) int64
+    N, E = x2.shape[0], w.shape[1]
+    if score not in SCORES:
+        raise ValueError(f"router score must be one of {SCORES}, got {score!r}")
+    if not 1 <= k <= E:
+        raise ValueError(f"top-k {k} must be in [1, {E}] experts")
+    if seq_len < 1 or N % seq_len:
+        raise ValueError(f"{N} tokens are not whole sequences of {seq_len}")
+    ct = _router_dtype(x2.dtype)
+    logits = _as(x2, ct) @ _as(w, ct)
+    m = logits.max(axis=1, keepdims=True)
+    lse = xp.exp(logits - m).sum(axis=1, keepdims=True)
+    xp.log(lse, out=lse)
+    lse += m
+    lse = lse.reshape(-1)
+    probs = _scores(xp, logits, lse, score)
+    sel = probs if bias is None else probs + _as(bias, ct)
+    # a stable sort of the negated score keeps the lower expert first among exact ties
+    idx = xp.ascontiguousarray(_stable_argsort(xp, -sel, axis=1)[:, :k]).astype(np.int64, copy=False)
+    gates = probs.reshape(-1)[_row_flat(xp, idx, E)].reshape(N, k)
+    if norm_topk:
+        gates /= gates.sum(axis=1, keepdims=True)
+    f = _seq_fractions(xp, idx, seq_len, E, ct)
+    aux = E * float((f * probs.reshape(-1, seq_len, E).sum(axis=1)).sum()) / norm
+    z = float((lse * lse).sum()) / norm
+    load = xp.bincount(idx.reshape(-1), minlength=E).astype(np.int64, copy=False)
+    # probabilities are rebuilt from the logits in backward; gates from the probabilities and idx
+    cache = (x2, logits, lse, idx, (k, seq_len, norm, score, bool(norm_topk)))
+    return idx, _as(gates, x2.dtype), (aux, z), load, cache
+
+
+def router_backward(xp, dgates, cache, w, dw, aux_coef=0.0, z_coef=0.0, dloss=1.0):
+    # dgates: (N, k), w, dw: (C, E) -> dx2: (N, C); dloss scales the aux and z terms, not dgates
+    x2, logits, lse, idx, (k, seq_len, norm, score, norm_topk) = cache
+    ct = logits.dtype
+    N, E = logits.shape
+    probs = _scores(xp, logits, lse, score)
+    flat = _row_flat(xp, idx, E)
+    dg = _as(dgates, ct)
+    if norm_topk:
+        # g = p_sel / s: dp_sel = (dg - sum(dg * g)) / s
+        p_sel = probs.reshape(-1)[flat].reshape(N, k)
+        s = p_sel.sum(axis=1, keepdims=True)
+        p_sel /= s
+        dg = dg - (dg * p_sel).sum(axis=1, keepdims=True)
+        dg /= s
+    dprobs = xp.zeros((N, E), ct)
+    dprobs.reshape(-1)[flat] = dg.reshape(-1)        # a token's k experts are distinct
+    if aux_coef:
+        f = _seq_fractions(xp, idx, seq_len, E, ct)
+        dprobs.reshape(-1, seq_len, E)[...] += (aux_coef * dloss * E / norm) * f[:, None, :]
+    if score == "softmax":
+        dl = dprobs - (dprobs * probs).sum(axis=1, keepdims=True)
+        dl *= probs
+    else:
+        dl = 1.0 - probs
+        dl *= probs
+        dl *= dprobs
+    if z_coef:
+        sm = probs if score == "softmax" else _scores(xp, logits, lse, "softmax")
+        dl += (2.0 * z_coef * dloss / norm) * lse[:, None] * sm
+    xa = _as(x2, ct)
+    if dw.dtype == ct and fused.usable(xp, xa, dl, dw):
+        gemm.matmul(xp, xa.T, dl, dw, accumulate=True)
+    else:
+        dw += _as(xa.T @ dl, dw.dtype)
+    return _as(dl @ _as(w, ct).T, x2.dtype)
+
+
+def moe_permute(xp, idx, E):
+    # idx: (N, k) -> order (N k,) int64 into the flattened slots, counts (E,) int64
+    flat = idx.reshape(-1)
+    order = _stable_argsort(xp, flat).astype(np.int64, copy=False)
+    counts = xp.bincount(flat, minlength=E).astype(np.int64, copy=False)
+    return order, counts
+
+
+def _inverse(xp, order):
+    # inv[p] = the permuted row of flat slot p
+    inv = xp.empty_like(order)
+    inv[order] = xp.arange(order.shape[0], dtype=order.dtype)
+    return inv
+
+
+def _sizes(counts, E, S):
+    # the per-expert row counts on the host: the GEMM shapes depend on them
+    sizes = tuple(int(c) for c in (counts.tolist() if hasattr(counts, "tolist") else counts))
+    if len(sizes) != E or sum(sizes) != S or min(sizes, default=0) < 0:
+        raise ValueError(f"counts {sizes} do not split {S} rows over {E} experts")
+    return sizes
+
+
+def grouped_swiglu_forward(xp, xs, counts, w_gate, w_up, w_down):
+    # xs: (S, C) grouped by expert, counts: (E,), w_gate, w_up: (E, C, F), w_down: (E, F, C) -> ys: (S, C)
+    S, C = xs.shape
+    sizes = _sizes(counts, w_gate.shape[0], S)
+    ys = xp.empty((S, C), dtype=xs.dtype)
+    sw = []
+    o = 0
+    for e, c in enumerate(sizes):
+        if c == 0:
+            sw.append(None)
+            continue
+        x = xs[o:o + c]
+        g, _ = linear_forward(xp, x, w_gate[e])
+        u, _ = linear_forward(xp, x, w_up[e])
+        a, swc = swiglu_forward(xp, g, u)
+        ys[o:o + c] = linear_forward(xp, a, w_down[e])[0]
+        sw.append(swc)       # a is rebuilt from g, u, sigmoid(g) in backward, as nn/swiglu.py does
+        o += c
+    return ys, (xs, sizes, sw)
+
+
+def _grouped_backward(xp, dys, xs, sizes, sw, w_gate, w_up, w_down, dw_gate, dw_up, dw_down):
+    dxs = xp.empty(xs.shape, dtype=xs.dtype)
+    o = 0
+    for e, c in enumerate(sizes):
+        if c == 0:
+            continue
+        x, dy, lead = xs[o:o + c], dys[o:o + c], (c,)
+        a = swiglu_recompute(xp, sw[e])
+        linear_backward_weight(xp, dy, (a, lead), dw_down[e])
+        del a
+        dg, du = swiglu_backward(xp, linear_backward_input(xp, dy, (None, lead), w_down[e]), sw[e])
+        linear_backward_weight(xp, dg, (x, lead), dw_gate[e])
+        linear_backward_weight(xp, du, (x, lead), dw_up[e])
+        dx = linear_backward_input(xp, dg, (None, lead), w_gate[e])
+        dx += linear_backward_input(xp, du, (None, lead), w_up[e])
+        dxs[o:o + c] = dx
+        o += c
+    return dxs
+
+
+def grouped_swiglu_backward(xp, dys, cache, w_gate, w_up, w_down, dw_gate, dw_up, dw_down):
+    # dys: (S, C) -> dxs: (S, C); accumulates into dw_gate, dw_up (E, C, F) and dw_down (E, F, C)
+    xs, sizes, sw = cache
+    return _grouped_backward(xp, dys, xs, sizes, sw, w_gate, w_up, w_down, dw_gate, dw_up, dw_down)
+
+
+def moe_combine_forward(xp, ys, order, gates, N):
+    # ys: (S, C) permuted rows, order: (S,), gates: (N, k) -> y: (N, C)
+    k = gates.shape[1]
+    inv = _inverse(xp, order).reshape(N, k)
+    # one gather per slot, summed in slot order: deterministic, with an (N, C) temporary
+    y = ys[inv[:, 0]] * gates[:, :1]
+    for s in range(1, k):
+        y += ys[inv[:, s]] * gates[:, s:s + 1]
+    return y, (ys, order, gates)
+
+
+def moe_combine_backward(xp, dy, cache):
+    # dy: (N, C) -> dys: (S, C), dgates: (N, k)
+    ys, order, gates = cache
+    N, k = gates.shape
+    dys = dy[order // k]
+    dgates = xp.empty(N * k, dtype=np.result_type(dy.dtype, ys.dtype))
+    dgates[order] = (dys * ys).sum(axis=1)           # order holds every slot once
+    dys *= gates.reshape(-1)[order][:, None]
+    return dys, dgates.reshape(N, k)
+
+
+def experts_forward(xp, x2, idx, gates, w_gate, w_up, w_down):
+    # x2: (N, C), idx, gates: (N, k) from router_forward -> y: (N, C)
+    N, k = idx.shape
+    order, counts = moe_permute(xp, idx, w_gate.shape[0])
+    ys, (_, sizes, sw) = grouped_swiglu_forward(xp, x2[order // k], counts, w_gate, w_up, w_down)
+    y, ccache = moe_combine_forward(xp, ys, order, gates, N)
+    # the permuted input (k copies of every token) is gathered again from x2 in backward, not kept:
+    # the router keeps x2 anyway
+    return y, (x2, sizes, sw, ccache)
+
+
+def experts_backward(xp, dy, cache, w_gate, w_up, w_down, dw_gate, dw_up, dw_down):
+    # dy: (N, C) -> dx2: (N, C), dgates: (N, k); accumulates the three weight gradients
+    x2, sizes, sw, ccache = cache
+    order = ccache[1]
+    N, k = ccache[2].shape
+    dys, dgates = moe_combine_backward(xp, dy, ccache)
+    dxs = _grouped_backward(xp, dys, x2[order // k], sizes, sw, w_gate, w_up, w_down,
+                            dw_gate, dw_up, dw_down)
+    del dys
+    inv = _inverse(xp, order).reshape(N, k)
+    dx2 = dxs[inv[:, 0]]
+    for s in range(1, k):
+        dx2 += dxs[inv[:, s]]
+    return dx2, dgates
+
+
+def moe_cache_bytes(n_tokens: int, k: int, E: int, C: int, F: int, item: int) -> int:
+    """Bytes the router and experts forwards cache together for n_tokens = N tokens of `item`-byte
+    activations (router math in r = max(item, 4) bytes), with S = N k routed rows:
+
+        N C item              x2 (kept once, shared by router and experts)
+      + N (E + 1) r           router logits and logsumexp
+      + 2 S * 8               idx and the dispatch order (int64)
+      + S (3 F + C) item      per-expert gate and up projections, sigmoid(gate); expert outputs
+      + S item                gates
+
+    Bytes, not elements: the cache mixes int64, the router dtype and the activation dtype."""
+    N, S, r = n_tokens, n_tokens * k, max(item, 4)
+    return N * C * item + N * (E + 1) * r + 16 * S + S * (3 * F + C + 1) * item

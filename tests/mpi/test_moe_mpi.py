@@ -1,0 +1,71 @@
+"""The llama kind with routed experts trains exactly like one process (float64, rtol 1e-10: losses with the
+balancing losses, the aux and z figures, gradient norms, every parameter) under data parallel, sharding
+stages 1-3, pipelines (1f1b, interleaved, zb1p, zbv), full and selective recompute, gradient merge and flash
+attention, with the experts replicated like every other weight (no expert parallelism yet); bfloat16 amp
+within the amp tolerance of test_combinations.py."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from helpers import LLAMA, assert_same, assert_same_params, config, need, run
+
+STEPS = 3
+S = "strategy."
+MOE = ["model.n_layers=4", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=12",
+       "model.moe.shared_hidden=8", "model.moe.dense_layers=1", "model.moe.aux_loss=0.01", "model.moe.z_loss=0.001",
+       "train.global_batch=8"]
+
+
+def on(switch, degree, *more):
+    return [f"{S}{switch}.enable=true", f"{S}{switch}.degree={degree}", *more]
+
+
+def pp(degree, schedule, m=4, *more):
+    return on("pipeline", degree, f"{S}pipeline.schedule={schedule}", f"{S}pipeline.micro_batches={m}", *more)
+
+
+LAYOUTS = {   # name -> (world size, overrides)
+    "dp2": (2, on("data_parallel", 2)),
+    "sh2_stage3": (2, on("sharding", 2, S + "sharding.stage=3")),
+    "pp2_1f1b_recompute": (2, pp(2, "1f1b") + [S + "recompute.enable=true"]),
+    "pp2_zbv_selective": (2, pp(2, "zbv") + [S + "recompute.enable=true", S + "recompute.granularity=selective"]),
+    "pp2_zb1p_merge_flash": (2, pp(2, "zb1p") + [S + "gradient_merge.enable=true", S + "gradient_merge.k_steps=2",
+                                                "model.attention=flash"]),
+    "dp2_sh2_stage2": (4, on("data_parallel", 2) + on("sharding", 2, S + "sharding.stage=2")),
+    "pp2_interleaved_sh2_stage1": (4, pp(2, "interleaved", 2, S + "pipeline.virtual_stages=2")
+                                   + on("sharding", 2, S + "sharding.stage=1")),
+    "pp4_zbv": (4, pp(4, "zbv", 8, "model.n_layers=8")),
+}
+_REF = {}
+
+
+def reference(corpus, *extra):
+    """The one-process run, and the metrics of one more step (taken now: a cached engine's communicators are
+    freed after the test that built it)."""
+    if extra not in _REF:
+        losses, params, eng = run(config(corpus, *LLAMA, *MOE, *extra), MPI.COMM_SELF, STEPS)
+        _REF[extra] = losses, params, eng, eng.train_step(STEPS)
+    return _REF[extra]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_moe_equals_one_process(corpus, world, name):
+    n, extra = LAYOUTS[name]
+    need(world.Get_size() == n, f"{name} runs at -n {n}")
+    model = tuple(o for o in extra if o.startswith("model."))
+    losses, params, eng = run(config(corpus, *LLAMA, *MOE, *extra), world, STEPS)
+    ref_l, ref_p, ref, want = reference(corpus, *model)
+    assert_same(losses, ref_l)
+    assert_same(eng.grad_norms, ref.grad_norms)
+    assert_same_params(params, ref_p)
+    got = eng.train_step(STEPS)
+    for key in ("loss", "moe_aux_loss", "moe_z_loss"):
+        assert got[key] == pytest.approx(want[key], rel=1e-10), key
+
+
+def test_moe_bfloat16(corpus, world):
+    need(world.Get_size() == 2, "dp 2 at -n 2")
+    amp = ("model.dtype=float32", S + "amp.enable=true", S + "amp.dtype=bfloat16")
+    losses, _, _ = run(config(corpus, *LLAMA, *MOE, *on("data_parallel", 2), *amp), world, STEPS)
+    ref_l = reference(corpus, *amp)[0]
+    np.testing.assert_allclose(losses, ref_l, rtol=1e-2)
