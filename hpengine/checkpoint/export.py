@@ -187,6 +187,9 @@ def export(path, out, fmt: str = "hdf5", params_only: bool = False, force: bool 
         raise CheckpointError(f"--format hf: model.kind = {cfg.model.kind!r} has no Hugging Face "
                               f"equivalent; supported kinds: {', '.join(hf_kinds().values())} (use --format safetensors "
                               "or hdf5)")
+    if fmt == "hf" and kind_of(cfg.model.kind).hf.export_refusal(cfg.model):
+        raise CheckpointError(f"--format hf: {kind_of(cfg.model.kind).hf.export_refusal(cfg.model)} (use --format "
+                              "safetensors or hdf5)")
     if fmt == "hf":
         select_model({}, cfg, model)          # a bad or missing --model before any tensor is read
     r, P = read_params(path)

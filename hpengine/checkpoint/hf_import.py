@@ -105,6 +105,10 @@ def _check_config(hc: dict, mcfg, where: str) -> str:
     return kind
 
 
+def _sources(hf) -> tuple:
+    return hf if isinstance(hf, tuple) else (hf,)
+
+
 class HFReader:
     """checkpoint.ExportReader's read() over a Hugging Face model folder, for checkpoint.init_from = "hf:DIR".
     `shapes` are the run's true (unpadded) global shapes by hpengine name (engine.true_shapes())."""
@@ -128,20 +132,27 @@ class HFReader:
         if extra:
             raise CheckpointError(f"{where}: the run has tensors {extra[:4]} with no Hugging Face counterpart")
         for name, (hf, fn) in self.map.items():
-            if hf not in self.st.entries:
-                raise CheckpointError(f"{where}: tensor {hf} (hpengine {name}) is missing")
-            got = tuple(fn(np.empty(self.st.shape(hf), dtype=np.uint8)).shape)
+            for h in _sources(hf):
+                if h not in self.st.entries:
+                    raise CheckpointError(f"{where}: tensor {h} (hpengine {name}) is missing")
+            got = tuple(self._get(hf, fn, lambda h: np.empty(self.st.shape(h), dtype=np.uint8)).shape)
             want = tuple(shapes.get(name, got))
             if got != want:
-                raise CheckpointError(f"{where}: tensor {hf} has shape {list(self.st.shape(hf))}, which gives "
+                raise CheckpointError(f"{where}: tensor {_sources(hf)[0]} has shape {list(self.st.shape(_sources(hf)[0]))}"
+                                      f"{f' (one of {len(hf)})' if isinstance(hf, tuple) else ''}, which gives "
                                       f"{name} {list(got)} but the run's {name} is {list(want)}")
+
+    @staticmethod
+    def _get(hf, fn, get):
+        """hpengine's array from the Hugging Face tensor(s) `hf` (a name, or the tuple a tensor is stacked from)."""
+        return fn([get(h) for h in hf]) if isinstance(hf, tuple) else fn(get(hf))
 
     def read(self, kind, name, region):
         """float64 values of global region of hpengine parameter `name`; beyond its true shape, 0."""
         if kind != "param" or name not in self.map:
             raise CheckpointError(f"{self.where} has no {kind} {name!r}")
         hf, fn = self.map[name]
-        return read_region(fn(self.st.get(hf)), region)
+        return read_region(self._get(hf, fn, self.st.get), region)
 
     def close(self):
         self.st = None

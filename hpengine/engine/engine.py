@@ -121,6 +121,7 @@ class Engine:
                 st = m.layer_stats(b.layer, c)
                 if st is not None and grad:          # an MoE layer: its balancing losses join the loss
                     self.moe_sums[slot.index] += (st.aux, st.z)
+                    self.moe_load[slot.index][b.layer] += self.be.to_host(st.load)
                     self.layer_loss += st.share
                 if self.res.recomputed(b):
                     c = Recompute(h_in)
@@ -243,8 +244,13 @@ class Engine:
         if not self.moe_layers[0]:
             return {}
         aux, z = (self._losses([float(m[j]) for m in self.moe_sums]) for j in (0, 1))
-        n = self.moe_layers[0]
-        return {"moe_aux_loss": aux[0] / n, "moe_z_loss": z[0] / n}
+        n, model = self.moe_layers[0], self.slots[0].model
+        # every rank's selections, each layer's on the stage that holds it (zeros elsewhere): summed over all
+        load = np.array(self._losses(list(self.moe_load[0].reshape(-1)))).reshape(self.moe_load[0].shape)
+        routed = [i for i in range(model.n_layers) if model.moe.routed(i)]
+        imbalance = [float(load[i].max() / load[i].mean()) for i in routed]
+        return {"moe_aux_loss": aux[0] / n, "moe_z_loss": z[0] / n, "moe_load_imbalance": imbalance,
+                "moe_load_max": max(imbalance)}
 
     def _passes(self, step: int) -> list[float]:
         """Forward and backward of the step's k passes of every model; this rank's loss shares."""
@@ -255,6 +261,8 @@ class Engine:
         self.sync.begin_step()
         losses, k = [0.0] * len(self.slots), self.res.k
         self.moe_sums = [np.zeros(2) for _ in self.slots]     # MoE layers' aux and z shares, summed
+        self.moe_load = [np.zeros((s.model.n_layers, getattr(s.model, "moe", None) and s.model.moe.E or 0))
+                         for s in self.slots]            # tokens each expert of each layer received
         rows = self.share // k
         # under amp an overflow is expected and handled (the step is skipped): no NumPy warnings for it
         with np.errstate(over="ignore", invalid="ignore") if self.scaler else contextlib.nullcontext():

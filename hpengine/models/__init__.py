@@ -15,7 +15,7 @@ from hpengine.models.mlp import MLP
 @dataclass(frozen=True)
 class Kind:
     """A model kind: its class and, where Hugging Face has an equivalent, its adapter module (hf_<kind>.py:
-    ARCH, to_hf, hf_config, check_config, full_names, from_hf_map). Adding a kind is a file here and a line below."""
+    ARCH (ARCHS, when it reads several), export_refusal, to_hf, hf_config, check_config, full_names, from_hf_map). Adding a kind is a file here and a line below."""
     model: type
     hf: ModuleType | None = None
 
@@ -31,7 +31,7 @@ def kind_of(name: str) -> Kind:
 
 def hf_kinds() -> dict:
     """Hugging Face architecture name -> model kind, for the kinds that have an adapter."""
-    return {k.hf.ARCH: name for name, k in KINDS.items() if k.hf is not None}
+    return {arch: name for name, k in KINDS.items() if k.hf is not None for arch in getattr(k.hf, "ARCHS", (k.hf.ARCH,))}
 
 
 def build_model(mcfg, tp_size: int = 1):

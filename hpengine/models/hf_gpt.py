@@ -31,6 +31,11 @@ _PAIRS = (("ln1", "ln_1"), ("ln2", "ln_2"), ("attn.proj", "attn.c_proj"), ("mlp.
           ("mlp.proj", "mlp.c_proj"))
 
 
+def export_refusal(mcfg) -> str:
+    """Why this config has no Hugging Face equivalent: every gpt config has one (GPT2LMHeadModel)."""
+    return ""
+
+
 def to_hf(P: dict, mcfg) -> dict:
     """hpengine gpt parameters -> GPT2LMHeadModel's state dict (numpy)."""
     H = mcfg.n_heads

@@ -50,7 +50,7 @@ def _fmt(m: dict, total: int | str = "?") -> str:
     s = ("" if "model" not in m else f"model {m['model']} | ") + (f"step {m['step']:>5}/{total} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f}"
          f" | {m['tokens_per_s']:,.0f} tok/s | {m['step_ms']:.0f} ms")
     if "moe_aux_loss" in m:      # the MoE layers' balancing losses, mean per layer (aux: 1 under uniform routing)
-        s += f" | moe aux {m['moe_aux_loss']:.3f} z {m['moe_z_loss']:.3g}"
+        s += f" | moe aux {m['moe_aux_loss']:.3f} z {m['moe_z_loss']:.3g} load max/mean {m['moe_load_max']:.2f}"
     return s + progress.suffix(m) + (f" | val {m['val_loss']:.4f}" if "val_loss" in m else "")
 
 

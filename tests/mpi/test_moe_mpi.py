@@ -59,8 +59,10 @@ def test_moe_equals_one_process(corpus, world, name):
     assert_same(eng.grad_norms, ref.grad_norms)
     assert_same_params(params, ref_p)
     got = eng.train_step(STEPS)
-    for key in ("loss", "moe_aux_loss", "moe_z_loss"):
+    for key in ("loss", "moe_aux_loss", "moe_z_loss", "moe_load_max"):
         assert got[key] == pytest.approx(want[key], rel=1e-10), key
+    assert got["moe_load_imbalance"] == want["moe_load_imbalance"] and len(got["moe_load_imbalance"]) == eng.moe_layers[0]
+    assert min(got["moe_load_imbalance"]) >= 1.0
 
 
 def test_moe_bfloat16(corpus, world):

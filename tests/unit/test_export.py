@@ -118,7 +118,7 @@ def test_llama_map_is_rename_and_transpose(runs):
     run = runs["llama"]
     P = global_params(run)
     mcfg = ex._model_config(manifest(run)["config"]).model
-    names = hf_llama.names(mcfg.n_layers, mcfg.tie_head)
+    names = hf_llama.names(mcfg)
     assert set(names) == set(P)
     state = hf_llama.to_hf(P, mcfg)
     assert len(state) == len(P)

@@ -15,7 +15,10 @@ COMMON = ["model.dtype=float64", f"model.seq_len={T}", "model.d_model=16", "mode
           "train.global_batch=4", "train.eval_every=0", "runtime.backend=numpy", "train.log_every=1"]
 KINDS = {"gpt": ["model.kind=gpt", "model.n_heads=2"],
          "llama": ["model.kind=llama", "model.n_heads=4", "model.n_kv_heads=2"],
-         "mlp": ["model.kind=mlp"]}
+         "mlp": ["model.kind=mlp"],
+         "llama_moe": ["model.kind=llama", "model.n_heads=4", "model.n_kv_heads=2", "model.moe.num_experts=4",
+                       "model.moe.top_k=2", "model.moe.expert_hidden=8", "model.moe.shared_hidden=4",
+                       "model.moe.dense_layers=1"]}
 
 
 def sets(*items):
@@ -53,7 +56,7 @@ def test_cached_logits_equal_full_forward(runs, kind):
     x, _ = model.embed_forward(np, P, np.array([ids[:-1]]), tp)
     for i in range(model.n_layers):
         x, _ = model.layer_forward(np, P, i, x, tp)
-    if kind == "llama":
+    if kind.startswith("llama"):
         h = x / np.sqrt((x * x).mean(-1, keepdims=True) + model.eps) * P["norm.w"]
     else:
         mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
