@@ -3,7 +3,8 @@ and sdpa attention) in turn, --repeats times each, every run a fresh process wit
 prints the median tokens/s of each side and the ratio hpengine / torch. Standard library only. The
 torch sides run under --torch-python (else $TORCH_PYTHON); with neither, they are skipped.
 --model llama compares the Llama reference instead: bench_core.py with model.kind = "llama", 8 query
-heads and 2 key/value heads, against torch_llama.py.
+heads and 2 key/value heads, against torch_llama.py; --model moe the same with configs/moe_small.toml's
+experts (8 of width 256, top 2) against torch_llama.py --experts 8.
 
     python3 benchmarks/compare_torch.py --torch-python "$TORCH_PYTHON" --repeats 3 --json compare.json
     python3 benchmarks/compare_torch.py --model llama --repeats 3
@@ -29,13 +30,19 @@ MODELS = {
     "gpt": ([], "torch_ref.py", []),
     "llama": (["model.kind=llama", "model.n_heads=8", "model.n_kv_heads=2"], "torch_llama.py",
               ["--heads", "8", "--kv-heads", "2"]),
+    # configs/moe_small.toml's model: 8 experts of width 256, top 2, the first layer dense
+    "moe": (["model.kind=llama", "model.n_heads=8", "model.n_kv_heads=2", "model.moe.num_experts=8",
+             "model.moe.top_k=2", "model.moe.expert_hidden=256", "model.moe.dense_layers=1",
+             "model.moe.aux_loss=0.01", "model.moe.z_loss=0.001"], "torch_llama.py",
+            ["--heads", "8", "--kv-heads", "2", "--experts", "8", "--top-k", "2", "--expert-hidden", "256",
+             "--dense-layers", "1", "--aux-loss", "0.01", "--z-loss", "0.001"]),
 }
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=tuple(MODELS), default="gpt",
-                   help="reference model: gpt (torch_ref.py) or llama (torch_llama.py); default gpt")
+                   help="reference model: gpt (torch_ref.py), llama or moe (torch_llama.py); default gpt")
     p.add_argument("--repeats", type=int, default=3, help="runs of each side (default 3)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
     p.add_argument("--warmup-s", type=float, default=5.0, help="warm-up seconds per run (default 5)")

@@ -11,8 +11,13 @@ kv heads repeated, matmul, mask, softmax, matmul, like transformers' eager atten
 F.scaled_dot_product_attention(is_causal=True) (--attn sdpa, with enable_gqa=True). The optimizer step
 is torch_ref.py's: mean cross-entropy, clip_grad_norm_ 1.0, AdamW (decay on matrices and embeddings,
 none on the norm weights); the init is hpengine's (normal, --init-std, o and down scaled by
-1/sqrt(2 * layers), norm weights 1). torch is not an hpengine dependency: run this with the python of a
-separate venv that has torch, e.g.
+1/sqrt(2 * layers), norm weights 1). --experts E > 0 makes every layer after --dense-layers a Mixtral MoE
+MLP: a router linear to E logits, softmax in float32, the --top-k largest renormalised, each expert a SwiGLU
+of width --expert-hidden run on the tokens that chose it (one matmul per expert on its gathered tokens, as
+transformers' MixtralExperts does), outputs summed by gate; the loss adds --aux-loss x the per-sequence
+load-balancing loss E sum_i f_i P_i (mean over sequences) and --z-loss x mean(logsumexp(logits)^2), as
+hpengine's [model.moe] does (no decay on the router). torch is not an hpengine dependency: run this with the
+python of a separate venv that has torch, e.g.
 
     $TORCH_PYTHON benchmarks/torch_llama.py --attn sdpa --json out.json
 """
@@ -46,6 +51,12 @@ def parse(argv=None):
     p.add_argument("--norm-eps", type=float, default=1e-5)
     p.add_argument("--init-std", type=float, default=0.02)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--experts", type=int, default=0, help="routed experts per MoE layer (0 = dense)")
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--expert-hidden", type=int, default=0, help="each expert's SwiGLU width (0 = the MLP's)")
+    p.add_argument("--dense-layers", type=int, default=0, help="first layers that keep the dense MLP")
+    p.add_argument("--aux-loss", type=float, default=0.0)
+    p.add_argument("--z-loss", type=float, default=0.0)
     p.add_argument("--json", default=None, help="write the result as JSON to this path")
     return p.parse_args(argv)
 
@@ -84,17 +95,52 @@ def build(a, torch, device="cpu"):
         x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
         return torch.cat((-x2, x1), dim=-1)
 
-    class Block(nn.Module):
+    class MoE(nn.Module):
+        """Mixtral's sparse MLP; adds its balancing losses to `extra` (a list the model sums into the loss)."""
         def __init__(self):
             super().__init__()
+            E, Fe = a.experts, a.expert_hidden or Fh
+            self.router = nn.Linear(C, E, bias=False)
+            self.gate = nn.Parameter(torch.empty(E, C, Fe))
+            self.up = nn.Parameter(torch.empty(E, C, Fe))
+            self.down = nn.Parameter(torch.empty(E, Fe, C))
+
+        def forward(self, h, extra):
+            B, T, _ = h.shape
+            x = h.reshape(-1, C)
+            logits = self.router(x).float()
+            probs = torch.softmax(logits, dim=-1)
+            top, idx = torch.topk(probs, a.top_k, dim=-1)
+            top = (top / top.sum(-1, keepdim=True)).to(x.dtype)
+            out = torch.zeros_like(x)
+            for e in range(a.experts):
+                tok, slot = torch.where(idx == e)
+                if tok.numel():
+                    xe = x[tok]
+                    ye = (F.silu(xe @ self.gate[e]) * (xe @ self.up[e])) @ self.down[e]
+                    out.index_add_(0, tok, ye * top[tok, slot, None])
+            if a.aux_loss:       # per sequence: E sum_i f_i P_i, f a constant, then the mean over sequences
+                with torch.no_grad():
+                    f = F.one_hot(idx, a.experts).sum(1).view(B, T, -1).sum(1).float() / (T * a.top_k)
+                P = probs.view(B, T, -1).mean(1)
+                extra.append(a.aux_loss * a.experts * (f * P).sum(-1).mean())
+            if a.z_loss:
+                extra.append(a.z_loss * torch.logsumexp(logits, dim=-1).pow(2).mean())
+            return out.view(B, T, C)
+
+    class Block(nn.Module):
+        def __init__(self, layer):
+            super().__init__()
             self.attn_norm, self.mlp_norm = RMSNorm(), RMSNorm()
+            self.moe = MoE() if a.experts and layer >= a.dense_layers else None
             self.q = nn.Linear(C, H * hd, bias=False)
             self.k = nn.Linear(C, K * hd, bias=False)
             self.v = nn.Linear(C, K * hd, bias=False)
             self.o = nn.Linear(H * hd, C, bias=False)
-            self.gate = nn.Linear(C, Fh, bias=False)
-            self.up = nn.Linear(C, Fh, bias=False)
-            self.down = nn.Linear(Fh, C, bias=False)
+            if self.moe is None:
+                self.gate = nn.Linear(C, Fh, bias=False)
+                self.up = nn.Linear(C, Fh, bias=False)
+                self.down = nn.Linear(Fh, C, bias=False)
 
         def attn(self, x, cos, sin):
             B, T, _ = x.shape
@@ -114,16 +160,18 @@ def build(a, torch, device="cpu"):
                 y = torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype) @ v
             return self.o(y.transpose(1, 2).reshape(B, T, H * hd))
 
-        def forward(self, x, cos, sin):
+        def forward(self, x, cos, sin, extra):
             x = x + self.attn(self.attn_norm(x), cos, sin)
             h = self.mlp_norm(x)
+            if self.moe is not None:
+                return x + self.moe(h, extra)
             return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
     class Llama(nn.Module):
         def __init__(self):
             super().__init__()
             self.embed = nn.Embedding(a.vocab, C)
-            self.blocks = nn.ModuleList(Block() for _ in range(a.layers))
+            self.blocks = nn.ModuleList(Block(i) for i in range(a.layers))
             self.norm = RMSNorm()
             self.head = nn.Linear(C, a.vocab, bias=False)
             inv = 1.0 / a.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
@@ -132,22 +180,23 @@ def build(a, torch, device="cpu"):
             self.register_buffer("cos", ang.cos().float(), persistent=False)
             self.register_buffer("sin", ang.sin().float(), persistent=False)
             for n, p in self.named_parameters():   # hpengine's init: residual projections scaled down
-                if p.dim() == 2:
-                    res = n.endswith(("o.weight", "down.weight"))
+                if p.dim() >= 2:
+                    res = n.endswith(("o.weight", "down.weight", "moe.down"))
                     nn.init.normal_(p, std=a.init_std / math.sqrt(2 * a.layers) if res else a.init_std)
 
         def forward(self, idx, tgt):
             T = idx.shape[1]
             cos, sin = self.cos[:T], self.sin[:T]
-            x = self.embed(idx)
+            x, extra = self.embed(idx), []
             for b in self.blocks:
-                x = b(x, cos, sin)
+                x = b(x, cos, sin, extra)
             logits = self.head(self.norm(x))
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1))
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1)) + sum(extra)
 
     model = Llama().to(device)
-    decay = [p for p in model.parameters() if p.dim() == 2]
-    rest = [p for p in model.parameters() if p.dim() != 2]
+    # hpengine's decay: matrices, the embedding and the experts, not the norms nor the router
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "router" not in n]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2 or "router" in n]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=False)
     return model, opt
@@ -168,7 +217,7 @@ def main(argv=None) -> int:
     model, opt = build(a, torch)
     step = make_step(torch, model, opt, a)
 
-    r = {"engine": f"torch-{a.attn}", "model": "llama", "torch": torch.__version__,
+    r = {"engine": f"torch-{a.attn}", "model": "llama-moe" if a.experts else "llama", "torch": torch.__version__,
          "threads": torch.get_num_threads(), "n_params": sum(p.numel() for p in model.parameters()),
          "heads": a.heads, "kv_heads": a.kv_heads or a.heads, "ffn_hidden": ffn_hidden(a), **timed(step, a)}
     print(f"torch {r['torch']} llama attn={a.attn} threads={r['threads']} params={r['n_params']:,} "

@@ -230,26 +230,34 @@ class Engine:
         t = tr.lap("optimizer", t)
         self.sync.share_params()
         t = tr.lap("param share", t)
-        losses = self._losses(losses)
-        moe = self._moe_metrics()
+        # the MoE layers' figures ride on the loss allreduce: one collective whatever the model
+        n = len(losses)
+        summed = self._losses(losses + self._moe_values())
+        losses, moe = summed[:n], self._moe_metrics(summed[n:])
         self.be.sync()
         tr.lap("loss sync", t)
         out = self._metrics(step, t0, losses, norms, lr_scale)
         out.update(moe)
         return out
 
-    def _moe_metrics(self) -> dict:
-        """The MoE layers' aux and z losses, each the mean over the MoE layers of the global-batch value (no
-        coefficient), the same on every rank; {} for dense models. The first model's, as `loss` is."""
+    def _moe_values(self) -> list:
+        """This rank's share of the first model's MoE figures, to be summed over every rank: its aux and z
+        shares and the selections per expert of every layer (each layer's on the stage that holds it, zeros
+        elsewhere); [] for a dense model."""
         if not self.moe_layers[0]:
+            return []
+        return [float(v) for v in self.moe_sums[0]] + [float(c) for c in self.moe_load[0].reshape(-1)]
+
+    def _moe_metrics(self, summed: list) -> dict:
+        """The MoE layers' aux and z losses, each the mean over the MoE layers of the global-batch value (no
+        coefficient), and each layer's load imbalance (most-loaded expert / mean), the same on every rank; {}
+        for dense models. The first model's, as `loss` is."""
+        if not summed:
             return {}
-        aux, z = (self._losses([float(m[j]) for m in self.moe_sums]) for j in (0, 1))
         n, model = self.moe_layers[0], self.slots[0].model
-        # every rank's selections, each layer's on the stage that holds it (zeros elsewhere): summed over all
-        load = np.array(self._losses(list(self.moe_load[0].reshape(-1)))).reshape(self.moe_load[0].shape)
-        routed = [i for i in range(model.n_layers) if model.moe.routed(i)]
-        imbalance = [float(load[i].max() / load[i].mean()) for i in routed]
-        return {"moe_aux_loss": aux[0] / n, "moe_z_loss": z[0] / n, "moe_load_imbalance": imbalance,
+        load = np.array(summed[2:]).reshape(self.moe_load[0].shape)
+        imbalance = [float(load[i].max() / load[i].mean()) for i in range(model.n_layers) if model.moe.routed(i)]
+        return {"moe_aux_loss": summed[0] / n, "moe_z_loss": summed[1] / n, "moe_load_imbalance": imbalance,
                 "moe_load_max": max(imbalance)}
 
     def _passes(self, step: int) -> list[float]:

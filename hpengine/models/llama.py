@@ -101,8 +101,15 @@ class Llama:
         scores = 0 if self.flash else rows * H * score_elements(self.T) * item
         # W stash (split backward), as gpt's: dy, the gating, dg, du, h2; dx, a, dq, dk, dv, h
         w = n * (2 * C + 2 * C // parts + (3 * self.F + 2 * self.C + 2 * self.K * self.hd) // tp) * item
-        return {"layer": layer, "scores": scores, "w_layer": w, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
-                                                  rmsnorm_cache_bytes(ns, C, item), parts)}
+        out = {"layer": layer, "scores": scores, "w_layer": w, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
+                                                 rmsnorm_cache_bytes(ns, C, item), parts)}
+        if self.moe is not None:     # an MoE layer: the attention's part, then the router's and experts'
+            moe = (2 * rmsnorm_cache_bytes(ns, C, item) + ns * C * item + att + self.moe.cache_bytes(n, C, item))
+            w_moe = n * (C + C // parts + (2 * C + 2 * self.K * self.hd) // tp) * item    # the attention's W stash
+            for i in range(self.L):
+                if self.moe.routed(i):
+                    out[f"layer.{i}"], out[f"w_layer.{i}"] = moe, w_moe
+        return out
 
     def tp_allreduces(self) -> tuple:
         """Activation allreduces per layer under tensor parallelism: (forward, backward); the attention's and

@@ -87,6 +87,9 @@ def _stages(mkey, tp, p, v, split, schedule) -> list[Stage]:
             mm = 0
             if b.kind != "embed":   # embedding lookups are no matmul; a copied tensor counts as a read below
                 mm += sum(n for sp, n in zip(specs, sizes) if len(sp.global_shape) == 2 and sp.name not in st.copies)
+                # routed experts (E, in, out): each token meets top_k of the E matrices
+                moe = getattr(model, "moe", None)
+                mm += sum(n * moe.k // moe.E for sp, n in zip(specs, sizes) if len(sp.global_shape) == 3) if moe else 0
             for t in b.reads:       # a tied head multiplies by wte, held here or by the embedding block
                 mm += next(math.prod(sp.local_shape(0, tp)) for sp in model.specs(owner(model, t)) if sp.name == t)
             blocks.append((name, tuple(sizes)))
@@ -168,7 +171,7 @@ def chunk_stash(mcfg, st: Stage, chunk, lay: Resolved, item: int) -> int:
     """A split backward's W stash of one micro-batch through one chunk: what its blocks' deferred
     weight-gradient work holds from B to W (the same whether or not a layer was recomputed)."""
     a = block_activations(mcfg, lay, item)
-    return sum(a["w_" + st.kind_of[b].kind] for b in chunk)
+    return sum(rc.of_block(a, st.kind_of[b], "w_" + st.kind_of[b].kind) for b in chunk)
 
 
 def buffers(mcfg, st: Stage, lay: Resolved, own: int) -> int:
@@ -209,13 +212,14 @@ def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=Non
     counts its own buffer of a collective; "tied" is the first/last-stage wte gradient sum)."""
     w, g, _, item = precision(mcfg, lay.amp)
     M, psi, out = models, st.psi * models, {}
+    losses = F64 * (M + _moe_figures(mcfg))         # the loss allreduce, with the MoE figures riding on it
     if lay.sh > 1:
         gathers = psi * w if lay.zstage < 3 else lay.k * lay.m * M * gathered_per_microbatch(mcfg, st) * w
-        out["sharding"] = {"reduce": psi * g, "allgather": gathers, "allreduce": 2 * F64 * M}
+        out["sharding"] = {"reduce": psi * g, "allgather": gathers, "allreduce": F64 * M + losses}
         if lay.dp > 1:
-            out["dp"] = {"allreduce": owned(st, lay, M, sh_rank) * g + F64 * M}
+            out["dp"] = {"allreduce": owned(st, lay, M, sh_rank) * g + losses}
     elif lay.dp > 1:
-        out["dp"] = {"allreduce": psi * g + F64 * M}
+        out["dp"] = {"allreduce": psi * g + losses}
     tokens = lay.share * mcfg.seq_len * M
     if lay.tp > 1:
         rep = plan_tp.replicated_owned(st, lay, M, _partition, sh_rank) if lay.sp else 0
@@ -227,10 +231,17 @@ def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=Non
         if gathered:
             out["tp"]["allgather"] = out["tp"].get("allgather", 0) + gathered
     if lay.pp > 1:
-        out["pp"]["allreduce"] = 2 * F64 * M
+        out["pp"]["allreduce"] = F64 * M + losses
         if st.tied:
             out["tied"] = {"allreduce": M * st.tied * g}
     return out
+
+
+def _moe_figures(mcfg) -> int:
+    """Values the engine adds to the loss allreduce for an MoE model: the aux and z shares and the selections
+    per expert of every layer (engine.Engine._moe_values)."""
+    e = mcfg.moe if mcfg.kind == "llama" else None
+    return 2 + mcfg.n_layers * e.num_experts if e is not None and e.num_experts else 0
 
 
 def _hops(lay: Resolved, stage: int) -> int:

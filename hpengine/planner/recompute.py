@@ -17,17 +17,25 @@ def selective(st, lay) -> set:
     return {b.name for b in st.kinds if lay.drops_scores(b)}
 
 
+def of_block(a: dict, b, key: str | None = None) -> int:
+    """The model's cache_bytes entry `key` (default: the block's kind) for block b: a layer that differs from
+    the others (an MoE layer) has its own entry "{key}.{layer}"."""
+    key = key or b.kind
+    return a.get(f"{key}.{b.layer}", a[key])
+
+
 def cached(a: dict, st, lay, block: str) -> int:
     """Bytes one micro-batch leaves cached by `block`, from the model's cache_bytes `a`."""
     b = st.kind_of[block]
     if lay.recomputed(b):
         return a["input"]
-    return a[b.kind] - (a["scores"] if lay.drops_scores(b) else 0)
+    return of_block(a, b) - (a["scores"] if lay.drops_scores(b) else 0)
 
 
 def transient(a: dict, st, lay) -> int:
     """Bytes backward rebuilds for one layer at a time: a whole layer's cache, or its probabilities."""
-    return max(a["layer"] if full(st, lay) else 0, a["scores"] if selective(st, lay) else 0)
+    rebuilt = [of_block(a, st.kind_of[n]) for n in full(st, lay)]
+    return max(max(rebuilt, default=0), a["scores"] if selective(st, lay) else 0)
 
 
 def extra_flops(mcfg, st, lay, tokens: int) -> float:

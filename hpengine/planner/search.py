@@ -48,7 +48,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _tp_ok(m, tp: int) -> bool:
-    return not build_model(m).tp_divides(tp)
+    routed = m.kind == "llama" and m.moe.num_experts      # routed experts do not split over tp (resolve.check)
+    return not build_model(m).tp_divides(tp) and (tp == 1 or not routed)
 
 
 def _recompute_modes(m) -> list[tuple]:

@@ -2,7 +2,7 @@
 parameter, gradient and optimizer bytes equal Engine.memory() on every rank, the predicted bytes of every
 communicator and operation equal the comm.py counters over two steps, and the predicted activation bytes
 are within 10% of the engine's counted live caches (here they are equal; exactly so, checked, under sequence
-parallelism and the zero-bubble schedules, whose W stash is counted too)."""
+parallelism, the zero-bubble schedules, whose W stash is counted too, and the MoE layers)."""
 import pytest
 
 from helpers import LLAMA, config, need
@@ -20,6 +20,8 @@ ANY = lambda n: True           # noqa: E731
 EVEN = lambda n: n % 2 == 0    # noqa: E731
 UPTO4 = lambda n: n <= 4       # noqa: E731
 TWO_OR_4 = lambda n: n in (2, 4)   # noqa: E731
+MOE = LLAMA + ["model.n_layers=4", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=12",
+               "model.moe.shared_hidden=8", "model.moe.dense_layers=1", "model.moe.aux_loss=0.01"]
 
 # (name, which world sizes it fits, overrides); degrees of -1 take the ranks left over
 LAYOUTS = [
@@ -79,6 +81,14 @@ LAYOUTS = [
                                                               "model.n_layers=4"]),
     ("zb_mlp_pp2_zbv_amp", TWO_OR_4, PP2 + DP + ["model.kind=mlp", S + "pipeline.micro_batches=4", S + "pipeline.schedule=zbv",
                                              "model.n_layers=4", S + "amp.enable=true", "model.dtype=float32"]),
+    # mixture of experts (llama kind): the router's and experts' caches, per MoE layer (exactly as counted)
+    ("moe_dp", ANY, MOE + DP),
+    ("moe_sharding3_recompute", ANY, MOE + SH + [S + "sharding.stage=3", S + "recompute.enable=true"]),
+    ("moe_pp2_zb1p_selective", TWO_OR_4, MOE + PP2 + DP + [S + "pipeline.micro_batches=4", S + "pipeline.schedule=zb1p",
+                                                        S + "recompute.enable=true",
+                                                        S + "recompute.granularity=selective"]),
+    ("moe_pp2_1f1b_amp", TWO_OR_4, MOE + PP2 + DP + [S + "pipeline.micro_batches=2", S + "amp.enable=true",
+                                                  "model.dtype=float32"]),
     ("zb_pp4_zbv", lambda n: n == 4, [S + "pipeline.enable=true", S + "pipeline.degree=4", S + "pipeline.micro_batches=8",
                                       S + "pipeline.schedule=zbv", "model.n_layers=8"]),
 ]
@@ -102,7 +112,7 @@ def test_plan_equals_engine(corpus, world, name, fits, extra):
     assert (got["param_bytes"], got["grad_bytes"], got["optim_bytes"]) == \
         (want["params"], want["grads"], want["optimizer"]), where
     assert abs(want["activations"] - got["activation_peak_bytes"]) <= 0.1 * got["activation_peak_bytes"], where
-    if name.startswith(("sp_", "zb_")):     # sequence parallel's split caches, the W stash: exactly as counted
+    if name.startswith(("sp_", "zb_", "moe_")):     # sequence parallel's split caches, the W stash, experts: exact
         assert want["activations"] == got["activation_peak_bytes"], where
     counted = {axis: {op: v[1] for op, v in c.stats.items()}
                for axis, c in eng.mesh.comms.items() if c is not None and c.stats}

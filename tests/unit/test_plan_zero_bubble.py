@@ -57,3 +57,4 @@ def test_plan_searches_both():
     cfg = load_config(None, TINY)
     seen = {(lay.schedule, lay.v) for lay in candidates(cfg, Cluster(nodes=1, gpus_per_node=4))}
     assert {("zb1p", 1), ("zbv", 2)} <= seen
+
