@@ -28,6 +28,7 @@ from hpengine.config.tree import (  # noqa: F401 - the tree, re-exported
     DataConfig,
     DataParallelConfig,
     DataSource,
+    ExpertParallelConfig,
     GradientMergeConfig,
     MeshConfig,
     ModelConfig,

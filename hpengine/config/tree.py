@@ -234,6 +234,15 @@ class PipelineConfig:
 
 
 @dataclass
+class ExpertParallelConfig:
+    """Routed experts split over ranks (llama-kind MoE models), tokens moved to them by all-to-all."""
+    enable: bool = _f(False, "turn expert parallelism on")
+    degree: int = _f(-1, "ranks the experts are split over, folded inside the data-parallel ranks (no extra "
+                     "ranks); must divide the data-parallel degree and model.moe.num_experts; -1 = every "
+                     "data-parallel rank", check=_DEGREE)
+
+
+@dataclass
 class TensorParallelConfig:
     """Each matrix split across ranks, Megatron column/row style (`tp`)."""
     enable: bool = _f(False, "turn tensor parallelism on")
@@ -288,6 +297,7 @@ class StrategyConfig:
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     gradient_merge: GradientMergeConfig = field(default_factory=GradientMergeConfig)
     amp: AmpConfig = field(default_factory=AmpConfig)
+    expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
 
 
 @dataclass

@@ -51,12 +51,13 @@ class Engine:
     def __init__(self, cfg, res, mesh, backend, dataset):
         self.cfg, self.res, self.mesh, self.be, self.data = cfg, res, mesh, backend, dataset
         self.xp = backend.xp
-        self.ctx = make_context(res, mesh.comms, cfg.model.vocab_size)
+        self.ctx = make_context(res, mesh.comms, cfg.model.vocab_size, backend.xp)
         self.tp = self.ctx.tp
         t = cfg.train
         seeds = tuple(t.model_seeds or [t.seed + i for i in range(t.models)])
         lrs = tuple(t.model_lrs or [cfg.optim.lr] * t.models)
-        self.stage = build_stage(cfg.model, res, mesh.coords["pp"], self.tp.rank, seeds, lrs)
+        self.stage = build_stage(cfg.model, res, mesh.coords["pp"], self.tp.rank, seeds, lrs,
+                                 ep_rank=mesh.coords["dp"] % res.ep)
         self.layout, self.slots = self.stage.layout, self.stage.slots
         self.sync = make_grad_sync(res, self.stage, backend, mesh.comms)
         self.world = Comm(mesh.world, "world", backend)
@@ -77,6 +78,9 @@ class Engine:
                            (own.intersect(self.layout.ranges[n]) for n in summed_over(self.reductions, "tp"))
                            if c is not None]
         self.opts = [self._optimizer(s) for s in self.slots]
+        # expert blocks split over ep (data parallel owns the whole buffer: ranges are flat offsets)
+        self.experts = [self.layout.ranges[sp.name] for sp in self.layout.specs
+                        if sp.ep_dim is not None and res.ep > 1]
         self.share = res.share
         self.cache_bytes = self.cache_peak = 0
         self.moe_sums, self.layer_loss, self._norm = [np.zeros(2) for _ in self.slots], 0.0, 1.0
@@ -294,6 +298,10 @@ class Engine:
         """Gradient norm of every model, each parameter counted once whatever the layout."""
         own = self.sync.owned
         sq = [self._sumsq(g, own.intersect(s.range)) for s in self.slots]
+        if self.experts:        # each ep rank holds other experts: their squares are summed over ep
+            ex = [sum(sum_of_squares(self.xp, g[r.start:r.stop]) for r in self.experts if s.range.start <= r.start
+                      < s.range.stop) for s in self.slots]
+            sq = [a - b + c for a, b, c in zip(sq, ex, self.mesh.comms["ep"].allreduce_(np.array(ex, dtype=np.float64)))]
         sq = self.pp.allreduce_(np.array(self.sync.norm_allreduce(sq)))
         return [float(np.sqrt(v)) for v in self.mesh.comms["tp"].allreduce_(sq)]
 

@@ -11,10 +11,11 @@ import numpy as np
 
 def checkpoint_pieces(stage, sync, opts, master, tp, dp_coord: int, backend, elsewhere: frozenset) -> list:
     """What this rank alone saves: (name, kind, global_shape, tp box, flat a, b, host array) for the owned
-    parameters (float32 masters under amp) and Adam moments. dp replicas are left to dp rank 0, and the
+    parameters (float32 masters under amp) and Adam moments. dp replicas are left to dp rank 0 (an expert
+    block split over ep to the first ep group, dp ranks 0 .. ep - 1, which holds every block once), and the
     tensors in `elsewhere` (those this rank does not count: tp replicas of replicated tensors, another
     stage's copies; layout/reduction.py) to the one rank that counts them."""
-    if dp_coord != 0:
+    if dp_coord >= stage.layout.ep_size:
         return []
     own, lay, host = sync.owned, stage.layout, backend.to_host
     p_own = host(master if master is not None else sync.owned_params())
@@ -26,9 +27,9 @@ def checkpoint_pieces(stage, sync, opts, master, tp, dp_coord: int, backend, els
         m, v = host(opt.m), host(opt.v)
         for name, part, off in lay.tensors_in(seg):
             spec = lay.by_name[name]
-            if name in elsewhere:
+            if name in elsewhere or (dp_coord and spec.ep_dim is None):
                 continue
-            box = spec.tp_slices(tp.rank, tp.size)
+            box = lay.box(name)
             a, b = off, off + part.size
             po, so = part.start - own.start, part.start - seg.start
             for kind, arr, o in (("param", p_own, po), ("adam_m", m, so), ("adam_v", v, so)):
@@ -57,11 +58,11 @@ def load_state(stage, sync, opts, master, tp, backend, reader, params_only: bool
     lay, own, xp = stage.layout, sync.owned, backend.xp
     full = sync.params is not None          # stages < 3 hold every parameter of the stage
     for name in lay.names:
-        spec, r = lay.by_name[name], lay.ranges[name]
+        r = lay.ranges[name]
         hit = r.intersect(own)
         if not full and hit is None:
             continue
-        vals = reader.read("param", name, spec.tp_slices(tp.rank, tp.size)).reshape(-1)
+        vals = reader.read("param", name, lay.box(name)).reshape(-1)
         if full:
             sync.params.data[r.slice] = xp.asarray(vals, dtype=backend.dtype)
         if hit is not None:
@@ -82,7 +83,7 @@ def _load_moments(stage, sync, opts, tp, xp, reader) -> int:
         if seg is None:
             continue
         for name, part, off in lay.tensors_in(seg):
-            box = lay.by_name[name].tp_slices(tp.rank, tp.size)
+            box = lay.box(name)
             for kind, arr in (("adam_m", opt.m), ("adam_v", opt.v)):
                 vals = reader.read(kind, name, box).reshape(-1)[off:off + part.size]
                 arr[part.start - seg.start:part.stop - seg.start] = xp.asarray(vals, dtype=arr.dtype)
@@ -96,10 +97,13 @@ def named_params(stage, sync, tp, comms) -> dict:
     flat, lay = sync.full_params(), stage.layout
     local = {n: flat[lay.ranges[n].slice].reshape(lay.shapes[n]) for n in lay.names if n not in stage.copies}
     parts = comms["tp"].allgather_obj(local)
+    experts = comms["ep"].allgather_obj(local) if comms.get("ep") is not None and lay.ep_size > 1 else None
     whole = {}
     for n in local:
         sp = lay.by_name[n]
         a = parts[0][n] if sp.tp_dim is None else np.concatenate([p[n] for p in parts], axis=sp.tp_dim)
+        if sp.ep_dim is not None and experts is not None:     # an expert block per ep rank (tp is 1 with experts)
+            a = np.concatenate([p[n] for p in experts], axis=sp.ep_dim)
         whole[n] = a[tuple(slice(0, k) for k in sp.true_shape)] if sp.true_shape else a
     out = {}
     for d in comms["pp"].allgather_obj(whole):

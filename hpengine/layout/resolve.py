@@ -116,6 +116,7 @@ class Resolved:
     granularity: str = "full"     # recompute.granularity: "full" or "selective"
     sp: bool = False              # sequence parallelism (tp > 1 only)
     scatter: bool = False         # pipeline sends split across tp (pp > 1, tp > 1, no sp)
+    ep: int = 1                   # expert parallel: ranks the routed experts are split over, inside dp
 
     @property
     def seq_parts(self) -> int:
@@ -182,7 +183,9 @@ def resolve(cfg, world: int) -> Resolved:
                    tuple(cfg.mesh.order), cfg.train.global_batch // (d["dp"] * d["sharding"]),
                    s.data_parallel.bucket_mb, rc.granularity if rc.enable else "full")
     sp = d["tp"] > 1 and s.tensor_parallel.sequence_parallel
-    res = dataclasses.replace(res, sp=sp, scatter=d["tp"] > 1 and d["pp"] > 1 and not sp and pc.scatter_gather)
+    ep = s.expert_parallel.degree if s.expert_parallel.enable else 1
+    res = dataclasses.replace(res, sp=sp, scatter=d["tp"] > 1 and d["pp"] > 1 and not sp and pc.scatter_gather,
+                              ep=d["dp"] if ep == -1 else ep)
     check(cfg, res)
     chunks(cfg.model, res)          # the pipeline split must be possible
     return res
@@ -209,6 +212,8 @@ def check(cfg, res: Resolved) -> None:
     if rc.enable and rc.every > mc.n_layers:
         raise LayoutError(f"strategy.recompute.every = {rc.every} is larger than the block count "
                           f"model.n_layers = {mc.n_layers}; use 1..{mc.n_layers}")
+    if res.ep > 1:
+        _check_expert_parallel(mc, res)
     tp = res.tp
     if tp > 1 and mc.kind == "llama" and mc.moe.num_experts:
         raise LayoutError(f"model.moe.num_experts = {mc.moe.num_experts} with tensor_parallel.degree = {tp}: routed "
@@ -239,6 +244,24 @@ def check(cfg, res: Resolved) -> None:
     elif pc.enable and pc.virtual_stages != 1:
         raise LayoutError(f"pipeline.virtual_stages = {pc.virtual_stages} needs pipeline.schedule = 'interleaved' "
                           f"(zbv always has 2; {pc.schedule} has 1)")
+
+
+def _check_expert_parallel(mc, res: Resolved) -> None:
+    """Expert parallel folds inside data parallel: a divisor of dp, of the experts; no sharding yet."""
+    experts = mc.moe.num_experts if mc.kind == "llama" else 0
+    if not experts:
+        raise LayoutError(f"strategy.expert_parallel.degree = {res.ep} needs a model with routed experts "
+                          "(model.kind = 'llama' and model.moe.num_experts > 0)")
+    if experts % res.ep:
+        raise LayoutError(f"strategy.expert_parallel.degree = {res.ep} must divide model.moe.num_experts = "
+                          f"{experts}; valid: {[d for d in range(1, experts + 1) if experts % d == 0]}")
+    if res.dp % res.ep:
+        raise LayoutError(f"strategy.expert_parallel.degree = {res.ep} must divide the data-parallel degree "
+                          f"{res.dp} (experts are split inside the data-parallel ranks; no extra ranks); valid: "
+                          f"{[d for d in range(1, res.dp + 1) if res.dp % d == 0]}")
+    if res.sh > 1:
+        raise LayoutError(f"strategy.expert_parallel with sharding degree {res.sh}: experts split over ranks "
+                          "are not sharded yet; use strategy.data_parallel for the replicas")
 
 
 def chunks(mcfg, res: Resolved) -> list[tuple[str, ...]]:

@@ -64,8 +64,9 @@ def owner(model, tensor: str) -> str:
 
 
 def build_stage(mcfg, res: Resolved, pp_rank: int, tp_rank: int = 0, seeds=(0,), lrs=(0.0,),
-                models=None) -> Stage:
-    """The stage of pipeline rank `pp_rank` (tensor slices of tp rank `tp_rank`) for len(seeds) models."""
+                models=None, ep_rank: int = 0) -> Stage:
+    """The stage of pipeline rank `pp_rank` (tensor slices of tp rank `tp_rank`, the expert block of ep rank
+    `ep_rank`) for len(seeds) models."""
     n = len(seeds)
     models = models or [build_model(mcfg, res.tp) for _ in range(n)]
     here = stage_chunks(mcfg, res, pp_rank)
@@ -92,7 +93,7 @@ def build_stage(mcfg, res: Resolved, pp_rank: int, tp_rank: int = 0, seeds=(0,),
             specs += [dataclasses.replace(sp, name=prefix + sp.name, block=prefix + b, init_key=sp.name,
                                           seed=seeds[i]) for sp in bspecs]
         parts.append((i, model, prefix, tuple(prefix + b for b in mine), MappingProxyType(blocks)))
-    layout = Layout(specs, tp_rank, res.tp)
+    layout = Layout(specs, tp_rank, res.tp, ep_rank, res.ep)
     block_specs = {}
     for sp in specs:
         block_specs.setdefault(sp.block, []).append(sp)

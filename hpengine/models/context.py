@@ -77,24 +77,27 @@ class LocalAttn:
 
 
 class LocalEP:
-    """Tokens to experts and back when every expert is this rank's. `route` is what the router decided
-    (which expert each token goes to), which an all-to-all needs and one rank does not."""
+    """Routed rows to their experts and back when every expert is this rank's (strategies/expert_parallel.py
+    sends them over the ep ranks). Rows come sorted by expert, with their counts per expert; `plan` is what
+    dispatch learned, which the other three reuse."""
+    rank, size = 0, 1
 
-    def dispatch(self, x, route=None):
-        # x: (tokens, C) this rank's tokens -> (tokens', C) the tokens of this rank's experts
-        return x
+    def dispatch(self, xs, counts):
+        # xs: (S, C) sorted by expert, counts: (E,) -> (rows of this rank's experts by local expert, their
+        # counts per local expert, plan)
+        return xs, counts, None
 
-    def dispatch_backward(self, dx, route=None):
-        # dx: (tokens', C) -> (tokens, C)
-        return dx
+    def dispatch_backward(self, dxs, plan):
+        # dxs: gradients of dispatch's rows -> (S, C) in this rank's order
+        return dxs
 
-    def combine(self, y, route=None):
-        # y: (tokens', C) the experts' outputs -> (tokens, C) back at this rank's tokens
-        return y
+    def combine(self, ys, plan):
+        # ys: the local experts' outputs, as dispatch returned the rows -> (S, C) back in this rank's order
+        return ys
 
-    def combine_backward(self, dy, route=None):
-        # dy: (tokens, C) -> (tokens', C)
-        return dy
+    def combine_backward(self, dys, plan):
+        # dys: (S, C) -> gradients of combine's input
+        return dys
 
 
 @dataclass(frozen=True)

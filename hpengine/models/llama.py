@@ -25,6 +25,7 @@ from hpengine.models.common import (
     tok_embed_backward,
     tok_embed_forward,
 )
+from hpengine.models.context import LOCAL
 from hpengine.models.decode import KVCache, output_logits
 from hpengine.models.moe_mlp import MoEMLP
 from hpengine.models.tp_layers import (
@@ -184,7 +185,7 @@ class Llama:
         o += x                  # o is ours: the residual sum needs no new array
         h2s, c_n2 = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps)
         if self._routed(i):
-            d, c_moe = self.moe.forward(xp, P, p, h2s, loss)
+            d, c_moe = self.moe.forward(xp, P, p, h2s, ctx, loss)
             o += d
             if not (keep_scores or self.flash):
                 c_att = gqa_drop_scores(c_att)
@@ -206,7 +207,7 @@ class Llama:
         (cos, sin), (qcos, qsin) = self.rope(xp, dy.dtype)
         if self._routed(i):     # the routed experts run whole in B (their weight gradients are not deferred)
             c_n1, c_qkv, c_att, c_o, c_n2, c_moe = cache
-            dh2 = self.moe.backward(xp, dy, c_moe, P, G, p)
+            dh2 = self.moe.backward(xp, dy, c_moe, P, G, p, ctx)
         else:
             c_n1, c_qkv, c_att, c_o, c_n2, c_gu, c_sw, c_d = cache
             # MLP branch
@@ -272,7 +273,7 @@ class Llama:
         o += x
         h2, _ = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps)
         if self._routed(i):
-            return o + self.moe.forward(xp, P, p, h2, None)[0]
+            return o + self.moe.forward(xp, P, p, h2, LOCAL, None)[0]
         g, _ = linear_forward(xp, h2, P[f"{p}.mlp.gate.w"])
         u, _ = linear_forward(xp, h2, P[f"{p}.mlp.up.w"])
         m, _ = swiglu_forward(xp, g, u)

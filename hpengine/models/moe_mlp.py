@@ -10,7 +10,19 @@ from __future__ import annotations
 
 from hpengine.nn import swiglu_backward, swiglu_forward, swiglu_recompute
 from hpengine.nn.linear import linear_backward, linear_forward
-from hpengine.nn.moe import experts_backward, experts_forward, moe_cache_bytes, router_backward, router_forward
+from hpengine.nn.moe import (
+    experts_backward,
+    experts_forward,
+    grouped_swiglu_backward,
+    grouped_swiglu_forward,
+    moe_cache_bytes,
+    moe_combine_backward,
+    moe_combine_forward,
+    moe_permute,
+    router_backward,
+    router_forward,
+    tokens_sum,
+)
 from hpengine.params.buffers import ParamSpec
 
 
@@ -29,25 +41,33 @@ class MoEMLP:
     def specs(self, p: str, C: int, std: float, out_std: float) -> list[ParamSpec]:
         E, F, Fs = self.E, self.F, self.Fs
         out = [ParamSpec(f"{p}.moe.router.w", (C, E), std=std, decay=False, block=p),
-               ParamSpec(f"{p}.moe.experts.gate.w", (E, C, F), std=std, block=p),
-               ParamSpec(f"{p}.moe.experts.up.w", (E, C, F), std=std, block=p),
-               ParamSpec(f"{p}.moe.experts.down.w", (E, F, C), std=out_std, block=p)]
+               ParamSpec(f"{p}.moe.experts.gate.w", (E, C, F), std=std, block=p, ep_dim=0),
+               ParamSpec(f"{p}.moe.experts.up.w", (E, C, F), std=std, block=p, ep_dim=0),
+               ParamSpec(f"{p}.moe.experts.down.w", (E, F, C), std=out_std, block=p, ep_dim=0)]
         if Fs:
             out += [ParamSpec(f"{p}.moe.shared.gate.w", (C, Fs), std=std, block=p),
                     ParamSpec(f"{p}.moe.shared.up.w", (C, Fs), std=std, block=p),
                     ParamSpec(f"{p}.moe.shared.down.w", (Fs, C), std=out_std, block=p)]
         return out
 
-    def forward(self, xp, P, p, h, loss=None):
-        # h: (B, T, C) -> (B, T, C), cache; loss: (norm, loss scale) in training, None when only inferring
+    def forward(self, xp, P, p, h, ctx, loss=None):
+        # h: (B, T, C) -> (B, T, C), cache; loss: (norm, loss scale) in training, None when only inferring;
+        # ctx.ep moves the routed rows to the ranks of their experts and back (expert parallelism)
         B, T, C = h.shape
         h2 = h.reshape(-1, C)
         e = self.cfg
         norm = loss[0] if loss else 1.0
         idx, gates, (aux, z), load, c_r = router_forward(xp, h2, P[f"{p}.moe.router.w"], self.k, T, norm,
                                                           e.router, e.norm_topk)
-        y, c_e = experts_forward(xp, h2, idx, gates, P[f"{p}.moe.experts.gate.w"], P[f"{p}.moe.experts.up.w"],
-                                 P[f"{p}.moe.experts.down.w"])
+        W = (P[f"{p}.moe.experts.gate.w"], P[f"{p}.moe.experts.up.w"], P[f"{p}.moe.experts.down.w"])
+        if ctx.ep.size == 1:
+            y, c_e = experts_forward(xp, h2, idx, gates, *W)
+        else:       # this rank's rows to the ranks of their experts, this rank's experts on what arrives, back
+            order, counts = moe_permute(xp, idx, self.E)
+            xl, cl, plan = ctx.ep.dispatch(h2[order // self.k], counts)
+            yl, c_g = grouped_swiglu_forward(xp, xl, cl, *W)
+            y, c_c = moe_combine_forward(xp, ctx.ep.combine(yl, plan), order, gates, h2.shape[0])
+            c_e = (order, c_g, plan, c_c)
         c_s = None
         if self.Fs:
             g, c_g = linear_forward(xp, h2, P[f"{p}.moe.shared.gate.w"])
@@ -60,14 +80,20 @@ class MoEMLP:
         stats = MoEStats(aux if loss else 0.0, z if loss else 0.0, share, load, loss[1] if loss else 1.0)
         return y.reshape(B, T, C), (c_r, c_e, c_s, stats)
 
-    def backward(self, xp, dy, cache, P, G, p):
+    def backward(self, xp, dy, cache, P, G, p, ctx):
         # dy: (B, T, C) -> dh: (B, T, C)
         c_r, c_e, c_s, stats = cache
         B, T, C = dy.shape
         dy2 = dy.reshape(-1, C)
-        dh2, dgates = experts_backward(xp, dy2, c_e, P[f"{p}.moe.experts.gate.w"], P[f"{p}.moe.experts.up.w"],
-                                       P[f"{p}.moe.experts.down.w"], G[f"{p}.moe.experts.gate.w"],
-                                       G[f"{p}.moe.experts.up.w"], G[f"{p}.moe.experts.down.w"])
+        W = (P[f"{p}.moe.experts.gate.w"], P[f"{p}.moe.experts.up.w"], P[f"{p}.moe.experts.down.w"])
+        GW = (G[f"{p}.moe.experts.gate.w"], G[f"{p}.moe.experts.up.w"], G[f"{p}.moe.experts.down.w"])
+        if ctx.ep.size == 1:
+            dh2, dgates = experts_backward(xp, dy2, c_e, *W, *GW)
+        else:
+            order, c_g, plan, c_c = c_e
+            dys, dgates = moe_combine_backward(xp, dy2, c_c)
+            dxl = grouped_swiglu_backward(xp, ctx.ep.combine_backward(dys, plan), c_g, *W, *GW)
+            dh2 = tokens_sum(xp, ctx.ep.dispatch_backward(dxl, plan), order, dy2.shape[0], self.k)
         if c_s is not None:
             c_g, c_sw = c_s
             a = swiglu_recompute(xp, c_sw)

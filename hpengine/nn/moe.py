@@ -253,11 +253,16 @@ def experts_backward(xp, dy, cache, w_gate, w_up, w_down, dw_gate, dw_up, dw_dow
     dxs = _grouped_backward(xp, dys, x2[order // k], sizes, sw, w_gate, w_up, w_down,
                             dw_gate, dw_up, dw_down)
     del dys
+    return tokens_sum(xp, dxs, order, N, k), dgates
+
+
+def tokens_sum(xp, rows, order, N, k):
+    # rows: (N k, C) in dispatch order -> (N, C): each token's k rows summed, in slot order
     inv = _inverse(xp, order).reshape(N, k)
-    dx2 = dxs[inv[:, 0]]
+    out = rows[inv[:, 0]]
     for s in range(1, k):
-        dx2 += dxs[inv[:, s]]
-    return dx2, dgates
+        out += rows[inv[:, s]]
+    return out
 
 
 def moe_cache_bytes(n_tokens: int, k: int, E: int, C: int, F: int, item: int) -> int:

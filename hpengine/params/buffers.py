@@ -24,21 +24,24 @@ class ParamSpec:
     init_key: str = ""            # name the initial values are keyed on ("" = name)
     seed: int | None = None       # seed of the model it belongs to (None = the run's seed)
     true_shape: tuple | None = None   # unpadded shape when a dim is padded for tp (padding inits to 0)
+    ep_dim: int | None = None     # the dim expert parallelism splits (a routed expert's weights: 0)
 
-    def tp_slices(self, tp_rank: int = 0, tp_size: int = 1) -> tuple:
-        """The global index slices this tp rank holds (whole tensor when replicated)."""
+    def tp_slices(self, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0, ep_size: int = 1) -> tuple:
+        """The global index slices this tp (and ep) rank holds (whole tensor when replicated)."""
         sl = [slice(0, n) for n in self.global_shape]
-        if self.tp_dim is not None and tp_size > 1:
-            n = self.global_shape[self.tp_dim]
-            if n % tp_size:
-                raise ValueError(f"tensor {self.name}: dim {self.tp_dim} of size {n} is not divisible "
-                                 f"by tensor_parallel.degree = {tp_size}")
-            k = n // tp_size
-            sl[self.tp_dim] = slice(tp_rank * k, (tp_rank + 1) * k)
+        for dim, rank, size, what in ((self.tp_dim, tp_rank, tp_size, "tensor_parallel"),
+                                      (self.ep_dim, ep_rank, ep_size, "expert_parallel")):
+            if dim is not None and size > 1:
+                n = self.global_shape[dim]
+                if n % size:
+                    raise ValueError(f"tensor {self.name}: dim {dim} of size {n} is not divisible "
+                                     f"by {what}.degree = {size}")
+                k = n // size
+                sl[dim] = slice(rank * k, (rank + 1) * k)
         return tuple(sl)
 
-    def local_shape(self, tp_rank: int = 0, tp_size: int = 1) -> tuple:
-        return tuple(s.stop - s.start for s in self.tp_slices(tp_rank, tp_size))
+    def local_shape(self, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0, ep_size: int = 1) -> tuple:
+        return tuple(s.stop - s.start for s in self.tp_slices(tp_rank, tp_size, ep_rank, ep_size))
 
 
 @dataclass(frozen=True)
@@ -61,23 +64,27 @@ class Range:
 
 
 class Layout:
-    """Assigns each spec (its local, tp-sliced shape) a contiguous offset, in declaration order."""
+    """Assigns each spec (its local, tp- and ep-sliced shape) a contiguous offset, in declaration order."""
 
-    def __init__(self, specs, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, specs, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0, ep_size: int = 1):
         self.specs = list(specs)
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size, self.ep_rank, self.ep_size = tp_rank, tp_size, ep_rank, ep_size
         self.by_name = {}
         self.shapes, self.ranges = {}, {}
         off = 0
         for s in self.specs:
             if s.name in self.by_name:
                 raise ValueError(f"duplicate parameter name {s.name!r}")
-            shape = s.local_shape(tp_rank, tp_size)
+            shape = s.local_shape(tp_rank, tp_size, ep_rank, ep_size)
             self.by_name[s.name] = s
             self.shapes[s.name] = shape
             self.ranges[s.name] = Range(off, off + prod(shape))
             off += prod(shape)
         self.total = off
+
+    def box(self, name: str) -> tuple:
+        """The global index slices of tensor `name` this layout holds."""
+        return self.by_name[name].tp_slices(self.tp_rank, self.tp_size, self.ep_rank, self.ep_size)
 
     @property
     def names(self) -> list[str]:

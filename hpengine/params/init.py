@@ -74,7 +74,7 @@ def init_flat(buf, seed: int, r=None) -> None:
     names = [(n, lay.ranges[n], 0) for n in lay.names] if r is None else list(lay.tensors_in(r))
     for name, part, off in names:
         spec = lay.by_name[name]
-        vals = init_tensor(spec, seed, spec.tp_slices(lay.tp_rank, lay.tp_size)).reshape(-1)
+        vals = init_tensor(spec, seed, lay.box(name)).reshape(-1)
         chunk = vals[off:off + part.size]
         buf.data[part.slice] = buf.xp.asarray(chunk, dtype=buf.data.dtype)
 
@@ -84,6 +84,6 @@ def init_range(layout, seed: int, r, xp, dtype):
     out = np.zeros(r.size)
     for name, part, off in layout.tensors_in(r):
         spec = layout.by_name[name]
-        vals = init_tensor(spec, seed, spec.tp_slices(layout.tp_rank, layout.tp_size)).reshape(-1)
+        vals = init_tensor(spec, seed, layout.box(spec.name)).reshape(-1)
         out[part.start - r.start:part.stop - r.start] = vals[off:off + part.size]
     return xp.asarray(out, dtype=dtype)

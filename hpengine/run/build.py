@@ -118,6 +118,8 @@ def build(cfg, world=None, with_data: bool = True):
     if not backend.is_gpu:
         keep_heap()
     mesh = Mesh(world, res.degrees, res.order, wrap=lambda c, a: Comm(c, a, backend))
+    if res.ep > 1:              # the expert blocks, inside the data-parallel ranks, and their replicas
+        mesh.fold("ep", res.ep, ("dp",))
     setup_logging(mesh)
     return Engine(cfg, res, mesh, backend, build_dataset(cfg, world) if with_data else None)
 

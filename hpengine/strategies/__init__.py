@@ -12,7 +12,7 @@ def make_grad_sync(res, stage, backend, comms) -> GradSync:
     if res.sh > 1:
         return ShardedSync(stage, backend, sh, dp, res.zstage, res.partition)
     if res.dp > 1:
-        return DataParallelSync(stage, backend, dp, res.bucket_mb)
+        return DataParallelSync(stage, backend, dp, res.bucket_mb, comms.get("ep-dp"))
     return LocalSync(stage, backend)
 
 

@@ -4,13 +4,17 @@ what no strategy here distributes yet (the attention's keys and values, experts)
 from __future__ import annotations
 
 from hpengine.models.context import LOCAL, Context
+from hpengine.strategies.expert_parallel import ExpertParallel
 from hpengine.strategies.sequence_parallel import SequenceParallel, SequenceSplit
 from hpengine.strategies.tensor_parallel import TensorParallel
 
 
-def make_context(res, comms, vocab: int) -> Context:
+def make_context(res, comms, vocab: int, xp=None) -> Context:
     """The context of this rank for the resolved layout `res` (resolve.Resolved); comms: the mesh's
-    communicators by axis ("tp" used); vocab: the unpadded vocabulary size."""
+    communicators by axis ("tp", and "ep" under expert parallelism); vocab: the unpadded vocabulary size;
+    xp: the array module (expert parallelism allocates its receive buffers)."""
+    if res.ep > 1:          # experts refuse tensor parallelism (resolve.check): the rest stays local
+        return Context(LOCAL.tp, LOCAL.seq, LOCAL.attn, ExpertParallel(comms["ep"], xp))
     if res.tp == 1:
         return LOCAL
     if res.sp:

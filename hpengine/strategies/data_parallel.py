@@ -33,13 +33,35 @@ def make_buckets(done_order, block_ranges, cap_bytes, itemsize):
     return buckets
 
 
+def segments(r: Range, experts, dp, ep_dp) -> list:
+    """(range, communicator) pieces of bucket range r: the expert blocks split over ep are summed over
+    their replicas only (ep_dp; nothing to do with one), everything else over dp."""
+    out, at = [], r.start
+    for e in sorted(experts, key=lambda x: x.start):
+        hit = e.intersect(r)
+        if hit is None:
+            continue
+        if hit.start > at:
+            out.append((Range(at, hit.start), dp))
+        if ep_dp is not None and ep_dp.size > 1:
+            out.append((hit, ep_dp))
+        at = hit.stop
+    if at < r.stop:
+        out.append((Range(at, r.stop), dp))
+    return out
+
+
 class DataParallelSync(LocalSync):
-    def __init__(self, stage, backend, dp_comm, bucket_mb: float):
+    def __init__(self, stage, backend, dp_comm, bucket_mb: float, ep_dp=None):
         super().__init__(stage, backend)
         self.dp = dp_comm
         cap = int(bucket_mb * 2**20)
         self.buckets = make_buckets(stage.done_order, stage.block_ranges, cap, self.dtype.itemsize)
         self.bucket_of = {b: i for i, (_, bs) in enumerate(self.buckets) for b in bs}
+        lay = stage.layout
+        experts = [lay.ranges[sp.name] for sp in lay.specs if sp.ep_dim is not None and lay.ep_size > 1]
+        self.ep_dp = ep_dp
+        self.pieces = [segments(r, experts, dp_comm, ep_dp) for r, _ in self.buckets]
         self.reqs, self.remaining = [], {}
         self.wait_s = self.sync_s = 0.0
 
@@ -55,7 +77,8 @@ class DataParallelSync(LocalSync):
         self.remaining[i] -= 1
         if self.remaining[i] == 0:
             t = time.perf_counter()
-            self.reqs.append(self.dp.iallreduce_(self.grads.data[self.buckets[i][0].slice]))
+            for r, comm in self.pieces[i]:
+                self.reqs.append(comm.iallreduce_(self.grads.data[r.slice]))
             self.sync_s += time.perf_counter() - t
         testall(self.reqs)
 
@@ -72,4 +95,4 @@ class DataParallelSync(LocalSync):
         return list(self.dp.allreduce_(np.array(losses, dtype=np.float64)))
 
     def comm_names(self) -> dict:
-        return {"grads": [self.dp.name], "params": []}
+        return {"grads": [self.dp.name] + ([self.ep_dp.name] if self.ep_dp is not None else []), "params": []}

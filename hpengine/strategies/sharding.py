@@ -28,7 +28,8 @@ class ShardedSync(LocalSync):
         self.owned = own = self.ranges[sh_comm.rank]
         self.imbalance = imbalance(self.ranges)
         self.block_ranges = desc.block_ranges
-        self.block_layouts = {b: Layout(v, lay.tp_rank, lay.tp_size) for b, v in desc.block_specs.items() if v}
+        self.block_layouts = {b: Layout(v, lay.tp_rank, lay.tp_size, lay.ep_rank, lay.ep_size)
+                              for b, v in desc.block_specs.items() if v}
         self.deps = desc.deps
         self.parts = {b: [(r, p) for r, R in enumerate(self.ranges) if (p := br.intersect(R))]
                       for b, br in desc.block_ranges.items()}

@@ -1,13 +1,17 @@
 """The llama kind with routed experts trains exactly like one process (float64, rtol 1e-10: losses with the
 balancing losses, the aux and z figures, gradient norms, every parameter) under data parallel, sharding
 stages 1-3, pipelines (1f1b, interleaved, zb1p, zbv), full and selective recompute, gradient merge and flash
-attention, with the experts replicated like every other weight (no expert parallelism yet); bfloat16 amp
-within the amp tolerance of test_combinations.py."""
+attention, with the experts replicated like every other weight; bfloat16 amp within the amp tolerance of
+test_combinations.py. With expert parallelism (experts split over ep ranks inside data parallel, rows moved
+by all-to-all) the same, at dp 2 x ep 2, dp 4 x ep 2 and 4, pp 2 x dp 2 x ep 2; a checkpoint saved under ep
+loads under one process and back."""
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from helpers import LLAMA, assert_same, assert_same_params, config, need, run
+from hpengine.run.build import build
+from hpengine.run.train import restore, save_state
 
 STEPS = 3
 S = "strategy."
@@ -71,3 +75,60 @@ def test_moe_bfloat16(corpus, world):
     losses, _, _ = run(config(corpus, *LLAMA, *MOE, *on("data_parallel", 2), *amp), world, STEPS)
     ref_l = reference(corpus, *amp)[0]
     np.testing.assert_allclose(losses, ref_l, rtol=1e-2)
+
+
+EP = ("strategy.expert_parallel.enable=true",)
+EP_LAYOUTS = {   # name -> (world size, overrides): experts split over ep ranks inside the data-parallel ones
+    "dp2_ep2": (2, on("data_parallel", 2) + on("expert_parallel", 2)),
+    "dp4_ep2_recompute": (4, on("data_parallel", 4) + on("expert_parallel", 2) + [S + "recompute.enable=true"]),
+    "dp4_ep4": (4, on("data_parallel", 4) + on("expert_parallel", 4)),
+    "pp2_zb1p_dp2_ep2": (4, pp(2, "zb1p") + on("data_parallel", 2) + on("expert_parallel", 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(EP_LAYOUTS))
+def test_expert_parallel_equals_one_process(corpus, world, name):
+    n, extra = EP_LAYOUTS[name]
+    need(world.Get_size() == n, f"{name} runs at -n {n}")
+    losses, params, eng = run(config(corpus, *LLAMA, *MOE, *extra), world, STEPS)
+    ref_l, ref_p, ref, want = reference(corpus)
+    ups = [sh for name, sh in eng.stage.layout.shapes.items() if name.endswith("moe.experts.up.w")]
+    assert eng.res.ep > 1 and ups and all(sh[0] == 4 // eng.res.ep for sh in ups)     # E / ep experts here
+    assert_same(losses, ref_l)
+    assert_same(eng.grad_norms, ref.grad_norms)
+    assert_same_params(params, ref_p)
+    got = eng.train_step(STEPS)
+    for key in ("loss", "moe_aux_loss", "moe_z_loss", "moe_load_max"):
+        assert got[key] == pytest.approx(want[key], rel=1e-10), key
+    assert eng.mesh.comms["ep"].stats["alltoallv"][1] > 0
+
+
+@pytest.fixture
+def root(world, tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("moe-ckpt")) if world.Get_rank() == 0 else None
+    return world.bcast(d, root=0)
+
+
+@pytest.mark.parametrize("direction", ["from_ep", "to_ep"])
+def test_expert_parallel_checkpoint_loads_under_other_layouts(corpus, world, root, direction):
+    """Saved under ep = world size, loaded under one process (and the other way): every expert block comes
+    back where the other layout keeps it, and training goes on exactly as the one-process run straight through."""
+    n = world.Get_size()
+    need(n in (2, 4), "ep over 2 or 4 ranks")
+    ep = (*on("data_parallel", n), *on("expert_parallel", n))
+    if direction == "from_ep":
+        _, _, eng = run(config(corpus, *LLAMA, *MOE, *ep), world, 2)
+        save_state(eng, root, 2, keep=1)
+    elif world.Get_rank() == 0:
+        _, _, eng = run(config(corpus, *LLAMA, *MOE), MPI.COMM_SELF, 2)
+        save_state(eng, root, 2, keep=1)
+    world.Barrier()
+    straight = run(config(corpus, *LLAMA, *MOE), MPI.COMM_SELF, 4)
+    comm, lay = (MPI.COMM_SELF, ()) if direction == "from_ep" else (world, ep)
+    cfg = config(corpus, *LLAMA, *MOE, *lay)
+    eng = build(cfg, comm)
+    assert restore(eng, cfg, root) == 2
+    losses = [eng.train_step(s)["loss"] for s in range(2, 4)]
+    assert_same(losses, straight[0][2:, 0])
+    assert_same_params(eng.named_params(), straight[1])
+    world.Barrier()

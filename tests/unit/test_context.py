@@ -15,6 +15,7 @@ from hpengine.models.tp_layers import (column_backward, column_forward, columns_
                                        row_backward, row_forward, vocab_embed_backward, vocab_embed_forward,
                                        vocab_loss_backward, vocab_loss_forward)
 from hpengine.strategies.context import make_context
+from hpengine.strategies.expert_parallel import ExpertParallel
 from hpengine.strategies.sequence_parallel import SequenceParallel, SequenceSplit
 from hpengine.strategies.tensor_parallel import TensorParallel
 
@@ -49,10 +50,11 @@ def test_local_context_parts_are_identities():
 
 def test_ep_dispatch_and_combine_are_identities():
     ep, x = LOCAL.ep, rand(B * T, C)
-    route = np.arange(B * T) % 3
-    for f in (ep.dispatch, ep.dispatch_backward, ep.combine, ep.combine_backward):
-        assert f(x) is x and f(x, route) is x
-    assert np.array_equal(ep.combine(ep.dispatch(x, route), route), x)
+    counts = np.bincount(np.arange(B * T) % 3, minlength=3)
+    rows, local, plan = ep.dispatch(x, counts)
+    assert rows is x and local is counts and (ep.rank, ep.size) == (0, 1)
+    for f in (ep.dispatch_backward, ep.combine, ep.combine_backward):
+        assert f(x, plan) is x
 
 
 def test_local_tp_cross_entropy_is_nn():
@@ -159,11 +161,13 @@ def _self_comm():
 
 
 def test_make_context_picks_the_parts_of_the_layout():
-    comms = {"tp": _self_comm()}
-    assert make_context(SimpleNamespace(tp=1, sp=False), comms, V) is LOCAL
-    tp = make_context(SimpleNamespace(tp=2, sp=False), comms, V)
+    comms = {"tp": _self_comm(), "ep": _self_comm()}
+    assert make_context(SimpleNamespace(tp=1, sp=False, ep=1), comms, V) is LOCAL
+    tp = make_context(SimpleNamespace(tp=2, sp=False, ep=1), comms, V)
     assert type(tp.tp) is TensorParallel and type(tp.seq) is LocalSeq and tp.tp.comm is comms["tp"]
-    sp = make_context(SimpleNamespace(tp=2, sp=True), comms, V)
+    ep = make_context(SimpleNamespace(tp=1, sp=False, ep=2), comms, V, np)
+    assert type(ep.ep) is ExpertParallel and ep.ep.comm is comms["ep"] and ep.tp is LOCAL.tp
+    sp = make_context(SimpleNamespace(tp=2, sp=True, ep=1), comms, V)
     assert type(sp.tp) is SequenceParallel and type(sp.seq) is SequenceSplit
     for ctx in (tp, sp):
         assert type(ctx.attn) is LocalAttn and type(ctx.ep) is LocalEP

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from hpengine.config.load import ConfigError, ModelConfig, MoEConfig, load_config
+from hpengine.layout.resolve import resolve
 from hpengine.models import build_model
 from hpengine.models.context import LOCAL
 from hpengine.params.buffers import FlatBuffer, Layout
@@ -109,3 +110,29 @@ def test_impossible_moe_configs_are_one_clear_line(sets, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, sets)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+EP = ["strategy.expert_parallel.enable=true", "strategy.data_parallel.enable=true"]
+
+
+@pytest.mark.parametrize("sets,world,message", [
+    (["model.kind=llama", "strategy.expert_parallel.degree=2"], 2,
+     "strategy.expert_parallel.degree = 2 needs a model with routed experts"),
+    (["model.kind=llama", "model.moe.num_experts=6", "strategy.expert_parallel.degree=4"], 4,
+     "strategy.expert_parallel.degree = 4 must divide model.moe.num_experts = 6; valid: [1, 2, 3, 6]"),
+    (["model.kind=llama", "model.moe.num_experts=8", "strategy.expert_parallel.degree=4",
+      "strategy.data_parallel.degree=2", "strategy.pipeline.enable=true", "strategy.pipeline.degree=2"], 4,
+     "strategy.expert_parallel.degree = 4 must divide the data-parallel degree 2"),
+    (["model.kind=llama", "model.moe.num_experts=8", "strategy.expert_parallel.degree=2",
+      "strategy.sharding.enable=true", "strategy.sharding.degree=2", "strategy.data_parallel.degree=2"], 4,
+     "strategy.expert_parallel with sharding degree 2"),
+])
+def test_impossible_expert_parallel_layouts_are_one_clear_line(sets, world, message):
+    with pytest.raises(ConfigError) as e:
+        resolve(load_config(None, EP + sets), world)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_expert_parallel_degree_minus_one_takes_every_data_parallel_rank():
+    res = resolve(load_config(None, EP + ["model.kind=llama", "model.moe.num_experts=8"]), 4)
+    assert (res.dp, res.ep) == (4, 4)
