@@ -3,8 +3,9 @@ token's top_k SwiGLU experts weighted by their gates (nn/moe.py), and optionally
 expert added to the routed sum. Layers before moe.dense_layers keep the dense MLP.
 
 The balancing losses (aux, z) are part of the training loss: the layer's forward is handed (norm, loss scale)
-and returns its weighted share with its cache (`layer_loss`), and its backward adds their gradients. The
-experts' weights are one (E, C, F) tensor per projection; the router's is (C, E).
+and keeps its figures, the weighted share among them, in its cache (MoEStats, which the engine reads through
+the model's layer_stats), and its backward adds their gradients. The experts' weights are one (E, C, F)
+tensor per projection, split over ep ranks along E under expert parallelism (ctx.ep); the router's is (C, E).
 """
 from __future__ import annotations
 
@@ -70,12 +71,12 @@ class MoEMLP:
             c_e = (order, c_g, plan, c_c)
         c_s = None
         if self.Fs:
-            g, c_g = linear_forward(xp, h2, P[f"{p}.moe.shared.gate.w"])
+            g, c_sg = linear_forward(xp, h2, P[f"{p}.moe.shared.gate.w"])
             u, _ = linear_forward(xp, h2, P[f"{p}.moe.shared.up.w"])
             a, c_sw = swiglu_forward(xp, g, u)
             s, _ = linear_forward(xp, a, P[f"{p}.moe.shared.down.w"])
             y += s
-            c_s = (c_g, c_sw)
+            c_s = (c_sg, c_sw)
         share = (e.aux_loss * aux + e.z_loss * z) if loss else 0.0
         stats = MoEStats(aux if loss else 0.0, z if loss else 0.0, share, load, loss[1] if loss else 1.0)
         return y.reshape(B, T, C), (c_r, c_e, c_s, stats)
