@@ -37,6 +37,7 @@ class Stage:
     matmuls: tuple = ()    # (block, weight elements it multiplies by)
     tied: int = 0          # elements whose gradient is summed with another stage (a tied wte and its copy)
     replicated: tuple = ()  # per tensor (sizes' order, one model): whether every tp rank holds it whole
+    experts: int = 0       # elements of the expert blocks split over ep (this rank's block; summed over ep-dp)
 
     def sizes(self, models: int) -> list[int]:
         """Tensor element counts in layout order, for `models` models sharing the buffer."""
@@ -62,18 +63,18 @@ class Stage:
         return [b for b, _ in self.blocks]
 
 
-def stages(mcfg, tp: int, p: int, v: int, split="uniform", schedule: str = "fthenb") -> list[Stage]:
+def stages(mcfg, tp: int, p: int, v: int, split="uniform", schedule: str = "fthenb", ep: int = 1) -> list[Stage]:
     """Every pipeline stage of the model, cut as the engine cuts it (schedule: where the chunks sit; only
-    zbv's V differs from c * p + stage)."""
+    zbv's V differs from c * p + stage; ep: the expert blocks a rank holds, 1 / ep of the experts)."""
     key = tuple(split) if isinstance(split, list) else split
-    return _stages(model_key(mcfg), tp, p, v, key, "zbv" if schedule == "zbv" else "fthenb")
+    return _stages(model_key(mcfg), tp, p, v, key, "zbv" if schedule == "zbv" else "fthenb", ep)
 
 
 @functools.lru_cache(maxsize=4096)
-def _stages(mkey, tp, p, v, split, schedule) -> list[Stage]:
+def _stages(mkey, tp, p, v, split, schedule, ep=1) -> list[Stage]:
     mcfg = model_from_key(mkey)
     res = Resolved(tp, 1, 1, p, 0, "tensor", 1, 1, v, schedule, list(split) if isinstance(split, tuple) else split,
-                   0, False, AXES, 1)
+                   0, False, AXES, 1, ep=ep)
     model = build_model(mcfg, tp)
     out = []
     for s in range(p):
@@ -87,9 +88,10 @@ def _stages(mkey, tp, p, v, split, schedule) -> list[Stage]:
             mm = 0
             if b.kind != "embed":   # embedding lookups are no matmul; a copied tensor counts as a read below
                 mm += sum(n for sp, n in zip(specs, sizes) if len(sp.global_shape) == 2 and sp.name not in st.copies)
-                # routed experts (E, in, out): each token meets top_k of the E matrices
+                # routed experts (E, in, out): each token meets top_k of the E matrices, wherever they are held
                 moe = getattr(model, "moe", None)
-                mm += sum(n * moe.k // moe.E for sp, n in zip(specs, sizes) if len(sp.global_shape) == 3) if moe else 0
+                mm += sum(n * lay.ep_size * moe.k // moe.E for sp, n in zip(specs, sizes)
+                          if len(sp.global_shape) == 3) if moe else 0
             for t in b.reads:       # a tied head multiplies by wte, held here or by the embedding block
                 mm += next(math.prod(sp.local_shape(0, tp)) for sp in model.specs(owner(model, t)) if sp.name == t)
             blocks.append((name, tuple(sizes)))
@@ -98,7 +100,8 @@ def _stages(mkey, tp, p, v, split, schedule) -> list[Stage]:
         kinds = tuple(slot.block(n) for n in slot.blocks)
         out.append(Stage(tuple(blocks), slot.chunks, sum(k.kind == "layer" for k in kinds), sum(n for _, n in matmuls),
                          kinds, tuple(st.deps.items()), tuple(matmuls),
-                         sum(lay.ranges[t].size for t in set(st.tied.values())), tuple(replicated)))
+                         sum(lay.ranges[t].size for t in set(st.tied.values())), tuple(replicated),
+                         sum(lay.ranges[sp.name].size for sp in lay.specs if sp.ep_dim is not None and ep > 1)))
     return out
 
 
@@ -145,8 +148,15 @@ def model_state(mcfg, st: Stage, lay: Resolved, models: int, sh_rank=None) -> di
 def block_activations(mcfg, lay: Resolved, item: int) -> dict:
     """Bytes the engine's forward caches per block kind for one micro-batch (what Engine.cache_peak
     counts), as the model's layers report them; "input" is what a recomputed layer keeps, "scores" what
-    selective recompute drops."""
-    return build_model(mcfg, lay.tp).cache_bytes(lay.rows, lay.tp, item, lay.amp, lay.share, lay.seq_parts)
+    selective recompute drops. Under expert parallelism an MoE layer also keeps the rows it received (balanced
+    routing: as many as it sent) and their regrouping order, and the exchange's row counts."""
+    model = build_model(mcfg, lay.tp)
+    out = model.cache_bytes(lay.rows, lay.tp, item, lay.amp, lay.share, lay.seq_parts)
+    if lay.ep > 1:
+        S = lay.rows * mcfg.seq_len * model.moe.k
+        for key in [k for k in out if k.startswith("layer.")]:
+            out[key] += S * mcfg.d_model * item + 8 * S + 2 * 8 * lay.ep
+    return out
 
 
 def chunk_activations(mcfg, st: Stage, chunk, lay: Resolved, item: int) -> int:
@@ -219,7 +229,12 @@ def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=Non
         if lay.dp > 1:
             out["dp"] = {"allreduce": owned(st, lay, M, sh_rank) * g + losses}
     elif lay.dp > 1:
-        out["dp"] = {"allreduce": psi * g + losses}
+        experts = st.experts * M       # expert blocks split over ep: summed over their replicas only
+        out["dp"] = {"allreduce": (psi - experts) * g + losses}
+        if lay.dp // lay.ep > 1 and experts:
+            out["ep-dp"] = {"allreduce": experts * g}
+    if lay.ep > 1:
+        out["ep"] = {"allreduce": F64 * M, "alltoallv": _alltoall_bytes(mcfg, st, lay, item)}
     tokens = lay.share * mcfg.seq_len * M
     if lay.tp > 1:
         rep = plan_tp.replicated_owned(st, lay, M, _partition, sh_rank) if lay.sp else 0
@@ -235,6 +250,16 @@ def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=Non
         if st.tied:
             out["tied"] = {"allreduce": M * st.tied * g}
     return out
+
+
+def _alltoall_bytes(mcfg, st: Stage, lay: Resolved, item: int) -> int:
+    """Bytes a rank hands MPI_Alltoallv per step with balanced routing: per MoE layer of the stage and micro-
+    batch, the routed rows (rows x T x top_k) of d_model each, four times (dispatch, combine and their
+    backwards; six for a fully recomputed layer, whose forward runs again). Each direction's buffer is the
+    rows a rank sends, which depend on the routing. Over the ep group they add up to exactly ep times this."""
+    moe, again = build_model(mcfg).moe, rc.full(st, lay)
+    calls = sum(6 if b.name in again else 4 for b in st.kinds if b.kind == "layer" and moe.routed(b.layer))
+    return calls * lay.k * lay.m * lay.rows * mcfg.seq_len * moe.k * mcfg.d_model * item
 
 
 def _moe_figures(mcfg) -> int:
@@ -257,7 +282,7 @@ def _hops(lay: Resolved, stage: int) -> int:
 
 
 def stage_facts(cfg, lay: Resolved) -> list[Stage]:
-    return stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule)
+    return stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule, lay.ep)
 
 
 # ---- time ------------------------------------------------------------------------------------------
@@ -353,7 +378,7 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
     fixed = slow * (cluster.optimizer_ns * 1e-9 * own * K / 8 + cluster.step_overhead_us * 1e-6)
     deg = _degrees(lay)
     fixed += sum(collective_s("allreduce", deg[a], 0, c, *link(lay, a, cluster)) for a, c in SCALAR_CALLS.items())
-    out = {"compute": comp, "tp": 0.0, "pp": 0.0, "dp": 0.0, "sharding": 0.0, "fixed": fixed}
+    out = {"compute": comp, "tp": 0.0, "pp": 0.0, "ep": 0.0, "dp": 0.0, "sharding": 0.0, "fixed": fixed}
     tp_link = lambda op: link(lay, "tp", cluster, op)      # noqa: E731
     _, gathered = plan_tp.pipeline_bytes(mcfg, lay, lay.share * mcfg.seq_len * M, precision(mcfg, lay.amp)[3],
                                          _hops(lay, stage))
@@ -364,6 +389,11 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
     if "pp" in tr:
         out["pp"] = (collective_s("send", 2, tr["pp"]["send"] / mb, _hops(lay, stage) * M, *link(lay, "pp", cluster))
                      + plan_tp.pipeline_gather_seconds(lay, gathered / mb, _hops(lay, stage), M, tp_link, collective_s))
+    if "ep" in tr:          # the all-to-alls on the critical path: (ep - 1) / ep of the rows leave the rank
+        a, b = link(lay, "dp", cluster)     # an ep group is consecutive dp ranks
+        calls = tr["ep"]["alltoallv"] / mb / max(1, lay.rows * mcfg.seq_len * build_model(mcfg).moe.k
+                                                 * mcfg.d_model * precision(mcfg, lay.amp)[3])
+        out["ep"] = (lay.ep - 1) / lay.ep * tr["ep"]["alltoallv"] / mb / b + calls * a
     hide = cluster.overlap * comp           # what may hide gradient sync: the last backward, 2/3 of a micro-batch
     if "dp" in tr:
         a, b = link(lay, "dp", cluster)
@@ -401,13 +431,16 @@ def step_time(per_stage: list[dict], lay: Resolved) -> dict:
     then the slowest stage's exposed gradient sync and parameter sharing. With more ranks than cores,
     a rank waiting in the bubble still takes its share of a core (MPI waits by polling), so the
     bubble, like the compute, runs at the oversubscribed pace."""
-    slow = max(per_stage, key=lambda s: s["times"]["compute"] + s["times"]["tp"] + s["times"]["pp"])["times"]
-    t_mb = slow["compute"] + slow["tp"] + slow["pp"]
+    slow = max(per_stage, key=lambda s: s["times"]["compute"] + s["times"]["tp"] + s["times"]["pp"]
+               + s["times"].get("ep", 0.0))["times"]
+    ep = slow.get("ep", 0.0)            # expert parallel's all-to-alls (none without experts split)
+    t_mb = slow["compute"] + slow["tp"] + slow["pp"] + ep
     f = _bubble(lay.schedule, lay.pp, lay.m, lay.v) if lay.pp > 1 else 0.0
     per_pass = lay.m * t_mb / (1 - f)
     sync = max(per_stage, key=lambda s: s["times"]["dp"] + s["times"]["sharding"] + s["times"]["fixed"])["times"]
     n = lay.k * lay.m
-    out = {"compute": n * slow["compute"], "tp": n * slow["tp"], "pp": n * slow["pp"], "dp": sync["dp"],
+    out = {"compute": n * slow["compute"], "tp": n * slow["tp"], "pp": n * slow["pp"], "ep": n * ep,
+           "dp": sync["dp"],
            "sharding": sync["sharding"], "fixed": sync["fixed"], "bubble": lay.k * (per_pass - lay.m * t_mb)}
     out["step"] = lay.k * per_pass + sync["dp"] + sync["sharding"] + sync["fixed"]
     return out
@@ -422,7 +455,7 @@ def for_rank(cfg, world: int, coords: dict, cluster=None) -> dict:
 
 def evaluate(cfg, lay: Resolved, cluster, stage_ids=None) -> dict:
     """Prediction for a layout: per-stage results, the worst stage's memory, the step time."""
-    sts = stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule)
+    sts = stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule, lay.ep)
     ids = range(lay.pp) if stage_ids is None else sorted({s for s in stage_ids if 0 <= s < lay.pp})
     per = [predict_stage(cfg.model, sts[s], lay, s, cfg.train.models, cluster) for s in ids]
     worst = max(per, key=lambda r: r["memory"]["total"])

@@ -74,11 +74,19 @@ def candidates(cfg: Config, cluster: Cluster, max_rows: int = 8):
             for zstage, b, (rc, gran), amp, sp in product([0] if sh == 1 else [1, 2, 3], rows, modes, ("", "float16"),
                                                           sps):
                 n = share // b          # micro-batches: the pipeline's, else gradient-merge passes
-                for sched, v in _schedules(pp, n, m.n_layers):
+                for (sched, v), ep in product(_schedules(pp, n, m.n_layers), _expert_degrees(m, dp, sh)):
                     yield Resolved(tp, sh, dp, pp, zstage, "tensor" if sh <= tensors else "flat",
                                    n if pp > 1 else 1, 1 if pp > 1 else n, v, sched, "uniform", rc, amp,
                                    tuple(cfg.mesh.order), share, cfg.strategy.data_parallel.bucket_mb, gran, sp,
-                                   tp > 1 and pp > 1 and not sp and split_sends)
+                                   tp > 1 and pp > 1 and not sp and split_sends, ep)
+
+
+def _expert_degrees(m, dp: int, sh: int) -> list[int]:
+    """Expert-parallel degrees of an MoE model: divisors of dp that divide the experts (no sharding with ep)."""
+    experts = m.moe.num_experts if m.kind == "llama" else 0
+    if not experts or sh > 1:
+        return [1]
+    return [e for e in _divisors(dp) if experts % e == 0]
 
 
 def _schedules(pp: int, m: int, layers: int):
@@ -123,7 +131,8 @@ def config_for(cfg: Config, lay: Resolved) -> Config:
     c = copy.deepcopy(cfg)
     s = c.strategy
     on = {"data_parallel": lay.dp > 1, "sharding": lay.sh > 1, "pipeline": lay.pp > 1 or lay.m > 1 or lay.v > 1,
-          "tensor_parallel": lay.tp > 1, "recompute": lay.recompute > 0, "gradient_merge": lay.k > 1, "amp": bool(lay.amp)}
+          "tensor_parallel": lay.tp > 1, "recompute": lay.recompute > 0, "gradient_merge": lay.k > 1, "amp": bool(lay.amp),
+          "expert_parallel": lay.ep > 1}
     for name, enable in on.items():
         getattr(s, name).enable = enable
     sets = {"data_parallel": {"degree": lay.dp}, "sharding": {"degree": lay.sh, "stage": lay.zstage,
@@ -132,7 +141,7 @@ def config_for(cfg: Config, lay: Resolved) -> Config:
                          "virtual_stages": lay.v, "split": lay.split},
             "tensor_parallel": {"degree": lay.tp, "sequence_parallel": lay.sp},
             "recompute": {"every": lay.recompute, "granularity": lay.granularity},
-            "gradient_merge": {"k_steps": lay.k}}
+            "gradient_merge": {"k_steps": lay.k}, "expert_parallel": {"degree": lay.ep}}
     for name, values in sets.items():
         if on[name]:                   # a switched-off table keeps the user's values
             for key, value in values.items():
@@ -148,7 +157,7 @@ def describe(lay: Resolved) -> str:
     parts = [f"tp {lay.tp}" + (" (sequence parallel)" if lay.sp else "")] if lay.tp > 1 else []
     if lay.pp > 1:
         parts.append(f"pp {lay.pp} ({lay.schedule}{f' v={lay.v}' if lay.v > 1 else ''}, {lay.m} micro-batches)")
-    parts += [f"dp {lay.dp}"] if lay.dp > 1 else []
+    parts += [f"dp {lay.dp}" + (f" (experts over ep {lay.ep})" if lay.ep > 1 else "")] if lay.dp > 1 else []
     parts += [f"sharding {lay.sh} (stage {lay.zstage})"] if lay.sh > 1 else []
     extra = ([f"gradient merge {lay.k}"] if lay.k > 1 else []) + ([f"{'selective ' if lay.granularity == 'selective' else ''}recompute"] if lay.recompute else []) \
         + (["amp"] if lay.amp else [])
@@ -156,7 +165,7 @@ def describe(lay: Resolved) -> str:
 
 
 MEM_COLS = ("params", "grads", "optimizer", "activations", "buffers", "total")
-TIME_COLS = ("compute", "bubble", "tp", "pp", "dp", "sharding", "fixed", "step")
+TIME_COLS = ("compute", "bubble", "tp", "pp", "ep", "dp", "sharding", "fixed", "step")
 SHORT = {"optimizer": "optim", "activations": "act", "buffers": "buf", "sharding": "shard"}
 
 
@@ -172,14 +181,14 @@ def table(results: list[dict], top: int) -> str:
     rows = results[:top]
     ms, mn = _unit(max(r["memory"]["total"] for r in rows), [(GB, "GB"), (1e6, "MB"), (1, "B")])
     ts, tn = _unit(max(r["time"]["step"] for r in rows), [(1, "s"), (1e-3, "ms"), (1e-6, "us")])
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'sh':>4} {'st':>2} {'sched':>11} {'m':>4} {'k':>3} {'mb':>3} "
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'ep':>3} {'sh':>4} {'st':>2} {'sched':>11} {'m':>4} {'k':>3} {'mb':>3} "
             f"{'sp':>2} {'rc':>2} {'amp':>3} | " + " ".join(f"{SHORT.get(c, c):>6}" for c in MEM_COLS) + f" {mn} | "
             + " ".join(f"{SHORT.get(c, c):>7}" for c in TIME_COLS) + f" {tn} | {'tok/s':>9}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows, 1):
         lay = r["layout"]
         sched = "-" if lay.pp == 1 else lay.schedule + (f"/{lay.v}" if lay.v > 1 else "")
-        lines.append(f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {lay.sh:>4} {lay.zstage or '-':>2} {sched:>11} "
+        lines.append(f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {lay.ep:>3} {lay.sh:>4} {lay.zstage or '-':>2} {sched:>11} "
                      f"{lay.m:>4} {lay.k:>3} {lay.rows:>3} {'y' if lay.sp else '-':>2} "
                      f"{(lay.granularity[0] if lay.recompute else '-'):>2} "
                      f"{'y' if lay.amp else '-':>3} | " + " ".join(f"{r['memory'][c] / ms:>6.1f}" for c in MEM_COLS)

@@ -4,7 +4,7 @@ figures riding on the loss allreduce are checked against the engine's counts in 
 from hpengine.config.load import load_config
 from hpengine.layout.resolve import resolve
 from hpengine.planner.model import stage_facts
-from hpengine.planner.search import Cluster, candidates
+from hpengine.planner.search import Cluster, candidates, config_for
 
 TINY = ["model.d_model=32", "model.n_layers=8", "model.n_heads=4", "model.seq_len=16", "train.global_batch=16"]
 
@@ -23,3 +23,18 @@ def test_plan_of_an_moe_model_is_legal_and_counts_the_experts_it_runs():
     C, L, E, K, F = 32, 8, 4, 2, 16
     # each layer: the dense MLP's 3 C F against the experts' K x 3 C F plus the router's C E
     assert st_moe.matmul - st_dense.matmul == L * (K * 3 * C * F + C * E - 3 * C * F)
+
+
+def test_expert_parallel_candidates_are_legal_and_hold_a_share_of_the_experts():
+    """ep is searched for MoE models (divisors of dp that divide the experts, never with sharding); each such
+    candidate written as a config resolves to itself, and its stage holds 1 / ep of every expert tensor."""
+    cfg = load_config(None, TINY + ["model.kind=llama", "model.n_kv_heads=2", "model.moe.num_experts=4",
+                                    "model.moe.expert_hidden=16"])
+    cluster = Cluster(nodes=1, gpus_per_node=4)
+    eps = [lay for lay in candidates(cfg, cluster) if lay.ep > 1]
+    assert eps and all(lay.sh == 1 and lay.dp % lay.ep == 0 and 4 % lay.ep == 0 for lay in eps)
+    for lay in eps[:20]:
+        assert resolve(config_for(cfg, lay), cluster.world) == lay
+        if lay.pp == 1:     # one process holds ep blocks of the experts, this rank one
+            one, here = stage_facts(cfg, resolve(cfg, 1))[0], stage_facts(cfg, lay)[0]
+            assert here.experts > 0 and one.psi - here.psi == (lay.ep - 1) * here.experts
