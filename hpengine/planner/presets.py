@@ -26,6 +26,15 @@ def _llama(d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_hidde
                    "norm_eps": 1e-5, "tie_head": tied}, batch)
 
 
+def _mixtral(n_layers: int, experts: int, top_k: int, batch: int) -> Preset:
+    """Mixtral 8x7B (Jiang et al. 2024; Hugging Face config.json): Mistral 7B's attention (4096 wide, 32 query
+    and 8 key/value heads, rotary base 1e6, a 32000-token vocabulary) with every layer's MLP replaced by routed
+    SwiGLU experts of width 14336, top 2 of 8, renormalised. Trained at 4096 tokens here (its window)."""
+    return Preset({"kind": "llama", "vocab_size": 32000, "seq_len": 4096, "d_model": 4096, "n_layers": n_layers,
+                   "n_heads": 32, "n_kv_heads": 8, "ffn_hidden": 14336, "rope_theta": 1e6, "norm_eps": 1e-5,
+                   "moe": {"num_experts": experts, "top_k": top_k, "expert_hidden": 14336}}, batch)
+
+
 PRESETS = {
     # GPT-2 small and GPT-3 shapes (Brown et al. 2020, table 2.1; 1.3B with 16 heads so heads divide d_model)
     "gpt2-124m": _gpt(1024, 768, 12, 12, 512),
@@ -40,5 +49,7 @@ PRESETS = {
     "llama3-8b": _llama(4096, 32, 32, 8, 14336, False, 512),
     "llama3-70b": _llama(8192, 80, 64, 8, 28672, False, 512),
     "llama3.2-1b": _llama(2048, 16, 32, 8, 8192, True, 256),
+    # Mistral publishes no batch: 1024 x 4096 = 4M tokens, the llama presets' token count
+    "mixtral-8x7b": _mixtral(32, 8, 2, 1024),
 }
 ALIASES = {"124m": "gpt2-124m", "gpt2": "gpt2-124m", "6.7b": "7b"}

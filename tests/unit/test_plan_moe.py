@@ -1,10 +1,13 @@
 """The planner on mixture-of-experts models (llama kind): legal candidates only (no tensor-parallel experts)
 and the matmul weights a token meets (top_k of the E experts). The MoE layers' activation bytes and the
 figures riding on the loss allreduce are checked against the engine's counts in tests/mpi/test_plan_vs_engine.py."""
+from math import prod
+
 from hpengine.config.load import load_config
 from hpengine.layout.resolve import resolve
+from hpengine.models import build_model
 from hpengine.planner.model import stage_facts
-from hpengine.planner.search import Cluster, candidates, config_for
+from hpengine.planner.search import Cluster, candidates, config_for, with_preset
 
 TINY = ["model.d_model=32", "model.n_layers=8", "model.n_heads=4", "model.seq_len=16", "train.global_batch=16"]
 
@@ -38,3 +41,16 @@ def test_expert_parallel_candidates_are_legal_and_hold_a_share_of_the_experts():
         if lay.pp == 1:     # one process holds ep blocks of the experts, this rank one
             one, here = stage_facts(cfg, resolve(cfg, 1))[0], stage_facts(cfg, lay)[0]
             assert here.experts > 0 and one.psi - here.psi == (lay.ep - 1) * here.experts
+
+
+def test_mixtral_preset_has_mixtrals_46_7b_parameters():
+    """Mixtral 8x7B by formula (V vocab, d width, L layers, H/K query/kv heads of hd, E experts of width F):
+    2 V d (embedding, untied head) + L (2 d norms + d H hd + 2 d K hd + H hd d + d E router + 3 E d F) + d =
+    46,702,792,704, Mistral's "46.7B total parameters"; top 2 of 8 experts make 12.9B active per token."""
+    cfg = with_preset(load_config(None), "mixtral-8x7b")
+    V, d, L, H, K, hd, E, F = 32000, 4096, 32, 32, 8, 128, 8, 14336
+    want = 2 * V * d + L * (2 * d + d * H * hd + 2 * d * K * hd + H * hd * d + d * E + 3 * E * d * F) + d
+    got = sum(prod(sp.global_shape) for sp in build_model(cfg.model).all_specs())
+    assert got == want == 46_702_792_704
+    active = want - L * 3 * (E - 2) * d * F
+    assert round(active / 1e9, 1) == 12.9
