@@ -16,6 +16,7 @@ from mpi4py import MPI
 from hpengine.dist.comm import Comm
 from hpengine.dist.tracer import Tracer
 from hpengine.engine import state
+from hpengine.engine.moe_figures import MoEFigures
 from hpengine.layout.cache import Recompute, cache_nbytes
 from hpengine.layout.reduction import norm_excluded, reductions, summed_over, tied_sums
 from hpengine.layout.stage import build_stage
@@ -83,10 +84,8 @@ class Engine:
                         if sp.ep_dim is not None and res.ep > 1]
         self.share = res.share
         self.cache_bytes = self.cache_peak = 0
-        self.moe_sums, self.layer_loss, self._norm = [np.zeros(2) for _ in self.slots], 0.0, 1.0
-        moes = [getattr(s.model, "moe", None) for s in self.slots]
-        self.moe_layers = [0 if e is None else sum(e.routed(i) for i in range(s.model.n_layers))
-                           for e, s in zip(moes, self.slots)]
+        self.layer_loss, self._norm = 0.0, 1.0
+        self.moe = MoEFigures(self.slots[0].model, self.xp)     # the first model's, as `loss` is
         self.opt_steps = 0          # optimizer updates applied (AdamW's bias-correction count)
         self.unit_lr = dataclasses.replace(cfg.optim, lr=1.0)
         self.pipe = PipelineExecutor(self.pp, self.xp, backend.dtype, res.pp, res.v, res.m, res.schedule,
@@ -124,9 +123,9 @@ class Engine:
                                        keep_scores=not self.res.drops_scores(b), loss=self._loss_args(norm, grad))
                 st = m.layer_stats(b.layer, c)
                 if st is not None and grad:          # an MoE layer: its balancing losses join the loss
-                    self.moe_sums[slot.index] += (st.aux, st.z)
-                    self.moe_load[slot.index][b.layer] += self.be.to_host(st.load)
                     self.layer_loss += st.share
+                    if slot.index == 0:
+                        self.moe.add(b.layer, st)
                 if self.res.recomputed(b):
                     c = Recompute(h_in)
             self.precision.stored_activations_(xp, b.kind, h, c if grad else None)
@@ -236,33 +235,13 @@ class Engine:
         t = tr.lap("param share", t)
         # the MoE layers' figures ride on the loss allreduce: one collective whatever the model
         n = len(losses)
-        summed = self._losses(losses + self._moe_values())
-        losses, moe = summed[:n], self._moe_metrics(summed[n:])
+        summed = self._losses(losses + self.moe.values(self.be.to_host))
+        losses, moe = summed[:n], self.moe.metrics(summed[n:])
         self.be.sync()
         tr.lap("loss sync", t)
         out = self._metrics(step, t0, losses, norms, lr_scale)
         out.update(moe)
         return out
-
-    def _moe_values(self) -> list:
-        """This rank's share of the first model's MoE figures, to be summed over every rank: its aux and z
-        shares and the selections per expert of every layer (each layer's on the stage that holds it, zeros
-        elsewhere); [] for a dense model."""
-        if not self.moe_layers[0]:
-            return []
-        return [float(v) for v in self.moe_sums[0]] + [float(c) for c in self.moe_load[0].reshape(-1)]
-
-    def _moe_metrics(self, summed: list) -> dict:
-        """The MoE layers' aux and z losses, each the mean over the MoE layers of the global-batch value (no
-        coefficient), and each layer's load imbalance (most-loaded expert / mean), the same on every rank; {}
-        for dense models. The first model's, as `loss` is."""
-        if not summed:
-            return {}
-        n, model = self.moe_layers[0], self.slots[0].model
-        load = np.array(summed[2:]).reshape(self.moe_load[0].shape)
-        imbalance = [float(load[i].max() / load[i].mean()) for i in range(model.n_layers) if model.moe.routed(i)]
-        return {"moe_aux_loss": summed[0] / n, "moe_z_loss": summed[1] / n, "moe_load_imbalance": imbalance,
-                "moe_load_max": max(imbalance)}
 
     def _passes(self, step: int) -> list[float]:
         """Forward and backward of the step's k passes of every model; this rank's loss shares."""
@@ -272,9 +251,7 @@ class Engine:
         tr.lap("data", t)
         self.sync.begin_step()
         losses, k = [0.0] * len(self.slots), self.res.k
-        self.moe_sums = [np.zeros(2) for _ in self.slots]     # MoE layers' aux and z shares, summed
-        self.moe_load = [np.zeros((s.model.n_layers, getattr(s.model, "moe", None) and s.model.moe.E or 0))
-                         for s in self.slots]            # tokens each expert of each layer received
+        self.moe.reset()
         rows = self.share // k
         # under amp an overflow is expected and handled (the step is skipped): no NumPy warnings for it
         with np.errstate(over="ignore", invalid="ignore") if self.scaler else contextlib.nullcontext():

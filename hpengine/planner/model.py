@@ -15,7 +15,7 @@ from hpengine.layout.schedules import bubble_fraction, peak_live, placement
 from hpengine.layout.stage import build_stage, owner
 from hpengine.models import build_model
 from hpengine.params.buffers import partition
-from hpengine.planner import gpu as plan_gpu, recompute as rc, tp as plan_tp
+from hpengine.planner import gpu as plan_gpu, moe as plan_moe, recompute as rc, tp as plan_tp
 
 F64 = 8                  # the engine's loss and squared-norm vectors are float64, one entry per model
 _bubble = functools.lru_cache(maxsize=4096)(bubble_fraction)     # the planner asks often; it builds a schedule
@@ -153,9 +153,8 @@ def block_activations(mcfg, lay: Resolved, item: int) -> dict:
     model = build_model(mcfg, lay.tp)
     out = model.cache_bytes(lay.rows, lay.tp, item, lay.amp, lay.share, lay.seq_parts)
     if lay.ep > 1:
-        S = lay.rows * mcfg.seq_len * model.moe.k
-        for key in [k for k in out if k.startswith("layer.")]:
-            out[key] += S * mcfg.d_model * item + 8 * S + 2 * 8 * lay.ep
+        for key in [k for k in out if k.startswith("layer.")]:     # the MoE layers
+            out[key] += plan_moe.received_cache(mcfg, lay, item)
     return out
 
 
@@ -222,7 +221,7 @@ def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=Non
     counts its own buffer of a collective; "tied" is the first/last-stage wte gradient sum)."""
     w, g, _, item = precision(mcfg, lay.amp)
     M, psi, out = models, st.psi * models, {}
-    losses = F64 * (M + _moe_figures(mcfg))         # the loss allreduce, with the MoE figures riding on it
+    losses = F64 * (M + plan_moe.loss_figures(mcfg))         # the loss allreduce, with the MoE figures riding on it
     if lay.sh > 1:
         gathers = psi * w if lay.zstage < 3 else lay.k * lay.m * M * gathered_per_microbatch(mcfg, st) * w
         out["sharding"] = {"reduce": psi * g, "allgather": gathers, "allreduce": F64 * M + losses}
@@ -234,7 +233,7 @@ def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=Non
         if lay.dp // lay.ep > 1 and experts:
             out["ep-dp"] = {"allreduce": experts * g}
     if lay.ep > 1:
-        out["ep"] = {"allreduce": F64 * M, "alltoallv": _alltoall_bytes(mcfg, st, lay, item)}
+        out["ep"] = {"allreduce": F64 * M, "alltoallv": plan_moe.alltoall_bytes(mcfg, st, lay, item)}
     tokens = lay.share * mcfg.seq_len * M
     if lay.tp > 1:
         rep = plan_tp.replicated_owned(st, lay, M, _partition, sh_rank) if lay.sp else 0
@@ -250,23 +249,6 @@ def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=Non
         if st.tied:
             out["tied"] = {"allreduce": M * st.tied * g}
     return out
-
-
-def _alltoall_bytes(mcfg, st: Stage, lay: Resolved, item: int) -> int:
-    """Bytes a rank hands MPI_Alltoallv per step with balanced routing: per MoE layer of the stage and micro-
-    batch, the routed rows (rows x T x top_k) of d_model each, four times (dispatch, combine and their
-    backwards; six for a fully recomputed layer, whose forward runs again). Each direction's buffer is the
-    rows a rank sends, which depend on the routing. Over the ep group they add up to exactly ep times this."""
-    moe, again = build_model(mcfg).moe, rc.full(st, lay)
-    calls = sum(6 if b.name in again else 4 for b in st.kinds if b.kind == "layer" and moe.routed(b.layer))
-    return calls * lay.k * lay.m * lay.rows * mcfg.seq_len * moe.k * mcfg.d_model * item
-
-
-def _moe_figures(mcfg) -> int:
-    """Values the engine adds to the loss allreduce for an MoE model: the aux and z shares and the selections
-    per expert of every layer (engine.Engine._moe_values)."""
-    e = mcfg.moe if mcfg.kind == "llama" else None
-    return 2 + mcfg.n_layers * e.num_experts if e is not None and e.num_experts else 0
 
 
 def _hops(lay: Resolved, stage: int) -> int:
@@ -389,11 +371,9 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
     if "pp" in tr:
         out["pp"] = (collective_s("send", 2, tr["pp"]["send"] / mb, _hops(lay, stage) * M, *link(lay, "pp", cluster))
                      + plan_tp.pipeline_gather_seconds(lay, gathered / mb, _hops(lay, stage), M, tp_link, collective_s))
-    if "ep" in tr:          # the all-to-alls on the critical path: (ep - 1) / ep of the rows leave the rank
-        a, b = link(lay, "dp", cluster)     # an ep group is consecutive dp ranks
-        calls = tr["ep"]["alltoallv"] / mb / max(1, lay.rows * mcfg.seq_len * build_model(mcfg).moe.k
-                                                 * mcfg.d_model * precision(mcfg, lay.amp)[3])
-        out["ep"] = (lay.ep - 1) / lay.ep * tr["ep"]["alltoallv"] / mb / b + calls * a
+    if "ep" in tr:          # an ep group is consecutive dp ranks: the dp link
+        out["ep"] = plan_moe.alltoall_seconds(lay, tr["ep"]["alltoallv"] / mb,
+                                              plan_moe.alltoall_calls(mcfg, st, lay) / mb, *link(lay, "dp", cluster))
     hide = cluster.overlap * comp           # what may hide gradient sync: the last backward, 2/3 of a micro-batch
     if "dp" in tr:
         a, b = link(lay, "dp", cluster)

@@ -44,6 +44,17 @@ def world():
     return WORLD
 
 
+@pytest.fixture
+def root(world):
+    """A checkpoint folder every rank sees, removed afterwards."""
+    d = tempfile.mkdtemp(prefix="hpengine-ckpt-") if world.Get_rank() == 0 else None
+    d = world.bcast(d, root=0)
+    yield d
+    world.Barrier()
+    if world.Get_rank() == 0:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def free_meshes(monkeypatch):
     """Free the communicators of every mesh a test built once it is over: MPI gives a process a few

@@ -1,8 +1,6 @@
 """Checkpoints: resume is bit-exact, and a checkpoint written under one layout loads under any other —
 continuing training equals the one-process run straight through (float64, rtol 1e-10)."""
 import os
-import shutil
-import tempfile
 
 import pytest
 from mpi4py import MPI
@@ -30,17 +28,6 @@ def layout(**degrees):
             if name == PP:
                 o.append("strategy.pipeline.micro_batches=2")
     return o
-
-
-@pytest.fixture
-def root(world):
-    """A checkpoint folder every rank sees, removed afterwards."""
-    d = tempfile.mkdtemp(prefix="hpengine-ckpt-") if world.Get_rank() == 0 else None
-    d = world.bcast(d, root=0)
-    yield d
-    world.Barrier()
-    if world.Get_rank() == 0:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def train_save_load(corpus, world, comm_a, a, comm_b, b, root, model=HEADS):

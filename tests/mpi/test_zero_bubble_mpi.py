@@ -94,12 +94,6 @@ def test_zero_bubble_bfloat16(corpus, world, schedule):
     assert err < 5e-2, f"bfloat16 update differs by {err:.3%}"
 
 
-@pytest.fixture
-def root(world, tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("zb-ckpt")) if world.Get_rank() == 0 else None
-    return world.bcast(d, root=0)
-
-
 @pytest.mark.parametrize("direction", ["from_zbv", "to_zbv"])
 def test_zbv_checkpoint_loads_under_other_layouts(corpus, world, root, direction):
     need(world.Get_size() == 2, "zbv pp 2 at -n 2")
