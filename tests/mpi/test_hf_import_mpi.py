@@ -2,8 +2,6 @@
 so tensor parallelism pads it), exports it with --format hf; the world loads the folder under tp x pp (or
 tp, or one process) and holds exactly the trained parameters, as does a one-process engine loading it."""
 import os
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
@@ -19,16 +17,6 @@ MODELS = {"gpt": ["model.n_heads=4", "model.n_layers=4", "model.vocab_size=257"]
 LAYOUTS = {1: [], 2: ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2"],
            4: ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2",
                "strategy.pipeline.enable=true", "strategy.pipeline.degree=2", "strategy.pipeline.micro_batches=2"]}
-
-
-@pytest.fixture
-def root(world):
-    d = tempfile.mkdtemp(prefix="hpengine-hf-") if world.Get_rank() == 0 else None
-    d = world.bcast(d, root=0)
-    yield d
-    world.Barrier()
-    if world.Get_rank() == 0:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def load(corpus, model, layout, folder, comm):
