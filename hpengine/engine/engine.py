@@ -276,7 +276,7 @@ class Engine:
         own = self.sync.owned
         sq = [self._sumsq(g, own.intersect(s.range)) for s in self.slots]
         if self.experts:        # each ep rank holds other experts: their squares are summed over ep
-            ex = [sum(sum_of_squares(self.xp, g[r.start:r.stop]) for r in self.experts if s.range.start <= r.start
+            ex = [sum(self._sumsq(g, own.intersect(r)) for r in self.experts if s.range.start <= r.start
                       < s.range.stop) for s in self.slots]
             sq = [a - b + c for a, b, c in zip(sq, ex, self.mesh.comms["ep"].allreduce_(np.array(ex, dtype=np.float64)))]
         sq = self.pp.allreduce_(np.array(self.sync.norm_allreduce(sq)))

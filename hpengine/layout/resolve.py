@@ -247,7 +247,8 @@ def check(cfg, res: Resolved) -> None:
 
 
 def _check_expert_parallel(mc, res: Resolved) -> None:
-    """Expert parallel folds inside data parallel: a divisor of dp, of the experts; no sharding yet."""
+    """Expert parallel folds inside data parallel: a divisor of dp and of the experts. A sharding group holds
+    one ep rank's experts (its ranks share the dp coordinate), so sharding shards them as it shards the rest."""
     experts = mc.moe.num_experts if mc.kind == "llama" else 0
     if not experts:
         raise LayoutError(f"strategy.expert_parallel.degree = {res.ep} needs a model with routed experts "
@@ -257,11 +258,9 @@ def _check_expert_parallel(mc, res: Resolved) -> None:
                           f"{experts}; valid: {[d for d in range(1, experts + 1) if experts % d == 0]}")
     if res.dp % res.ep:
         raise LayoutError(f"strategy.expert_parallel.degree = {res.ep} must divide the data-parallel degree "
-                          f"{res.dp} (experts are split inside the data-parallel ranks; no extra ranks); valid: "
+                          f"{res.dp} (experts are split inside the data-parallel ranks; no extra ranks"
+                          f"{'; a sharding group shares one expert block' if res.sh > 1 else ''}); valid: "
                           f"{[d for d in range(1, res.dp + 1) if res.dp % d == 0]}")
-    if res.sh > 1:
-        raise LayoutError(f"strategy.expert_parallel with sharding degree {res.sh}: experts split over ranks "
-                          "are not sharded yet; use strategy.data_parallel for the replicas")
 
 
 def chunks(mcfg, res: Resolved) -> list[tuple[str, ...]]:

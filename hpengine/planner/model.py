@@ -38,6 +38,7 @@ class Stage:
     tied: int = 0          # elements whose gradient is summed with another stage (a tied wte and its copy)
     replicated: tuple = ()  # per tensor (sizes' order, one model): whether every tp rank holds it whole
     experts: int = 0       # elements of the expert blocks split over ep (this rank's block; summed over ep-dp)
+    expert: tuple = ()     # per tensor (sizes' order, one model): whether it is an expert block split over ep
 
     def sizes(self, models: int) -> list[int]:
         """Tensor element counts in layout order, for `models` models sharing the buffer."""
@@ -80,7 +81,7 @@ def _stages(mkey, tp, p, v, split, schedule, ep=1) -> list[Stage]:
     for s in range(p):
         st = build_stage(mcfg, res, s, 0, models=[model])
         slot, lay = st.slots[0], st.layout
-        blocks, matmuls, replicated = [], [], []
+        blocks, matmuls, replicated, expert = [], [], [], []
         for name in slot.blocks:
             b = slot.block(name)
             specs = st.block_specs[name]
@@ -96,12 +97,14 @@ def _stages(mkey, tp, p, v, split, schedule, ep=1) -> list[Stage]:
                 mm += next(math.prod(sp.local_shape(0, tp)) for sp in model.specs(owner(model, t)) if sp.name == t)
             blocks.append((name, tuple(sizes)))
             replicated += [sp.tp_dim is None for sp in specs]
+            expert += [sp.ep_dim is not None and ep > 1 for sp in specs]
             matmuls.append((name, mm))
         kinds = tuple(slot.block(n) for n in slot.blocks)
         out.append(Stage(tuple(blocks), slot.chunks, sum(k.kind == "layer" for k in kinds), sum(n for _, n in matmuls),
                          kinds, tuple(st.deps.items()), tuple(matmuls),
                          sum(lay.ranges[t].size for t in set(st.tied.values())), tuple(replicated),
-                         sum(lay.ranges[sp.name].size for sp in lay.specs if sp.ep_dim is not None and ep > 1)))
+                         sum(lay.ranges[sp.name].size for sp in lay.specs if sp.ep_dim is not None and ep > 1),
+                         tuple(expert)))
     return out
 
 
@@ -132,6 +135,16 @@ def owned(st: Stage, lay: Resolved, models: int, sh_rank=None) -> int:
         return st.psi * models
     ranges = _partition(tuple(st.sizes(models)), lay.sh, lay.partition)
     return max(r.size for r in ranges) if sh_rank is None else ranges[sh_rank].size
+
+
+def owned_experts(st: Stage, lay: Resolved, models: int, sh_rank=None) -> int:
+    """Elements of expert blocks split over ep inside this sharding rank's owned range (the largest share when
+    sh_rank is None): their gradients are averaged over the ep-dp replicas, the rest over dp."""
+    if lay.sh == 1:
+        return st.experts * models
+    sizes = tuple(st.sizes(models))
+    per_rank = plan_tp.flagged_per_rank(sizes, st.expert * models, tuple(_partition(sizes, lay.sh, lay.partition)))
+    return max(per_rank) if sh_rank is None else per_rank[sh_rank]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -225,11 +238,9 @@ def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=Non
     if lay.sh > 1:
         gathers = psi * w if lay.zstage < 3 else lay.k * lay.m * M * gathered_per_microbatch(mcfg, st) * w
         out["sharding"] = {"reduce": psi * g, "allgather": gathers, "allreduce": F64 * M + losses}
-        if lay.dp > 1:
-            out["dp"] = {"allreduce": owned(st, lay, M, sh_rank) * g + losses}
-    elif lay.dp > 1:
-        experts = st.experts * M       # expert blocks split over ep: summed over their replicas only
-        out["dp"] = {"allreduce": (psi - experts) * g + losses}
+    if lay.dp > 1:                     # expert blocks split over ep: summed over their replicas only
+        experts = owned_experts(st, lay, M, sh_rank)
+        out["dp"] = {"allreduce": (owned(st, lay, M, sh_rank) - experts) * g + losses}
         if lay.dp // lay.ep > 1 and experts:
             out["ep-dp"] = {"allreduce": experts * g}
     if lay.ep > 1:
@@ -379,6 +390,8 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
         a, b = link(lay, "dp", cluster)
         calls = 1 if lay.sh > 1 else max(1, math.ceil(tr["dp"]["allreduce"] / (lay.bucket_mb * 2**20)))
         t = collective_s("allreduce", lay.dp, tr["dp"]["allreduce"], calls, a, b)
+        if "ep-dp" in tr:   # the expert blocks' replicas: every ep-th dp rank, on the same link
+            t += collective_s("allreduce", lay.dp // lay.ep, tr["ep-dp"]["allreduce"], calls, a, b)
         out["dp"] = t if lay.sh > 1 else max(0.0, t - 2 / 3 * hide)
     if "sharding" in tr:
         parts = len(st.names) * M + lay.sh - 1          # a reduce per (block, owner) piece

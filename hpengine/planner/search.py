@@ -75,17 +75,18 @@ def candidates(cfg: Config, cluster: Cluster, max_rows: int = 8):
             for zstage, b, (rc, gran), amp, sp in product([0] if sh == 1 else [1, 2, 3], rows, modes, ("", "float16"),
                                                           sps):
                 n = share // b          # micro-batches: the pipeline's, else gradient-merge passes
-                for (sched, v), ep in product(_schedules(pp, n, m.n_layers), _expert_degrees(m, dp, sh)):
+                for (sched, v), ep in product(_schedules(pp, n, m.n_layers), _expert_degrees(m, dp)):
                     yield Resolved(tp, sh, dp, pp, zstage, "tensor" if sh <= tensors else "flat",
                                    n if pp > 1 else 1, 1 if pp > 1 else n, v, sched, "uniform", rc, amp,
                                    tuple(cfg.mesh.order), share, cfg.strategy.data_parallel.bucket_mb, gran, sp,
                                    tp > 1 and pp > 1 and not sp and split_sends, ep)
 
 
-def _expert_degrees(m, dp: int, sh: int) -> list[int]:
-    """Expert-parallel degrees of an MoE model: divisors of dp that divide the experts (no sharding with ep)."""
+def _expert_degrees(m, dp: int) -> list[int]:
+    """Expert-parallel degrees of an MoE model: divisors of dp that divide the experts (a sharding group holds
+    one ep rank's experts and shards them)."""
     experts = m.moe.num_experts if m.kind == "llama" else 0
-    if not experts or sh > 1:
+    if not experts:
         return [1]
     return [e for e in _divisors(dp) if experts % e == 0]
 

@@ -34,13 +34,13 @@ def replicated_owned(st, lay, models: int, partition_of, sh_rank=None) -> int:
     sizes, flags = tuple(st.sizes(models)), st.replicated * models
     if lay.sh == 1:
         return sum(n for n, f in zip(sizes, flags) if f)
-    per_rank = _replicated_per_rank(sizes, flags, tuple(partition_of(sizes, lay.sh, lay.partition)))
+    per_rank = flagged_per_rank(sizes, flags, tuple(partition_of(sizes, lay.sh, lay.partition)))
     return max(per_rank) if sh_rank is None else per_rank[sh_rank]
 
 
 @functools.lru_cache(maxsize=1024)
-def _replicated_per_rank(sizes, flags, ranges) -> tuple:
-    """Replicated elements inside each owned range (ranges: the partition, in flat-buffer order)."""
+def flagged_per_rank(sizes, flags, ranges) -> tuple:
+    """Elements of the flagged tensors inside each owned range (ranges: the partition, in flat-buffer order)."""
     spans, at = [], 0
     for n, f in zip(sizes, flags):
         if f:

@@ -10,7 +10,7 @@ def make_grad_sync(res, stage, backend, comms) -> GradSync:
     """The gradient/parameter synchronisation for the resolved layout `res` (resolve.Resolved)."""
     sh, dp = comms["sharding"], comms["dp"]
     if res.sh > 1:
-        return ShardedSync(stage, backend, sh, dp, res.zstage, res.partition)
+        return ShardedSync(stage, backend, sh, dp, res.zstage, res.partition, comms.get("ep-dp"))
     if res.dp > 1:
         return DataParallelSync(stage, backend, dp, res.bucket_mb, comms.get("ep-dp"))
     return LocalSync(stage, backend)

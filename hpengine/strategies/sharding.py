@@ -14,18 +14,24 @@ import numpy as np
 
 from hpengine.dist.comm import testall, waitall
 from hpengine.layout.resolve import MAX_INFLIGHT
-from hpengine.params.buffers import FlatBuffer, Layout, imbalance, partition
+from hpengine.params.buffers import FlatBuffer, Layout, Range, imbalance, partition
 from hpengine.params.init import init_range
 from hpengine.strategies.base import LocalSync, Merged
+from hpengine.strategies.data_parallel import segments
 
 
 class ShardedSync(LocalSync):
-    def __init__(self, desc, backend, sh_comm, dp_comm, stage: int, mode: str):
+    def __init__(self, desc, backend, sh_comm, dp_comm, stage: int, mode: str, ep_dp=None):
         lay = desc.layout
-        self.sh, self.dp, self.stage, self.mode = sh_comm, dp_comm, stage, mode
+        self.sh, self.dp, self.stage, self.mode, self.ep_dp = sh_comm, dp_comm, stage, mode, ep_dp
         self.ranges = partition([lay.ranges[n].size for n in lay.names], sh_comm.size, mode)
         super().__init__(desc, backend, full_grads=stage == 1, full_params=stage < 3)
         self.owned = own = self.ranges[sh_comm.rank]
+        # the owned range's pieces and the replicas each is averaged over: expert blocks split over ep (a
+        # sharding group holds one ep rank's experts) over their replicas only, everything else over dp
+        experts = [lay.ranges[sp.name] for sp in lay.specs if sp.ep_dim is not None and lay.ep_size > 1]
+        self.pieces = [(Range(r.start - own.start, r.stop - own.start), c)
+                       for r, c in segments(own, experts, dp_comm, ep_dp) if c.size > 1]
         self.imbalance = imbalance(self.ranges)
         self.block_ranges = desc.block_ranges
         self.block_layouts = {b: Layout(v, lay.tp_rank, lay.tp_size, lay.ep_rank, lay.ep_size)
@@ -101,8 +107,8 @@ class ShardedSync(LocalSync):
             self._free_gtemp(b)
         self.inflight = []
         g = self.grads.data[self.owned.slice] if self.stage == 1 else self.gshard
-        if self.dp.size > 1:       # owners of the same range in different replicas average it
-            self.dp.allreduce_(g)
+        for r, comm in self.pieces:     # owners of the same range in different replicas average it
+            comm.allreduce_(g[r.slice])
         self.wait_s += time.perf_counter() - t0
         self.sync_s += time.perf_counter() - t0
         return g
@@ -187,7 +193,8 @@ class ShardedSync(LocalSync):
         return int(self.grads.data.nbytes if self.stage == 1 else self.gshard.nbytes)
 
     def comm_names(self) -> dict:
-        return {"grads": [c.name for c in (self.sh, self.dp) if c.size > 1], "params": [self.sh.name]}
+        comms = (self.sh, self.dp) + ((self.ep_dp,) if self.ep_dp is not None else ())
+        return {"grads": [c.name for c in comms if c.size > 1], "params": [self.sh.name]}
 
     def describe(self) -> str:
         sizes = [r.size for r in self.ranges]

@@ -3,8 +3,9 @@ balancing losses, the aux and z figures, gradient norms, every parameter) under 
 stages 1-3, pipelines (1f1b, interleaved, zb1p, zbv), full and selective recompute, gradient merge and flash
 attention, with the experts replicated like every other weight; bfloat16 amp within the amp tolerance of
 test_combinations.py. With expert parallelism (experts split over ep ranks inside data parallel, rows moved
-by all-to-all) the same, at dp 2 x ep 2, dp 4 x ep 2 and 4, pp 2 x dp 2 x ep 2; a checkpoint saved under ep
-loads under one process and back."""
+by all-to-all) the same, at dp 2 x ep 2, dp 4 x ep 2 and 4, pp 2 x dp 2 x ep 2, and with the experts sharded
+over the sharding ranks (dp 2 x ep 2 x sharding 2 at stages 1-3, dp 4 x ep 4 x sharding 2 at stage 3); a
+checkpoint saved under ep (sharded or not) loads under one process and back."""
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -92,6 +93,12 @@ EP_LAYOUTS = {   # name -> (world size, overrides): experts split over ep ranks 
     "dp4_ep2_recompute": (4, on("data_parallel", 4) + on("expert_parallel", 2) + [S + "recompute.enable=true"]),
     "dp4_ep4": (4, on("data_parallel", 4) + on("expert_parallel", 4)),
     "pp2_zb1p_dp2_ep2": (4, pp(2, "zb1p") + on("data_parallel", 2) + on("expert_parallel", 2)),
+    "dp2_ep2_sh2_stage1_merge": (4, on("data_parallel", 2) + on("expert_parallel", 2) + on("sharding", 2)
+                                 + [S + "gradient_merge.enable=true", S + "gradient_merge.k_steps=2"]),
+    "dp2_ep2_sh2_stage2": (4, on("data_parallel", 2) + on("expert_parallel", 2)
+                           + on("sharding", 2, S + "sharding.stage=2", S + "sharding.partition=flat")),
+    "dp2_ep2_sh2_stage3": (4, on("data_parallel", 2) + on("expert_parallel", 2) + on("sharding", 2, S + "sharding.stage=3")),
+    "dp4_ep4_sh2_stage3": (8, on("data_parallel", 4) + on("expert_parallel", 4) + on("sharding", 2, S + "sharding.stage=3")),
 }
 
 
@@ -106,13 +113,17 @@ def test_expert_parallel_equals_one_process(corpus, world, name):
     assert eng.mesh.comms["ep"].stats["alltoallv"][1] > 0
 
 
+@pytest.mark.parametrize("sharded", [False, True])
 @pytest.mark.parametrize("direction", ["from_ep", "to_ep"])
-def test_expert_parallel_checkpoint_loads_under_other_layouts(corpus, world, root, direction):
-    """Saved under ep = world size, loaded under one process (and the other way): every expert block comes
-    back where the other layout keeps it, and training goes on exactly as the one-process run straight through."""
+def test_expert_parallel_checkpoint_loads_under_other_layouts(corpus, world, root, direction, sharded):
+    """Saved under ep = world size (or dp 2 x ep 2 x sharding 2 at stage 3), loaded under one process (and the
+    other way): every expert block comes back where the other layout keeps it, and training goes on exactly as
+    the one-process run straight through."""
     n = world.Get_size()
-    need(n in (2, 4), "ep over 2 or 4 ranks")
+    need(n in (2, 4) and (n == 4 or not sharded), "ep over 2 or 4 ranks; sharded at -n 4")
     ep = (*on("data_parallel", n), *on("expert_parallel", n))
+    if sharded:
+        ep = (*on("data_parallel", 2), *on("expert_parallel", 2), *on("sharding", 2, S + "sharding.stage=3"))
     if direction == "from_ep":
         _, _, eng = run(config(corpus, *LLAMA, *MOE, *ep), world, 2)
         save_state(eng, root, 2, keep=1)

@@ -96,6 +96,13 @@ LAYOUTS = [
     ("ep_pp2_dp2_ep2", lambda n: n == 4, MOE + PP2 + DP + [S + "pipeline.micro_batches=2",
                                                           S + "expert_parallel.enable=true",
                                                           S + "expert_parallel.degree=2"]),
+    ("ep_dp2_ep2_sharding2_stage3", lambda n: n == 4, MOE + [
+        S + "data_parallel.enable=true", S + "data_parallel.degree=2", S + "sharding.enable=true",
+        S + "sharding.degree=2", S + "sharding.stage=3", S + "expert_parallel.enable=true", S + "expert_parallel.degree=2"]),
+    ("ep_dp2_ep2_sharding2_stage1_flat", lambda n: n == 4, MOE + [
+        S + "data_parallel.enable=true", S + "data_parallel.degree=2", S + "sharding.enable=true",
+        S + "sharding.degree=2", S + "sharding.partition=flat", S + "expert_parallel.enable=true",
+        S + "expert_parallel.degree=2"]),
     ("zb_pp4_zbv", lambda n: n == 4, [S + "pipeline.enable=true", S + "pipeline.degree=4", S + "pipeline.micro_batches=8",
                                       S + "pipeline.schedule=zbv", "model.n_layers=8"]),
 ]

@@ -124,8 +124,9 @@ EP = ["strategy.expert_parallel.enable=true", "strategy.data_parallel.enable=tru
       "strategy.data_parallel.degree=2", "strategy.pipeline.enable=true", "strategy.pipeline.degree=2"], 4,
      "strategy.expert_parallel.degree = 4 must divide the data-parallel degree 2"),
     (["model.kind=llama", "model.moe.num_experts=8", "strategy.expert_parallel.degree=2",
-      "strategy.sharding.enable=true", "strategy.sharding.degree=2", "strategy.data_parallel.degree=2"], 4,
-     "strategy.expert_parallel with sharding degree 2"),
+      "strategy.sharding.enable=true", "strategy.sharding.degree=4", "strategy.data_parallel.degree=1"], 4,
+     "strategy.expert_parallel.degree = 2 must divide the data-parallel degree 1 (experts are split inside the "
+     "data-parallel ranks; no extra ranks; a sharding group shares one expert block); valid: [1]"),
 ])
 def test_impossible_expert_parallel_layouts_are_one_clear_line(sets, world, message):
     with pytest.raises(ConfigError) as e:
