@@ -161,3 +161,23 @@ def test_zero_bubble_trace_has_f_b_and_w(corpus, folder, schedule):
         from hpengine.apps.plot import plot_run
         written, notes = plot_run(out)
         assert not notes and os.path.exists(os.path.join(out, "plots", "pipeline_gantt.png")), (written, notes)
+
+
+def test_expert_parallel_all_to_all_time_shows_with_tracing_off(corpus, folder, capsys):
+    """Without a trace, the ep communicator alone is timed: the breakdown gives its seconds per rank (at most
+    the forward and backward they sit in) beside its all-to-all bytes, and the logged table names it."""
+    n = WORLD.Get_size()
+    if n not in (2, 4):
+        pytest.skip("ep over 2 or 4 ranks")
+    out = os.path.join(folder, "run")
+    eng = run(corpus, out, "model.kind=llama", "model.moe.num_experts=4", "model.moe.expert_hidden=16",
+              "strategy.data_parallel.enable=true", "strategy.expert_parallel.enable=true",
+              f"strategy.expert_parallel.degree={n}")
+    bd = read(os.path.join(out, "breakdown.json"))
+    assert eng.tracer.events is None and set(bd["mpi_call_s"]) == {"ep"}
+    rank = eng.mesh.rank
+    ep_s = bd["mpi_call_s"]["ep"]["per_rank"][rank]
+    assert 0 < ep_s < bd["time"]["forward"]["per_rank"][rank] + bd["time"]["backward"]["per_rank"][rank]
+    assert bd["bytes"]["ep"]["ops"]["alltoallv"][1] > 0
+    if rank == 0:
+        assert "incl. MPI calls on ep" in capsys.readouterr().out
