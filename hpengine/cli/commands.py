@@ -277,11 +277,14 @@ def main(argv=None) -> int:
     if startguard.under_launcher():     # a Ctrl-C during start-up waits for MPI, then aborts every rank
         startguard.arm()
     try:
+        startguard.caught()
         rc = _main(argv)
         sys.stdout.flush()          # the last buffered lines go out here, not in the exit's flush
         return rc
     except BrokenPipeError:
         return _closed_pipe()
+    except KeyboardInterrupt:       # before a command runs (the parser): end every rank, not this one alone
+        return _interrupted()
 
 
 def _closed_pipe() -> int:

@@ -5,8 +5,10 @@ own, and its peers then wait inside MPI_Init for it forever (Hydra's proxy does 
 a launcher the command line therefore installs this handler first: until mpi4py has initialised MPI an
 interrupt is only noted, and the rank goes on into MPI_Init with the others; `mpi_ready()`, called once MPI
 is up, raises the KeyboardInterrupt then, and the command line's handler aborts the whole job with 130
-(MPI_Abort reaches every rank). After that, SIGINT raises at once, as usual, until the training loop takes it
-over for its agreed stop at the step boundary (launch.install_stop_handlers).
+(MPI_Abort reaches every rank). An interrupt after MPI is up but before the command line is ready to catch
+it (the rest of the imports, the argument parser) aborts the job from the handler. After that, SIGINT
+raises at once, as usual, until the training loop takes it over for its agreed stop at the step boundary
+(launch.install_stop_handlers).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import sys
 import threading
 
 LAUNCHER_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "SLURM_STEP_ID")
-_state = {"pending": False, "armed": False}
+_state = {"pending": False, "armed": False, "caught": False}
 
 
 def under_launcher(env=os.environ) -> bool:
@@ -34,9 +36,22 @@ def _mpi_up() -> bool:
 
 
 def _on_sigint(signum, frame):
-    if _mpi_up():
+    if not _mpi_up():
+        _state["pending"] = True    # raised by mpi_ready(), when an abort can reach every rank
+        return
+    world = sys.modules["mpi4py.MPI"].COMM_WORLD
+    if _state["caught"] or world.Get_size() == 1:
         raise KeyboardInterrupt
-    _state["pending"] = True        # raised by mpi_ready(), when an abort can reach every rank
+    # nobody would catch it yet: this rank would exit alone and leave its peers in a collective
+    sys.stderr.write(f"hpengine: rank {world.Get_rank()} of {world.Get_size()}: interrupted while starting; "
+                     "aborting the job\n")
+    sys.stderr.flush()
+    world.Abort(130)
+
+
+def caught() -> None:
+    """The command line catches KeyboardInterrupt from here on (and ends every rank itself)."""
+    _state["caught"] = True
 
 
 def arm() -> bool:
