@@ -1,0 +1,200 @@
+"""Causal attention of a rank's queries against one block of keys and values at a time, for context
+parallelism (strategies/context_parallel.py walks the blocks around the ring, or gathers them).
+
+The mask comes from global positions (query at p sees keys at positions <= p), so any split of the
+sequence works; positions are host int arrays. Each block gives a partial output and its row
+log-sum-exp, and partials combine by `merge` (the online softmax). Backward is FlashAttention-2's per
+block: from the final o and lse, p = exp(s - lse), D = rowsum(dO * O), dS = P (dP - D). Grouped-query:
+q (B, H, Tq, hd) over k, v (B, K, Tk, hd), the g = H / K heads of a group folded into the rows of one
+GEMM, so keys and values are never repeated per head. Runs of consecutive positions are tiles; a tile
+whose every key lies after every query is skipped. Half precision computes in float32.
+"""
+from __future__ import annotations
+
+import math
+from itertools import pairwise
+
+import numpy as np
+
+
+def compute_dtype(dtype):
+    """The dtype the block math runs in: the array's, float32 for half precision."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+
+
+def host_positions(pos) -> np.ndarray:
+    """Positions as a host int64 array (a device array is copied down)."""
+    if hasattr(pos, "__cuda_array_interface__"):
+        pos = pos.get()
+    return np.asarray(pos, dtype=np.int64).reshape(-1)
+
+
+def block_visible(q_pos, k_pos) -> bool:
+    """Whether any query at q_pos sees any key at k_pos (some key position <= some query position)."""
+    q_pos, k_pos = host_positions(q_pos), host_positions(k_pos)
+    return bool(q_pos.size and k_pos.size and k_pos.min() <= q_pos.max())
+
+
+def _groups(H: int, K: int) -> int:
+    if H % K:
+        raise ValueError(f"{H} query heads do not split into groups of {K} key/value heads")
+    return H // K
+
+
+def _runs(pos: np.ndarray):
+    # index ranges [i, j) of pos holding consecutive ascending positions
+    edges = [0, *(np.flatnonzero(np.diff(pos) != 1) + 1).tolist(), len(pos)]
+    return [(a, b) for a, b in pairwise(edges) if b > a]
+
+
+def _mask(xp, qp, kp):
+    # (n, m) True where the key comes after the query; None when every key is visible
+    if kp.max() <= qp.min():
+        return None
+    return xp.asarray(kp)[None, :] > xp.asarray(qp)[:, None]
+
+
+def _masked_scores(xp, qt, kt, mask, n):
+    # qt (B, K, g*n, hd) scaled, kt (B, K, m, hd) -> scores (B, K, g*n, m), -inf where masked
+    s = xp.matmul(qt, kt.swapaxes(-1, -2))
+    if mask is None:
+        return s
+    B, K, R, m = s.shape
+    return xp.where(mask, -xp.inf, s.reshape(B, K, R // n, n, m)).reshape(B, K, R, m)
+
+
+def _safe(xp, a, bad, fill):
+    return xp.where(bad, fill, a)
+
+
+def merge(xp, o, lse, o2, lse2):
+    """Combine two partial attentions over disjoint key sets: o, o2 (..., n, hd) each normalised over
+    its own keys, lse, lse2 (..., n) their row log-sum-exps -> (o, lse) over the union. A row that saw
+    no key has lse -inf and weighs nothing; two such rows stay o = 0, lse = -inf (no NaN)."""
+    m = xp.maximum(lse, lse2)
+    m = _safe(xp, m, xp.isneginf(m), 0.0)
+    w1, w2 = xp.exp(lse - m), xp.exp(lse2 - m)
+    w = w1 + w2
+    empty = w == 0
+    ws = _safe(xp, w, empty, 1.0)
+    out = (o * (w1 / ws)[..., None] + o2 * (w2 / ws)[..., None])
+    return out, _safe(xp, m + xp.log(ws), empty, -xp.inf)
+
+
+def _tile_forward(xp, qt, kt, vt, mask, n):
+    # one tile: -> o (B, K, g*n, hd) normalised over its keys, lse (B, K, g*n)
+    s = _masked_scores(xp, qt, kt, mask, n)
+    mx = s.max(axis=-1, keepdims=True)
+    mx = _safe(xp, mx, xp.isneginf(mx), 0.0)        # a row with no visible key: exp(-inf - 0) = 0
+    s -= mx
+    p = xp.exp(s, out=s)
+    lsum = p.sum(axis=-1, keepdims=True)
+    empty = lsum == 0
+    ls = _safe(xp, lsum, empty, 1.0)
+    o = xp.matmul(p, vt) / ls
+    return o, _safe(xp, mx + xp.log(ls), empty, -xp.inf)[..., 0]
+
+
+def _scale(hd, scale):
+    return 1.0 / math.sqrt(hd) if scale is None else float(scale)
+
+
+def _rows(a5, a, b, ct):
+    # rows a..b-1 of a (B, K, g, T, ...) view -> (B, K, g*(b-a), ...) in dtype ct
+    B, K, g = a5.shape[:3]
+    return a5[:, :, :, a:b].astype(ct).reshape((B, K, g * (b - a)) + tuple(a5.shape[4:]))
+
+
+def block_forward(xp, q, k, v, q_pos, k_pos, scale=None):
+    """Attention of the queries over one block of keys: q (B, H, Tq, hd), k, v (B, K, Tk, hd), q_pos
+    (Tq,), k_pos (Tk,) global positions -> o (B, H, Tq, hd) normalised over this block's visible keys and
+    lse (B, H, Tq), in compute_dtype; a row that sees none of the block has o = 0, lse = -inf. The scores
+    are scale * q k^T, scale 1/sqrt(hd) unless given (1.0 for a q already scaled)."""
+    B, H, Tq, hd = q.shape
+    K, Tk = k.shape[1], k.shape[2]
+    g = _groups(H, K)
+    ct = compute_dtype(q.dtype)
+    sc = _scale(hd, scale)
+    qp, kp = host_positions(q_pos), host_positions(k_pos)
+    if qp.size != Tq or kp.size != Tk:
+        raise ValueError(f"{qp.size} query positions for {Tq} queries, {kp.size} key positions for {Tk} keys")
+    o5 = xp.zeros((B, K, g, Tq, hd), dtype=ct)
+    lse5 = xp.full((B, K, g, Tq), -xp.inf, dtype=ct)
+    q5 = q.reshape(B, K, g, Tq, hd)
+    kruns = _runs(kp)
+    for a, b in _runs(qp):
+        qt, acc = None, None
+        for c, d in kruns:
+            if kp[c] > qp[b - 1]:               # every key of the tile after every query: skipped
+                continue
+            if qt is None:
+                qt = _rows(q5, a, b, ct) * sc
+            part = _tile_forward(xp, qt, k[:, :, c:d].astype(ct), v[:, :, c:d].astype(ct),
+                                 _mask(xp, qp[a:b], kp[c:d]), b - a)
+            acc = part if acc is None else merge(xp, *acc, *part)
+        if acc is not None:
+            o5[:, :, :, a:b] = acc[0].reshape(B, K, g, b - a, hd)
+            lse5[:, :, :, a:b] = acc[1].reshape(B, K, g, b - a)
+    return o5.reshape(B, H, Tq, hd), lse5.reshape(B, H, Tq)
+
+
+def softmax_delta(xp, o, do):
+    """D = rowsum(dO * O) (B, H, Tq) of the final output, in compute_dtype: it stands for rowsum(dP * P)
+    in every block's softmax backward."""
+    ct = compute_dtype(o.dtype)
+    return (do.astype(ct) * o.astype(ct)).sum(axis=-1)
+
+
+def block_backward(xp, q, k, v, o, lse, do, q_pos, k_pos, scale=None, delta=None):
+    """One block's share of the gradients, given the final o (B, H, Tq, hd), lse (B, H, Tq) over all
+    keys and do (B, H, Tq, hd): -> dq (B, H, Tq, hd) this block's contribution, dk, dv (B, K, Tk, hd) the
+    gradients of this block's keys and values from these queries, in compute_dtype. delta is
+    softmax_delta(xp, o, do), computed here when not given (once per query set is enough)."""
+    B, H, Tq, hd = q.shape
+    K, Tk = k.shape[1], k.shape[2]
+    g = _groups(H, K)
+    ct = compute_dtype(q.dtype)
+    sc = _scale(hd, scale)
+    qp, kp = host_positions(q_pos), host_positions(k_pos)
+    if delta is None:
+        delta = softmax_delta(xp, o, do)
+    lse = lse.astype(ct)
+    lse = _safe(xp, lse, xp.isneginf(lse), xp.inf)     # a row that saw no key anywhere: p = 0
+    q5, do5 = q.reshape(B, K, g, Tq, hd), do.reshape(B, K, g, Tq, hd)
+    lse5, dd5 = lse.reshape(B, K, g, Tq, 1), delta.reshape(B, K, g, Tq, 1)
+    dq5 = xp.zeros((B, K, g, Tq, hd), dtype=ct)
+    dk, dv = xp.zeros((B, K, Tk, hd), dtype=ct), xp.zeros((B, K, Tk, hd), dtype=ct)
+    kruns = _runs(kp)
+    for a, b in _runs(qp):
+        tiles = [(c, d) for c, d in kruns if kp[c] <= qp[b - 1]]
+        if not tiles:
+            continue
+        qt, dot = _rows(q5, a, b, ct) * sc, _rows(do5, a, b, ct)
+        lt, ddt = _rows(lse5, a, b, ct), _rows(dd5, a, b, ct)
+        dqt = xp.zeros_like(qt)
+        for c, d in tiles:
+            kt, vt = k[:, :, c:d].astype(ct), v[:, :, c:d].astype(ct)
+            s = _masked_scores(xp, qt, kt, _mask(xp, qp[a:b], kp[c:d]), b - a)
+            s -= lt
+            p = xp.exp(s, out=s)
+            dv[:, :, c:d] += xp.matmul(p.swapaxes(-1, -2), dot)
+            ds = xp.matmul(dot, vt.swapaxes(-1, -2))
+            ds -= ddt
+            ds *= p
+            dqt += xp.matmul(ds, kt)
+            dk[:, :, c:d] += xp.matmul(ds.swapaxes(-1, -2), qt)     # qt is scaled: dk needs no factor
+        dq5[:, :, :, a:b] = dqt.reshape(B, K, g, b - a, hd) * sc
+    return dq5.reshape(B, H, Tq, hd), dk, dv
+
+
+def ring_cache_elements(B: int, Tq: int, H: int, K: int, hd: int) -> int:
+    """Elements a ring forward keeps per rank for its backward: q and o (H heads), this rank's k and v
+    (K heads) and one lse per query head and position; no other rank's keys and no score."""
+    return B * Tq * (hd * (2 * H + 2 * K) + H)
+
+
+def allgather_cache_elements(B: int, Tq: int, H: int, K: int, hd: int, cp: int) -> int:
+    """Elements an all-gather forward keeps per rank: q, o and lse as the ring, and every rank's k and v
+    (gathered once in forward, read again by backward)."""
+    return B * Tq * (hd * (2 * H + 2 * K * cp) + H)
