@@ -6,7 +6,8 @@
                   tensors in the checkpoint's dtype; metadata {"format": "hpengine", "config": TOML, "step"}
     hf            a Hugging Face transformers model folder: config.json, generation_config.json,
                   model.safetensors and, when the run used a Hugging Face tokenizer, its tokenizer files.
-                  gpt -> GPT2LMHeadModel, llama -> LlamaForCausalLM.
+                  gpt -> GPT2LMHeadModel; llama -> LlamaForCausalLM, or with routed experts
+                  MixtralForCausalLM, with model.qk_norm Qwen3ForCausalLM, with both Qwen3MoeForCausalLM.
 
 Global tensors are read at their true shape (the manifest's `shapes`), so tensor-parallel vocabulary
 padding never reaches an export. Every format is written under a temporary name and renamed at the end;

@@ -1,10 +1,11 @@
 """`checkpoint.init_from = "hf:DIR"`: start a run from a local Hugging Face model folder.
 
 DIR holds config.json and model.safetensors (or sharded model-*.safetensors with
-model.safetensors.index.json) of a GPT2LMHeadModel (-> model.kind = "gpt") or a LlamaForCausalLM
-(-> "llama"). The inverse of `hpengine ckpt export --format hf` (checkpoint/export.py); the names and
-layout changes are the kind's adapter's (models/hf_gpt.py: GPT-2's c_attn columns [q|k|v][head][d] permuted
-back to hpengine's head-major qkv; models/hf_llama.py: Llama's (out, in) linears transposed). HFReader serves hpengine-named global tensors through the same read() as
+model.safetensors.index.json) of a GPT2LMHeadModel (-> model.kind = "gpt") or a LlamaForCausalLM,
+MixtralForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM (-> "llama"). The inverse of `hpengine ckpt export
+--format hf` (checkpoint/export.py); the names and layout changes are the kind's adapter's (models/hf_gpt.py:
+GPT-2's c_attn columns [q|k|v][head][d] permuted back to hpengine's head-major qkv; models/hf_llama.py: the
+(out, in) linears transposed, per-expert matrices stacked). HFReader serves hpengine-named global tensors through the same read() as
 checkpoint.ExportReader, so every layout (tensor-parallel slices, sharded ranges, pipeline stages) loads
 it unchanged; each tensor is read lazily (memory-mapped) when a rank asks for it.
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from hpengine.checkpoint.shards import CheckpointError, read_region
-from hpengine.models import hf_kinds, kind_of
+from hpengine.models import hf_kinds, hf_refused, kind_of
 from hpengine.models.hf_common import HFMismatch
 
 PREFIX = "hf:"
@@ -88,6 +89,8 @@ def _check_config(hc: dict, mcfg, where: str) -> str:
     arch = (hc.get("architectures") or [None])[0]
     arch_kind = hf_kinds()
     kind = arch_kind.get(arch)
+    if arch in hf_refused():
+        raise CheckpointError(f"{where}: architecture {arch!r} cannot be read: {hf_refused()[arch]}")
     if kind is None:
         raise CheckpointError(f"{where}: architecture {arch!r} is not supported; supported: "
                               + ", ".join(f"{a} (model.kind = {k!r})" for a, k in arch_kind.items()))

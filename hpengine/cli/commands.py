@@ -160,7 +160,9 @@ def _plan_parser(sub) -> None:
                            ("tflops", float, "sustained 16-bit TFLOP/s per device (amp)"),
                            ("tflops-fp32", float, "sustained float32 TFLOP/s"), ("tflops-fp64", float, "float64"),
                            ("reserve-gb", float, "memory kept free per device, GB (default: min(4, 5 %% of "
-                            "--mem-gb))")):
+                            "--mem-gb))"),
+                           ("moe-imbalance", float, "MoE: the most-loaded expert's tokens over the mean (a run's "
+                            "moe_load_max); expert parallel waits for it (default 1: balanced)")):
         pl.add_argument(f"--{flag}", type=tp, help=what)
     pl.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                     help="--calibrate: measure the CPU (NumPy) or the GPU (CuPy); auto: the GPU when CuPy sees one")

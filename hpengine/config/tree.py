@@ -60,7 +60,8 @@ _LLAMA, _NOT_LLAMA = ("llama",), ("gpt", "mlp")
 @dataclass
 class MoEConfig:
     """Mixture of experts for the llama kind: routed SwiGLU experts in place of the MLP (Mixtral, Qwen3-MoE).
-    Every layer after the first `dense_layers` routes each token to its top_k experts, dropless."""
+    Every layer after the first `dense_layers` routes each token to its top_k experts, dropless unless
+    capacity_factor caps what an expert takes."""
     num_experts: int = _f(0, "routed experts per MoE layer; 0 = a dense model", check=_must(">=", 0))
     top_k: int = _f(2, "experts each token is routed to", check=_POS)
     expert_hidden: int = _f(0, "SwiGLU width of each expert; 0 = the dense width (model.ffn_hidden or Llama's rule)",
@@ -78,6 +79,15 @@ class MoEConfig:
                          check=_must(">=", 0))
     z_loss: float = _f(0.0, "coefficient of the router z-loss, the mean over tokens of logsumexp(logits)^2; 0 = off",
                        check=_must(">=", 0))
+    capacity_factor: float = _f(0.0, "training passes: each expert takes at most ceil(capacity_factor x seq_len x "
+                                "top_k / num_experts) (token, slot) assignments per sequence, the first by token "
+                                "position, then the slot's rank in the token's top_k; the rest are dropped (gate 0 "
+                                "after the top-k renormalisation, never sent to an expert); evaluation and decoding "
+                                "stay dropless; 0 = dropless", check=_must(">=", 0))
+    bias_update_rate: float = _f(0.0, "aux-loss-free balancing (DeepSeek-V3): a per-layer, per-expert bias added to "
+                                 "the router scores for the top-k selection only; after every optimizer step "
+                                 "bias += rate x sign(mean load - load) over the global batch's selections; kept in "
+                                 "checkpoints; 0 = no bias", check=_must(">=", 0))
 
 
 @dataclass
@@ -100,6 +110,9 @@ class ModelConfig:
     rope_theta: float = _f(10000.0, "llama: rotary embedding base (angle of pair i at position t: "
                            "t x rope_theta^(-2i/head_dim))", check=_must(">", 0), kinds=_LLAMA)
     norm_eps: float = _f(1e-5, "llama: RMSNorm epsilon", check=_must(">", 0), kinds=_LLAMA)
+    qk_norm: bool = _f(False, "llama: RMSNorm over head_dim of every head's q and k before the rotary embedding, "
+                       "learned (head_dim,) weights h.{i}.attn.q_norm.w, k_norm.w with eps norm_eps (Qwen3)",
+                       kinds=_LLAMA)
     attention: str = _f("standard", "gpt, llama: causal attention; standard keeps every head's T x T "
                         "probabilities for backward, flash (fused, tiled, online softmax) keeps only the output "
                         "and one log-sum-exp per row and recomputes the scores in backward",

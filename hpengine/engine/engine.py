@@ -16,6 +16,7 @@ from mpi4py import MPI
 from hpengine.dist.comm import Comm
 from hpengine.dist.tracer import Tracer
 from hpengine.engine import state
+from hpengine.engine.moe_bias import RouterBias
 from hpengine.engine.moe_figures import MoEFigures
 from hpengine.layout.cache import Recompute, cache_nbytes
 from hpengine.layout.reduction import norm_excluded, reductions, summed_over, tied_sums
@@ -85,7 +86,9 @@ class Engine:
         self.share = res.share
         self.cache_bytes = self.cache_peak = 0
         self.layer_loss, self._norm = 0.0, 1.0
-        self.moe = MoEFigures(self.slots[0].model, self.xp)     # the first model's, as `loss` is
+        # the first model's figures, as `loss` is (every model's loads when router biases follow them)
+        self.moe = MoEFigures(self.slots[0].model, self.xp, len(self.slots))
+        self.router_bias = RouterBias([s.model for s in self.slots], cfg.model.moe.bias_update_rate, self.xp)
         self.opt_steps = 0          # optimizer updates applied (AdamW's bias-correction count)
         self.unit_lr = dataclasses.replace(cfg.optim, lr=1.0)
         self.pipe = PipelineExecutor(self.pp, self.xp, backend.dtype, res.pp, res.v, res.m, res.schedule,
@@ -124,8 +127,7 @@ class Engine:
                 st = m.layer_stats(b.layer, c)
                 if st is not None and grad:          # an MoE layer: its balancing losses join the loss
                     self.layer_loss += st.share
-                    if slot.index == 0:
-                        self.moe.add(b.layer, st)
+                    self.moe.add(b.layer, st, slot.index)
                 if self.res.recomputed(b):
                     c = Recompute(h_in)
             self.precision.stored_activations_(xp, b.kind, h, c if grad else None)
@@ -237,6 +239,8 @@ class Engine:
         n = len(losses)
         summed = self._losses(losses + self.moe.values(self.be.to_host))
         losses, moe = summed[:n], self.moe.metrics(summed[n:])
+        if moe:         # an applied step (a skipped one returned above): the router biases follow its loads
+            self.router_bias.update(self.moe.loads(summed[n:]))
         self.be.sync()
         tr.lap("loss sync", t)
         out = self._metrics(step, t0, losses, norms, lr_scale)
@@ -361,17 +365,20 @@ class Engine:
     def state_pieces(self) -> tuple[list, dict]:
         """What this rank saves of the training state, as load() takes it back: the pieces it alone writes
         (owned parameters, float32 masters under amp, Adam moments) and the layout-independent facts
-        (optimizer steps, loss scaler, tensor shapes, degrees). The caller adds config and data."""
+        (optimizer steps, loss scaler, router biases, tensor shapes, degrees). The caller adds config and data."""
         pieces = state.checkpoint_pieces(self.stage, self.sync, self.opts, self.master, self.tp,
                                          self.mesh.coords["dp"], self.be,
                                          frozenset(r.tensor for r in self.reductions if not r.counted))
-        meta = {"state": state.checkpoint_meta(self.opt_steps, self.scaler, len(self.slots)),
+        meta = {"state": {**state.checkpoint_meta(self.opt_steps, self.scaler, len(self.slots)), **self.router_bias.meta()},
                 "shapes": self.true_shapes(), "layout": self.mesh.degrees, "world": self.mesh.size}
         return pieces, meta
 
     def load(self, reader, params_only: bool = False) -> None:
         """This rank's part of a checkpoint (or of an export's parameters) into the engine."""
         steps = state.load_state(self.stage, self.sync, self.opts, self.master, self.tp, self.be, reader, params_only)
+        manifest = getattr(reader, "manifest", None)     # a checkpoint's; an export or a Hugging Face folder has none
+        if manifest is not None:        # the router biases route as the parameters were trained to
+            self.router_bias.load(manifest["state"])
         if steps is not None:
             self.opt_steps = steps
             saved = reader.manifest["state"].get("loss_scaler")

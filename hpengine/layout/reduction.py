@@ -7,7 +7,10 @@ The rules, from where copies of a tensor live:
 - a tensor another pipeline stage also holds (a tied head's wte): first summed with that copy ("tied");
   counted once, on the stage that declares it;
 - a tensor every tp rank holds whole (tp_dim None): counted on tp rank 0 only; under sequence parallelism
-  each tp rank saw only its positions, so its gradient is also summed over "tp".
+  each tp rank saw only its positions, so its gradient is also summed over "tp";
+- a whole tensor applied to each head separately (ParamSpec.tp_partial: the q/k norms) saw only this tp
+  rank's heads, with or without sequence parallelism: summed over "tp" (once, also under sequence parallelism,
+  where its heads' rows are every position).
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ def reductions(stage, tp_rank: int, sequence_parallel: bool) -> tuple[Reduction,
     for b in stage.blocks:
         for sp in stage.block_specs[b]:
             whole, copy = sp.tp_dim is None, sp.name in stage.copies
-            over = (("tied",) if sp.name in tied_in else ()) + REPLICAS + (("tp",) if whole and sequence_parallel else ())
+            partial = whole and (sequence_parallel or sp.tp_partial)
+            over = (("tied",) if sp.name in tied_in else ()) + REPLICAS + (("tp",) if partial else ())
             out.append(Reduction(sp.name, tied_in.get(sp.name, b), over, copy, not copy and not (whole and tp_rank > 0)))
     return tuple(out)
 

@@ -15,7 +15,8 @@ from hpengine.models.mlp import MLP
 @dataclass(frozen=True)
 class Kind:
     """A model kind: its class and, where Hugging Face has an equivalent, its adapter module (hf_<kind>.py:
-    ARCH (ARCHS, when it reads several), export_refusal, to_hf, hf_config, check_config, full_names, from_hf_map). Adding a kind is a file here and a line below."""
+    ARCH (ARCHS, when it reads several), export_refusal, to_hf, hf_config, check_config, full_names, from_hf_map; REFUSED,
+    optionally: near architectures it does not read, with why). Adding a kind is a file here and a line below."""
     model: type
     hf: ModuleType | None = None
 
@@ -34,9 +35,14 @@ def hf_kinds() -> dict:
     return {arch: name for name, k in KINDS.items() if k.hf is not None for arch in getattr(k.hf, "ARCHS", (k.hf.ARCH,))}
 
 
+def hf_refused() -> dict:
+    """Hugging Face architecture name -> why no kind reads it, for those an adapter names (its REFUSED)."""
+    return {arch: why for k in KINDS.values() if k.hf is not None for arch, why in getattr(k.hf, "REFUSED", {}).items()}
+
+
 def build_model(mcfg, tp_size: int = 1):
     """The model object for a [model] config section (vocabulary padded to a multiple of tp_size)."""
     return kind_of(mcfg.kind).model(mcfg, tp_size)
 
 
-__all__ = ["GPT", "KINDS", "Kind", "LOCAL", "Context", "Llama", "LocalTP", "MLP", "build_model", "hf_kinds", "kind_of"]
+__all__ = ["GPT", "KINDS", "Kind", "LOCAL", "Context", "Llama", "LocalTP", "MLP", "build_model", "hf_kinds", "hf_refused", "kind_of"]

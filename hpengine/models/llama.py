@@ -2,12 +2,15 @@
 blocks x + attn(rmsnorm(x)), x + mlp(rmsnorm(x)), a final RMSNorm and the head; no biases.
 
 Attention: n_heads query heads share n_kv_heads key/value heads (grouped-query), rotary embedding on q
-and k ("rotate half"), causal softmax scaled by 1/sqrt(head_dim). MLP: down(silu(gate(x)) * up(x)).
+and k ("rotate half"), causal softmax scaled by 1/sqrt(head_dim); with model.qk_norm (Qwen3) each head's q and
+k are RMS-normalised over head_dim, with learned (head_dim,) weights, before the rotation. MLP:
+down(silu(gate(x)) * up(x)).
 
 Parameters are stored (in, out) — Hugging Face's `*_proj.weight` transposed; q, k and v are separate
 matrices whose columns are head-major (head h owns columns h*hd .. (h+1)*hd - 1), in Hugging Face's
 rotary convention, so the export is a rename and a transpose. Under tensor parallelism q, k, v, gate and
-up split by columns (whole query and key/value heads per rank), o and down by rows, as Megatron does.
+up split by columns (whole query and key/value heads per rank), o and down by rows, as Megatron does; the
+q/k norm weights are replicated, and each rank's gradient of them (its heads' part) is summed over tp.
 """
 from __future__ import annotations
 
@@ -70,6 +73,7 @@ class Llama:
         self.n_layers = self.L
         self._tables = {}
         self.flash = getattr(mcfg, "attention", "standard") == "flash"
+        self.qk = bool(getattr(mcfg, "qk_norm", False))
         self.moe = MoEMLP(mcfg, self.F) if mcfg.moe.num_experts else None
 
     def _routed(self, i: int) -> bool:
@@ -90,14 +94,18 @@ class Llama:
         """Bytes the forward caches per micro-batch of `rows` sequences, by block kind ("input": what a
         recomputed layer keeps). A layer: two RMSNorms, the q/k/v linears' input and the gate/up linears'
         input (the norms' outputs), the attention (rotated q and k, v, probabilities, its output, which
-        is the o linear's input) and the SiLU gating (the down linear's input is rebuilt from it).
-        model.attention = "flash" keeps one log-sum-exp per row and head in place of the probabilities.
+        is the o linear's input) and the SiLU gating (the down linear's input is rebuilt from it); with
+        qk_norm, the q and k norms' normalised heads and one 1/rms per head and position (whole sequences:
+        they sit inside the tp region). model.attention = "flash" keeps one log-sum-exp per row and head in
+        place of the probabilities.
         "scores": the probabilities' part of "layer", which selective recompute drops (0 under flash).
         parts: sequence pieces (sequence parallelism splits the norms and the linears' inputs)."""
         n, C, H, K = rows * self.T, self.C, self.H // tp, self.K // tp
         ns = n // parts
         att = (flash_cache_bytes(rows, self.T, H, K, self.hd, item) if self.flash
                else gqa_cache_elements(rows, self.T, H, K, self.hd, score_elements(self.T)) * item)
+        if self.qk:
+            att += rmsnorm_cache_bytes(n * H, self.hd, item) + rmsnorm_cache_bytes(n * K, self.hd, item)
         layer = 2 * rmsnorm_cache_bytes(ns, C, item) + (2 * ns * C + swiglu_cache_elements(n * self.F // tp)) * item + att
         scores = 0 if self.flash else rows * H * score_elements(self.T) * item
         # W stash (split backward), as gpt's: dy, the gating, dg, du, h2; dx, a, dq, dk, dv, h
@@ -141,8 +149,13 @@ class Llama:
                 ParamSpec(f"{p}.attn.q.w", (C, self.H * hd), tp_dim=1, std=std, block=p),
                 ParamSpec(f"{p}.attn.k.w", (C, self.K * hd), tp_dim=1, std=std, block=p),
                 ParamSpec(f"{p}.attn.v.w", (C, self.K * hd), tp_dim=1, std=std, block=p),
-                ParamSpec(f"{p}.attn.o.w", (self.H * hd, C), tp_dim=0, std=out_std, block=p),
+                ParamSpec(f"{p}.attn.o.w", (self.H * hd, C), tp_dim=0, std=out_std, block=p)] + self._qk_specs(p) + [
                 ParamSpec(f"{p}.mlp_norm.w", (C,), decay=False, init="ones", block=p)] + mlp
+
+    def _qk_specs(self, p: str) -> list[ParamSpec]:
+        """The q and k norms' weights (qk_norm): one (head_dim,) weight each, shared by all heads."""
+        return [ParamSpec(f"{p}.attn.{a}_norm.w", (self.hd,), decay=False, init="ones", block=p, tp_partial=True)
+                for a in "qk"] if self.qk else []
 
     def all_specs(self) -> list[ParamSpec]:
         return [s for b in self.blocks() for s in self.specs(b.name)]
@@ -176,8 +189,9 @@ class Llama:
         hs, c_n1 = rmsnorm_forward(xp, x, P[f"{p}.attn_norm.w"], self.eps)
         (q, k, v), c_qkv = columns_forward(xp, ctx, hs, (P[f"{p}.attn.q.w"], P[f"{p}.attn.k.w"], P[f"{p}.attn.v.w"]))
         del hs
-        q = rope_forward(xp, q.reshape(B, T, H, hd), qcos, qsin)
-        k = rope_forward(xp, k.reshape(B, T, K, hd), cos, sin)
+        q, k, c_qk = self._qk_forward(xp, P, p, q.reshape(B, T, H, hd), k.reshape(B, T, K, hd))
+        q = rope_forward(xp, q, qcos, qsin)
+        k = rope_forward(xp, k, cos, sin)
         k, v = ctx.attn.kv_forward(k, v.reshape(B, T, K, hd).transpose(0, 2, 1, 3))
         attend = flash_gqa_forward if self.flash else gqa_attention_forward
         a, c_att = attend(xp, q, k, v)
@@ -189,7 +203,7 @@ class Llama:
             o += d
             if not (keep_scores or self.flash):
                 c_att = gqa_drop_scores(c_att)
-            return o, (c_n1, c_qkv, c_att, c_o, c_n2, c_moe)
+            return o, (c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_moe)
         (g, u), c_gu = columns_forward(xp, ctx, h2s, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]))
         del h2s
         m, c_sw = swiglu_forward(xp, g, u)
@@ -198,7 +212,24 @@ class Llama:
         o += d
         if not (keep_scores or self.flash):
             c_att = gqa_drop_scores(c_att)
-        return o, (c_n1, c_qkv, c_att, c_o, c_n2, c_gu, c_sw, linear_drop_input(c_d))
+        return o, (c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_gu, c_sw, linear_drop_input(c_d))
+
+    def _qk_forward(self, xp, P, p, q, k):
+        # q: (B, T, H, hd), k: (B, T, K, hd) -> the same, each head RMS-normalised (qk_norm; else as they are)
+        if not self.qk:
+            return q, k, None
+        q, c_q = rmsnorm_forward(xp, q, P[f"{p}.attn.q_norm.w"], self.eps)
+        k, c_k = rmsnorm_forward(xp, k, P[f"{p}.attn.k_norm.w"], self.eps)
+        return q, k, (c_q, c_k)
+
+    def _qk_backward(self, xp, dq, dk, cache, P, G, p):
+        # dq: (B, T, H, hd), dk: (B, T, K, hd) -> the gradients of the norms' inputs (new arrays); the weight
+        # gradients are taken here, in B, as every norm's are (nn/rmsnorm.py: rmsnorm_backward_input)
+        if cache is None:
+            return dq, dk
+        c_q, c_k = cache
+        return (rmsnorm_backward(xp, dq, c_q, P[f"{p}.attn.q_norm.w"], G[f"{p}.attn.q_norm.w"]),
+                rmsnorm_backward(xp, dk, c_k, P[f"{p}.attn.k_norm.w"], G[f"{p}.attn.k_norm.w"]))
 
     def layer_backward(self, xp, dy, cache, P, G, i, ctx, defer=None):
         # dy: (B, T, C) -> dx: (B, T, C); defer: a list for the weight-gradient products (nn/deferred.py),
@@ -206,10 +237,10 @@ class Llama:
         p = f"h.{i}"
         (cos, sin), (qcos, qsin) = self.rope(xp, dy.dtype)
         if self._routed(i):     # the routed experts run whole in B (their weight gradients are not deferred)
-            c_n1, c_qkv, c_att, c_o, c_n2, c_moe = cache
+            c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_moe = cache
             dh2 = self.moe.backward(xp, dy, c_moe, P, G, p, ctx)
         else:
-            c_n1, c_qkv, c_att, c_o, c_n2, c_gu, c_sw, c_d = cache
+            c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_gu, c_sw, c_d = cache
             # MLP branch
             c_d = linear_restore_input(c_d, swiglu_recompute(xp, c_sw))
             dm = row_backward(xp, ctx, dy, c_d, P[f"{p}.mlp.down.w"], G[f"{p}.mlp.down.w"], defer=defer)
@@ -226,7 +257,8 @@ class Llama:
         else:
             dq, dk, dv = gqa_attention_backward(xp, da, gqa_restore_scores(xp, c_att))
         dk, dv = ctx.attn.kv_backward(dk, dv)
-        dys = (rope_backward(xp, dq, qcos, qsin), rope_backward(xp, dk, cos, sin), dv.transpose(0, 2, 1, 3))
+        dq, dk = self._qk_backward(xp, rope_backward(xp, dq, qcos, qsin), rope_backward(xp, dk, cos, sin), c_qk, P, G, p)
+        dys = (dq, dk, dv.transpose(0, 2, 1, 3))
         dh = columns_backward(xp, ctx, dys, c_qkv, (P[f"{p}.attn.q.w"], P[f"{p}.attn.k.w"], P[f"{p}.attn.v.w"]),
                               (G[f"{p}.attn.q.w"], G[f"{p}.attn.k.w"], G[f"{p}.attn.v.w"]), defer=defer)
         dn = rmsnorm_backward(xp, dh, c_n1, P[f"{p}.attn_norm.w"], G[f"{p}.attn_norm.w"])
@@ -264,8 +296,9 @@ class Llama:
         q, _ = linear_forward(xp, h, P[f"{p}.attn.q.w"])
         k, _ = linear_forward(xp, h, P[f"{p}.attn.k.w"])
         v, _ = linear_forward(xp, h, P[f"{p}.attn.v.w"])
-        q = rope_forward(xp, q.reshape(1, n, H, hd), qcos[pos], qsin[pos])[0]      # (H, n, hd), scaled
-        k = rope_forward(xp, k.reshape(1, n, K, hd), cos[pos], sin[pos])[0]        # (K, n, hd)
+        q, k, _ = self._qk_forward(xp, P, p, q.reshape(1, n, H, hd), k.reshape(1, n, K, hd))
+        q = rope_forward(xp, q, qcos[pos], qsin[pos])[0]                           # (H, n, hd), scaled
+        k = rope_forward(xp, k, cos[pos], sin[pos])[0]                             # (K, n, hd)
         v = v[0].reshape(n, K, hd).transpose(1, 0, 2)
         a = cache.attend(xp, q.reshape(K, H // K, n, hd), k, v, start)             # query head h: kv head h // g
         a = a.reshape(H, n, hd).transpose(1, 0, 2).reshape(1, n, H * hd)

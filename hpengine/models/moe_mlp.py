@@ -6,8 +6,13 @@ The balancing losses (aux, z) are part of the training loss: the layer's forward
 and keeps its figures, the weighted share among them, in its cache (MoEStats, which the engine reads through
 the model's layer_stats), and its backward adds their gradients. The experts' weights are one (E, C, F)
 tensor per projection, split over ep ranks along E under expert parallelism (ctx.ep); the router's is (C, E).
+moe.capacity_factor > 0 caps each expert's assignments per sequence in training passes (nn/moe.moe_capacity;
+evaluation and decoding stay dropless); set_bias installs the per-layer selection biases of aux-loss-free
+balancing, which the engine keeps and updates (engine/moe_bias.py).
 """
 from __future__ import annotations
+
+import math
 
 from hpengine.nn import swiglu_backward, swiglu_forward, swiglu_recompute
 from hpengine.nn.linear import linear_backward, linear_forward
@@ -17,6 +22,7 @@ from hpengine.nn.moe import (
     grouped_swiglu_backward,
     grouped_swiglu_forward,
     moe_cache_bytes,
+    moe_capacity,
     moe_combine_backward,
     moe_combine_forward,
     moe_permute,
@@ -34,6 +40,17 @@ class MoEMLP:
         e = mcfg.moe
         self.cfg, self.E, self.k, self.T = e, e.num_experts, e.top_k, mcfg.seq_len
         self.F, self.Fs = e.expert_hidden or dense_width, e.shared_hidden
+        # (token, slot) assignments an expert takes per sequence in training; 0 = dropless
+        self.capacity = math.ceil(e.capacity_factor * self.T * self.k / self.E) if e.capacity_factor > 0 else 0
+        self.bias = None        # block prefix -> (E,) selection bias on the device; None = no bias
+
+    def set_bias(self, xp, bias) -> None:
+        """The selection biases, (n_layers, E) float64 on the host (rows of dense layers unused); all zeros or
+        None removes them, so an unbiased layer runs exactly as without."""
+        if bias is None or not bias.any():
+            self.bias = None
+            return
+        self.bias = {f"h.{i}": xp.asarray(bias[i]) for i in range(bias.shape[0]) if self.routed(i)}
 
     def routed(self, layer: int) -> bool:
         """Whether layer `layer` has routed experts (else the dense MLP)."""
@@ -59,12 +76,17 @@ class MoEMLP:
         e = self.cfg
         norm = loss[0] if loss else 1.0
         idx, gates, (aux, z), load, c_r = router_forward(xp, h2, P[f"{p}.moe.router.w"], self.k, T, norm,
-                                                          e.router, e.norm_topk)
+                                                          e.router, e.norm_topk,
+                                                          None if self.bias is None else self.bias[p])
+        dropping, dropped = bool(self.capacity and loss), 0
+        if dropping:        # a dropped slot: idx -1, gate 0; its row is never dispatched
+            idx, gates = moe_capacity(xp, idx, gates, T, self.E, self.capacity)
+            dropped = (idx < 0).sum()
         W = (P[f"{p}.moe.experts.gate.w"], P[f"{p}.moe.experts.up.w"], P[f"{p}.moe.experts.down.w"])
         if ctx.ep.size == 1:
-            y, c_e = experts_forward(xp, h2, idx, gates, *W)
+            y, c_e = experts_forward(xp, h2, idx, gates, *W, dropping=dropping)
         else:       # this rank's rows to the ranks of their experts, this rank's experts on what arrives, back
-            order, counts = moe_permute(xp, idx, self.E)
+            order, counts = moe_permute(xp, idx, self.E, dropping)
             xl, cl, plan = ctx.ep.dispatch(h2[order // self.k], counts)
             yl, c_g = grouped_swiglu_forward(xp, xl, cl, *W)
             y, c_c = moe_combine_forward(xp, ctx.ep.combine(yl, plan), order, gates, h2.shape[0])
@@ -78,7 +100,7 @@ class MoEMLP:
             y += s
             c_s = (c_sg, c_sw)
         share = (e.aux_loss * aux + e.z_loss * z) if loss else 0.0
-        stats = MoEStats(aux if loss else 0.0, z if loss else 0.0, share, load, loss[1] if loss else 1.0)
+        stats = MoEStats(aux if loss else 0.0, z if loss else 0.0, share, load, loss[1] if loss else 1.0, dropped)
         return y.reshape(B, T, C), (c_r, c_e, c_s, stats)
 
     def backward(self, xp, dy, cache, P, G, p, ctx):
@@ -116,9 +138,10 @@ class MoEMLP:
 
 class MoEStats:
     """What one MoE layer's forward reports: its aux and z losses (this call's shares, unweighted), the
-    weighted share added to the training loss, the selections per expert, and the loss scale its backward
-    multiplies the balancing gradients by."""
-    __slots__ = ("aux", "z", "share", "load", "scale")
+    weighted share added to the training loss, the selections per expert (before any drop), the loss scale its
+    backward multiplies the balancing gradients by, and the (token, slot) assignments capacity dropped (a
+    device scalar; 0 when dropless)."""
+    __slots__ = ("aux", "z", "share", "load", "scale", "dropped")
 
-    def __init__(self, aux, z, share, load, scale):
-        self.aux, self.z, self.share, self.load, self.scale = aux, z, share, load, scale
+    def __init__(self, aux, z, share, load, scale, dropped=0):
+        self.aux, self.z, self.share, self.load, self.scale, self.dropped = aux, z, share, load, scale, dropped

@@ -1,4 +1,4 @@
-"""Routed experts of a Mixtral / Qwen3-MoE style layer, dropless (every routed token is computed).
+"""Routed experts of a Mixtral / Qwen3-MoE style layer: dropless, or with a capacity per expert and sequence.
 
 Router: logits l = x @ w_r (N, E); scores p = softmax(l) or sigmoid(l); each token picks the k experts
 with the largest p + bias (the bias only selects: it is in neither the gates nor any gradient) and gets
@@ -14,11 +14,16 @@ the gate-weighted sum over a token's k choices. Balancing losses, without their 
 The router computes in float32 when the activations are narrower (its softmax and top-k are sensitive to
 rounding) and never takes bf16 operands.
 
+Capacity (moe_capacity): within each sequence expert e keeps its first `capacity` (token, slot) assignments in
+the order (token position, then slot, the rank of e among the token's top_k); a later one is dropped: its
+idx becomes -1 and its gate 0 (after the top-k renormalisation, so the kept gates keep their values), and
+its row is never dispatched. Dropping depends only on idx, so it is piecewise constant like the selection.
+
 Dispatch, expert GEMMs and combine are separate steps, so an all-to-all can go between them: moe_permute
-sorts the N k (token, slot) pairs by expert (stable: then by token, then by slot), the grouped SwiGLU runs
+sorts the kept (token, slot) pairs by expert (stable: then by token, then by slot), the grouped SwiGLU runs
 one GEMM per expert and projection on each expert's consecutive rows, and the combine gathers each
-token's k rows back through the inverse permutation. Every token has exactly k rows, so the backward's
-"scatter-add to tokens" is a gather of k rows per token too: no atomics, and a deterministic sum.
+token's kept rows back through the inverse permutation. A token has at most one row per slot, so the
+backward's "scatter-add to tokens" is a gather of its rows slot by slot too: no atomics, a deterministic sum.
 """
 import numpy as np
 
@@ -141,19 +146,58 @@ def router_backward(xp, dgates, cache, w, dw, aux_coef=0.0, z_coef=0.0, dloss=1.
     return _as(dl @ _as(w, ct).T, x2.dtype)
 
 
-def moe_permute(xp, idx, E):
-    # idx: (N, k) -> order (N k,) int64 into the flattened slots, counts (E,) int64
+def moe_capacity(xp, idx, gates, seq_len, E, capacity):
+    # idx, gates: (N, k) from router_forward -> (idx with -1, gates with 0, for each dropped slot)
+    N, k = idx.shape
+    seq = xp.arange(N, dtype=np.int64) // seq_len
+    key = (seq[:, None] * E + idx).reshape(-1)      # (sequence, expert) per slot, flat in (token, slot) order
+    order = _stable_argsort(xp, key)                # by (sequence, expert), then (token, slot)
+    cnt = xp.bincount(key, minlength=(N // seq_len) * E)
+    start = xp.cumsum(cnt) - cnt
+    rank = xp.empty_like(key)                       # an assignment's place in its (sequence, expert) queue
+    rank[order] = xp.arange(key.shape[0], dtype=np.int64) - start[key[order]]
+    keep = (rank < capacity).reshape(N, k)
+    return xp.where(keep, idx, -1), gates * keep
+
+
+def moe_permute(xp, idx, E, dropping=False):
+    # idx: (N, k), -1 for a dropped slot (only when dropping) -> order (S,) int64 into the flattened slots,
+    # the S <= N k kept ones sorted by expert; counts (E,) int64
     flat = idx.reshape(-1)
-    order = _stable_argsort(xp, flat).astype(np.int64, copy=False)
-    counts = xp.bincount(flat, minlength=E).astype(np.int64, copy=False)
-    return order, counts
+    if not dropping:
+        order = _stable_argsort(xp, flat).astype(np.int64, copy=False)
+        counts = xp.bincount(flat, minlength=E).astype(np.int64, copy=False)
+        return order, counts
+    key = xp.where(flat < 0, E, flat)               # dropped slots sort last, into a bucket E that is cut off
+    order = _stable_argsort(xp, key).astype(np.int64, copy=False)
+    counts = xp.bincount(key, minlength=E + 1).astype(np.int64, copy=False)
+    return order[:flat.shape[0] - int(counts[E])], counts[:E]
 
 
-def _inverse(xp, order):
-    # inv[p] = the permuted row of flat slot p
-    inv = xp.empty_like(order)
+def _inverse(xp, order, slots):
+    # inv[p] = the permuted row of flat slot p, -1 for a dropped slot
+    inv = xp.empty(slots, dtype=order.dtype) if order.shape[0] == slots else xp.full(slots, -1, dtype=order.dtype)
     inv[order] = xp.arange(order.shape[0], dtype=order.dtype)
     return inv
+
+
+def _slot_sum(xp, rows, order, N, k, gates=None):
+    # rows: (S, C) in dispatch order -> (N, C): each token's rows (times their gates) summed in slot order
+    inv = _inverse(xp, order, N * k).reshape(N, k)
+    if order.shape[0] == N * k:          # dropless: every slot has its row
+        out = rows[inv[:, 0]] if gates is None else rows[inv[:, 0]] * gates[:, :1]
+        for s in range(1, k):
+            out += rows[inv[:, s]] if gates is None else rows[inv[:, s]] * gates[:, s:s + 1]
+        return out
+    dtype = rows.dtype if gates is None else np.result_type(rows.dtype, gates.dtype)
+    out = xp.zeros((N,) + tuple(rows.shape[1:]), dtype=dtype)
+    for s in range(k):                   # a dropped slot adds nothing (not even a zero-weighted row)
+        t = xp.flatnonzero(inv[:, s] >= 0)
+        r = rows[inv[t, s]]
+        if gates is not None:
+            r *= gates[t, s:s + 1]
+        out[t] += r                      # t has each token once: no atomics
+    return out
 
 
 def _sizes(counts, E, S):
@@ -213,30 +257,26 @@ def grouped_swiglu_backward(xp, dys, cache, w_gate, w_up, w_down, dw_gate, dw_up
 
 def moe_combine_forward(xp, ys, order, gates, N):
     # ys: (S, C) permuted rows, order: (S,), gates: (N, k) -> y: (N, C)
-    k = gates.shape[1]
-    inv = _inverse(xp, order).reshape(N, k)
     # one gather per slot, summed in slot order: deterministic, with an (N, C) temporary
-    y = ys[inv[:, 0]] * gates[:, :1]
-    for s in range(1, k):
-        y += ys[inv[:, s]] * gates[:, s:s + 1]
-    return y, (ys, order, gates)
+    return _slot_sum(xp, ys, order, N, gates.shape[1], gates), (ys, order, gates)
 
 
 def moe_combine_backward(xp, dy, cache):
-    # dy: (N, C) -> dys: (S, C), dgates: (N, k)
+    # dy: (N, C) -> dys: (S, C), dgates: (N, k) (0 for a dropped slot)
     ys, order, gates = cache
     N, k = gates.shape
     dys = dy[order // k]
-    dgates = xp.empty(N * k, dtype=np.result_type(dy.dtype, ys.dtype))
-    dgates[order] = (dys * ys).sum(axis=1)           # order holds every slot once
+    dt = np.result_type(dy.dtype, ys.dtype)
+    dgates = xp.empty(N * k, dtype=dt) if order.shape[0] == N * k else xp.zeros(N * k, dtype=dt)
+    dgates[order] = (dys * ys).sum(axis=1)           # order holds every kept slot once
     dys *= gates.reshape(-1)[order][:, None]
     return dys, dgates.reshape(N, k)
 
 
-def experts_forward(xp, x2, idx, gates, w_gate, w_up, w_down):
-    # x2: (N, C), idx, gates: (N, k) from router_forward -> y: (N, C)
+def experts_forward(xp, x2, idx, gates, w_gate, w_up, w_down, dropping=False):
+    # x2: (N, C), idx, gates: (N, k) from router_forward (or moe_capacity: dropping) -> y: (N, C)
     N, k = idx.shape
-    order, counts = moe_permute(xp, idx, w_gate.shape[0])
+    order, counts = moe_permute(xp, idx, w_gate.shape[0], dropping)
     ys, (_, sizes, sw) = grouped_swiglu_forward(xp, x2[order // k], counts, w_gate, w_up, w_down)
     y, ccache = moe_combine_forward(xp, ys, order, gates, N)
     # the permuted input (k copies of every token) is gathered again from x2 in backward, not kept:
@@ -257,12 +297,8 @@ def experts_backward(xp, dy, cache, w_gate, w_up, w_down, dw_gate, dw_up, dw_dow
 
 
 def tokens_sum(xp, rows, order, N, k):
-    # rows: (N k, C) in dispatch order -> (N, C): each token's k rows summed, in slot order
-    inv = _inverse(xp, order).reshape(N, k)
-    out = rows[inv[:, 0]]
-    for s in range(1, k):
-        out += rows[inv[:, s]]
-    return out
+    # rows: (S, C) in dispatch order -> (N, C): each token's rows summed, in slot order
+    return _slot_sum(xp, rows, order, N, k)
 
 
 def moe_cache_bytes(n_tokens: int, k: int, E: int, C: int, F: int, item: int) -> int:

@@ -13,7 +13,8 @@ from math import prod
 @dataclass(frozen=True)
 class ParamSpec:
     """One tensor of a model: its global name and shape, the dim tensor parallelism splits
-    (None = replicated), whether weight decay applies, and how it is initialised."""
+    (None = replicated) and whether a replicated one's gradient is partial over tp, whether weight decay
+    applies, and how it is initialised."""
     name: str
     global_shape: tuple
     tp_dim: int | None = None
@@ -25,6 +26,9 @@ class ParamSpec:
     seed: int | None = None       # seed of the model it belongs to (None = the run's seed)
     true_shape: tuple | None = None   # unpadded shape when a dim is padded for tp (padding inits to 0)
     ep_dim: int | None = None     # the dim expert parallelism splits (a routed expert's weights: 0)
+    # replicated (tp_dim None), but applied to this tp rank's heads only (a q/k norm): each rank's gradient
+    # is its heads' part, summed over tp (layout/reduction.py)
+    tp_partial: bool = False
 
     def tp_slices(self, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0, ep_size: int = 1) -> tuple:
         """The global index slices this tp (and ep) rank holds (whole tensor when replicated)."""

@@ -46,6 +46,9 @@ class Cluster:
     # GB kept free per device: CUDA context + cuBLAS workspace (~0.5-1 GB), MPI/NCCL buffers (~0.5 GB),
     # allocator fragmentation (a few % of what is used); None: 4 GB, or 5 % of a memory under 80 GB
     reserve_gb: float | None = None
+    # MoE under expert parallelism: the most-loaded expert's tokens over the mean (a run's moe_load_max); its
+    # rank's expert GEMMs and received rows take this factor, and every rank waits for it (1: balanced)
+    moe_imbalance: float = 1.0
 
     @property
     def reserve(self) -> float:
@@ -90,6 +93,9 @@ def load_cluster(path=None, **flags) -> Cluster:
         if not ok or isinstance(v, bool) or not (v >= 0 if k in MAY_BE_ZERO else v > 0) or not math.isfinite(v):
             raise PlanError(f"cluster.{k} = {v!r}: must be a {least} {what}")
     c = Cluster(**raw)
+    if c.moe_imbalance < 1:
+        raise PlanError(f"cluster.moe_imbalance = {c.moe_imbalance:g}: the most-loaded expert's tokens over the "
+                        "mean is at least 1 (1 = balanced routing)")
     if c.gemm_eff_max > 1:
         raise PlanError(f"cluster.gemm_eff_max = {c.gemm_eff_max}: a share of the peak, at most 1")
     if c.reserve >= c.mem_gb:

@@ -39,6 +39,8 @@ class Stage:
     replicated: tuple = ()  # per tensor (sizes' order, one model): whether every tp rank holds it whole
     experts: int = 0       # elements of the expert blocks split over ep (this rank's block; summed over ep-dp)
     expert: tuple = ()     # per tensor (sizes' order, one model): whether it is an expert block split over ep
+    expert_mm: int = 0     # of `matmul`, the routed experts' share (top_k of them per token)
+    partial: tuple = ()    # per tensor: held whole but applied to this tp rank's heads only (ParamSpec.tp_partial)
 
     def sizes(self, models: int) -> list[int]:
         """Tensor element counts in layout order, for `models` models sharing the buffer."""
@@ -81,7 +83,7 @@ def _stages(mkey, tp, p, v, split, schedule, ep=1) -> list[Stage]:
     for s in range(p):
         st = build_stage(mcfg, res, s, 0, models=[model])
         slot, lay = st.slots[0], st.layout
-        blocks, matmuls, replicated, expert = [], [], [], []
+        blocks, matmuls, replicated, expert, partial, expert_mm = [], [], [], [], [], 0
         for name in slot.blocks:
             b = slot.block(name)
             specs = st.block_specs[name]
@@ -91,20 +93,22 @@ def _stages(mkey, tp, p, v, split, schedule, ep=1) -> list[Stage]:
                 mm += sum(n for sp, n in zip(specs, sizes) if len(sp.global_shape) == 2 and sp.name not in st.copies)
                 # routed experts (E, in, out): each token meets top_k of the E matrices, wherever they are held
                 moe = getattr(model, "moe", None)
-                mm += sum(n * lay.ep_size * moe.k // moe.E for sp, n in zip(specs, sizes)
-                          if len(sp.global_shape) == 3) if moe else 0
+                routed = sum(n * lay.ep_size * moe.k // moe.E for sp, n in zip(specs, sizes)
+                             if len(sp.global_shape) == 3) if moe else 0
+                mm, expert_mm = mm + routed, expert_mm + routed
             for t in b.reads:       # a tied head multiplies by wte, held here or by the embedding block
                 mm += next(math.prod(sp.local_shape(0, tp)) for sp in model.specs(owner(model, t)) if sp.name == t)
             blocks.append((name, tuple(sizes)))
             replicated += [sp.tp_dim is None for sp in specs]
             expert += [sp.ep_dim is not None and ep > 1 for sp in specs]
+            partial += [sp.tp_dim is None and sp.tp_partial for sp in specs]
             matmuls.append((name, mm))
         kinds = tuple(slot.block(n) for n in slot.blocks)
         out.append(Stage(tuple(blocks), slot.chunks, sum(k.kind == "layer" for k in kinds), sum(n for _, n in matmuls),
                          kinds, tuple(st.deps.items()), tuple(matmuls),
                          sum(lay.ranges[t].size for t in set(st.tied.values())), tuple(replicated),
                          sum(lay.ranges[sp.name].size for sp in lay.specs if sp.ep_dim is not None and ep > 1),
-                         tuple(expert)))
+                         tuple(expert), expert_mm=expert_mm, partial=tuple(partial)))
     return out
 
 
@@ -234,7 +238,7 @@ def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=Non
     counts its own buffer of a collective; "tied" is the first/last-stage wte gradient sum)."""
     w, g, _, item = precision(mcfg, lay.amp)
     M, psi, out = models, st.psi * models, {}
-    losses = F64 * (M + plan_moe.loss_figures(mcfg))         # the loss allreduce, with the MoE figures riding on it
+    losses = F64 * (M + plan_moe.loss_figures(mcfg, M))         # the loss allreduce, with the MoE figures riding on it
     if lay.sh > 1:
         gathers = psi * w if lay.zstage < 3 else lay.k * lay.m * M * gathered_per_microbatch(mcfg, st) * w
         out["sharding"] = {"reduce": psi * g, "allgather": gathers, "allreduce": F64 * M + losses}
@@ -247,7 +251,7 @@ def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=Non
         out["ep"] = {"allreduce": F64 * M, "alltoallv": plan_moe.alltoall_bytes(mcfg, st, lay, item)}
     tokens = lay.share * mcfg.seq_len * M
     if lay.tp > 1:
-        rep = plan_tp.replicated_owned(st, lay, M, _partition, sh_rank) if lay.sp else 0
+        rep = plan_tp.replicated_owned(st, lay, M, _partition, sh_rank)
         out["tp"] = plan_tp.traffic(mcfg, st, lay, tokens, item, g, 4 if lay.amp else item, F64 * M, rep)
     hops = _hops(lay, stage)
     if hops:                 # activations to the next virtual stage, gradients to the previous one
@@ -339,7 +343,9 @@ def compute_s(mcfg, st: Stage, lay: Resolved, cluster) -> float:
     CPUs (calibrated block_us, act_ns) also a fixed overhead per block pass (forward, backward, and a
     recomputed block's second forward) and the elementwise passes (layernorm, softmax, GELU, residuals)
     over the activations the forward caches, by their bytes (a second forward: about half of its layer's
-    again; a selective rebuild: the probabilities)."""
+    again; a selective rebuild: the probabilities). Under expert parallelism the routed experts' GEMMs take
+    cluster.moe_imbalance times their balanced share (the rank holding the most-loaded expert: everyone
+    waits for it at the all-to-all)."""
     item = precision(mcfg, lay.amp)[3]
     again = len(rc.full(st, lay))
     a = block_activations(mcfg, lay, item)
@@ -347,6 +353,8 @@ def compute_s(mcfg, st: Stage, lay: Resolved, cluster) -> float:
     peak = _device_flops(mcfg, lay, cluster)
     work = (plan_gpu.compute_s(mcfg, st, lay, cluster, peak, item, cached) if plan_gpu.enabled(cluster)
             else flops_per_microbatch(mcfg, st, lay) / peak)
+    if lay.ep > 1:          # the rank of the most-loaded expert does imbalance x its balanced expert GEMMs
+        work += (cluster.moe_imbalance - 1) * 6 * lay.rows * mcfg.seq_len * st.expert_mm / peak
     return work + (2 * len(st.names) + again) * cluster.block_us * 1e-6 + cached / 4 * cluster.act_ns * 1e-9
 
 
@@ -383,7 +391,7 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
         out["pp"] = (collective_s("send", 2, tr["pp"]["send"] / mb, _hops(lay, stage) * M, *link(lay, "pp", cluster))
                      + plan_tp.pipeline_gather_seconds(lay, gathered / mb, _hops(lay, stage), M, tp_link, collective_s))
     if "ep" in tr:          # an ep group is consecutive dp ranks: the dp link
-        out["ep"] = plan_moe.alltoall_seconds(lay, tr["ep"]["alltoallv"] / mb,
+        out["ep"] = plan_moe.alltoall_seconds(lay, cluster.moe_imbalance * tr["ep"]["alltoallv"] / mb,
                                               plan_moe.alltoall_calls(mcfg, st, lay) / mb, *link(lay, "dp", cluster))
     hide = cluster.overlap * comp           # what may hide gradient sync: the last backward, 2/3 of a micro-batch
     if "dp" in tr:

@@ -35,8 +35,12 @@ def received_cache(mcfg, lay, item: int) -> int:
     return S * mcfg.d_model * item + 8 * S + 2 * 8 * lay.ep
 
 
-def loss_figures(mcfg) -> int:
-    """Values the engine adds to the loss allreduce for an MoE model: the aux and z shares and the selections
-    per expert of every layer (engine/moe_figures.py: MoEFigures.values)."""
+def loss_figures(mcfg, models: int = 1) -> int:
+    """Values the engine adds to the loss allreduce for an MoE model: the aux and z shares, the selections per
+    expert of every layer (of every model when router biases follow them) and, under a capacity, the drops per
+    layer (engine/moe_figures.py: MoEFigures.values)."""
     e = mcfg.moe if mcfg.kind == "llama" else None
-    return 2 + mcfg.n_layers * e.num_experts if e is not None and e.num_experts else 0
+    if e is None or not e.num_experts:
+        return 0
+    loads = models if e.bias_update_rate > 0 else 1
+    return 2 + loads * mcfg.n_layers * e.num_experts + (mcfg.n_layers if e.capacity_factor > 0 else 0)

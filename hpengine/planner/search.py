@@ -287,7 +287,7 @@ def check_at_start(cfg: Config, world: int, log, rank: int = 0) -> dict | None:
 
 CLUSTER_FLAGS = ("nodes", "gpus_per_node", "mem_gb", "intra_bw_gbs", "inter_bw_gbs", "intra_latency_us",
                  "inter_latency_us", "tflops", "tflops_fp32", "tflops_fp64",
-                 "reserve_gb")   # cli/commands.py's flags (the rest: --cluster)
+                 "reserve_gb", "moe_imbalance")   # cli/commands.py's flags (the rest: --cluster)
 
 
 def check_args(a) -> None:

@@ -1,6 +1,7 @@
 """The planner's model of tensor-parallel traffic: the activation collectives of the tp regions (allreduces,
 or under sequence parallelism all-gathers and reduce-scatters), the loss statistics, the once-a-step sum of
-the replicated tensors' gradients under sequence parallelism, and pipeline sends split across tp (each tp
+the replicated tensors' gradients (under sequence parallelism every whole tensor's, else only those applied
+per head, layout/reduction.py), and pipeline sends split across tp (each tp
 rank sends 1/tp, the receiving stage all-gathers). Bytes as comm.py counts them: an allreduce and a
 reduce-scatter count the buffer sent, an all-gather the buffer gathered."""
 from __future__ import annotations
@@ -29,9 +30,13 @@ def activation_calls(mcfg, st, lay) -> dict:
 
 
 def replicated_owned(st, lay, models: int, partition_of, sh_rank=None) -> int:
-    """Elements of tensors every tp rank holds whole inside this rank's owned range (the largest over
-    sharding ranks when sh_rank is None): under sequence parallelism their gradients are summed over tp."""
-    sizes, flags = tuple(st.sizes(models)), st.replicated * models
+    """Elements inside this rank's owned range (the largest over sharding ranks when sh_rank is None) of the
+    tensors whose gradients are summed over tp once a step: under sequence parallelism every tensor each tp
+    rank holds whole, else those of them applied per head (ParamSpec.tp_partial, the q/k norms)."""
+    flags = st.replicated if lay.sp else st.partial
+    if not any(flags):
+        return 0
+    sizes, flags = tuple(st.sizes(models)), flags * models
     if lay.sh == 1:
         return sum(n for n, f in zip(sizes, flags) if f)
     per_rank = flagged_per_rank(sizes, flags, tuple(partition_of(sizes, lay.sh, lay.partition)))
@@ -52,11 +57,11 @@ def flagged_per_rank(sizes, flags, ranges) -> tuple:
 def traffic(mcfg, st, lay, tokens: int, item: int, g: int, loss_item: int, scalars: int, replicated: int) -> dict:
     """{op: bytes} on the tp communicator in one step: `tokens` of the step through the stage, activations
     of `item` bytes, gradients of `g`; the loss's max, sum and target logit per head in `loss_item` bytes;
-    `scalars` bytes of squared norms; the replicated gradients under sequence parallelism."""
+    `scalars` bytes of squared norms; `replicated` elements of gradients summed over tp once a step."""
     C = mcfg.d_model
     ce = 3 * len(st.of_kind("head")) * loss_item
     out = {op: tokens * n * C * item for op, n in activation_calls(mcfg, st, lay).items()}
-    out["allreduce"] = out.get("allreduce", 0) + tokens * ce + scalars + (replicated * g if lay.sp else 0)
+    out["allreduce"] = out.get("allreduce", 0) + tokens * ce + scalars + replicated * g
     return out
 
 

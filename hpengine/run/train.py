@@ -51,6 +51,8 @@ def _fmt(m: dict, total: int | str = "?") -> str:
          f" | {m['tokens_per_s']:,.0f} tok/s | {m['step_ms']:.0f} ms")
     if "moe_aux_loss" in m:      # the MoE layers' balancing losses, mean per layer (aux: 1 under uniform routing)
         s += f" | moe aux {m['moe_aux_loss']:.3f} z {m['moe_z_loss']:.3g} load max/mean {m['moe_load_max']:.2f}"
+    if "moe_dropped" in m:       # under a capacity: the share of (token, slot) assignments dropped
+        s += f" dropped {m['moe_dropped']:.3f}"
     return s + progress.suffix(m) + (f" | val {m['val_loss']:.4f}" if "val_loss" in m else "")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hpengine.models.context import LOCAL, Context
 from hpengine.strategies.expert_parallel import ExpertParallel
 from hpengine.strategies.sequence_parallel import SequenceParallel, SequenceSplit
-from hpengine.strategies.tensor_parallel import TensorParallel
+from hpengine.strategies.tensor_parallel import TensorParallel, TensorParallelSeq
 
 
 def make_context(res, comms, vocab: int, xp=None) -> Context:
@@ -19,4 +19,4 @@ def make_context(res, comms, vocab: int, xp=None) -> Context:
         return LOCAL
     if res.sp:
         return Context(SequenceParallel(comms["tp"], vocab), SequenceSplit(comms["tp"]), LOCAL.attn, LOCAL.ep)
-    return Context(TensorParallel(comms["tp"], vocab), LOCAL.seq, LOCAL.attn, LOCAL.ep)
+    return Context(TensorParallel(comms["tp"], vocab), TensorParallelSeq(comms["tp"]), LOCAL.attn, LOCAL.ep)

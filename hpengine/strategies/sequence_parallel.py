@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpengine.models.context import LocalSeq
 from hpengine.nn.linear import linear_drop_input, linear_restore_input
-from hpengine.strategies.tensor_parallel import TensorParallel
+from hpengine.strategies.tensor_parallel import TensorParallel, TensorParallelSeq
 
 
 def gather_sequence(comm, x):
@@ -51,12 +50,14 @@ class SequenceParallel(TensorParallel):
         return gather_sequence(self.comm, dx)
 
 
-class SequenceSplit(LocalSeq):
+class SequenceSplit(TensorParallelSeq):
     """The seq part under sequence parallelism: this tp rank holds piece `comm.rank` of `comm.size` of
-    every sequence (comm: the tp communicator, which the gathers of stashed inputs run on)."""
+    every sequence (comm: the tp communicator, which the gathers of stashed inputs and the once-a-step sum of
+    the replicated tensors' gradients, TensorParallelSeq's, run on)."""
 
     def __init__(self, comm):
-        self.comm, self.rank, self.parts = comm, comm.rank, comm.size
+        super().__init__(comm)
+        self.rank, self.parts = comm.rank, comm.size
 
     def local_positions(self, n: int) -> slice:
         return slice(self.rank * n, (self.rank + 1) * n)
@@ -72,15 +73,3 @@ class SequenceSplit(LocalSeq):
     def stashed_caches(self, stash):
         # without their inputs: no gather
         return stash[1:]
-
-    def sum_replicated_(self, g, ranges) -> None:
-        """Sum over tp the gradient slices g[a:b] of the replicated tensors, in one allreduce."""
-        if not ranges:
-            return
-        parts = [g[a:b] for a, b in ranges]
-        buf = np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
-        self.comm.allreduce_(buf)
-        at = 0
-        for p in parts:
-            p[...] = buf[at:at + p.size]
-            at += p.size

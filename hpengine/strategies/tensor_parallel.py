@@ -11,6 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpengine.models import LocalTP
+from hpengine.models.context import LocalSeq
 
 
 class TensorParallel(LocalTP):
@@ -59,3 +60,29 @@ class TensorParallel(LocalTP):
         rows = xp.nonzero(inside.reshape(-1))[0]
         d2[rows, local.reshape(-1)[rows]] -= scale
         return d
+
+
+def sum_over_tp_(comm, g, ranges) -> None:
+    """Sum over tp the gradient slices g[a:b] (ranges: (a, b) offsets into g), in one allreduce."""
+    if not ranges:
+        return
+    parts = [g[a:b] for a, b in ranges]
+    buf = np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+    comm.allreduce_(buf)
+    at = 0
+    for p in parts:
+        p[...] = buf[at:at + p.size]
+        at += p.size
+
+
+class TensorParallelSeq(LocalSeq):
+    """The seq part under plain tensor parallelism: every tp rank holds every position, as on one rank. The
+    tensors it sums over tp once a step are those layout/reduction.py marks "tp" without sequence parallelism:
+    whole tensors applied to each head (ParamSpec.tp_partial, the q/k norms), whose gradient on a rank covers
+    only its heads. Without such tensors `ranges` is empty and nothing is sent."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def sum_replicated_(self, g, ranges) -> None:
+        sum_over_tp_(self.comm, g, ranges)

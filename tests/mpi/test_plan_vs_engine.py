@@ -51,6 +51,8 @@ LAYOUTS = [
     ("llama_flash_dp", ANY, LLAMA + DP + ["model.attention=flash"]),
     ("llama_dp_recompute", ANY, LLAMA + DP + [S + "recompute.enable=true"]),
     ("llama_tp2_sharding3", EVEN, LLAMA + TP2 + SH + [S + "sharding.stage=3"]),
+    # the q/k norms' gradients summed over tp once a step (without sequence parallelism too), their caches
+    ("llama_qk_norm_tp2_sharding2", EVEN, LLAMA + TP2 + SH + [S + "sharding.stage=2", "model.qk_norm=true"]),
     ("llama_amp_sharding2_tied", ANY, LLAMA + SH + [S + "sharding.stage=2", S + "amp.enable=true", "model.dtype=float32",
                                                    "model.tie_head=true"]),
     ("llama_tp2_pp2_dp", lambda n: n % 4 == 0, LLAMA + TP2 + PP2 + DP + [S + "pipeline.micro_batches=2"]),

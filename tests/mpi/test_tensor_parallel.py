@@ -87,3 +87,30 @@ def test_tp_traffic_formula(corpus, world):
     norm_bytes = 8 * len(eng.slots)           # the float64 squared-norm vector
     calls, got = eng.mesh.comms["tp"].stats["allreduce"]
     assert got == act + norm_bytes
+
+
+QK = ["model.qk_norm=true", "model.n_layers=2"]
+# q/k norms (model.qk_norm): each tp rank's gradient of the whole (head_dim,) weights is its heads' part,
+# summed over tp with and without sequence parallelism; zb1p runs the norms' weight gradients in B
+QK_LAYOUTS = {   # name -> (world size, overrides)
+    "tp2": (2, ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2"]),
+    "tp2_sp": (2, ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2",
+                   "strategy.tensor_parallel.sequence_parallel=true"]),
+    "dp2": (2, ["strategy.data_parallel.enable=true", "strategy.data_parallel.degree=2"]),
+    "tp2_sp_pp2_zb1p_flash": (4, ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2",
+                                  "strategy.tensor_parallel.sequence_parallel=true", "strategy.pipeline.enable=true",
+                                  "strategy.pipeline.degree=2", "strategy.pipeline.micro_batches=4",
+                                  "strategy.pipeline.schedule=zb1p", "model.attention=flash"]),
+}
+
+
+@pytest.mark.parametrize("name", list(QK_LAYOUTS))
+def test_qk_norm_equals_one_process(corpus, world, name):
+    n, extra = QK_LAYOUTS[name]
+    need(world.Get_size() == n, f"{name} needs {n} ranks")
+    losses, params, _ = run(config(corpus, *HEADS, *LLAMA_TP, *QK, *extra), world)
+    assert "h.1.attn.q_norm.w" in params
+    ref_l, ref_p, _ = reference(corpus, *HEADS, *LLAMA_TP, *QK, *(e for e in extra if e.startswith("model.")))
+    assert_same(losses, ref_l)
+    assert_same_params(params, ref_p, atol=ADAM_FLOOR["llama"])
+    assert not np.allclose(params["h.1.attn.k_norm.w"], 1.0)      # the norms trained

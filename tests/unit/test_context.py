@@ -17,7 +17,7 @@ from hpengine.models.tp_layers import (column_backward, column_forward, columns_
 from hpengine.strategies.context import make_context
 from hpengine.strategies.expert_parallel import ExpertParallel
 from hpengine.strategies.sequence_parallel import SequenceParallel, SequenceSplit
-from hpengine.strategies.tensor_parallel import TensorParallel
+from hpengine.strategies.tensor_parallel import TensorParallel, TensorParallelSeq
 
 B, T, C, OC, V = 2, 6, 8, 12, 10
 
@@ -164,7 +164,8 @@ def test_make_context_picks_the_parts_of_the_layout():
     comms = {"tp": _self_comm(), "ep": _self_comm()}
     assert make_context(SimpleNamespace(tp=1, sp=False, ep=1), comms, V) is LOCAL
     tp = make_context(SimpleNamespace(tp=2, sp=False, ep=1), comms, V)
-    assert type(tp.tp) is TensorParallel and type(tp.seq) is LocalSeq and tp.tp.comm is comms["tp"]
+    assert type(tp.tp) is TensorParallel and type(tp.seq) is TensorParallelSeq and tp.tp.comm is comms["tp"]
+    assert isinstance(tp.seq, LocalSeq) and tp.seq.parts == 1 and tp.seq.comm is comms["tp"]
     ep = make_context(SimpleNamespace(tp=1, sp=False, ep=2), comms, V, np)
     assert type(ep.ep) is ExpertParallel and ep.ep.comm is comms["ep"] and ep.tp is LOCAL.tp
     sp = make_context(SimpleNamespace(tp=2, sp=True, ep=1), comms, V)

@@ -16,6 +16,7 @@ COMMON = ["model.dtype=float64", f"model.seq_len={T}", "model.d_model=16", "mode
 KINDS = {"gpt": ["model.kind=gpt", "model.n_heads=2"],
          "llama": ["model.kind=llama", "model.n_heads=4", "model.n_kv_heads=2"],
          "mlp": ["model.kind=mlp"],
+         "llama_qk_norm": ["model.kind=llama", "model.n_heads=4", "model.n_kv_heads=2", "model.qk_norm=true"],
          "llama_moe": ["model.kind=llama", "model.n_heads=4", "model.n_kv_heads=2", "model.moe.num_experts=4",
                        "model.moe.top_k=2", "model.moe.expert_hidden=8", "model.moe.shared_hidden=4",
                        "model.moe.dense_layers=1"]}
@@ -155,3 +156,24 @@ def test_hugging_face_tokenizer_run(small_corpus, tmp_path, capsys):
     ids = [t for t in r["tokens"] if t != info["eos_id"]]
     assert r["prompt_tokens"] == len(tok.encode("the engine", add_special_tokens=False).ids)
     assert out == tok.decode(ids) + "\n"
+
+
+def test_moe_router_biases_reach_generation(small_corpus, tmp_path):
+    """A run trained with a capacity and router biases: generation routes with the biases the checkpoint stores
+    (dropless, as evaluation), and the cached decode still equals the full forward."""
+    import json
+
+    from hpengine.checkpoint.locate import find_checkpoint
+    routing = ["model.moe.capacity_factor=1.0", "model.moe.bias_update_rate=0.05", "train.steps=3"]
+    assert main(["train", *sets(*COMMON, *KINDS["llama_moe"], *routing, f"data.path={small_corpus}",
+                                f"train.out_dir={tmp_path}")]) == 0
+    r = find_checkpoint(tmp_path)
+    saved = np.array(json.loads((r.dir / "manifest.json").read_text())["state"]["router_bias"][0])
+    r.close()
+    assert np.abs(saved).sum() > 0
+    model, P, _ = load(tmp_path, quiet)
+    np.testing.assert_array_equal(model.moe.bias["h.1"], saved[1])
+    g = generate(tmp_path, "The ", 16, greedy=True, out=io.StringIO(), note=quiet)
+    ids = list(b"The ") + g["tokens"]
+    np.testing.assert_allclose(np.stack(g["logits"]), full_logits(model, P, ids[:-1])[g["prompt_tokens"] - 1:],
+                               rtol=0, atol=1e-10)

@@ -55,3 +55,26 @@ def test_mixtral_preset_has_mixtrals_46_7b_parameters():
     assert got == want == 46_702_792_704
     active = want - L * 3 * (E - 2) * d * F
     assert round(active / 1e9, 1) == 12.9
+
+
+def test_load_imbalance_slows_expert_parallel_by_the_hot_ranks_extra_expert_gemms():
+    """cluster.moe_imbalance f: under expert parallelism the rank of the most-loaded expert runs f times its
+    balanced expert GEMMs, 6 x tokens x (f - 1) x K x 3 C F FLOPs more per MoE layer and micro-batch (each
+    token meets K experts of 3 C F weights), and receives f times the rows; without ep nothing changes."""
+    from hpengine.planner.model import stage_times
+    moe = ["model.kind=llama", "model.n_kv_heads=2", "model.moe.num_experts=4", "model.moe.top_k=2",
+           "model.moe.expert_hidden=16", "train.global_batch=4"]
+    ep = ["strategy.data_parallel.enable=true", "strategy.expert_parallel.enable=true", "strategy.expert_parallel.degree=4"]
+    C, L, K, F, T = 32, 8, 2, 16, 16
+    for sets, world in ((ep, 4), ([], 1)):
+        cfg = load_config(None, TINY + moe + sets)
+        lay = resolve(cfg, world)
+        st = stage_facts(cfg, lay)[0]
+        flat, hot = Cluster(nodes=1, gpus_per_node=4), Cluster(nodes=1, gpus_per_node=4, moe_imbalance=1.5)
+        a, b = stage_times(cfg.model, st, lay, 0, 1, flat), stage_times(cfg.model, st, lay, 0, 1, hot)
+        extra = 6 * lay.rows * T * 0.5 * L * K * 3 * C * F / (flat.tflops_fp32 * 1e12) if world > 1 else 0.0
+        assert abs((b["compute"] - a["compute"]) - extra) <= 1e-12 * a["compute"]
+        if world > 1:
+            assert b["ep"] > a["ep"] > 0
+        else:
+            assert a == b

@@ -51,6 +51,8 @@ def test_gqa_rebuilds_the_probabilities_bit_for_bit(H, K):
 
 
 KINDS = {"gpt": [], "llama": ["model.kind=llama", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=24"],
+         "llama_qk_norm": ["model.kind=llama", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=24",
+                           "model.qk_norm=true"],
          "mlp": ["model.kind=mlp"], "gpt_flash": ["model.attention=flash"]}
 
 

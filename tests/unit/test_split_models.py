@@ -17,6 +17,7 @@ B, T, C = 2, 8, 16
 CASES = {"gpt": {}, "gpt_tied_flash": {"tie_head": True, "attention": "flash"},
          "llama": {"n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 24}, "llama_flash_tied": {
              "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 24, "attention": "flash", "tie_head": True},
+         "llama_qk_norm": {"n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 24, "qk_norm": True},
          "mlp": {}}
 
 
