@@ -97,14 +97,17 @@ def named_params(stage, sync, tp, comms) -> dict:
     flat, lay = sync.full_params(), stage.layout
     local = {n: flat[lay.ranges[n].slice].reshape(lay.shapes[n]) for n in lay.names if n not in stage.copies}
     parts = comms["tp"].allgather_obj(local)
-    experts = comms["ep"].allgather_obj(local) if comms.get("ep") is not None and lay.ep_size > 1 else None
     whole = {}
-    for n in local:
+    for n in local:         # whole over tp first ...
         sp = lay.by_name[n]
-        a = parts[0][n] if sp.tp_dim is None else np.concatenate([p[n] for p in parts], axis=sp.tp_dim)
-        if sp.ep_dim is not None and experts is not None:     # an expert block per ep rank (tp is 1 with experts)
-            a = np.concatenate([p[n] for p in experts], axis=sp.ep_dim)
-        whole[n] = a[tuple(slice(0, k) for k in sp.true_shape)] if sp.true_shape else a
+        whole[n] = parts[0][n] if sp.tp_dim is None else np.concatenate([p[n] for p in parts], axis=sp.tp_dim)
+    if comms.get("ep") is not None and lay.ep_size > 1:      # ... then an expert block per ep rank
+        split = [n for n in whole if lay.by_name[n].ep_dim is not None]
+        blocks = comms["ep"].allgather_obj({n: whole[n] for n in split})
+        whole.update({n: np.concatenate([b[n] for b in blocks], axis=lay.by_name[n].ep_dim) for n in split})
+    for n in whole:
+        sp = lay.by_name[n]
+        whole[n] = whole[n][tuple(slice(0, k) for k in sp.true_shape)] if sp.true_shape else whole[n]
     out = {}
     for d in comms["pp"].allgather_obj(whole):
         out.update(d)

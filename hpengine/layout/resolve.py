@@ -215,10 +215,6 @@ def check(cfg, res: Resolved) -> None:
     if res.ep > 1:
         _check_expert_parallel(mc, res)
     tp = res.tp
-    if tp > 1 and mc.kind == "llama" and mc.moe.num_experts:
-        raise LayoutError(f"model.moe.num_experts = {mc.moe.num_experts} with tensor_parallel.degree = {tp}: routed "
-                          "experts do not split over tensor parallelism yet; use tensor_parallel.degree = 1 (data "
-                          "parallel, sharding and every pipeline schedule work with experts)")
     if tp > 1:
         bad = build_model(mc).tp_divides(tp)
         if bad:

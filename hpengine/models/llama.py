@@ -88,7 +88,7 @@ class Llama:
             return (f"model.n_heads = {self.H}, the key/value heads n_kv_heads = {self.K}, the SwiGLU width "
                     f"{self.F} and model.d_model = {self.C} (each rank holds whole key/value heads, as in "
                     "Megatron; use a degree that divides n_kv_heads)")
-        return ""
+        return self.moe.tp_divides(tp) if self.moe is not None else ""
 
     def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int, parts: int = 1) -> dict:
         """Bytes the forward caches per micro-batch of `rows` sequences, by block kind ("input": what a
@@ -113,7 +113,7 @@ class Llama:
         out = {"layer": layer, "scores": scores, "w_layer": w, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
                                                  rmsnorm_cache_bytes(ns, C, item), parts)}
         if self.moe is not None:     # an MoE layer: the attention's part, then the router's and experts'
-            moe = (2 * rmsnorm_cache_bytes(ns, C, item) + ns * C * item + att + self.moe.cache_bytes(n, C, item))
+            moe = (2 * rmsnorm_cache_bytes(ns, C, item) + ns * C * item + att + self.moe.cache_bytes(n, C, item, tp))
             w_moe = n * (C + C // parts + (2 * C + 2 * self.K * self.hd) // tp) * item    # the attention's W stash
             for i in range(self.L):
                 if self.moe.routed(i):

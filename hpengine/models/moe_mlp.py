@@ -6,6 +6,13 @@ The balancing losses (aux, z) are part of the training loss: the layer's forward
 and keeps its figures, the weighted share among them, in its cache (MoEStats, which the engine reads through
 the model's layer_stats), and its backward adds their gradients. The experts' weights are one (E, C, F)
 tensor per projection, split over ep ranks along E under expert parallelism (ctx.ep); the router's is (C, E).
+Under tensor parallelism the experts split like the dense MLP (gate and up by columns, down by rows: each tp
+rank holds F / tp of every expert's width, and of the shared expert's): the layer is one tp region, entered
+with every token of the sequence (ctx.tp.copy_to_tp: gathered under sequence parallelism), whose partial
+outputs are summed on the way out. Every tp rank routes the same tokens the same way; the gates' gradient,
+partial over the width, is summed over tp; the router's own input gradient joins on tp rank 0 only (it is
+whole on every rank), and so does its weight gradient under sequence parallelism (where a replicated
+tensor's gradient is summed over tp).
 moe.capacity_factor > 0 caps each expert's assignments per sequence in training passes (nn/moe.moe_capacity;
 evaluation and decoding stay dropless); set_bias installs the per-layer selection biases of aux-loss-free
 balancing, which the engine keeps and updates (engine/moe_bias.py).
@@ -59,18 +66,25 @@ class MoEMLP:
     def specs(self, p: str, C: int, std: float, out_std: float) -> list[ParamSpec]:
         E, F, Fs = self.E, self.F, self.Fs
         out = [ParamSpec(f"{p}.moe.router.w", (C, E), std=std, decay=False, block=p),
-               ParamSpec(f"{p}.moe.experts.gate.w", (E, C, F), std=std, block=p, ep_dim=0),
-               ParamSpec(f"{p}.moe.experts.up.w", (E, C, F), std=std, block=p, ep_dim=0),
-               ParamSpec(f"{p}.moe.experts.down.w", (E, F, C), std=out_std, block=p, ep_dim=0)]
+               ParamSpec(f"{p}.moe.experts.gate.w", (E, C, F), tp_dim=2, std=std, block=p, ep_dim=0),
+               ParamSpec(f"{p}.moe.experts.up.w", (E, C, F), tp_dim=2, std=std, block=p, ep_dim=0),
+               ParamSpec(f"{p}.moe.experts.down.w", (E, F, C), tp_dim=1, std=out_std, block=p, ep_dim=0)]
         if Fs:
-            out += [ParamSpec(f"{p}.moe.shared.gate.w", (C, Fs), std=std, block=p),
-                    ParamSpec(f"{p}.moe.shared.up.w", (C, Fs), std=std, block=p),
-                    ParamSpec(f"{p}.moe.shared.down.w", (Fs, C), std=out_std, block=p)]
+            out += [ParamSpec(f"{p}.moe.shared.gate.w", (C, Fs), tp_dim=1, std=std, block=p),
+                    ParamSpec(f"{p}.moe.shared.up.w", (C, Fs), tp_dim=1, std=std, block=p),
+                    ParamSpec(f"{p}.moe.shared.down.w", (Fs, C), tp_dim=0, std=out_std, block=p)]
         return out
 
+    def tp_divides(self, tp: int) -> str:
+        """The widths a tensor-parallel degree must divide ("" when it does)."""
+        bad = [f"{what} = {n}" for what, n in (("the expert width model.moe.expert_hidden", self.F),
+                                                ("model.moe.shared_hidden", self.Fs)) if n % tp]
+        return " and ".join(bad) + " (each tp rank holds 1 / tp of every expert's width)" if bad else ""
+
     def forward(self, xp, P, p, h, ctx, loss=None):
-        # h: (B, T, C) -> (B, T, C), cache; loss: (norm, loss scale) in training, None when only inferring;
-        # ctx.ep moves the routed rows to the ranks of their experts and back (expert parallelism)
+        # h: (B, T_local, C) -> (B, T_local, C), cache; loss: (norm, loss scale) in training, None when only
+        # inferring; ctx.ep moves the routed rows to the ranks of their experts and back (expert parallelism)
+        h = ctx.tp.copy_to_tp(h)            # every token of the sequence, on every tp rank
         B, T, C = h.shape
         h2 = h.reshape(-1, C)
         e = self.cfg
@@ -101,11 +115,12 @@ class MoEMLP:
             c_s = (c_sg, c_sw)
         share = (e.aux_loss * aux + e.z_loss * z) if loss else 0.0
         stats = MoEStats(aux if loss else 0.0, z if loss else 0.0, share, load, loss[1] if loss else 1.0, dropped)
-        return y.reshape(B, T, C), (c_r, c_e, c_s, stats)
+        return ctx.tp.reduce_from_tp(y.reshape(B, T, C)), (c_r, c_e, c_s, stats)
 
     def backward(self, xp, dy, cache, P, G, p, ctx):
-        # dy: (B, T, C) -> dh: (B, T, C)
+        # dy: (B, T_local, C) -> dh: (B, T_local, C)
         c_r, c_e, c_s, stats = cache
+        dy = ctx.tp.reduce_from_tp_backward(dy)
         B, T, C = dy.shape
         dy2 = dy.reshape(-1, C)
         W = (P[f"{p}.moe.experts.gate.w"], P[f"{p}.moe.experts.up.w"], P[f"{p}.moe.experts.down.w"])
@@ -125,15 +140,23 @@ class MoEMLP:
             dg, du = swiglu_backward(xp, da, c_sw)
             dh2 += linear_backward(xp, dg, c_g, P[f"{p}.moe.shared.gate.w"], G[f"{p}.moe.shared.gate.w"])
             dh2 += linear_backward(xp, du, c_g, P[f"{p}.moe.shared.up.w"], G[f"{p}.moe.shared.up.w"])
-        e = self.cfg
-        dh2 += router_backward(xp, dgates, c_r, P[f"{p}.moe.router.w"], G[f"{p}.moe.router.w"],
-                               e.aux_loss, e.z_loss, stats.scale)
-        return dh2.reshape(B, T, C)
+        e, tp = self.cfg, ctx.tp
+        if tp.size > 1:     # each rank's gates' gradient saw its share of the width
+            dgates = tp.sum_partial(dgates)
+        gw = G[f"{p}.moe.router.w"]
+        if tp.rank > 0 and ctx.seq.parts > 1:      # summed over tp under sequence parallelism: rank 0's alone
+            gw = xp.zeros_like(gw)
+        dr = router_backward(xp, dgates, c_r, P[f"{p}.moe.router.w"], gw, e.aux_loss, e.z_loss, stats.scale)
+        if tp.rank == 0:    # whole on every tp rank: counted once in the sum below
+            dh2 += dr
+        del dr
+        return tp.copy_to_tp_backward(dh2.reshape(B, T, C))
 
-    def cache_bytes(self, n: int, C: int, item: int) -> int:
-        """Bytes one layer's routed experts (and shared expert) cache for n tokens."""
-        out = moe_cache_bytes(n, self.k, self.E, C, self.F, item)
-        return out + (3 * n * self.Fs * item if self.Fs else 0)      # the shared expert's g, u, sigmoid(g)
+    def cache_bytes(self, n: int, C: int, item: int, tp: int = 1) -> int:
+        """Bytes one layer's routed experts (and shared expert) cache for n tokens (every token of the
+        sequences, also under sequence parallelism), each tp rank 1 / tp of the widths."""
+        out = moe_cache_bytes(n, self.k, self.E, C, self.F // tp, item)
+        return out + (3 * n * self.Fs // tp * item if self.Fs else 0)      # the shared expert's g, u, sigmoid(g)
 
 
 class MoEStats:

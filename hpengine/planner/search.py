@@ -49,8 +49,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _tp_ok(m, tp: int) -> bool:
-    routed = m.kind == "llama" and m.moe.num_experts      # routed experts do not split over tp (resolve.check)
-    return not build_model(m).tp_divides(tp) and (tp == 1 or not routed)
+    return not build_model(m).tp_divides(tp)
 
 
 def _recompute_modes(m) -> list[tuple]:

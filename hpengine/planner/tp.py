@@ -19,14 +19,21 @@ def activation_calls(mcfg, st, lay) -> dict:
     and the head's backward. Sequence parallel: an entry all-gathers forward and reduce-scatters
     backward, an exit the reverse, and an entry's linear gathers its input again in backward; the
     embedding reduce-scatters forward and gathers backward; the head gathers forward, again in backward,
-    and reduce-scatters."""
+    and reduce-scatters. An MoE layer's routed MLP keeps the sequence it gathered, so its backward gathers
+    once less."""
     a, _ = build_model(mcfg, lay.tp).tp_allreduces()
     layers, again = st.layers, len(rc.full(st, lay))
     ends = len(st.of_kind("embed")), len(st.of_kind("head"))
     if not lay.sp:
         return {"allreduce": 2 * a * layers + a * again + sum(ends)}
-    return {"allgather": 3 * a * layers + a * again + ends[0] + 2 * ends[1],
+    return {"allgather": 3 * a * layers + a * again + ends[0] + 2 * ends[1] - moe_layers(mcfg, st),
             "reduce_scatter": 2 * a * layers + a * again + ends[0] + ends[1]}
+
+
+def moe_layers(mcfg, st) -> int:
+    """The stage's layers with routed experts: each sums its gates' (tokens, top_k) gradient over tp in backward."""
+    moe = getattr(build_model(mcfg), "moe", None)
+    return sum(b.kind == "layer" and moe.routed(b.layer) for b in st.kinds) if moe is not None else 0
 
 
 def replicated_owned(st, lay, models: int, partition_of, sh_rank=None) -> int:
@@ -61,7 +68,8 @@ def traffic(mcfg, st, lay, tokens: int, item: int, g: int, loss_item: int, scala
     C = mcfg.d_model
     ce = 3 * len(st.of_kind("head")) * loss_item
     out = {op: tokens * n * C * item for op, n in activation_calls(mcfg, st, lay).items()}
-    out["allreduce"] = out.get("allreduce", 0) + tokens * ce + scalars + replicated * g
+    gates = tokens * mcfg.moe.top_k * item * moe_layers(mcfg, st) if mcfg.kind == "llama" else 0
+    out["allreduce"] = out.get("allreduce", 0) + tokens * ce + scalars + replicated * g + gates
     return out
 
 
@@ -83,7 +91,7 @@ def tp_seconds(mcfg, st, lay, models: int, per_mb: dict, link_of, collective_s) 
     heads = len(st.of_kind("head"))
     total = 0.0
     for op, nbytes in per_mb.items():
-        n_calls = models * (calls.get(op, 0) + (2 * heads if op == "allreduce" else 0))
+        n_calls = models * (calls.get(op, 0) + (2 * heads + moe_layers(mcfg, st) if op == "allreduce" else 0))
         kind = "reduce" if op == "reduce_scatter" else op
         total += collective_s(kind, lay.tp, nbytes, max(n_calls, 1), *link_of("allreduce"))
     return total

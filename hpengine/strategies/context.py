@@ -1,6 +1,7 @@
 """The parallel context (models/context.py) a layout hands its model's blocks: the tensor-parallel part
 over the tp communicator, the sequence-parallel split when the layout has one, and the local parts for
-what no strategy here distributes yet (the attention's keys and values, experts)."""
+what no strategy here distributes yet (the attention's keys and values); experts over ep under expert
+parallelism."""
 from __future__ import annotations
 
 from hpengine.models.context import LOCAL, Context
@@ -13,10 +14,9 @@ def make_context(res, comms, vocab: int, xp=None) -> Context:
     """The context of this rank for the resolved layout `res` (resolve.Resolved); comms: the mesh's
     communicators by axis ("tp", and "ep" under expert parallelism); vocab: the unpadded vocabulary size;
     xp: the array module (expert parallelism allocates its receive buffers)."""
-    if res.ep > 1:          # experts refuse tensor parallelism (resolve.check): the rest stays local
-        return Context(LOCAL.tp, LOCAL.seq, LOCAL.attn, ExpertParallel(comms["ep"], xp))
+    ep = ExpertParallel(comms["ep"], xp) if res.ep > 1 else LOCAL.ep
     if res.tp == 1:
-        return LOCAL
+        return Context(LOCAL.tp, LOCAL.seq, LOCAL.attn, ep) if res.ep > 1 else LOCAL
     if res.sp:
-        return Context(SequenceParallel(comms["tp"], vocab), SequenceSplit(comms["tp"]), LOCAL.attn, LOCAL.ep)
-    return Context(TensorParallel(comms["tp"], vocab), TensorParallelSeq(comms["tp"]), LOCAL.attn, LOCAL.ep)
+        return Context(SequenceParallel(comms["tp"], vocab), SequenceSplit(comms["tp"]), LOCAL.attn, ep)
+    return Context(TensorParallel(comms["tp"], vocab), TensorParallelSeq(comms["tp"]), LOCAL.attn, ep)

@@ -28,6 +28,10 @@ class TensorParallel(LocalTP):
     def reduce_from_tp(self, x):
         return self.comm.allreduce_(np.ascontiguousarray(x) if not x.flags.c_contiguous else x)
 
+    def sum_partial(self, x):
+        # a plain allreduce, also under sequence parallelism (whose pairs gather and scatter instead)
+        return self.comm.allreduce_(x if x.flags.c_contiguous else x.copy())
+
     # --- vocabulary-parallel cross-entropy ------------------------------------------------------
     def cross_entropy_forward(self, xp, logits, targets, norm):
         # logits: (B, T, V/tp) this rank's vocabulary slice; targets: (B, T) global ids

@@ -1,7 +1,8 @@
 """The llama kind with routed experts trains exactly like one process (float64, rtol 1e-10: losses with the
 balancing losses, the aux and z figures, gradient norms, every parameter) under data parallel, sharding
 stages 1-3, pipelines (1f1b, interleaved, zb1p, zbv), full and selective recompute, gradient merge and flash
-attention, with the experts replicated like every other weight; bfloat16 amp within the amp tolerance of
+attention, with the experts replicated like every other weight, and under tensor parallelism (with and without
+sequence parallelism) with every expert's width split over tp; bfloat16 amp within the amp tolerance of
 test_combinations.py. With expert parallelism (experts split over ep ranks inside data parallel, rows moved
 by all-to-all) the same, at dp 2 x ep 2, dp 4 x ep 2 and 4, pp 2 x dp 2 x ep 2, and with the experts sharded
 over the sharding ranks (dp 2 x ep 2 x sharding 2 at stages 1-3, dp 4 x ep 4 x sharding 2 at stage 3); a
@@ -40,6 +41,13 @@ LAYOUTS = {   # name -> (world size, overrides)
     "pp2_interleaved_sh2_stage1": (4, pp(2, "interleaved", 2, S + "pipeline.virtual_stages=2")
                                    + on("sharding", 2, S + "sharding.stage=1")),
     "pp4_zbv": (4, pp(4, "zbv", 8, "model.n_layers=8")),
+    # experts split over tp like the dense MLP (every width / tp), with and without sequence parallelism
+    "tp2": (2, on("tensor_parallel", 2)),
+    "tp2_sp_recompute": (2, on("tensor_parallel", 2, S + "tensor_parallel.sequence_parallel=true",
+                               S + "recompute.enable=true")),
+    "tp2_sp_pp2_zb1p_selective": (4, on("tensor_parallel", 2, S + "tensor_parallel.sequence_parallel=true")
+                                  + pp(2, "zb1p") + [S + "recompute.enable=true", S + "recompute.granularity=selective"]),
+    "tp2_sh2_stage3": (4, on("tensor_parallel", 2) + on("sharding", 2, S + "sharding.stage=3")),
 }
 _REF = {}
 
@@ -99,6 +107,10 @@ EP_LAYOUTS = {   # name -> (world size, overrides): experts split over ep ranks 
                            + on("sharding", 2, S + "sharding.stage=2", S + "sharding.partition=flat")),
     "dp2_ep2_sh2_stage3": (4, on("data_parallel", 2) + on("expert_parallel", 2) + on("sharding", 2, S + "sharding.stage=3")),
     "dp4_ep4_sh2_stage3": (8, on("data_parallel", 4) + on("expert_parallel", 4) + on("sharding", 2, S + "sharding.stage=3")),
+    "tp2_sp_dp2_ep2": (4, on("tensor_parallel", 2, S + "tensor_parallel.sequence_parallel=true")
+                       + on("data_parallel", 2) + on("expert_parallel", 2)),
+    "tp2_dp2_ep2_sh2_stage2": (8, on("tensor_parallel", 2) + on("data_parallel", 2) + on("expert_parallel", 2)
+                               + on("sharding", 2, S + "sharding.stage=2")),
 }
 
 

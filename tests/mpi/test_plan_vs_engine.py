@@ -105,6 +105,11 @@ LAYOUTS = [
         S + "data_parallel.enable=true", S + "data_parallel.degree=2", S + "sharding.enable=true",
         S + "sharding.degree=2", S + "sharding.partition=flat", S + "expert_parallel.enable=true",
         S + "expert_parallel.degree=2"]),
+    ("moe_tp2_dp_recompute", EVEN, MOE + TP2 + DP + [S + "recompute.enable=true"]),
+    ("ep_sp_tp2_dp_ep2", lambda n: n == 4, MOE + TP2 + SP + DP + [S + "expert_parallel.enable=true",
+                                                                S + "expert_parallel.degree=2"]),
+    ("moe_sp_tp2_pp2_zb1p", lambda n: n == 4, MOE + TP2 + SP + PP2 + [S + "pipeline.micro_batches=4",
+                                                                   S + "pipeline.schedule=zb1p"]),
     ("zb_pp4_zbv", lambda n: n == 4, [S + "pipeline.enable=true", S + "pipeline.degree=4", S + "pipeline.micro_batches=8",
                                       S + "pipeline.schedule=zbv", "model.n_layers=8"]),
 ]

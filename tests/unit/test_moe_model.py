@@ -293,3 +293,14 @@ def test_engine_step_updates_the_biases_from_the_batch_loads(tmp_path):
     assert eng.router_bias.bias[0][0].tolist() == [0.0] * 4 and np.abs(eng.router_bias.bias[0]).sum() > 0
     assert dropped > 0 and got["moe_dropped"] == pytest.approx(dropped / (2 * 4 * T * 2), rel=1e-15)
     assert len(got["moe_dropped_per_layer"]) == 2
+
+
+def test_tensor_parallel_experts_need_a_width_the_degree_divides():
+    sets = ["model.kind=llama", "model.n_kv_heads=2", "model.ffn_hidden=32", "model.moe.num_experts=4",
+            "model.moe.expert_hidden=13", "strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2"]
+    with pytest.raises(ConfigError) as e:
+        resolve(load_config(None, sets), 2)
+    msg = str(e.value)
+    assert "tensor_parallel.degree = 2 must divide the expert width model.moe.expert_hidden = 13" in msg
+    assert "\n" not in msg
+    assert resolve(load_config(None, sets[:4] + ["model.moe.expert_hidden=14"] + sets[5:]), 2).tp == 2

@@ -1,5 +1,5 @@
-"""The planner on mixture-of-experts models (llama kind): legal candidates only (no tensor-parallel experts)
-and the matmul weights a token meets (top_k of the E experts). The MoE layers' activation bytes and the
+"""The planner on mixture-of-experts models (llama kind): legal candidates only (tensor-parallel experts where
+the widths divide) and the matmul weights a token meets (top_k of the E experts). The MoE layers' activation bytes and the
 figures riding on the loss allreduce are checked against the engine's counts in tests/mpi/test_plan_vs_engine.py."""
 from math import prod
 
@@ -13,13 +13,16 @@ TINY = ["model.d_model=32", "model.n_layers=8", "model.n_heads=4", "model.seq_le
 
 
 def test_plan_of_an_moe_model_is_legal_and_counts_the_experts_it_runs():
-    """An MoE model's candidates never split experts over tp, and a routed expert's weights count top_k / E
-    of themselves in the per-micro-batch matmul weights (one GEMM per token and chosen expert)."""
+    """An MoE model's candidates split its experts over tp where every width divides (expert_hidden 16, two
+    key/value heads: tp 1 and 2), and a routed expert's weights count top_k / E of themselves in the per-micro-batch matmul
+    weights (one GEMM per token and chosen expert)."""
     moe = ["model.kind=llama", "model.n_kv_heads=2", "model.moe.num_experts=4", "model.moe.top_k=2",
            "model.moe.expert_hidden=16"]
     cfg = load_config(None, TINY + moe)
     lays = list(candidates(cfg, Cluster(nodes=1, gpus_per_node=4)))
-    assert lays and all(lay.tp == 1 for lay in lays)
+    assert lays and {lay.tp for lay in lays} == {1, 2}
+    for lay in [x for x in lays if x.tp > 1][:10]:
+        assert resolve(config_for(cfg, lay), 4) == lay
     dense = load_config(None, TINY + ["model.kind=llama", "model.n_kv_heads=2", "model.ffn_hidden=16"])
     st_moe = stage_facts(cfg, resolve(cfg, 1))[0]
     st_dense = stage_facts(dense, resolve(dense, 1))[0]
