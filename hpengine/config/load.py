@@ -43,6 +43,7 @@ from hpengine.config.tree import (  # noqa: F401 - the tree, re-exported
     TrainConfig,
     _kind_error,
     ffn_width,
+    head_width,
     kind_keys,
     model_from_key,
     model_key,
@@ -207,9 +208,10 @@ def _validate_model(m: ModelConfig) -> None:
     for key in kind_keys(m.kind):
         if getattr(m, key) != getattr(defaults, key):
             raise _kind_error(key, m.kind)
-    if m.kind in ("gpt", "llama") and m.d_model % m.n_heads:
+    if m.kind in ("gpt", "llama") and not m.head_dim and m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}: "
-                          "d_model must be a multiple of n_heads")
+                          "d_model must be a multiple of n_heads" + (
+                              ", or set model.head_dim to the width of a head" if m.kind == "llama" else ""))
     if m.kind != "llama":
         return
     _validate_moe(m)
@@ -217,10 +219,14 @@ def _validate_model(m: ModelConfig) -> None:
     if m.n_heads % kv:
         raise ConfigError(f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.n_kv_heads}: "
                           f"n_kv_heads must divide n_heads (1 = multi-query, {m.n_heads} = multi-head)")
-    hd = m.d_model // m.n_heads
+    if m.head_dim % 2:
+        raise ConfigError(f"model.head_dim = {m.head_dim} is odd: the rotary embedding rotates pairs, so the head "
+                          "dimension must be even (0 = d_model / n_heads)")
+    hd = head_width(m)
     if hd % 2:
         raise ConfigError(f"model.d_model / model.n_heads = {m.d_model} / {m.n_heads} = {hd} is odd: the rotary "
-                          "embedding rotates pairs, so the head dimension must be even")
+                          "embedding rotates pairs, so the head dimension must be even (or set an even "
+                          "model.head_dim)")
 
 
 def _validate_moe(m: ModelConfig) -> None:

@@ -99,9 +99,14 @@ class ModelConfig:
     seq_len: int = _f(128, "tokens per training sequence (context length)", check=_POS)
     d_model: int = _f(256, "hidden width", check=_POS)
     n_layers: int = _f(4, "number of blocks (the units pipeline stages are cut from)", check=_POS)
-    n_heads: int = _f(4, "attention (query) heads (gpt, llama); d_model must be a multiple of it", check=_POS)
+    n_heads: int = _f(4, "attention (query) heads (gpt, llama); d_model must be a multiple of it unless "
+                      "model.head_dim is set", check=_POS)
     n_kv_heads: int = _f(0, "llama: key/value heads, grouped-query attention; must divide n_heads; 0 = n_heads "
                          "(multi-head), 1 = multi-query", check=_must(">=", 0), kinds=_LLAMA)
+    head_dim: int = _f(0, "llama: width of every query and key/value head (even, for the rotary pairs): q is "
+                       "d_model x n_heads*head_dim, k and v d_model x n_kv_heads*head_dim, o n_heads*head_dim x "
+                       "d_model; 0 = d_model / n_heads (Qwen3 uses 128 at every width)", check=_must(">=", 0),
+                       kinds=_LLAMA)
     ffn_mult: int = _f(4, "gpt, mlp: feed-forward width as a multiple of d_model", check=_POS, kinds=_NOT_LLAMA)
     ffn_hidden: int = _f(0, "llama: SwiGLU hidden width; 0 = Llama's rule, 8/3 x d_model rounded up to "
                          "ffn_multiple_of", check=_must(">=", 0), kinds=_LLAMA)
@@ -152,6 +157,11 @@ def ffn_width(m: "ModelConfig") -> int:
     if m.ffn_hidden:
         return m.ffn_hidden
     return -(-int(2 * 4 * m.d_model / 3) // m.ffn_multiple_of) * m.ffn_multiple_of
+
+
+def head_width(m: "ModelConfig") -> int:
+    """The width of one attention head: model.head_dim, or d_model / n_heads when it is 0 (the gpt kind always)."""
+    return m.head_dim or m.d_model // m.n_heads
 
 
 @dataclass

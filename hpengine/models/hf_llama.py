@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpengine.config.load import ffn_width
+from hpengine.config.load import ffn_width, head_width
 from hpengine.models.hf_common import HFMismatch, common_config, want
 
 ARCH, MOE_ARCH = "LlamaForCausalLM", "MixtralForCausalLM"
@@ -126,7 +126,7 @@ def hf_config(mcfg, dtype: str, eos: int | None) -> dict:
     return {"architectures": [arch], "hidden_size": mcfg.d_model,
             "intermediate_size": ffn_width(mcfg), "num_hidden_layers": mcfg.n_layers,
             "num_attention_heads": mcfg.n_heads, "num_key_value_heads": mcfg.n_kv_heads or mcfg.n_heads,
-            "head_dim": mcfg.d_model // mcfg.n_heads, "hidden_act": "silu",
+            "head_dim": head_width(mcfg), "hidden_act": "silu",
             "max_position_embeddings": mcfg.seq_len, "rope_theta": mcfg.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": mcfg.rope_theta},
             "rms_norm_eps": mcfg.norm_eps, "attention_bias": False, "attention_dropout": 0.0,
@@ -174,6 +174,18 @@ def _check_qwen3_moe(hc: dict, mcfg, where: str) -> None:
              "ffn_hidden (the dense layers' SwiGLU width)", where)
 
 
+def _check_head_dim(hc: dict, arch: str, mcfg, where: str) -> None:
+    """The folder's head width against the run's (model.head_dim, 0 = d_model / n_heads). Without the key,
+    Qwen3Config takes 128, the other classes hidden_size / num_attention_heads (as their attention does)."""
+    H, C = hc.get("num_attention_heads") or mcfg.n_heads, hc.get("hidden_size") or mcfg.d_model
+    theirs = hc.get("head_dim") or (128 if arch == QWEN3_ARCH else C // H)
+    ours = head_width(mcfg)
+    if theirs != ours:
+        raise HFMismatch(f"{where} has head_dim {theirs} but the run's heads are {ours} wide (model.head_dim = "
+                         f"{mcfg.head_dim}, 0 = d_model / n_heads = {mcfg.d_model // mcfg.n_heads}): "
+                         f"set model.head_dim = {theirs}")
+
+
 def check_config(hc: dict, mcfg, where: str) -> bool:
     """Raise HFMismatch when a config.json of one of ARCHS differs from [model]; returns whether it is tied."""
     H = hc.get("num_attention_heads")
@@ -199,9 +211,7 @@ def check_config(hc: dict, mcfg, where: str) -> bool:
     if arch in (QWEN3_ARCH, QWEN3_MOE_ARCH) and hc.get("use_sliding_window"):
         raise HFMismatch(f"{where} has use_sliding_window = true; hpengine's llama attends to every earlier position")
     want("vocab_size", hc.get("vocab_size"), mcfg.vocab_size, "vocab_size", where)
-    head_dim = hc.get("head_dim", 128 if arch == QWEN3_ARCH else None)       # Qwen3Config's default is 128
-    if head_dim is not None:
-        want("head_dim", head_dim, mcfg.d_model // mcfg.n_heads, "d_model / model.n_heads", where)
+    _check_head_dim(hc, arch, mcfg, where)
     rope = hc.get("rope_parameters") or hc.get("rope_scaling") or {}
     theta = hc.get("rope_theta", rope.get("rope_theta", 10000.0))
     want("rope_theta", float(theta), float(mcfg.rope_theta), "rope_theta", where)

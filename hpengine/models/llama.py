@@ -2,9 +2,9 @@
 blocks x + attn(rmsnorm(x)), x + mlp(rmsnorm(x)), a final RMSNorm and the head; no biases.
 
 Attention: n_heads query heads share n_kv_heads key/value heads (grouped-query), rotary embedding on q
-and k ("rotate half"), causal softmax scaled by 1/sqrt(head_dim); with model.qk_norm (Qwen3) each head's q and
-k are RMS-normalised over head_dim, with learned (head_dim,) weights, before the rotation. MLP:
-down(silu(gate(x)) * up(x)).
+and k ("rotate half"), causal softmax scaled by 1/sqrt(head_dim); head_dim is model.head_dim, or d_model / n_heads
+when it is 0 (q is (C, H*hd), k and v (C, K*hd), o (H*hd, C)). With model.qk_norm (Qwen3) each head's q and k are
+RMS-normalised over head_dim, with learned (head_dim,) weights, before the rotation. MLP: down(silu(gate(x)) * up(x)).
 
 Parameters are stored (in, out) — Hugging Face's `*_proj.weight` transposed; q, k and v are separate
 matrices whose columns are head-major (head h owns columns h*hd .. (h+1)*hd - 1), in Hugging Face's
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from hpengine.config.load import ffn_width
+from hpengine.config.load import ffn_width, head_width
 from hpengine.models.common import (
     Block,
     embed_specs,
@@ -68,7 +68,7 @@ class Llama:
         self.Vp = padded_vocab(mcfg.vocab_size, tp_size)
         self.V, self.T, self.C, self.L = mcfg.vocab_size, mcfg.seq_len, mcfg.d_model, mcfg.n_layers
         self.H, self.K = mcfg.n_heads, mcfg.n_kv_heads or mcfg.n_heads
-        self.hd, self.F = mcfg.d_model // mcfg.n_heads, ffn_width(mcfg)
+        self.hd, self.F = head_width(mcfg), ffn_width(mcfg)
         self.tied, self.std, self.eps = mcfg.tie_head, mcfg.init_std, mcfg.norm_eps
         self.n_layers = self.L
         self._tables = {}
@@ -109,12 +109,13 @@ class Llama:
         layer = 2 * rmsnorm_cache_bytes(ns, C, item) + (2 * ns * C + swiglu_cache_elements(n * self.F // tp)) * item + att
         scores = 0 if self.flash else rows * H * score_elements(self.T) * item
         # W stash (split backward), as gpt's: dy, the gating, dg, du, h2; dx, a, dq, dk, dv, h
-        w = n * (2 * C + 2 * C // parts + (3 * self.F + 2 * self.C + 2 * self.K * self.hd) // tp) * item
+        heads = 2 * (self.H + self.K) * self.hd       # a and dq (n_heads wide), dk and dv (n_kv_heads wide)
+        w = n * (2 * C + 2 * C // parts + (3 * self.F + heads) // tp) * item
         out = {"layer": layer, "scores": scores, "w_layer": w, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
                                                  rmsnorm_cache_bytes(ns, C, item), parts)}
         if self.moe is not None:     # an MoE layer: the attention's part, then the router's and experts'
             moe = (2 * rmsnorm_cache_bytes(ns, C, item) + ns * C * item + att + self.moe.cache_bytes(n, C, item, tp))
-            w_moe = n * (C + C // parts + (2 * C + 2 * self.K * self.hd) // tp) * item    # the attention's W stash
+            w_moe = n * (C + C // parts + heads // tp) * item    # the attention's W stash
             for i in range(self.L):
                 if self.moe.routed(i):
                     out[f"layer.{i}"], out[f"w_layer.{i}"] = moe, w_moe

@@ -25,7 +25,7 @@ import collections
 import functools
 import math
 
-from hpengine.config.load import model_from_key, model_key
+from hpengine.config.load import head_width, model_from_key, model_key
 from hpengine.layout.stage import owner
 from hpengine.models import build_model
 from hpengine.planner import recompute as rc
@@ -78,7 +78,7 @@ def gemms(mcfg, st, lay) -> list[tuple]:
         for kk, nn in weights[b.name]:
             out[tokens, kk, nn, 1] += calls
         if b.kind == "layer" and att:
-            hd, heads = mcfg.d_model // mcfg.n_heads, mcfg.n_heads // tp
+            hd, heads = head_width(mcfg), mcfg.n_heads // tp
             out[T, hd, T, lay.rows * heads] += calls + (drops and b.name in sel)
             out[T, T, hd, lay.rows * heads] += calls
     return [(c, *shape) for shape, c in out.items()]

@@ -41,7 +41,8 @@ TINY = ["model.seq_len=16", "model.d_model=16", "model.n_layers=2", "model.n_hea
         "checkpoint.every=2", "optim.lr=1e-2"]
 CASES = {"gpt": ["model.kind='gpt'"], "gpt_tied": ["model.kind='gpt'", "model.tie_head=true"],
          "llama": ["model.kind='llama'", "model.n_kv_heads=2", "model.ffn_hidden=24", "model.rope_theta=500.0"],
-         "llama_tied": ["model.kind='llama'", "model.n_kv_heads=1", "model.tie_head=true"]}
+         "llama_tied": ["model.kind='llama'", "model.n_kv_heads=1", "model.tie_head=true"],
+         "llama_head_dim": ["model.kind='llama'", "model.n_kv_heads=2", "model.ffn_hidden=24", "model.head_dim=6"]}
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +115,7 @@ def test_hf_export_same_logits(tmp_path, small_corpus, case, monkeypatch):
         np.testing.assert_allclose(stock, want, rtol=1e-10, atol=1e-10)
     else:
         assert type(model).__name__ == "LlamaForCausalLM"
+        assert model.config.head_dim == (cfg.model.head_dim or 16 // 4)
         np.testing.assert_allclose(stock, want, rtol=1e-5, atol=1e-5)
         with monkeypatch.context() as m:
             m.setattr(modeling_llama, "torch", _Float64Torch())

@@ -1,6 +1,6 @@
 """`checkpoint.init_from = "hf:DIR"` on folders written by transformers: a randomly initialised (and then
 randomly perturbed, so no LayerNorm/RMSNorm weight is 1 and no bias 0) GPT2LMHeadModel or LlamaForCausalLM,
-tied and untied, float64, saved with save_pretrained; hpengine loads the folder into a one-process engine
+tied and untied (and a llama with head_dim 8, not hidden_size / heads = 4), float64, saved with save_pretrained; hpengine loads the folder into a one-process engine
 and its forward (model blocks with LOCAL, as tests/interop/test_hf_export.py) gives transformers' logits:
 GPT-2 to 1e-10; stock HF llama (float32 RMSNorm statistics, softmax and rotary angles) to 1e-5, and to
 1e-10 with modeling_llama's float32 read as float64 (as tests/interop/test_hf_llama.py). The GPT-2 folder
@@ -27,7 +27,7 @@ from hpengine.run.build import build  # noqa: E402
 from hpengine.run.train import restore
 
 T, V, C, L, H = 16, 256, 16, 2, 4
-CASES = ["gpt", "gpt_tied", "llama", "llama_tied"]
+CASES = ["gpt", "gpt_tied", "llama", "llama_tied", "llama_head_dim"]     # head_dim 8 != hidden 16 / 4 heads
 
 
 class _Float64Torch:
@@ -46,13 +46,14 @@ def hf_model(case: str):
         model = GPT2LMHeadModel(conf)
         extra = ["model.kind='gpt'"]
     else:
+        hd = 8 if case.endswith("_head_dim") else None
         conf = LlamaConfig(vocab_size=V, hidden_size=C, intermediate_size=24, num_hidden_layers=L,
                            num_attention_heads=H, num_key_value_heads=2, max_position_embeddings=T,
                            rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-                           tie_word_embeddings=tied, attn_implementation="eager")
+                           tie_word_embeddings=tied, attn_implementation="eager", head_dim=hd)
         model = LlamaForCausalLM(conf)
         extra = ["model.kind='llama'", "model.n_kv_heads=2", "model.ffn_hidden=24", "model.rope_theta=500.0",
-                 "model.norm_eps=1e-5"]
+                 "model.norm_eps=1e-5", *([f"model.head_dim={hd}"] if hd else [])]
     model = model.to(torch.float64).eval()
     with torch.no_grad():
         for p in model.parameters():

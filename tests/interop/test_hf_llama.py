@@ -1,8 +1,8 @@
 """hpengine's llama kind against Hugging Face's LlamaForCausalLM: the export is a rename and a transpose.
 
 A tiny llama with random float64 parameters runs hpengine's forward and hand-written backward (model
-level, tp = 1); the exported weights go into transformers' LlamaForCausalLM (eager attention, float64),
-whose autograd gives the reference gradients. The loss is the cross-entropy summed over the given
+level, tp = 1; also with model.head_dim other than d_model / n_heads); the exported weights go into
+transformers' LlamaForCausalLM (eager attention, float64), whose autograd gives the reference gradients. The loss is the cross-entropy summed over the given
 targets / norm, computed here from HF's logits (not HF's shifted-label loss).
 
 HF's Llama computes three things in float32 whatever the model dtype (RMSNorm statistics, the eager
@@ -24,7 +24,7 @@ pytest.importorskip("transformers", minversion="5")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
-from hpengine.config.load import ffn_width, load_config  # noqa: E402
+from hpengine.config.load import ffn_width, head_width, load_config  # noqa: E402
 from hpengine.models import LOCAL, build_model  # noqa: E402
 
 B, T, V, C, L, H, F, THETA, EPS = 2, 8, 37, 16, 2, 4, 24, 50.0, 1e-5
@@ -50,8 +50,8 @@ def export(P: dict, names: dict) -> dict:
     return {hf: torch.from_numpy(np.ascontiguousarray(P[n].T if t else P[n])) for n, (hf, t) in names.items()}
 
 
-def setup(n_kv: int, tied: bool, seed: int = 0):
-    cfg = load_config(None, ["model.kind=llama", f"model.vocab_size={V}", f"model.seq_len={T}",
+def setup(n_kv: int, tied: bool, seed: int = 0, head_dim: int = 0):
+    cfg = load_config(None, ["model.kind=llama", f"model.vocab_size={V}", f"model.seq_len={T}", f"model.head_dim={head_dim}",
                              f"model.d_model={C}", f"model.n_layers={L}", f"model.n_heads={H}",
                              f"model.n_kv_heads={n_kv}", f"model.ffn_hidden={F}", f"model.rope_theta={THETA}",
                              f"model.norm_eps={EPS}", f"model.tie_head={str(tied).lower()}",
@@ -72,7 +72,7 @@ def hf_config(mcfg) -> LlamaConfig:
                        num_key_value_heads=mcfg.n_kv_heads or mcfg.n_heads, hidden_act="silu",
                        max_position_embeddings=mcfg.seq_len, rms_norm_eps=mcfg.norm_eps,
                        tie_word_embeddings=mcfg.tie_head, attention_bias=False, mlp_bias=False,
-                       attention_dropout=0.0, attn_implementation="eager", **rope)
+                       attention_dropout=0.0, attn_implementation="eager", head_dim=head_width(mcfg), **rope)
 
 
 def hpengine_run(model, P, ids, targets, norm):
@@ -99,7 +99,7 @@ def hf_run(mcfg, state, ids, targets, norm):
     assert not unexpected and set(missing) <= ({"lm_head.weight"} if mcfg.tie_head else set())
     if mcfg.tie_head:
         assert hf.lm_head.weight is hf.model.embed_tokens.weight
-    hd = mcfg.d_model // mcfg.n_heads
+    hd = head_width(mcfg)
     inv = 1.0 / mcfg.rope_theta ** (np.arange(0, hd, 2) / hd)
     np.testing.assert_allclose(hf.model.rotary_emb.inv_freq.double().numpy(), inv, rtol=1e-6)
     hf.train()
@@ -118,9 +118,11 @@ class _Float64Torch:
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("n_kv", [1, 2, 4])
-def test_hf_llama_same_loss_and_gradients(n_kv, tied, monkeypatch):
-    cfg, model, P, ids, targets = setup(n_kv, tied)
+@pytest.mark.parametrize("n_kv,head_dim", [(1, 0), (2, 0), (4, 0), (2, 6)],
+                         ids=["kv1", "kv2", "kv4", "kv2_head_dim6"])
+def test_hf_llama_same_loss_and_gradients(n_kv, head_dim, tied, monkeypatch):
+    cfg, model, P, ids, targets = setup(n_kv, tied, head_dim=head_dim)
+    assert P["h.0.attn.q.w"].shape == (C, H * (head_dim or C // H))
     norm = float(B * T) + 3.0          # any divisor: not HF's mean
     loss, G = hpengine_run(model, P, ids, targets, norm)
     names = hf_names(L, tied)

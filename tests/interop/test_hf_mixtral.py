@@ -100,12 +100,15 @@ def test_export_loads_as_mixtral_with_the_same_logits_and_tokens(tmp_path, small
     assert ours == theirs
 
 
-def test_import_of_a_saved_mixtral_gives_its_logits(tmp_path, small_corpus):
+@pytest.mark.parametrize("head_dim", [None, 8], ids=["heads_of_hidden_over_heads", "head_dim_8"])
+def test_import_of_a_saved_mixtral_gives_its_logits(tmp_path, small_corpus, head_dim):
+    """head_dim None: hidden_size / num_attention_heads = 4; 8: the run sets model.head_dim = 8."""
     torch.manual_seed(0)
     conf = MixtralConfig(vocab_size=V, hidden_size=C, intermediate_size=F, num_hidden_layers=L, num_attention_heads=H,
                          num_key_value_heads=2, num_local_experts=E, num_experts_per_tok=K, max_position_embeddings=T,
                          rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-                         tie_word_embeddings=False, attn_implementation="eager", experts_implementation="eager")
+                         tie_word_embeddings=False, attn_implementation="eager", experts_implementation="eager",
+                         head_dim=head_dim)
     model = MixtralForCausalLM(conf).to(torch.float64).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -113,9 +116,10 @@ def test_import_of_a_saved_mixtral_gives_its_logits(tmp_path, small_corpus):
     folder = tmp_path / "hf"
     model.save_pretrained(folder)
     cfg = load_config(None, [*MODEL, f"data.path={small_corpus}", f"train.out_dir={tmp_path / 'run'}",
-                             f"checkpoint.init_from=hf:{folder}"])
+                             f"checkpoint.init_from=hf:{folder}", *([f"model.head_dim={head_dim}"] if head_dim else [])])
     eng = build(cfg)
     assert restore(eng, cfg, None) == 0
+    assert eng.named_params()["h.0.attn.q.w"].shape == (C, H * (head_dim or C // H))
     ids = np.random.default_rng(1).integers(0, V, (2, T))
     want = hpengine_logits(eng.named_params(), cfg.model, ids)
     np.testing.assert_allclose(want, logits_of(model, ids), rtol=1e-5, atol=1e-5)

@@ -1,5 +1,6 @@
 """The llama kind with q/k norms (model.qk_norm) against Hugging Face's Qwen3MoeForCausalLM (routed experts, the
-first layer dense) and Qwen3ForCausalLM (dense), both ways.
+first layer dense) and Qwen3ForCausalLM (dense), both ways; each with heads hidden_size / heads wide and with
+model.head_dim set to another width (as real Qwen3 checkpoints: head_dim 128 at every hidden size).
 
 Export: a tiny float64 run trains 2 steps, `hpengine ckpt export --format hf` writes the folder (per-expert
 gate_proj / up_proj / down_proj tensors, as transformers' save_pretrained writes them), and transformers loads it
@@ -8,8 +9,8 @@ RMSNorm statistics and rotary angles in float32) and to 1e-10 with modeling_qwen
 float64; greedy decoding gives the same tokens. Import: a randomly initialised (and perturbed, so no norm weight
 is 1) model saved with save_pretrained starts a run through checkpoint.init_from = "hf:DIR" with transformers'
 logits. What the classes cannot hold is refused in one line: a shared expert or a sigmoid router on export;
-on import a dense-layer pattern other than the first layers, a run without q/k norms, and a Qwen2-MoE folder
-(its shared expert's sigmoid gate).
+on import a dense-layer pattern other than the first layers, a run without q/k norms, a head width other than
+the run's, and a Qwen2-MoE folder (its shared expert's sigmoid gate).
 
 Needs the `hf` extra (torch, transformers >= 5) and safetensors; skipped without them.
 """
@@ -51,7 +52,14 @@ BASE = [f"model.seq_len={T}", f"model.d_model={C}", f"model.n_layers={L}", f"mod
         "train.global_batch=4"]
 MOE = [f"model.moe.num_experts={E}", f"model.moe.top_k={K}", f"model.moe.expert_hidden={F}",
        "model.moe.dense_layers=1", "model.moe.norm_topk=false", "model.moe.aux_loss=0.01"]
-CASES = {"moe": ("Qwen3MoeForCausalLM", BASE + MOE), "dense": ("Qwen3ForCausalLM", BASE)}
+HD = 8           # head_dim != hidden_size / heads = 4, as real Qwen3 checkpoints have (128 at every width)
+CASES = {"moe": ("Qwen3MoeForCausalLM", BASE + MOE), "dense": ("Qwen3ForCausalLM", BASE),
+         "moe_head_dim": ("Qwen3MoeForCausalLM", BASE + MOE + [f"model.head_dim={HD}"]),
+         "dense_head_dim": ("Qwen3ForCausalLM", BASE + [f"model.head_dim={HD}"])}
+
+
+def head_dim_of(case):
+    return HD if case.endswith("_head_dim") else C // H
 
 
 class _Float64Torch:
@@ -109,8 +117,10 @@ def test_export_loads_in_transformers_with_the_same_logits_and_tokens(tmp_path, 
     hf_model, info = load()
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
     assert type(hf_model).__name__ == arch
-    if case == "moe":       # the first layer dense, top 2 of 4 experts, gates not renormalised
-        c = hf_model.config
+    c = hf_model.config
+    assert (c.head_dim, hf_model.model.layers[0].self_attn.q_proj.weight.shape) == \
+        (head_dim_of(case), (H * head_dim_of(case), C))
+    if case.startswith("moe"):       # the first layer dense, top 2 of 4 experts, gates not renormalised
         assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob) == (E, K, F, False)
         assert type(hf_model.model.layers[0].mlp).__name__ == "Qwen3MoeMLP"
         assert type(hf_model.model.layers[1].mlp).__name__ == "Qwen3MoeSparseMoeBlock"
@@ -121,20 +131,19 @@ def test_export_loads_in_transformers_with_the_same_logits_and_tokens(tmp_path, 
     np.testing.assert_allclose(exact(lambda: logits_of(load()[0].eval(), ids)), want, rtol=1e-10, atol=1e-10)
     assert np.abs(want).max() > 1e-3
     ours = generate(run, "def ", 8, greedy=True, out=io.StringIO(), note=lambda *_: None)["tokens"]
-    with torch.no_grad():
-        theirs = hf_model.generate(torch.tensor([list(b"def ")]), max_new_tokens=8, do_sample=False,
-                                   min_new_tokens=8)[0, 4:].tolist()
-    assert ours == theirs
+    with torch.no_grad():      # both stop at the end-of-document token (the folder's eos_token_id), if it comes
+        theirs = hf_model.generate(torch.tensor([list(b"def ")]), max_new_tokens=8, do_sample=False)[0, 4:].tolist()
+    assert ours == theirs and len(ours) >= 3
 
 
 def saved(case, folder, **over):
     """A randomly initialised, perturbed float64 model of `case` saved by transformers into folder."""
     torch.manual_seed(0)
     common = {"vocab_size": V, "hidden_size": C, "intermediate_size": FD, "num_hidden_layers": L, "num_attention_heads": H,
-                  "num_key_value_heads": KV, "head_dim": C // H, "max_position_embeddings": T, "rms_norm_eps": 1e-5,
+                  "num_key_value_heads": KV, "head_dim": head_dim_of(case), "max_position_embeddings": T, "rms_norm_eps": 1e-5,
                   "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}, "tie_word_embeddings": False,
                   "attn_implementation": "eager"}
-    if case == "moe":
+    if case.startswith("moe"):
         conf = Qwen3MoeConfig(**{**common, "num_experts": E, "num_experts_per_tok": K, "moe_intermediate_size": F,
                                  "mlp_only_layers": [0], "norm_topk_prob": False, "experts_implementation": "eager",
                                  **over})
@@ -158,12 +167,13 @@ def test_import_of_a_saved_model_gives_its_logits(tmp_path, small_corpus, case):
     ids = np.random.default_rng(1).integers(0, V, (2, T))
     want = hpengine_logits(eng.named_params(), cfg.model, ids)
     np.testing.assert_allclose(want, logits_of(hf_model, ids), rtol=1e-5, atol=1e-5)
-    cls = Qwen3MoeForCausalLM if case == "moe" else Qwen3ForCausalLM
+    cls = Qwen3MoeForCausalLM if case.startswith("moe") else Qwen3ForCausalLM
     again = exact(lambda: logits_of(cls.from_pretrained(folder, dtype=torch.float64, attn_implementation="eager",
                                                         experts_implementation="eager").eval(), ids))
     np.testing.assert_allclose(want, again, rtol=1e-10, atol=1e-10)
     P = eng.named_params()
-    assert not np.allclose(P["h.1.attn.q_norm.w"], 1.0) and P["h.1.attn.q_norm.w"].shape == (C // H,)
+    assert not np.allclose(P["h.1.attn.q_norm.w"], 1.0) and P["h.1.attn.q_norm.w"].shape == (head_dim_of(case),)
+    assert P["h.1.attn.o.w"].shape == (H * head_dim_of(case), C)
 
 
 @pytest.mark.parametrize("extra,why", [(["model.moe.shared_hidden=8"], "model.moe.shared_hidden = 0"),
@@ -186,6 +196,8 @@ def test_what_qwen3_moe_cannot_hold_is_refused_on_export(tmp_path, small_corpus,
     ("moe", {}, [*BASE, *MOE, "model.qk_norm=false"], "normalises each head's q and k"),
     ("dense", {}, [*BASE, "model.qk_norm=false"], "set model.qk_norm = true"),
     ("dense", {}, BASE + MOE, "is a dense Qwen3ForCausalLM, but model.moe.num_experts = 4"),
+    ("dense_head_dim", {}, BASE, f"has head_dim {HD} but the run's heads are {C // H} wide"),
+    ("moe", {}, BASE + MOE + [f"model.head_dim={HD}"], f"set model.head_dim = {C // H}"),
 ])
 def test_what_the_run_cannot_hold_is_refused_on_import(tmp_path, small_corpus, case, over, model, why):
     folder = tmp_path / "hf"

@@ -53,6 +53,12 @@ LAYOUTS = [
     ("llama_tp2_sharding3", EVEN, LLAMA + TP2 + SH + [S + "sharding.stage=3"]),
     # the q/k norms' gradients summed over tp once a step (without sequence parallelism too), their caches
     ("llama_qk_norm_tp2_sharding2", EVEN, LLAMA + TP2 + SH + [S + "sharding.stage=2", "model.qk_norm=true"]),
+    # heads of their own width (model.head_dim 6 at d_model 16 and 4 heads): the projections, caches, W stash
+    ("sp_llama_head_dim_tp2_dp_qk_norm", EVEN, LLAMA + TP2 + SP + DP + ["model.head_dim=6", "model.qk_norm=true"]),
+    ("zb_llama_head_dim_tp2_pp2_zb1p", lambda n: n == 4, LLAMA + TP2 + PP2 + [
+        "model.head_dim=6", S + "pipeline.micro_batches=4", S + "pipeline.schedule=zb1p"]),
+    ("llama_head_dim_flash_sharding3", ANY, LLAMA + SH + [S + "sharding.stage=3", "model.head_dim=6",
+                                                          "model.attention=flash"]),
     ("llama_amp_sharding2_tied", ANY, LLAMA + SH + [S + "sharding.stage=2", S + "amp.enable=true", "model.dtype=float32",
                                                    "model.tie_head=true"]),
     ("llama_tp2_pp2_dp", lambda n: n % 4 == 0, LLAMA + TP2 + PP2 + DP + [S + "pipeline.micro_batches=2"]),

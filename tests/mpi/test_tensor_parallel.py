@@ -114,3 +114,31 @@ def test_qk_norm_equals_one_process(corpus, world, name):
     assert_same(losses, ref_l)
     assert_same_params(params, ref_p, atol=ADAM_FLOOR["llama"])
     assert not np.allclose(params["h.1.attn.k_norm.w"], 1.0)      # the norms trained
+
+
+# heads of their own width (model.head_dim 6 at d_model 32 and 8 heads, not 4): q (32, 48), k and v (32, 24),
+# o (48, 32), split over tp by whole heads as before
+HD = ["model.head_dim=6", "model.n_layers=2"]
+HD_LAYOUTS = {   # name -> (world size, overrides)
+    "tp2_qk_norm": (2, ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2",
+                        "model.qk_norm=true"]),
+    "tp2_sp_flash": (2, ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2",
+                         "strategy.tensor_parallel.sequence_parallel=true", "model.attention=flash"]),
+    "tp4": (4, ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=4"]),
+    "tp2_pp2_zb1p": (4, ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2",
+                         "strategy.pipeline.enable=true", "strategy.pipeline.degree=2",
+                         "strategy.pipeline.micro_batches=4", "strategy.pipeline.schedule=zb1p"]),
+}
+
+
+@pytest.mark.parametrize("name", list(HD_LAYOUTS))
+def test_head_dim_equals_one_process(corpus, world, name):
+    n, extra = HD_LAYOUTS[name]
+    need(world.Get_size() == n, f"{name} needs {n} ranks")
+    losses, params, eng = run(config(corpus, *HEADS, *LLAMA_TP, *HD, *extra), world)
+    tp, i = eng.res.tp, next(n.split(".")[1] for n in eng.layout.shapes if n.endswith(".attn.q.w"))
+    assert eng.layout.shapes[f"h.{i}.attn.q.w"] == (32, 48 // tp) and eng.layout.shapes[f"h.{i}.attn.o.w"] == (48 // tp, 32)
+    ref_l, ref_p, _ = reference(corpus, *HEADS, *LLAMA_TP, *HD, *(e for e in extra if e.startswith("model.")))
+    assert ref_p["h.1.attn.v.w"].shape == (32, 4 * 6)
+    assert_same(losses, ref_l)
+    assert_same_params(params, ref_p, atol=ADAM_FLOOR["llama"])

@@ -17,6 +17,8 @@ KINDS = {"gpt": ["model.kind=gpt", "model.n_heads=2"],
          "llama": ["model.kind=llama", "model.n_heads=4", "model.n_kv_heads=2"],
          "mlp": ["model.kind=mlp"],
          "llama_qk_norm": ["model.kind=llama", "model.n_heads=4", "model.n_kv_heads=2", "model.qk_norm=true"],
+         "llama_head_dim": ["model.kind=llama", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=6",
+                            "model.qk_norm=true"],
          "llama_moe": ["model.kind=llama", "model.n_heads=4", "model.n_kv_heads=2", "model.moe.num_experts=4",
                        "model.moe.top_k=2", "model.moe.expert_hidden=8", "model.moe.shared_hidden=4",
                        "model.moe.dense_layers=1"]}

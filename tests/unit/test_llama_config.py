@@ -29,7 +29,9 @@ def test_llama_width_rule(d, multiple, want):
     (["model.n_kv_heads=3"], ["model.n_heads = 8", "model.n_kv_heads = 3", "must divide"]),
     (["model.n_kv_heads=16"], ["model.n_kv_heads = 16", "must divide"]),
     (["model.n_heads=16", "model.d_model=48"], ["48 / 16 = 3 is odd", "even"]),
-    (["model.d_model=60"], ["model.d_model = 60", "model.n_heads = 8"]),
+    (["model.d_model=60"], ["model.d_model = 60", "model.n_heads = 8", "model.head_dim"]),
+    (["model.head_dim=5"], ["model.head_dim = 5 is odd", "even"]),
+    (["model.head_dim=-2"], ["model.head_dim = -2", "must be >= 0"]),
     (["model.ffn_multiple_of=0"], ["model.ffn_multiple_of = 0", "must be >= 1"]),
     (["model.ffn_hidden=-4"], ["model.ffn_hidden = -4", "must be >= 0"]),
     (["model.rope_theta=0"], ["model.rope_theta = 0.0", "must be > 0"]),
@@ -43,9 +45,15 @@ def test_llama_bad_input_is_one_line(extra, words):
     assert "\n" not in msg and all(w in msg for w in words), msg
 
 
+def test_head_dim_frees_the_width_from_the_heads():
+    """With model.head_dim set, d_model need not be a multiple of n_heads (Qwen3: 128-wide heads at any width)."""
+    m = load_config(None, [*LLAMA, "model.d_model=60", "model.head_dim=16"]).model
+    assert (C.head_width(m), C.head_width(load_config(None, LLAMA).model)) == (16, 8)
+
+
 @pytest.mark.parametrize("kind", ["gpt", "mlp"])
 @pytest.mark.parametrize("key", ["n_kv_heads=2", "ffn_hidden=64", "ffn_multiple_of=64", "rope_theta=5e5",
-                                 "norm_eps=1e-6"])
+                                 "norm_eps=1e-6", "head_dim=8"])
 def test_llama_keys_are_refused_on_other_kinds(kind, key):
     with pytest.raises(ConfigError, match=f"model.{key.split('=')[0]} applies to model.kind = 'llama', not '{kind}'"):
         load_config(None, [f"model.kind={kind}", f"model.{key}"])

@@ -30,13 +30,15 @@ def corpus32(tmp_path_factory):
     return path
 
 
-# the llama kind: 4 query heads in 2 groups (head_dim 4, rotary pairs), SwiGLU width 24
+# the llama kind: 4 query heads in 2 groups (head_dim 4, rotary pairs), SwiGLU width 24; llama_head_dim: the
+# same with heads 6 wide (model.head_dim), so q is (16, 24), k and v (16, 12), o (24, 16)
 KIND_KEYS = {"gpt": ["model.n_heads=2", "model.ffn_mult=2"], "mlp": ["model.n_heads=2", "model.ffn_mult=2"],
              "llama": ["model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=24", "model.rope_theta=100"]}
+KIND_KEYS["llama_head_dim"] = KIND_KEYS["llama"] + ["model.head_dim=6"]
 
 
 def make(corpus, kind: str, tied: bool, seed: int = 7):
-    cfg = load_config(None, [f"model.kind='{kind}'", f"model.vocab_size={V}", f"model.seq_len={T}",
+    cfg = load_config(None, [f"model.kind='{kind.split('_')[0]}'", f"model.vocab_size={V}", f"model.seq_len={T}",
                              "model.d_model=16", "model.n_layers=2", *KIND_KEYS[kind],
                              f"model.tie_head={str(tied).lower()}",
                              "model.dtype='float64'", "model.init_std=0.3", f"train.seed={seed}",
@@ -101,17 +103,20 @@ EXPECTED_TENSORS = {
     ("mlp", True): 1 + 2 * 6 + 2,
     ("llama", False): 1 + 2 * 9 + 2,     # wte; 2 norms, q, k, v, o, gate, up, down per layer; norm, lm_head
     ("llama", True): 1 + 2 * 9 + 1,
+    ("llama_head_dim", False): 1 + 2 * 9 + 2,
 }
 
 
 @pytest.mark.parametrize("kind,tied", [("gpt", False), ("gpt", True), ("mlp", False), ("mlp", True),
-                                       ("llama", False), ("llama", True)])
+                                       ("llama", False), ("llama", True), ("llama_head_dim", False)])
 @pytest.mark.parametrize("norm_rows", [B, 11.5], ids=["norm=B*T", "norm=11.5*T"])
 def test_whole_model_gradient_matches_finite_differences(corpus32, kind, tied, norm_rows):
     eng = make(corpus32, kind, tied)
     layout = eng.layout
     assert len(layout.ranges) == EXPECTED_TENSORS[(kind, tied)]
     assert ("lm_head.w" in layout.ranges) is not tied
+    if kind == "llama_head_dim":
+        assert layout.shapes["h.0.attn.q.w"] == (16, 24) and layout.shapes["h.1.attn.o.w"] == (24, 16)
     x, y = batch()
     norm = float(norm_rows * T)
     loss, grads = gradient(eng, [(x, y)], norm)

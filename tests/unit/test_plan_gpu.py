@@ -148,6 +148,7 @@ def test_small_gpt_gemm_time_by_hand():
 @pytest.mark.parametrize("kind,extra", [
     ("llama", ["model.n_kv_heads=2"]),
     ("llama", ["model.n_kv_heads=2", "strategy.recompute.enable=true", "strategy.recompute.granularity=selective"]),
+    ("llama", ["model.n_kv_heads=2", "model.head_dim=24"]),
     ("mlp", [])])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (2, 2)])
 def test_gemms_cover_the_flops(kind, extra, tp, pp):

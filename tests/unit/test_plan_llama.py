@@ -93,6 +93,14 @@ def test_flops_closed_form(kv, tied):
     assert step_flops(llama(kv, f"model.tie_head={str(tied).lower()}")) == closed_form(kv)
 
 
+def test_flops_closed_form_with_head_dim():
+    """Heads 12 wide at d_model 32 (model.head_dim): the projections and the attention follow H x hd."""
+    tokens, hd = ROWS * T, 12
+    layer = D * H * hd + 2 * D * 2 * hd + H * hd * D + 3 * D * F
+    want = 6 * tokens * (L * layer + D * V) + 3 * L * (4 * tokens * T * H * hd)
+    assert step_flops(llama(2, f"model.head_dim={hd}")) == want
+
+
 def test_grouped_query_attention_saves_key_value_projections_only():
     tokens = ROWS * T
     for kv in (1, 2):
