@@ -25,6 +25,7 @@ from hpengine.config.tree import (  # noqa: F401 - the tree, re-exported
     CheckpointConfig,
     Config,
     ConfigError,
+    ContextParallelConfig,
     DataConfig,
     DataParallelConfig,
     DataSource,
@@ -44,6 +45,7 @@ from hpengine.config.tree import (  # noqa: F401 - the tree, re-exported
     _kind_error,
     ffn_width,
     kind_keys,
+    mesh_order,
     model_from_key,
     model_key,
 )
