@@ -120,8 +120,9 @@ class Mesh:
         return f"[r{self.rank} dp{c['dp']} sh{c['sharding']} pp{c['pp']} tp{c['tp']}{cp}]"
 
     def describe(self) -> str:
-        degs = " x ".join(f"{a}={self.degrees[a]}" for a in reversed(self.order) if a != "cp" or self.degrees[a] > 1)
-        return f"mesh {degs} (order innermost first: {', '.join(self.order)}) on {self.size} ranks"
+        shown = [a for a in self.order if a != "cp" or self.degrees[a] > 1]     # cp named only when on
+        degs = " x ".join(f"{a}={self.degrees[a]}" for a in reversed(shown))
+        return f"mesh {degs} (order innermost first: {', '.join(shown)}) on {self.size} ranks"
 
 
 def node_ranks(world) -> tuple[int, int]:
