@@ -8,7 +8,7 @@ the sum of the per-token NLL (float64) divided by the number of predicted tokens
 
 The model comes from the checkpoint's saved config; the layout from this invocation (strategies off, then
 --config's [strategy]/[runtime]/[mesh] tables and --set; on several ranks with no parallel axis switched
-on, data parallel over every rank). The windows are cut into contiguous ranges, one per data-parallel
+on, data parallel over every rank; context-parallel ranks evaluate as more data-parallel replicas). The windows are cut into contiguous ranges, one per data-parallel
 replica; every replica runs the same number of passes (idle ones repeat a dummy pass whose loss is not
 counted, so stage-3 sharding gathers stay in step) and the NLL sums are added over the world in float64,
 so every rank reports the figures of one process (to rounding).
@@ -34,7 +34,7 @@ from hpengine.run.build import build, load_together
 
 log = logging.getLogger("hpengine")
 
-AXIS_SWITCHES = ("data_parallel", "sharding", "pipeline", "tensor_parallel")
+AXIS_SWITCHES = ("data_parallel", "sharding", "pipeline", "tensor_parallel", "context_parallel")
 def eval_config(manifest: dict, cfg_path=None, overrides=(), world_size: int = 1):
     """The checkpoint's own config with every strategy off, then --config's layout tables and --set."""
     raw = tomllib.loads(manifest["config"])
@@ -50,6 +50,7 @@ def eval_config(manifest: dict, cfg_path=None, overrides=(), world_size: int = 1
     if world_size > 1 and not any(raw.get("strategy", {}).get(s, {}).get("enable") for s in AXIS_SWITCHES):
         raw.setdefault("strategy", {})["data_parallel"] = {"enable": True, "degree": -1}
     s = raw.get("strategy", {})
+    _context_as_data_parallel(s)
     if "tensor_parallel" in s:     # forward only, no activations kept: sequence parallelism would save nothing,
         s["tensor_parallel"]["sequence_parallel"] = False     # and the last window's length need not divide by tp
     m = s.get("pipeline", {}).get("micro_batches", 1) if s.get("pipeline", {}).get("enable") else 1
@@ -107,6 +108,19 @@ def build_engine(cfg, world):
     """train.build without a training dataset: layout, backend, mesh and the engine."""
 
     return build(cfg, world, with_data=False)
+
+
+def _context_as_data_parallel(s: dict) -> None:
+    """A layout's context-parallel ranks evaluate as data-parallel replicas (dp x cp of them): forward only,
+    whole windows each, so the last, partial window need not divide into 2 cp chunks; the figures are the
+    same. In place on the raw [strategy] table."""
+    cp = s.get("context_parallel", {})
+    if not cp.get("enable"):
+        return
+    c, dp = cp.get("degree", -1), s.get("data_parallel", {})
+    d = dp.get("degree", -1) if dp.get("enable") else 1
+    s["data_parallel"] = {**dp, "enable": True, "degree": -1 if -1 in (c, d) else c * d}
+    s["context_parallel"] = {**cp, "enable": False}
 
 
 def plan_passes(n_tokens: int, T: int, replicas: int, batch: int, m: int) -> list[list[tuple]]:

@@ -25,6 +25,7 @@ from hpengine.config.tree import (  # noqa: F401 - the tree, re-exported
     CheckpointConfig,
     Config,
     ConfigError,
+    ContextParallelConfig,
     DataConfig,
     DataParallelConfig,
     DataSource,
@@ -45,6 +46,7 @@ from hpengine.config.tree import (  # noqa: F401 - the tree, re-exported
     ffn_width,
     head_width,
     kind_keys,
+    mesh_order,
     model_from_key,
     model_key,
 )

@@ -9,7 +9,17 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
-MESH_AXES = ("tp", "sharding", "dp", "pp")
+MESH_AXES = ("tp", "cp", "sharding", "dp", "pp")
+
+
+def mesh_order(order) -> tuple:
+    """mesh.order as a permutation of every axis: an order naming the four axes without cp (as configs written
+    before context parallelism do) gets cp right after tp."""
+    order = tuple(order)
+    if "cp" in order or "tp" not in order:
+        return order
+    i = order.index("tp") + 1
+    return order[:i] + ("cp",) + order[i:]
 
 
 class ConfigError(Exception):
@@ -48,7 +58,8 @@ _BETAS = (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
           "must be a list of exactly two numbers, each >= 0 and < 1")
 _SPLIT = (lambda v: v in ("uniform", "params") if isinstance(v, str) else len(v) > 0 and min(v) >= 1,
           'must be "uniform", "params" or a non-empty list of blocks per stage, each >= 1')
-_ORDER = (lambda v: sorted(v) == sorted(MESH_AXES), 'must be a permutation of ["tp", "sharding", "dp", "pp"]')
+_ORDER = (lambda v: sorted(mesh_order(v)) == sorted(MESH_AXES),
+          'must be a permutation of ["tp", "cp", "sharding", "dp", "pp"] (without "cp", it goes right after "tp")')
 _DEGREE_DOC = "ranks on this axis; -1 = the ranks left over"
 
 
@@ -277,6 +288,16 @@ class TensorParallelConfig:
 
 
 @dataclass
+class ContextParallelConfig:
+    """Each sequence split over ranks in head-tail balanced chunks; attention by a ring of keys (`cp`)."""
+    enable: bool = _f(False, "turn context parallelism on")
+    degree: int = _f(-1, _DEGREE_DOC + "; model.seq_len must be divisible by 2 x degree", check=_DEGREE)
+    comm: str = _f("ring", "how keys and values travel: ring (each rank's block passed on while the held one is "
+                   "attended; two blocks held at a time) or allgather (every block gathered once, dk and dv "
+                   "reduce-scattered back)", choices=("ring", "allgather"))
+
+
+@dataclass
 class RecomputeConfig:
     """Drop block activations in forward, rebuild them in backward (memory for compute)."""
     enable: bool = _f(False, "turn activation recomputation on")
@@ -321,6 +342,7 @@ class StrategyConfig:
     gradient_merge: GradientMergeConfig = field(default_factory=GradientMergeConfig)
     amp: AmpConfig = field(default_factory=AmpConfig)
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
+    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
 
 
 @dataclass
@@ -373,7 +395,8 @@ class RuntimeConfig:
 class MeshConfig:
     """How ranks are laid out on the mesh axes."""
     order: list[str] = _f(list(MESH_AXES), "mesh axes, innermost (neighbouring ranks) first; "
-                          "a permutation of tp, sharding, dp, pp", check=_ORDER)
+                          "a permutation of tp, cp, sharding, dp, pp (an order without cp puts it right after tp)",
+                          check=_ORDER)
 
 
 @dataclass

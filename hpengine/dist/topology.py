@@ -1,4 +1,4 @@
-"""The device mesh: axes tp, sharding, dp, pp with their degrees and order; rank <-> coordinates; every
+"""The device mesh: axes tp, cp, sharding, dp, pp with their degrees and order; rank <-> coordinates; every
 communicator by name, each made once: one per axis, any product of axes ("dp*sharding"), an axis folded
 inside others ("ep" of degree e inside dp*sharding, and its complement), and the tied-embedding pair. The
 first axis in `order` is innermost (neighbouring ranks).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from hpengine.config.load import mesh_order
 from hpengine.layout.resolve import AXES, TopologyError, resolve_degrees  # noqa: F401  (re-exported)
 
 
@@ -17,7 +18,8 @@ class Mesh:
     def __init__(self, world_comm, degrees: dict, order=AXES, wrap=None):
         self.world = world_comm
         self.rank, self.size = world_comm.Get_rank(), world_comm.Get_size()
-        self.degrees = resolve_degrees(self.size, degrees)
+        self.degrees = resolve_degrees(self.size, {"cp": 1, **degrees})
+        order = mesh_order(order)
         if sorted(order) != sorted(AXES):
             raise TopologyError(f"mesh.order = {list(order)}: must be a permutation of {list(AXES)}")
         self.order = tuple(order)
@@ -114,11 +116,13 @@ class Mesh:
 
     def prefix(self) -> str:
         c = self.coords
-        return f"[r{self.rank} dp{c['dp']} sh{c['sharding']} pp{c['pp']} tp{c['tp']}]"
+        cp = f" cp{c['cp']}" if self.degrees["cp"] > 1 else ""
+        return f"[r{self.rank} dp{c['dp']} sh{c['sharding']} pp{c['pp']} tp{c['tp']}{cp}]"
 
     def describe(self) -> str:
-        degs = " x ".join(f"{a}={self.degrees[a]}" for a in reversed(self.order))
-        return f"mesh {degs} (order innermost first: {', '.join(self.order)}) on {self.size} ranks"
+        shown = [a for a in self.order if a != "cp" or self.degrees[a] > 1]     # cp named only when on
+        degs = " x ".join(f"{a}={self.degrees[a]}" for a in reversed(shown))
+        return f"mesh {degs} (order innermost first: {', '.join(shown)}) on {self.size} ranks"
 
 
 def node_ranks(world) -> tuple[int, int]:

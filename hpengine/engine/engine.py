@@ -22,6 +22,7 @@ from hpengine.layout.cache import Recompute, cache_nbytes
 from hpengine.layout.reduction import norm_excluded, reductions, summed_over, tied_sums
 from hpengine.layout.stage import build_stage
 from hpengine.nn import run_all
+from hpengine.nn.context_split import split_sequence
 from hpengine.optim import AdamW, clip_coefficient, lr_at, sum_of_squares
 from hpengine.params.init import init_range
 from hpengine.strategies import make_grad_sync
@@ -53,7 +54,7 @@ class Engine:
     def __init__(self, cfg, res, mesh, backend, dataset):
         self.cfg, self.res, self.mesh, self.be, self.data = cfg, res, mesh, backend, dataset
         self.xp = backend.xp
-        self.ctx = make_context(res, mesh.comms, cfg.model.vocab_size, backend.xp)
+        self.ctx = make_context(res, mesh.comms, cfg.model.vocab_size, backend.xp, cfg.model.seq_len)
         self.tp = self.ctx.tp
         t = cfg.train
         seeds = tuple(t.model_seeds or [t.seed + i for i in range(t.models)])
@@ -72,7 +73,7 @@ class Engine:
                        if self.amp else None)
         self._round_held_params()
         # per tensor: the sums that make its gradient whole and whether it counts in the norm here
-        self.reductions = reductions(self.stage, self.tp.rank, res.sp)
+        self.reductions = reductions(self.stage, self.tp.rank, res.sp, res.cp > 1)
         self.tied = tied_sums(self.reductions, self.stage)
         self.norm_exclude = [self.layout.ranges[n] for n in norm_excluded(self.reductions)]
         own = self.sync.owned
@@ -209,8 +210,13 @@ class Engine:
         return ce + self.layer_loss
 
     def _rows(self, split, step, seed):
+        """This rank's rows of the global batch (ids, targets); under context parallelism its head-tail part
+        of every sequence (the cp ranks of a replica take the same rows)."""
         x, y = self.data.batch(split, step, seed, self.cfg.train.global_batch,
                                start=self.res.replica(self.mesh.coords) * self.share, count=self.share)
+        if self.res.cp > 1:
+            cp, r = self.res.cp, self.mesh.coords["cp"]
+            x, y = split_sequence(np, x, cp, r), split_sequence(np, y, cp, r)
         return self.be.to_device(x), self.be.to_device(y)
 
     # --- one optimizer step ---------------------------------------------------------------------
@@ -366,9 +372,10 @@ class Engine:
         """What this rank saves of the training state, as load() takes it back: the pieces it alone writes
         (owned parameters, float32 masters under amp, Adam moments) and the layout-independent facts
         (optimizer steps, loss scaler, router biases, tensor shapes, degrees). The caller adds config and data."""
-        pieces = state.checkpoint_pieces(self.stage, self.sync, self.opts, self.master, self.tp,
-                                         self.mesh.coords["dp"], self.be,
-                                         frozenset(r.tensor for r in self.reductions if not r.counted))
+        # parameters are replicated over cp: cp rank 0 saves them
+        pieces = [] if self.mesh.coords["cp"] else state.checkpoint_pieces(
+            self.stage, self.sync, self.opts, self.master, self.tp, self.mesh.coords["dp"], self.be,
+            frozenset(r.tensor for r in self.reductions if not r.counted))
         meta = {"state": {**state.checkpoint_meta(self.opt_steps, self.scaler, len(self.slots)), **self.router_bias.meta()},
                 "shapes": self.true_shapes(), "layout": self.mesh.degrees, "world": self.mesh.size}
         return pieces, meta

@@ -3,7 +3,8 @@ and whether this rank counts it in the global norm. Gradient sync, the tied-copy
 replicated tensors and the global norm all read this one description (engine/engine.py).
 
 The rules, from where copies of a tensor live:
-- every tensor: summed over the replicas the gradient-sync strategy owns ("dp", "sharding");
+- every tensor: summed over the replicas the gradient-sync strategy owns ("dp", "sharding"), and under context
+  parallelism over "cp" too (each cp rank saw its part of every sequence; the sync sums over dp x cp);
 - a tensor another pipeline stage also holds (a tied head's wte): first summed with that copy ("tied");
   counted once, on the stage that declares it;
 - a tensor every tp rank holds whole (tp_dim None): counted on tp rank 0 only; under sequence parallelism
@@ -29,15 +30,16 @@ class Reduction:
     counted: bool              # whether this rank adds it to the global norm
 
 
-def reductions(stage, tp_rank: int, sequence_parallel: bool) -> tuple[Reduction, ...]:
+def reductions(stage, tp_rank: int, sequence_parallel: bool, context_parallel: bool = False) -> tuple[Reduction, ...]:
     """The Reduction of every tensor of `stage` (layout/stage.Stage), in layout order."""
     tied_in = {t: b for b, t in stage.tied.items()}
+    replicas = REPLICAS + (("cp",) if context_parallel else ())
     out = []
     for b in stage.blocks:
         for sp in stage.block_specs[b]:
             whole, copy = sp.tp_dim is None, sp.name in stage.copies
             partial = whole and (sequence_parallel or sp.tp_partial)
-            over = (("tied",) if sp.name in tied_in else ()) + REPLICAS + (("tp",) if partial else ())
+            over = (("tied",) if sp.name in tied_in else ()) + replicas + (("tp",) if partial else ())
             out.append(Reduction(sp.name, tied_in.get(sp.name, b), over, copy, not copy and not (whole and tp_rank > 0)))
     return tuple(out)
 

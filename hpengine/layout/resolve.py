@@ -11,13 +11,15 @@ import functools
 import math
 from dataclasses import dataclass
 
-from hpengine.config.load import MESH_AXES, ConfigError, model_from_key, model_key, validate
+from hpengine.config.load import MESH_AXES, ConfigError, mesh_order, model_from_key, model_key, validate
 from hpengine.layout.schedules import chunks_per_stage, placement
 from hpengine.models import build_model
+from hpengine.nn.context_split import check_split
 from hpengine.params.buffers import partition
 
 AXES = MESH_AXES          # innermost first by default
-SWITCH_OF_AXIS = {"tp": "tensor_parallel", "sharding": "sharding", "dp": "data_parallel", "pp": "pipeline"}
+SWITCH_OF_AXIS = {"tp": "tensor_parallel", "cp": "context_parallel", "sharding": "sharding", "dp": "data_parallel",
+                  "pp": "pipeline"}
 
 MAX_INFLIGHT = 2   # blocks whose gradient reduction may be in flight at once (stages 2 and 3)
 
@@ -117,6 +119,11 @@ class Resolved:
     sp: bool = False              # sequence parallelism (tp > 1 only)
     scatter: bool = False         # pipeline sends split across tp (pp > 1, tp > 1, no sp)
     ep: int = 1                   # expert parallel: ranks the routed experts are split over, inside dp
+    cp: int = 1                   # context parallel: ranks each sequence is split over (head-tail chunks)
+    cp_comm: str = "ring"         # context_parallel.comm: "ring" or "allgather"
+
+    def __post_init__(self):
+        object.__setattr__(self, "order", mesh_order(self.order))
 
     @property
     def seq_parts(self) -> int:
@@ -130,11 +137,24 @@ class Resolved:
 
     @property
     def degrees(self) -> dict:
-        return {"tp": self.tp, "sharding": self.sh, "dp": self.dp, "pp": self.pp}
+        return {"tp": self.tp, "cp": self.cp, "sharding": self.sh, "dp": self.dp, "pp": self.pp}
 
     @property
     def world(self) -> int:
-        return self.tp * self.sh * self.dp * self.pp
+        return self.tp * self.cp * self.sh * self.dp * self.pp
+
+    @property
+    def grad_axes(self) -> tuple:
+        """The axes over which every gradient (and loss) is summed beyond the sharding owners, in mesh order:
+        dp, and cp under context parallelism (each cp rank saw its part of every sequence)."""
+        if self.cp == 1:
+            return ("dp",)
+        return tuple(a for a in self.order if a == "cp" or (a == "dp" and self.dp > 1))
+
+    @property
+    def grad_group(self) -> str:
+        """The name of grad_axes' communicator (dist.topology.Mesh.group_name)."""
+        return "*".join(self.grad_axes)
 
     @property
     def replicas(self) -> int:
@@ -185,7 +205,7 @@ def resolve(cfg, world: int) -> Resolved:
     sp = d["tp"] > 1 and s.tensor_parallel.sequence_parallel
     ep = s.expert_parallel.degree if s.expert_parallel.enable else 1
     res = dataclasses.replace(res, sp=sp, scatter=d["tp"] > 1 and d["pp"] > 1 and not sp and pc.scatter_gather,
-                              ep=d["dp"] if ep == -1 else ep)
+                              ep=d["dp"] if ep == -1 else ep, cp=d["cp"], cp_comm=s.context_parallel.comm)
     check(cfg, res)
     chunks(cfg.model, res)          # the pipeline split must be possible
     return res
@@ -214,14 +234,17 @@ def check(cfg, res: Resolved) -> None:
                           f"model.n_layers = {mc.n_layers}; use 1..{mc.n_layers}")
     if res.ep > 1:
         _check_expert_parallel(mc, res)
+    if res.cp > 1:
+        _check_context_parallel(mc, res)
     tp = res.tp
     if tp > 1:
         bad = build_model(mc).tp_divides(tp)
         if bad:
             raise LayoutError(f"tensor_parallel.degree = {tp} must divide {bad}")
-        if res.sp and mc.seq_len % tp:
-            raise LayoutError(f"strategy.tensor_parallel.sequence_parallel needs model.seq_len = {mc.seq_len} "
-                              f"divisible by tensor_parallel.degree = {tp}; use a multiple of {tp} or turn it off")
+        if res.sp and (mc.seq_len // res.cp) % tp:
+            per = f" (seq_len / context_parallel.degree = {mc.seq_len // res.cp})" if res.cp > 1 else ""
+            raise LayoutError(f"strategy.tensor_parallel.sequence_parallel needs model.seq_len = {mc.seq_len}{per} "
+                              f"divisible by tensor_parallel.degree = {tp}; use a multiple of {tp * res.cp} or turn it off")
     pc = cfg.strategy.pipeline
     if pc.enable and pc.schedule == "interleaved":
         if pc.virtual_stages < 2:
@@ -259,6 +282,22 @@ def _check_expert_parallel(mc, res: Resolved) -> None:
                           f"{[d for d in range(1, res.dp + 1) if res.dp % d == 0]}")
 
 
+def _check_context_parallel(mc, res: Resolved) -> None:
+    """Context parallel splits every sequence over cp ranks in 2 cp head-tail chunks; the attention of the
+    gpt and llama kinds runs over them (the mlp kind mixes no positions: nothing to split for)."""
+    if mc.kind not in ("gpt", "llama"):
+        raise LayoutError(f"strategy.context_parallel needs a model with attention (model.kind = 'gpt' or 'llama'), "
+                          f"got model.kind = '{mc.kind}'")
+    if mc.kind == "llama" and mc.moe.num_experts:
+        raise LayoutError(f"strategy.context_parallel with model.moe.num_experts = {mc.moe.num_experts} is not "
+                          "supported yet: the balancing losses and expert capacity are per sequence, and a cp rank "
+                          "holds only part of each; turn context_parallel off or use a dense model")
+    try:
+        check_split(mc.seq_len, res.cp)
+    except ValueError as e:
+        raise LayoutError(f"strategy.context_parallel: {e}") from None
+
+
 def chunks(mcfg, res: Resolved) -> list[tuple[str, ...]]:
     """The model's block names cut into pp x v consecutive chunks (rank s holds chunks s, s + pp, ..., or
     s and 2 pp - 1 - s under zbv)."""
@@ -286,14 +325,17 @@ def _chunks(mkey, p, v, split) -> list[tuple[str, ...]]:
 
 def describe(cfg, res: Resolved) -> str:
     """The resolved layout in words and numbers (`hpengine config CFG --world N`)."""
-    lines = [f"world {res.world}: " + " x ".join(f"{a} {res.degrees[a]}" for a in reversed(res.order))
-             + f" (mesh order innermost first: {', '.join(res.order)})",
+    shown = [a for a in reversed(res.order) if a != "cp" or res.cp > 1]
+    lines = [f"world {res.world}: " + " x ".join(f"{a} {res.degrees[a]}" for a in shown)
+             + f" (mesh order innermost first: {', '.join(a for a in res.order if a in shown)})",
              f"batch: global {cfg.train.global_batch} = {res.replicas} replica(s) x {res.share} sequences; "
              f"{res.k} pass(es) x {res.m} micro-batch(es) x {res.rows} sequences of {cfg.model.seq_len} tokens",
              "sharding: " + (f"stage {res.zstage}, partition {res.partition}" if res.zstage else "off"),
              "pipeline: " + (f"{res.schedule}, {res.v} chunk(s) per rank" if res.pp > 1 or res.m > 1 else "off"),
              "tensor parallel: " + (f"degree {res.tp}" + (", sequence parallel" if res.sp else "")
                                     + (", pipeline sends split across tp" if res.scatter else "") if res.tp > 1 else "off"),
+             *([f"context parallel: degree {res.cp}, {res.cp_comm}; {cfg.model.seq_len // res.cp} tokens of each "
+                f"sequence per rank in 2 head-tail chunks"] if res.cp > 1 else []),
              "recompute: " + (f"every {res.recompute} layer(s)" if res.recompute else "off")
              + (", selective" if res.recompute and res.granularity == "selective" else "")
              + f"; amp: {res.amp or 'off'}"]

@@ -163,3 +163,20 @@ def mlp_backward(xp, do, cache, P, G, p, ctx, defer=None):
     del c3
     dh = gelu_backward(xp, dg, c2)
     return column_backward(xp, ctx, dh, stash, P[f"{p}.fc.w"], G[f"{p}.fc.w"], G[f"{p}.fc.b"], defer)
+
+
+def attention_cores(forward, backward, drop, restore, keep_scores: bool):
+    """A local attention core pair as the context's attention part takes it: forward(xp, *inputs) -> (y,
+    cache), backward(xp, dy, cache). With keep_scores False (selective recompute) forward's cache drops the
+    probabilities (drop) and backward rebuilds them first (restore, a no-op on a whole cache); None for drop
+    and restore when the core keeps none (flash)."""
+    if restore is None:
+        return forward, backward
+    bwd = lambda xp, dy, cache: backward(xp, dy, restore(xp, cache))  # noqa: E731
+    if keep_scores:
+        return forward, bwd
+
+    def fwd(xp, *inputs):
+        y, cache = forward(xp, *inputs)
+        return y, drop(cache)
+    return fwd, bwd

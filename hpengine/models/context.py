@@ -66,9 +66,36 @@ class LocalSeq:
 
 
 class LocalAttn:
-    """The keys and values an attention core reads, when every key it needs is this rank's: a ring or an
-    all-gather over the sequence replaces these hooks. k, v are in the layout the core takes (a fused-qkv
-    core hands its qkv as k and None as v)."""
+    """The attention of this rank's queries, when every key they need is this rank's. Under context parallelism
+    (strategies/context_attention.py) each rank holds part of every sequence and the whole attention call is
+    replaced: keys travel by ring or all-gather and the causal mask compares global positions. A model hands
+    its own core pair to the call; the local part just runs it.
+
+    kv_forward / kv_backward: a hook on the keys and values a core reads (in its layout; a fused-qkv core hands
+    its qkv as k and None as v), the identity here."""
+    size = 1
+
+    def rows(self, table):
+        """The rows of a per-position table (rotary cos or sin, (T, n)) for the positions this rank's
+        attention sees, in its order: here every position from 0, as the table is."""
+        return table
+
+    def grouped_forward(self, xp, core, q, k, v, scale=None):
+        # q: (B, H, T, hd), k, v: (B, K, T, hd) -> y: (B, T, H*hd), cache. core(xp, q, k, v) -> (y, cache) is the
+        # model's local core; scale: the scores' factor (None: 1/sqrt(hd); 1.0 for a q already scaled)
+        return core(xp, q, k, v)
+
+    def grouped_backward(self, xp, core_backward, dy, cache):
+        # dy: (B, T, H*hd) -> dq: (B, H, T, hd), dk, dv: (B, K, T, hd)
+        return core_backward(xp, dy, cache)
+
+    def fused_forward(self, xp, core, qkv, n_heads):
+        # qkv: (B, T, H*3*hd) head-major ([h][q, k, v][d] columns) -> y: (B, T, H*hd), cache; scale 1/sqrt(hd)
+        return core(xp, qkv, n_heads)
+
+    def fused_backward(self, xp, core_backward, dy, cache):
+        # dy: (B, T, H*hd) -> dqkv: (B, T, H*3*hd) head-major
+        return core_backward(xp, dy, cache)
 
     def kv_forward(self, k, v):
         # k, v: this rank's keys and values -> the keys and values its queries attend to

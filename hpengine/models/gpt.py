@@ -9,6 +9,7 @@ import math
 
 from hpengine.models.common import (
     Block,
+    attention_cores,
     embed_specs,
     end_cache_bytes,
     head_backward,
@@ -126,6 +127,13 @@ class GPT:
     def all_specs(self) -> list[ParamSpec]:
         return [s for b in self.blocks() for s in self.specs(b.name)]
 
+    def _cores(self, keep_scores=True):
+        """The local attention core pair (fused qkv, or flash), dropping the probabilities when asked."""
+        if self.flash:
+            return flash_attention_forward, flash_attention_backward
+        return attention_cores(attention_forward, attention_backward, attention_drop_scores, attention_restore_scores,
+                               keep_scores)
+
     # --- blocks -------------------------------------------------------------------------------
     def embed_forward(self, xp, P, idx, ctx):
         # idx: (B, T) -> x: (B, T, C)
@@ -147,15 +155,13 @@ class GPT:
         h, c_ln1 = layernorm_forward(xp, x, P[f"{p}.ln1.w"], P[f"{p}.ln1.b"])
         qkv, c_qkv = column_forward(xp, ctx, h, P[f"{p}.attn.qkv.w"], P[f"{p}.attn.qkv.b"])
         qkv, _ = ctx.attn.kv_forward(qkv, None)          # the fused core reads its keys and values from qkv
-        a, c_att = (flash_attention_forward if self.flash else attention_forward)(xp, qkv, self.H // ctx.tp.size)
+        a, c_att = ctx.attn.fused_forward(xp, self._cores(keep_scores)[0], qkv, self.H // ctx.tp.size)
         o, c_proj = row_forward(xp, ctx, a, P[f"{p}.attn.proj.w"], P[f"{p}.attn.proj.b"])
         o += x                  # o is ours: the residual sum needs no new array
         x1 = o
         h2, c_ln2 = layernorm_forward(xp, x1, P[f"{p}.ln2.w"], P[f"{p}.ln2.b"])
         m, c_mlp = mlp_forward(xp, P, f"{p}.mlp", h2, ctx)
         x1 += m
-        if not (keep_scores or self.flash):
-            c_att = attention_drop_scores(c_att)
         return x1, (c_ln1, c_qkv, c_att, c_proj, c_ln2, c_mlp)
 
     def layer_backward(self, xp, dy, cache, P, G, i, ctx, defer=None):
@@ -168,10 +174,7 @@ class GPT:
         dx1 += dy
         da = row_backward(xp, ctx, dx1, c_proj, P[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.b"],
                           defer)
-        if self.flash:
-            dqkv = flash_attention_backward(xp, da, c_att)
-        else:
-            dqkv = attention_backward(xp, da, attention_restore_scores(xp, c_att))
+        dqkv = ctx.attn.fused_backward(xp, self._cores()[1], da, c_att)
         dqkv, _ = ctx.attn.kv_backward(dqkv, None)
         dh = column_backward(xp, ctx, dqkv, c_qkv, P[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.b"],
                              defer)

@@ -19,6 +19,7 @@ import math
 from hpengine.config.load import ffn_width, head_width
 from hpengine.models.common import (
     Block,
+    attention_cores,
     embed_specs,
     end_cache_bytes,
     logits_loss_backward,
@@ -186,7 +187,7 @@ class Llama:
         # pass, which an MoE layer's balancing losses need (models/moe_mlp.py); None when only inferring
         p, (B, T) = f"h.{i}", (x.shape[0], x.shape[1] * ctx.seq.parts)   # T: the whole sequence
         H, K, hd = P[f"{p}.attn.q.w"].shape[1] // self.hd, P[f"{p}.attn.k.w"].shape[1] // self.hd, self.hd
-        (cos, sin), (qcos, qsin) = self.rope(xp, x.dtype)
+        cos, sin, qcos, qsin = self._tables_at(xp, x.dtype, ctx)
         hs, c_n1 = rmsnorm_forward(xp, x, P[f"{p}.attn_norm.w"], self.eps)
         (q, k, v), c_qkv = columns_forward(xp, ctx, hs, (P[f"{p}.attn.q.w"], P[f"{p}.attn.k.w"], P[f"{p}.attn.v.w"]))
         del hs
@@ -194,16 +195,13 @@ class Llama:
         q = rope_forward(xp, q, qcos, qsin)
         k = rope_forward(xp, k, cos, sin)
         k, v = ctx.attn.kv_forward(k, v.reshape(B, T, K, hd).transpose(0, 2, 1, 3))
-        attend = flash_gqa_forward if self.flash else gqa_attention_forward
-        a, c_att = attend(xp, q, k, v)
+        a, c_att = ctx.attn.grouped_forward(xp, self._cores(keep_scores)[0], q, k, v, scale=1.0)   # q is scaled
         o, c_o = row_forward(xp, ctx, a, P[f"{p}.attn.o.w"])
         o += x                  # o is ours: the residual sum needs no new array
         h2s, c_n2 = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps)
         if self._routed(i):
             d, c_moe = self.moe.forward(xp, P, p, h2s, ctx, loss)
             o += d
-            if not (keep_scores or self.flash):
-                c_att = gqa_drop_scores(c_att)
             return o, (c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_moe)
         (g, u), c_gu = columns_forward(xp, ctx, h2s, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]))
         del h2s
@@ -211,9 +209,19 @@ class Llama:
         d, c_d = row_forward(xp, ctx, m, P[f"{p}.mlp.down.w"])
         del m
         o += d
-        if not (keep_scores or self.flash):
-            c_att = gqa_drop_scores(c_att)
         return o, (c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_gu, c_sw, linear_drop_input(c_d))
+
+    def _tables_at(self, xp, dtype, ctx):
+        """cos, sin, and the query's (1/sqrt(hd) folded in) at the positions this rank's attention sees."""
+        (cos, sin), (qcos, qsin) = self.rope(xp, dtype)
+        return tuple(ctx.attn.rows(t) for t in (cos, sin, qcos, qsin))
+
+    def _cores(self, keep_scores=True):
+        """The local attention core pair (grouped-query, or flash), dropping the probabilities when asked."""
+        if self.flash:
+            return flash_gqa_forward, flash_gqa_backward
+        return attention_cores(gqa_attention_forward, gqa_attention_backward, gqa_drop_scores, gqa_restore_scores,
+                               keep_scores)
 
     def _qk_forward(self, xp, P, p, q, k):
         # q: (B, T, H, hd), k: (B, T, K, hd) -> the same, each head RMS-normalised (qk_norm; else as they are)
@@ -236,7 +244,7 @@ class Llama:
         # dy: (B, T, C) -> dx: (B, T, C); defer: a list for the weight-gradient products (nn/deferred.py),
         # which read dy and the gradients below as made here: none of them is written after it is made
         p = f"h.{i}"
-        (cos, sin), (qcos, qsin) = self.rope(xp, dy.dtype)
+        cos, sin, qcos, qsin = self._tables_at(xp, dy.dtype, ctx)
         if self._routed(i):     # the routed experts run whole in B (their weight gradients are not deferred)
             c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_moe = cache
             dh2 = self.moe.backward(xp, dy, c_moe, P, G, p, ctx)
@@ -253,10 +261,7 @@ class Llama:
         dx += dy
         # attention branch
         da = row_backward(xp, ctx, dx, c_o, P[f"{p}.attn.o.w"], G[f"{p}.attn.o.w"], defer=defer)
-        if self.flash:
-            dq, dk, dv = flash_gqa_backward(xp, da, c_att)
-        else:
-            dq, dk, dv = gqa_attention_backward(xp, da, gqa_restore_scores(xp, c_att))
+        dq, dk, dv = ctx.attn.grouped_backward(xp, self._cores()[1], da, c_att)
         dk, dv = ctx.attn.kv_backward(dk, dv)
         dq, dk = self._qk_backward(xp, rope_backward(xp, dq, qcos, qsin), rope_backward(xp, dk, cos, sin), c_qk, P, G, p)
         dys = (dq, dk, dv.transpose(0, 2, 1, 3))

@@ -363,7 +363,7 @@ SCALAR_CALLS = {"sharding": 2, "dp": 1, "pp": 2, "tp": 1}
 
 
 def _degrees(lay: Resolved) -> dict:
-    return {"tp": lay.tp, "sharding": lay.sh, "dp": lay.dp, "pp": lay.pp}
+    return lay.degrees
 
 
 def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster, sh_rank=None) -> dict:
@@ -447,15 +447,27 @@ def step_time(per_stage: list[dict], lay: Resolved) -> dict:
     return out
 
 
+class NotModelled(ValueError):
+    """A layout the planner has no model for (context parallelism, for now)."""
+
+
+def _modelled(lay: Resolved) -> None:
+    if lay.cp > 1:
+        raise NotModelled(f"the planner does not model context parallelism yet (context_parallel.degree = "
+                          f"{lay.cp}): no memory, traffic or time prediction for this layout")
+
+
 def for_rank(cfg, world: int, coords: dict, cluster=None) -> dict:
     """The prediction for the rank at mesh `coords` (its pipeline stage and sharding share)."""
     lay = resolve(cfg, world)
+    _modelled(lay)
     st = stage_facts(cfg, lay)[coords["pp"]]
     return predict_stage(cfg.model, st, lay, coords["pp"], cfg.train.models, cluster, coords["sharding"])
 
 
 def evaluate(cfg, lay: Resolved, cluster, stage_ids=None) -> dict:
     """Prediction for a layout: per-stage results, the worst stage's memory, the step time."""
+    _modelled(lay)
     sts = stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule, lay.ep)
     ids = range(lay.pp) if stage_ids is None else sorted({s for s in stage_ids if 0 <= s < lay.pp})
     per = [predict_stage(cfg.model, sts[s], lay, s, cfg.train.models, cluster) for s in ids]

@@ -133,7 +133,7 @@ def config_for(cfg: Config, lay: Resolved) -> Config:
     s = c.strategy
     on = {"data_parallel": lay.dp > 1, "sharding": lay.sh > 1, "pipeline": lay.pp > 1 or lay.m > 1 or lay.v > 1,
           "tensor_parallel": lay.tp > 1, "recompute": lay.recompute > 0, "gradient_merge": lay.k > 1, "amp": bool(lay.amp),
-          "expert_parallel": lay.ep > 1}
+          "expert_parallel": lay.ep > 1, "context_parallel": lay.cp > 1}
     for name, enable in on.items():
         getattr(s, name).enable = enable
     sets = {"data_parallel": {"degree": lay.dp}, "sharding": {"degree": lay.sh, "stage": lay.zstage,
@@ -142,7 +142,8 @@ def config_for(cfg: Config, lay: Resolved) -> Config:
                          "virtual_stages": lay.v, "split": lay.split},
             "tensor_parallel": {"degree": lay.tp, "sequence_parallel": lay.sp},
             "recompute": {"every": lay.recompute, "granularity": lay.granularity},
-            "gradient_merge": {"k_steps": lay.k}, "expert_parallel": {"degree": lay.ep}}
+            "gradient_merge": {"k_steps": lay.k}, "expert_parallel": {"degree": lay.ep},
+            "context_parallel": {"degree": lay.cp, "comm": lay.cp_comm}}
     for name, values in sets.items():
         if on[name]:                   # a switched-off table keeps the user's values
             for key, value in values.items():

@@ -118,6 +118,8 @@ def build(cfg, world=None, with_data: bool = True):
     if not backend.is_gpu:
         keep_heap()
     mesh = Mesh(world, res.degrees, res.order, wrap=lambda c, a: Comm(c, a, backend))
+    if len(res.grad_axes) > 1:  # context parallel with data parallel: gradients summed over dp x cp
+        mesh.group(*res.grad_axes)
     if res.ep > 1:              # the expert blocks, inside the data-parallel ranks, and their replicas
         mesh.fold("ep", res.ep, ("dp",))
     setup_logging(mesh)

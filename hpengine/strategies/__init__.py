@@ -7,11 +7,13 @@ from hpengine.strategies.sharding import ShardedSync
 
 
 def make_grad_sync(res, stage, backend, comms) -> GradSync:
-    """The gradient/parameter synchronisation for the resolved layout `res` (resolve.Resolved)."""
-    sh, dp = comms["sharding"], comms["dp"]
+    """The gradient/parameter synchronisation for the resolved layout `res` (resolve.Resolved). Under context
+    parallelism the replicas' sums run over dp x cp (res.grad_group): each cp rank's gradient is its part of
+    every sequence's."""
+    sh, dp = comms["sharding"], comms[res.grad_group]
     if res.sh > 1:
         return ShardedSync(stage, backend, sh, dp, res.zstage, res.partition, comms.get("ep-dp"))
-    if res.dp > 1:
+    if dp.size > 1:
         return DataParallelSync(stage, backend, dp, res.bucket_mb, comms.get("ep-dp"))
     return LocalSync(stage, backend)
 

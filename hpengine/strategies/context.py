@@ -1,22 +1,32 @@
 """The parallel context (models/context.py) a layout hands its model's blocks: the tensor-parallel part
-over the tp communicator, the sequence-parallel split when the layout has one, and the local parts for
-what no strategy here distributes yet (the attention's keys and values); experts over ep under expert
-parallelism."""
+over the tp communicator, the sequence-parallel split when the layout has one, experts over ep under expert
+parallelism, and under context parallelism the attention over the cp ranks (ring or all-gather) with the
+positions of this rank's head-tail part of every sequence."""
 from __future__ import annotations
 
 from hpengine.models.context import LOCAL, Context
+from hpengine.strategies.context_attention import ContextAttention, ContextSeq
 from hpengine.strategies.expert_parallel import ExpertParallel
 from hpengine.strategies.sequence_parallel import SequenceParallel, SequenceSplit
 from hpengine.strategies.tensor_parallel import TensorParallel, TensorParallelSeq
 
 
-def make_context(res, comms, vocab: int, xp=None) -> Context:
+def make_context(res, comms, vocab: int, xp=None, seq_len: int = 0) -> Context:
     """The context of this rank for the resolved layout `res` (resolve.Resolved); comms: the mesh's
-    communicators by axis ("tp", and "ep" under expert parallelism); vocab: the unpadded vocabulary size;
-    xp: the array module (expert parallelism allocates its receive buffers)."""
+    communicators by axis ("tp", "ep" under expert parallelism, "cp" under context parallelism); vocab: the
+    unpadded vocabulary size; xp: the array module (expert parallelism allocates its receive buffers; context
+    parallelism keeps its positions there); seq_len: the whole sequence (context parallelism)."""
     ep = ExpertParallel(comms["ep"], xp) if res.ep > 1 else LOCAL.ep
     if res.tp == 1:
-        return Context(LOCAL.tp, LOCAL.seq, LOCAL.attn, ep) if res.ep > 1 else LOCAL
-    if res.sp:
-        return Context(SequenceParallel(comms["tp"], vocab), SequenceSplit(comms["tp"]), LOCAL.attn, ep)
-    return Context(TensorParallel(comms["tp"], vocab), TensorParallelSeq(comms["tp"]), LOCAL.attn, ep)
+        tp, seq = LOCAL.tp, LOCAL.seq
+    elif res.sp:
+        tp, seq = SequenceParallel(comms["tp"], vocab), SequenceSplit(comms["tp"])
+    else:
+        tp, seq = TensorParallel(comms["tp"], vocab), TensorParallelSeq(comms["tp"])
+    attn = LOCAL.attn
+    if res.cp > 1:
+        attn = ContextAttention(comms["cp"], res.cp_comm, seq_len, xp)
+        seq = ContextSeq(seq, attn.positions, xp)
+    if res.tp == 1 and res.ep == 1 and res.cp == 1:
+        return LOCAL
+    return Context(tp, seq, attn, ep)

@@ -22,10 +22,10 @@ def on(name, deg):
 LAYOUTS = {  # world size -> extra --set layouts ([] = the default: data parallel over every rank)
     2: [[], on("tensor_parallel", 2), on("sharding", 2) + ["strategy.sharding.stage=3"],
         on("pipeline", 2) + ["strategy.pipeline.micro_batches=2"],
-        on("tensor_parallel", 2) + ["strategy.tensor_parallel.sequence_parallel=true"]],
+        on("tensor_parallel", 2) + ["strategy.tensor_parallel.sequence_parallel=true"], on("context_parallel", 2)],
     4: [[], on("pipeline", 2) + on("tensor_parallel", 2),
         on("sharding", 2) + ["strategy.sharding.stage=3"] + on("pipeline", 2)
-        + ["strategy.pipeline.micro_batches=2"]],
+        + ["strategy.pipeline.micro_batches=2"], on("context_parallel", 2) + on("data_parallel", 2)],
     8: [[], on("data_parallel", 2) + on("pipeline", 2) + on("tensor_parallel", 2)
         + ["strategy.pipeline.micro_batches=2"]],
 }
@@ -45,7 +45,7 @@ def ckpt(corpus, world):
         shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.mark.parametrize("i", range(5))
+@pytest.mark.parametrize("i", range(6))
 @pytest.mark.parametrize("batch", [1, 3])
 def test_eval_on_n_ranks_equals_one_process(ckpt, corpus, world, i, batch):
     need(N > 1 and i < len(LAYOUTS.get(N, [])), f"no layout {i} at world {N}")

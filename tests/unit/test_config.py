@@ -45,7 +45,7 @@ def test_defaults():
     assert (cfg.train.steps, cfg.train.global_batch, cfg.train.out_dir) == (300, 8, "runs/default")
     assert cfg.optim.betas == [0.9, 0.95] and cfg.optim.lr == 3e-3
     assert cfg.strategy.pipeline.split == "uniform" and cfg.strategy.sharding.stage == 1
-    assert cfg.mesh.order == ["tp", "sharding", "dp", "pp"]
+    assert cfg.mesh.order == ["tp", "cp", "sharding", "dp", "pp"]
     assert C.enabled_strategies(cfg) == []
     # list defaults are not shared between instances
     Config().optim.betas.append(0.5)
@@ -302,7 +302,7 @@ def test_to_dict_is_a_copy():
     cfg = Config()
     d = C.to_dict(cfg)
     d["mesh"]["order"].reverse()
-    assert cfg.mesh.order == ["tp", "sharding", "dp", "pp"]
+    assert cfg.mesh.order == ["tp", "cp", "sharding", "dp", "pp"]
     assert C.from_dict(C.to_dict(cfg)) == cfg
 
 
@@ -324,7 +324,7 @@ def test_strategy_queries():
     cfg = load_config(None, ["strategy.pipeline.enable=true", "strategy.pipeline.degree=2",
                              "strategy.amp.enable=true", "strategy.data_parallel.degree=4"])
     assert C.enabled_strategies(cfg) == ["pipeline", "amp"]
-    assert requested_degrees(cfg) == {"tp": 1, "sharding": 1, "dp": 1, "pp": 2}   # disabled: degree ignored
+    assert requested_degrees(cfg) == {"tp": 1, "cp": 1, "sharding": 1, "dp": 1, "pp": 2}   # disabled: degree ignored
     cfg.strategy.data_parallel.enable = True
     assert requested_degrees(cfg)["dp"] == 4
     cfg.strategy.sharding.enable = True

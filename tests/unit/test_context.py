@@ -162,13 +162,13 @@ def _self_comm():
 
 def test_make_context_picks_the_parts_of_the_layout():
     comms = {"tp": _self_comm(), "ep": _self_comm()}
-    assert make_context(SimpleNamespace(tp=1, sp=False, ep=1), comms, V) is LOCAL
-    tp = make_context(SimpleNamespace(tp=2, sp=False, ep=1), comms, V)
+    assert make_context(SimpleNamespace(tp=1, sp=False, ep=1, cp=1), comms, V) is LOCAL
+    tp = make_context(SimpleNamespace(tp=2, sp=False, ep=1, cp=1), comms, V)
     assert type(tp.tp) is TensorParallel and type(tp.seq) is TensorParallelSeq and tp.tp.comm is comms["tp"]
     assert isinstance(tp.seq, LocalSeq) and tp.seq.parts == 1 and tp.seq.comm is comms["tp"]
-    ep = make_context(SimpleNamespace(tp=1, sp=False, ep=2), comms, V, np)
+    ep = make_context(SimpleNamespace(tp=1, sp=False, ep=2, cp=1), comms, V, np)
     assert type(ep.ep) is ExpertParallel and ep.ep.comm is comms["ep"] and ep.tp is LOCAL.tp
-    sp = make_context(SimpleNamespace(tp=2, sp=True, ep=1), comms, V)
+    sp = make_context(SimpleNamespace(tp=2, sp=True, ep=1, cp=1), comms, V)
     assert type(sp.tp) is SequenceParallel and type(sp.seq) is SequenceSplit
     for ctx in (tp, sp):
         assert type(ctx.attn) is LocalAttn and type(ctx.ep) is LocalEP

@@ -171,7 +171,7 @@ def test_ranks_file_maps_pids_to_ranks(tmp_path):
         assert [r["rank"] for r in ranks] == [0, 1] and len({r["pid"] for r in ranks}) == 2
         for r in ranks:
             assert not _gone(r["pid"]) and "hpengine" in Path(f"/proc/{r['pid']}/cmdline").read_text()
-            assert set(r["coords"]) == {"tp", "sharding", "dp", "pp"} and r["host"]
+            assert set(r["coords"]) == {"tp", "cp", "sharding", "dp", "pp"} and r["host"]
     finally:
         p.send_signal(signal.SIGINT)
         _end(p, 10)
