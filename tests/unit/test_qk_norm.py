@@ -8,6 +8,7 @@ from __future__ import annotations
 import h5py
 import numpy as np
 import pytest
+from model_grads import assert_gradient_matches_differences, loss_and_grad
 from mpi4py import MPI
 
 from hpengine.config.load import ConfigError, ModelConfig, MoEConfig, load_config
@@ -16,7 +17,6 @@ from hpengine.layout.reduction import REPLICAS, norm_excluded, reductions, summe
 from hpengine.layout.resolve import resolve
 from hpengine.layout.stage import build_stage
 from hpengine.models import build_model
-from hpengine.models.context import LOCAL
 from hpengine.nn import rmsnorm_backward, rmsnorm_cache_bytes, rmsnorm_forward
 from hpengine.params.buffers import FlatBuffer, Layout
 from hpengine.params.init import init_flat
@@ -37,26 +37,6 @@ def model(qk=True, attention="standard", **moe):
     init_flat(P, 5)
     P.data[:] += np.random.default_rng(2).standard_normal(P.data.size) * 0.2     # norm weights away from 1
     return m, P, lay
-
-
-def loss_and_grad(m, P, lay, idx, y, grad=True):
-    norm = float(B * T)
-    h, ce = m.embed_forward(np, P, idx, LOCAL)
-    caches, extra = [], 0.0
-    for i in range(m.n_layers):
-        h, c = m.layer_forward(np, P, i, h, LOCAL, loss=(norm, 1.0))
-        st = m.layer_stats(i, c)
-        extra += st.share if st is not None else 0.0
-        caches.append(c)
-    loss, ch = m.head_forward(np, P, h, y, norm, LOCAL)
-    if not grad:
-        return float(loss) + extra, None
-    G = FlatBuffer(lay, np, np.float64)
-    d = m.head_backward(np, ch, G, LOCAL, P)
-    for i in reversed(range(m.n_layers)):
-        d = m.layer_backward(np, d, caches[i], P, G, i, LOCAL)
-    m.embed_backward(np, d, ce, G, LOCAL)
-    return float(loss) + extra, G
 
 
 def test_per_head_rmsnorm_against_finite_differences():
@@ -87,22 +67,9 @@ def test_whole_model_gradient_against_finite_differences(case):
     m, P, lay = model(attention="flash" if case == "flash" else "standard", **(MOE if case == "moe" else {}))
     rng = np.random.default_rng(0)
     idx, y = rng.integers(0, V, (B, T)), rng.integers(0, V, (B, T))
-    _, G = loss_and_grad(m, P, lay, idx, y)
     names = ["h.0.attn.q_norm.w", "h.0.attn.k_norm.w", "h.2.attn.q_norm.w", "h.1.attn.k_norm.w", "h.1.attn.q.w",
              "h.2.attn.k.w", "h.0.attn_norm.w", "wte"]
-    eps = 1e-6
-    for name in names:
-        flat = P[name].reshape(-1)
-        for j in rng.choice(flat.size, size=min(flat.size, 4), replace=False):
-            old = flat[j]
-            flat[j] = old + eps
-            lp, _ = loss_and_grad(m, P, lay, idx, y, grad=False)
-            flat[j] = old - eps
-            lm, _ = loss_and_grad(m, P, lay, idx, y, grad=False)
-            flat[j] = old
-            num, ana = (lp - lm) / (2 * eps), G[name].reshape(-1)[j]
-            assert abs(num - ana) <= 1e-6 * max(1.0, abs(num)) + 1e-9, (name, j, num, ana)
-        assert np.abs(G[name]).max() > 0, name
+    assert_gradient_matches_differences(m, P, lay, idx, y, names, rng)
 
 
 def test_the_norms_change_the_model_and_off_is_as_before():
