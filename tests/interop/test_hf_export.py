@@ -30,6 +30,7 @@ pytest.importorskip("safetensors")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
+from hf_oracle import Float64Torch  # noqa: E402
 from hpengine.checkpoint.shards import Reader  # noqa: E402
 from hpengine.cli.commands import main  # noqa: E402
 from hpengine.config.load import from_dict  # noqa: E402
@@ -86,12 +87,6 @@ def hpengine_logits(run, ids):
     return h @ w, cfg
 
 
-class _Float64Torch:
-    """modeling_llama's view of torch with its float32 upcasts read as float64."""
-    def __getattr__(self, name):
-        return torch.float64 if name in ("float32", "float") else getattr(torch, name)
-
-
 def hf_logits(folder, ids):
     model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, attn_implementation="eager",
                                                        output_loading_info=True)
@@ -118,7 +113,7 @@ def test_hf_export_same_logits(tmp_path, small_corpus, case, monkeypatch):
         assert model.config.head_dim == (cfg.model.head_dim or 16 // 4)
         np.testing.assert_allclose(stock, want, rtol=1e-5, atol=1e-5)
         with monkeypatch.context() as m:
-            m.setattr(modeling_llama, "torch", _Float64Torch())
+            m.setattr(modeling_llama, "torch", Float64Torch(torch))
             exact, _ = hf_logits(hf, ids)
         np.testing.assert_allclose(exact, want, rtol=1e-10, atol=1e-10)
     assert np.abs(want).max() > 1e-3

@@ -20,20 +20,13 @@ pytest.importorskip("safetensors")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
+from hf_oracle import Float64Torch, hpengine_logits  # noqa: E402
 from hpengine.config.load import load_config  # noqa: E402
-from hpengine.models import LOCAL, build_model  # noqa: E402
-from hpengine.nn import layernorm_forward, rmsnorm_forward  # noqa: E402
 from hpengine.run.build import build  # noqa: E402
 from hpengine.run.train import restore
 
 T, V, C, L, H = 16, 256, 16, 2, 4
 CASES = ["gpt", "gpt_tied", "llama", "llama_tied", "llama_head_dim"]     # head_dim 8 != hidden 16 / 4 heads
-
-
-class _Float64Torch:
-    """modeling_llama's view of torch with its float32 upcasts read as float64."""
-    def __getattr__(self, name):
-        return torch.float64 if name in ("float32", "float") else getattr(torch, name)
 
 
 def hf_model(case: str):
@@ -61,19 +54,6 @@ def hf_model(case: str):
     return model, [*extra, f"model.tie_head={str(tied).lower()}"]
 
 
-def hpengine_logits(P, mcfg, ids):
-    model, xp, tp = build_model(mcfg), np, LOCAL
-    x, _ = model.embed_forward(xp, P, ids, tp)
-    for i in range(model.n_layers):
-        x, _ = model.layer_forward(xp, P, i, x, tp)
-    if mcfg.kind == "gpt":
-        h, _ = layernorm_forward(xp, x, P["ln_f.w"], P["ln_f.b"])
-    else:
-        h, _ = rmsnorm_forward(xp, x, P["norm.w"], mcfg.norm_eps)
-    w = P["wte"].T if mcfg.tie_head else P["lm_head.w"]
-    return h @ w
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_hf_import_same_logits(tmp_path, small_corpus, case, monkeypatch):
     model, extra = hf_model(case)
@@ -97,7 +77,7 @@ def test_hf_import_same_logits(tmp_path, small_corpus, case, monkeypatch):
         return
     np.testing.assert_allclose(want, stock, rtol=1e-5, atol=1e-5)
     with monkeypatch.context() as m:
-        m.setattr(modeling_llama, "torch", _Float64Torch())     # rotary inv_freq too, made at load time
+        m.setattr(modeling_llama, "torch", Float64Torch(torch))     # rotary inv_freq too, made at load time
         again = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float64, attn_implementation="eager").eval()
         with torch.no_grad():
             exact = again(input_ids=torch.from_numpy(ids)).logits.numpy()

@@ -24,6 +24,7 @@ pytest.importorskip("transformers", minversion="5")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
+from hf_oracle import Float64Torch  # noqa: E402
 from hpengine.config.load import ffn_width, head_width, load_config  # noqa: E402
 from hpengine.models import LOCAL, build_model  # noqa: E402
 
@@ -111,12 +112,6 @@ def hf_run(mcfg, state, ids, targets, norm):
     return loss.item(), {n: p.grad.numpy() for n, p in hf.named_parameters()}
 
 
-class _Float64Torch:
-    """modeling_llama's view of torch with its float32 upcasts read as float64."""
-    def __getattr__(self, name):
-        return torch.float64 if name in ("float32", "float") else getattr(torch, name)
-
-
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("n_kv,head_dim", [(1, 0), (2, 0), (4, 0), (2, 6)],
                          ids=["kv1", "kv2", "kv4", "kv2_head_dim6"])
@@ -132,7 +127,7 @@ def test_hf_llama_same_loss_and_gradients(n_kv, head_dim, tied, monkeypatch):
     assert stock_loss == pytest.approx(loss, rel=1e-5)
 
     with monkeypatch.context() as m:
-        m.setattr(modeling_llama, "torch", _Float64Torch())
+        m.setattr(modeling_llama, "torch", Float64Torch(torch))
         ref_loss, ref_grads = hf_run(cfg.model, state, ids, targets, norm)
     assert ref_loss == pytest.approx(loss, rel=1e-10, abs=0)
     assert set(ref_grads) == {hf for hf, _ in names.values()}

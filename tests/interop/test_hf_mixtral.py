@@ -25,11 +25,10 @@ pytest.importorskip("safetensors")
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM  # noqa: E402
 from transformers.models.mixtral import modeling_mixtral  # noqa: E402
 
+from hf_oracle import Float64Torch, hpengine_logits  # noqa: E402
 from hpengine.apps.generate import generate  # noqa: E402
 from hpengine.cli.commands import main  # noqa: E402
 from hpengine.config.load import load_config  # noqa: E402
-from hpengine.models import LOCAL, build_model  # noqa: E402
-from hpengine.nn import rmsnorm_forward  # noqa: E402
 from hpengine.run.build import build  # noqa: E402
 from hpengine.run.train import restore  # noqa: E402
 
@@ -40,26 +39,11 @@ MODEL = [f"model.seq_len={T}", f"model.d_model={C}", f"model.n_layers={L}", f"mo
          f"model.moe.top_k={K}", f"model.moe.expert_hidden={F}", "model.moe.aux_loss=0.01"]
 
 
-class _Float64Torch:
-    """modeling_mixtral's view of torch with its float32 upcasts read as float64."""
-    def __getattr__(self, name):
-        return torch.float64 if name in ("float32", "float") else getattr(torch, name)
-
-
-def hpengine_logits(P, mcfg, ids):
-    model = build_model(mcfg)
-    x, _ = model.embed_forward(np, P, ids, LOCAL)
-    for i in range(model.n_layers):
-        x, _ = model.layer_forward(np, P, i, x, LOCAL)
-    h, _ = rmsnorm_forward(np, x, P["norm.w"], mcfg.norm_eps)
-    return h @ (P["wte"].T if mcfg.tie_head else P["lm_head.w"])
-
-
 def exact(fn):
     """fn() with modeling_mixtral's float32 read as float64 (its rotary inv_freq is made at load time too), and
     the router's `router_logits.float()` made a float64 upcast: every other difference is rounding."""
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(modeling_mixtral, "torch", _Float64Torch())
+        m.setattr(modeling_mixtral, "torch", Float64Torch(torch))
         m.setattr(torch.Tensor, "float", lambda self, *a, **k: self.to(torch.float64))
         return fn()
 

@@ -36,12 +36,11 @@ from transformers import (
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
+from hf_oracle import Float64Torch, hpengine_logits  # noqa: E402
 from hpengine.apps.generate import generate
 from hpengine.checkpoint.shards import CheckpointError
 from hpengine.cli.commands import main
 from hpengine.config.load import load_config
-from hpengine.models import LOCAL, build_model
-from hpengine.nn import rmsnorm_forward
 from hpengine.run.build import build
 from hpengine.run.train import restore
 
@@ -62,27 +61,12 @@ def head_dim_of(case):
     return HD if case.endswith("_head_dim") else C // H
 
 
-class _Float64Torch:
-    """modeling_qwen3(_moe)'s view of torch with its float32 upcasts read as float64."""
-    def __getattr__(self, name):
-        return torch.float64 if name in ("float32", "float") else getattr(torch, name)
-
-
-def hpengine_logits(P, mcfg, ids):
-    model = build_model(mcfg)
-    x, _ = model.embed_forward(np, P, ids, LOCAL)
-    for i in range(model.n_layers):
-        x, _ = model.layer_forward(np, P, i, x, LOCAL)
-    h, _ = rmsnorm_forward(np, x, P["norm.w"], mcfg.norm_eps)
-    return h @ (P["wte"].T if mcfg.tie_head else P["lm_head.w"])
-
-
 def exact(fn):
     """fn() with the modeling files' float32 read as float64 (the rotary inv_freq is made at load time too) and
     `.float()` a float64 upcast: every other difference is rounding."""
     with pytest.MonkeyPatch.context() as m:
         for mod in (modeling_qwen3, modeling_qwen3_moe):
-            m.setattr(mod, "torch", _Float64Torch())
+            m.setattr(mod, "torch", Float64Torch(torch))
         m.setattr(torch.Tensor, "float", lambda self, *a, **k: self.to(torch.float64))
         return fn()
 
