@@ -381,7 +381,10 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
     fixed = slow * (cluster.optimizer_ns * 1e-9 * own * K / 8 + cluster.step_overhead_us * 1e-6)
     deg = _degrees(lay)
     fixed += sum(collective_s("allreduce", deg[a], 0, c, *link(lay, a, cluster)) for a, c in SCALAR_CALLS.items())
-    out = {"compute": comp, "tp": 0.0, "pp": 0.0, "ep": 0.0, "dp": 0.0, "sharding": 0.0, "fixed": fixed}
+    out = {"compute": comp, "tp": 0.0, "pp": 0.0, "ep": 0.0, "cp": 0.0, "dp": 0.0, "sharding": 0.0, "fixed": fixed}
+    if lay.cp > 1:          # the ring's transfers past the block compute they overlap, on the cp axis's link
+        out["cp"] = plan_cp.ring_seconds(mcfg, st, lay, precision(mcfg, lay.amp)[3], M, comp / M,
+                                         *link(lay, "cp", cluster))
     tp_link = lambda op: link(lay, "tp", cluster, op)      # noqa: E731
     _, gathered = plan_tp.pipeline_bytes(mcfg, lay, lay.share * mcfg.seq_len // lay.cp * M, precision(mcfg, lay.amp)[3],
                                          _hops(lay, stage))
@@ -396,10 +399,11 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
         out["ep"] = plan_moe.alltoall_seconds(lay, cluster.moe_imbalance * tr["ep"]["alltoallv"] / mb,
                                               plan_moe.alltoall_calls(mcfg, st, lay) / mb, *link(lay, "dp", cluster))
     hide = cluster.overlap * comp           # what may hide gradient sync: the last backward, 2/3 of a micro-batch
-    if "dp" in tr:
-        a, b = link(lay, "dp", cluster)
-        calls = 1 if lay.sh > 1 else max(1, math.ceil(tr["dp"]["allreduce"] / (lay.bucket_mb * 2**20)))
-        t = collective_s("allreduce", lay.dp, tr["dp"]["allreduce"], calls, a, b)
+    grad = lay.grad_group if lay.cp > 1 else "dp"      # gradients summed over dp x cp under context parallelism
+    if lay.dp * lay.cp > 1 and grad in tr:
+        a, b = link(lay, "dp" if lay.dp > 1 else "cp", cluster)
+        calls = 1 if lay.sh > 1 else max(1, math.ceil(tr[grad]["allreduce"] / (lay.bucket_mb * 2**20)))
+        t = collective_s("allreduce", lay.dp * lay.cp, tr[grad]["allreduce"], calls, a, b)
         if "ep-dp" in tr:   # the expert blocks' replicas: every ep-th dp rank, on the same link
             t += collective_s("allreduce", lay.dp // lay.ep, tr["ep-dp"]["allreduce"], calls, a, b)
         out["dp"] = t if lay.sh > 1 else max(0.0, t - 2 / 3 * hide)
@@ -435,14 +439,15 @@ def step_time(per_stage: list[dict], lay: Resolved) -> dict:
     a rank waiting in the bubble still takes its share of a core (MPI waits by polling), so the
     bubble, like the compute, runs at the oversubscribed pace."""
     slow = max(per_stage, key=lambda s: s["times"]["compute"] + s["times"]["tp"] + s["times"]["pp"]
-               + s["times"].get("ep", 0.0))["times"]
+               + s["times"].get("ep", 0.0) + s["times"].get("cp", 0.0))["times"]
     ep = slow.get("ep", 0.0)            # expert parallel's all-to-alls (none without experts split)
-    t_mb = slow["compute"] + slow["tp"] + slow["pp"] + ep
+    cp = slow.get("cp", 0.0)            # context parallel's exposed ring transfers
+    t_mb = slow["compute"] + slow["tp"] + slow["pp"] + ep + cp
     f = _bubble(lay.schedule, lay.pp, lay.m, lay.v) if lay.pp > 1 else 0.0
     per_pass = lay.m * t_mb / (1 - f)
     sync = max(per_stage, key=lambda s: s["times"]["dp"] + s["times"]["sharding"] + s["times"]["fixed"])["times"]
     n = lay.k * lay.m
-    out = {"compute": n * slow["compute"], "tp": n * slow["tp"], "pp": n * slow["pp"], "ep": n * ep,
+    out = {"compute": n * slow["compute"], "tp": n * slow["tp"], "pp": n * slow["pp"], "ep": n * ep, "cp": n * cp,
            "dp": sync["dp"],
            "sharding": sync["sharding"], "fixed": sync["fixed"], "bubble": lay.k * (per_pass - lay.m * t_mb)}
     out["step"] = lay.k * per_pass + sync["dp"] + sync["sharding"] + sync["fixed"]
