@@ -76,6 +76,8 @@ def candidates(cfg: Config, cluster: Cluster, max_rows: int = 8):
             rows = [r for r in _divisors(share) if r <= max_rows]
             for zstage, b, (rc, gran), amp, sp in product([0] if sh == 1 else [1, 2, 3], rows, modes, ("", "float16"),
                                                           sps):
+                if cp > 1 and gran == "selective":      # the cp drivers keep no probabilities to drop
+                    continue
                 n = share // b          # micro-batches: the pipeline's, else gradient-merge passes
                 for (sched, v), ep in product(_schedules(pp, n, m.n_layers), _expert_degrees(m, dp)):
                     yield Resolved(tp, sh, dp, pp, zstage, "tensor" if sh <= tensors else "flat",
@@ -252,6 +254,16 @@ def check_text(cfg: Config, world: int, cluster: Cluster) -> str:
     return "\n".join(out)
 
 
+def _why_context(fit: list[dict], cluster: Cluster) -> str:
+    """Why the best layout splits sequences: no layout with cp 1 fits, or the best one that does is slower."""
+    flat = [r for r in fit if r["layout"].cp == 1]
+    if not flat:
+        return (f"context parallel: memory: cp 1 does not fit ({cluster.usable_gb:.4g} GB usable per device); "
+                f"each rank holds seq_len / cp tokens of every sequence")
+    return (f"context parallel: time: the best layout with cp 1 ({describe(flat[0]['layout'])}) takes "
+            f"{_secs(flat[0]['time']['step'])} a step, against {_secs(fit[0]['time']['step'])}")
+
+
 def write_best(cfg: Config, best: dict, path: str, cluster: Cluster) -> Config:
     """Write the best layout as a runnable config TOML (a header names the strategies and prediction)."""
     c = config_for(cfg, best["layout"])
@@ -345,6 +357,8 @@ def run(a) -> str:
            f"{n:,} layouts evaluated in {time.perf_counter() - t:.1f} s, {len(fit):,} fit; memory per device is the "
            "worst pipeline stage's; times per optimizer step", "", table(fit, a.top), "",
            f"best: {describe(fit[0]['layout'])}"]
+    if fit[0]["layout"].cp > 1:
+        out.append(_why_context(fit, cluster))
     if a.out:
         try:
             write_best(cfg, fit[0], a.out, cluster)
