@@ -144,6 +144,8 @@ def _plan_parser(sub) -> None:
                     "llama3-70b, llama3.2-1b")
     pl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     pl.add_argument("--global-batch", type=int, help="sequences per step (default: the config's or preset's)")
+    pl.add_argument("--seq", type=int, help="tokens per sequence for the plan (sets model.seq_len; long sequences "
+                    "bring context parallel layouts into the search)")
     pl.add_argument("--check", metavar="CFG", help="predict memory and step time of this config instead")
     pl.add_argument("--world", type=int, help="ranks for --check (default: nodes x gpus-per-node)")
     pl.add_argument("--out", help="write the best layout as a config TOML")

@@ -84,7 +84,8 @@ def mlp_specs(p, C, F, std, proj_std):
             ParamSpec(f"{p}.proj.b", (C,), decay=False, init="zeros", block=p.split(".mlp")[0])]
 
 
-def end_cache_bytes(mcfg, rows: int, tp: int, item: int, amp: bool, share: int, norm_bytes=None, parts: int = 1) -> dict:
+def end_cache_bytes(mcfg, rows: int, tp: int, item: int, amp: bool, share: int, norm_bytes=None, parts: int = 1,
+                    cp: int = 1) -> dict:
     """Bytes the embedding and the head cache per micro-batch of `rows` sequences: the embedding its
     indices; the head its final norm (`norm_bytes`; default a layernorm's), the linear's input (the norm's
     output), the loss's probabilities (float32 under amp) and the targets (its own index and mask under tp;
@@ -93,8 +94,9 @@ def end_cache_bytes(mcfg, rows: int, tp: int, item: int, amp: bool, share: int, 
 
     "w_embed", "w_head": the W stash of a split backward (nn/deferred.py), what a block's deferred
     weight-gradient work holds from B to W: the embedding its input gradient and indices, the head the
-    logits' gradient (in the gradients' dtype, which is the activations') and the linear's input."""
-    T, C = mcfg.seq_len, mcfg.d_model
+    logits' gradient (in the gradients' dtype, which is the activations') and the linear's input. Under
+    context parallelism (degree cp) a rank holds T / cp tokens of each sequence."""
+    T, C = mcfg.seq_len // cp, mcfg.d_model
     n, Vp = rows * T, padded_vocab(mcfg.vocab_size, tp)
     targets = embedding_cache_bytes(n) if tp > 1 else share * T * 8
     norm = layernorm_cache_elements(n // parts, C) * item if norm_bytes is None else norm_bytes

@@ -45,6 +45,7 @@ from hpengine.nn import (
     score_elements,
     weight_grad,
 )
+from hpengine.nn.ring_attention import context_cache_bytes
 from hpengine.nn.flash import (
     flash_attention_backward,
     flash_attention_forward,
@@ -79,25 +80,32 @@ class GPT:
                     f"{self.C}" + (f" (and cannot exceed the {mc.n_heads} heads)" if tp > mc.n_heads else ""))
         return ""
 
-    def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int, parts: int = 1) -> dict:
+    def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int, parts: int = 1, cp: int = 1,
+                    cp_comm: str = "ring") -> dict:
         """Bytes the forward caches per micro-batch of `rows` sequences, by block kind ("input": what a
         recomputed layer keeps). A layer: ln1, the qkv linear's input (ln1's output), attention (its
         output is the projection's input), ln2, the fc linear's input and the GELU (the projection's input
         is rebuilt from it). model.attention = "flash" keeps no T x T probabilities: qkv, the output and
         one log-sum-exp per row and head. "scores": the probabilities' part of "layer", which selective
         recompute drops (0 under flash). parts: pieces of the sequence under sequence parallelism, which
-        split the layernorms' caches, the linear inputs and a recomputed layer's input."""
-        n, C, H = rows * self.T, self.C, self.H // tp
+        split the layernorms' caches, the linear inputs and a recomputed layer's input. cp: context parallel
+        degree; a rank holds T / cp tokens of each sequence and its attention is the cp_comm driver's
+        (flash-style: no probabilities, whatever model.attention says)."""
+        T, C, H = self.T // cp, self.C, self.H // tp
+        n = rows * T
         ns = n // parts
-        att = (flash_cache_bytes(rows, self.T, H, H, C // self.H, item) if self.flash
-               else attention_cache_elements(rows, self.T, C // tp, H) * item)
+        if cp > 1:
+            att = context_cache_bytes(rows, T, H, H, C // self.H, item, cp, cp_comm)
+        else:
+            att = (flash_cache_bytes(rows, T, H, H, C // self.H, item) if self.flash
+                   else attention_cache_elements(rows, T, C // tp, H) * item)
         layer = (2 * layernorm_cache_elements(ns, C) + 2 * ns * C + gelu_cache_elements(n * self.F // tp)) * item + att
-        scores = 0 if self.flash else rows * H * score_elements(self.T) * item
+        scores = 0 if self.flash or cp > 1 else rows * H * score_elements(T) * item
         # W stash (split backward): each row linear's whole output gradient and input, each column linear's
         # output gradient and input (a piece of it under sequence parallelism): dy, g, dh, h2; dx1, a, dqkv, h
         w = n * (2 * C + 2 * C // parts + (2 * self.F + 4 * C) // tp) * item
         return {"layer": layer, "scores": scores, "w_layer": w,
-                **end_cache_bytes(self.cfg, rows, tp, item, amp, share, parts=parts)}
+                **end_cache_bytes(self.cfg, rows, tp, item, amp, share, parts=parts, cp=cp)}
 
     def tp_allreduces(self) -> tuple:
         """Activation allreduces per layer under tensor parallelism: (forward, backward); the attention's and the MLP's reduce_from_tp

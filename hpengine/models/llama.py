@@ -59,6 +59,7 @@ from hpengine.nn import (
     swiglu_forward,
     swiglu_recompute,
 )
+from hpengine.nn.ring_attention import context_cache_bytes
 from hpengine.nn.flash import flash_cache_bytes, flash_gqa_backward, flash_gqa_forward
 from hpengine.params.buffers import ParamSpec
 
@@ -91,7 +92,8 @@ class Llama:
                     "Megatron; use a degree that divides n_kv_heads)")
         return self.moe.tp_divides(tp) if self.moe is not None else ""
 
-    def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int, parts: int = 1) -> dict:
+    def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int, parts: int = 1, cp: int = 1,
+                    cp_comm: str = "ring") -> dict:
         """Bytes the forward caches per micro-batch of `rows` sequences, by block kind ("input": what a
         recomputed layer keeps). A layer: two RMSNorms, the q/k/v linears' input and the gate/up linears'
         input (the norms' outputs), the attention (rotated q and k, v, probabilities, its output, which
@@ -100,20 +102,26 @@ class Llama:
         they sit inside the tp region). model.attention = "flash" keeps one log-sum-exp per row and head in
         place of the probabilities.
         "scores": the probabilities' part of "layer", which selective recompute drops (0 under flash).
-        parts: sequence pieces (sequence parallelism splits the norms and the linears' inputs)."""
-        n, C, H, K = rows * self.T, self.C, self.H // tp, self.K // tp
+        parts: sequence pieces (sequence parallelism splits the norms and the linears' inputs). cp: context
+        parallel degree; a rank holds T / cp tokens of each sequence and its attention is the cp_comm driver's
+        (flash-style: no probabilities, whatever model.attention says)."""
+        T, C, H, K = self.T // cp, self.C, self.H // tp, self.K // tp
+        n = rows * T
         ns = n // parts
-        att = (flash_cache_bytes(rows, self.T, H, K, self.hd, item) if self.flash
-               else gqa_cache_elements(rows, self.T, H, K, self.hd, score_elements(self.T)) * item)
+        if cp > 1:
+            att = context_cache_bytes(rows, T, H, K, self.hd, item, cp, cp_comm)
+        else:
+            att = (flash_cache_bytes(rows, T, H, K, self.hd, item) if self.flash
+                   else gqa_cache_elements(rows, T, H, K, self.hd, score_elements(T)) * item)
         if self.qk:
             att += rmsnorm_cache_bytes(n * H, self.hd, item) + rmsnorm_cache_bytes(n * K, self.hd, item)
         layer = 2 * rmsnorm_cache_bytes(ns, C, item) + (2 * ns * C + swiglu_cache_elements(n * self.F // tp)) * item + att
-        scores = 0 if self.flash else rows * H * score_elements(self.T) * item
+        scores = 0 if self.flash or cp > 1 else rows * H * score_elements(T) * item
         # W stash (split backward), as gpt's: dy, the gating, dg, du, h2; dx, a, dq, dk, dv, h
         heads = 2 * (self.H + self.K) * self.hd       # a and dq (n_heads wide), dk and dv (n_kv_heads wide)
         w = n * (2 * C + 2 * C // parts + (3 * self.F + heads) // tp) * item
         out = {"layer": layer, "scores": scores, "w_layer": w, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
-                                                 rmsnorm_cache_bytes(ns, C, item), parts)}
+                                                 rmsnorm_cache_bytes(ns, C, item), parts, cp)}
         if self.moe is not None:     # an MoE layer: the attention's part, then the router's and experts'
             moe = (2 * rmsnorm_cache_bytes(ns, C, item) + ns * C * item + att + self.moe.cache_bytes(n, C, item, tp))
             w_moe = n * (C + C // parts + heads // tp) * item    # the attention's W stash

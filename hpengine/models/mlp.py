@@ -49,11 +49,12 @@ class MLP:
             return f"the ffn width ffn_mult x d_model = {self.F} and model.d_model = {self.C}"
         return ""
 
-    def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int, parts: int = 1) -> dict:
+    def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int, parts: int = 1, cp: int = 1,
+                    cp_comm: str = "ring") -> dict:
         """Bytes the forward caches per micro-batch of `rows` sequences, by block kind ("input": what a
         recomputed layer keeps). A layer: its layernorm, the fc linear's input and the GELU; no attention
         probabilities ("scores": 0), so selective recompute keeps the whole cache. parts: sequence pieces
-        (sequence parallelism splits the layernorm and the fc input)."""
+        (sequence parallelism splits the layernorm and the fc input). cp: always 1 (the kind mixes no positions)."""
         n, C = rows * self.cfg.seq_len, self.C
         layer = layernorm_cache_elements(n // parts, C) + n // parts * C + gelu_cache_elements(n * self.F // tp)
         w = n * (C + C // parts + 2 * self.F // tp) * item      # W stash: dy, g, dh, h (models/gpt.py)

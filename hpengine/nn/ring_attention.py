@@ -198,3 +198,22 @@ def allgather_cache_elements(B: int, Tq: int, H: int, K: int, hd: int, cp: int) 
     """Elements an all-gather forward keeps per rank: q, o and lse as the ring, and every rank's k and v
     (gathered once in forward, read again by backward)."""
     return B * Tq * (hd * (2 * H + 2 * K * cp) + H)
+
+
+def context_cache_bytes(B: int, Tq: int, H: int, K: int, hd: int, item: int, cp: int, comm: str = "ring") -> int:
+    """Bytes one layer's attention keeps under context parallelism (strategies/context_attention.py): the
+    driver's cache (ring_cache_elements or allgather_cache_elements, the lse in float32 at least), the heads
+    merged back into (B, Tq, H hd) for the output projection, and the host int64 positions of the key blocks
+    held (the ring: the cp - 1 received ones; the all-gather: all of them). The merge is a view, no copy,
+    with one head (or one token) per rank. The rank's own positions are shared by every layer of a chunk
+    (context_positions_bytes)."""
+    heads = ring_cache_elements(B, Tq, H, K, hd) if comm == "ring" else allgather_cache_elements(B, Tq, H, K, hd, cp)
+    lse = B * Tq * H
+    pos = 8 * Tq * (cp - 1 if comm == "ring" else cp)
+    merged = B * Tq * H * hd * item if H > 1 and Tq > 1 else 0
+    return (heads - lse) * item + lse * max(item, 4) + merged + pos
+
+
+def context_positions_bytes(Tq: int) -> int:
+    """The rank's own global positions (host int64), which every layer's cache of a pass references."""
+    return 8 * Tq

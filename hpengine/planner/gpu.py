@@ -65,10 +65,11 @@ def gemms(mcfg, st, lay) -> list[tuple]:
     each layer's two attention GEMMs per sequence and local head, Q K^T (T x hd x T) and P V (T x T x hd);
     3 calls each (forward, two in backward), one more for a fully recomputed layer, and one more Q K^T for
     a selectively recomputed layer that drops its probabilities."""
-    tp, tokens, T = lay.tp, lay.rows * mcfg.seq_len, mcfg.seq_len
+    tp, tokens, T = lay.tp, lay.rows * mcfg.seq_len // lay.cp, mcfg.seq_len
+    Tq = T // lay.cp                     # context parallel: this rank's queries over every key
     model, weights = _model_weights(model_key(mcfg), tp)
     again, sel = rc.full(st, lay), rc.selective(st, lay)
-    drops = bool(model.cache_bytes(lay.rows, tp, 1, lay.amp, lay.share)["scores"])
+    drops = bool(model.cache_bytes(lay.rows, tp, 1, lay.amp, lay.share, cp=lay.cp)["scores"])
     att = model.attention_flops(tokens, tp)
     out = collections.Counter()          # identical layers: one entry, their calls added up
     for b in st.kinds:
@@ -79,8 +80,8 @@ def gemms(mcfg, st, lay) -> list[tuple]:
             out[tokens, kk, nn, 1] += calls
         if b.kind == "layer" and att:
             hd, heads = head_width(mcfg), mcfg.n_heads // tp
-            out[T, hd, T, lay.rows * heads] += calls + (drops and b.name in sel)
-            out[T, T, hd, lay.rows * heads] += calls
+            out[Tq, hd, T, lay.rows * heads] += calls + (drops and b.name in sel)
+            out[Tq, T, hd, lay.rows * heads] += calls
     return [(c, *shape) for shape, c in out.items()]
 
 

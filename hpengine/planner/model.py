@@ -15,7 +15,7 @@ from hpengine.layout.schedules import bubble_fraction, peak_live, placement
 from hpengine.layout.stage import build_stage, owner
 from hpengine.models import build_model
 from hpengine.params.buffers import partition
-from hpengine.planner import gpu as plan_gpu, moe as plan_moe, recompute as rc, tp as plan_tp
+from hpengine.planner import context as plan_cp, gpu as plan_gpu, moe as plan_moe, recompute as rc, tp as plan_tp
 
 F64 = 8                  # the engine's loss and squared-norm vectors are float64, one entry per model
 _bubble = functools.lru_cache(maxsize=4096)(bubble_fraction)     # the planner asks often; it builds a schedule
@@ -168,7 +168,7 @@ def block_activations(mcfg, lay: Resolved, item: int) -> dict:
     selective recompute drops. Under expert parallelism an MoE layer also keeps the rows it received (balanced
     routing: as many as it sent) and their regrouping order, and the exchange's row counts."""
     model = build_model(mcfg, lay.tp)
-    out = model.cache_bytes(lay.rows, lay.tp, item, lay.amp, lay.share, lay.seq_parts)
+    out = model.cache_bytes(lay.rows, lay.tp, item, lay.amp, lay.share, lay.seq_parts, lay.cp, lay.cp_comm)
     if lay.ep > 1:
         for key in [k for k in out if k.startswith("layer.")]:     # the MoE layers
             out[key] += plan_moe.received_cache(mcfg, lay, item)
@@ -180,7 +180,7 @@ def chunk_activations(mcfg, st: Stage, chunk, lay: Resolved, item: int) -> int:
     selective, all but its probabilities). Caches hold no weights (backward is handed them), so stage 3
     frees gathered blocks after use."""
     a = block_activations(mcfg, lay, item)
-    return sum(rc.cached(a, st, lay, b) for b in chunk)
+    return sum(rc.cached(a, st, lay, b) for b in chunk) + plan_cp.positions_bytes(mcfg, st, lay, chunk)
 
 
 def activations(mcfg, st: Stage, lay: Resolved, stage: int, item: int) -> int:
@@ -211,7 +211,7 @@ def buffers(mcfg, st: Stage, lay: Resolved, own: int) -> int:
         out += (2 * big + sum(st.block(d) for d in _read_blocks(st))) * w
     out += rc.transient(block_activations(mcfg, lay, item), st, lay)
     if lay.pp > 1:
-        out += 2 * lay.rows * mcfg.seq_len // lay.seq_parts * mcfg.d_model * item
+        out += 2 * lay.rows * mcfg.seq_len // (lay.seq_parts * lay.cp) * mcfg.d_model * item
     return out + (4 * own if lay.amp else 0)
 
 
@@ -242,14 +242,16 @@ def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=Non
     if lay.sh > 1:
         gathers = psi * w if lay.zstage < 3 else lay.k * lay.m * M * gathered_per_microbatch(mcfg, st) * w
         out["sharding"] = {"reduce": psi * g, "allgather": gathers, "allreduce": F64 * M + losses}
-    if lay.dp > 1:                     # expert blocks split over ep: summed over their replicas only
+    if lay.dp * lay.cp > 1:            # expert blocks split over ep: summed over their replicas only
         experts = owned_experts(st, lay, M, sh_rank)
-        out["dp"] = {"allreduce": (owned(st, lay, M, sh_rank) - experts) * g + losses}
+        out[lay.grad_group] = {"allreduce": (owned(st, lay, M, sh_rank) - experts) * g + losses}
         if lay.dp // lay.ep > 1 and experts:
             out["ep-dp"] = {"allreduce": experts * g}
     if lay.ep > 1:
         out["ep"] = {"allreduce": F64 * M, "alltoallv": plan_moe.alltoall_bytes(mcfg, st, lay, item)}
-    tokens = lay.share * mcfg.seq_len * M
+    if lay.cp > 1:          # the ring's (or all-gather's) k, v on the cp communicator, beside the gradient sum
+        out.setdefault("cp", {}).update(plan_cp.traffic(mcfg, st, lay, item, M))
+    tokens = lay.share * mcfg.seq_len // lay.cp * M
     if lay.tp > 1:
         rep = plan_tp.replicated_owned(st, lay, M, _partition, sh_rank)
         out["tp"] = plan_tp.traffic(mcfg, st, lay, tokens, item, g, 4 if lay.amp else item, F64 * M, rep)
@@ -318,7 +320,7 @@ def matmul_flops(mcfg, tokens: int, weights: int, layers: int, tp: int, f: int =
 def flops_per_microbatch(mcfg, st: Stage, lay: Resolved) -> float:
     """6·N·tokens over the weights this rank multiplies by, plus attention scores, plus what the
     recomputed layers rebuild (planner/recompute.py: extra_flops)."""
-    tokens = lay.rows * mcfg.seq_len
+    tokens = lay.rows * mcfg.seq_len // lay.cp
     return matmul_flops(mcfg, tokens, st.matmul, st.layers, lay.tp) + rc.extra_flops(mcfg, st, lay, tokens)
 
 
@@ -332,7 +334,7 @@ def oversubscription(lay: Resolved, cluster) -> float:
     """How many of a node's ranks share each CPU core (>= 1): with more ranks on a node than cores
     (cluster.cores_per_node; 0 = a core per device), each computes at that fraction of its rate."""
     cores = cluster.cores_per_node
-    ranks = min(lay.tp * lay.sh * lay.dp * lay.pp, cluster.gpus_per_node)
+    ranks = min(lay.world, cluster.gpus_per_node)
     return max(1.0, ranks / cores) if cores else 1.0
 
 
@@ -354,7 +356,7 @@ def compute_s(mcfg, st: Stage, lay: Resolved, cluster) -> float:
     work = (plan_gpu.compute_s(mcfg, st, lay, cluster, peak, item, cached) if plan_gpu.enabled(cluster)
             else flops_per_microbatch(mcfg, st, lay) / peak)
     if lay.ep > 1:          # the rank of the most-loaded expert does imbalance x its balanced expert GEMMs
-        work += (cluster.moe_imbalance - 1) * 6 * lay.rows * mcfg.seq_len * st.expert_mm / peak
+        work += (cluster.moe_imbalance - 1) * 6 * lay.rows * mcfg.seq_len // lay.cp * st.expert_mm / peak
     return work + (2 * len(st.names) + again) * cluster.block_us * 1e-6 + cached / 4 * cluster.act_ns * 1e-9
 
 
@@ -379,9 +381,12 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
     fixed = slow * (cluster.optimizer_ns * 1e-9 * own * K / 8 + cluster.step_overhead_us * 1e-6)
     deg = _degrees(lay)
     fixed += sum(collective_s("allreduce", deg[a], 0, c, *link(lay, a, cluster)) for a, c in SCALAR_CALLS.items())
-    out = {"compute": comp, "tp": 0.0, "pp": 0.0, "ep": 0.0, "dp": 0.0, "sharding": 0.0, "fixed": fixed}
+    out = {"compute": comp, "tp": 0.0, "pp": 0.0, "ep": 0.0, "cp": 0.0, "dp": 0.0, "sharding": 0.0, "fixed": fixed}
+    if lay.cp > 1:          # the ring's transfers past the block compute they overlap, on the cp axis's link
+        out["cp"] = plan_cp.ring_seconds(mcfg, st, lay, precision(mcfg, lay.amp)[3], M, comp / M,
+                                         *link(lay, "cp", cluster))
     tp_link = lambda op: link(lay, "tp", cluster, op)      # noqa: E731
-    _, gathered = plan_tp.pipeline_bytes(mcfg, lay, lay.share * mcfg.seq_len * M, precision(mcfg, lay.amp)[3],
+    _, gathered = plan_tp.pipeline_bytes(mcfg, lay, lay.share * mcfg.seq_len // lay.cp * M, precision(mcfg, lay.amp)[3],
                                          _hops(lay, stage))
     if "tp" in tr:          # the tp regions' collectives; a split pipeline send's gather counts with pp
         per_mb = {op: (n - (gathered if op == "allgather" else 0)) / mb for op, n in tr["tp"].items()}
@@ -394,10 +399,11 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
         out["ep"] = plan_moe.alltoall_seconds(lay, cluster.moe_imbalance * tr["ep"]["alltoallv"] / mb,
                                               plan_moe.alltoall_calls(mcfg, st, lay) / mb, *link(lay, "dp", cluster))
     hide = cluster.overlap * comp           # what may hide gradient sync: the last backward, 2/3 of a micro-batch
-    if "dp" in tr:
-        a, b = link(lay, "dp", cluster)
-        calls = 1 if lay.sh > 1 else max(1, math.ceil(tr["dp"]["allreduce"] / (lay.bucket_mb * 2**20)))
-        t = collective_s("allreduce", lay.dp, tr["dp"]["allreduce"], calls, a, b)
+    grad = lay.grad_group if lay.cp > 1 else "dp"      # gradients summed over dp x cp under context parallelism
+    if lay.dp * lay.cp > 1 and grad in tr:
+        a, b = link(lay, "dp" if lay.dp > 1 else "cp", cluster)
+        calls = 1 if lay.sh > 1 else max(1, math.ceil(tr[grad]["allreduce"] / (lay.bucket_mb * 2**20)))
+        t = collective_s("allreduce", lay.dp * lay.cp, tr[grad]["allreduce"], calls, a, b)
         if "ep-dp" in tr:   # the expert blocks' replicas: every ep-th dp rank, on the same link
             t += collective_s("allreduce", lay.dp // lay.ep, tr["ep-dp"]["allreduce"], calls, a, b)
         out["dp"] = t if lay.sh > 1 else max(0.0, t - 2 / 3 * hide)
@@ -433,41 +439,30 @@ def step_time(per_stage: list[dict], lay: Resolved) -> dict:
     a rank waiting in the bubble still takes its share of a core (MPI waits by polling), so the
     bubble, like the compute, runs at the oversubscribed pace."""
     slow = max(per_stage, key=lambda s: s["times"]["compute"] + s["times"]["tp"] + s["times"]["pp"]
-               + s["times"].get("ep", 0.0))["times"]
+               + s["times"].get("ep", 0.0) + s["times"].get("cp", 0.0))["times"]
     ep = slow.get("ep", 0.0)            # expert parallel's all-to-alls (none without experts split)
-    t_mb = slow["compute"] + slow["tp"] + slow["pp"] + ep
+    cp = slow.get("cp", 0.0)            # context parallel's exposed ring transfers
+    t_mb = slow["compute"] + slow["tp"] + slow["pp"] + ep + cp
     f = _bubble(lay.schedule, lay.pp, lay.m, lay.v) if lay.pp > 1 else 0.0
     per_pass = lay.m * t_mb / (1 - f)
     sync = max(per_stage, key=lambda s: s["times"]["dp"] + s["times"]["sharding"] + s["times"]["fixed"])["times"]
     n = lay.k * lay.m
-    out = {"compute": n * slow["compute"], "tp": n * slow["tp"], "pp": n * slow["pp"], "ep": n * ep,
+    out = {"compute": n * slow["compute"], "tp": n * slow["tp"], "pp": n * slow["pp"], "ep": n * ep, "cp": n * cp,
            "dp": sync["dp"],
            "sharding": sync["sharding"], "fixed": sync["fixed"], "bubble": lay.k * (per_pass - lay.m * t_mb)}
     out["step"] = lay.k * per_pass + sync["dp"] + sync["sharding"] + sync["fixed"]
     return out
 
 
-class NotModelled(ValueError):
-    """A layout the planner has no model for (context parallelism, for now)."""
-
-
-def _modelled(lay: Resolved) -> None:
-    if lay.cp > 1:
-        raise NotModelled(f"the planner does not model context parallelism yet (context_parallel.degree = "
-                          f"{lay.cp}): no memory, traffic or time prediction for this layout")
-
-
 def for_rank(cfg, world: int, coords: dict, cluster=None) -> dict:
     """The prediction for the rank at mesh `coords` (its pipeline stage and sharding share)."""
     lay = resolve(cfg, world)
-    _modelled(lay)
     st = stage_facts(cfg, lay)[coords["pp"]]
     return predict_stage(cfg.model, st, lay, coords["pp"], cfg.train.models, cluster, coords["sharding"])
 
 
 def evaluate(cfg, lay: Resolved, cluster, stage_ids=None) -> dict:
     """Prediction for a layout: per-stage results, the worst stage's memory, the step time."""
-    _modelled(lay)
     sts = stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule, lay.ep)
     ids = range(lay.pp) if stage_ids is None else sorted({s for s in stage_ids if 0 <= s < lay.pp})
     per = [predict_stage(cfg.model, sts[s], lay, s, cfg.train.models, cluster) for s in ids]

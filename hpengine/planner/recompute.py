@@ -46,7 +46,7 @@ def extra_flops(mcfg, st, lay, tokens: int) -> float:
     model, again = build_model(mcfg, lay.tp), full(st, lay)
     att = model.attention_flops(tokens, lay.tp)
     out = sum(2 * tokens * n for b, n in st.matmuls if b in again) + att * len(again)
-    if model.cache_bytes(lay.rows, lay.tp, 1, lay.amp, lay.share)["scores"]:
+    if model.cache_bytes(lay.rows, lay.tp, 1, lay.amp, lay.share, cp=lay.cp)["scores"]:
         out += att // 2 * len(selective(st, lay))
     return out
 

@@ -61,24 +61,37 @@ def _recompute_modes(m) -> list[tuple]:
 def candidates(cfg: Config, cluster: Cluster, max_rows: int = 8):
     """Every legal layout (resolve.Resolved) on the cluster: degrees that multiply to the world, tp within a
     node and dividing heads and widths (with and without sequence parallelism), exact batch arithmetic,
-    each schedule, recompute (full, selective), amp."""
+    each schedule, recompute (full, selective), amp, context parallel degrees (_context_degrees)."""
     m, W, gb = cfg.model, cluster.world, cfg.train.global_batch
     tps = [t for t in _divisors(W) if t <= cluster.gpus_per_node and _tp_ok(m, t)]
     modes, split_sends = _recompute_modes(m), cfg.strategy.pipeline.scatter_gather
-    for tp, pp in [(t, p) for t in tps for p in _divisors(W // t) if p <= m.n_layers]:
+    comm = cfg.strategy.context_parallel.comm
+    for tp, cp, pp in [(t, c, p) for t in tps for c in _context_degrees(m, W // t)
+                       for p in _divisors(W // (t * c)) if p <= m.n_layers]:
         tensors = min(len(st.sizes(cfg.train.models)) for st in stages(m, tp, pp, 1))
-        sps = (False, True) if tp > 1 and m.seq_len % tp == 0 else (False,)
-        for sh in [s for s in _divisors(W // (tp * pp)) if gb % (W // (tp * pp)) == 0]:
-            dp, share = W // (tp * pp * sh), gb * tp * pp // W
+        sps = (False, True) if tp > 1 and (m.seq_len // cp) % tp == 0 else (False,)
+        rest = W // (tp * cp * pp)           # ranks for sharding x dp (the replicas)
+        for sh in [s for s in _divisors(rest) if gb % rest == 0]:
+            dp, share = rest // sh, gb // rest
             rows = [r for r in _divisors(share) if r <= max_rows]
             for zstage, b, (rc, gran), amp, sp in product([0] if sh == 1 else [1, 2, 3], rows, modes, ("", "float16"),
                                                           sps):
+                if cp > 1 and gran == "selective":      # the cp drivers keep no probabilities to drop
+                    continue
                 n = share // b          # micro-batches: the pipeline's, else gradient-merge passes
                 for (sched, v), ep in product(_schedules(pp, n, m.n_layers), _expert_degrees(m, dp)):
                     yield Resolved(tp, sh, dp, pp, zstage, "tensor" if sh <= tensors else "flat",
                                    n if pp > 1 else 1, 1 if pp > 1 else n, v, sched, "uniform", rc, amp,
                                    tuple(cfg.mesh.order), share, cfg.strategy.data_parallel.bucket_mb, gran, sp,
-                                   tp > 1 and pp > 1 and not sp and split_sends, ep)
+                                   tp > 1 and pp > 1 and not sp and split_sends, ep, cp, comm)
+
+
+def _context_degrees(m, ranks: int) -> list[int]:
+    """Context-parallel degrees: divisors of the ranks left by tp whose 2 x degree divides model.seq_len;
+    only 1 for the mlp kind (no attention) and MoE models (per-sequence balancing losses and capacity)."""
+    if m.kind == "mlp" or (m.kind == "llama" and m.moe.num_experts):
+        return [1]
+    return [c for c in _divisors(ranks) if c == 1 or m.seq_len % (2 * c) == 0]
 
 
 def _expert_degrees(m, dp: int) -> list[int]:
@@ -155,8 +168,9 @@ def config_for(cfg: Config, lay: Resolved) -> Config:
 # ---- output -----------------------------------------------------------------------------------------
 
 def describe(lay: Resolved) -> str:
-    """The switches of a layout in words: 'tp 8 x pp 4 (1f1b, 16 micro-batches) x sharding 2 (stage 1)'."""
+    """The switches of a layout in words: 'tp 8 x cp 2 (ring) x pp 4 (1f1b, 16 micro-batches) x sharding 2 (stage 1)'."""
     parts = [f"tp {lay.tp}" + (" (sequence parallel)" if lay.sp else "")] if lay.tp > 1 else []
+    parts += [f"cp {lay.cp} ({lay.cp_comm})"] if lay.cp > 1 else []
     if lay.pp > 1:
         parts.append(f"pp {lay.pp} ({lay.schedule}{f' v={lay.v}' if lay.v > 1 else ''}, {lay.m} micro-batches)")
     parts += [f"dp {lay.dp}" + (f" (experts over ep {lay.ep})" if lay.ep > 1 else "")] if lay.dp > 1 else []
@@ -167,7 +181,7 @@ def describe(lay: Resolved) -> str:
 
 
 MEM_COLS = ("params", "grads", "optimizer", "activations", "buffers", "total")
-TIME_COLS = ("compute", "bubble", "tp", "pp", "ep", "dp", "sharding", "fixed", "step")
+TIME_COLS = ("compute", "bubble", "tp", "pp", "ep", "cp", "dp", "sharding", "fixed", "step")
 SHORT = {"optimizer": "optim", "activations": "act", "buffers": "buf", "sharding": "shard"}
 
 
@@ -183,14 +197,14 @@ def table(results: list[dict], top: int) -> str:
     rows = results[:top]
     ms, mn = _unit(max(r["memory"]["total"] for r in rows), [(GB, "GB"), (1e6, "MB"), (1, "B")])
     ts, tn = _unit(max(r["time"]["step"] for r in rows), [(1, "s"), (1e-3, "ms"), (1e-6, "us")])
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'ep':>3} {'sh':>4} {'st':>2} {'sched':>11} {'m':>4} {'k':>3} {'mb':>3} "
+    head = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'ep':>3} {'sh':>4} {'st':>2} {'sched':>11} {'m':>4} {'k':>3} {'mb':>3} "
             f"{'sp':>2} {'rc':>2} {'amp':>3} | " + " ".join(f"{SHORT.get(c, c):>6}" for c in MEM_COLS) + f" {mn} | "
             + " ".join(f"{SHORT.get(c, c):>7}" for c in TIME_COLS) + f" {tn} | {'tok/s':>9}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows, 1):
         lay = r["layout"]
         sched = "-" if lay.pp == 1 else lay.schedule + (f"/{lay.v}" if lay.v > 1 else "")
-        lines.append(f"{i:>3} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {lay.ep:>3} {lay.sh:>4} {lay.zstage or '-':>2} {sched:>11} "
+        lines.append(f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>4} {lay.ep:>3} {lay.sh:>4} {lay.zstage or '-':>2} {sched:>11} "
                      f"{lay.m:>4} {lay.k:>3} {lay.rows:>3} {'y' if lay.sp else '-':>2} "
                      f"{(lay.granularity[0] if lay.recompute else '-'):>2} "
                      f"{'y' if lay.amp else '-':>3} | " + " ".join(f"{r['memory'][c] / ms:>6.1f}" for c in MEM_COLS)
@@ -238,6 +252,16 @@ def check_text(cfg: Config, world: int, cluster: Cluster) -> str:
     out.append(f"{'fits' if total <= usable else 'does NOT fit'} in {cluster.mem_gb:g} GB per device less "
                f"{cluster.reserve:g} GB kept free (worst stage {_bytes(total)}, {room})")
     return "\n".join(out)
+
+
+def _why_context(fit: list[dict], cluster: Cluster) -> str:
+    """Why the best layout splits sequences: no layout with cp 1 fits, or the best one that does is slower."""
+    flat = [r for r in fit if r["layout"].cp == 1]
+    if not flat:
+        return (f"context parallel: memory: cp 1 does not fit ({cluster.usable_gb:.4g} GB usable per device); "
+                f"each rank holds seq_len / cp tokens of every sequence")
+    return (f"context parallel: time: the best layout with cp 1 ({describe(flat[0]['layout'])}) takes "
+            f"{_secs(flat[0]['time']['step'])} a step, against {_secs(fit[0]['time']['step'])}")
 
 
 def write_best(cfg: Config, best: dict, path: str, cluster: Cluster) -> Config:
@@ -292,7 +316,7 @@ CLUSTER_FLAGS = ("nodes", "gpus_per_node", "mem_gb", "intra_bw_gbs", "inter_bw_g
 
 def check_args(a) -> None:
     """One line naming a bad argument of `hpengine plan` and what is valid."""
-    for flag, least in (("top", 1), ("global_batch", 1), ("world", 1), ("max_micro_batch", 1),
+    for flag, least in (("top", 1), ("global_batch", 1), ("seq", 2), ("world", 1), ("max_micro_batch", 1),
                         ("gpus_per_node", 1), ("nodes", 1)):
         v = getattr(a, flag, None)
         if v is not None and v < least:
@@ -322,6 +346,9 @@ def run(a) -> str:
     if a.global_batch is not None:
         cfg.train.global_batch = a.global_batch
         validate(cfg)
+    if getattr(a, "seq", None) is not None:
+        cfg.model.seq_len = a.seq
+        validate(cfg)
     t = time.perf_counter()
     fit, n = search(cfg, cluster, a.max_micro_batch)
     out = [f"hpengine plan: {cfg.model.kind} {_n_params(cfg) / 1e9:.3g}B parameters (d_model {cfg.model.d_model}, "
@@ -330,6 +357,8 @@ def run(a) -> str:
            f"{n:,} layouts evaluated in {time.perf_counter() - t:.1f} s, {len(fit):,} fit; memory per device is the "
            "worst pipeline stage's; times per optimizer step", "", table(fit, a.top), "",
            f"best: {describe(fit[0]['layout'])}"]
+    if fit[0]["layout"].cp > 1:
+        out.append(_why_context(fit, cluster))
     if a.out:
         try:
             write_best(cfg, fit[0], a.out, cluster)

@@ -2,7 +2,7 @@
 parameter, gradient and optimizer bytes equal Engine.memory() on every rank, the predicted bytes of every
 communicator and operation equal the comm.py counters over two steps, and the predicted activation bytes
 are within 10% of the engine's counted live caches (here they are equal; exactly so, checked, under sequence
-parallelism, the zero-bubble schedules, whose W stash is counted too, and the MoE layers)."""
+parallelism, the zero-bubble schedules, whose W stash is counted too, the MoE layers and context parallelism)."""
 import pytest
 
 from helpers import LLAMA, config, need
@@ -15,6 +15,7 @@ SH = [S + "sharding.enable=true"]
 PP2 = [S + "pipeline.enable=true", S + "pipeline.degree=2"]
 TP2 = [S + "tensor_parallel.enable=true", S + "tensor_parallel.degree=2"]
 SP = [S + "tensor_parallel.sequence_parallel=true"]
+CP2 = [S + "context_parallel.enable=true", S + "context_parallel.degree=2"]
 
 ANY = lambda n: True           # noqa: E731
 EVEN = lambda n: n % 2 == 0    # noqa: E731
@@ -116,6 +117,20 @@ LAYOUTS = [
                                                                 S + "expert_parallel.degree=2"]),
     ("moe_sp_tp2_pp2_zb1p", lambda n: n == 4, MOE + TP2 + SP + PP2 + [S + "pipeline.micro_batches=4",
                                                                    S + "pipeline.schedule=zb1p"]),
+    # context parallel: T / cp tokens a rank, the ring's (all-gather's) caches and bytes, gradients over dp x cp
+    ("cp_gpt_cp2", lambda n: n == 2, CP2),
+    ("cp_llama_flash_cp2", lambda n: n == 2, LLAMA + CP2 + ["model.attention=flash"]),
+    ("cp_llama_allgather_cp2_dp", EVEN, LLAMA + CP2 + DP + [S + "context_parallel.comm=allgather"]),
+    ("cp_gpt_cp2_dp_recompute", EVEN, CP2 + DP + [S + "recompute.enable=true", S + "recompute.every=2"]),
+    ("cp_llama_cp2_tp2", lambda n: n == 4, LLAMA + CP2 + TP2),
+    ("cp_gpt_cp2_tp2_sp", lambda n: n == 4, CP2 + TP2 + SP + ["model.seq_len=16"]),
+    ("cp_llama_cp2_dp2_sharding2", lambda n: n == 8, LLAMA + CP2 + DP + [S + "data_parallel.degree=2"] + SH),
+    ("cp_gpt_cp2_sharding3_amp", lambda n: n == 4, CP2 + SH + [S + "sharding.stage=3", S + "amp.enable=true",
+                                                               "model.dtype=float32"]),
+    ("cp_llama_cp2_pp2_selective", lambda n: n == 4, LLAMA + CP2 + PP2 + [
+        S + "pipeline.micro_batches=2", S + "recompute.enable=true", S + "recompute.granularity=selective"]),
+    ("cp_llama_cp4", lambda n: n == 4, LLAMA + [S + "context_parallel.enable=true", S + "context_parallel.degree=4",
+                                                 "model.seq_len=16"]),
     ("zb_pp4_zbv", lambda n: n == 4, [S + "pipeline.enable=true", S + "pipeline.degree=4", S + "pipeline.micro_batches=8",
                                       S + "pipeline.schedule=zbv", "model.n_layers=8"]),
 ]
@@ -140,7 +155,8 @@ def test_plan_equals_engine(corpus, world, name, fits, extra):
         (want["params"], want["grads"], want["optimizer"]), where
     tol = 0.25 if eng.res.ep > 1 else 0.1     # expert parallel: the rows a rank receives follow the routing
     assert abs(want["activations"] - got["activation_peak_bytes"]) <= tol * got["activation_peak_bytes"], where
-    if name.startswith(("sp_", "zb_", "moe_")):     # sequence parallel's split caches, the W stash, experts: exact
+    if name.startswith(("sp_", "zb_", "moe_", "cp_")):   # sequence parallel's split caches, the W stash, experts,
+        # context parallel's per-rank caches: exact
         assert want["activations"] == got["activation_peak_bytes"], where
     counted = {axis: {op: v[1] for op, v in c.stats.items()}
                for axis, c in eng.mesh.comms.items() if c is not None and c.stats}

@@ -8,7 +8,7 @@ from hpengine.config.load import load_config, mesh_order
 from hpengine.layout.reduction import reductions
 from hpengine.layout.resolve import LayoutError, describe, resolve
 from hpengine.layout.stage import build_stage
-from hpengine.planner.model import NotModelled, evaluate
+from hpengine.planner.model import evaluate
 
 BASE = ["model.kind=gpt", "model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.seq_len=8",
         "train.global_batch=8"]
@@ -75,10 +75,11 @@ def test_every_gradient_is_summed_over_cp():
     assert not any("cp" in r.sum_over for r in reductions(stage, 0, False))
 
 
-def test_planner_refuses_context_parallel_in_one_line():
+def test_planner_models_context_parallel():
     c = cfg(*cp(2))
-    with pytest.raises(NotModelled, match="does not model context parallelism yet"):
-        evaluate(c, resolve(c, 2), None)
+    one, two = evaluate(cfg(), resolve(cfg(), 1), None), evaluate(c, resolve(c, 2), None)
+    assert 0 < two["memory"]["activations"] < one["memory"]["activations"]
+    assert set(two["stages"][0]["traffic"]["cp"]) == {"send", "recv", "allreduce"}
 
 
 @pytest.mark.parametrize("strategy, want", [

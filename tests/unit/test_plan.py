@@ -175,7 +175,7 @@ def test_every_candidate_is_a_legal_engine_layout():
     for lay in candidates(cfg, cluster):
         c = config_for(cfg, lay)
         assert resolve(c, cluster.world) == lay     # and resolve's checks (batch arithmetic ...) pass
-        assert lay.tp * lay.sh * lay.dp * lay.pp == cluster.world and lay.tp <= 4
+        assert lay.world == cluster.world and lay.tp <= 4
         assert lay.rows * lay.k * lay.m * lay.dp * lay.sh == c.train.global_batch
         stages(c.model, lay.tp, lay.pp, lay.v)      # the pipeline split exists
         seen += 1

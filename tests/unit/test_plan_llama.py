@@ -130,9 +130,9 @@ def test_cli_plans_llama3_8b_on_64_devices(capsys):
     assert len(rows) == 5 and "total GB" in head
     for row in rows:
         lay, mem = row.split("|")[:2]
-        tp, pp, dp, ep, sh = map(int, lay.split()[1:6])
+        tp, cp, pp, dp, ep, sh = map(int, lay.split()[1:7])
         assert ep == 1                                          # a dense model has no experts to split
-        assert tp * pp * dp * sh == 64 and 8 % tp == 0          # tp within a node, dividing the 8 kv heads
+        assert tp * cp * pp * dp * sh == 64 and 8 % tp == 0          # tp within a node, dividing the 8 kv heads
         assert 0 < float(mem.split()[-1]) <= 80
 
 
