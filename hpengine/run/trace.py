@@ -238,9 +238,11 @@ def table(bd: dict) -> str:
             lines.append(f"  {name:<22} {b['size']:>4} {b['per_step'] / 2**20:>10.3f} "
                          f"{b['total'] / 2**20:>10.2f}  {ops}")
     lines.append("  memory per rank (MiB)    params    grads optimizer activations transient  peak RSS")
+    cp = any(m["coords"].get("cp", 0) for m in bd["memory"])        # named when context parallel is on
     for m in bd["memory"]:
         lines.append(f"  r{m['rank']:<4} pp{m['coords']['pp']} tp{m['coords']['tp']} dp{m['coords']['dp']} "
-                     f"sh{m['coords']['sharding']} " + " ".join(f"{m[k] / 2**20:>9.2f}" for k in (
+                     f"sh{m['coords']['sharding']} " + (f"cp{m['coords']['cp']} " if cp else "")
+                     + " ".join(f"{m[k] / 2**20:>9.2f}" for k in (
                          "param_bytes", "grad_bytes", "optim_bytes", "activation_peak_bytes",
                          "transient_peak_bytes", "peak_rss_bytes")))
     f = bd["flops"]
