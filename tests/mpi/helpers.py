@@ -5,6 +5,7 @@ from mpi4py import MPI
 
 from hpengine.config.load import load_config
 from hpengine.run.build import build
+from hpengine.run.train import restore
 
 TINY = ["model.kind=gpt", "model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.seq_len=8",
         "model.dtype=float64", "train.global_batch=8", "optim.warmup_steps=2", "optim.lr=1e-2",
@@ -49,3 +50,13 @@ def need(cond: bool, why: str):
 
 def assert_same(got, want, rtol=1e-10):
     np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-13)
+
+
+def assert_resumes_like(cfg, comm, root, straight, at=2, steps=2):
+    """An engine of cfg over comm, restored from the checkpoint at step `at` in root, trains `steps` more steps
+    exactly as the straight run (run()'s losses and parameters over at + steps steps)."""
+    eng = build(cfg, comm)
+    assert restore(eng, cfg, root) == at
+    losses = [eng.train_step(s)["loss"] for s in range(at, at + steps)]
+    assert_same(losses, straight[0][at:, 0])
+    assert_same_params(eng.named_params(), straight[1])
