@@ -87,10 +87,11 @@ class Mesh:
             self.comms[name] = self._wrap(self._split(color, key), name)
         return self.comms[name]
 
-    def fold(self, name: str, degree: int, inside: tuple):
+    def fold(self, name: str, degree: int, inside: tuple, across: tuple = ()):
         """An axis `name` of `degree` folded inside the product of `inside` (expert parallel inside
         dp*sharding): consecutive blocks of `degree` ranks of that product form one `name` group; the ranks
-        at the same place in every block form its complement, "{name}-dp" (the replicas of a fold's share).
+        at the same place in every block form its complement, "{name}-dp" (the replicas of a fold's share),
+        which also spans the axes `across` (context parallel: every cp rank holds the same share too).
         Collective the first time; returns (the fold's communicator, its complement's)."""
         size = 1
         for a in inside:
@@ -105,7 +106,10 @@ class Mesh:
             color, key = self._product_color(tuple(a for a in self.order if a in inside))
             block, place = divmod(key, degree)
             self.comms[name] = self._wrap(self._split(color * size + block, place), name)
-            self.comms[f"{name}-dp"] = self._wrap(self._split(color * size + place, block), f"{name}-dp")
+            wide, at = self._product_color(tuple(a for a in self.order if a in across))
+            outer = sum(self.coords[b] * self.strides[b] for b in AXES if b not in inside and b not in across)
+            self.comms[f"{name}-dp"] = self._wrap(self._split(outer * degree + place, block + size // degree * at),
+                                                 f"{name}-dp")
         return self.comms[name], self.comms[f"{name}-dp"]
 
     def coords_of(self, rank: int) -> dict:

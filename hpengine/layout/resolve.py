@@ -288,10 +288,10 @@ def _check_context_parallel(mc, res: Resolved) -> None:
     if mc.kind not in ("gpt", "llama"):
         raise LayoutError(f"strategy.context_parallel needs a model with attention (model.kind = 'gpt' or 'llama'), "
                           f"got model.kind = '{mc.kind}'")
-    if mc.kind == "llama" and mc.moe.num_experts:
-        raise LayoutError(f"strategy.context_parallel with model.moe.num_experts = {mc.moe.num_experts} is not "
-                          "supported yet: the balancing losses and expert capacity are per sequence, and a cp rank "
-                          "holds only part of each; turn context_parallel off or use a dense model")
+    if mc.kind == "llama" and mc.moe.num_experts and mc.moe.capacity_factor > 0:
+        raise LayoutError(f"strategy.context_parallel with model.moe.capacity_factor = {mc.moe.capacity_factor}: an "
+                          "expert's capacity is filled in token order along each sequence, and a cp rank holds only "
+                          "part of each; use capacity_factor = 0 (dropless) with context parallelism")
     try:
         check_split(mc.seq_len, res.cp)
     except ValueError as e:

@@ -80,6 +80,11 @@ class LocalAttn:
         attention sees, in its order: here every position from 0, as the table is."""
         return table
 
+    def sequence_sum(self, x):
+        """Per-sequence figures (B, ...) of this rank's tokens summed over every rank holding part of the same
+        sequences: here the rank holds them whole."""
+        return x
+
     def grouped_forward(self, xp, core, q, k, v, scale=None):
         # q: (B, H, T, hd), k, v: (B, K, T, hd) -> y: (B, T, H*hd), cache. core(xp, q, k, v) -> (y, cache) is the
         # model's local core; scale: the scores' factor (None: 1/sqrt(hd); 1.0 for a q already scaled)

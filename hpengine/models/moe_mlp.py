@@ -91,7 +91,7 @@ class MoEMLP:
         norm = loss[0] if loss else 1.0
         idx, gates, (aux, z), load, c_r = router_forward(xp, h2, P[f"{p}.moe.router.w"], self.k, T, norm,
                                                           e.router, e.norm_topk,
-                                                          None if self.bias is None else self.bias[p])
+                                                          None if self.bias is None else self.bias[p], _seq_sum(ctx))
         dropping, dropped = bool(self.capacity and loss), 0
         if dropping:        # a dropped slot: idx -1, gate 0; its row is never dispatched
             idx, gates = moe_capacity(xp, idx, gates, T, self.E, self.capacity)
@@ -146,7 +146,8 @@ class MoEMLP:
         gw = G[f"{p}.moe.router.w"]
         if tp.rank > 0 and ctx.seq.parts > 1:      # summed over tp under sequence parallelism: rank 0's alone
             gw = xp.zeros_like(gw)
-        dr = router_backward(xp, dgates, c_r, P[f"{p}.moe.router.w"], gw, e.aux_loss, e.z_loss, stats.scale)
+        dr = router_backward(xp, dgates, c_r, P[f"{p}.moe.router.w"], gw, e.aux_loss, e.z_loss, stats.scale,
+                             _seq_sum(ctx))
         if tp.rank == 0:    # whole on every tp rank: counted once in the sum below
             dh2 += dr
         del dr
@@ -157,6 +158,12 @@ class MoEMLP:
         sequences, also under sequence parallelism), each tp rank 1 / tp of the widths."""
         out = moe_cache_bytes(n, self.k, self.E, C, self.F // tp, item)
         return out + (3 * n * self.Fs // tp * item if self.Fs else 0)      # the shared expert's g, u, sigmoid(g)
+
+
+def _seq_sum(ctx):
+    """Under context parallelism a rank holds part of every sequence: the per-sequence expert counts of the aux
+    loss are summed over the cp ranks (ctx.attn); None when the rank holds whole sequences."""
+    return ctx.attn.sequence_sum if ctx.attn.size > 1 else None
 
 
 class MoEStats:

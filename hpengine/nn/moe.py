@@ -56,12 +56,16 @@ def _scores(xp, logits, lse, score):
     return p
 
 
-def _seq_fractions(xp, idx, seq_len, E, dtype):
-    # f (B, E): the share of each sequence's seq_len * k selections that went to each expert
+def _seq_fractions(xp, idx, seq_len, E, dtype, seq_sum=None):
+    # f (B, E): the share of each sequence's seq_len * k selections that went to each expert; seq_sum, when a
+    # rank holds only part of every sequence (context parallelism), sums the (B, E) counts over the parts
     N, k = idx.shape
     seq = xp.arange(N, dtype=np.int64) // seq_len
-    cnt = xp.bincount((seq[:, None] * E + idx).reshape(-1), minlength=(N // seq_len) * E)
-    return cnt.reshape(-1, E).astype(dtype) / (seq_len * k)
+    cnt = xp.bincount((seq[:, None] * E + idx).reshape(-1), minlength=(N // seq_len) * E).reshape(-1, E)
+    if seq_sum is None:
+        return cnt.astype(dtype) / (seq_len * k)
+    cnt = seq_sum(xp.ascontiguousarray(cnt, dtype=np.int64))
+    return cnt.astype(dtype) / cnt.sum(axis=1, keepdims=True).astype(dtype)
 
 
 def _stable_argsort(xp, a, axis=-1):
@@ -76,7 +80,7 @@ def _row_flat(xp, idx, E):
     return (xp.arange(idx.shape[0], dtype=np.int64)[:, None] * E + idx).reshape(-1)
 
 
-def router_forward(xp, x2, w, k, seq_len, norm, score="softmax", norm_topk=True, bias=None):
+def router_forward(xp, x2, w, k, seq_len, norm, score="softmax", norm_topk=True, bias=None, seq_sum=None):
     # x2: (N, C), w: (C, E), bias: (E,) or None -> idx (N, k) int64, gates (N, k), (aux, z), load (E,) int64
     N, E = x2.shape[0], w.shape[1]
     if score not in SCORES:
@@ -99,7 +103,7 @@ def router_forward(xp, x2, w, k, seq_len, norm, score="softmax", norm_topk=True,
     gates = probs.reshape(-1)[_row_flat(xp, idx, E)].reshape(N, k)
     if norm_topk:
         gates /= gates.sum(axis=1, keepdims=True)
-    f = _seq_fractions(xp, idx, seq_len, E, ct)
+    f = _seq_fractions(xp, idx, seq_len, E, ct, seq_sum)
     aux = E * float((f * probs.reshape(-1, seq_len, E).sum(axis=1)).sum()) / norm
     z = float((lse * lse).sum()) / norm
     load = xp.bincount(idx.reshape(-1), minlength=E).astype(np.int64, copy=False)
@@ -108,7 +112,7 @@ def router_forward(xp, x2, w, k, seq_len, norm, score="softmax", norm_topk=True,
     return idx, _as(gates, x2.dtype), (aux, z), load, cache
 
 
-def router_backward(xp, dgates, cache, w, dw, aux_coef=0.0, z_coef=0.0, dloss=1.0):
+def router_backward(xp, dgates, cache, w, dw, aux_coef=0.0, z_coef=0.0, dloss=1.0, seq_sum=None):
     # dgates: (N, k), w, dw: (C, E) -> dx2: (N, C); dloss scales the aux and z terms, not dgates
     x2, logits, lse, idx, (k, seq_len, norm, score, norm_topk) = cache
     ct = logits.dtype
@@ -126,7 +130,7 @@ def router_backward(xp, dgates, cache, w, dw, aux_coef=0.0, z_coef=0.0, dloss=1.
     dprobs = xp.zeros((N, E), ct)
     dprobs.reshape(-1)[flat] = dg.reshape(-1)        # a token's k experts are distinct
     if aux_coef:
-        f = _seq_fractions(xp, idx, seq_len, E, ct)
+        f = _seq_fractions(xp, idx, seq_len, E, ct, seq_sum)
         dprobs.reshape(-1, seq_len, E)[...] += (aux_coef * dloss * E / norm) * f[:, None, :]
     if score == "softmax":
         dl = dprobs - (dprobs * probs).sum(axis=1, keepdims=True)

@@ -121,7 +121,7 @@ def build(cfg, world=None, with_data: bool = True):
     if len(res.grad_axes) > 1:  # context parallel with data parallel: gradients summed over dp x cp
         mesh.group(*res.grad_axes)
     if res.ep > 1:              # the expert blocks, inside the data-parallel ranks, and their replicas
-        mesh.fold("ep", res.ep, ("dp",))
+        mesh.fold("ep", res.ep, ("dp",), ("cp",) if res.cp > 1 else ())
     setup_logging(mesh)
     return Engine(cfg, res, mesh, backend, build_dataset(cfg, world) if with_data else None)
 

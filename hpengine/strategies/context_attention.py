@@ -56,6 +56,9 @@ class ContextAttention(LocalAttn):
             hit = self._rows[id(table)] = (table, table[self._index])
         return hit[1]
 
+    def sequence_sum(self, x):
+        return self.comm.allreduce_(x)
+
     def _check(self, n: int) -> None:
         if n != self.positions.size:
             raise ValueError(f"context parallel attention got {n} positions per sequence; this rank holds "

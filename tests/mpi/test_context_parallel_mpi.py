@@ -2,7 +2,9 @@
 parameter after a few steps): each sequence split over cp ranks in head-tail chunks, attention by the ring
 (or the all-gather) for the gpt and llama kinds, standard and flash; alone at cp 2 and 4, and with data
 parallel, tensor parallel (plain and sequence parallel), pipelines, sharding stage 3, recompute (full and
-selective) and gradient merge; a checkpoint saved under cp loads under one process and back."""
+selective) and gradient merge, and for a mixture-of-experts llama (dropless; its aux loss counted per whole
+sequence) alone, with expert parallel and with sequence parallel; a checkpoint saved under cp loads under one
+process and back."""
 import pytest
 from mpi4py import MPI
 
@@ -29,6 +31,10 @@ def pp(degree, schedule, m=2, *more):
 SEQ16 = ["model.seq_len=16"]        # cp 4 cuts a sequence into 8 chunks: two tokens each
 FLASH = ["model.attention=flash"]
 SELECTIVE = [S + "recompute.enable=true", S + "recompute.granularity=selective"]
+# routed experts (dropless): the aux loss's per-sequence expert counts are summed over the cp ranks
+MOE = LLAMA + ["model.n_layers=3", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=12",
+               "model.moe.shared_hidden=8", "model.moe.dense_layers=1", "model.moe.aux_loss=0.05",
+               "model.moe.z_loss=0.01"]
 
 LAYOUTS = {   # name -> (world size, model overrides, layout overrides)
     "gpt_cp2": (2, [], cp(2)),
@@ -48,6 +54,9 @@ LAYOUTS = {   # name -> (world size, model overrides, layout overrides)
     "gpt_cp2_pp2_zb1p": (4, [], cp(2) + pp(2, "zb1p")),
     "llama_cp2_sh2_stage3": (4, LLAMA, cp(2) + on("sharding", 2, S + "sharding.stage=3")),
     "gpt_cp4": (4, SEQ16, cp(4)),
+    "moe_cp2": (2, MOE, cp(2)),
+    "moe_cp2_dp2_ep2": (4, MOE, cp(2) + on("data_parallel", 2) + on("expert_parallel", 2)),
+    "moe_cp2_tp2_sp": (4, MOE, cp(2) + on("tensor_parallel", 2, S + "tensor_parallel.sequence_parallel=true")),
     "llama_cp4_allgather": (4, LLAMA + SEQ16, cp(4, S + "context_parallel.comm=allgather")),
     "llama_cp2_tp2_pp2": (8, LLAMA, cp(2) + on("tensor_parallel", 2) + pp(2, "1f1b")),
     "gpt_cp2_tp2_sp_pp2_interleaved": (8, ["model.n_layers=4"], cp(2) + on("tensor_parallel", 2,

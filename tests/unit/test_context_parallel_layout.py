@@ -43,8 +43,9 @@ def test_an_order_without_cp_puts_it_after_tp():
 @pytest.mark.parametrize("extra, words", [
     (["model.seq_len=12", *cp(4)], "seq_len 12 is not divisible by 8"),
     (["model.kind=mlp", *cp(2)], "needs a model with attention"),
-    (["model.kind=llama", "model.n_heads=4", "model.n_kv_heads=2", "model.moe.num_experts=4", *cp(2)],
-     "balancing losses and expert capacity are per sequence"),
+    (["model.kind=llama", "model.n_heads=4", "model.n_kv_heads=2", "model.moe.num_experts=4",
+      "model.moe.capacity_factor=1.0", *cp(2)],
+     "strategy.context_parallel with model.moe.capacity_factor = 1.0: an expert's capacity is filled in token order"),
 ])
 def test_refusals_are_one_line(extra, words):
     with pytest.raises(LayoutError) as e:
