@@ -106,22 +106,24 @@ def test_context_parallel_ring_moves_only_key_value_heads(corpus, world):
     assert calls == L * (2 + 1 + 2)
 
 
+@pytest.mark.parametrize("cp4", [False, True])
 @pytest.mark.parametrize("direction", ["from_cp", "to_cp"])
-def test_context_parallel_checkpoint_loads_under_one_process(corpus, world, root, direction):
-    """Parameters are replicated over cp (cp rank 0 saves them): saved under cp 2 x dp 2 (at -n 4; cp 2 at
-    -n 2), loaded under one process, and the other way; training goes on as the one-process run straight
-    through."""
+def test_context_parallel_checkpoint_loads_under_one_process(corpus, world, root, direction, cp4):
+    """Parameters are replicated over cp (cp rank 0 saves them): saved under cp 2 x dp 2 or cp 4 (at -n 4;
+    cp 2 at -n 2), loaded under one process, and the other way; training goes on as the one-process run
+    straight through."""
     n = world.Get_size()
-    need(n in (2, 4), "cp 2 at -n 2, cp 2 x dp 2 at -n 4")
-    lay = (*cp(2), *(on("data_parallel", 2) if n == 4 else ()))
+    need(n in (2, 4) and (n == 4 or not cp4), "cp 2 at -n 2, cp 2 x dp 2 and cp 4 at -n 4")
+    model = (*LLAMA, *(SEQ16 if cp4 else ()))
+    lay = cp(4) if cp4 else (*cp(2), *(on("data_parallel", 2) if n == 4 else ()))
     if direction == "from_cp":
-        _, _, eng = run(config(corpus, *LLAMA, *lay), world, 2)
+        _, _, eng = run(config(corpus, *model, *lay), world, 2)
         save_state(eng, root, 2, keep=1)
     elif world.Get_rank() == 0:
-        _, _, eng = run(config(corpus, *LLAMA), MPI.COMM_SELF, 2)
+        _, _, eng = run(config(corpus, *model), MPI.COMM_SELF, 2)
         save_state(eng, root, 2, keep=1)
     world.Barrier()
-    straight = run(config(corpus, *LLAMA), MPI.COMM_SELF, 4)
+    straight = run(config(corpus, *model), MPI.COMM_SELF, 4)
     comm, lay = (MPI.COMM_SELF, ()) if direction == "from_cp" else (world, lay)
-    assert_resumes_like(config(corpus, *LLAMA, *lay), comm, root, straight)
+    assert_resumes_like(config(corpus, *model, *lay), comm, root, straight)
     world.Barrier()
