@@ -5,6 +5,7 @@ parallel, tensor parallel (plain and sequence parallel), pipelines, sharding sta
 selective) and gradient merge, and for a mixture-of-experts llama (dropless; its aux loss counted per whole
 sequence) alone, with expert parallel and with sequence parallel; a checkpoint saved under cp loads under one
 process and back."""
+import numpy as np
 import pytest
 from mpi4py import MPI
 
@@ -55,6 +56,7 @@ LAYOUTS = {   # name -> (world size, model overrides, layout overrides)
     "llama_cp2_sh2_stage3": (4, LLAMA, cp(2) + on("sharding", 2, S + "sharding.stage=3")),
     "gpt_cp4": (4, SEQ16, cp(4)),
     "moe_cp2": (2, MOE, cp(2)),
+    "gpt_cp2_two_models": (2, ["train.models=2"], cp(2)),
     "moe_cp2_dp2_ep2": (4, MOE, cp(2) + on("data_parallel", 2) + on("expert_parallel", 2)),
     "moe_cp2_tp2_sp": (4, MOE, cp(2) + on("tensor_parallel", 2, S + "tensor_parallel.sequence_parallel=true")),
     "llama_cp4_allgather": (4, LLAMA + SEQ16, cp(4, S + "context_parallel.comm=allgather")),
@@ -127,3 +129,14 @@ def test_context_parallel_checkpoint_loads_under_one_process(corpus, world, root
     comm, lay = (MPI.COMM_SELF, ()) if direction == "from_cp" else (world, lay)
     assert_resumes_like(config(corpus, *model, *lay), comm, root, straight)
     world.Barrier()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_context_parallel_under_amp_is_within_the_amp_tolerance(corpus, world, dtype):
+    """amp at cp 2 against amp in one process (float32 storage): the losses agree within the amp tolerance
+    of test_combinations.py (1e-2 relative); the ring's sums run in another order than one rank's."""
+    need(world.Get_size() == 2, "cp 2 at -n 2")
+    amp = ("model.dtype=float32", S + "amp.enable=true", f"{S}amp.dtype={dtype}")
+    losses = run(config(corpus, *LLAMA, *amp, *cp(2)), world, STEPS)[0]
+    ref = run(config(corpus, *LLAMA, *amp), MPI.COMM_SELF, STEPS)[0]
+    np.testing.assert_allclose(losses, ref, rtol=1e-2)
