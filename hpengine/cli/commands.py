@@ -91,6 +91,7 @@ def _data_parser(sub) -> None:
     b.add_argument("paths", nargs="*", help="files, folders, or - for standard input (none: the built-in "
                    "stdlib corpus)")
     b.add_argument("--out", required=True, help="output .h5 file")
+    b.add_argument("--force", action="store_true", help="replace an existing OUT")
     b.add_argument("--tokenizer", default="bytes", help="bytes (default: UTF-8 bytes, vocab 256, eos 0) or "
                    "the path of a Hugging Face tokenizer.json")
     b.add_argument("--eos-token", help="the token ending each document (default: the first the tokenizer has "
@@ -244,6 +245,8 @@ def _cmd_data(a) -> int:
     if os.path.isdir(a.out):
         raise DataError(f"--out {a.out}: is a folder; name the .h5 file to write, e.g. --out "
                         f"{os.path.join(a.out, 'tokens.h5')}")
+    if os.path.exists(a.out) and not a.force:
+        raise DataError(f"--out '{a.out}' already exists (pass --force to replace it)")
     if not a.paths:
         a.paths, source = stdlib_files(DEFAULT_MAX_BYTES), stdlib_source()
     info = build_corpus(a.paths, a.out, a.vocab_size, source=source, tokenizer=a.tokenizer,

@@ -328,3 +328,14 @@ def test_stdlib_selection_skips_tests_and_site_packages():
     parts = {part for f in files for part in f.parts}
     assert files and not parts & {"test", "tests", "idle_test", "site-packages"}
     assert all(f.suffix == ".py" for f in files)
+
+
+def test_build_refuses_an_existing_out_unless_forced(tmp_path, tree, capsys):
+    out = tmp_path / "c.h5"
+    out.write_bytes(b"someone's file")
+    err = cli_error(["data", "build", tree, "--out", out], capsys)
+    assert err == f"hpengine: error: --out '{out}' already exists (pass --force to replace it)\n"
+    assert out.read_bytes() == b"someone's file"
+    code, stdout, err = cli(["data", "build", tree, "--out", out, "--force"], capsys)
+    assert code == 0 and err == ""
+    assert docs_of(out) == texts(tree)
