@@ -233,4 +233,10 @@ def line(r: dict, checkpoint_arg) -> str:
 
 
 def write_json(r: dict, out) -> None:
-    Path(out).write_text(json.dumps(r, indent=1) + "\n")
+    """The figures as JSON into `out`: a path, or an open text stream (the caller's standard output)."""
+    text = json.dumps(r, indent=1) + "\n"
+    if hasattr(out, "write"):
+        out.write(text)
+        out.flush()
+    else:
+        Path(out).write_text(text)

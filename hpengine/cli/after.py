@@ -59,14 +59,19 @@ def eval_parser(sub) -> None:
     ev.add_argument("--config", default=None, help="TOML whose [strategy], [runtime] and [mesh] tables set the layout")
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a key of the checkpoint's config, e.g. --set strategy.sharding.enable=true")
-    ev.add_argument("--json", default=None, metavar="OUT", help="also write the figures as JSON")
+    ev.add_argument("--json", default=None, metavar="OUT", help="also write the figures as JSON to this "
+                    "file; - writes them to standard output (the summary line then goes to standard error)")
     ev.add_argument("--batch", type=int, default=8, help="windows per pass and replica (default 8)")
 
 
 def cmd_eval(a) -> int:
     r = evaluate(a.checkpoint, a.data, a.config, a.overrides, a.batch)
     if MPI.COMM_WORLD.Get_rank() == 0:
-        print(line(r, a.checkpoint), flush=True)
-        if a.json:
-            write_json(r, a.json)
+        if a.json == "-":           # stdout holds the JSON alone, so a pipe can parse it
+            say(line(r, a.checkpoint), sys.stderr)
+            write_json(r, sys.stdout)
+        else:
+            print(line(r, a.checkpoint), flush=True)
+            if a.json:
+                write_json(r, a.json)
     return 0

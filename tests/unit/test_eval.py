@@ -165,3 +165,15 @@ def test_bad_inputs_end_with_one_line(run, evalfile, tmp_path, capsys):
     assert rc == 2 and err.count("\n") == 1 and "model.vocab_size >= 400" in err
     rc, _, err = cli(capsys, "eval", run, "--data", tmp_path / "missing.h5")
     assert rc == 2 and err.count("\n") == 1 and "missing.h5" in err
+
+
+def test_json_dash_writes_the_json_alone_to_stdout(run, evalfile, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt = run / "checkpoints" / "step_00000002"
+    want, n, _ = oracle(ckpt, evalfile)
+    rc, out, err = cli(capsys, "eval", ckpt, "--data", evalfile, "--json", "-")
+    assert rc == 0, err
+    r = json.loads(out)                                    # nothing else on stdout
+    assert r["tokens"] == n and r["loss"] == pytest.approx(want / n, rel=1e-12)
+    assert err.startswith(f"eval {ckpt} on {evalfile}: {n:,} tokens") and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []                  # no file named '-'
