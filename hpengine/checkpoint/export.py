@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpengine.checkpoint.guard import as_created
 from hpengine.checkpoint.shards import CheckpointError, Reader, export as export_hdf5
 from hpengine.config.load import from_dict
 from hpengine.data.format import TokenFile, sha256_text
@@ -42,7 +43,11 @@ def _safetensors():
     except ImportError:
         raise CheckpointError("export --format safetensors|hf needs the 'safetensors' package "
                               "(pip install safetensors)") from None
-    return save_file
+
+    def save(tensors: dict, path: str, metadata: dict) -> None:
+        save_file(tensors, path, metadata=metadata)
+        as_created(path)
+    return save
 
 
 def _model_config(toml_text: str):

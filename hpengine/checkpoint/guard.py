@@ -27,6 +27,10 @@ from pathlib import Path
 from hpengine.dist.agree import agree_or_raise
 
 SUM_KEY = "manifest_sha256"
+# Read once, before any writer thread exists: os.umask can only be read by setting it, and a file another
+# thread created in between would get the temporary mask.
+UMASK = os.umask(0)
+os.umask(UMASK)
 SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 DISCARDED = ".discard-"          # prefix of step folders being deleted
 log = logging.getLogger("hpengine")
@@ -149,7 +153,7 @@ def check_room(root: Path, step: int, need: int) -> None:
 def write_bytes(path: Path, data) -> None:
     """Write a whole file with plain os calls (so a full disk is an OSError here, never a failure deferred
     to a library's cleanup) and fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)       # less the umask, as open() does
     try:
         view = memoryview(data)
         while view:
@@ -157,6 +161,11 @@ def write_bytes(path: Path, data) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def as_created(path) -> None:
+    """Give a file that a library created 0600 (safetensors does) the mode of a normally created file."""
+    os.chmod(path, 0o666 & ~UMASK)
 
 
 # --- folders ---------------------------------------------------------------------------------------

@@ -189,3 +189,27 @@ def test_params_only_hdf5(tmp_path, capsys, runs, small_corpus):
         args += ["--set", item]
     rc, stdout, err = cli(capsys, *args)
     assert rc == 0, err
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_checkpoint_and_export_files_get_the_users_umask(tmp_path, small_corpus, umask):
+    """A fresh process under `umask` (as a shell would start it): every file it writes is 0o666 & ~umask,
+    the mode `touch` gives, whatever a library's own default (safetensors creates 0600)."""
+    import os
+    import subprocess
+    import sys
+
+    def hpengine(*args):
+        p = subprocess.run([sys.executable, "-m", "hpengine", *map(str, args)], cwd=tmp_path, text=True,
+                           capture_output=True, preexec_fn=lambda: os.umask(umask), timeout=300)
+        assert p.returncode == 0, p.stderr
+    sets = [a for item in [*TINY, f"data.path={small_corpus}", "train.out_dir=run"] for a in ("--set", item)]
+    hpengine("train", *sets)
+    for fmt in ex.FORMATS:
+        hpengine("ckpt", "export", "run/checkpoints", f"out.{fmt}", "--format", fmt)
+    files = [p for d in ("run/checkpoints", "out.hdf5", "out.safetensors", "out.hf")
+             for p in ([tmp_path / d] if (tmp_path / d).is_file() else (tmp_path / d).rglob("*")) if p.is_file()]
+    assert {"manifest.json", "shard_r00000.h5", "model.safetensors", "out.safetensors"} <= {p.name for p in files}
+    want = 0o666 & ~umask
+    assert {p.relative_to(tmp_path).as_posix(): oct(p.stat().st_mode & 0o777) for p in files} == \
+        {p.relative_to(tmp_path).as_posix(): oct(want) for p in files}
