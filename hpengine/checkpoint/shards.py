@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import tomllib
 from math import prod
 from pathlib import Path
 
@@ -144,6 +145,32 @@ def resolve(path) -> Path:
     raise CheckpointError(f"'{p}' is not a checkpoint: no manifest.json and no 'latest' pointer inside")
 
 
+def _flat(table: dict, prefix: str = "model.") -> dict:
+    out = {}
+    for k, v in table.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def model_difference(saved_toml: str | None, config_toml: str | None) -> str:
+    """How the [model] of a checkpoint's saved config and of this config differ, in words: the kinds when
+    they differ, else the first differing key ("" when either is unknown or they agree)."""
+    try:
+        saved = tomllib.loads(saved_toml).get("model", {})
+        asked = tomllib.loads(config_toml).get("model", {})
+    except (TypeError, AttributeError, tomllib.TOMLDecodeError):
+        return ""
+    kind, want = saved.get("kind"), asked.get("kind")
+    if kind != want:
+        return f"the checkpoint holds a {kind} model (model.kind = {kind!r}), the config asks for {want}"
+    saved, asked = _flat(saved), _flat(asked)
+    for key in [*asked, *(k for k in saved if k not in asked)]:
+        if saved.get(key) != asked.get(key):
+            return (f"the checkpoint's {kind} model has {key} = {saved.get(key)!r}, the config asks for "
+                    f"{asked.get(key)!r}")
+    return ""
+
+
 class Reader:
     """Reads global regions of tensors from a checkpoint folder, verifying each piece it uses."""
 
@@ -163,13 +190,16 @@ class Reader:
             self.by_tensor.setdefault((p["kind"], p["name"]), []).append(p)
         self.files = {}
 
-    def check_shapes(self, shapes: dict) -> None:
-        """The checkpoint must hold the same model (tensor names and unpadded shapes)."""
+    def check_shapes(self, shapes: dict, config_toml: str | None = None) -> None:
+        """The checkpoint must hold the same model (tensor names and unpadded shapes). With the config's
+        TOML, the message also says how the two [model] tables differ."""
         mine = self.manifest["shapes"]
         if mine != shapes:
             diff = sorted(set(mine) ^ set(shapes)) or \
                 [n for n in shapes if list(shapes[n]) != list(mine[n])]
-            raise CheckpointError(f"checkpoint '{self.dir}' holds a different model than the config: tensors "
+            how = model_difference(self.manifest.get("config"), config_toml)
+            raise CheckpointError(f"checkpoint '{self.dir}' holds a different model than the config: "
+                                  + (f"{how}; " if how else "") + f"tensors "
                                   f"{diff[:4]} differ (e.g. {diff[0]}: checkpoint {mine.get(diff[0])}, config "
                                   f"{shapes.get(diff[0])})")
 

@@ -209,7 +209,7 @@ def restore(eng, cfg, resume) -> int:
         def open_checkpoint():
             try:
                 reader = checkpoint.Reader(path)         # checks the manifest's checksum and structure
-                reader.check_shapes(eng.true_shapes())
+                reader.check_shapes(eng.true_shapes(), to_toml(eng.cfg))
                 check_same_tokenizer(reader.manifest.get("data"), eng.data)     # same inputs on every rank
             except checkpoint.CheckpointError as exc:
                 raise checkpoint.CheckpointError(f"--resume {resume}: {exc}") from None

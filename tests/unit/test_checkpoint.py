@@ -400,9 +400,21 @@ def test_resume_with_another_model_shape(tmp_path, small_corpus, capsys, ckpt_ru
                      "--resume", root)
     assert rc == 2
     line = one_line(err)
-    for w in (str(root / STEP2), "different model", "checkpoint [256, 16], config [256, 32]"):
+    for w in (str(root / STEP2), "different model", "checkpoint [256, 16], config [256, 32]",
+              "the checkpoint's gpt model has model.d_model = 16, the config asks for 32"):
         assert w in line, (w, line)
     assert tree_hash(root) == before
+    assert not out.exists()
+
+
+def test_resume_with_another_model_kind_names_both_kinds(tmp_path, small_corpus, capsys, ckpt_run):
+    root = copy_root(ckpt_run, tmp_path)
+    out = tmp_path / "run"
+    rc, _, err = cli(capsys, "train", *tiny(small_corpus, out, "model.kind='llama'", "model.n_kv_heads=1",
+                                            "train.steps=4"), "--resume", root)
+    assert rc == 2
+    line = one_line(err)
+    assert "the checkpoint holds a gpt model (model.kind = 'gpt'), the config asks for llama" in line, line
     assert not out.exists()
 
 
