@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from mpi4py import MPI
 
 from hpengine.checkpoint import guard as ckpt_guard, hf_import, shards as checkpoint
@@ -56,6 +57,12 @@ def _fmt(m: dict, total: int | str = "?") -> str:
     return s + progress.suffix(m) + (f" | val {m['val_loss']:.4f}" if "val_loss" in m else "")
 
 
+def _fp_quiet():
+    """NumPy's overflow/invalid warnings off: a diverging run reaches inf/NaN in many places at once, and the
+    engine's non-finite check reports it in one line (the warnings would only print a screen before it)."""
+    return np.errstate(over="ignore", invalid="ignore", divide="ignore")
+
+
 def train(cfg, world=None, resume=None) -> dict:
     """Run optimizer steps up to cfg.train.steps (from a checkpoint's step when resuming); returns the
     final summary (same on every rank)."""
@@ -89,12 +96,14 @@ def train(cfg, world=None, resume=None) -> dict:
         for step in range(start, cfg.train.steps):
             watchdog.heartbeat(step + 1, "train_step")       # the step in progress, 1-based as everywhere
             t = tracer.now()
-            m = eng.train_step(step)
+            with _fp_quiet():
+                m = eng.train_step(step)
             tracer.lap("step", t, "step", step + 1)
             if _eval_due(cfg, step):
                 watchdog.heartbeat(step + 1, "evaluate")
                 t = tracer.now()
-                _add_eval(m, eng.evaluate())
+                with _fp_quiet():
+                    _add_eval(m, eng.evaluate())
                 tracer.lap("eval", t)
             m.update(prog.update(m))
             history.append(m)

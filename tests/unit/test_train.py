@@ -335,3 +335,18 @@ def test_console_script_exit_status_on_bad_config(tmp_path, small_corpus):
     assert res.returncode == 2
     assert res.stderr.splitlines() == [res.stderr.strip()] and res.stderr.startswith("hpengine: error: ")
     assert "optim.lr" in res.stderr
+
+
+def test_a_diverging_run_stops_on_one_line_without_numpy_warnings(tmp_path, small_corpus, capfd):
+    """optim.lr = 1e5 overflows within a few steps: NumPy's RuntimeWarnings (overflow, invalid) would print
+    before the engine's one-line non-finite report; none is raised, in the step or in the evaluation."""
+    import warnings
+    from hpengine.engine.engine import NonFiniteError
+    cfg = load_config(None, tiny(small_corpus, tmp_path / "run", "optim.lr=1e5", "train.steps=8",
+                                 "train.eval_every=1"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")             # every warning reaches `seen`, none is deduplicated away
+        with pytest.raises(NonFiniteError, match="non-finite loss or gradient"):
+            train(cfg)
+    assert [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)] == []
+    assert "RuntimeWarning" not in capfd.readouterr().err
