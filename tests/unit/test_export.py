@@ -5,6 +5,9 @@ and --params-only leaves the optimizer state out. Loading into transformers: tes
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import h5py
@@ -195,10 +198,6 @@ def test_params_only_hdf5(tmp_path, capsys, runs, small_corpus):
 def test_checkpoint_and_export_files_get_the_users_umask(tmp_path, small_corpus, umask):
     """A fresh process under `umask` (as a shell would start it): every file it writes is 0o666 & ~umask,
     the mode `touch` gives, whatever a library's own default (safetensors creates 0600)."""
-    import os
-    import subprocess
-    import sys
-
     def hpengine(*args):
         p = subprocess.run([sys.executable, "-m", "hpengine", *map(str, args)], cwd=tmp_path, text=True,
                            capture_output=True, preexec_fn=lambda: os.umask(umask), timeout=300)

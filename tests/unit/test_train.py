@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import h5py
@@ -16,6 +17,7 @@ import pytest
 from hpengine.cli.commands import main
 from hpengine.config.load import load_config
 from hpengine.data import TokenDataset, TokenFile
+from hpengine.engine.engine import NonFiniteError
 from hpengine.optim import clip_coefficient, lr_at
 from hpengine.run.train import train
 
@@ -340,8 +342,6 @@ def test_console_script_exit_status_on_bad_config(tmp_path, small_corpus):
 def test_a_diverging_run_stops_on_one_line_without_numpy_warnings(tmp_path, small_corpus, capfd):
     """optim.lr = 1e5 overflows within a few steps: NumPy's RuntimeWarnings (overflow, invalid) would print
     before the engine's one-line non-finite report; none is raised, in the step or in the evaluation."""
-    import warnings
-    from hpengine.engine.engine import NonFiniteError
     cfg = load_config(None, tiny(small_corpus, tmp_path / "run", "optim.lr=1e5", "train.steps=8",
                                  "train.eval_every=1"))
     with warnings.catch_warnings(record=True) as seen:
