@@ -1,7 +1,8 @@
 """Command line: `hpengine train | data | plan | ckpt | eval | generate | plot`.
 
-Known problems (bad config, data, mesh) end every rank with one clear line and exit status 2; they are
-detected identically on every rank before any collective. Anything unexpected on any rank prints that
+Known problems (bad config, data, mesh) end every rank with exit status 2 and one clear line for the job
+(printed once when every rank has the same, else once per rank with the rank named); they are detected
+identically on every rank before any collective. Anything unexpected on any rank prints that
 rank's traceback and aborts the whole MPI job, so nothing hangs.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hpengine.data.builtin import DEFAULT_MAX_BYTES, stdlib_files, stdlib_source
 from hpengine.data.format import TokenFile, sha256_text
 from hpengine.data.tokenizer import kind_of
 from hpengine.device.backend import BackendError
+from hpengine.dist.agree import say_once
 from hpengine.dist.topology import TopologyError
 from hpengine.dist.watchdog import where
 from hpengine.engine.engine import NonFiniteError
@@ -174,7 +176,7 @@ def _plan_parser(sub) -> None:
 
 def _plan_usage_error(message: str):
     """A bad `hpengine plan` argument: one stderr line (argparse's usage block left out), exit status 2."""
-    _say(f"hpengine plan: error: {message} (hpengine plan --help lists the arguments)")
+    _say_job("hpengine plan: ", f"error: {message} (hpengine plan --help lists the arguments)")
     raise SystemExit(2)
 
 
@@ -326,7 +328,7 @@ def _main(argv) -> int:
     except KeyboardInterrupt:       # first: _known() imports modules an interrupt may have cut short
         return _interrupted()
     except _known() as exc:
-        _say(f"hpengine: error: {exc}")
+        _say_job("hpengine: ", f"error: {exc}")
         return 2
     except BrokenPipeError:
         raise                       # main ends quietly
@@ -337,6 +339,12 @@ def _main(argv) -> int:
 def _say(line: str) -> None:
     """One stderr line in one write call, so the lines of several ranks never glue together."""
     say(line, sys.stderr)
+
+
+def _say_job(prefix: str, message: str) -> None:
+    """An error line for the whole job: printed once (by rank 0) when every rank has the same one, else
+    by each rank with its rank named."""
+    say_once(MPI.COMM_WORLD, prefix, message, _say)
 
 
 def _interrupted() -> int:

@@ -350,6 +350,9 @@ class CheckpointConfig:
     """Checkpoint cadence and retention."""
     dir: str = _f("", 'checkpoint folder; "" = `<out_dir>/checkpoints`')
     every: int = _f(0, "save every N steps; 0 = never", check=_must(">=", 0))
+    every_minutes: float = _f(30.0, "also save when this many minutes of wall time have passed since the last "
+                                    "save (decided together at a step boundary), so a job killed without warning "
+                                    "loses at most that much; 0 = off", check=_must(">=", 0))
     keep: int = _f(3, "most recent checkpoints kept", check=_POS)
     at_end: bool = _f(True, "save a checkpoint after the last step (unless `every` already saved it), so every "
                             "run leaves a model for `hpengine eval` and `--resume`")

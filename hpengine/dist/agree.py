@@ -3,6 +3,10 @@ every rank and, when it fails anywhere, every rank raises the same one-line mess
 alone in a collective while another has given up."""
 from __future__ import annotations
 
+import time
+
+import numpy as np
+
 from hpengine.dist.comm import Comm
 
 
@@ -23,3 +27,42 @@ def agree_or_raise(comm, fn, error=RuntimeError, catch=(Exception,)):
         name, msg = errs[0]
         raise next((c for c in catch if c.__name__ == name and c is not Exception), error)(msg)
     return out
+
+
+def say_once(comm, prefix: str, message: str, write, wait_s: float = 10.0) -> None:
+    """Report an error that may be raised on every rank: `write(prefix + message)` on the lowest rank
+    alone when every rank of comm has the same message, else each rank writes its own with its rank
+    named (`prefix + "rank r of n: " + message`). Ranks that are not all here within wait_s (the error
+    came up on some ranks only) each write their own too: nothing waits forever."""
+    raw = comm.c if isinstance(comm, Comm) else comm
+    n = raw.Get_size()
+    if n == 1:
+        write(prefix + message)
+        return
+    r = raw.Get_rank()
+    mine = message.encode()
+    try:
+        sizes = np.zeros(n, dtype=np.int64)
+        if _within(raw.Iallgather(np.array([len(mine)], dtype=np.int64), sizes), wait_s):
+            allb = np.zeros(int(sizes.sum()), dtype=np.uint8)
+            req = raw.Iallgatherv(np.frombuffer(mine, dtype=np.uint8).copy(), [allb, sizes.tolist()])
+            if _within(req, wait_s):
+                start = np.concatenate([[0], np.cumsum(sizes)])
+                every = {allb[start[i]:start[i + 1]].tobytes() for i in range(n)}
+                if len(every) == 1:
+                    if r == 0:
+                        write(prefix + message)
+                    return
+    except Exception:  # noqa: BLE001 - reporting an error must never raise another one
+        pass
+    write(f"{prefix}rank {r} of {n}: {message}")
+
+
+def _within(req, wait_s: float) -> bool:
+    """Whether the non-blocking request finished within wait_s seconds (polled, so no rank hangs)."""
+    end = time.monotonic() + wait_s
+    while not req.Test():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.001)
+    return True

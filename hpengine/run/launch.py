@@ -143,7 +143,19 @@ def install_stop_handlers(names=STOP_SIGNALS):
 def stop_requested(comm=None):
     """Name of the stop signal this rank (or, with `comm`, any rank of it) received; None if none.
     With `comm` it is a collective, so every rank stops after the same step."""
-    sig = _state["signal"]
+    return step_boundary(comm)[0]
+
+
+def step_boundary(comm=None, save_due: bool = False):
+    """(stop signal's name or None, save due) agreed at a step boundary: the stop any rank received, and a
+    save due when it is due on any rank (a clock-based save: every rank saves after the same step).
+    With `comm` it is one collective."""
+    sig, due = _state["signal"], int(bool(save_due))
     if comm is not None and comm.Get_size() > 1:
-        sig = comm.allreduce(sig, op=MPI.MAX)
-    return signal.Signals(sig).name if sig else None
+        sig, due = comm.allreduce((sig, due), op=_max_pair)
+    return (signal.Signals(sig).name if sig else None), bool(due)
+
+
+def _max_pair(a, b, datatype=None):
+    """Element-wise maximum of two (signal, flag) pairs (an mpi4py reduction of small objects)."""
+    return max(a[0], b[0]), max(a[1], b[1])

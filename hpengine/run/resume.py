@@ -1,11 +1,11 @@
 """`hpengine train --resume auto`: continue from the run folder's latest checkpoint when there is one, start
-fresh when the folder holds nothing yet. A batch job that always passes it (jobs/slurm_train.sbatch) resumes
+fresh when the folder holds no checkpoint yet. A folder with results (metrics.jsonl, config.toml) but no
+checkpoint (a run stopped before its first save) starts over in place: the earlier files are kept beside
+the new ones as metrics.before-<time>.jsonl and config.before-<time>.toml; nothing is deleted. A batch job that always passes it (jobs/slurm_train.sbatch) resumes
 by itself after a requeue or a resubmission into the same run folder.
 
 Refused with one line where it cannot mean either:
 - train.out_dir is empty (there is no run folder to look in);
-- the folder holds results (metrics.jsonl or config.toml) but no checkpoint: resuming is impossible and a
-  fresh start would overwrite them;
 - the latest checkpoint is already at train.steps: the run is complete, there is nothing to train.
 
 Rank 0 looks at the file system and every rank gets its answer, so all ranks resume (or not) together.
@@ -13,6 +13,7 @@ Rank 0 looks at the file system and every rank gets its answer, so all ranks res
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from hpengine.checkpoint.shards import CheckpointError, resolve
@@ -61,10 +62,27 @@ def _look(cfg) -> tuple[str | None, str]:
         return str(root), f"resuming from the latest checkpoint under {root} (step {step})"
     held = [n for n in ("metrics.jsonl", "config.toml") if (out / n).exists()]
     if held:
-        raise RunError(f"--resume auto: train.out_dir = '{out}' holds results ({', '.join(held)}) but no "
-                       f"checkpoint to resume from ('{root / 'latest'}' does not exist); choose a new "
-                       "train.out_dir, or remove that folder to start again")
+        kept = set_aside(out, held)
+        return None, (f"'{out}' holds an earlier run but no checkpoint ('{root / 'latest'}' does not exist): "
+                      f"starting over from step 0 in that folder; its earlier files are kept as "
+                      f"{', '.join(kept)}")
     return None, f"no checkpoint under {root} yet: starting from step 0"
+
+
+def set_aside(out: Path, names) -> list[str]:
+    """Rename each of `names` in out to `<stem>.before-<local time>[-k]<suffix>` (never over an existing
+    file); the new names."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    kept = []
+    for name in names:
+        stem, suffix = Path(name).stem, Path(name).suffix
+        k, new = 1, out / f"{stem}.before-{stamp}{suffix}"
+        while new.exists():
+            k += 1
+            new = out / f"{stem}.before-{stamp}-{k}{suffix}"
+        (out / name).rename(new)
+        kept.append(new.name)
+    return kept
 
 
 def _step(step_dir: Path) -> int:

@@ -74,7 +74,7 @@ def train(cfg, world=None, resume=None) -> dict:
         raise RunError(f"--resume {resume}: the checkpoint is at step {start} and train.steps = "
                        f"{cfg.train.steps}: nothing to train; raise train.steps (--set train.steps=N) to go on")
     out = prepare_run_dir(cfg, world, resuming=resume is not None, data=eng.data)
-    if cfg.checkpoint.at_end or cfg.checkpoint.every:       # found now, not at the first save
+    if cfg.checkpoint.at_end or cfg.checkpoint.every or cfg.checkpoint.every_minutes:   # found now, not at the first save
         ckpt_guard.check_writable(world, checkpoint_root(cfg))
     log_start(eng, cfg)
     ranks = faults.gather_ranks(world, eng.mesh)
@@ -91,7 +91,7 @@ def train(cfg, world=None, resume=None) -> dict:
     monitor = faults.Monitor(ranks, world.Get_rank(), watch_parent=faults.launched()).start()
     launch.on_interrupt(monitor.interrupted)
     restore_signals = launch.install_stop_handlers()
-    saved = None                 # the last step saved by this run
+    saved, last_save = None, _clock()      # the last step saved by this run, and when (checkpoint.every_minutes)
     try:
         for step in range(start, cfg.train.steps):
             watchdog.heartbeat(step + 1, "train_step")       # the step in progress, 1-based as everywhere
@@ -112,13 +112,14 @@ def train(cfg, world=None, resume=None) -> dict:
             _record(cfg, m, metrics_f)
             if tbw:
                 tbw.scalars(m["step"], tboard.scalars_of(_lines(m)))
-            stop = launch.stop_requested(world)
+            now = _clock()
+            stop, timed = launch.step_boundary(world, _time_due(cfg, now - last_save))   # the same on every rank
             if stop and stop != "SIGINT" and step + 1 == cfg.train.steps:
                 stop = None      # it came during the last step: the run is complete, not stopped early
-            if (stop and stop != "SIGINT") or _ckpt_due(cfg, step):   # Ctrl-C: stop now, no save
+            if (stop and stop != "SIGINT") or _ckpt_due(cfg, step) or (timed and stop != "SIGINT"):  # Ctrl-C: no save
                 watchdog.heartbeat(step + 1, "checkpoint")
                 save_checkpoint(eng, cfg, step + 1)
-                saved = step + 1
+                saved, last_save = step + 1, _clock()
             if stop:
                 log.info("%s received: stopping cleanly after step %d of %d (%s)", stop, step + 1, cfg.train.steps,
                          "checkpoint saved" if saved == step + 1 else "no checkpoint: interrupted")
@@ -148,13 +149,14 @@ def next_steps(cfg, out, stop=None) -> str:
     """The run's last line (rank 0): its folder and the commands to try next on it."""
     q = shlex.quote(str(out))
     root = checkpoint_root(cfg)
+    if stop:         # --resume auto: from the latest checkpoint, or over again in this folder when none
+        saved = "" if (root / "latest").exists() else ", no checkpoint yet: it starts over in this folder"
+        return (f"run folder {q} (stopped early by {stop}{saved}); continue with: hpengine train "
+                f"{q}/config.toml --resume auto")
     if not (root / "latest").exists():
         return f"run folder {q} (no checkpoint saved); next: hpengine plot {q}"
     ck = q if not cfg.checkpoint.dir else shlex.quote(str(root))
     model = " --model 0" if cfg.train.models > 1 else ""
-    if stop:
-        return (f"run folder {q} (stopped early by {stop}); continue with: hpengine train {q}/config.toml "
-                f"--resume latest")
     data = shlex.quote(cfg.data.val_path) if cfg.data.val_path else "TOKENS.h5"   # hpengine data build ... --out
     return (f"run folder {q}; next: hpengine generate {ck}{model} --prompt 'def ' ; "
             f"hpengine eval {ck} --data {data} ; hpengine plot {q}")
@@ -163,6 +165,15 @@ def next_steps(cfg, out, stop=None) -> str:
 def _eval_due(cfg, step) -> bool:
     ev = cfg.train.eval_every
     return bool(ev) and ((step + 1) % ev == 0 or step + 1 == cfg.train.steps)
+
+
+_clock = time.monotonic       # wall time for checkpoint.every_minutes (a test may replace it)
+
+
+def _time_due(cfg, since_s: float) -> bool:
+    """Whether this rank's clock says a checkpoint.every_minutes save is due."""
+    every = cfg.checkpoint.every_minutes
+    return bool(every) and since_s >= every * 60.0
 
 
 def _ckpt_due(cfg, step) -> bool:

@@ -33,7 +33,10 @@ def test_stopped_early_says_how_to_continue_and_no_checkpoint_says_so(tmp_path):
     cfg = _cfg(tmp_path)
     assert next_steps(cfg, tmp_path / "run x").endswith(f"(no checkpoint saved); next: hpengine plot "
                                                         f"'{tmp_path / 'run x'}'")
+    line = next_steps(cfg, tmp_path / "run x", "SIGINT")      # Ctrl-C before the first save: auto starts over
+    assert line.endswith(f"(stopped early by SIGINT, no checkpoint yet: it starts over in this folder); "
+                         f"continue with: hpengine train '{tmp_path / 'run x'}'/config.toml --resume auto")
     _save(tmp_path / "run x" / "checkpoints")
     line = next_steps(cfg, tmp_path / "run x", "SIGTERM")
     assert line.endswith(f"(stopped early by SIGTERM); continue with: hpengine train "
-                         f"'{tmp_path / 'run x'}'/config.toml --resume latest")
+                         f"'{tmp_path / 'run x'}'/config.toml --resume auto")

@@ -1,7 +1,8 @@
 """`hpengine train --resume auto` in one process: a fresh start in an empty folder, a bit-exact continuation
-when the folder holds a checkpoint, one clear line where auto makes no sense (no run folder, results without
-a checkpoint, a complete run, a misspelt value), and a stop signal during the last step is a finished run
-(exit 0), not an early stop (75)."""
+when the folder holds a checkpoint, a fresh start in place (earlier files kept) when it holds results but
+no checkpoint, one clear line where auto makes no sense (no run folder, a complete run, a misspelt value),
+and a stop signal during the last step is a finished run (exit 0), not an early stop (75). Saves by wall
+time (checkpoint.every_minutes), and the line after a Ctrl-C that continues the run."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from hpengine.run import launch
+from hpengine.run import train as train_mod
 from hpengine.cli.commands import main
 
 TINY = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_layers=2", "model.n_heads=2",
@@ -60,15 +62,22 @@ def test_auto_refuses_an_empty_out_dir(tmp_path, small_corpus, capsys):
     assert "--resume auto: train.out_dir = '' is empty" in one_line(err)
 
 
-def test_auto_refuses_results_without_a_checkpoint(tmp_path, small_corpus, capsys):
+def test_auto_starts_over_in_a_folder_without_a_checkpoint_keeping_the_earlier_files(tmp_path, small_corpus, capsys):
     out = tmp_path / "run"
     assert cli(capsys, *args(small_corpus, out, "train.steps=2", "checkpoint.at_end=false"))[0] == 0
-    before = (out / "metrics.jsonl").read_text()
-    rc, _, err = cli(capsys, *args(small_corpus, out, "train.steps=4"), "--resume", "auto")
-    assert rc == 2
-    line = one_line(err)
-    assert f"train.out_dir = '{out}' holds results (metrics.jsonl, config.toml) but no checkpoint" in line
-    assert (out / "metrics.jsonl").read_text() == before          # nothing overwritten
+    before = {n: (out / n).read_text() for n in ("metrics.jsonl", "config.toml")}
+    rc, said, err = cli(capsys, *args(small_corpus, out, "train.steps=4"), "--resume", "auto")
+    assert rc == 0, err
+    assert f"'{out}' holds an earlier run but no checkpoint" in said and "starting over from step 0" in said
+    kept = sorted(p.name for p in out.glob("*.before-*"))
+    assert len(kept) == 2 and kept[0].startswith("config.before-") and kept[0].endswith(".toml")
+    assert kept[1].startswith("metrics.before-") and kept[1].endswith(".jsonl")
+    assert [(out / k).read_text() for k in kept] == [before["config.toml"], before["metrics.jsonl"]]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    fresh = tmp_path / "fresh"                   # the new run is a run from step 0: the same losses
+    assert cli(capsys, *args(small_corpus, fresh, "train.steps=4"))[0] == 0
+    assert (out / "metrics.jsonl").read_text().count("loss") == (fresh / "metrics.jsonl").read_text().count("loss")
+    assert summary(out)["final_loss"] == summary(fresh)["final_loss"]
 
 
 def test_auto_refuses_a_complete_run(tmp_path, small_corpus, capsys):
@@ -90,7 +99,7 @@ def test_a_misspelt_resume_value_names_the_valid_ones(tmp_path, small_corpus, ca
 def test_a_stop_during_the_last_step_is_a_finished_run(tmp_path, small_corpus, capsys, monkeypatch, steps, code):
     """A stop signal seen after step 1: with 1 step the run is complete (0, requeueing would be wrong),
     with 3 steps it stopped early (75, resumable)."""
-    monkeypatch.setattr(launch, "stop_requested", lambda comm=None: "SIGUSR1")
+    monkeypatch.setattr(launch, "step_boundary", lambda comm=None, save_due=False: ("SIGUSR1", False))
     out = tmp_path / "run"
     rc, _, err = cli(capsys, *args(small_corpus, out, f"train.steps={steps}"))
     assert rc == code, err
@@ -102,3 +111,41 @@ def test_resume_latest_of_a_complete_run_is_one_line(tmp_path, small_corpus, cap
     assert cli(capsys, *args(small_corpus, out, "train.steps=2"))[0] == 0
     rc, _, err = cli(capsys, *args(small_corpus, out, "train.steps=2"), "--resume", "latest")
     assert rc == 2 and "checkpoint is at step 2 and train.steps = 2: nothing to train" in one_line(err)
+
+
+def test_every_minutes_saves_when_that_much_wall_time_has_passed(tmp_path, small_corpus, capsys, monkeypatch):
+    """A clock that moves 25 s per step boundary, every_minutes = 1: a save after steps 3, 6, 9 (75 s since
+    the last save each time; worked out by hand), then at_end after step 10."""
+    saves = []          # each call of the clock is 25 s later: the loop reads it at the start, at each step
+    monkeypatch.setattr(train_mod, "_clock", iter(range(0, 10_000, 25)).__next__)   # boundary and after a save
+    monkeypatch.setattr(train_mod, "save_checkpoint", lambda eng, cfg, step: saves.append(step))
+    rc, _, err = cli(capsys, *args(small_corpus, tmp_path / "run", "train.steps=10", "checkpoint.every_minutes=1"))
+    assert rc == 0, err
+    assert saves == [3, 6, 9, 10]
+
+
+def test_every_minutes_zero_is_off(tmp_path, small_corpus, capsys, monkeypatch):
+    saves = []
+    monkeypatch.setattr(train_mod, "_clock", iter(range(0, 10**9, 3600)).__next__)     # an hour a step
+    monkeypatch.setattr(train_mod, "save_checkpoint", lambda eng, cfg, step: saves.append(step))
+    rc, _, err = cli(capsys, *args(small_corpus, tmp_path / "run", "train.steps=3", "checkpoint.every_minutes=0",
+                                   "checkpoint.at_end=false"))
+    assert rc == 0, err
+    assert saves == []
+
+
+def test_ctrl_c_ends_with_the_command_that_continues_the_run(tmp_path, small_corpus, capsys, monkeypatch):
+    """Ctrl-C (the agreed stop) after step 1 of 4, before any save: the last line says how to go on, and
+    that command starts over in the same folder, keeping the earlier metrics."""
+    monkeypatch.setattr(launch, "step_boundary", lambda comm=None, save_due=False: ("SIGINT", False))
+    out = tmp_path / "run"
+    rc, said, err = cli(capsys, *args(small_corpus, out, "train.steps=4"))
+    assert rc == 130, err
+    last = said.strip().splitlines()[-1]
+    want = f"continue with: hpengine train {out}/config.toml --resume auto"
+    assert last.endswith(want), last
+    monkeypatch.undo()
+    rc, said, err = cli(capsys, *want.split()[4:5], *args(small_corpus, out), "--resume", "auto")
+    assert rc == 0, err
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert len(list(out.glob("metrics.before-*.jsonl"))) == 1
