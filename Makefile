@@ -28,12 +28,21 @@ test: test-imports test-unit test-mpi test-cluster test-interop
 test-imports: $(STAMP)
 	$(BIN)/lint-imports --config setup.cfg
 
-# shellcheck for tests/unit/test_job_scripts.py and test_gpu_check.py: Debian's package when missing and
-# apt-get is usable as root, else those tests skip with the reason
+# system-wide Debian packages some tests use (shellcheck; SLURM and munge), installed only when missing and
+# apt-get is usable as root, saying so first; SYSTEM_PACKAGES=0 installs none (those tests then skip)
+SYSTEM_PACKAGES ?= 1
+define SYSPKG
+{ if [ "$(SYSTEM_PACKAGES)" = 0 ]; then echo "SYSTEM_PACKAGES=0: not installing $(1); $(2) will skip"; \
+  elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+    echo "installing Debian packages system-wide for $(2): $(1) (make test SYSTEM_PACKAGES=0 skips this)"; \
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1)) >/dev/null 2>&1 \
+    || echo "$(1): not installable here: $(2) will skip"; \
+  else echo "$(1) not installed and not installable here (apt-get as root): $(2) will skip"; fi; }
+endef
+
+# shellcheck for tests/unit/test_job_scripts.py and test_gpu_check.py (SYSPKG above)
 test-unit: $(STAMP)
-	@command -v shellcheck >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck) >/dev/null 2>&1 \
-	  || echo "shellcheck not installed and not installable here: the shellcheck tests will skip"; }
+	@command -v shellcheck >/dev/null || $(call SYSPKG,shellcheck,the shellcheck tests)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/unit
 
 # the same MPI suite at every world size; tests read the size and skip together what does not fit
@@ -43,13 +52,10 @@ test-mpi: $(STAMP)
 	  $(MPIEXEC) -n $$n $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/mpi || exit 1; \
 	done
 
-# a real single-node SLURM (slurmctld + slurmd + munge) started by the tests themselves; installs
-# Debian's packages when they are missing and apt-get is usable, else the tests skip with the reason
+# a real single-node SLURM (slurmctld + slurmd + munge) started by the tests themselves (packages: SYSPKG above)
 SLURM_PKGS := slurm-wlm slurmctld slurmd slurm-client munge slurm-wlm-torque
 test-cluster: $(STAMP)
-	@command -v sbatch >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SLURM_PKGS)) >/dev/null 2>&1 \
-	  || echo "SLURM not installed and not installable here: tests/cluster will skip"; }
+	@command -v sbatch >/dev/null || $(call SYSPKG,$(SLURM_PKGS),tests/cluster)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/cluster
 
 # against Hugging Face transformers (extra `hf`: CPU torch, transformers): installed into the venv unless

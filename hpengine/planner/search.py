@@ -130,12 +130,13 @@ def search(cfg: Config, cluster: Cluster, max_rows: int = 8) -> tuple[list[dict]
                         f"({describe(smallest['layout'])}) but devices have {cluster.usable_gb:.4g} GB: "
                         f"{cluster.mem_gb:g} GB less {cluster.reserve:g} GB kept free (cluster.reserve_gb, "
                         "--reserve-gb)")
-    fit.sort(key=lambda r: (round(r["time"]["step"], 9), _sent(r), r["memory"]["total"]))
+    # equal step times: the layout that needs less memory first, then the one that sends less
+    fit.sort(key=lambda r: (round(r["time"]["step"], 9), r["memory"]["total"], _sent(r)))
     return fit, n
 
 
 def _sent(r: dict) -> int:
-    """Bytes the worst stage's rank sends per step (ties in time go to the layout that sends less)."""
+    """Bytes the worst stage's rank sends per step (ties in time and memory go to the layout that sends less)."""
     st = next(s for s in r["stages"] if s["stage"] == r["stage"])
     return sum(b for ops in st["traffic"].values() for op, b in ops.items() if op != "recv")
 
@@ -331,6 +332,13 @@ def check_args(a) -> None:
                         f"{os.path.join(a.out, 'plan.toml')}")
 
 
+def _cluster_line(a, c: Cluster) -> str:
+    """Which machine the plan assumes: the --cluster file, else the built-in default, with its main figures."""
+    where = f"--cluster {a.cluster}" if a.cluster else "the built-in default (--cluster FILE or the flags set yours)"
+    return (f"cluster: {where}: {c.nodes} x {c.gpus_per_node} devices of {c.mem_gb:g} GB, {c.tflops:g} TFLOP/s "
+            f"16-bit, {c.intra_bw_gbs:g} GB/s inside a node, {c.inter_bw_gbs:g} GB/s between nodes")
+
+
 def run(a) -> str:
     """The `hpengine plan` command (arguments from cli/commands.py); returns the text to print."""
     check_args(a)
@@ -354,6 +362,7 @@ def run(a) -> str:
     out = [f"hpengine plan: {cfg.model.kind} {_n_params(cfg) / 1e9:.3g}B parameters (d_model {cfg.model.d_model}, "
            f"{cfg.model.n_layers} layers, seq {cfg.model.seq_len}, {cfg.model.dtype}), global batch "
            f"{cfg.train.global_batch}, on {cluster.nodes} x {cluster.gpus_per_node} devices of {cluster.mem_gb:g} GB",
+           _cluster_line(a, cluster),
            f"{n:,} layouts evaluated in {time.perf_counter() - t:.1f} s, {len(fit):,} fit; memory per device is the "
            "worst pipeline stage's; times per optimizer step", "", table(fit, a.top), "",
            f"best: {describe(fit[0]['layout'])}"]

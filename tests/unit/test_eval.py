@@ -90,7 +90,7 @@ def test_final_checkpoint_exists_and_ckpt_info_reads_it(run, capsys):
 def test_no_final_checkpoint_when_switched_off_or_already_saved(small_corpus, tmp_path):
     off = tmp_path / "off"
     assert main(["train", *sets(*TINY, f"data.path={small_corpus}", f"train.out_dir={off}",
-                                "checkpoint.at_end=false")]) == 0
+                                "checkpoint.at_end=false", "checkpoint.every_minutes=0")]) == 0
     assert not (off / "checkpoints").exists()
     every = tmp_path / "every"
     assert main(["train", *sets(*TINY, f"data.path={small_corpus}", f"train.out_dir={every}",

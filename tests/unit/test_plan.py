@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -266,3 +267,25 @@ def test_calibrate_prints_a_usable_cluster(tmp_path, capsys):
     c = load_cluster(str(f))
     assert c.gpus_per_node == 2 and c.tflops_fp32 > 0 and math.isfinite(c.intra_bw_gbs)
     assert c.cores_per_node >= 1 and c.block_us > 0 and c.act_ns > 0 and c.optimizer_ns > 0
+
+
+def test_layouts_of_equal_step_time_rank_by_memory():
+    """The search's order: step time first; among equal times, less memory per device first."""
+    fit, _ = search(load_config(None, TINY), Cluster(nodes=1, gpus_per_node=4))
+    pairs = [(round(a["time"]["step"], 9), a["memory"]["total"], round(b["time"]["step"], 9), b["memory"]["total"])
+             for a, b in zip(fit, fit[1:])]
+    assert any(ta == tb and ma != mb for ta, ma, tb, mb in pairs)      # the tie-break is exercised
+    assert all(ta < tb or (ta == tb and ma <= mb) for ta, ma, tb, mb in pairs)
+
+
+TINY_SETS = [a for t in TINY for a in ("--set", t)]
+
+
+def test_plan_names_the_cluster_it_assumes(capsys):
+    """The plan says which machine it ranks layouts for: the built-in default with its figures, or the file."""
+    assert main(["plan", *TINY_SETS, "--gpus-per-node", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "cluster: the built-in default (--cluster FILE or the flags set yours): 1 x 4 devices of 80 GB" in out
+    path = Path(__file__).resolve().parents[2] / "clusters" / "h200_node.toml"
+    assert main(["plan", *TINY_SETS, "--cluster", str(path)]) == 0
+    assert f"cluster: --cluster {path}: " in capsys.readouterr().out
