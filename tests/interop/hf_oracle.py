@@ -3,6 +3,7 @@ lets a transformers modeling module compute in float64 (so only rounding separat
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from hpengine.models import LOCAL, build_model
 from hpengine.nn import layernorm_forward, rmsnorm_forward
@@ -31,3 +32,25 @@ class Float64Torch:
     def __getattr__(self, name):
         t = self._torch
         return t.float64 if name in ("float32", "float") else getattr(t, name)
+
+
+def exact(torch, fn, *modules):
+    """fn() with the modeling modules' float32 read as float64 (their rotary inv_freq is made at load time too)
+    and `Tensor.float()` a float64 upcast (an MoE router's `router_logits.float()`): every other difference
+    between the two sides is rounding."""
+    with pytest.MonkeyPatch.context() as m:
+        for mod in modules:
+            m.setattr(mod, "torch", Float64Torch(torch))
+        m.setattr(torch.Tensor, "float", lambda self, *a, **k: self.to(torch.float64))
+        return fn()
+
+
+def logits_of(torch, model, ids):
+    """transformers' logits of token ids (B, T) as a NumPy array."""
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(ids)).logits.numpy()
+
+
+def sets(items):
+    """--set arguments for the command line from KEY=VALUE items."""
+    return [a for it in items for a in ("--set", it)]

@@ -25,7 +25,7 @@ pytest.importorskip("safetensors")
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM  # noqa: E402
 from transformers.models.mixtral import modeling_mixtral  # noqa: E402
 
-from hf_oracle import Float64Torch, hpengine_logits  # noqa: E402
+from hf_oracle import exact as oracle_exact, hpengine_logits, logits_of as oracle_logits, sets  # noqa: E402
 from hpengine.apps.generate import generate  # noqa: E402
 from hpengine.cli.commands import main  # noqa: E402
 from hpengine.config.load import load_config  # noqa: E402
@@ -40,21 +40,11 @@ MODEL = [f"model.seq_len={T}", f"model.d_model={C}", f"model.n_layers={L}", f"mo
 
 
 def exact(fn):
-    """fn() with modeling_mixtral's float32 read as float64 (its rotary inv_freq is made at load time too), and
-    the router's `router_logits.float()` made a float64 upcast: every other difference is rounding."""
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(modeling_mixtral, "torch", Float64Torch(torch))
-        m.setattr(torch.Tensor, "float", lambda self, *a, **k: self.to(torch.float64))
-        return fn()
+    return oracle_exact(torch, fn, modeling_mixtral)
 
 
 def logits_of(model, ids):
-    with torch.no_grad():
-        return model(input_ids=torch.from_numpy(ids)).logits.numpy()
-
-
-def sets(items):
-    return [a for it in items for a in ("--set", it)]
+    return oracle_logits(torch, model, ids)
 
 
 def test_export_loads_as_mixtral_with_the_same_logits_and_tokens(tmp_path, small_corpus):

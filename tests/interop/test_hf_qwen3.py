@@ -36,7 +36,7 @@ from transformers import (
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-from hf_oracle import Float64Torch, hpengine_logits  # noqa: E402
+from hf_oracle import exact as oracle_exact, hpengine_logits, logits_of as oracle_logits, sets  # noqa: E402
 from hpengine.apps.generate import generate
 from hpengine.checkpoint.shards import CheckpointError
 from hpengine.cli.commands import main
@@ -62,22 +62,11 @@ def head_dim_of(case):
 
 
 def exact(fn):
-    """fn() with the modeling files' float32 read as float64 (the rotary inv_freq is made at load time too) and
-    `.float()` a float64 upcast: every other difference is rounding."""
-    with pytest.MonkeyPatch.context() as m:
-        for mod in (modeling_qwen3, modeling_qwen3_moe):
-            m.setattr(mod, "torch", Float64Torch(torch))
-        m.setattr(torch.Tensor, "float", lambda self, *a, **k: self.to(torch.float64))
-        return fn()
+    return oracle_exact(torch, fn, modeling_qwen3, modeling_qwen3_moe)
 
 
 def logits_of(model, ids):
-    with torch.no_grad():
-        return model(input_ids=torch.from_numpy(ids)).logits.numpy()
-
-
-def sets(items):
-    return [a for it in items for a in ("--set", it)]
+    return oracle_logits(torch, model, ids)
 
 
 def engine_from(folder, model, tmp_path, corpus):
