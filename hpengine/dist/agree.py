@@ -31,25 +31,24 @@ def agree_or_raise(comm, fn, error=RuntimeError, catch=(Exception,)):
 
 def say_once(comm, prefix: str, message: str, write, wait_s: float = 10.0) -> None:
     """Report an error that may be raised on every rank: `write(prefix + message)` on the lowest rank
-    alone when every rank of comm has the same message, else each rank writes its own with its rank
-    named (`prefix + "rank r of n: " + message`). Ranks that are not all here within wait_s (the error
-    came up on some ranks only) each write their own too: nothing waits forever."""
-    raw = comm.c if isinstance(comm, Comm) else comm
-    n = raw.Get_size()
+    alone when every rank of comm (an mpi4py communicator or a Comm) has the same message, else each rank
+    writes its own with its rank named (`prefix + "rank r of n: " + message`). Ranks that are not all here
+    within wait_s (the error came up on some ranks only) each write their own too: nothing waits forever."""
+    c = comm if isinstance(comm, Comm) else Comm(comm, "world")
+    n, r = c.size, c.rank
     if n == 1:
         write(prefix + message)
         return
-    r = raw.Get_rank()
-    mine = message.encode()
+    mine = np.frombuffer(message.encode(), dtype=np.uint8)
     try:
         sizes = np.zeros(n, dtype=np.int64)
-        if _within(raw.Iallgather(np.array([len(mine)], dtype=np.int64), sizes), wait_s):
-            allb = np.zeros(int(sizes.sum()), dtype=np.uint8)
-            req = raw.Iallgatherv(np.frombuffer(mine, dtype=np.uint8).copy(), [allb, sizes.tolist()])
-            if _within(req, wait_s):
-                start = np.concatenate([[0], np.cumsum(sizes)])
-                every = {allb[start[i]:start[i + 1]].tobytes() for i in range(n)}
-                if len(every) == 1:
+        sizes[r] = mine.size
+        if _within(c.iallgatherv_(sizes, [1] * n, list(range(n))), wait_s):
+            start = np.concatenate([[0], np.cumsum(sizes)])
+            allb = np.zeros(int(start[-1]), dtype=np.uint8)
+            allb[start[r]:start[r + 1]] = mine
+            if _within(c.iallgatherv_(allb, sizes.tolist(), start[:-1].tolist()), wait_s):
+                if len({allb[start[i]:start[i + 1]].tobytes() for i in range(n)}) == 1:
                     if r == 0:
                         write(prefix + message)
                     return
