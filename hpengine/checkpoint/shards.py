@@ -27,7 +27,7 @@ KINDS = ("param", "adam_m", "adam_v")
 
 
 def _sha(arr: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
+    return hashlib.sha256(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)).hexdigest()   # no bytes copy
 
 
 def _fsync_path(path: Path) -> None:
@@ -44,19 +44,23 @@ def _collective(comm, fn):
 
 
 # --- save ----------------------------------------------------------------------------------------
-def _write_shard(path: Path, pieces) -> list[dict]:
+def _write_shard(path: Path, pieces, snapshot_taken=None) -> list[dict]:
     """The shard is built in memory and written with plain os calls: a full disk is then an OSError here,
-    not a failure inside HDF5's deferred writes."""
+    not a failure inside HDF5's deferred writes. Once the image holds every piece, `snapshot_taken()`."""
     index = []
-    with h5py.File(path.name, "w", driver="core", backing_store=False) as f:
-        for i, (name, kind, gshape, box, a, b, data) in enumerate(pieces):
-            dset = f"{kind}/{i}"
-            f.create_dataset(dset, data=data)
-            index.append({"file": path.name, "dset": dset, "name": name, "kind": kind, "global_shape": list(gshape),
-                          "box": [[s.start, s.stop] for s in box], "flat": [a, b], "dtype": str(data.dtype),
-                          "sha256": _sha(data)})
-        f.flush()
-        image = f.id.get_file_image()
+    try:
+        with h5py.File(path.name, "w", driver="core", backing_store=False) as f:
+            for i, (name, kind, gshape, box, a, b, data) in enumerate(pieces):
+                dset = f"{kind}/{i}"
+                f.create_dataset(dset, data=data)
+                index.append({"file": path.name, "dset": dset, "name": name, "kind": kind,
+                              "global_shape": list(gshape), "box": [[s.start, s.stop] for s in box],
+                              "flat": [a, b], "dtype": str(data.dtype), "sha256": _sha(data)})
+            f.flush()
+            image = f.id.get_file_image()
+    finally:
+        if snapshot_taken is not None:
+            snapshot_taken()
     guard.write_bytes(path, image)
     return index
 
@@ -65,59 +69,97 @@ def save(world, root, step: int, keep: int, pieces: list, meta: dict, tracer) ->
     """Collective over `world` (a comm.Comm): write this rank's `pieces` (state.checkpoint_pieces) of the
     checkpoint of `step` under root/step_XXXXXXXX; rank 0 writes the manifest (`meta`: config, state,
     shapes, layout, world) and points `latest` at it."""
-    root = Path(root)
-    rank = world.rank
-    final, tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
     t_span = tracer.now()          # the save is one "checkpoint" span
-    need = sum(world.allgather_obj(sum(p[-1].nbytes for p in pieces)))
+    job = begin(world, root, step, pieces)
+    try:
+        index = _collective(world, lambda: job.write(pieces))
+    except CheckpointError:
+        job.abandon()
+        raise
+    final = job.publish(keep, meta, index)
+    tracer.lap("checkpoint", t_span, "save", step)
+    return final
 
-    def guarded(fn):
+
+class SaveJob:
+    """One checkpoint being written: its folders and the bytes the whole job writes. `write` is local (no
+    MPI: a background writer may run it); `publish` and `abandon` are collective over `world`."""
+
+    def __init__(self, world, root: Path, step: int, need: int):
+        self.world, self.root, self.step, self.need = world, root, step, need
+        self.final, self.tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
+
+    def error(self, exc) -> CheckpointError:
+        return guard.write_error(exc, self.root, self.step, self.need)
+
+    def guarded(self, fn):
         def run():
             try:
                 return fn()
             except (OSError, RuntimeError) as exc:       # h5py reports I/O errors as RuntimeError
-                raise guard.write_error(exc, root, step, need) from None
+                raise self.error(exc) from None
         return run
 
-    def prepare():
-        if rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            for stale in [*root.glob(".tmp-step_*"), *root.glob(guard.DISCARDED + "*")]:   # killed half-way
-                shutil.rmtree(stale, ignore_errors=True)
-            guard.check_room(root, step, need)
-            tmp.mkdir()
-    _collective(world, guarded(prepare))
-    try:
-        index = _collective(world, guarded(
-            lambda: _write_shard(tmp / f"shard_r{rank:05d}.h5", pieces) if pieces else []))
-    except CheckpointError:
-        if rank == 0:                                    # give the space back; `latest` is untouched
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    everything = [p for part in world.allgather_obj(index) for p in part]
-
-    def publish():
-        if rank != 0:
-            return
-        manifest = guard.seal({"format": FORMAT, "step": step, **meta, "pieces": everything})
+    def write(self, pieces, snapshot_taken=None) -> list[dict]:
+        """This rank's shard file; its piece index. `snapshot_taken()` is called once the pieces' values have
+        been read (from then on the arrays may change)."""
+        if not pieces:            # a rank whose share another rank writes
+            if snapshot_taken is not None:
+                snapshot_taken()
+            return []
         try:
-            guard.write_bytes(tmp / "manifest.json", json.dumps(manifest).encode())
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        _fsync_path(tmp)
-        if final.exists():
-            guard.discard(final)
-        os.replace(tmp, final)
-        _fsync_path(root)
-        (root / "latest.tmp").write_text(final.name + "\n")
-        _fsync_path(root / "latest.tmp")
-        os.replace(root / "latest.tmp", root / "latest")   # updated last: a crash before here keeps the old one
-        _fsync_path(root)
-        _prune(root, keep)
-    _collective(world, guarded(publish))
-    tracer.lap("checkpoint", t_span, "save", step)
-    return final
+            return _write_shard(self.tmp / f"shard_r{self.world.rank:05d}.h5", pieces, snapshot_taken)
+        except (OSError, RuntimeError) as exc:
+            raise self.error(exc) from None
+
+    def abandon(self) -> None:
+        """Collective: give the space back; `latest` is untouched."""
+        if self.world.rank == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def publish(self, keep: int, meta: dict, index: list) -> Path:
+        """Collective: gather every rank's piece index (this rank's: `index`) and publish the manifest, the
+        folder and `latest`; prune to the `keep` newest."""
+        everything = [p for part in self.world.allgather_obj(index) for p in part]
+        root, tmp, final = self.root, self.tmp, self.final
+
+        def publish():
+            if self.world.rank != 0:
+                return
+            manifest = guard.seal({"format": FORMAT, "step": self.step, **meta, "pieces": everything})
+            try:
+                guard.write_bytes(tmp / "manifest.json", json.dumps(manifest).encode())
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            _fsync_path(tmp)
+            if final.exists():
+                guard.discard(final)
+            os.replace(tmp, final)
+            _fsync_path(root)
+            (root / "latest.tmp").write_text(final.name + "\n")
+            _fsync_path(root / "latest.tmp")
+            os.replace(root / "latest.tmp", root / "latest")   # updated last: a crash before here keeps the old one
+            _fsync_path(root)
+            _prune(root, keep)
+        _collective(self.world, self.guarded(publish))
+        return final
+
+
+def begin(world, root, step: int, pieces: list) -> SaveJob:
+    """Collective: the bytes the job will write, and rank 0's fresh temporary folder (after clearing what a
+    killed save left and checking the free space), agreed on every rank."""
+    job = SaveJob(world, Path(root), step, sum(world.allgather_obj(sum(p[-1].nbytes for p in pieces))))
+
+    def prepare():
+        if world.rank == 0:
+            job.root.mkdir(parents=True, exist_ok=True)
+            for stale in [*job.root.glob(".tmp-step_*"), *job.root.glob(guard.DISCARDED + "*")]:   # killed half-way
+                shutil.rmtree(stale, ignore_errors=True)
+            guard.check_room(job.root, step, job.need)
+            job.tmp.mkdir()
+    _collective(world, job.guarded(prepare))
+    return job
 
 
 def _prune(root: Path, keep: int) -> None:

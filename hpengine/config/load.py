@@ -96,6 +96,17 @@ def _read_toml(path: Path) -> dict:
         raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+def _key(f) -> str:
+    """A field's TOML key: its name, or the `key` of its metadata where the name stands in for a Python
+    keyword (checkpoint.async is the field `async_`)."""
+    return f.metadata.get("key", f.name)
+
+
+def _by_key(cls) -> dict:
+    """TOML key -> field name, in declaration order."""
+    return {_key(f): f.name for f in dataclasses.fields(cls)}
+
+
 def _apply_override(raw: dict, item: str) -> None:
     if not isinstance(item, str) or "=" not in item:
         raise ConfigError(f"--set {item!r}: expected key=value, e.g. optim.lr=1e-3")
@@ -105,17 +116,17 @@ def _apply_override(raw: dict, item: str) -> None:
     cls, node = Config, raw
     for i, part in enumerate(parts):
         dotted, last = ".".join(parts[: i + 1]), i == len(parts) - 1
-        names = [f.name for f in dataclasses.fields(cls)]
+        names = _by_key(cls)
         if part not in names:
-            raise ConfigError(f"--set {item}: {_unknown(dotted, names)}")
-        tp = _hints(cls)[part]
+            raise ConfigError(f"--set {item}: {_unknown(dotted, list(names))}")
+        tp = _hints(cls)[names[part]]
         if not _is_section(tp):
             if not last:
                 raise ConfigError(f"--set {item}: '{dotted}' is a value, not a section")
             node[part] = _parse_value(text, tp)
             return
         if last:
-            keys = ", ".join(f.name for f in dataclasses.fields(tp))
+            keys = ", ".join(_by_key(tp))
             raise ConfigError(f"--set {item}: '{dotted}' is a section; set one of its keys: {keys}")
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
@@ -150,25 +161,26 @@ def from_dict(d: dict) -> Config:
 def _build(cls, d: Any, prefix: str):
     if not isinstance(d, dict):
         raise ConfigError(f"{prefix[:-1]} = {_show(d)}: expected a table [{prefix[:-1]}]")
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = _by_key(cls)
     hints = _hints(cls)
     kwargs = {}
     for key, value in d.items():
         if key not in names:
-            raise ConfigError(_unknown(prefix + key, names))
-        tp, item = hints[key], _table_item(hints[key])
+            raise ConfigError(_unknown(prefix + key, list(names)))
+        name = names[key]
+        tp, item = hints[name], _table_item(hints[name])
         if _is_section(tp):
-            kwargs[key] = _build(tp, value, f"{prefix}{key}.")
+            kwargs[name] = _build(tp, value, f"{prefix}{key}.")
         elif item is not None:
-            kwargs[key] = _build_tables(item, value, prefix + key)
+            kwargs[name] = _build_tables(item, value, prefix + key)
         else:
-            kwargs[key] = copy.deepcopy(value)
+            kwargs[name] = copy.deepcopy(value)
     return cls(**kwargs)
 
 
 def _build_tables(cls, value: Any, key: str) -> list:
     """An array of tables ([[key]] in TOML, or a list of inline tables {k = v, ...})."""
-    keys = ", ".join(f.name for f in dataclasses.fields(cls))
+    keys = ", ".join(_by_key(cls))
     if not isinstance(value, list):
         raise ConfigError(f"{key} = {_show(value)}: expected an array of tables [[{key}]] with keys {keys}")
     for i, v in enumerate(value):
@@ -250,7 +262,7 @@ def _validate_section(obj: Any, cls, prefix: str) -> None:
     if not isinstance(obj, cls):
         raise ConfigError(f"{prefix[:-1] or 'config'} = {_show(obj)}: expected a {cls.__name__}")
     for f in dataclasses.fields(cls):
-        tp, key = _hints(cls)[f.name], prefix + f.name
+        tp, key = _hints(cls)[f.name], prefix + _key(f)
         raw = getattr(obj, f.name)
         if _is_section(tp):
             _validate_section(raw, tp, key + ".")
@@ -328,10 +340,23 @@ def _show(value: Any) -> str:
 def to_dict(cfg: Config) -> dict:
     """Nested plain dicts, one per section (a deep copy), without the [model] keys of other model kinds
     (from_dict refuses those)."""
-    d = dataclasses.asdict(cfg)
+    d = _keyed(dataclasses.asdict(cfg), Config)
     for key in kind_keys(cfg.model.kind):
         del d["model"][key]
     return d
+
+
+def _keyed(d: dict, cls) -> dict:
+    """asdict's field names turned into TOML keys (checkpoint.async_ -> async)."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        tp, v = _hints(cls)[f.name], d[f.name]
+        if _is_section(tp):
+            v = _keyed(v, tp)
+        elif _table_item(tp) is not None:
+            v = [_keyed(x, _table_item(tp)) for x in v]
+        out[_key(f)] = v
+    return out
 
 
 def to_toml(cfg: Config) -> str:
@@ -366,7 +391,7 @@ def describe() -> str:
             if "choices" in f.metadata:
                 doc += "; one of " + ", ".join(f"`{_show(c)}`" for c in f.metadata["choices"])
             doc = doc.replace("|", "\\|")
-            lines.append(f"| `{f.name}` | `{_show(getattr(defaults, f.name))}` | {doc} |")
+            lines.append(f"| `{_key(f)}` | `{_show(getattr(defaults, f.name))}` | {doc} |")
     return "\n".join(lines) + "\n"
 
 

@@ -29,8 +29,10 @@ class ConfigError(Exception):
 # ---- field helpers: a check is (predicate, what a valid value is) ---------------------------------
 
 def _f(default: Any, doc: str, *, choices: tuple | None = None, check: tuple | None = None,
-       kinds: tuple | None = None):
+       kinds: tuple | None = None, key: str | None = None):
     meta: dict[str, Any] = {"doc": doc}
+    if key is not None:          # the TOML key, where the field's name stands in for a Python keyword
+        meta["key"] = key
     if kinds is not None:        # a [model] key that applies only to these model kinds
         meta["kinds"] = kinds
     if choices is not None:
@@ -354,6 +356,10 @@ class CheckpointConfig:
                                     "save (decided together at a step boundary), so a job killed without warning "
                                     "loses at most that much; 0 = off", check=_must(">=", 0))
     keep: int = _f(3, "most recent checkpoints kept", check=_POS)
+    async_: bool = _f(True, "write checkpoints in the background: a save costs training only the time to prepare "
+                            "its folder, each rank's writer thread writes its shard while the next steps run, and "
+                            "the manifest is published once every writer has finished; false = every rank waits "
+                            "until the checkpoint is on disk", key="async")
     at_end: bool = _f(True, "save a checkpoint after the last step (unless `every` already saved it), so every "
                             "run leaves a model for `hpengine eval` and `--resume`")
     init_from: str = _f("", "start from the parameters of an exported checkpoint file (hpengine ckpt export), "

@@ -95,6 +95,7 @@ class Engine:
         self.pipe = PipelineExecutor(self.pp, self.xp, backend.dtype, res.pp, res.v, res.m, res.schedule,
                                      cfg.model.d_model, res.seq_parts, mesh.comms["tp"] if res.scatter else None)
         self.tracer = Tracer()      # train.py hands in a recording one under runtime.trace
+        self.before_update = None   # called before a step changes parameters or moments (an async save's fence)
 
     def _optimizer(self, slot):
         o, seg = self.cfg.optim, self.sync.owned.intersect(slot.range)
@@ -228,6 +229,8 @@ class Engine:
         t = tr.now()
         g = self._reduced_grads()
         t = tr.lap("grad sync wait", t)
+        if self.before_update is not None:
+            self.before_update()
         if g is None:              # amp overflow somewhere: every rank skips this step together
             self.scaler.update(False)
             log.warning("step %d: gradient overflow, step skipped on every rank; loss scale -> %g",
@@ -368,14 +371,15 @@ class Engine:
     def true_shapes(self) -> dict:
         return state.true_shapes(self.slots)
 
-    def state_pieces(self) -> tuple[list, dict]:
+    def state_pieces(self, copy: bool = True) -> tuple[list, dict]:
         """What this rank saves of the training state, as load() takes it back: the pieces it alone writes
         (owned parameters, float32 masters under amp, Adam moments) and the layout-independent facts
-        (optimizer steps, loss scaler, router biases, tensor shapes, degrees). The caller adds config and data."""
-        # parameters are replicated over cp: cp rank 0 saves them
-        pieces = [] if self.mesh.coords["cp"] else state.checkpoint_pieces(
-            self.stage, self.sync, self.opts, self.master, self.tp, self.mesh.coords["dp"], self.be,
-            frozenset(r.tensor for r in self.reductions if not r.counted))
+        (optimizer steps, loss scaler, router biases, tensor shapes, degrees). The caller adds config and data.
+        copy=False: the pieces view the live buffers (valid until `before_update` returns)."""
+        c, d = self.mesh.coords, self.mesh.degrees
+        replica = {"dp": c["dp"], "ndp": d["dp"], "cp": c["cp"], "ncp": d["cp"], "ep": self.stage.layout.ep_size}
+        pieces = state.checkpoint_pieces(self.stage, self.sync, self.opts, self.master, replica, self.be,
+                                         frozenset(r.tensor for r in self.reductions if not r.counted), copy)
         meta = {"state": {**state.checkpoint_meta(self.opt_steps, self.scaler, len(self.slots)), **self.router_bias.meta()},
                 "shapes": self.true_shapes(), "layout": self.mesh.degrees, "world": self.mesh.size}
         return pieces, meta

@@ -9,17 +9,21 @@ import dataclasses
 import numpy as np
 
 
-def checkpoint_pieces(stage, sync, opts, master, tp, dp_coord: int, backend, elsewhere: frozenset) -> list:
-    """What this rank alone saves: (name, kind, global_shape, tp box, flat a, b, host array) for the owned
-    parameters (float32 masters under amp) and Adam moments. dp replicas are left to dp rank 0 (an expert
-    block split over ep to the first ep group, dp ranks 0 .. ep - 1, which holds every block once), and the
-    tensors in `elsewhere` (those this rank does not count: tp replicas of replicated tensors, another
-    stage's copies; layout/reduction.py) to the one rank that counts them."""
-    if dp_coord >= stage.layout.ep_size:
-        return []
-    own, lay, host = sync.owned, stage.layout, backend.to_host
+def checkpoint_pieces(stage, sync, opts, master, replica: dict, backend, elsewhere: frozenset,
+                      copy: bool = True) -> list:
+    """What this rank saves: (name, kind, global_shape, tp box, flat a, b, host array) for the owned
+    parameters (float32 masters under amp) and Adam moments. The ranks holding the same values (`replica`:
+    coordinates and degrees of dp and cp, and the ep degree) split them into equal contiguous shares, so each
+    value is written once and the writing is spread: dense tensors over dp x cp, an expert block over the
+    ranks that hold it (dp ranks e, e + ep, ...). The tensors in `elsewhere` (those this rank does not count:
+    tp replicas of replicated tensors, another stage's copies; layout/reduction.py) are left to the one rank
+    that counts them. copy=False gives views of the live buffers (an asynchronous save reads them before the
+    next update)."""
+    own, lay = sync.owned, stage.layout
+    host = backend.to_host if copy or backend.is_gpu else np.asarray
     p_own = host(master if master is not None else sync.owned_params())
-    out = []
+    dp, ndp, cp, ncp, ep = (replica[k] for k in ("dp", "ndp", "cp", "ncp", "ep"))
+    groups = {False: [], True: []}          # expert tensor? -> (name, spec, a, size, param offset, m, v, m/v offset)
     for s, opt in zip(stage.slots, opts):
         seg = own.intersect(s.range)
         if seg is None:
@@ -27,13 +31,23 @@ def checkpoint_pieces(stage, sync, opts, master, tp, dp_coord: int, backend, els
         m, v = host(opt.m), host(opt.v)
         for name, part, off in lay.tensors_in(seg):
             spec = lay.by_name[name]
-            if name in elsewhere or (dp_coord and spec.ep_dim is None):
+            if name not in elsewhere:
+                groups[spec.ep_dim is not None].append(
+                    (name, spec, off, part.size, part.start - own.start, m, v, part.start - seg.start))
+    out = []
+    for expert, items in groups.items():
+        r, n = ((dp // ep) * ncp + cp, (ndp // ep) * ncp) if expert else (dp * ncp + cp, ndp * ncp)
+        total = sum(it[3] for it in items)
+        mine_lo, mine_hi, at = r * total // n, (r + 1) * total // n, 0
+        for name, spec, off, size, po, m, v, so in items:
+            lo, hi = max(at, mine_lo) - at, min(at + size, mine_hi) - at
+            at += size
+            if hi <= lo:
                 continue
             box = lay.box(name)
-            a, b = off, off + part.size
-            po, so = part.start - own.start, part.start - seg.start
             for kind, arr, o in (("param", p_own, po), ("adam_m", m, so), ("adam_v", v, so)):
-                out.append((name, kind, spec.global_shape, box, a, b, arr[o:o + part.size].copy()))
+                data = arr[o + lo:o + hi]
+                out.append((name, kind, spec.global_shape, box, off + lo, off + hi, data.copy() if copy else data))
     return out
 
 

@@ -146,16 +146,17 @@ def stop_requested(comm=None):
     return step_boundary(comm)[0]
 
 
-def step_boundary(comm=None, save_due: bool = False):
-    """(stop signal's name or None, save due) agreed at a step boundary: the stop any rank received, and a
-    save due when it is due on any rank (a clock-based save: every rank saves after the same step).
-    With `comm` it is one collective."""
+def step_boundary(comm=None, save_due: bool = False, writer: int = 0):
+    """(stop signal's name or None, save due, writer state) agreed at a step boundary: the stop any rank
+    received; a save due when it is due on any rank (a clock-based save: every rank saves after the same
+    step); the largest of the ranks' asynchronous-writer states (checkpoint/background.py). With `comm` it
+    is one collective."""
     sig, due = _state["signal"], int(bool(save_due))
     if comm is not None and comm.Get_size() > 1:
-        sig, due = comm.allreduce((sig, due), op=_max_pair)
-    return (signal.Signals(sig).name if sig else None), bool(due)
+        sig, due, writer = comm.allreduce((sig, due, writer), op=_max_each)
+    return (signal.Signals(sig).name if sig else None), bool(due), writer
 
 
-def _max_pair(a, b, datatype=None):
-    """Element-wise maximum of two (signal, flag) pairs (an mpi4py reduction of small objects)."""
-    return max(a[0], b[0]), max(a[1], b[1])
+def _max_each(a, b, datatype=None):
+    """Element-wise maximum of two tuples (an mpi4py reduction of small objects)."""
+    return tuple(max(x, y) for x, y in zip(a, b))

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from hpengine.checkpoint import guard as ckpt_guard, hf_import, shards as checkpoint
+from hpengine.checkpoint import background, guard as ckpt_guard, hf_import, shards as checkpoint
 from hpengine.config.load import Config, to_dict, to_toml
 from hpengine.device.threads import describe as blas_threads_line
 from hpengine.dist.agree import agree_or_raise
@@ -92,6 +92,8 @@ def train(cfg, world=None, resume=None) -> dict:
     launch.on_interrupt(monitor.interrupted)
     restore_signals = launch.install_stop_handlers()
     saved, last_save = None, _clock()      # the last step saved by this run, and when (checkpoint.every_minutes)
+    saver = background.Saver(eng.world, eng.tracer, log) if cfg.checkpoint.async_ else None
+    eng.before_update = saver.fence if saver else None
     try:
         for step in range(start, cfg.train.steps):
             watchdog.heartbeat(step + 1, "train_step")       # the step in progress, 1-based as everywhere
@@ -113,12 +115,15 @@ def train(cfg, world=None, resume=None) -> dict:
             if tbw:
                 tbw.scalars(m["step"], tboard.scalars_of(_lines(m)))
             now = _clock()
-            stop, timed = launch.step_boundary(world, _time_due(cfg, now - last_save))   # the same on every rank
+            stop, timed, writer = launch.step_boundary(world, _time_due(cfg, now - last_save),
+                                                       saver.state() if saver else 0)    # the same on every rank
+            if saver:
+                saver.settle(writer)     # publishes the save in flight once every rank's writer has finished
             if stop and stop != "SIGINT" and step + 1 == cfg.train.steps:
                 stop = None      # it came during the last step: the run is complete, not stopped early
             if (stop and stop != "SIGINT") or _ckpt_due(cfg, step) or (timed and stop != "SIGINT"):  # Ctrl-C: no save
                 watchdog.heartbeat(step + 1, "checkpoint")
-                save_checkpoint(eng, cfg, step + 1)
+                save_checkpoint(eng, cfg, step + 1, saver)
                 saved, last_save = step + 1, _clock()
             if stop:
                 log.info("%s received: stopping cleanly after step %d of %d (%s)", stop, step + 1, cfg.train.steps,
@@ -126,10 +131,14 @@ def train(cfg, world=None, resume=None) -> dict:
                 break
         if cfg.checkpoint.at_end and history and saved != history[-1]["step"] and stop != "SIGINT":
             watchdog.heartbeat(history[-1]["step"], "checkpoint")
-            save_checkpoint(eng, cfg, history[-1]["step"])    # the final model, for eval and --resume
+            save_checkpoint(eng, cfg, history[-1]["step"], saver)    # the final model, for eval and --resume
+        if saver:
+            watchdog.heartbeat(history[-1]["step"] if history else start, "checkpoint")
+            saver.wait()             # the save in flight is published before the run ends
         if world.Get_size() > 1:
             world.Barrier()      # nobody exits (ends its process) while a peer still watches it
     finally:
+        eng.before_update = None
         monitor.stop()
         launch.on_interrupt(None)
         watchdog.stop()
@@ -205,17 +214,22 @@ def checkpoint_root(cfg) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints")
 
 
-def save_state(eng, root, step: int, keep: int) -> Path:
-    """Collective: this job's checkpoint of `step` under root (checkpoint/shards.py writes it)."""
-    pieces, meta = eng.state_pieces()
+def save_state(eng, root, step: int, keep: int, saver=None) -> Path | None:
+    """Collective: this job's checkpoint of `step` under root (checkpoint/shards.py writes it); with an
+    asynchronous `saver` (checkpoint/background.py) only started, and None returned."""
+    pieces, meta = eng.state_pieces(copy=saver is None)     # the writer reads the live buffers before the update
     meta = {"config": to_toml(eng.cfg), **meta, "data": data_meta(eng.data)}
+    if saver is not None:
+        saver.start(root, step, keep, pieces, meta)
+        return None
     return checkpoint.save(eng.world, root, step, keep, pieces, meta, eng.tracer)
 
 
-def save_checkpoint(eng, cfg, step: int) -> None:
+def save_checkpoint(eng, cfg, step: int, saver=None) -> None:
     t0 = time.perf_counter()
-    path = save_state(eng, checkpoint_root(cfg), step, cfg.checkpoint.keep)
-    log.info("checkpoint step %d -> %s (%.2f s)", step, path, time.perf_counter() - t0)
+    path = save_state(eng, checkpoint_root(cfg), step, cfg.checkpoint.keep, saver)
+    if path is not None:
+        log.info("checkpoint step %d -> %s (%.2f s)", step, path, time.perf_counter() - t0)
 
 
 def restore(eng, cfg, resume) -> int:

@@ -87,7 +87,7 @@ def test_every_config_key_is_in_its_own_section():
         name = ".".join(path)
         assert name in sections, f"[{name}] has no section in {C.REFERENCE_FILE}"
         keys = re.findall(r"^\| `(\w+)` \|", sections[name], flags=re.M)
-        assert keys == [f.name for f in dataclasses.fields(cls) if not C._is_section(C._hints(cls)[f.name])], name
+        assert keys == [C._key(f) for f in dataclasses.fields(cls) if not C._is_section(C._hints(cls)[f.name])], name
 
 
 def test_python_api_example_runs():

@@ -99,7 +99,7 @@ def test_a_misspelt_resume_value_names_the_valid_ones(tmp_path, small_corpus, ca
 def test_a_stop_during_the_last_step_is_a_finished_run(tmp_path, small_corpus, capsys, monkeypatch, steps, code):
     """A stop signal seen after step 1: with 1 step the run is complete (0, requeueing would be wrong),
     with 3 steps it stopped early (75, resumable)."""
-    monkeypatch.setattr(launch, "step_boundary", lambda comm=None, save_due=False: ("SIGUSR1", False))
+    monkeypatch.setattr(launch, "step_boundary", lambda comm=None, save_due=False, writer=0: ("SIGUSR1", False, 0))
     out = tmp_path / "run"
     rc, _, err = cli(capsys, *args(small_corpus, out, f"train.steps={steps}"))
     assert rc == code, err
@@ -118,7 +118,7 @@ def test_every_minutes_saves_when_that_much_wall_time_has_passed(tmp_path, small
     the last save each time; worked out by hand), then at_end after step 10."""
     saves = []          # each call of the clock is 25 s later: the loop reads it at the start, at each step
     monkeypatch.setattr(train_mod, "_clock", iter(range(0, 10_000, 25)).__next__)   # boundary and after a save
-    monkeypatch.setattr(train_mod, "save_checkpoint", lambda eng, cfg, step: saves.append(step))
+    monkeypatch.setattr(train_mod, "save_checkpoint", lambda eng, cfg, step, saver=None: saves.append(step))
     rc, _, err = cli(capsys, *args(small_corpus, tmp_path / "run", "train.steps=10", "checkpoint.every_minutes=1"))
     assert rc == 0, err
     assert saves == [3, 6, 9, 10]
@@ -127,7 +127,7 @@ def test_every_minutes_saves_when_that_much_wall_time_has_passed(tmp_path, small
 def test_every_minutes_zero_is_off(tmp_path, small_corpus, capsys, monkeypatch):
     saves = []
     monkeypatch.setattr(train_mod, "_clock", iter(range(0, 10**9, 3600)).__next__)     # an hour a step
-    monkeypatch.setattr(train_mod, "save_checkpoint", lambda eng, cfg, step: saves.append(step))
+    monkeypatch.setattr(train_mod, "save_checkpoint", lambda eng, cfg, step, saver=None: saves.append(step))
     rc, _, err = cli(capsys, *args(small_corpus, tmp_path / "run", "train.steps=3", "checkpoint.every_minutes=0",
                                    "checkpoint.at_end=false"))
     assert rc == 0, err
@@ -137,7 +137,7 @@ def test_every_minutes_zero_is_off(tmp_path, small_corpus, capsys, monkeypatch):
 def test_ctrl_c_ends_with_the_command_that_continues_the_run(tmp_path, small_corpus, capsys, monkeypatch):
     """Ctrl-C (the agreed stop) after step 1 of 4, before any save: the last line says how to go on, and
     that command starts over in the same folder, keeping the earlier metrics."""
-    monkeypatch.setattr(launch, "step_boundary", lambda comm=None, save_due=False: ("SIGINT", False))
+    monkeypatch.setattr(launch, "step_boundary", lambda comm=None, save_due=False, writer=0: ("SIGINT", False, 0))
     out = tmp_path / "run"
     rc, said, err = cli(capsys, *args(small_corpus, out, "train.steps=4"))
     assert rc == 130, err

@@ -1,0 +1,109 @@
+"""Asynchronous checkpoints (`checkpoint.async`): a save returns as soon as its folder is prepared, and a
+background thread of each rank writes that rank's shard while training goes on. The manifest is published
+only once every rank's writer has finished, which the ranks learn from the state they add to the
+step-boundary agreement they make anyway (train.py: launch.step_boundary), so finishing costs no extra
+collective and never waits for a slow disk. At most one save is in flight; the next save, the end of the run
+and a stop wait for it. A writer's failure reaches every rank at the next step boundary as one
+CheckpointError; its half-written folder is removed and `latest` still names the previous checkpoint.
+
+The pieces are views of the live buffers, not copies: the engine calls `fence()` before it changes the
+parameters or the optimizer's moments (the next step's update), and the fence opens as soon as the writer has
+built its in-memory shard image. The snapshot is then taken while the next step's forward and backward run.
+A thread rather than a process: the data are already in this process, and what takes the time (the copy into
+the image, sha256, the write and fsync) runs outside the GIL.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from hpengine.checkpoint import shards
+from hpengine.checkpoint.guard import CheckpointError
+
+IDLE, WRITING, FAILED = 0, 1, 2      # a writer's state as the step-boundary agreement carries it (max wins)
+
+
+class Saver:
+    """The save in flight of one job (collective methods are marked). `tracer` times the visible part."""
+
+    def __init__(self, world, tracer, log):
+        self.world, self.tracer, self.log = world, tracer, log
+        self.job = self.thread = None
+        self.snapshot = threading.Event()
+        self.snapshot.set()
+        self.index, self.failure = None, None
+        self.keep = self.meta = None
+        self.t_begin = self.visible_s = 0.0
+
+    # --- the training thread -------------------------------------------------------------------------
+    def start(self, root, step: int, keep: int, pieces: list, meta: dict) -> None:
+        """Collective: wait for the save in flight, prepare this one (agreed) and start its writer."""
+        self.wait()
+        t0, span = time.perf_counter(), self.tracer.now()
+        self.job = shards.begin(self.world, root, step, pieces)
+        self.keep, self.meta, self.index, self.failure = keep, meta, None, None
+        self.snapshot.clear()
+        self.thread = threading.Thread(target=self._write, args=(pieces,), name="hpengine-checkpoint",
+                                       daemon=True)     # an aborting job does not wait for it
+        self.t_begin = t0
+        self.thread.start()
+        self.visible_s = time.perf_counter() - t0
+        self.tracer.lap("checkpoint", span, "save (async)", step)
+
+    def fence(self) -> None:
+        """Before the buffers the pieces view change: wait until the writer has read them."""
+        if not self.snapshot.is_set():
+            t0, span = time.perf_counter(), self.tracer.now()
+            self.snapshot.wait()
+            self.visible_s += time.perf_counter() - t0
+            self.tracer.lap("checkpoint", span, "snapshot wait")
+
+    def state(self) -> int:
+        """This rank's writer: IDLE (none in flight or finished), WRITING or FAILED."""
+        if self.job is None:
+            return IDLE
+        if self.thread.is_alive():
+            return WRITING
+        return FAILED if self.failure is not None else IDLE
+
+    def settle(self, agreed: int) -> None:
+        """Collective (every rank passes the same agreed state, the maximum of every rank's `state()`):
+        publish the save in flight when every writer has finished, or report a failure on any rank."""
+        if self.job is None or agreed == WRITING:
+            return
+        self.wait()
+
+    def wait(self) -> None:
+        """Collective: let this rank's writer finish, then publish the save in flight (or raise every rank's
+        first failure as one CheckpointError, after removing the half-written folder)."""
+        if self.job is None:
+            return
+        job, thread = self.job, self.thread
+        self.job = self.thread = None
+        if thread.is_alive():
+            t0, span = time.perf_counter(), self.tracer.now()
+            thread.join()
+            self.visible_s += time.perf_counter() - t0
+            self.tracer.lap("checkpoint", span, "writer wait")
+        written_s = time.perf_counter() - self.t_begin
+        failures = [f for f in self.world.allgather_obj(self.failure) if f is not None]
+        if failures:
+            job.abandon()
+            raise CheckpointError(failures[0])
+        t0, span = time.perf_counter(), self.tracer.now()
+        path = job.publish(self.keep, self.meta, self.index)
+        self.visible_s += time.perf_counter() - t0
+        self.tracer.lap("checkpoint", span, "publish", job.step)
+        self.log.info("checkpoint step %d -> %s (asynchronous: %.2f s of training time, written in %.2f s)",
+                      job.step, path, self.visible_s, written_s)
+
+    # --- the writer thread ---------------------------------------------------------------------------
+    def _write(self, pieces) -> None:
+        try:
+            self.index = self.job.write(pieces, self.snapshot.set)
+        except CheckpointError as exc:
+            self.failure = str(exc)
+        except Exception as exc:  # noqa: BLE001 - whatever stops the writer must reach the ranks as a line
+            self.failure = f"checkpoint step {self.job.step}: the background writer failed: {exc!r}"
+        finally:
+            self.snapshot.set()           # the fence never waits for a writer that has stopped
