@@ -6,11 +6,11 @@ collective and never waits for a slow disk. At most one save is in flight; the n
 and a stop wait for it. A writer's failure reaches every rank at the next step boundary as one
 CheckpointError; its half-written folder is removed and `latest` still names the previous checkpoint.
 
-The pieces are views of the live buffers, not copies: the engine calls `fence()` before it changes the
-parameters or the optimizer's moments (the next step's update), and the fence opens as soon as the writer has
-built its in-memory shard image. The snapshot is then taken while the next step's forward and backward run.
-A thread rather than a process: the data are already in this process, and what takes the time (the copy into
-the image, sha256, the write and fsync) runs outside the GIL.
+On the CPU the pieces are views of the live buffers: the writer's first act is to copy them, and the engine
+calls `fence()` before it changes the parameters or the optimizer's moments (the next step's update), so the
+snapshot is taken while the next step's forward and backward run. On a GPU they are pinned host copies
+made at the save step. A thread rather than a process: the data are already in this process, and the copies,
+sha256, the write and fsync run outside the GIL (only the shard image's assembly in h5py holds it).
 """
 from __future__ import annotations
 
@@ -29,21 +29,22 @@ class Saver:
     def __init__(self, world, tracer, log):
         self.world, self.tracer, self.log = world, tracer, log
         self.job = self.thread = None
-        self.snapshot = threading.Event()
-        self.snapshot.set()
+        self.copied = threading.Event()
+        self.copied.set()
         self.index, self.failure = None, None
         self.keep = self.meta = None
         self.t_begin = self.visible_s = 0.0
 
     # --- the training thread -------------------------------------------------------------------------
-    def start(self, root, step: int, keep: int, pieces: list, meta: dict) -> None:
-        """Collective: wait for the save in flight, prepare this one (agreed) and start its writer."""
+    def start(self, root, step: int, keep: int, pieces: list, meta: dict, live: bool = True) -> None:
+        """Collective: wait for the save in flight, prepare this one (agreed) and start its writer. `live`:
+        the pieces view buffers that training changes (copied before the fence opens)."""
         self.wait()
         t0, span = time.perf_counter(), self.tracer.now()
         self.job = shards.begin(self.world, root, step, pieces)
         self.keep, self.meta, self.index, self.failure = keep, meta, None, None
-        self.snapshot.clear()
-        self.thread = threading.Thread(target=self._write, args=(pieces,), name="hpengine-checkpoint",
+        self.copied.clear()
+        self.thread = threading.Thread(target=self._write, args=(self.job, pieces, live), name="hpengine-checkpoint",
                                        daemon=True)     # an aborting job does not wait for it
         self.t_begin = t0
         self.thread.start()
@@ -52,9 +53,9 @@ class Saver:
 
     def fence(self) -> None:
         """Before the buffers the pieces view change: wait until the writer has read them."""
-        if not self.snapshot.is_set():
+        if not self.copied.is_set():
             t0, span = time.perf_counter(), self.tracer.now()
-            self.snapshot.wait()
+            self.copied.wait()
             self.visible_s += time.perf_counter() - t0
             self.tracer.lap("checkpoint", span, "snapshot wait")
 
@@ -79,12 +80,12 @@ class Saver:
         if self.job is None:
             return
         job, thread = self.job, self.thread
-        self.job = self.thread = None
         if thread.is_alive():
             t0, span = time.perf_counter(), self.tracer.now()
             thread.join()
             self.visible_s += time.perf_counter() - t0
             self.tracer.lap("checkpoint", span, "writer wait")
+        self.job = self.thread = None
         written_s = time.perf_counter() - self.t_begin
         failures = [f for f in self.world.allgather_obj(self.failure) if f is not None]
         if failures:
@@ -98,12 +99,20 @@ class Saver:
                       job.step, path, self.visible_s, written_s)
 
     # --- the writer thread ---------------------------------------------------------------------------
-    def _write(self, pieces) -> None:
+    def _write(self, job, pieces, live) -> None:
         try:
-            self.index = self.job.write(pieces, self.snapshot.set)
+            if live:
+                pieces = snapshot(pieces)
+            self.copied.set()
+            self.index = job.write(pieces)
         except CheckpointError as exc:
             self.failure = str(exc)
         except Exception as exc:  # noqa: BLE001 - whatever stops the writer must reach the ranks as a line
-            self.failure = f"checkpoint step {self.job.step}: the background writer failed: {exc!r}"
+            self.failure = f"checkpoint step {job.step}: the background writer failed: {exc!r}"
         finally:
-            self.snapshot.set()           # the fence never waits for a writer that has stopped
+            self.copied.set()           # the fence never waits for a writer that has stopped
+
+
+def snapshot(pieces: list) -> list:
+    """The pieces with their arrays copied (NumPy copies large arrays outside the GIL)."""
+    return [(*p[:-1], p[-1].copy()) for p in pieces]

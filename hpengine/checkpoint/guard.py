@@ -163,6 +163,21 @@ def write_bytes(path: Path, data) -> None:
         os.close(fd)
 
 
+def write_at(path: Path, parts) -> None:
+    """Write each (offset, byte array) of `parts` into the existing file `path` with plain pwrite calls (a full
+    disk is an OSError here; large writes run outside the GIL) and fsync it."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for offset, data in parts:
+            view = memoryview(data)
+            while view:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def as_created(path) -> None:
     """Give a file that a library created 0600 (safetensors does) the mode of a normally created file."""
     os.chmod(path, 0o666 & ~UMASK)

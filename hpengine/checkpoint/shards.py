@@ -27,7 +27,7 @@ KINDS = ("param", "adam_m", "adam_v")
 
 
 def _sha(arr: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)).hexdigest()   # no bytes copy
+    return hashlib.sha256(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)).hexdigest()
 
 
 def _fsync_path(path: Path) -> None:
@@ -44,25 +44,32 @@ def _collective(comm, fn):
 
 
 # --- save ----------------------------------------------------------------------------------------
-def _write_shard(path: Path, pieces, snapshot_taken=None) -> list[dict]:
-    """The shard is built in memory and written with plain os calls: a full disk is then an OSError here,
-    not a failure inside HDF5's deferred writes. Once the image holds every piece, `snapshot_taken()`."""
-    index = []
-    try:
-        with h5py.File(path.name, "w", driver="core", backing_store=False) as f:
-            for i, (name, kind, gshape, box, a, b, data) in enumerate(pieces):
-                dset = f"{kind}/{i}"
-                f.create_dataset(dset, data=data)
-                index.append({"file": path.name, "dset": dset, "name": name, "kind": kind,
-                              "global_shape": list(gshape), "box": [[s.start, s.stop] for s in box],
-                              "flat": [a, b], "dtype": str(data.dtype), "sha256": _sha(data)})
-            f.flush()
-            image = f.id.get_file_image()
-    finally:
-        if snapshot_taken is not None:
-            snapshot_taken()
-    guard.write_bytes(path, image)
+def _write_shard(path: Path, pieces) -> list[dict]:
+    """The shard's HDF5 structure is written first (every dataset contiguous, its space allocated and left
+    unfilled), then each piece's bytes go to its dataset's offset with plain pwrite calls: a full disk is an
+    OSError there, not a failure inside HDF5's deferred writes, and the bulk of the work (sha256, the writes)
+    runs outside the GIL, so a background writer leaves the training thread alone."""
+    index, parts = [], []
+    with h5py.File(path, "w") as f:
+        for i, (name, kind, gshape, box, a, b, data) in enumerate(pieces):
+            dset = f"{kind}/{i}"
+            offset = f.create_dataset(dset, shape=data.shape, dtype=data.dtype, dcpl=_allocated()).id.get_offset()
+            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+            index.append({"file": path.name, "dset": dset, "name": name, "kind": kind, "global_shape": list(gshape),
+                          "box": [[s.start, s.stop] for s in box], "flat": [a, b], "dtype": str(data.dtype),
+                          "sha256": hashlib.sha256(raw).hexdigest()})
+            if raw.size:
+                parts.append((offset, raw))
+    guard.write_at(path, parts)
     return index
+
+
+def _allocated():
+    """Dataset creation: contiguous storage allocated at creation (so its file offset is known), never filled."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    return dcpl
 
 
 def save(world, root, step: int, keep: int, pieces: list, meta: dict, tracer) -> Path:
@@ -100,15 +107,12 @@ class SaveJob:
                 raise self.error(exc) from None
         return run
 
-    def write(self, pieces, snapshot_taken=None) -> list[dict]:
-        """This rank's shard file; its piece index. `snapshot_taken()` is called once the pieces' values have
-        been read (from then on the arrays may change)."""
-        if not pieces:            # a rank whose share another rank writes
-            if snapshot_taken is not None:
-                snapshot_taken()
+    def write(self, pieces) -> list[dict]:
+        """This rank's shard file (none when another rank writes its share); its piece index. Local: no MPI."""
+        if not pieces:
             return []
         try:
-            return _write_shard(self.tmp / f"shard_r{self.world.rank:05d}.h5", pieces, snapshot_taken)
+            return _write_shard(self.tmp / f"shard_r{self.world.rank:05d}.h5", pieces)
         except (OSError, RuntimeError) as exc:
             raise self.error(exc) from None
 

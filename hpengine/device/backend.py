@@ -92,8 +92,17 @@ class Backend:
         if self.is_gpu:
             self.xp.cuda.get_current_stream().synchronize()
 
-    def to_host(self, a):
-        return self.xp.asnumpy(a) if self.is_gpu else np.asarray(a)
+    def to_host(self, a, pinned: bool = False):
+        """A NumPy array of `a` (a view on the CPU); pinned=True on a GPU copies into page-locked host memory
+        (an asynchronous checkpoint's snapshot, which stays in host memory while it is written)."""
+        if not self.is_gpu:
+            return np.asarray(a)
+        if not pinned:
+            return self.xp.asnumpy(a)
+        import cupyx  # noqa: PLC0415 - ships with CuPy
+        out = cupyx.empty_pinned(a.shape, a.dtype)
+        a.get(out=out)
+        return out
 
     def to_device(self, a, dtype=None):
         return self.xp.asarray(a, dtype=dtype)

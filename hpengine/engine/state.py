@@ -17,10 +17,10 @@ def checkpoint_pieces(stage, sync, opts, master, replica: dict, backend, elsewhe
     value is written once and the writing is spread: dense tensors over dp x cp, an expert block over the
     ranks that hold it (dp ranks e, e + ep, ...). The tensors in `elsewhere` (those this rank does not count:
     tp replicas of replicated tensors, another stage's copies; layout/reduction.py) are left to the one rank
-    that counts them. copy=False gives views of the live buffers (an asynchronous save reads them before the
-    next update)."""
+    that counts them. copy=False on the CPU gives views of the live buffers (an asynchronous save copies them
+    before the next update), on a GPU views of pinned host copies."""
     own, lay = sync.owned, stage.layout
-    host = backend.to_host if copy or backend.is_gpu else np.asarray
+    host = backend.to_host if copy else (lambda a: backend.to_host(a, pinned=True))
     p_own = host(master if master is not None else sync.owned_params())
     dp, ndp, cp, ncp, ep = (replica[k] for k in ("dp", "ndp", "cp", "ncp", "ep"))
     groups = {False: [], True: []}          # expert tensor? -> (name, spec, a, size, param offset, m, v, m/v offset)

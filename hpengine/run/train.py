@@ -220,7 +220,7 @@ def save_state(eng, root, step: int, keep: int, saver=None) -> Path | None:
     pieces, meta = eng.state_pieces(copy=saver is None)     # the writer reads the live buffers before the update
     meta = {"config": to_toml(eng.cfg), **meta, "data": data_meta(eng.data)}
     if saver is not None:
-        saver.start(root, step, keep, pieces, meta)
+        saver.start(root, step, keep, pieces, meta, live=not eng.be.is_gpu)
         return None
     return checkpoint.save(eng.world, root, step, keep, pieces, meta, eng.tracer)
 

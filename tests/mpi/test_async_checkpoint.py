@@ -59,7 +59,7 @@ def every_tensor(root):
 
 
 def test_a_slow_writer_still_saves_its_own_step(corpus, world, roots, monkeypatch):
-    """The writer sleeps before reading the buffers, so the next step's update would overwrite them first
+    """The writer sleeps before copying the buffers, so the next step's update would overwrite them first
     without the fence; the async checkpoint must equal the synchronous one of the same step."""
     root_a, root_s = roots
     cfg = config(corpus, *layout(world.Get_size()))
@@ -67,12 +67,12 @@ def test_a_slow_writer_still_saves_its_own_step(corpus, world, roots, monkeypatc
     eng.train_step(0)
     eng.train_step(1)
     save_state(eng, root_s, 2, keep=1)                      # the synchronous save: copies, written at once
-    real = shards._write_shard
+    real = background.snapshot
 
-    def slow(path, pieces, snapshot_taken=None):
+    def slow(pieces):
         time.sleep(1.0)
-        return real(path, pieces, snapshot_taken)
-    monkeypatch.setattr(shards, "_write_shard", slow)
+        return real(pieces)
+    monkeypatch.setattr(background, "snapshot", slow)
     saver = background.Saver(eng.world, eng.tracer, log)
     eng.before_update = saver.fence
     save_state(eng, root_a, 2, keep=1, saver=saver)
@@ -97,17 +97,14 @@ def test_a_writer_failing_on_one_rank_fails_every_rank_at_the_next_boundary(corp
     steps_with_saver(eng, world, saver, 1, 1)
     saver.wait()                                             # published (the next save would wait too)
     assert (root / "latest").read_text().strip() == "step_00000001"
-    real = ckpt_guard.write_bytes
 
-    def full(path, data):
-        if Path(path).name.startswith("shard_"):
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        real(path, data)
+    def full(path, parts):          # a shard's data write
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
     if world.Get_rank() == world.Get_size() - 1:
-        monkeypatch.setattr(ckpt_guard, "write_bytes", full)
+        monkeypatch.setattr(ckpt_guard, "write_at", full)
     save_state(eng, root, 2, keep=2, saver=saver)
     with pytest.raises(shards.CheckpointError) as e:
-        steps_with_saver(eng, world, saver, 2, 3)
+        steps_with_saver(eng, world, saver, 2, 200)         # raised at the first boundary after the failure
     msg = str(e.value)
     assert "no room for the checkpoint of step 2" in msg and "No space left on device" in msg, msg
     assert "'latest' still names step_00000001" in msg, msg

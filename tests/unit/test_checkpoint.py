@@ -174,10 +174,10 @@ from hpengine.cli.commands import main
 marker, argv = sys.argv[1], sys.argv[2:]
 real, calls = checkpoint._write_shard, []
 
-def write_half(path, pieces, snapshot_taken=None):
+def write_half(path, pieces):
     calls.append(path)
     if len(calls) == 1:
-        return real(path, pieces, snapshot_taken)
+        return real(path, pieces)
     with h5py.File(path, "w") as f:        # half of the shard reaches the disk, then the kill comes
         for i, p in enumerate(pieces[: len(pieces) // 2]):
             f.create_dataset(f"{p[1]}/{i}", data=p[-1])
