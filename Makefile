@@ -10,7 +10,7 @@ export MKL_NUM_THREADS ?= 1
 MPIEXEC := $(BIN)/mpiexec
 TEST_TIMEOUT ?= 300
 
-.PHONY: train test test-imports test-unit test-mpi test-cluster test-interop bench docs clean-venv
+.PHONY: train test test-imports test-unit test-mpi test-cluster test-nodes test-interop bench docs clean-venv
 
 # (re)install when the venv is missing or older than setup.cfg
 $(STAMP): setup.cfg pyproject.toml
@@ -22,7 +22,7 @@ $(STAMP): setup.cfg pyproject.toml
 train: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(BIN)/hpengine train configs/default.toml --set train.out_dir=runs/default-$$(date +%Y%m%d-%H%M%S)
 
-test: test-imports test-unit test-mpi test-cluster test-interop
+test: test-imports test-unit test-mpi test-cluster test-nodes test-interop
 
 # the house's import rules (setup.cfg [importlinter]): which rooms may import which, and no circles
 test-imports: $(STAMP)
@@ -57,6 +57,13 @@ SLURM_PKGS := slurm-wlm slurmctld slurmd slurm-client munge slurm-wlm-torque
 test-cluster: $(STAMP)
 	@command -v sbatch >/dev/null || $(call SYSPKG,$(SLURM_PKGS),tests/cluster)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/cluster
+
+# two nodes played by one machine: Hydra (and Open MPI's mpirun where .venv-ompi exists) starting each pretend
+# node's ranks through jobs/local_node.sh, in a UTS namespace with that node's host name; a folder of its own
+# because it needs root and `unshare --uts` (the tests skip with the reason without them) and launches its jobs
+# itself, under plain pytest
+test-nodes: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/nodes
 
 # against Hugging Face transformers (extra `hf`: CPU torch, transformers): installed into the venv unless
 # present; where it cannot be installed the tests skip with the reason; HF_TESTS=0 skips install and tests

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from threadpoolctl import threadpool_limits
+from threadpoolctl import threadpool_info, threadpool_limits
 
 ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -56,3 +56,10 @@ def pin(setting: int, ranks_on_node: int) -> str:
 def describe() -> str:
     """The line `pin` last returned."""
     return _chosen
+
+
+def pool_size() -> int | None:
+    """Threads of this process's BLAS pool now (the largest, as threadpoolctl reports it), None where no BLAS
+    library is loaded: what `pin`, or the environment it left alone, put in effect."""
+    sizes = [i["num_threads"] for i in threadpool_info() if i.get("user_api") == "blas"]
+    return max(sizes) if sizes else None

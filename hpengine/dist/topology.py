@@ -15,8 +15,11 @@ from hpengine.layout.resolve import AXES, TopologyError, resolve_degrees  # noqa
 class Mesh:
     """Coordinates of every rank and one communicator per axis (ranks differing only along it)."""
 
-    def __init__(self, world_comm, degrees: dict, order=AXES, wrap=None):
+    def __init__(self, world_comm, degrees: dict, order=AXES, wrap=None, node: dict | None = None):
         self.world = world_comm
+        # this rank's place on its node (local rank, ranks on the node, BLAS threads, ...) as run/build.py
+        # decided it; ranks.jsonl records it
+        self.node = dict(node or {})
         self.rank, self.size = world_comm.Get_rank(), world_comm.Get_size()
         self.degrees = resolve_degrees(self.size, {"cp": 1, **degrees})
         order = mesh_order(order)
@@ -111,6 +114,29 @@ class Mesh:
             self.comms[f"{name}-dp"] = self._wrap(self._split(outer * degree + place, block + size // degree * at),
                                                  f"{name}-dp")
         return self.comms[name], self.comms[f"{name}-dp"]
+
+    def groups_across_nodes(self, axis: str, hosts: list[str]) -> list[list[int]]:
+        """The groups of `axis` (their world ranks, in order) whose ranks are on more than one node;
+        hosts[r] names world rank r's node."""
+        groups = {}
+        for r in range(self.size):
+            c = self.coords_of(r)
+            groups.setdefault(tuple(c[b] for b in AXES if b != axis), []).append(r)
+        return [g for g in groups.values() if len({hosts[r] for r in g}) > 1]
+
+    def needlessly_split(self, hosts: list[str], axes=("tp", "cp")) -> dict:
+        """{axis: its groups that span nodes} for those of `axes` whose groups, with every axis inside
+        them, could all lie inside a node (their product divides each node's ranks, hosts[r] naming world
+        rank r's node) but do not: a launcher that interleaves the nodes' ranks."""
+        per_node = [hosts.count(h) for h in set(hosts)]
+        out, inner = {}, 1
+        for a in self.order:
+            inner *= self.degrees[a]
+            if a in axes and self.degrees[a] > 1 and all(n % inner == 0 for n in per_node):
+                split = self.groups_across_nodes(a, hosts)
+                if split:
+                    out[a] = split
+        return out
 
     def coords_of(self, rank: int) -> dict:
         return {a: (rank // self.strides[a]) % self.degrees[a] for a in AXES}

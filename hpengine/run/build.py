@@ -5,6 +5,7 @@ checkpoint into it on every rank together. The training loop (train.py) and the 
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 
 from mpi4py import MPI
@@ -13,6 +14,7 @@ from hpengine.checkpoint import shards as checkpoint
 from hpengine.data import DataError, TokenDataset, ensure_default_corpus
 from hpengine.device.backend import BackendError, keep_heap, make_backend
 from hpengine.device.threads import pin as pin_blas_threads
+from hpengine.device.threads import pool_size as blas_pool_size
 from hpengine.dist.agree import agree_or_raise
 from hpengine.dist.comm import Comm, resolve_cuda_aware
 from hpengine.dist.topology import Mesh, node_ranks
@@ -80,10 +82,9 @@ def compute_dtype(cfg) -> str:
     return cfg.model.dtype
 
 
-def agreed_backend(cfg, world):
-    """This rank's backend (its GPU chosen by node-local rank); devices can differ between nodes, so
-    the ranks agree before any of them raises."""
-    local, per_node = node_ranks(world)
+def agreed_backend(cfg, world, local: int, per_node: int):
+    """This rank's backend (its GPU chosen by node-local rank `local` of `per_node` ranks on the node);
+    devices can differ between nodes, so the ranks agree before any of them raises."""
     pin_blas_threads(cfg.runtime.blas_threads, per_node)     # before the first BLAS call of the run
 
     def make():
@@ -105,6 +106,22 @@ def agreed_backend(cfg, world):
     return be
 
 
+def warn_split_groups(mesh, world) -> None:
+    """Rank 0 warns when tensor- or context-parallel groups (collectives in every layer) span nodes that
+    could each hold whole groups: the launcher interleaved the nodes' ranks (collective)."""
+    hosts = world.allgather(socket.gethostname())
+    if mesh.rank != 0:
+        return
+    for axis, split in mesh.needlessly_split(hosts).items():
+        d = mesh.degrees[axis]
+        shown = "; ".join(f"ranks {g} on {'+'.join(sorted({hosts[r] for r in g}))}" for g in split[:4])
+        more = f"; {len(split) - 4} more" if len(split) > 4 else ""
+        log.warning("%s groups span nodes (%s%s) though each node's ranks could hold whole groups of %d: "
+                    "every layer's %s collectives cross the network. Give each node consecutive ranks "
+                    "(mpiexec -hosts a:N,b:N or -ppn N, srun --distribution=block) or change mesh.order",
+                    axis, shown, more, d, axis)
+
+
 def build(cfg, world=None, with_data: bool = True):
     """Resolved layout, mesh, backend, dataset (unless with_data is False: the caller feeds the engine) and
     engine for this rank. Every check that needs no communicator (resolve) runs before the first
@@ -113,16 +130,20 @@ def build(cfg, world=None, with_data: bool = True):
     world = world or MPI.COMM_WORLD
     launch.check_world(world)
     res = resolve(cfg, world.Get_size())
-    backend = agreed_backend(cfg, world)
-    memcheck.check(cfg, res, world, backend)
+    local, per_node = node_ranks(world)     # asked once: the device, BLAS threads and memory check use these
+    backend = agreed_backend(cfg, world, local, per_node)
+    limit = memcheck.check(cfg, res, world, backend, per_node=per_node)
     if not backend.is_gpu:
         keep_heap()
-    mesh = Mesh(world, res.degrees, res.order, wrap=lambda c, a: Comm(c, a, backend))
+    node = {"local_rank": local, "node_ranks": per_node, "blas_threads": blas_pool_size(),
+            "device": backend.device, "memory_limit": limit[1] if limit else None}
+    mesh = Mesh(world, res.degrees, res.order, wrap=lambda c, a: Comm(c, a, backend), node=node)
     if len(res.grad_axes) > 1:  # context parallel with data parallel: gradients summed over dp x cp
         mesh.group(*res.grad_axes)
     if res.ep > 1:              # the expert blocks, inside the data-parallel ranks, and their replicas
         mesh.fold("ep", res.ep, ("dp",), ("cp",) if res.cp > 1 else ())
     setup_logging(mesh)
+    warn_split_groups(mesh, world)
     return Engine(cfg, res, mesh, backend, build_dataset(cfg, world) if with_data else None)
 
 

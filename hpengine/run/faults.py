@@ -1,7 +1,7 @@
 """Knowing which rank runs where, and noticing when a peer rank or the launcher is gone.
 
-- `write_ranks_file`: ranks.jsonl in the run folder, one line per rank: rank, host, pid, parent pid and
-  mesh coordinates, so a PID in a launcher's message can be mapped to a rank.
+- `write_ranks_file`: ranks.jsonl in the run folder, one line per rank: rank, host, pid, parent pid, mesh
+  coordinates and the rank's place on its node, so a PID in a launcher's message can be mapped to a rank.
 - `Monitor`: a daemon thread per rank while the training loop runs. It watches
   * the peer ranks on the same host (pidfd, or polling where there is none): when one exits while this
     rank is still training, the lowest surviving rank on that host names it, and after `peer_grace_s`
@@ -44,8 +44,10 @@ def say(line: str, stream=None) -> None:
 
 
 def rank_record(mesh) -> dict:
+    """This rank's line of ranks.jsonl; its per-node facts (local_rank, node_ranks, blas_threads, device,
+    memory_limit) are the values run/build.py decided with, kept on the mesh."""
     return {"rank": mesh.rank, "host": socket.gethostname(), "pid": os.getpid(), "ppid": os.getppid(),
-            "coords": dict(mesh.coords), "prefix": mesh.prefix()}
+            "coords": dict(mesh.coords), "prefix": mesh.prefix(), **mesh.node}
 
 
 def gather_ranks(world, mesh) -> list[dict]:

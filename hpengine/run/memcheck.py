@@ -73,15 +73,18 @@ def predict(cfg, res) -> dict | None:
         return None
 
 
-def check(cfg, res, world, backend, limit=None) -> None:
-    """Raise MemoryCheckError on every rank when a rank's predicted memory exceeds its limit (collective)."""
+def check(cfg, res, world, backend, limit=None, per_node: int | None = None) -> tuple[int, str] | None:
+    """Raise MemoryCheckError on every rank when a rank's predicted memory exceeds its limit (collective);
+    returns this rank's limit (bytes, how it was found), None when unknown or the check is off. per_node:
+    the ranks on this node (topology.node_ranks, asked here when not given)."""
     if not getattr(cfg.runtime, "memory_check", True):
-        return
-    _, per_node = node_ranks(world)
+        return None
+    if per_node is None:
+        _, per_node = node_ranks(world)
     mem = predict(cfg, res)
+    lim = limit if limit is not None else limit_per_rank(backend, per_node, _devices(backend))
 
     def fits():
-        lim = limit if limit is not None else limit_per_rank(backend, per_node, _devices(backend))
         if mem is None or lim is None or mem["total"] <= lim[0]:
             return
         parts = ", ".join(f"{k} {_gb(v)}" for k, v in mem.items() if k != "total" and v)
@@ -90,6 +93,7 @@ def check(cfg, res, world, backend, limit=None) -> None:
             f"{_gb(lim[0])} ({lim[1]}); to fit: {remedies(mem)}; or --set runtime.memory_check=false to "
             "start anyway")
     agree_or_raise(world, fits, MemoryCheckError, (MemoryCheckError,))
+    return lim
 
 
 def _devices(backend) -> int:

@@ -65,3 +65,19 @@ def test_bad_group_and_fold_are_one_clear_error():
         mesh.fold("ep", N, ("dp", "sharding"))
         with pytest.raises(TopologyError, match="folded with degree"):
             mesh.fold("ep", 1, ("dp", "sharding"))
+
+
+@pytest.mark.skipif(N != 4, reason="the layouts below are for 4 ranks")
+def test_groups_needlessly_split_across_nodes():
+    """Which tp/cp groups span nodes that could each hold them, for pretend node names per rank."""
+    mesh = Mesh(WORLD, {"tp": 2, "cp": 1, "dp": 2, "sharding": 1, "pp": 1})
+    block, cyclic = ["a", "a", "b", "b"], ["a", "b", "a", "b"]
+    assert mesh.needlessly_split(block) == {} and mesh.groups_across_nodes("tp", block) == []
+    assert mesh.groups_across_nodes("dp", block) == [[0, 2], [1, 3]]
+    assert mesh.needlessly_split(cyclic) == {"tp": [[0, 1], [2, 3]]}
+    assert mesh.needlessly_split(["a", "a", "a", "b"]) == {}      # 3 + 1 ranks: no node holds whole pairs
+    mesh = Mesh(WORLD, {"tp": 2, "cp": 2, "dp": 1, "sharding": 1, "pp": 1})
+    assert mesh.needlessly_split(block) == {}                     # tp inside the node, cp must cross
+    assert mesh.groups_across_nodes("cp", block) == [[0, 2], [1, 3]]
+    assert mesh.needlessly_split(["a"] * 4) == {}
+    assert mesh.needlessly_split(cyclic) == {"tp": [[0, 1], [2, 3]]}

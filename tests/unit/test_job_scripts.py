@@ -37,3 +37,25 @@ def test_setup_env_may_read_unset_variables(script, tmp_path):
     p = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60)
     assert "unbound variable" not in p.stderr, p.stderr
     assert p.returncode == 2 and f"config '{tmp_path / 'missing.toml'}' not found" in p.stderr, p.stderr
+
+
+
+LOCAL_NODE = JOBS / "local_node.sh"      # the ssh stand-in of tests/nodes (two nodes on one machine)
+
+
+def test_local_node_script_is_posix_sh_and_shellcheck_clean():
+    p = subprocess.run(["sh", "-n", str(LOCAL_NODE)], check=False, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed (make test-unit installs it where apt-get is usable as root)")
+    p = subprocess.run(["shellcheck", str(LOCAL_NODE)], check=False, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("args, said", [([], "usage: local_node.sh [ssh options] HOST COMMAND"),
+                                        (["-x", "nodeA"], "usage:"),
+                                        (["-o", "BatchMode=yes", "no de", "true"], "host 'no de' is not a host name")])
+def test_local_node_refuses_bad_arguments_in_one_line(args, said):
+    """Its arguments are checked before it needs root."""
+    p = subprocess.run(["sh", str(LOCAL_NODE), *args], check=False, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and said in p.stderr, p.stderr
