@@ -81,10 +81,11 @@ def check(cfg, res, world, backend, limit=None, per_node: int | None = None) -> 
         return None
     if per_node is None:
         _, per_node = node_ranks(world)
-    mem = predict(cfg, res)
-    lim = limit if limit is not None else limit_per_rank(backend, per_node, _devices(backend))
+    mem, lim = predict(cfg, res), None
 
-    def fits():
+    def fits():          # the limit is found inside: reading it can fail on one rank only
+        nonlocal lim
+        lim = limit if limit is not None else limit_per_rank(backend, per_node, _devices(backend))
         if mem is None or lim is None or mem["total"] <= lim[0]:
             return
         parts = ", ".join(f"{k} {_gb(v)}" for k, v in mem.items() if k != "total" and v)
