@@ -371,7 +371,8 @@ def _degrees(lay: Resolved) -> dict:
 def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster, sh_rank=None) -> dict:
     """Seconds per micro-batch (compute, tp, pp: on the critical path) and per step (dp, sharding:
     exposed after overlapping the last backward / the forward prefetch; fixed: the optimizer over the
-    owned elements, the scalar allreduces and the per-step overhead)."""
+    owned elements, the scalar allreduces and the per-step overhead). "hidden": {what: (seconds hidden behind
+    compute, bytes per step)} for the gradient and sharding collectives that overlap compute."""
     tr, M = traffic(mcfg, st, lay, stage, models), models
     slow = oversubscription(lay, cluster)
     comp = slow * M * compute_s(mcfg, st, lay, cluster)
@@ -381,7 +382,8 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
     fixed = slow * (cluster.optimizer_ns * 1e-9 * own * K / 8 + cluster.step_overhead_us * 1e-6)
     deg = _degrees(lay)
     fixed += sum(collective_s("allreduce", deg[a], 0, c, *link(lay, a, cluster)) for a, c in SCALAR_CALLS.items())
-    out = {"compute": comp, "tp": 0.0, "pp": 0.0, "ep": 0.0, "cp": 0.0, "dp": 0.0, "sharding": 0.0, "fixed": fixed}
+    out = {"compute": comp, "tp": 0.0, "pp": 0.0, "ep": 0.0, "cp": 0.0, "dp": 0.0, "sharding": 0.0, "fixed": fixed,
+           "hidden": {}}
     if lay.cp > 1:          # the ring's transfers past the block compute they overlap, on the cp axis's link
         out["cp"] = plan_cp.ring_seconds(mcfg, st, lay, precision(mcfg, lay.amp)[3], M, comp / M,
                                          *link(lay, "cp", cluster))
@@ -407,6 +409,7 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
         if "ep-dp" in tr:   # the expert blocks' replicas: every ep-th dp rank, on the same link
             t += collective_s("allreduce", lay.dp // lay.ep, tr["ep-dp"]["allreduce"], calls, a, b)
         out["dp"] = t if lay.sh > 1 else max(0.0, t - 2 / 3 * hide)
+        out["hidden"]["dp allreduce"] = (t - out["dp"], tr[grad]["allreduce"] + tr.get("ep-dp", {}).get("allreduce", 0))
     if "sharding" in tr:
         parts = len(st.names) * M + lay.sh - 1          # a reduce per (block, owner) piece
         red = collective_s("reduce", lay.sh, tr["sharding"]["reduce"], parts,
@@ -417,6 +420,8 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
                            *link(lay, "sharding", cluster, "allgather" if lay.zstage == 3 else "allreduce"))
         prefetch = mb * hide / 3 if lay.zstage == 3 else 0.0
         out["sharding"] = max(0.0, red - 2 / 3 * hide) + max(0.0, gat - prefetch)
+        out["hidden"]["sharding reduce"] = (red - max(0.0, red - 2 / 3 * hide), tr["sharding"]["reduce"])
+        out["hidden"]["sharding all-gather"] = (gat - max(0.0, gat - prefetch), tr["sharding"]["allgather"])
     return out
 
 
@@ -449,7 +454,8 @@ def step_time(per_stage: list[dict], lay: Resolved) -> dict:
     n = lay.k * lay.m
     out = {"compute": n * slow["compute"], "tp": n * slow["tp"], "pp": n * slow["pp"], "ep": n * ep, "cp": n * cp,
            "dp": sync["dp"],
-           "sharding": sync["sharding"], "fixed": sync["fixed"], "bubble": lay.k * (per_pass - lay.m * t_mb)}
+           "sharding": sync["sharding"], "fixed": sync["fixed"], "bubble": lay.k * (per_pass - lay.m * t_mb),
+           "hidden": sync.get("hidden", {})}
     out["step"] = lay.k * per_pass + sync["dp"] + sync["sharding"] + sync["fixed"]
     return out
 

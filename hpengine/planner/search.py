@@ -209,9 +209,20 @@ def table(results: list[dict], top: int) -> str:
                      f"{lay.m:>4} {lay.k:>3} {lay.rows:>3} {'y' if lay.sp else '-':>2} "
                      f"{(lay.granularity[0] if lay.recompute else '-'):>2} "
                      f"{'y' if lay.amp else '-':>3} | " + " ".join(f"{r['memory'][c] / ms:>6.1f}" for c in MEM_COLS)
-                     + "    | " + " ".join(f"{r['time'][c] / ts:>7.2f}" for c in TIME_COLS)
+                     + "    | " + " ".join(f"{r['time'][c] / ts:>6.2f}" + ("h" if _hides(r, c) else " ") for c in TIME_COLS)
                      + f"    | {r['tokens_per_s']:>9,.0f}")
     return "\n".join(lines)
+
+
+def _hides(r: dict, col: str) -> bool:
+    """Whether some of the column's communication is hidden behind compute (marked h in the table)."""
+    return any(t > 0 for what, (t, _) in r["time"].get("hidden", {}).items() if what.split()[0] == col)
+
+
+def hidden_line(r: dict, legend: str = "") -> str:
+    """Communication the prediction hides behind compute, with its bytes ("" when none)."""
+    parts = [f"{what} {_bytes(b)} ({_secs(t)} hidden)" for what, (t, b) in r["time"].get("hidden", {}).items() if t > 0]
+    return (f"hidden behind compute{legend} (per step, the rank with the most): " + ", ".join(parts)) if parts else ""
 
 
 def _bytes(n: float) -> str:
@@ -245,6 +256,8 @@ def check_text(cfg: Config, world: int, cluster: Cluster) -> str:
     t = r["time"]
     out.append("step time: " + ", ".join(f"{k} {_secs(t[k])}" for k in TIME_COLS)
                + f"; {r['tokens_per_s']:,.0f} tokens/s")
+    if hidden_line(r):
+        out.append(hidden_line(r))
     out.append(f"traffic per step (pp stage {r['stage']}, bytes each rank counts):")
     for axis, ops in next(s for s in r["stages"] if s["stage"] == r["stage"])["traffic"].items():
         out.append(f"  {axis}: " + ", ".join(f"{op} {_bytes(b)}" for op, b in ops.items()))
@@ -365,7 +378,8 @@ def run(a) -> str:
            _cluster_line(a, cluster),
            f"{n:,} layouts evaluated in {time.perf_counter() - t:.1f} s, {len(fit):,} fit; memory per device is the "
            "worst pipeline stage's; times per optimizer step", "", table(fit, a.top), "",
-           f"best: {describe(fit[0]['layout'])}"]
+           f"best: {describe(fit[0]['layout'])}"] + ([hidden_line(fit[0], ", marked h in the table")]
+                                                     if hidden_line(fit[0]) else [])
     if fit[0]["layout"].cp > 1:
         out.append(_why_context(fit, cluster))
     if a.out:
