@@ -7,8 +7,8 @@
     rank is still training, the lowest surviving rank on that host names it (unless the peer's supervisor,
     run/supervisor.py, does), and after `peer_grace_s` (a launcher such as Hydra normally ends the job
     first) the job is aborted;
-  * its own parent process (the launcher's proxy): when it changes, the launcher is gone and the rank
-    exits at once with EXIT_ORPHANED, saying why, instead of training on as an orphan;
+  * its own parent process (the launcher's proxy, or the rank's supervisor): when it changes, the launcher
+    is gone and the rank exits at once with EXIT_ORPHANED, saying why, instead of training on as an orphan;
   * an interrupt (SIGINT): when the agreed stop at the next step boundary has not come within
     `interrupt_grace_s`, the job is aborted with exit status 130.
 - `say`: one stderr line written with one write call (lines of several ranks never glue together).

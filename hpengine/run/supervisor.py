@@ -70,10 +70,10 @@ def _subcommand(argv, orig_argv):
     return None
 
 
-def _shares_group() -> bool:
+def _shares_group(parent_comm=None) -> bool:
     """Under srun the step's processes are signalled together (cgroup or process group): the rank then
     stays in the supervisor's process group and gets each signal directly, so nothing is forwarded."""
-    return _parent_comm() == "slurmstepd"
+    return (_parent_comm() if parent_comm is None else parent_comm) == "slurmstepd"
 
 
 def _parent_comm() -> str:
@@ -89,12 +89,12 @@ def supervise() -> None:
     shared = _shares_group()
     sigs = [getattr(signal, n) for n in FORWARDED]
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)    # none is lost, nor acted on, in between
-    launcher = os.getppid()
+    launcher, me = os.getppid(), os.getpid()
     r, w = os.pipe()
     child = os.fork()
     if child == 0:
         os.close(r)
-        _become_rank(os.getppid(), w, shared)
+        _become_rank(me, w, shared)
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         return
     os.close(w)

@@ -5,6 +5,7 @@ when <repo>/.venv-ompi has it) every rank of 4 SIGKILLed in turn is named on std
 from __future__ import annotations
 
 import getpass
+import io
 import json
 import os
 import signal
@@ -87,6 +88,45 @@ def test_a_rank_that_dies_before_reporting_is_named_by_the_launchers_rank_variab
 
 def test_the_supervisor_names_a_rank_as_faults_does():
     assert supervisor.describe(REC) == faults.describe(REC)
+
+
+def test_under_srun_the_rank_shares_the_group_and_nothing_is_forwarded():
+    assert supervisor._shares_group("slurmstepd")
+    assert not supervisor._shares_group("hydra_pmi_proxy") and not supervisor._shares_group("prterun")
+
+
+# ---- the peers' monitor: quiet where the dead rank's supervisor names it ---------------------------------
+def _dead_pid():
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+@pytest.mark.parametrize("case", ["supervisor alive", "supervisor named it", "supervisor gone", "no supervisor"])
+def test_monitor_names_a_dead_peer_only_where_no_supervisor_does(tmp_path, case):
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    sup = {"supervisor alive": os.getpid(), "no supervisor": None}.get(case, _dead_pid())
+    me = {**REC, "rank": 0, "host": HOST, "pid": os.getpid(), "prefix": "[r0 dp0 sh0 pp0 tp0]"}
+    other = {**REC, "rank": 1, "host": HOST, "pid": peer.pid, "supervisor_pid": sup, "prefix": "[r1 dp1 sh0 pp0 tp0]"}
+    if case == "supervisor named it":
+        supervisor.append_failure(tmp_path, supervisor.failure("signal", other, "named"))
+    aborted, out = [], io.StringIO()
+    m = faults.Monitor([me, other], 0, watch_parent=False, poll_s=0.05, peer_grace_s=0.1, abort=aborted.append,
+                       stream=out, run_dir=tmp_path).start()
+    try:
+        peer.kill()
+        peer.wait()
+        t = time.monotonic()
+        while not aborted and time.monotonic() - t < 10:
+            time.sleep(0.05)
+        assert aborted == [1]           # the job ends either way
+    finally:
+        m.stop()
+    named = case in ("supervisor gone", "no supervisor")
+    assert (f"rank 1 [r1 dp1 sh0 pp0 tp0] (pid {peer.pid} on {HOST}) ended while" in out.getvalue()) is named
+    events = [json.loads(x)["event"] for x in (tmp_path / supervisor.FAILURES).read_text().splitlines()] \
+        if (tmp_path / supervisor.FAILURES).exists() else []
+    assert events.count("peer_died") == named
 
 
 # ---- which processes are supervised ------------------------------------------------------------------
