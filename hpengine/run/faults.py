@@ -1,16 +1,19 @@
 """Knowing which rank runs where, and noticing when a peer rank or the launcher is gone.
 
-- `write_ranks_file`: ranks.jsonl in the run folder, one line per rank: rank, host, pid, parent pid, mesh
-  coordinates and the rank's place on its node, so a PID in a launcher's message can be mapped to a rank.
+- `write_ranks_file`: ranks.jsonl in the run folder, one line per rank: rank, host, pid, parent pid, the
+  supervisor's pid, mesh coordinates and the rank's place on its node, so a PID in a launcher's message can
+  be mapped to a rank.
 - `Monitor`: a daemon thread per rank while the training loop runs. It watches
   * the peer ranks on the same host (pidfd, or polling where there is none): when one exits while this
-    rank is still training, the lowest surviving rank on that host names it, and after `peer_grace_s`
-    (a launcher such as Hydra normally ends the job first) the job is aborted;
-  * its own parent process (the launcher's proxy): when it changes, the launcher is gone and the rank
-    exits at once with EXIT_ORPHANED, saying why, instead of training on as an orphan;
+    rank is still training, the lowest surviving rank on that host names it (unless the peer's supervisor,
+    run/supervisor.py, does), and after `peer_grace_s` (a launcher such as Hydra normally ends the job
+    first) the job is aborted;
+  * its own parent process (the launcher's proxy, or the rank's supervisor): when it changes, the launcher
+    is gone and the rank exits at once with EXIT_ORPHANED, saying why, instead of training on as an orphan;
   * an interrupt (SIGINT): when the agreed stop at the next step boundary has not come within
     `interrupt_grace_s`, the job is aborted with exit status 130.
 - `say`: one stderr line written with one write call (lines of several ranks never glue together).
+The Monitor's lines also go to the run folder's failures.jsonl.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import time
 
 from mpi4py import MPI
 
+from hpengine.run import supervisor
 from hpengine.run.launch import launcher_size
 
 EXIT_ORPHANED = 70          # the launcher died: nothing to report to, no collective can finish
@@ -47,7 +51,8 @@ def rank_record(mesh) -> dict:
     """This rank's line of ranks.jsonl; its per-node facts (local_rank, node_ranks, blas_threads, device,
     memory_limit) are the values run/build.py decided with, kept on the mesh."""
     return {"rank": mesh.rank, "host": socket.gethostname(), "pid": os.getpid(), "ppid": os.getppid(),
-            "coords": dict(mesh.coords), "prefix": mesh.prefix(), **mesh.node}
+            "coords": dict(mesh.coords), "prefix": mesh.prefix(), "supervisor_pid": supervisor.parent_pid(),
+            **mesh.node}
 
 
 def gather_ranks(world, mesh) -> list[dict]:
@@ -93,11 +98,19 @@ def _abort(code: int) -> None:
     MPI.COMM_WORLD.Abort(code)
 
 
+def _named_by_supervisor(r: dict, run_dir) -> bool:
+    """Whether the dead rank's supervisor names it: it is still alive (about to), or has already."""
+    sup = r.get("supervisor_pid")
+    return bool(sup) and (_alive(sup) or (run_dir is not None and supervisor.recorded(run_dir, r["pid"])))
+
+
 class Monitor:
-    """See the module doc. `records` come from gather_ranks; `abort` and `exit` are replaceable for tests."""
+    """See the module doc. `records` come from gather_ranks; `run_dir` (optional) is the run folder whose
+    failures.jsonl gets the lines too; `abort` and `exit` are replaceable for tests."""
 
     def __init__(self, records: list[dict], rank: int, watch_parent: bool, poll_s: float = 0.5,
-                 peer_grace_s: float = 3.0, interrupt_grace_s: float = 5.0, abort=None, exit=None, stream=None):
+                 peer_grace_s: float = 3.0, interrupt_grace_s: float = 5.0, abort=None, exit=None, stream=None,
+                 run_dir=None):
         self.me = records[rank] if records else None
         host = socket.gethostname()
         self.peers = [r for r in records if r["rank"] != rank and r["host"] == host]
@@ -105,6 +118,7 @@ class Monitor:
         self.peer_grace_s, self.interrupt_grace_s = peer_grace_s, interrupt_grace_s
         self.abort, self.exit, self.stream = abort or _abort, exit or os._exit, stream
         self.ppid = os.getppid() if watch_parent else None
+        self.run_dir = run_dir
         self.interrupted_at = None
         self._stop = threading.Event()
         self._thread = None
@@ -165,14 +179,22 @@ class Monitor:
 
     def _peer_gone(self, gone: list[dict]) -> None:
         living = [r["rank"] for r in self.peers if r not in gone and _alive(r["pid"])] + [self.rank]
-        if self.rank == min(living):      # one line per host, from the lowest surviving rank
-            say(f"hpengine: {', '.join(describe(r) for r in gone)} ended while {describe(self.me)} was still "
-                "training: that rank died (killed, out of memory, or crashed without a message); the job ends",
-                self.stream)
+        unnamed = [r for r in gone if not _named_by_supervisor(r, self.run_dir)]
+        if unnamed and self.rank == min(living):      # one line per host, from the lowest surviving rank
+            line = (f"hpengine: {', '.join(describe(r) for r in unnamed)} ended while {describe(self.me)} was "
+                    "still training: that rank died (killed, out of memory, or crashed without a message); the "
+                    "job ends")
+            for r in unnamed:
+                supervisor.append_failure(self.run_dir, supervisor.failure("peer_died", r, line,
+                                                                           noticed_by=self.rank))
+            say(line, self.stream)
         if not self._stop.wait(self.peer_grace_s):
             self.abort(1)
 
     def _orphaned(self) -> None:
-        say(f"hpengine: {describe(self.me)}: the launcher is gone (parent process {self.ppid} exited, now "
-            f"{os.getppid()}); exiting, as no collective can finish", self.stream)
+        line = (f"hpengine: {describe(self.me)}: the launcher is gone (parent process {self.ppid} exited, now "
+                f"{os.getppid()}); exiting, as no collective can finish")
+        supervisor.append_failure(self.run_dir, supervisor.failure("orphaned", self.me, line,
+                                                                   exit_status=EXIT_ORPHANED))
+        say(line, self.stream)
         self.exit(EXIT_ORPHANED)

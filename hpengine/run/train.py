@@ -25,7 +25,7 @@ from hpengine.dist.watchdog import Watchdog
 from hpengine.layout.resolve import chunks
 from hpengine.layout.schedules import bubble_fraction
 from hpengine.planner import search as plan
-from hpengine.run import faults, launch, progress, tensorboard as tboard, trace
+from hpengine.run import faults, launch, progress, supervisor, tensorboard as tboard, trace
 from hpengine.run.build import (
     build,
     check_same_tokenizer,
@@ -79,6 +79,7 @@ def train(cfg, world=None, resume=None) -> dict:
     log_start(eng, cfg)
     ranks = faults.gather_ranks(world, eng.mesh)
     log.info("ranks (host, pid, mesh coordinates): %s", faults.write_ranks_file(ranks, out, world.Get_rank()))
+    supervisor.report(ranks[world.Get_rank()], out)      # from now on a death without a message names the rank
     plan.check_at_start(cfg, eng.mesh.size, log, rank=eng.mesh.rank)
     if resume is not None:
         trim_metrics(out, start, world.Get_rank())
@@ -88,7 +89,7 @@ def train(cfg, world=None, resume=None) -> dict:
     tracer = trace.attach(eng, cfg)    # phase timers always; a timeline under runtime.trace
     t_start, history, stop = time.perf_counter(), [], None
     watchdog = Watchdog(cfg.runtime.watchdog_s, eng.mesh.prefix()).start()
-    monitor = faults.Monitor(ranks, world.Get_rank(), watch_parent=faults.launched()).start()
+    monitor = faults.Monitor(ranks, world.Get_rank(), watch_parent=faults.launched(), run_dir=out).start()
     launch.on_interrupt(monitor.interrupted)
     restore_signals = launch.install_stop_handlers()
     saved, last_save = None, _clock()      # the last step saved by this run, and when (checkpoint.every_minutes)
