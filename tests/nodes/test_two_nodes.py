@@ -1,10 +1,13 @@
 """A tiny model trained at 2 nodes x 2 ranks (tp 2 inside each node, dp 2 across them): what each rank
 decided for its node, read back from ranks.jsonl (host, local rank, ranks on the node, BLAS threads, the
 memory check's share), the layout's tp groups inside a node, and the losses of a one-process run; and the
-warning when a launcher interleaves the nodes' ranks so that tp groups span nodes."""
+warning when a launcher interleaves the nodes' ranks so that tp groups span nodes; a killed rank named with
+its node's hostname."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections import defaultdict
 
 import pytest
@@ -127,3 +130,20 @@ def test_open_mpi_mpirun_places_the_ranks_on_their_nodes_too(run, tmp_path, smal
     tp, dp = _groups_hold(rows)
     assert all(len(h) == 1 for h in tp.values()) and all(h == set(HOSTS) for h in dp.values())
     assert _losses(out) == pytest.approx(_losses(run[0]), rel=1e-10, abs=0)
+
+
+def test_a_killed_rank_is_named_with_its_nodes_hostname(tmp_path, small_corpus, two_nodes):
+    """SIGKILL of a rank on the second node: its supervisor names it with that node's hostname, on stderr
+    and in failures.jsonl, and the whole job ends."""
+    out = tmp_path / "run"
+    p = two_nodes.train(out, [*BASE, *LAYOUT, f"data.path={small_corpus}", "train.steps=100000"])
+    rows = wait_ranks(out, len(HOSTS) * RANKS_PER_NODE)
+    victim = rows[3]
+    assert victim["host"] == HOSTS[1]
+    os.kill(victim["pid"], signal.SIGKILL)
+    rc, _, stderr = finish(p, timeout=60)
+    assert rc is not None and rc != 0, "the job still ran 60 s after the kill"
+    named = [x for x in stderr.splitlines() if x.startswith("hpengine: rank 3 ")]
+    assert len(named) == 1 and f"(pid {victim['pid']} on {HOSTS[1]}) was killed by SIGKILL" in named[0], stderr[-3000:]
+    (entry,) = [json.loads(x) for x in (out / "failures.jsonl").read_text().splitlines()]
+    assert (entry["rank"], entry["host"], entry["pid"], entry["signal"]) == (3, HOSTS[1], victim["pid"], "SIGKILL")
