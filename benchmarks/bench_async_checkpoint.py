@@ -6,13 +6,14 @@ takes seconds (d_model 1024, 12 layers, float32: 1.8 GB of parameters and Adam m
    the step boundary where every writer has finished: `Saver.visible_s`), each followed by training steps,
    the two interleaved round after round after a warm-up save.
 2. Tokens/s of `hpengine train` runs saving every 10 steps (asynchronous, and synchronous for reference)
-   against a run that never saves, the runs interleaved, the median tokens/s of each run (summary.json) and
-   the median over the repeats.
+   against a run that never saves, the runs interleaved: the tokens of steps 2..N over the wall time from the
+   end of step 1 to the end of step N (metrics.jsonl's elapsed_s), which holds what the saves at steps 10,
+   20, 30 cost training (the last step's save comes after it, in every run alike), median over the repeats.
 Prints a Markdown table; not part of `make test`. The folder given with --dir (default: a temporary folder)
 must have room for two checkpoints (~4 GB).
 
     .venv/bin/python benchmarks/bench_async_checkpoint.py                 # 3 rounds of each
-    .venv/bin/python benchmarks/bench_async_checkpoint.py --rounds 5 --steps 40
+    .venv/bin/python benchmarks/bench_async_checkpoint.py --rounds 5 --steps 41
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TOKENS_PER_STEP = 1 * 32         # train.global_batch x model.seq_len below
 MODEL = ["model.kind=gpt", "model.d_model=1024", "model.n_layers=12", "model.n_heads=16", "model.seq_len=32",
          "model.dtype=float32", "train.global_batch=1", "train.eval_every=0", "train.log_every=1000",
          "runtime.backend=numpy", "checkpoint.every_minutes=0", "checkpoint.at_end=false", "checkpoint.keep=1"]
@@ -80,15 +82,16 @@ def run_tps(folder: Path, steps: int, every: int, asynchronous: bool) -> float:
             f"train.out_dir={out}"]
     cmd = [sys.executable, "-m", "hpengine", "train", *[x for s in sets for x in ("--set", s)]]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    tps = json.loads((out / "summary.json").read_text())["median_tokens_per_s"]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     shutil.rmtree(out, ignore_errors=True)
-    return tps
+    tokens = (rows[-1]["step"] - rows[0]["step"]) * TOKENS_PER_STEP     # wall time from step 1's end to the last's
+    return tokens / (rows[-1]["elapsed_s"] - rows[0]["elapsed_s"])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=30, help="steps of each tokens/s run")
+    p.add_argument("--steps", type=int, default=31, help="steps of each tokens/s run")
     p.add_argument("--dir", default=None, help="folder for the checkpoints (default: a temporary folder)")
     a = p.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="hpengine-bench-ckpt-", dir=a.dir))
@@ -98,7 +101,7 @@ def main() -> None:
         for r in range(a.rounds):
             for name, every, asy in (("never saves", 0, True), ("async, every 10", 10, True), ("sync, every 10", 10, False)):
                 runs[name].append(run_tps(folder, a.steps, every, asy))
-                print(f"round {r + 1}: {name}: {runs[name][-1]:,.0f} tok/s", flush=True)
+                print(f"round {r + 1}: {name}: {runs[name][-1]:,.1f} tok/s", flush=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     sync_s, vis_s, wr_s = (statistics.median(x[i] for x in vis) for i in range(3))
@@ -110,7 +113,7 @@ def main() -> None:
     print(f"| asynchronous save, training waits | {vis_s:.3f} s ({vis_s / sync_s:.1%} of the synchronous save) |")
     print(f"| asynchronous save, written in the background in | {wr_s:.2f} s |")
     for name, xs in runs.items():
-        print(f"| tokens/s, {name} ({a.steps} steps) | {statistics.median(xs):,.0f} "
+        print(f"| tokens/s, {name} ({a.steps} steps) | {statistics.median(xs):,.1f} "
               f"({statistics.median(xs) / base:.3f} x never saves) |")
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
+
 from hpengine.checkpoint import shards
 from hpengine.checkpoint.guard import CheckpointError
 
@@ -33,9 +35,23 @@ class Saver:
         self.copied.set()
         self.index, self.failure = None, None
         self.keep = self.meta = None
+        self.buffers = []            # the last snapshot's arrays, reused by the next (no new pages to fault in)
+        self.warming = None
         self.t_begin = self.visible_s = 0.0
 
     # --- the training thread -------------------------------------------------------------------------
+    def warm(self, pieces: list) -> None:
+        """Allocate and touch the snapshot's arrays for pieces like these in a thread, while the first steps
+        train: the first save then copies into memory already mapped (touching fresh memory can cost more
+        than a step, notably in a virtual machine)."""
+        def touch():
+            bufs = [np.empty_like(p[-1]) for p in pieces]
+            for b in bufs:
+                b.fill(0)
+            self.buffers = bufs
+        self.warming = threading.Thread(target=touch, name="hpengine-checkpoint-warm", daemon=True)
+        self.warming.start()
+
     def start(self, root, step: int, keep: int, pieces: list, meta: dict, live: bool = True) -> None:
         """Collective: wait for the save in flight, prepare this one (agreed) and start its writer. `live`:
         the pieces view buffers that training changes (copied before the fence opens)."""
@@ -92,7 +108,7 @@ class Saver:
             job.abandon()
             raise CheckpointError(failures[0])
         t0, span = time.perf_counter(), self.tracer.now()
-        path = job.publish(self.keep, self.meta, self.index)
+        path = job.publish(self.keep, self.meta, self.index, prune_later=True)
         self.visible_s += time.perf_counter() - t0
         self.tracer.lap("checkpoint", span, "publish", job.step)
         self.log.info("checkpoint step %d -> %s (asynchronous: %.2f s of training time, written in %.2f s)",
@@ -102,7 +118,10 @@ class Saver:
     def _write(self, job, pieces, live) -> None:
         try:
             if live:
-                pieces = snapshot(pieces)
+                if self.warming is not None:
+                    self.warming.join()
+                pieces = snapshot(pieces, self.buffers)
+                self.buffers = [p[-1] for p in pieces]
             self.copied.set()
             self.index = job.write(pieces)
         except CheckpointError as exc:
@@ -113,6 +132,12 @@ class Saver:
             self.copied.set()           # the fence never waits for a writer that has stopped
 
 
-def snapshot(pieces: list) -> list:
-    """The pieces with their arrays copied (NumPy copies large arrays outside the GIL)."""
-    return [(*p[:-1], p[-1].copy()) for p in pieces]
+def snapshot(pieces: list, buffers: list) -> list:
+    """The pieces with their arrays copied (NumPy copies large arrays outside the GIL), into `buffers` (the
+    previous snapshot's arrays) where they match, so that only the first save touches fresh memory."""
+    if len(buffers) != len(pieces) or any(b.shape != p[-1].shape or b.dtype != p[-1].dtype
+                                          for b, p in zip(buffers, pieces)):
+        buffers = [np.empty_like(p[-1]) for p in pieces]
+    for b, p in zip(buffers, pieces):
+        np.copyto(b, p[-1])
+    return [(*p[:-1], b) for p, b in zip(pieces, buffers)]

@@ -184,12 +184,15 @@ def as_created(path) -> None:
 
 
 # --- folders ---------------------------------------------------------------------------------------
-def discard(folder: Path) -> None:
-    """Delete a step folder: renamed away first (atomic), so a kill leaves no half-deleted step_* folder."""
+def discard(folder: Path, remove: bool = True) -> Path:
+    """Delete a step folder: renamed away first (atomic), so a kill leaves no half-deleted step_* folder;
+    remove=False leaves the renamed folder (returned) for the caller to delete later."""
     gone = folder.with_name(DISCARDED + folder.name)
     shutil.rmtree(gone, ignore_errors=True)
     os.replace(folder, gone)
-    shutil.rmtree(gone, ignore_errors=True)
+    if remove:
+        shutil.rmtree(gone, ignore_errors=True)
+    return gone
 
 
 def check_writable(comm, root) -> None:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import tomllib
 from math import prod
 from pathlib import Path
@@ -121,9 +122,9 @@ class SaveJob:
         if self.world.rank == 0:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def publish(self, keep: int, meta: dict, index: list) -> Path:
+    def publish(self, keep: int, meta: dict, index: list, prune_later: bool = False) -> Path:
         """Collective: gather every rank's piece index (this rank's: `index`) and publish the manifest, the
-        folder and `latest`; prune to the `keep` newest."""
+        folder and `latest`; prune to the `keep` newest (prune_later: their deletion in a thread)."""
         everything = [p for part in self.world.allgather_obj(index) for p in part]
         root, tmp, final = self.root, self.tmp, self.final
 
@@ -145,7 +146,7 @@ class SaveJob:
             _fsync_path(root / "latest.tmp")
             os.replace(root / "latest.tmp", root / "latest")   # updated last: a crash before here keeps the old one
             _fsync_path(root)
-            _prune(root, keep)
+            _prune(root, keep, prune_later)
         _collective(self.world, self.guarded(publish))
         return final
 
@@ -166,13 +167,18 @@ def begin(world, root, step: int, pieces: list) -> SaveJob:
     return job
 
 
-def _prune(root: Path, keep: int) -> None:
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in steps[:-keep]:
+def _prune(root: Path, keep: int, later: bool = False) -> None:
+    """Discard all but the `keep` newest step folders; later=True deletes the renamed folders in a thread (the
+    next save's preparation also clears any it left)."""
+    gone = []
+    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
         try:
-            guard.discard(old)
+            gone.append(guard.discard(old, remove=not later))
         except OSError:          # a folder that cannot be removed stays; the next save tries again
             pass
+    if later and gone:
+        threading.Thread(target=lambda: [shutil.rmtree(g, ignore_errors=True) for g in gone],
+                         name="hpengine-prune", daemon=True).start()
 
 
 # --- read ----------------------------------------------------------------------------------------

@@ -95,6 +95,8 @@ def train(cfg, world=None, resume=None) -> dict:
     saved, last_save = None, _clock()      # the last step saved by this run, and when (checkpoint.every_minutes)
     saver = background.Saver(eng.world, eng.tracer, log) if cfg.checkpoint.async_ else None
     eng.before_update = saver.fence if saver else None
+    if saver and not eng.be.is_gpu and (cfg.checkpoint.every or cfg.checkpoint.every_minutes or cfg.checkpoint.at_end):
+        saver.warm(eng.state_pieces(copy=False)[0])       # the snapshot's memory, mapped while the first steps run
     try:
         for step in range(start, cfg.train.steps):
             watchdog.heartbeat(step + 1, "train_step")       # the step in progress, 1-based as everywhere

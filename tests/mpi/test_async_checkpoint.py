@@ -69,9 +69,9 @@ def test_a_slow_writer_still_saves_its_own_step(corpus, world, roots, monkeypatc
     save_state(eng, root_s, 2, keep=1)                      # the synchronous save: copies, written at once
     real = background.snapshot
 
-    def slow(pieces):
+    def slow(pieces, buffers):
         time.sleep(1.0)
-        return real(pieces)
+        return real(pieces, buffers)
     monkeypatch.setattr(background, "snapshot", slow)
     saver = background.Saver(eng.world, eng.tracer, log)
     eng.before_update = saver.fence
