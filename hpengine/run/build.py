@@ -12,10 +12,11 @@ from mpi4py import MPI
 from hpengine.checkpoint import shards as checkpoint
 from hpengine.data import DataError, TokenDataset, ensure_default_corpus
 from hpengine.device.backend import BackendError, keep_heap, make_backend
+from hpengine.device.threads import bound_cores
 from hpengine.device.threads import pin as pin_blas_threads
 from hpengine.dist.agree import agree_or_raise
 from hpengine.dist.comm import Comm, resolve_cuda_aware
-from hpengine.dist.topology import Mesh, node_ranks
+from hpengine.dist.topology import Mesh, node_gather
 from hpengine.engine.engine import Engine
 from hpengine.layout.resolve import resolve
 from hpengine.run import launch, memcheck, startguard
@@ -83,8 +84,8 @@ def compute_dtype(cfg) -> str:
 def agreed_backend(cfg, world):
     """This rank's backend (its GPU chosen by node-local rank); devices can differ between nodes, so
     the ranks agree before any of them raises."""
-    local, per_node = node_ranks(world)
-    pin_blas_threads(cfg.runtime.blas_threads, per_node)     # before the first BLAS call of the run
+    local, per_node, cores = node_gather(world, sorted(bound_cores()))     # each node rank's bound cores
+    pin_blas_threads(cfg.runtime.blas_threads, cores[local], cores[:local] + cores[local + 1:])  # before any BLAS
 
     def make():
         try:
