@@ -11,7 +11,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from venvs import ROOT, env_for, n_lines, steps_of, wait_for
 
 CONFIG = """\

@@ -15,7 +15,6 @@ import termios
 import time
 
 import pytest
-
 from venvs import ROOT, TINY, bin_of, env_for, n_lines, sets
 
 RANK_SCRIPT = """
