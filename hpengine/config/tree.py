@@ -378,9 +378,9 @@ class RuntimeConfig:
                                     check=(lambda v: v in (True, False, "auto"), 'must be "auto", true or false'))
     share_devices: bool = _f(False, "allow more ranks on a node than GPUs (ranks share devices; logged as a "
                                     "warning)")
-    blas_threads: int = _f(0, "threads of each rank's CPU BLAS/OpenMP pool; 0 = automatic: the cores the process "
-                           "may run on divided by the ranks on its node, at least 1, unless OMP_NUM_THREADS, "
-                           "OPENBLAS_NUM_THREADS or MKL_NUM_THREADS is set (then those count)", check=_must(">=", 0))
+    blas_threads: int = _f(0, "threads of each rank's CPU BLAS/OpenMP pool; 0 = automatic: the cores the rank is "
+                           "bound to divided by the ranks on its node bound to overlapping cores, at least 1, "
+                           "unless OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS is set (then those count)", check=_must(">=", 0))
     matmul_precision: str = _f("highest", "float32 GEMMs on the GPU: highest (full float32) or tf32 (tensor "
                                "cores, 10-bit mantissa inputs, float32 accumulation); no effect on NumPy",
                                choices=("highest", "tf32"))

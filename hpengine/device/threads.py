@@ -7,8 +7,10 @@ the pool itself, through threadpoolctl:
 - `runtime.blas_threads = N` (N >= 1): N threads per rank;
 - else, when OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS is set: nothing is changed
   (the libraries read those variables themselves);
-- else (automatic): the cores this process may run on (its CPU affinity) divided by the ranks on its
-  node, at least 1.
+- else (automatic): the cores this rank is bound to (its CPU affinity) divided by the ranks on its node
+  bound to cores that overlap them (this rank included), at least 1. Ranks bound to disjoint cores
+  (Open MPI's default binding at up to 2 ranks, srun's --cpu-bind) do not share; unbound ranks (MPICH's
+  default) all share the node.
 """
 from __future__ import annotations
 
@@ -21,33 +23,80 @@ ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 _chosen = "BLAS threads: not set up"
 
 
-def available_cores() -> int:
-    """Cores this process may run on (its affinity mask; the CPU count where there is none)."""
+def bound_cores() -> frozenset[int]:
+    """The cores this process may run on (its affinity mask; all CPUs where there is none)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return frozenset(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return frozenset(range(os.cpu_count() or 1))
 
 
-def choose(setting: int, ranks_on_node: int, cores: int, environ=os.environ) -> tuple[int | None, str]:
-    """(threads per rank, or None to leave the pools alone; the reason in words)."""
+def cores_text(cores) -> str:
+    """Core numbers as ranges, e.g. "0-3,8"."""
+    out, run = [], []
+    for c in sorted(cores):
+        if run and c == run[-1] + 1:
+            run.append(c)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [c]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def share(mine, others) -> tuple[int, str]:
+    """(threads, why) of the automatic rule: this rank's cores `mine` divided by the ranks sharing them,
+    this one and those of `others` (the other ranks' core sets on this node) that overlap `mine`."""
+    mine = frozenset(mine)
+    sharing = 1 + sum(1 for o in others if mine & frozenset(o))
+    n = max(1, len(mine) // sharing)
+    return n, (f"automatic: this rank is bound to {len(mine)} core(s) ({cores_text(mine)}), shared by "
+               f"{sharing} of the {1 + len(others)} rank(s) on the node")
+
+
+def launcher_cores() -> frozenset[int]:
+    """The cores this process's parent (the launcher or its node daemon) may run on; empty if unknown."""
+    try:
+        return frozenset(os.sched_getaffinity(os.getppid()))
+    except (AttributeError, OSError):
+        return frozenset()
+
+
+def idle_note(node_sets, parent) -> str:
+    """What the line adds when the node's ranks together are bound to fewer cores than their launcher may
+    use (`parent`): those cores stay idle, and how to give them to the ranks; "" otherwise."""
+    idle = frozenset(parent) - frozenset().union(*map(frozenset, node_sets))
+    if not idle:
+        return ""
+    return (f"; cores {cores_text(idle)} of the {len(parent)} the launcher may use run no rank: it bound the ranks "
+            "to fewer (Open MPI's mpirun binds each rank to one core at -n 1 and 2; --bind-to none, or "
+            "--map-by slot:PE=N for N cores per rank)")
+
+
+def choose(setting: int, mine, others=(), environ=os.environ) -> tuple[int | None, str]:
+    """(threads per rank, or None to leave the pools alone; the reason in words). mine: this rank's core
+    set; others: the core sets of the other ranks on its node."""
     if setting and setting > 0:
         return setting, f"runtime.blas_threads = {setting}"
     explicit = [f"{v}={environ[v]}" for v in ENV_VARS if environ.get(v, "").strip()]
     if explicit:
         return None, f"set in the environment ({', '.join(explicit)})"
-    n = max(1, cores // max(1, ranks_on_node))
-    return n, f"automatic: {cores} core(s) available / {ranks_on_node} rank(s) on the node"
+    return share(mine, others)
 
 
-def pin(setting: int, ranks_on_node: int) -> str:
-    """Size this process's BLAS/OpenMP pools as `choose` decides; returns the line to log (also kept for
+def pin(setting: int, mine, others=(), parent=None) -> str:
+    """Size this process's BLAS/OpenMP pools as `choose` decides for its core set `mine` among the node's
+    `others` (parent: the launcher's cores, for idle_note); returns the line to log (also kept for
     `describe`)."""
     global _chosen
-    n, why = choose(setting, ranks_on_node, available_cores())
+    n, why = choose(setting, mine, others)
     if n is None:
         _chosen = f"BLAS threads per rank: left as {why}"
         return _chosen
+    if why.startswith("automatic"):
+        why += idle_note([mine, *others], launcher_cores() if parent is None else parent)
     threadpool_limits(limits=n)       # applies now, for the life of the process
     _chosen = f"BLAS threads per rank: {n} ({why}; set OMP_NUM_THREADS or runtime.blas_threads to override)"
     return _chosen

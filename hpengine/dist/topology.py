@@ -163,3 +163,13 @@ def node_ranks(world) -> tuple[int, int]:
         return node.Get_rank(), node.Get_size()
     finally:
         node.Free()
+
+
+def node_gather(world, item) -> tuple[int, int, list]:
+    """(rank, size) of this process among the ranks of `world` on its node, and every such rank's `item`
+    (a small picklable object) in node-rank order: one allgather over the node (collective on world)."""
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    try:
+        return node.Get_rank(), node.Get_size(), node.allgather(item)
+    finally:
+        node.Free()

@@ -13,11 +13,12 @@ from mpi4py import MPI
 from hpengine.checkpoint import shards as checkpoint
 from hpengine.data import DataError, TokenDataset, ensure_default_corpus
 from hpengine.device.backend import BackendError, keep_heap, make_backend
+from hpengine.device.threads import bound_cores
 from hpengine.device.threads import pin as pin_blas_threads
 from hpengine.device.threads import pool_size as blas_pool_size
 from hpengine.dist.agree import agree_or_raise
 from hpengine.dist.comm import Comm, resolve_cuda_aware
-from hpengine.dist.topology import Mesh, node_ranks
+from hpengine.dist.topology import Mesh, node_gather
 from hpengine.engine.engine import Engine
 from hpengine.layout.resolve import resolve
 from hpengine.run import launch, memcheck, startguard
@@ -82,10 +83,11 @@ def compute_dtype(cfg) -> str:
     return cfg.model.dtype
 
 
-def agreed_backend(cfg, world, local: int, per_node: int):
-    """This rank's backend (its GPU chosen by node-local rank `local` of `per_node` ranks on the node);
-    devices can differ between nodes, so the ranks agree before any of them raises."""
-    pin_blas_threads(cfg.runtime.blas_threads, per_node)     # before the first BLAS call of the run
+def agreed_backend(cfg, world, local: int, per_node: int, cores: list):
+    """This rank's backend (its GPU chosen by node-local rank `local` of `per_node` ranks on the node; its
+    BLAS pool from `cores`, each node rank's bound cores); devices can differ between nodes, so the ranks
+    agree before any of them raises."""
+    pin_blas_threads(cfg.runtime.blas_threads, cores[local], cores[:local] + cores[local + 1:])  # before any BLAS
 
     def make():
         try:
@@ -130,8 +132,9 @@ def build(cfg, world=None, with_data: bool = True):
     world = world or MPI.COMM_WORLD
     launch.check_world(world)
     res = resolve(cfg, world.Get_size())
-    local, per_node = node_ranks(world)     # asked once: the device, BLAS threads and memory check use these
-    backend = agreed_backend(cfg, world, local, per_node)
+    # asked once: the device, BLAS threads and memory check use these (with each node rank's bound cores)
+    local, per_node, cores = node_gather(world, sorted(bound_cores()))
+    backend = agreed_backend(cfg, world, local, per_node, cores)
     limit = memcheck.check(cfg, res, world, backend, per_node=per_node)
     if not backend.is_gpu:
         keep_heap()

@@ -1,12 +1,14 @@
 """How the engine meets its launcher (mpiexec, srun, qsub): the world-size check against what the
 launcher asked for, and SIGTERM/SIGUSR1 (sent before the wall time) and a first SIGINT (Ctrl-C) turned
-into a stop request the training loop polls; a second SIGINT aborts the job at once. The hang watchdog is
-dist/watchdog.py.
+into a stop request the training loop polls; a second SIGINT aborts the job at once; under Open MPI's
+mpirun, which turns Ctrl-C and SIGTERM into a kill of every rank, rank 0 says at once how to stop cleanly.
+The hang watchdog is dist/watchdog.py.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -108,7 +110,43 @@ def check_world(world, env=None) -> None:
 
 
 # --- stop on SIGTERM / SIGUSR1 ------------------------------------------------------------------
+def open_mpi_kill_note(signum: int, env=None) -> str | None:
+    """The line rank 0 writes when SIGTERM/SIGINT reaches it from Open MPI's mpirun (PRTE_LAUNCHED): mpirun
+    sends SIGTERM when it is interrupted or terminated and SIGKILL about half a second later, too soon for
+    a checkpoint; only SIGUSR1 passes through unchanged. None elsewhere, and on the other ranks."""
+    env = os.environ if env is None else env
+    if signum not in (signal.SIGTERM, signal.SIGINT) or env.get("PRTE_LAUNCHED") != "1" \
+            or env.get("OMPI_COMM_WORLD_RANK", "0") != "0":
+        return None
+    found = re.fullmatch(r"prterun-.+-(\d+)@\d+", env.get("PMIX_NAMESPACE", ""))   # prterun-HOST-PID@JOB
+    pid = found.group(1) if found else "<pid of mpirun>"
+    return (f"hpengine: {signal.Signals(signum).name} from Open MPI's mpirun, which sends it when interrupted "
+            "(Ctrl-C) or terminated and kills every rank half a second later: too soon for a checkpoint (the "
+            f"last one saved stays). To stop cleanly, send SIGUSR1 to mpirun instead (kill -USR1 {pid}): the "
+            "ranks save after their step and exit 75")
+
+
+def _tell_now(line: str) -> None:
+    """Write `line` to the controlling terminal (mpirun has stopped forwarding the ranks' output by now),
+    else to stderr."""
+    data = (line + "\n").encode()
+    try:
+        fd = os.open("/dev/tty", os.O_WRONLY | os.O_NOCTTY)
+    except OSError:
+        fd = None
+    try:
+        os.write(2 if fd is None else fd, data)
+    except OSError:
+        pass
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def _on_signal(signum, frame):
+    note = open_mpi_kill_note(signum) if not _state["signal"] else None
+    if note:
+        _tell_now(note)
     if signum == signal.SIGINT:
         if _state["signal"] == signal.SIGINT:     # a second Ctrl-C: no more waiting for the step boundary
             sys.stderr.write("hpengine: interrupted again: aborting the job\n")

@@ -1,6 +1,6 @@
 """The progress line and the fields it adds to every metrics.jsonl row: elapsed time and ETA, model FLOPs
 utilisation (MFU) against a peak the backend knows or the user sets, and memory (peak RSS on the CPU,
-device memory in use on a GPU).
+device memory in use on a GPU); and whether the line between logged steps may redraw itself with "\r".
 
 MFU = model FLOPs of a step (trace.model_flops: 6 x Psi x tokens + attention, all models) / the step's
 train time / (peak FLOP/s per rank x ranks). The peak per rank is runtime.peak_tflops when set; else, on
@@ -10,13 +10,16 @@ in; else, on the CPU, a float GEMM on one core timed at start-up (calibrate.gemm
 from __future__ import annotations
 
 import collections
+import os
 import resource
+import sys
 import time
 
 import numpy as np
 
 from hpengine.planner.calibrate import _alone, gemm_rate
 from hpengine.planner.peaks import PEAK_TFLOPS, precision_of, table_peak
+from hpengine.run.startguard import under_launcher
 from hpengine.run.trace import model_flops
 
 RECENT = 20          # steps whose mean wall time gives the ETA
@@ -82,6 +85,20 @@ class Progress:
     def label(self) -> str:
         """"N/total": optimizer steps completed, of the run's total."""
         return f"{self.done}/{self.total}"
+
+
+def redraws(stream=None, env=None) -> bool:
+    """Whether the progress line may redraw itself with "\r": only when a person watches a terminal, that is
+    stdout is one and no launcher started this process. Under any launcher (mpiexec, mpirun, srun) the
+    rank's stdout is the launcher's forwarder, even where that looks like a terminal (Open MPI's pty), and
+    a batch log would fill with lines glued together; files and pipes get plain lines too."""
+    if under_launcher(os.environ if env is None else env):
+        return False
+    stream = sys.stdout if stream is None else stream
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):          # replaced or closed stdout
+        return False
 
 
 def hms(seconds: float) -> str:

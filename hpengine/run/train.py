@@ -209,7 +209,7 @@ def _record(cfg, m, metrics_f) -> None:
     if step % cfg.train.log_every == 0 or step == 1 or "val_loss" in m:
         for line in _lines(m):
             log.info("%s", _fmt(line, cfg.train.steps))
-    elif sys.stdout.isatty():
+    elif progress.redraws(sys.stdout):
         print(f"\r  step {step}/{cfg.train.steps} loss {m['loss']:.4f}", end="", flush=True)
 
 

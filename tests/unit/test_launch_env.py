@@ -304,3 +304,22 @@ def test_example_runs(script, tmp_path, small_corpus):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 20 and summary["final_loss"] < summary["first_loss"] - 0.5
     assert f"on {n} ranks" in p.stdout
+
+
+OMPI_RANK0 = {"PRTE_LAUNCHED": "1", "OMPI_COMM_WORLD_RANK": "0", "PMIX_NAMESPACE": "prterun-node-a-12-4321@1"}
+
+
+def test_open_mpi_kill_note_names_mpirun_and_the_clean_stop():
+    note = launch.open_mpi_kill_note(signal.SIGTERM, OMPI_RANK0)
+    assert note.startswith("hpengine: SIGTERM from Open MPI's mpirun") and "kill -USR1 4321" in note
+    assert "\n" not in note and "exit 75" in note
+    assert "kill -USR1 <pid of mpirun>" in launch.open_mpi_kill_note(signal.SIGINT, {**OMPI_RANK0, "PMIX_NAMESPACE": ""})
+
+
+@pytest.mark.parametrize("signum, env", [
+    (signal.SIGUSR1, OMPI_RANK0),                                  # passed on unchanged: a clean stop follows
+    (signal.SIGTERM, {**OMPI_RANK0, "OMPI_COMM_WORLD_RANK": "1"}),   # rank 0 says it once
+    (signal.SIGTERM, {"PMI_RANK": "0", "PMI_SIZE": "2"}),            # Hydra forwards SIGTERM: no kill follows
+    (signal.SIGTERM, {})])
+def test_no_open_mpi_kill_note_elsewhere(signum, env):
+    assert launch.open_mpi_kill_note(signum, env) is None

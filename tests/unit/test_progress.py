@@ -130,3 +130,20 @@ def test_negative_peak_is_one_clear_line():
     with pytest.raises(ConfigError, match=r"runtime\.peak_tflops.*-1.*>= 0") as e:
         load_config(None, ["runtime.peak_tflops=-1"])
     assert "\n" not in str(e.value)
+
+
+def test_the_line_redraws_only_on_a_terminal_outside_any_launcher(tmp_path):
+    import os
+    master, slave = os.openpty()
+    try:
+        with open(slave, "w", closefd=False) as tty, open(tmp_path / "log", "w") as f:
+            assert progress.redraws(tty, env={}) and not progress.redraws(f, env={})
+            for var in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_STEP_ID"):   # Open MPI: a pty
+                assert not progress.redraws(tty, env={var: "0"}), var
+        r, w = os.pipe()
+        with open(w, "w") as pipe:
+            assert not progress.redraws(pipe, env={})
+        os.close(r)
+    finally:
+        os.close(master)
+        os.close(slave)
