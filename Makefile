@@ -22,8 +22,9 @@ $(STAMP): setup.cfg pyproject.toml
 train: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(BIN)/hpengine train configs/default.toml --set train.out_dir=runs/default-$$(date +%Y%m%d-%H%M%S)
 
-test: test-imports test-unit test-mpi test-openmpi test-cluster test-nodes test-interop
+test: test-imports test-openmpi test-unit test-mpi test-cluster test-nodes test-interop
 
+# (test-openmpi comes early: it makes .venv-ompi, which the Open MPI cases of tests/unit and tests/nodes use)
 # the house's import rules (setup.cfg [importlinter]): which rooms may import which, and no circles
 test-imports: $(STAMP)
 	$(BIN)/lint-imports --config setup.cfg
