@@ -10,6 +10,8 @@
     first) the job is aborted;
   * its own parent process (the launcher's proxy, or the rank's supervisor): when it changes, the launcher
     is gone and the rank exits at once with EXIT_ORPHANED, saying why, instead of training on as an orphan;
+  * the run folder's failures.jsonl: when it grows (a rank's supervisor, on any node, recorded a death),
+    the job is aborted after `peer_grace_s` unless the launcher ended it first;
   * an interrupt (SIGINT): when the agreed stop at the next step boundary has not come within
     `interrupt_grace_s`, the job is aborted with exit status 130.
 - `say`: one stderr line written with one write call (lines of several ranks never glue together).
@@ -94,6 +96,14 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def failures_size(run_dir) -> int:
+    """Bytes of the run folder's failures.jsonl (0 when there is none or no folder)."""
+    try:
+        return os.stat(os.path.join(str(run_dir), supervisor.FAILURES)).st_size if run_dir else 0
+    except OSError:
+        return 0
+
+
 def _abort(code: int) -> None:
     MPI.COMM_WORLD.Abort(code)
 
@@ -110,7 +120,7 @@ class Monitor:
 
     def __init__(self, records: list[dict], rank: int, watch_parent: bool, poll_s: float = 0.5,
                  peer_grace_s: float = 3.0, interrupt_grace_s: float = 5.0, abort=None, exit=None, stream=None,
-                 run_dir=None):
+                 run_dir=None, failures_seen=None):
         self.me = records[rank] if records else None
         host = socket.gethostname()
         self.peers = [r for r in records if r["rank"] != rank and r["host"] == host]
@@ -119,6 +129,9 @@ class Monitor:
         self.abort, self.exit, self.stream = abort or _abort, exit or os._exit, stream
         self.ppid = os.getppid() if watch_parent else None
         self.run_dir = run_dir
+        # the size of failures.jsonl before this run's ranks could write to it (a resumed run's folder may
+        # hold an earlier run's lines)
+        self.failures_seen = failures_size(run_dir) if failures_seen is None else failures_seen
         self.interrupted_at = None
         self._stop = threading.Event()
         self._thread = None
@@ -168,6 +181,9 @@ class Monitor:
                 if self.ppid is not None and os.getppid() != self.ppid:
                     self._orphaned()
                     return
+                if failures_size(self.run_dir) > self.failures_seen:
+                    self._failure_recorded()
+                    return
                 if self.interrupted_at is not None and time.monotonic() - self.interrupted_at > self.interrupt_grace_s:
                     say(f"hpengine: rank {self.rank}: interrupted, and the ranks did not agree on a stop within "
                         f"{self.interrupt_grace_s:g} s; aborting the job", self.stream)
@@ -188,6 +204,14 @@ class Monitor:
                 supervisor.append_failure(self.run_dir, supervisor.failure("peer_died", r, line,
                                                                            noticed_by=self.rank))
             say(line, self.stream)
+        if not self._stop.wait(self.peer_grace_s):
+            self.abort(1)
+
+    def _failure_recorded(self) -> None:
+        """A rank's failure was recorded in the run folder (by its supervisor, perhaps on another node) and
+        this rank still runs: the launcher normally ends the job first; after `peer_grace_s` the job is
+        aborted, so a launcher that misses a node's death (or a rank waiting on it in a collective) cannot
+        leave it hanging."""
         if not self._stop.wait(self.peer_grace_s):
             self.abort(1)
 

@@ -74,22 +74,30 @@ def train(cfg, world=None, resume=None) -> dict:
         raise RunError(f"--resume {resume}: the checkpoint is at step {start} and train.steps = "
                        f"{cfg.train.steps}: nothing to train; raise train.steps (--set train.steps=N) to go on")
     out = prepare_run_dir(cfg, world, resuming=resume is not None, data=eng.data)
+    failures_before = faults.failures_size(out)     # what an earlier run of a resumed folder recorded
     if cfg.checkpoint.at_end or cfg.checkpoint.every or cfg.checkpoint.every_minutes:   # found now, not at the first save
         ckpt_guard.check_writable(world, checkpoint_root(cfg))
     log_start(eng, cfg)
     ranks = faults.gather_ranks(world, eng.mesh)
     log.info("ranks (host, pid, mesh coordinates): %s", faults.write_ranks_file(ranks, out, world.Get_rank()))
     supervisor.report(ranks[world.Get_rank()], out)      # from now on a death without a message names the rank
-    plan.check_at_start(cfg, eng.mesh.size, log, rank=eng.mesh.rank)
-    if resume is not None:
-        trim_metrics(out, start, world.Get_rank())
-    metrics_f = open(out / "metrics.jsonl", "a" if resume else "w") if world.Get_rank() == 0 else None
-    prog = progress.begin(eng, cfg, world, start, compute_dtype(cfg), log)     # MFU peak, ETA, memory
-    tbw = tboard.open_writer(cfg, out, world.Get_rank())
-    tracer = trace.attach(eng, cfg)    # phase timers always; a timeline under runtime.trace
-    t_start, history, stop = time.perf_counter(), [], None
-    watchdog = Watchdog(cfg.runtime.watchdog_s, eng.mesh.prefix()).start()
-    monitor = faults.Monitor(ranks, world.Get_rank(), watch_parent=faults.launched(), run_dir=out).start()
+    # watching peers, the launcher and the run folder's failures from here: a rank that dies now can leave
+    # the others waiting in a start-up collective
+    monitor = faults.Monitor(ranks, world.Get_rank(), watch_parent=faults.launched(), run_dir=out,
+                             failures_seen=failures_before).start()
+    try:
+        plan.check_at_start(cfg, eng.mesh.size, log, rank=eng.mesh.rank)
+        if resume is not None:
+            trim_metrics(out, start, world.Get_rank())
+        metrics_f = open(out / "metrics.jsonl", "a" if resume else "w") if world.Get_rank() == 0 else None
+        prog = progress.begin(eng, cfg, world, start, compute_dtype(cfg), log)     # MFU peak, ETA, memory
+        tbw = tboard.open_writer(cfg, out, world.Get_rank())
+        tracer = trace.attach(eng, cfg)    # phase timers always; a timeline under runtime.trace
+        t_start, history, stop = time.perf_counter(), [], None
+        watchdog = Watchdog(cfg.runtime.watchdog_s, eng.mesh.prefix()).start()
+    except BaseException:
+        monitor.stop()
+        raise
     launch.on_interrupt(monitor.interrupted)
     restore_signals = launch.install_stop_handlers()
     saved, last_save = None, _clock()      # the last step saved by this run, and when (checkpoint.every_minutes)

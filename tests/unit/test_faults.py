@@ -3,6 +3,7 @@ memory check, run-folder paths, `plan` arguments, one-write error lines, metrics
 from __future__ import annotations
 
 import io
+import os
 import json
 import subprocess
 import sys
@@ -73,6 +74,28 @@ def test_monitor_names_a_peer_that_died():
             time.sleep(0.05)
         assert aborted == [1]
         assert f"rank 1 [r1 dp1] (pid {peer.pid}" in out.getvalue()
+    finally:
+        m.stop()
+
+
+def test_monitor_aborts_when_a_failure_is_recorded_in_the_run_folder(tmp_path):
+    """A death its launcher missed (a rank on another node, recorded by that rank's supervisor) ends the job
+    after the grace; what an earlier run of a resumed folder recorded does not."""
+    (tmp_path / "failures.jsonl").write_text('{"event": "signal", "rank": 3}\n')     # the earlier run's
+    aborted = []
+    m = faults.Monitor([_record(0, os.getpid())], 0, watch_parent=False, poll_s=0.05, peer_grace_s=0.1,
+                       abort=aborted.append, run_dir=tmp_path)
+    m.start()
+    try:
+        time.sleep(0.4)
+        assert not aborted
+        with open(tmp_path / "failures.jsonl", "a") as f:
+            f.write('{"event": "signal", "rank": 2}\n')
+        for _ in range(50):
+            if aborted:
+                break
+            time.sleep(0.05)
+        assert aborted == [1]
     finally:
         m.stop()
 
