@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from hpengine.checkpoint import shards
+from hpengine.checkpoint import write
 from hpengine.checkpoint.guard import CheckpointError
 
 IDLE, WRITING, FAILED = 0, 1, 2      # a writer's state as the step-boundary agreement carries it (max wins)
@@ -57,7 +57,7 @@ class Saver:
         the pieces view buffers that training changes (copied before the fence opens)."""
         self.wait()
         t0, span = time.perf_counter(), self.tracer.now()
-        self.job = shards.begin(self.world, root, step, pieces)
+        self.job = write.begin(self.world, root, step, pieces)
         self.keep, self.meta, self.index, self.failure = keep, meta, None, None
         self.copied.clear()
         self.thread = threading.Thread(target=self._write, args=(self.job, pieces, live), name="hpengine-checkpoint",

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from hpengine.checkpoint import background, guard as ckpt_guard, hf_import, shards as checkpoint
+from hpengine.checkpoint import background, guard as ckpt_guard, hf_import, shards as checkpoint, write as ckpt_write
 from hpengine.config.load import Config, to_dict, to_toml
 from hpengine.device.threads import describe as blas_threads_line
 from hpengine.dist.agree import agree_or_raise
@@ -226,14 +226,14 @@ def checkpoint_root(cfg) -> Path:
 
 
 def save_state(eng, root, step: int, keep: int, saver=None) -> Path | None:
-    """Collective: this job's checkpoint of `step` under root (checkpoint/shards.py writes it); with an
+    """Collective: this job's checkpoint of `step` under root (checkpoint/write.py writes it); with an
     asynchronous `saver` (checkpoint/background.py) only started, and None returned."""
     pieces, meta = eng.state_pieces(copy=saver is None)     # the writer reads the live buffers before the update
     meta = {"config": to_toml(eng.cfg), **meta, "data": data_meta(eng.data)}
     if saver is not None:
         saver.start(root, step, keep, pieces, meta, live=not eng.be.is_gpu)
         return None
-    return checkpoint.save(eng.world, root, step, keep, pieces, meta, eng.tracer)
+    return ckpt_write.save(eng.world, root, step, keep, pieces, meta, eng.tracer)
 
 
 def save_checkpoint(eng, cfg, step: int, saver=None) -> None:

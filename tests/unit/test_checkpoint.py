@@ -168,11 +168,11 @@ def test_resume_in_a_new_process_group_is_bitwise(tmp_path, small_corpus, capsys
 KILL_DURING_SECOND_SAVE = r"""
 import sys, time
 import h5py
-from hpengine.checkpoint import shards as checkpoint
+from hpengine.checkpoint import write
 from hpengine.cli.commands import main
 
 marker, argv = sys.argv[1], sys.argv[2:]
-real, calls = checkpoint._write_shard, []
+real, calls = write._write_shard, []
 
 def write_half(path, pieces):
     calls.append(path)
@@ -186,7 +186,7 @@ def write_half(path, pieces):
             m.write(str(path))
         time.sleep(600)
 
-checkpoint._write_shard = write_half
+write._write_shard = write_half
 sys.exit(main(argv))
 """
 
