@@ -1,6 +1,7 @@
 """Refuse a job whose predicted memory per rank (the planner's model, planner/model.py) exceeds the memory
 this rank can have, before anything large is allocated: on CPU the node's MemAvailable (/proc/meminfo)
-divided by the ranks on the node; on a GPU the device's free memory divided by the ranks sharing it.
+divided by the ranks on the node, counting an asynchronous checkpoint's copy of the state; on a GPU the
+device's free memory divided by the ranks sharing it.
 The ranks agree, so every rank stops with the same line. `runtime.memory_check = false` skips it.
 """
 from __future__ import annotations
@@ -52,10 +53,23 @@ def limit_per_rank(backend, per_node: int, n_devices: int = 1) -> tuple[int, str
                                                           "on this node")
 
 
+def snapshot_bytes(cfg, res, mem: dict) -> int:
+    """Host memory an asynchronous checkpoint keeps per rank (checkpoint/background.py): its share of the
+    saved state (parameters at the optimizer's precision and the Adam moments: 1.5 x the moments, or the
+    moments and float32 masters under amp), split over the ranks that hold the same values (dp x cp)."""
+    c = cfg.checkpoint
+    if not c.async_ or not (c.every or c.every_minutes or c.at_end):
+        return 0
+    state = mem.get("optimizer", 0) * (1.0 if cfg.strategy.amp.enable else 1.5)
+    return int(state / max(1, res.dp * res.cp))
+
+
 def remedies(mem: dict) -> str:
     """The switches that shrink the largest parts of the prediction."""
     state = mem.get("params", 0) + mem.get("grads", 0) + mem.get("optimizer", 0)
     out = []
+    if mem.get("checkpoint snapshot", 0) > 0.1 * mem["total"]:
+        out.append("checkpoint.async=false (saves then wait for the disk but keep no copy of the state)")
     if state >= mem.get("activations", 0):
         out.append("shard the model state (strategy.sharding.enable=true, stage=3), split it with "
                    "strategy.tensor_parallel or strategy.pipeline, or use more ranks/nodes or a smaller [model]")
@@ -82,6 +96,10 @@ def check(cfg, res, world, backend, limit=None, per_node: int | None = None) -> 
     if per_node is None:
         _, per_node = node_ranks(world)
     mem, lim = predict(cfg, res), None
+    if mem is not None and not backend.is_gpu and snapshot_bytes(cfg, res, mem):   # on a GPU it is host memory
+        extra = snapshot_bytes(cfg, res, mem)
+        mem = {**{k: v for k, v in mem.items() if k != "total"}, "checkpoint snapshot": extra,
+               "total": mem["total"] + extra}
 
     def fits():          # the limit is found inside: reading it can fail on one rank only
         nonlocal lim

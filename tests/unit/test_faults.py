@@ -138,6 +138,22 @@ def test_memory_check_refuses_with_estimate_limit_and_switches():
     assert "runtime.memory_check=false" in msg and "\n" not in msg
 
 
+def test_memory_check_counts_the_async_checkpoint_snapshot():
+    """On the CPU an asynchronous save keeps a copy of the saved state (params + Adam moments, float32:
+    1.5 x the moments' bytes) in host memory: a limit between the two totals refuses async and passes sync."""
+    be = SimpleNamespace(is_gpu=False)
+    cfg = _cfg("model.d_model=512", "checkpoint.async=false")
+    res = resolve(cfg, 1)
+    base = memcheck.predict(cfg, res)
+    snap = memcheck.snapshot_bytes(_cfg("model.d_model=512"), res, base)
+    assert snap == int(1.5 * base["optimizer"])
+    limit = (base["total"] + snap // 2, "a test limit")
+    memcheck.check(cfg, res, MPI.COMM_SELF, be, limit=limit)
+    with pytest.raises(memcheck.MemoryCheckError) as e:
+        memcheck.check(_cfg("model.d_model=512"), res, MPI.COMM_SELF, be, limit=limit)
+    assert "checkpoint snapshot" in str(e.value) and "checkpoint.async=false" in str(e.value)
+
+
 def test_memory_check_can_be_switched_off_and_passes_small_jobs():
     be = SimpleNamespace(is_gpu=False)
     cfg = _cfg("model.d_model=4096", "runtime.memory_check=false")
