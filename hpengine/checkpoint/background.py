@@ -45,9 +45,12 @@ class Saver:
         train: the first save then copies into memory already mapped (touching fresh memory can cost more
         than a step, notably in a virtual machine)."""
         def touch():
-            bufs = [np.empty_like(p[-1]) for p in pieces]
-            for b in bufs:
-                b.fill(0)
+            try:
+                bufs = [np.empty_like(p[-1]) for p in pieces]
+                for b in bufs:
+                    b.fill(0)
+            except MemoryError:      # the first save allocates them then (and reports what it cannot)
+                return
             self.buffers = bufs
         self.warming = threading.Thread(target=touch, name="hpengine-checkpoint-warm", daemon=True)
         self.warming.start()
