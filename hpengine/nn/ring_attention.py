@@ -106,19 +106,23 @@ def _rows(a5, a, b, ct):
     return a5[:, :, :, a:b].astype(ct).reshape((B, K, g * (b - a)) + tuple(a5.shape[4:]))
 
 
+def _block_facts(q, k, q_pos, k_pos, scale):
+    """What a block's forward and backward both start from: the shapes, the query groups per key head, the
+    compute dtype, the score scale and the positions on the host (checked against the shapes)."""
+    B, H, Tq, hd = q.shape
+    K, Tk = k.shape[1], k.shape[2]
+    qp, kp = host_positions(q_pos), host_positions(k_pos)
+    if qp.size != Tq or kp.size != Tk:
+        raise ValueError(f"{qp.size} query positions for {Tq} queries, {kp.size} key positions for {Tk} keys")
+    return B, H, Tq, hd, K, Tk, _groups(H, K), compute_dtype(q.dtype), _scale(hd, scale), qp, kp
+
+
 def block_forward(xp, q, k, v, q_pos, k_pos, scale=None):
     """Attention of the queries over one block of keys: q (B, H, Tq, hd), k, v (B, K, Tk, hd), q_pos
     (Tq,), k_pos (Tk,) global positions -> o (B, H, Tq, hd) normalised over this block's visible keys and
     lse (B, H, Tq), in compute_dtype; a row that sees none of the block has o = 0, lse = -inf. The scores
     are scale * q k^T, scale 1/sqrt(hd) unless given (1.0 for a q already scaled)."""
-    B, H, Tq, hd = q.shape
-    K, Tk = k.shape[1], k.shape[2]
-    g = _groups(H, K)
-    ct = compute_dtype(q.dtype)
-    sc = _scale(hd, scale)
-    qp, kp = host_positions(q_pos), host_positions(k_pos)
-    if qp.size != Tq or kp.size != Tk:
-        raise ValueError(f"{qp.size} query positions for {Tq} queries, {kp.size} key positions for {Tk} keys")
+    B, H, Tq, hd, K, Tk, g, ct, sc, qp, kp = _block_facts(q, k, q_pos, k_pos, scale)
     o5 = xp.zeros((B, K, g, Tq, hd), dtype=ct)
     lse5 = xp.full((B, K, g, Tq), -xp.inf, dtype=ct)
     q5 = q.reshape(B, K, g, Tq, hd)
@@ -151,12 +155,7 @@ def block_backward(xp, q, k, v, o, lse, do, q_pos, k_pos, scale=None, delta=None
     keys and do (B, H, Tq, hd): -> dq (B, H, Tq, hd) this block's contribution, dk, dv (B, K, Tk, hd) the
     gradients of this block's keys and values from these queries, in compute_dtype. delta is
     softmax_delta(xp, o, do), computed here when not given (once per query set is enough)."""
-    B, H, Tq, hd = q.shape
-    K, Tk = k.shape[1], k.shape[2]
-    g = _groups(H, K)
-    ct = compute_dtype(q.dtype)
-    sc = _scale(hd, scale)
-    qp, kp = host_positions(q_pos), host_positions(k_pos)
+    B, H, Tq, hd, K, Tk, g, ct, sc, qp, kp = _block_facts(q, k, q_pos, k_pos, scale)
     if delta is None:
         delta = softmax_delta(xp, o, do)
     lse = lse.astype(ct)
