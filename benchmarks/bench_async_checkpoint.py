@@ -22,7 +22,6 @@ import datetime
 import json
 import logging
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -30,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _machine import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS_PER_STEP = 1 * 32         # train.global_batch x model.seq_len below
@@ -106,7 +107,7 @@ def main() -> None:
         shutil.rmtree(folder, ignore_errors=True)
     sync_s, vis_s, wr_s = (statistics.median(x[i] for x in vis) for i in range(3))
     base = statistics.median(runs["never saves"])
-    print(f"\n{datetime.date.today()}, {platform.processor() or platform.machine()}, one process, "
+    print(f"\n{datetime.date.today()}, {cpu_name()}, one process, "
           f"{a.rounds} interleaved rounds, medians\n")
     print("| measure | value |\n|---|---|")
     print(f"| synchronous save, training waits | {sync_s:.2f} s |")

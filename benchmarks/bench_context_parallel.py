@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _machine import cpu_name
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["model.kind=llama", "model.n_heads=8", "model.n_kv_heads=2", "model.attention=flash", "train.global_batch=1",
          "train.eval_every=0", "checkpoint.at_end=false"]
@@ -118,8 +120,7 @@ def main(argv=None) -> int:
         return 0
     bin_ = Path(sys.executable).parent
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "unknown CPU")
+    cpu = cpu_name()
     lines = [f"{datetime.date.today()}, {cpu}, {os.cpu_count()} cores; `python {' '.join(sys.argv)}`; {a.rounds} "
              f"rounds, {a.steps} timed steps after {a.warmup}, one BLAS thread per rank", "",
              "| seq | layout | tokens/s | activations MiB per rank (counted / planned) | peak RSS MiB | "

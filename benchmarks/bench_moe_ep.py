@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _machine import cpu_name
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -88,8 +90,7 @@ def main(argv=None) -> int:
         return 0
     bin_ = Path(sys.executable).parent
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "unknown CPU")
+    cpu = cpu_name()
     lines = [f"{datetime.date.today()}, {cpu}, {os.cpu_count()} cores; `python {' '.join(sys.argv)}`; {a.rounds} "
              f"rounds, {a.steps} timed steps after {a.warmup}, one BLAS thread per rank", "",
              "| ranks | ep | tokens/s | / ep 1 | all-to-all MiB per step and rank | all-to-all share | "

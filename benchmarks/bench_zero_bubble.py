@@ -23,12 +23,13 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _machine import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = ("1f1b", "interleaved", "zb1p", "zbv")
@@ -109,16 +110,6 @@ def summarize(p: int, cases: list[dict]) -> list[str]:
                     f"{' '.join(f'{b:.3f}' for b in stages)} | {c['theory']:.3f} | {bub / bub1[c['m']]:.2f} | "
                     f"{tok:,.0f} | {tok / base[c['m']]:.2f} | {act:.1f} | {bf:.2f} | " + (f"{med(wf):.2f} |" if wf else "- |"))
     return rows
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main(argv=None) -> int:
