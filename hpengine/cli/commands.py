@@ -19,7 +19,8 @@ from hpengine.checkpoint import shards as checkpoint
 from hpengine.checkpoint.export import export
 from hpengine.checkpoint.shards import CheckpointError
 from hpengine.cli.after import cmd_eval, cmd_generate, eval_parser, generate_parser
-from hpengine.config.load import ConfigError, describe, load_config, to_toml
+from hpengine.config.load import ConfigError, load_config, to_toml
+from hpengine.config.reference import describe
 from hpengine.data import DataError, build_corpus
 from hpengine.data.build import summary_line
 from hpengine.data.builtin import DEFAULT_MAX_BYTES, stdlib_files, stdlib_source

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from hpengine.config import load as C
+from hpengine.config import reference as R
 from hpengine.config.load import Config, ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,7 +54,7 @@ def test_defaults():
 
 
 def test_every_field_has_a_doc():
-    for path, cls in C._sections(Config, []):
+    for path, cls in R._sections(Config, []):
         for f in dataclasses.fields(cls):
             assert f.metadata.get("doc"), f"{'.'.join(path)}.{f.name} has no doc"
 
@@ -307,8 +308,8 @@ def test_to_dict_is_a_copy():
 
 
 def test_describe_mentions_every_key():
-    text = C.describe()
-    for path, cls in C._sections(Config, []):
+    text = R.describe()
+    for path, cls in R._sections(Config, []):
         assert f"`[{'.'.join(path)}]`" in text or f"`[[{'.'.join(path)}]]`" in text
     sections = text.split("### ")[1:]
     by_name = {s.split("`")[1].strip("[]"): s for s in sections}
@@ -345,7 +346,7 @@ def test_sources_config_round_trip(tmp_path):
     assert C.from_dict(C.to_dict(cfg)) == cfg
     by_set = load_config(None, ['data.sources=[{path="a.h5", weight=2.0}, {path="b c.h5"}]', "data.val_path=v.h5"])
     assert by_set == cfg
-    assert "### `[[data.sources]]`" in C.describe() and "| `weight` | `1.0` |" in C.describe()
+    assert "### `[[data.sources]]`" in R.describe() and "| `weight` | `1.0` |" in R.describe()
 
 
 @pytest.mark.parametrize("sets, message", [

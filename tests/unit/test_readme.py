@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 from hpengine.config import load as C
+from hpengine.config import reference as R
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
-REFERENCE = ROOT / C.REFERENCE_FILE
+REFERENCE = ROOT / R.REFERENCE_FILE
 
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")                  # [text](target), images excluded
 CODE_PATH = re.compile(r"`((?:hpengine|tests|benchmarks|configs|jobs|kernels|docs|mpirun_examples|clusters)/"
@@ -69,8 +70,8 @@ def test_file_paths_in_code_exist(page):
 
 
 def test_configuration_reference_is_current():
-    assert REFERENCE.read_text() == C.describe(), (
-        f"{C.REFERENCE_FILE} is out of date: regenerate it with `make docs`")
+    assert REFERENCE.read_text() == R.describe(), (
+        f"{R.REFERENCE_FILE} is out of date: regenerate it with `make docs`")
 
 
 def _reference_sections() -> dict[str, str]:
@@ -83,9 +84,9 @@ def test_every_config_key_is_in_its_own_section():
     """Each section's table holds exactly that dataclass's fields: a key documented only in another
     section (or a stale key) fails here, which the file-is-current test alone would not say by name."""
     sections = _reference_sections()
-    for path, cls in C._sections(C.Config, []):
+    for path, cls in R._sections(C.Config, []):
         name = ".".join(path)
-        assert name in sections, f"[{name}] has no section in {C.REFERENCE_FILE}"
+        assert name in sections, f"[{name}] has no section in {R.REFERENCE_FILE}"
         keys = re.findall(r"^\| `(\w+)` \|", sections[name], flags=re.M)
         assert keys == [C._key(f) for f in dataclasses.fields(cls) if not C._is_section(C._hints(cls)[f.name])], name
 
