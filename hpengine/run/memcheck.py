@@ -96,8 +96,8 @@ def check(cfg, res, world, backend, limit=None, per_node: int | None = None) -> 
     if per_node is None:
         _, per_node = node_ranks(world)
     mem, lim = predict(cfg, res), None
-    if mem is not None and not backend.is_gpu and snapshot_bytes(cfg, res, mem):   # on a GPU it is host memory
-        extra = snapshot_bytes(cfg, res, mem)
+    extra = snapshot_bytes(cfg, res, mem) if mem is not None and not backend.is_gpu else 0   # GPU: host memory
+    if extra:
         mem = {**{k: v for k, v in mem.items() if k != "total"}, "checkpoint snapshot": extra,
                "total": mem["total"] + extra}
 
