@@ -322,11 +322,15 @@ class AmpConfig:
     """Low-precision compute, float32 master weights, dynamic loss scaling."""
     enable: bool = _f(False, "turn mixed precision on")
     dtype: str = _f("float16", "compute dtype: float16, or bfloat16 (bf16 values in float32 storage, "
-                    "hpengine/device/precision.py; every GEMM with bf16 operands and float32 sums, nn/bf16_gemm.py)", choices=("float16", "bfloat16"))
+                    "hpengine/device/precision.py, activation caches as bf16_storage says; every GEMM with bf16 operands and float32 sums, nn/bf16_gemm.py)", choices=("float16", "bfloat16"))
     loss_scaling: str = _f("auto", "dynamic loss scaling: auto (on for float16, off for bfloat16), dynamic, off",
                            choices=("auto", "dynamic", "off"))
     grad_dtype: str = _f("float32", "bfloat16 only: dtype gradients accumulate and are reduced in (float32 as "
                          "Megatron, or bfloat16: half the gradient traffic)", choices=("float32", "bfloat16"))
+    bf16_storage: str = _f("auto", "bfloat16 only: how the activations a block keeps for its backward are stored: "
+                           "packed (bfloat16 bits, 2 bytes an element), float32 (bf16 values in float32, 4 bytes), "
+                           "auto (packed on a GPU backend, float32 on NumPy); both give the same values",
+                           choices=("auto", "float32", "packed"))
     init_scale: float = _f(65536.0, "initial loss scale", check=_must(">", 0))
     growth_interval: int = _f(1000, "overflow-free steps before the scale grows", check=_POS)
     backoff: float = _f(0.5, "scale multiplier after an overflow", check=_must(">", 0, "<", 1))

@@ -66,7 +66,8 @@ class Engine:
         self.world = Comm(mesh.world, "world", backend)
         self.pp = mesh.comms["pp"]
         amp = cfg.strategy.amp
-        self.precision = Precision(amp, res.amp)     # what amp rounds, where; the loss scaler
+        # what amp rounds, where (bf16 caches packed in 2 bytes: amp.bf16_storage); the loss scaler
+        self.precision = Precision(amp, res.amp, res.packs_activations(backend.is_gpu))
         self.amp, self.scaler = res.amp, self.precision.scaler
         # amp: float32 master weights of the owned range, from the exact (unrounded) initial values
         self.master = (init_range(self.layout, t.seed, self.sync.owned, self.xp, np.float32)
@@ -132,9 +133,9 @@ class Engine:
                     self.moe.add(b.layer, st, slot.index)
                 if self.res.recomputed(b):
                     c = Recompute(h_in)
-            self.precision.stored_activations_(xp, b.kind, h, c if grad else None)
+            c = self.precision.stored_activations_(xp, b.kind, h, c if grad else None, self.sync.param_roots())
             self.sync.release(slot.prefix + name)
-            caches.append(c if grad else None)
+            caches.append(c)
         if grad:
             self._count_caches(caches, +1)
         return h, caches
@@ -146,7 +147,7 @@ class Engine:
         xp, m, ctx = self.xp, slot.model, self.ctx
         self._count_caches(caches, -1)
         for n in reversed(range(len(chunk))):
-            b, c = slot.block(chunk[n]), caches[n]
+            b, c = slot.block(chunk[n]), self.precision.unpacked(xp, caches[n])    # float32 for this block only
             caches[n] = None
             # stage 3 gathers the block's parameters again here, prefetching the block before it
             prev = chunk[n - 1] if n and slot.block(chunk[n - 1]).bwd_params else None

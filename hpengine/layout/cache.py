@@ -1,6 +1,7 @@
 """Activation-cache accounting: what a block's forward keeps for its backward (nested tuples of arrays, or
-a recomputed block's input), walked and counted in bytes the same way by the engine and the planner's
-calibration.
+a recomputed block's input), walked, rebuilt and counted in bytes the same way by the engine and the
+planner's calibration. A leaf is anything with `nbytes` and `base`: an array, or a packed bfloat16 holder
+(strategies/bf16_storage.py), which counts through the same two attributes.
 """
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ class Recompute:
     x: object
 
 
+def _is_leaf(obj) -> bool:
+    return hasattr(obj, "nbytes") and hasattr(obj, "base")
+
+
 def cache_arrays(obj):
     """The arrays inside a nested cache (tuples, lists, a Recompute's input), in order."""
     if isinstance(obj, (tuple, list)):
@@ -20,8 +25,21 @@ def cache_arrays(obj):
             yield from cache_arrays(o)
     elif isinstance(obj, Recompute):
         yield from cache_arrays(obj.x)
-    elif hasattr(obj, "nbytes") and hasattr(obj, "base"):
+    elif _is_leaf(obj):
         yield obj
+
+
+def map_cache(obj, fn):
+    """The cache rebuilt with fn(leaf) in place of each array (or packed holder), in cache_arrays' order;
+    tuples, lists and Recompute keep their shape and everything else (shapes, None, statistics) is kept."""
+    if isinstance(obj, tuple):
+        items = [map_cache(o, fn) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)    # a named tuple keeps its type
+    if isinstance(obj, list):
+        return [map_cache(o, fn) for o in obj]
+    if isinstance(obj, Recompute):
+        return Recompute(map_cache(obj.x, fn))
+    return fn(obj) if _is_leaf(obj) else obj
 
 
 def cache_nbytes(obj, skip_roots: set, seen=None) -> int:

@@ -121,9 +121,22 @@ class Resolved:
     ep: int = 1                   # expert parallel: ranks the routed experts are split over, inside dp
     cp: int = 1                   # context parallel: ranks each sequence is split over (head-tail chunks)
     cp_comm: str = "ring"         # context_parallel.comm: "ring" or "allgather"
+    # bf16 amp: how activation caches are stored, "packed" (2 bytes) or "float32"; "auto" while the backend is
+    # (runtime.backend = "auto": packed on a GPU); "" without bf16 amp
+    bf16_storage: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "order", mesh_order(self.order))
+
+    def packs_activations(self, gpu: bool) -> bool:
+        """Whether activation caches are kept as bfloat16 bits (2 bytes), on a GPU backend (gpu) or not."""
+        return self.bf16_storage == "packed" or (self.bf16_storage == "auto" and gpu)
+
+    def on_device(self, gpu: bool) -> Resolved:
+        """This layout with bf16_storage's "auto" decided for the backend: a GPU (gpu) or NumPy."""
+        if self.bf16_storage != "auto":
+            return self
+        return dataclasses.replace(self, bf16_storage="packed" if gpu else "float32")
 
     @property
     def seq_parts(self) -> int:
@@ -205,10 +218,21 @@ def resolve(cfg, world: int) -> Resolved:
     sp = d["tp"] > 1 and s.tensor_parallel.sequence_parallel
     ep = s.expert_parallel.degree if s.expert_parallel.enable else 1
     res = dataclasses.replace(res, sp=sp, scatter=d["tp"] > 1 and d["pp"] > 1 and not sp and pc.scatter_gather,
-                              ep=d["dp"] if ep == -1 else ep, cp=d["cp"], cp_comm=s.context_parallel.comm)
+                              ep=d["dp"] if ep == -1 else ep, cp=d["cp"], cp_comm=s.context_parallel.comm,
+                              bf16_storage=_bf16_storage(cfg))
     check(cfg, res)
     chunks(cfg.model, res)          # the pipeline split must be possible
     return res
+
+
+def _bf16_storage(cfg) -> str:
+    """Resolved.bf16_storage: amp.bf16_storage, its "auto" decided here when runtime.backend names one."""
+    amp = cfg.strategy.amp
+    if not (amp.enable and amp.dtype == "bfloat16"):
+        return ""
+    if amp.bf16_storage == "auto" and cfg.runtime.backend != "auto":
+        return "packed" if cfg.runtime.backend == "cupy" else "float32"
+    return amp.bf16_storage
 
 
 def check(cfg, res: Resolved) -> None:
@@ -226,6 +250,9 @@ def check(cfg, res: Resolved) -> None:
     if amp.enable and amp.dtype == "float16" and amp.grad_dtype != "float32":
         raise LayoutError(f"strategy.amp.grad_dtype = '{amp.grad_dtype}' applies to dtype = 'bfloat16' only "
                           "(float16 gradients are float16, scaled); leave it at 'float32'")
+    if amp.enable and amp.dtype == "float16" and amp.bf16_storage != "auto":
+        raise LayoutError(f"strategy.amp.bf16_storage = '{amp.bf16_storage}' applies to dtype = 'bfloat16' only "
+                          "(float16 activations are float16 arrays); leave it at 'auto'")
     if amp.enable and mc.dtype != "float32":
         raise LayoutError(f"strategy.amp needs model.dtype = 'float32' (the master weights), got '{mc.dtype}'")
     rc = cfg.strategy.recompute

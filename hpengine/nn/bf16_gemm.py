@@ -8,8 +8,8 @@ in:
 - NumPy: rounded float32 copies multiplied by float32 BLAS. A product of two bf16 values is exact in
   float32 (8 + 8 significant bits), so this is the tensor-core GEMM up to the order of the float32 sums.
 - CuPy: each operand converted once to bf16 bits (uint16, contiguous; one pass that reads the strided
-  view), then cublasGemmStridedBatchedEx over the calls gemm.plan makes for those contiguous copies and
-  the (possibly strided) float32 output, which it writes or accumulates into.
+  view: device/bf16_bits.py), then cublasGemmStridedBatchedEx over the calls gemm.plan makes for those
+  contiguous copies and the (possibly strided) float32 output, which it writes or accumulates into.
 `launch_args` builds the cuBLAS arguments without a GPU, so the CPU tests emulate them in NumPy against
 CuPy's binding order.
 """
@@ -20,6 +20,7 @@ import contextlib
 import numpy as np
 
 from hpengine.device import backend
+from hpengine.device.bf16_bits import to_bf16_bits
 from hpengine.device.precision import round_bf16_
 from hpengine.nn import gemm
 
@@ -27,20 +28,6 @@ CUDA_R_32F, CUDA_R_16BF = 0, 14            # cudaDataType_t
 CUBLAS_COMPUTE_32F = 68                    # cublasComputeType_t
 CUBLAS_GEMM_DEFAULT = -1                   # cublasGemmAlgo_t: cuBLAS picks (tensor cores for bf16)
 _STATE = {"on": False}
-
-# float32 x -> uint16 y, the bfloat16 nearest x (ties to even); inf stays inf, a NaN stays a NaN (a payload
-# only in the low half would otherwise truncate to inf). The body of cupy.ElementwiseKernel; the CPU tests
-# compile it inside a __global__ function with nvcc.
-TO_BF16_BODY = """
-unsigned int u = __float_as_uint(x);
-if ((u & 0x7F800000u) == 0x7F800000u) {
-    y = (unsigned short)((u >> 16) | ((u & 0x007FFFFFu) ? 0x0040u : 0u));
-} else {
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    y = (unsigned short)(u >> 16);
-}
-"""
-_KERNEL: dict = {}
 
 
 @contextlib.contextmanager
@@ -95,22 +82,6 @@ def _rounded(xp, a):
 
 def _elements(x) -> tuple:
     return tuple(s // x.itemsize for s in x.strides)
-
-
-def to_bf16_bits(xp, a):
-    """The bfloat16 bits (uint16, C-contiguous) of float32 array a, in one pass over any strides (CuPy)."""
-    if "k" not in _KERNEL:
-        _KERNEL["k"] = xp.ElementwiseKernel("float32 x", "uint16 y", TO_BF16_BODY, "hpengine_to_bf16")
-    return _KERNEL["k"](a, xp.empty(a.shape, dtype=np.uint16))
-
-
-def bf16_bits_numpy(a: np.ndarray) -> np.ndarray:
-    """TO_BF16_BODY in NumPy (the CPU tests hold it against ml_dtypes)."""
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    special = (u & 0x7F800000) == 0x7F800000
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    kept = ((u >> 16) | np.where((u & 0x007FFFFF) != 0, 0x0040, 0)).astype(np.uint16)
-    return np.where(special, kept, rounded).astype(np.uint16)
 
 
 def launch_args(calls, a_ptr: int, b_ptr: int, out_ptr: int, alpha_ptr: int, beta_ptr: int, handle: int) -> list:

@@ -300,14 +300,16 @@ def write_best(cfg: Config, best: dict, path: str, cluster: Cluster) -> Config:
 
 # ---- at train start, calibration, command line ------------------------------------------------------
 
-def check_at_start(cfg: Config, world: int, log, rank: int = 0) -> dict | None:
+def check_at_start(cfg: Config, world: int, log, rank: int = 0, gpu: bool | None = None) -> dict | None:
     """Log the predicted per-rank memory (and step time with a cluster file in HPENGINE_CLUSTER);
-    warn when it exceeds the device memory (HPENGINE_DEVICE_MEMORY_GB or that file's mem_gb)."""
+    warn when it exceeds the device memory (HPENGINE_DEVICE_MEMORY_GB or that file's mem_gb). gpu: whether
+    the job runs on a GPU backend (what amp.bf16_storage = "auto" follows), when known."""
     try:
         path, mem = os.environ.get("HPENGINE_CLUSTER"), os.environ.get("HPENGINE_DEVICE_MEMORY_GB")
         cluster = load_cluster(path) if path else None
         limit = float(mem) * GB if mem else (cluster.usable_gb * GB if cluster else None)
-        r = evaluate(cfg, resolve(cfg, world), cluster)
+        lay = resolve(cfg, world)
+        r = evaluate(cfg, lay if gpu is None else lay.on_device(gpu), cluster)
     except (ConfigError, ValueError, OSError) as e:
         log.warning("plan: no prediction for this job (%s)", e)
         return None

@@ -95,7 +95,7 @@ def check(cfg, res, world, backend, limit=None, per_node: int | None = None) -> 
         return None
     if per_node is None:
         _, per_node = node_ranks(world)
-    mem, lim = predict(cfg, res), None
+    mem, lim = predict(cfg, res.on_device(backend.is_gpu)), None
     extra = snapshot_bytes(cfg, res, mem) if mem is not None and not backend.is_gpu else 0   # GPU: host memory
     if extra:
         mem = {**{k: v for k, v in mem.items() if k != "total"}, "checkpoint snapshot": extra,

@@ -86,7 +86,7 @@ def train(cfg, world=None, resume=None) -> dict:
     monitor = faults.Monitor(ranks, world.Get_rank(), watch_parent=faults.launched(), run_dir=out,
                              failures_seen=failures_before).start()
     try:
-        plan.check_at_start(cfg, eng.mesh.size, log, rank=eng.mesh.rank)
+        plan.check_at_start(cfg, eng.mesh.size, log, rank=eng.mesh.rank, gpu=eng.be.is_gpu)
         if resume is not None:
             trim_metrics(out, start, world.Get_rank())
         metrics_f = open(out / "metrics.jsonl", "a" if resume else "w") if world.Get_rank() == 0 else None

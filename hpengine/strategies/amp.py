@@ -11,6 +11,7 @@ import numpy as np
 from hpengine.device.precision import round_bf16_
 from hpengine.layout.cache import cache_arrays
 from hpengine.nn import bf16_gemm
+from hpengine.strategies.bf16_storage import pack_cache, unpack_cache
 
 
 def loss_scaling(acfg) -> bool:
@@ -50,13 +51,18 @@ class Precision:
     """The one precision policy of a run: where amp rounds what it stores and how the reduced gradient is
     made ready for the float32 update. With amp off every method is a no-op or a pass-through.
 
-    bfloat16 storage is emulated on float32 (device/precision.py): a bf16 implementation stores a block's
-    output and its caches, its input gradient in backward, the compute copy of the parameters and, with
-    amp.grad_dtype = "bfloat16", the gradients; each of those is rounded here and nowhere else."""
+    bfloat16 is stored where a bf16 implementation stores it: a block's output and its caches, its input
+    gradient in backward, the compute copy of the parameters and, with amp.grad_dtype = "bfloat16", the
+    gradients; each of those is rounded here and nowhere else. The values are bfloat16 values kept in float32
+    (device/precision.py), except, with `packed` (amp.bf16_storage), the caches: those are held as bfloat16
+    bits, 2 bytes an element, from the end of the block's forward to the start of its backward
+    (strategies/bf16_storage.py). The compute copy and the gradients stay in float32 storage either way: they
+    are the flat buffers MPI sums and gathers, and MPI has no bfloat16 sum."""
 
-    def __init__(self, acfg, amp_on: bool):
+    def __init__(self, acfg, amp_on: bool, packed: bool = False):
         self.amp = amp_on
         self.bf16 = amp_on and acfg.dtype == "bfloat16"
+        self.packed = self.bf16 and packed
         self.bf16_grads = self.bf16 and acfg.grad_dtype == "bfloat16"
         self.scaler = LossScaler(acfg) if amp_on and loss_scaling(acfg) else None
 
@@ -72,13 +78,26 @@ class Precision:
         """The context inside which every GEMM takes bfloat16 operands (bf16 amp only)."""
         return bf16_gemm.operands(self.bf16)
 
-    def stored_activations_(self, xp, kind: str, h, cache) -> None:
-        """A block's output and what it keeps for backward, as bf16 would store them; the head's loss math
-        stays float32, as Megatron's. Parameter views inside a cache are bf16 already: a no-op on them."""
-        if self.bf16 and kind != "head":
-            for a in cache_arrays((h, cache)):
-                if a.dtype == np.float32 and a.ndim:
-                    round_bf16_(xp, a)
+    def stored_activations_(self, xp, kind: str, h, cache, param_roots: set = frozenset()):
+        """A block's output and what it keeps for backward, as bf16 would store them; returns the cache as
+        stored. The output h is rounded in place (the next block reads bf16 values); the cache is rounded in
+        place too, or, packed, replaced by its bfloat16 bits, leaving out views of parameter storage
+        (param_roots: bf16 already, and kept by the buffers anyway). The head's loss math stays float32, as
+        Megatron's."""
+        if not self.bf16 or kind == "head":
+            return cache
+        if self.packed:
+            if h.dtype == np.float32 and h.ndim:
+                round_bf16_(xp, h)
+            return pack_cache(xp, cache, param_roots)
+        for a in cache_arrays((h, cache)):
+            if a.dtype == np.float32 and a.ndim:
+                round_bf16_(xp, a)
+        return cache
+
+    def unpacked(self, xp, cache):
+        """A block's cache as its backward reads it: float32 arrays (packed: converted back, this block only)."""
+        return unpack_cache(xp, cache) if self.packed else cache
 
     def input_grad_(self, xp, d) -> None:
         """A block's input gradient in backward, as bf16 stores it."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpengine.device import backend
+from hpengine.device import backend, bf16_bits
 from hpengine.config.load import load_config
 from hpengine.nn import bf16_gemm
 from hpengine.run.build import build
@@ -21,8 +21,8 @@ def test_conversion_bit_for_bit():
     rng = np.random.default_rng(0)
     x = rng.integers(0, 2**32, size=1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32)
     x = x.reshape(1024, 1024)[:, ::2]                                    # a strided view
-    got = cp.asnumpy(bf16_gemm.to_bf16_bits(cp, cp.asarray(x)))
-    np.testing.assert_array_equal(got, bf16_gemm.bf16_bits_numpy(x))
+    got = cp.asnumpy(bf16_bits.to_bf16_bits(cp, cp.asarray(x)))
+    np.testing.assert_array_equal(got, bf16_bits.bf16_bits_numpy(x))
 
 
 VIEWS = {

@@ -2,7 +2,8 @@
 parameter, gradient and optimizer bytes equal Engine.memory() on every rank, the predicted bytes of every
 communicator and operation equal the comm.py counters over two steps, and the predicted activation bytes
 are within 10% of the engine's counted live caches (here they are equal; exactly so, checked, under sequence
-parallelism, the zero-bubble schedules, whose W stash is counted too, the MoE layers and context parallelism)."""
+parallelism, the zero-bubble schedules, whose W stash is counted too, the MoE layers, context parallelism and
+bfloat16 caches packed in 2 bytes)."""
 import pytest
 
 from helpers import LLAMA, config, need
@@ -16,6 +17,7 @@ PP2 = [S + "pipeline.enable=true", S + "pipeline.degree=2"]
 TP2 = [S + "tensor_parallel.enable=true", S + "tensor_parallel.degree=2"]
 SP = [S + "tensor_parallel.sequence_parallel=true"]
 CP2 = [S + "context_parallel.enable=true", S + "context_parallel.degree=2"]
+BF16_PACKED = [S + "amp.enable=true", S + "amp.dtype=bfloat16", S + "amp.bf16_storage=packed", "model.dtype=float32"]
 
 ANY = lambda n: True           # noqa: E731
 EVEN = lambda n: n % 2 == 0    # noqa: E731
@@ -131,6 +133,10 @@ LAYOUTS = [
         S + "pipeline.micro_batches=2", S + "recompute.enable=true", S + "recompute.granularity=selective"]),
     ("cp_llama_cp4", lambda n: n == 4, LLAMA + [S + "context_parallel.enable=true", S + "context_parallel.degree=4",
                                                  "model.seq_len=16"]),
+    # bfloat16 caches packed in 2 bytes (the head's and the W stash's not): the wire stays float32
+    ("sp_bf16_packed_llama_tp2_dp", EVEN, LLAMA + TP2 + SP + DP + BF16_PACKED),
+    ("zb_bf16_packed_pp2_zb1p_dp", TWO_OR_4, PP2 + DP + BF16_PACKED + [S + "pipeline.micro_batches=4",
+                                                                   S + "pipeline.schedule=zb1p"]),
     ("zb_pp4_zbv", lambda n: n == 4, [S + "pipeline.enable=true", S + "pipeline.degree=4", S + "pipeline.micro_batches=8",
                                       S + "pipeline.schedule=zbv", "model.n_layers=8"]),
 ]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpengine.device import kernels
+from hpengine.device import bf16_bits, kernels
 from hpengine.config.load import load_config
 from hpengine.nn import bf16_gemm, gemm
 from hpengine.run.build import build
@@ -30,7 +30,7 @@ def test_bits_equal_ml_dtypes():
     u = np.concatenate([u, np.array([0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0x7F7FFFFF, 0x00008000,
                                      0x3F808000, 0x3F818000, 0x80000000, 0], np.uint32)])
     x = u.view(np.float32)
-    got = bf16_gemm.bf16_bits_numpy(x)
+    got = bf16_bits.bf16_bits_numpy(x)
     with np.errstate(invalid="ignore"):
         want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
     nan = np.isnan(x)
@@ -118,7 +118,7 @@ def test_cublas_ex_arguments_emulated(case, accumulate):
         out = np.zeros(a.shape[:-1] + b.shape[-1:], np.float32)
     out[...] = rng.normal(size=out.shape)
     start = out.copy()
-    a16, b16 = bf16_gemm.bf16_bits_numpy(a), bf16_gemm.bf16_bits_numpy(b)     # contiguous, as on the GPU
+    a16, b16 = bf16_bits.bf16_bits_numpy(a), bf16_bits.bf16_bits_numpy(b)     # contiguous, as on the GPU
     calls = gemm.plan(a16.shape, _elements(a16), b16.shape, _elements(b16), out.shape, _elements(out))
     assert calls is not None
     one, beta = np.ones(1, np.float32), np.full(1, 1.0 if accumulate else 0.0, np.float32)
@@ -136,7 +136,7 @@ def test_conversion_body_compiles(tmp_path):
     src = tmp_path / "to_bf16.cu"
     src.write_text('extern "C" __global__ void to_bf16(const float* xs, unsigned short* ys, int n) {\n'
                    "    int i = blockIdx.x * blockDim.x + threadIdx.x;\n    if (i >= n) return;\n"
-                   "    float x = xs[i];\n    unsigned short y;\n" + bf16_gemm.TO_BF16_BODY + "    ys[i] = y;\n}\n")
+                   "    float x = xs[i];\n    unsigned short y;\n" + bf16_bits.TO_BF16_BODY + "    ys[i] = y;\n}\n")
     logs = kernels.compile_check("to_bf16", archs=("sm_80",), path=str(src), compiler="nvcc")   # raises on failure
     log = logs["sm_80"]
     assert "Compiling entry function 'to_bf16' for 'sm_80'" in log, log

@@ -1,0 +1,62 @@
+"""bfloat16 bits: float32 arrays to the uint16 bit patterns of their nearest bfloat16 (ties to even) and back,
+one pass each way on CuPy (ElementwiseKernels) and the same integer arithmetic on NumPy. The bf16 GEMMs take
+these bits as operands (nn/bf16_gemm.py) and packed activation caches keep them (strategies/bf16_storage.py).
+
+Bits rather than an array dtype: NumPy has no bfloat16, and CuPy's support for ml_dtypes.bfloat16 arrays is
+recent and partial (docs/gpu.md); uint16 bits work on every CuPy and are what cuBLAS and our kernels read.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# float32 x -> uint16 y, the bfloat16 nearest x (ties to even); inf stays inf, a NaN stays a NaN (a payload
+# only in the low half would otherwise truncate to inf). The body of cupy.ElementwiseKernel; the CPU tests
+# compile it inside a __global__ function with nvcc.
+TO_BF16_BODY = """
+unsigned int u = __float_as_uint(x);
+if ((u & 0x7F800000u) == 0x7F800000u) {
+    y = (unsigned short)((u >> 16) | ((u & 0x007FFFFFu) ? 0x0040u : 0u));
+} else {
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    y = (unsigned short)(u >> 16);
+}
+"""
+# uint16 b -> float32 y: the bfloat16 value those bits hold, exactly (the high half of a float32)
+FROM_BF16_BODY = """
+y = __uint_as_float(((unsigned int)b) << 16);
+"""
+_KERNELS: dict = {}
+
+
+def _kernel(xp, name: str):
+    if name not in _KERNELS:
+        _KERNELS[name] = (xp.ElementwiseKernel("float32 x", "uint16 y", TO_BF16_BODY, "hpengine_to_bf16")
+                          if name == "to" else
+                          xp.ElementwiseKernel("uint16 b", "float32 y", FROM_BF16_BODY, "hpengine_from_bf16"))
+    return _KERNELS[name]
+
+
+def to_bf16_bits(xp, a):
+    """The bfloat16 bits (uint16, C-contiguous, a's shape) of float32 array a, in one pass over any strides."""
+    if xp.__name__ != "cupy":
+        return bf16_bits_numpy(a)
+    return _kernel(xp, "to")(a, xp.empty(a.shape, dtype=np.uint16))
+
+
+def from_bf16_bits(xp, bits):
+    """The float32 values (C-contiguous, bits' shape) that bfloat16 bits (uint16) hold."""
+    if xp.__name__ != "cupy":
+        u = np.asarray(bits, dtype=np.uint16).astype(np.uint32)
+        u <<= 16
+        return u.view(np.float32)
+    return _kernel(xp, "from")(bits, xp.empty(bits.shape, dtype=np.float32))
+
+
+def bf16_bits_numpy(a: np.ndarray) -> np.ndarray:
+    """TO_BF16_BODY in NumPy: for every value but a NaN these are the bits precision.round_bf16_ rounds to
+    (a NaN keeps its sign and high payload, quiet bit set; round_bf16_ writes the canonical NaN)."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    special = (u & 0x7F800000) == 0x7F800000
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    kept = ((u >> 16) | np.where((u & 0x007FFFFF) != 0, 0x0040, 0)).astype(np.uint16)
+    return np.where(special, kept, rounded).astype(np.uint16)

@@ -1,0 +1,54 @@
+"""bfloat16 activation caches in 2 bytes on the GPU (strategies/bf16_storage.py through device/bf16_bits.py's
+kernels) against the NumPy twin: the bits and the round trip of strided views bit for bit, and a bf16 amp run
+on CuPy whose caches are packed (auto on a GPU) training bit for bit like the float32 storage of the same
+values on CuPy, with device arrays of uint16 bits in its caches and a lower cache peak. Skips cleanly without
+CuPy and a device."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpengine.config.load import load_config
+from hpengine.device import backend
+from hpengine.layout.cache import cache_arrays
+from hpengine.run.build import build
+from hpengine.strategies.bf16_storage import Packed, pack_cache, unpack_cache
+
+pytestmark = pytest.mark.skipif(not backend.cupy_usable(), reason="needs CuPy and a usable CUDA device")
+
+
+def test_pack_and_unpack_equal_the_numpy_twin():
+    cp = backend.cupy_module()
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 2**32, size=(64, 3 * 96), dtype=np.uint64).astype(np.uint32).view(np.float32)
+    cache = lambda a: (a[:, :96], a[:, 96:192], a[:, 192:].T, a.reshape(-1))        # noqa: E731
+    want = pack_cache(np, cache(x), set())
+    got = pack_cache(cp, cache(cp.asarray(x)), set())
+    np.testing.assert_array_equal(cp.asnumpy(got[0].base.bits), want[0].base.bits)
+    back_np, back_cp = unpack_cache(np, want), unpack_cache(cp, got)
+    for a, b in zip(cache_arrays(back_cp), cache_arrays(back_np)):
+        assert a.shape == b.shape and a.dtype == np.float32
+        np.testing.assert_array_equal(cp.asnumpy(a).view(np.uint32), b.view(np.uint32))
+
+
+def test_packed_run_on_cupy_equals_float32_storage(small_corpus):
+    base = [f"data.path={small_corpus}", "train.eval_every=0", "model.d_model=64", "model.n_layers=2",
+            "model.n_heads=4", "model.seq_len=64", "train.global_batch=4", "model.dtype=float32",
+            "strategy.amp.enable=true", "strategy.amp.dtype=bfloat16", "runtime.backend=auto"]
+    out = {}
+    for mode in ("float32", "auto"):
+        eng = build(load_config(None, base + [f"strategy.amp.bf16_storage={mode}"]), MPI.COMM_SELF)
+        assert eng.be.is_gpu and eng.precision.packed == (mode == "auto")
+        losses = [eng.train_step(s)["loss"] for s in range(3)]
+        out[mode] = (losses, eng.named_params(), eng.cache_peak, eng)
+    (la, pa, ka, _), (lb, pb, kb, eng) = out["float32"], out["auto"]
+    assert la == lb and all(np.array_equal(pa[n], pb[n]) for n in pa)
+    assert kb < ka
+    slot = eng.slots[0]
+    x, y = eng._rows("train", 0, slot.seed)
+    _, caches = eng.chunk_forward(slot, slot.chunks[0], x[:2], y[:2], 1.0)
+    held = [a for a in cache_arrays(caches[1:-1]) if isinstance(a, Packed)]
+    cp = backend.cupy_module()
+    assert held and all(isinstance(a.bits, cp.ndarray) and a.bits.dtype == np.uint16 for a in held)
+    eng.chunk_backward(slot, slot.chunks[0], None, caches)
