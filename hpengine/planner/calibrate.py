@@ -23,7 +23,8 @@ from hpengine.models import LOCAL, build_model
 from hpengine.optim import AdamW, sum_of_squares
 from hpengine.params.buffers import FlatBuffer, Layout as Offsets, ParamSpec, Range
 from hpengine.planner.calibrate_gpu import calibrate_gpu
-from hpengine.planner.model import block_activations, matmul_flops
+from hpengine.planner.memory import block_activations
+from hpengine.planner.model import matmul_flops
 
 GB = 1e9
 ROUNDS = 5                        # timed rounds of each primitive; the best (or the median) is kept

@@ -1,253 +1,26 @@
-"""The planner's model of one layout: what each rank holds (ZeRO model states, activation caches,
-transient buffers) and sends (bytes per communicator and operation) in one optimizer step, and an
-alpha-beta time model on a cluster. Byte counts come from the model's own ParamSpecs and the engine's
-partition and schedules, so they equal what the engine allocates and its comm.py counters record.
+"""The planner's model of one layout: its stages, what each rank sends (bytes per communicator and
+operation) in one optimizer step, and an alpha-beta time model on a cluster; what it holds is memory.py's.
+Byte counts come from the model's own ParamSpecs and the engine's partition and schedules, so they equal
+what the engine allocates and its comm.py counters record.
 """
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
-from hpengine.config.load import model_from_key, model_key
-from hpengine.layout.resolve import AXES, MAX_INFLIGHT, Resolved, resolve
-from hpengine.layout.schedules import bubble_fraction, peak_live, placement
-from hpengine.layout.stage import build_stage, owner
+from hpengine.layout.resolve import Resolved, resolve
+from hpengine.layout.schedules import bubble_fraction, placement
 from hpengine.models import build_model
-from hpengine.params.buffers import partition
 from hpengine.planner import context as plan_cp, gpu as plan_gpu, moe as plan_moe, recompute as rc, tp as plan_tp
+from hpengine.planner.memory import (_partition, _read_blocks, activations, block_activations, buffers, model_state,
+                                     owned, owned_experts, packed_caches, precision)
+from hpengine.planner.stages import Stage, stages
 
 F64 = 8                  # the engine's loss and squared-norm vectors are float64, one entry per model
 _bubble = functools.lru_cache(maxsize=4096)(bubble_fraction)     # the planner asks often; it builds a schedule
 
 
-# ---- what a pipeline stage holds -------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Stage:
-    """One pipeline stage of one model, per tp rank (stage.build_stage's description reduced to counts):
-    its blocks in layout order with their element counts (including another stage's tensors it keeps a
-    copy of), its chunks, and shape facts."""
-    blocks: tuple          # ((name, [tensor elements, ...]), ...)
-    chunks: tuple          # block names per local chunk
-    layers: int
-    matmul: int            # elements of the weights this stage multiplies by (per tp rank)
-    kinds: tuple = ()      # models.Block of each block, in layout order
-    deps: tuple = ()       # (block, (blocks of this stage whose tensors it reads)), from stage.build_stage
-    matmuls: tuple = ()    # (block, weight elements it multiplies by)
-    tied: int = 0          # elements whose gradient is summed with another stage (a tied wte and its copy)
-    replicated: tuple = ()  # per tensor (sizes' order, one model): whether every tp rank holds it whole
-    experts: int = 0       # elements of the expert blocks split over ep (this rank's block; summed over ep-dp)
-    expert: tuple = ()     # per tensor (sizes' order, one model): whether it is an expert block split over ep
-    expert_mm: int = 0     # of `matmul`, the routed experts' share (top_k of them per token)
-    partial: tuple = ()    # per tensor: held whole but applied to this tp rank's heads only (ParamSpec.tp_partial)
-
-    def sizes(self, models: int) -> list[int]:
-        """Tensor element counts in layout order, for `models` models sharing the buffer."""
-        return [n for _ in range(models) for _, sz in self.blocks for n in sz]
-
-    def block(self, name: str) -> int:
-        return sum(dict(self.blocks)[name])
-
-    @functools.cached_property
-    def kind_of(self) -> dict:
-        """{block name: models.Block}, built once per stage (the search asks for every block of every layout)."""
-        return {b.name: b for b in self.kinds}
-
-    def of_kind(self, kind: str) -> list[str]:
-        return [b.name for b in self.kinds if b.kind == kind]
-
-    @property
-    def psi(self) -> int:
-        return sum(sum(sz) for _, sz in self.blocks)
-
-    @property
-    def names(self) -> list[str]:
-        return [b for b, _ in self.blocks]
-
-
-def stages(mcfg, tp: int, p: int, v: int, split="uniform", schedule: str = "fthenb", ep: int = 1) -> list[Stage]:
-    """Every pipeline stage of the model, cut as the engine cuts it (schedule: where the chunks sit; only
-    zbv's V differs from c * p + stage; ep: the expert blocks a rank holds, 1 / ep of the experts)."""
-    key = tuple(split) if isinstance(split, list) else split
-    return _stages(model_key(mcfg), tp, p, v, key, "zbv" if schedule == "zbv" else "fthenb", ep)
-
-
-@functools.lru_cache(maxsize=4096)
-def _stages(mkey, tp, p, v, split, schedule, ep=1) -> list[Stage]:
-    mcfg = model_from_key(mkey)
-    res = Resolved(tp, 1, 1, p, 0, "tensor", 1, 1, v, schedule, list(split) if isinstance(split, tuple) else split,
-                   0, False, AXES, 1, ep=ep)
-    model = build_model(mcfg, tp)
-    out = []
-    for s in range(p):
-        st = build_stage(mcfg, res, s, 0, models=[model])
-        slot, lay = st.slots[0], st.layout
-        blocks, matmuls, replicated, expert, partial, expert_mm = [], [], [], [], [], 0
-        for name in slot.blocks:
-            b = slot.block(name)
-            specs = st.block_specs[name]
-            sizes = [lay.ranges[sp.name].size for sp in specs]
-            mm = 0
-            if b.kind != "embed":   # embedding lookups are no matmul; a copied tensor counts as a read below
-                mm += sum(n for sp, n in zip(specs, sizes) if len(sp.global_shape) == 2 and sp.name not in st.copies)
-                # routed experts (E, in, out): each token meets top_k of the E matrices, wherever they are held
-                moe = getattr(model, "moe", None)
-                routed = sum(n * lay.ep_size * moe.k // moe.E for sp, n in zip(specs, sizes)
-                             if len(sp.global_shape) == 3) if moe else 0
-                mm, expert_mm = mm + routed, expert_mm + routed
-            for t in b.reads:       # a tied head multiplies by wte, held here or by the embedding block
-                mm += next(math.prod(sp.local_shape(0, tp)) for sp in model.specs(owner(model, t)) if sp.name == t)
-            blocks.append((name, tuple(sizes)))
-            replicated += [sp.tp_dim is None for sp in specs]
-            expert += [sp.ep_dim is not None and ep > 1 for sp in specs]
-            partial += [sp.tp_dim is None and sp.tp_partial for sp in specs]
-            matmuls.append((name, mm))
-        kinds = tuple(slot.block(n) for n in slot.blocks)
-        out.append(Stage(tuple(blocks), slot.chunks, sum(k.kind == "layer" for k in kinds), sum(n for _, n in matmuls),
-                         kinds, tuple(st.deps.items()), tuple(matmuls),
-                         sum(lay.ranges[t].size for t in set(st.tied.values())), tuple(replicated),
-                         sum(lay.ranges[sp.name].size for sp in lay.specs if sp.ep_dim is not None and ep > 1),
-                         tuple(expert), expert_mm=expert_mm, partial=tuple(partial)))
-    return out
-
-
-# ---- memory ----------------------------------------------------------------------------------------
-
-def zero_bytes(psi: float, share: float, stage: int, w: int, g: int, k: int) -> tuple:
-    """ZeRO (Rajbhandari et al. 2020) model states of a rank owning `share` of `psi` elements:
-    (parameters, gradients, optimizer) with w, g, k bytes per element; stage 0 = not sharded."""
-    return (w * (share if stage >= 3 else psi), g * (share if stage >= 2 else psi),
-            k * (share if stage >= 1 else psi))
-
-
-def precision(mcfg, amp) -> tuple:
-    """(w, g, K, compute bytes): 16-bit copies and fp32 master + Adam under float16 amp (K = 12); bfloat16
-    values are kept in float32 storage (precision.py), so its copies, gradients (flat buffers MPI sums: MPI
-    has no bfloat16 sum) and activations on the wire take 4 bytes, as do its cached activations unless
-    they are packed (packed_caches: 2 bytes, block_activations); else the dtype for parameters and
-    gradients and two Adam moments (K = 8 in float32)."""
-    if amp == "bfloat16":
-        return 4, 4, 12, 4
-    if amp:
-        return 2, 2, 12, 2
-    item = 8 if mcfg.dtype == "float64" else 4
-    return item, item, 2 * item, item
-
-
-def owned(st: Stage, lay: Resolved, models: int, sh_rank=None) -> int:
-    """Elements this sharding rank owns (the largest share when sh_rank is None)."""
-    if lay.sh == 1:
-        return st.psi * models
-    ranges = _partition(tuple(st.sizes(models)), lay.sh, lay.partition)
-    return max(r.size for r in ranges) if sh_rank is None else ranges[sh_rank].size
-
-
-def owned_experts(st: Stage, lay: Resolved, models: int, sh_rank=None) -> int:
-    """Elements of expert blocks split over ep inside this sharding rank's owned range (the largest share when
-    sh_rank is None): their gradients are averaged over the ep-dp replicas, the rest over dp."""
-    if lay.sh == 1:
-        return st.experts * models
-    sizes = tuple(st.sizes(models))
-    per_rank = plan_tp.flagged_per_rank(sizes, st.expert * models, tuple(_partition(sizes, lay.sh, lay.partition)))
-    return max(per_rank) if sh_rank is None else per_rank[sh_rank]
-
-
-@functools.lru_cache(maxsize=4096)
-def _partition(sizes, n, mode):
-    return partition(list(sizes), n, mode)
-
-
-def model_state(mcfg, st: Stage, lay: Resolved, models: int, sh_rank=None) -> dict:
-    w, g, k, _ = precision(mcfg, lay.amp)
-    p, gr, o = zero_bytes(st.psi * models, owned(st, lay, models, sh_rank), lay.zstage, w, g, k)
-    return {"params": p, "grads": gr, "optimizer": o}
-
-
-def packed_caches(lay: Resolved, cluster=None) -> bool:
-    """Whether bf16 amp keeps the activation caches as bfloat16 bits (strategy.amp.bf16_storage): "packed", or
-    "auto" on a GPU, which runtime.backend = "cupy" says, or, with runtime.backend = "auto", a GPU cluster (any
-    cluster without the CPU figures that --calibrate --device cpu measures)."""
-    return lay.packs_activations(cluster is not None and not (cluster.block_us or cluster.act_ns))
-
-
-def _model_cache_bytes(mcfg, lay: Resolved, item: int) -> dict:
-    model = build_model(mcfg, lay.tp)
-    out = model.cache_bytes(lay.rows, lay.tp, item, lay.amp, lay.share, lay.seq_parts, lay.cp, lay.cp_comm)
-    if lay.ep > 1:
-        for key in [k for k in out if k.startswith("layer.")]:     # the MoE layers
-            out[key] += plan_moe.received_cache(mcfg, lay, item)
-    return out
-
-
-def block_activations(mcfg, lay: Resolved, item: int, packed: bool = False) -> dict:
-    """Bytes the engine's forward caches per block kind for one micro-batch (what Engine.cache_peak
-    counts), as the model's layers report them; "input" is what a recomputed layer keeps, "scores" what
-    selective recompute drops. Under expert parallelism an MoE layer also keeps the rows it received (balanced
-    routing: as many as it sent) and their regrouping order, and the exchange's row counts.
-    packed (packed_caches, bf16 amp: item 4): every float32 array of a layer's cache and a recomputed layer's
-    input in 2 bytes an element, the statistics kept in float32 whatever the dtype (rstd, lse) too; the
-    head's (never packed) and the W stash's (what backward unpacked) stay as they are. The models' formulas
-    are linear in a float item of 4 or more bytes and fixed in their integer parts, so a block's float32
-    bytes are its bytes at item 8 less those at item 4, and packing takes half of them off."""
-    out = _model_cache_bytes(mcfg, lay, item)
-    if packed:
-        wide = _model_cache_bytes(mcfg, lay, 2 * item)
-        out.update({k: v - (wide[k] - v) // 2 for k, v in out.items()
-                    if k not in ("head", "embed") and not k.startswith("w_")})
-    return out
-
-
-def chunk_activations(mcfg, st: Stage, chunk, lay: Resolved, item: int, packed: bool = False) -> int:
-    """Cached bytes of one micro-batch through one chunk: a recomputed layer keeps only its input (or,
-    selective, all but its probabilities). Caches hold no weights (backward is handed them), so stage 3
-    frees gathered blocks after use."""
-    a = block_activations(mcfg, lay, item, packed)
-    return sum(rc.cached(a, st, lay, b) for b in chunk) + plan_cp.positions_bytes(mcfg, st, lay, chunk)
-
-
-def activations(mcfg, st: Stage, lay: Resolved, stage: int, item: int, packed: bool = False) -> int:
-    """Peak cached bytes on this stage: the schedule's live (micro-batch, chunk) caches, weighted by
-    chunk (F-then-B holds m, 1F1B min(p - s, m), interleaved per Megatron 2021), and under a zero-bubble
-    schedule the W stashes between each B and its W. Several models run
-    their passes one after another, so one model's caches are live at a time."""
-    w = tuple(chunk_activations(mcfg, st, ch, lay, item, packed) for ch in st.chunks)
-    return peak_live(lay.schedule, lay.pp, lay.m, lay.v, stage, w,
-                     tuple(chunk_stash(mcfg, st, ch, lay, item) for ch in st.chunks))
-
-
-def chunk_stash(mcfg, st: Stage, chunk, lay: Resolved, item: int) -> int:
-    """A split backward's W stash of one micro-batch through one chunk: what its blocks' deferred
-    weight-gradient work holds from B to W (the same whether or not a layer was recomputed)."""
-    a = block_activations(mcfg, lay, item)
-    return sum(rc.of_block(a, st.kind_of[b], "w_" + st.kind_of[b].kind) for b in chunk)
-
-
-def buffers(mcfg, st: Stage, lay: Resolved, own: int, packed: bool = False) -> int:
-    """Transient bytes: stage >= 2 keeps up to MAX_INFLIGHT + 1 blocks of temporary gradients, stage 3
-    two gathered blocks (current and prefetched, + the tied embedding); a recomputed layer is rebuilt
-    in backward, and packed caches (packed_caches) are unpacked one layer at a time for its backward;
-    pipelines hold two activations; amp unscales the owned gradient into float32."""
-    w, g, _, item = precision(mcfg, lay.amp)
-    big = max(st.block(b) for b in st.names)
-    out = (MAX_INFLIGHT + 1) * big * g if lay.zstage >= 2 else 0
-    if lay.zstage == 3:
-        out += (2 * big + sum(st.block(d) for d in _read_blocks(st))) * w
-    a = block_activations(mcfg, lay, item)
-    out += rc.transient(a, st, lay)
-    if packed:
-        out += max((rc.cached(a, st, lay, b.name) for b in st.kinds if b.kind == "layer"), default=0)
-    if lay.pp > 1:
-        out += 2 * lay.rows * mcfg.seq_len // (lay.seq_parts * lay.cp) * mcfg.d_model * item
-    return out + (4 * own if lay.amp else 0)
-
-
 # ---- communication ---------------------------------------------------------------------------------
-
-def _read_blocks(st: Stage, blocks=None) -> list[str]:
-    """Blocks of this stage whose tensors another block of it (of `blocks`) reads: gathered with it too."""
-    return [d for b, ds in st.deps if blocks is None or b in blocks for d in ds]
-
 
 def gathered_per_microbatch(mcfg, st: Stage) -> int:
     """Elements stage 3 gathers per micro-batch and model: every block in forward and again in backward

@@ -25,7 +25,8 @@ from hpengine.layout.resolve import SWITCH_OF_AXIS, Resolved, resolve
 from hpengine.models import build_model
 from hpengine.planner.calibrate import GB, calibrate_device
 from hpengine.planner.cluster import Cluster, PlanError, load_cluster  # noqa: F401 - Cluster and PlanError are part of plan's API
-from hpengine.planner.model import evaluate, predict_stage, stages, step_time  # noqa: F401 - evaluate is part of plan's API
+from hpengine.planner.model import evaluate, predict_stage, step_time  # noqa: F401 - evaluate is part of plan's API
+from hpengine.planner.stages import stages
 from hpengine.planner.presets import ALIASES, PRESETS
 
 

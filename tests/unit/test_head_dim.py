@@ -13,7 +13,8 @@ from hpengine.config.load import load_config
 from hpengine.layout.resolve import resolve
 from hpengine.layout.stage import build_stage
 from hpengine.models import build_model
-from hpengine.planner.model import for_rank, stages
+from hpengine.planner.model import for_rank
+from hpengine.planner.stages import stages
 from hpengine.run.build import build
 
 B, T, V, C, L, H, K, HD = 2, 8, 40, 16, 3, 4, 2, 6      # heads 6 wide at d_model 16 (not 16 / 4)

@@ -16,8 +16,9 @@ from hpengine.config.load import enabled_strategies, load_config
 from hpengine.models import build_model
 from hpengine.planner.search import (Cluster, PlanError, candidates, check_at_start, config_for, load_cluster, search,
                            with_preset, write_best)
-from hpengine.planner.model import (block_activations, collective_s, compute_s, flops_per_microbatch,
-                                  link, model_state, stage_times, stages, step_time, zero_bytes)
+from hpengine.planner.memory import block_activations, model_state, zero_bytes
+from hpengine.planner.model import collective_s, compute_s, flops_per_microbatch, link, stage_times, step_time
+from hpengine.planner.stages import stages
 from hpengine.layout.resolve import split_blocks
 from hpengine.layout.schedules import make_schedule, peak_in_flight, peak_live
 from hpengine.layout.resolve import resolve

@@ -21,7 +21,8 @@ from hpengine.config.load import load_config
 from hpengine.models import build_model
 from hpengine.planner.search import Cluster, PlanError, evaluate, load_cluster, search, with_preset
 from hpengine.planner.gpu import gemm_flops, gemm_s, gemms, matmul_s
-from hpengine.planner.model import compute_s, flops_per_microbatch, stages
+from hpengine.planner.model import compute_s, flops_per_microbatch
+from hpengine.planner.stages import stages
 from hpengine.layout.resolve import resolve
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,8 @@ import pytest
 from hpengine.cli.commands import main
 from hpengine.config.load import ModelConfig, kind_keys, load_config, validate
 from hpengine.planner.search import with_preset
-from hpengine.planner.model import flops_per_microbatch, stages
+from hpengine.planner.model import flops_per_microbatch
+from hpengine.planner.stages import stages
 from hpengine.planner.presets import ALIASES, PRESETS
 from hpengine.layout.resolve import resolve
 

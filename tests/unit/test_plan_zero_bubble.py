@@ -5,7 +5,8 @@ import pytest
 
 from hpengine.config.load import load_config
 from hpengine.layout.resolve import resolve
-from hpengine.planner.model import activations, block_activations, precision, stage_facts, step_time, traffic
+from hpengine.planner.memory import activations, block_activations, precision
+from hpengine.planner.model import stage_facts, step_time, traffic
 from hpengine.planner.search import Cluster, candidates
 
 TINY = ["model.d_model=32", "model.n_layers=8", "model.n_heads=4", "model.seq_len=16", "train.global_batch=16"]

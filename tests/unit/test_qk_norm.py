@@ -20,7 +20,8 @@ from hpengine.models import build_model
 from hpengine.nn import rmsnorm_backward, rmsnorm_cache_bytes, rmsnorm_forward
 from hpengine.params.buffers import FlatBuffer, Layout
 from hpengine.params.init import init_flat
-from hpengine.planner.model import for_rank, stages
+from hpengine.planner.model import for_rank
+from hpengine.planner.stages import stages
 from hpengine.run.build import build
 
 B, T, V, C, L, H, K = 2, 8, 40, 16, 3, 4, 2

@@ -11,7 +11,8 @@ from hpengine.config.load import load_config
 from hpengine.models import LOCAL, build_model
 from hpengine.nn import (attention_backward, attention_drop_scores, attention_forward, attention_restore_scores,
                          gqa_attention_backward, gqa_attention_forward, gqa_drop_scores, gqa_restore_scores)
-from hpengine.planner.model import flops_per_microbatch, stages
+from hpengine.planner.model import flops_per_microbatch
+from hpengine.planner.stages import stages
 from hpengine.layout.resolve import resolve
 
 B, T = 2, 8

@@ -10,7 +10,8 @@ from hpengine.config.load import load_config
 from hpengine.models import build_model
 from hpengine.planner.search import Cluster, candidates, config_for
 from hpengine.planner.tp import activation_calls
-from hpengine.planner.model import block_activations, stages
+from hpengine.planner.memory import block_activations
+from hpengine.planner.stages import stages
 from hpengine.layout.resolve import LayoutError, resolve
 
 MODEL = ["model.d_model=64", "model.n_heads=8", "model.seq_len=32", "model.n_layers=2", "model.vocab_size=256"]

@@ -1,0 +1,102 @@
+"""What one pipeline stage of a layout holds, reduced to counts for the planner: its blocks and their element
+counts, its chunks and the shape facts the memory, traffic and time models read — cut as the engine cuts it.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from hpengine.config.load import model_from_key, model_key
+from hpengine.layout.resolve import AXES, Resolved
+from hpengine.layout.stage import build_stage, owner
+from hpengine.models import build_model
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage of one model, per tp rank (stage.build_stage's description reduced to counts):
+    its blocks in layout order with their element counts (including another stage's tensors it keeps a
+    copy of), its chunks, and shape facts."""
+    blocks: tuple          # ((name, [tensor elements, ...]), ...)
+    chunks: tuple          # block names per local chunk
+    layers: int
+    matmul: int            # elements of the weights this stage multiplies by (per tp rank)
+    kinds: tuple = ()      # models.Block of each block, in layout order
+    deps: tuple = ()       # (block, (blocks of this stage whose tensors it reads)), from stage.build_stage
+    matmuls: tuple = ()    # (block, weight elements it multiplies by)
+    tied: int = 0          # elements whose gradient is summed with another stage (a tied wte and its copy)
+    replicated: tuple = ()  # per tensor (sizes' order, one model): whether every tp rank holds it whole
+    experts: int = 0       # elements of the expert blocks split over ep (this rank's block; summed over ep-dp)
+    expert: tuple = ()     # per tensor (sizes' order, one model): whether it is an expert block split over ep
+    expert_mm: int = 0     # of `matmul`, the routed experts' share (top_k of them per token)
+    partial: tuple = ()    # per tensor: held whole but applied to this tp rank's heads only (ParamSpec.tp_partial)
+
+    def sizes(self, models: int) -> list[int]:
+        """Tensor element counts in layout order, for `models` models sharing the buffer."""
+        return [n for _ in range(models) for _, sz in self.blocks for n in sz]
+
+    def block(self, name: str) -> int:
+        return sum(dict(self.blocks)[name])
+
+    @functools.cached_property
+    def kind_of(self) -> dict:
+        """{block name: models.Block}, built once per stage (the search asks for every block of every layout)."""
+        return {b.name: b for b in self.kinds}
+
+    def of_kind(self, kind: str) -> list[str]:
+        return [b.name for b in self.kinds if b.kind == kind]
+
+    @property
+    def psi(self) -> int:
+        return sum(sum(sz) for _, sz in self.blocks)
+
+    @property
+    def names(self) -> list[str]:
+        return [b for b, _ in self.blocks]
+
+
+def stages(mcfg, tp: int, p: int, v: int, split="uniform", schedule: str = "fthenb", ep: int = 1) -> list[Stage]:
+    """Every pipeline stage of the model, cut as the engine cuts it (schedule: where the chunks sit; only
+    zbv's V differs from c * p + stage; ep: the expert blocks a rank holds, 1 / ep of the experts)."""
+    key = tuple(split) if isinstance(split, list) else split
+    return _stages(model_key(mcfg), tp, p, v, key, "zbv" if schedule == "zbv" else "fthenb", ep)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stages(mkey, tp, p, v, split, schedule, ep=1) -> list[Stage]:
+    mcfg = model_from_key(mkey)
+    res = Resolved(tp, 1, 1, p, 0, "tensor", 1, 1, v, schedule, list(split) if isinstance(split, tuple) else split,
+                   0, False, AXES, 1, ep=ep)
+    model = build_model(mcfg, tp)
+    out = []
+    for s in range(p):
+        st = build_stage(mcfg, res, s, 0, models=[model])
+        slot, lay = st.slots[0], st.layout
+        blocks, matmuls, replicated, expert, partial, expert_mm = [], [], [], [], [], 0
+        for name in slot.blocks:
+            b = slot.block(name)
+            specs = st.block_specs[name]
+            sizes = [lay.ranges[sp.name].size for sp in specs]
+            mm = 0
+            if b.kind != "embed":   # embedding lookups are no matmul; a copied tensor counts as a read below
+                mm += sum(n for sp, n in zip(specs, sizes) if len(sp.global_shape) == 2 and sp.name not in st.copies)
+                # routed experts (E, in, out): each token meets top_k of the E matrices, wherever they are held
+                moe = getattr(model, "moe", None)
+                routed = sum(n * lay.ep_size * moe.k // moe.E for sp, n in zip(specs, sizes)
+                             if len(sp.global_shape) == 3) if moe else 0
+                mm, expert_mm = mm + routed, expert_mm + routed
+            for t in b.reads:       # a tied head multiplies by wte, held here or by the embedding block
+                mm += next(math.prod(sp.local_shape(0, tp)) for sp in model.specs(owner(model, t)) if sp.name == t)
+            blocks.append((name, tuple(sizes)))
+            replicated += [sp.tp_dim is None for sp in specs]
+            expert += [sp.ep_dim is not None and ep > 1 for sp in specs]
+            partial += [sp.tp_dim is None and sp.tp_partial for sp in specs]
+            matmuls.append((name, mm))
+        kinds = tuple(slot.block(n) for n in slot.blocks)
+        out.append(Stage(tuple(blocks), slot.chunks, sum(k.kind == "layer" for k in kinds), sum(n for _, n in matmuls),
+                         kinds, tuple(st.deps.items()), tuple(matmuls),
+                         sum(lay.ranges[t].size for t in set(st.tied.values())), tuple(replicated),
+                         sum(lay.ranges[sp.name].size for sp in lay.specs if sp.ep_dim is not None and ep > 1),
+                         tuple(expert), expert_mm=expert_mm, partial=tuple(partial)))
+    return out
