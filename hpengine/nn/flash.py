@@ -11,8 +11,10 @@ a key/value head fold into the row axis, row t * g + j being query head k * g + 
 tile is one batched GEMM per (batch row, key/value head) and dK, dV sum over the group inside it.
 
 This array-module-generic code is what runs on the CPU, and it is the NumPy twin of kernels/attention.cu
-(hpengine/nn/flash_cuda.py launches it when xp is CuPy and the dtype is float32 or float64). Half
-precision inputs are computed in float32 here; lse is then float32.
+(hpengine/nn/flash_cuda.py launches it when xp is CuPy and the dtype is float32 or float64). Under bf16
+amp its products take bfloat16 operands (attention._mm), P and dS included: the twin of the tensor-core
+kernels/attention_mma.cu, which flash_cuda launches then. Half precision inputs are computed in float32
+here; lse is then float32.
 """
 from __future__ import annotations
 

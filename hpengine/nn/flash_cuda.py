@@ -1,4 +1,5 @@
-"""CuPy launcher of kernels/attention.cu: the fused causal attention of nn/flash.py on a GPU.
+"""CuPy launcher of kernels/attention.cu and kernels/attention_mma.cu: the fused causal attention of nn/flash.py
+on a GPU.
 
 Tensors are (B, heads, T, hd) views in any strides whose last axis is contiguous (GPT's q, k, v straight
 out of the fused qkv, Llama's v out of its projection, the outputs written straight into (B, T, H*hd)
@@ -7,6 +8,10 @@ arrays): each goes to the kernel as a pointer and three element strides. lse and
 
 Storage types: float32 ("f32"), float64 ("f64"), and bfloat16 held as uint16 bits ("bf16", float32 math;
 `to_bf16` / `from_bf16` convert, rounding to nearest even as the kernel's stores do).
+
+Under bf16 amp (bf16_gemm.active()) float32 and bfloat16-bits inputs go to the tensor-core entries of
+attention_mma.cu instead: every product with bfloat16 operands and float32 sums, as the twin's GEMMs are
+then; `mma=` on forward and backward overrides the choice.
 """
 from __future__ import annotations
 
@@ -16,11 +21,17 @@ from typing import NamedTuple
 import numpy as np
 
 from hpengine.device import kernels
+from hpengine.nn import bf16_gemm
 
 HD_MAX = 128
 # suffix -> (ROWS, TPR, KT), as instantiated by the ENTRIES lines of kernels/attention.cu
 TILES = {"f32": (32, 4, 32), "bf16": (32, 4, 32), "f64": (16, 8, 16)}
 _SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.uint16): "bf16"}
+# attention_mma.cu: head dim bound HD -> (BN, BNQ, QT), as instantiated by its MMA_ENTRIES lines; each warp
+# owns 16 rows, a block MMA_WARPS warps; shared tiles are bfloat16 rows of HD + MMA_PAD
+MMA_TILES = {64: (64, 64, 64), 128: (64, 32, 16)}
+MMA_WARPS = 4
+MMA_PAD = 8
 
 
 class Launch(NamedTuple):
@@ -42,18 +53,43 @@ def math_dtype(dtype):
     return np.dtype(np.float64) if suffix(dtype) == "f64" else np.dtype(np.float32)
 
 
-def plan(op: str, dtype, B: int, H: int, KH: int, T: int, hd: int) -> Launch:
-    """Grid, block and dynamic shared memory of op 'fwd', 'bwd_dq' or 'bwd_dkdv'."""
+def _dims(H: int, KH: int, hd: int) -> None:
     if hd > HD_MAX or hd < 1:
         raise ValueError(f"flash attention kernels take head_dim <= {HD_MAX}, not {hd}")
     if H % KH:
         raise ValueError(f"{H} query heads do not split into groups of {KH} key/value heads")
+
+
+def plan(op: str, dtype, B: int, H: int, KH: int, T: int, hd: int) -> Launch:
+    """Grid, block and dynamic shared memory of op 'fwd', 'bwd_dq' or 'bwd_dkdv'."""
+    _dims(H, KH, hd)
     s = suffix(dtype)
     rows, tpr, kt = TILES[s]
     item = math_dtype(dtype).itemsize
     heads = KH if op == "bwd_dkdv" else H
     shared = 2 * kt * (hd + 1) * item if op == "bwd_dkdv" else 2 * kt * hd * item
     return Launch(f"flash_{op}_{s}", (math.ceil(T / rows), B * heads), (rows * tpr,), shared)
+
+
+def plan_mma(op: str, dtype, B: int, H: int, KH: int, T: int, hd: int) -> Launch:
+    """plan for the tensor-core entries of attention_mma.cu (float32 or bfloat16-bits storage)."""
+    _dims(H, KH, hd)
+    s = suffix(dtype)
+    if s == "f64":
+        raise ValueError("flash attention: the tensor-core kernels take float32 or bfloat16 bits (uint16), "
+                         "not float64")
+    bound = 64 if hd <= 64 else 128
+    bn, bnq, qt = MMA_TILES[bound]
+    row = 2 * (bound + MMA_PAD)                       # bytes of one shared bfloat16 row
+    rows = 16 * MMA_WARPS
+    shared = {"fwd": 2 * bn * row, "bwd_dq": 2 * bnq * row, "bwd_dkdv": 2 * (rows + qt) * row + 8 * qt}[op]
+    heads = KH if op == "bwd_dkdv" else H
+    return Launch(f"flash_mma_{op}_{s}_hd{bound}", (math.ceil(T / rows), B * heads), (32 * MMA_WARPS,), shared)
+
+
+def use_mma(dtype, mma: bool | None = None) -> bool:
+    """Whether the tensor-core entries run: mma when given, else under bf16 amp; never for float64."""
+    return (bf16_gemm.active() if mma is None else bool(mma)) and suffix(dtype) != "f64"
 
 
 def _strided(xp, a, what):
@@ -81,23 +117,33 @@ def _check(q, k, v):
 
 
 def _launch(launch: Launch, args):
-    kernels.function("attention", launch.entry)(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
+    name = "attention_mma" if launch.entry.startswith("flash_mma_") else "attention"
+    kernels.function(name, launch.entry)(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
 
 
-def forward(xp, q, k, v, o, scale: float):
-    """o[...] = causal softmax(scale q k^T) v, grouped-query; returns lse (B, H, T)."""
+def _planner(dtype, mma):
+    # an explicit mma=True on float64 reaches plan_mma, which refuses it
+    return plan_mma if mma or use_mma(dtype, mma) else plan
+
+
+def forward(xp, q, k, v, o, scale: float, mma: bool | None = None):
+    """o[...] = causal softmax(scale q k^T) v, grouped-query; returns lse (B, H, T). mma: tensor-core
+    kernels (default: under bf16 amp)."""
     B, H, KH, T, hd = _check(q, k, v)
+    plan_of = _planner(q.dtype, mma)
     at = math_dtype(q.dtype)
     lse = xp.empty((B, H, T), dtype=at)
     args = (*_strided(xp, q, "q"), *_strided(xp, k, "k"), *_strided(xp, v, "v"), *_out(o, "o"), lse,
             np.int32(H), np.int32(KH), np.int32(T), np.int32(hd), at.type(scale))
-    _launch(plan("fwd", q.dtype, B, H, KH, T, hd), args)
+    _launch(plan_of("fwd", q.dtype, B, H, KH, T, hd), args)
     return lse
 
 
-def backward(xp, q, k, v, o, do, lse, dq, dk, dv, scale: float):
-    """Writes dq, dk, dv (views as forward's o) from forward's o and lse; dq first (it writes D)."""
+def backward(xp, q, k, v, o, do, lse, dq, dk, dv, scale: float, mma: bool | None = None):
+    """Writes dq, dk, dv (views as forward's o) from forward's o and lse; dq first (it writes D). mma as
+    in forward (the lse of either kernel family serves both)."""
     B, H, KH, T, hd = _check(q, k, v)
+    plan_of = _planner(q.dtype, mma)
     at = math_dtype(q.dtype)
     if lse.shape != (B, H, T) or lse.dtype != at:
         raise ValueError(f"flash attention: lse must be ({B}, {H}, {T}) of {at}, got {lse.shape} {lse.dtype}")
@@ -105,9 +151,9 @@ def backward(xp, q, k, v, o, do, lse, dq, dk, dv, scale: float):
     dd = xp.empty((B, H, T), dtype=at)
     qa, ka, va, da = (_strided(xp, a, w) for a, w in ((q, "q"), (k, "k"), (v, "v"), (do, "do")))
     tail = (np.int32(H), np.int32(KH), np.int32(T), np.int32(hd), at.type(scale))
-    _launch(plan("bwd_dq", q.dtype, B, H, KH, T, hd),
+    _launch(plan_of("bwd_dq", q.dtype, B, H, KH, T, hd),
             (*qa, *ka, *va, *_strided(xp, o, "o"), *da, lse, dd, *_out(dq, "dq"), *tail))
-    _launch(plan("bwd_dkdv", q.dtype, B, H, KH, T, hd),
+    _launch(plan_of("bwd_dkdv", q.dtype, B, H, KH, T, hd),
             (*qa, *ka, *va, *da, lse, dd, *_out(dk, "dk"), *_out(dv, "dv"), *tail))
 
 
