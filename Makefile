@@ -41,7 +41,7 @@ define SYSPKG
   else echo "$(1) not installed and not installable here (apt-get as root): $(2) will skip"; fi; }
 endef
 
-# shellcheck for tests/unit/test_job_scripts.py and test_gpu_check.py (SYSPKG above)
+# shellcheck for tests/unit/test_job_scripts.py and test_gpu_check_shell.py (SYSPKG above)
 test-unit: $(STAMP)
 	@command -v shellcheck >/dev/null || $(call SYSPKG,shellcheck,the shellcheck tests)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/unit

@@ -1,7 +1,8 @@
 """The GPU check users run (through benchmarks/gpu_check.sh): runs each part as a subprocess with its own
-time limit inside one overall deadline, so a hang or crash costs only that part, then prints the table
-last and writes gpu_check.json/.md/.log to --out ($OUT). The parts' work lives in gpu_check_bandwidth.py,
-gpu_check_hpengine.py and gpu_check_torch.py (benchmarks/README.md describes the parts and targets).
+time limit inside one overall deadline, so a hang or crash costs only that part; prints each part's rows
+as soon as it has finished (and rewrites gpu_check.json/.md/.log in --out, $OUT), so a run cut short still
+reports, and the whole table last. The parts' work lives in gpu_check_hpengine.py, gpu_check_torch.py,
+gpu_check_attention.py and gpu_check_bandwidth.py (benchmarks/README.md describes the parts and targets).
 """
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ ROOT = HERE.parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from gpu_check_attention import worker_attention, worker_attention_torch        # noqa: E402
 from gpu_check_bandwidth import worker_bandwidth                               # noqa: E402
-from gpu_check_hpengine import worker_corpus, worker_hpengine, worker_losses    # noqa: E402
-from gpu_check_options import parse, part_limit                                # noqa: E402
-from gpu_check_report import (Row, build_rows, cluster_table, format_table, markdown_table, pytest_counts,  # noqa: E402
-                              verdict)
+from gpu_check_hpengine import TRANSPORTS, worker_corpus, worker_hpengine, worker_losses  # noqa: E402
+from gpu_check_models import rows_attention, rows_speed                        # noqa: E402
+from gpu_check_options import PARTS, SPEED_PARTS, attn_shape, model_shape, parse, part_limit, save_result  # noqa: E402
+from gpu_check_report import (Row, cluster_table, format_table, markdown_table, pytest_counts,  # noqa: E402
+                              rows_bandwidth, rows_calibrate, rows_dp2, rows_tests, rows_transports, verdict)
 from gpu_check_torch import worker_torch                                        # noqa: E402
 
 
@@ -76,8 +79,14 @@ class Runner:
         t0 = time.monotonic()
         part_log = self.workdir / f"{key.replace(':', '_')}.log"
         with open(part_log, "w") as lf:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=lf, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            try:
+                self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=lf, stderr=subprocess.STDOUT,
+                                             start_new_session=True)
+            except OSError as e:                         # e.g. a --torch-python that does not exist
+                res = {"error": f"cannot start {cmd[0]}: {e.strerror or e}"}
+                self.note(f"{key}: FAILED ({res['error']})")
+                self.results[key] = res
+                return res
             timed_out = False
             try:
                 rc = self.proc.wait(timeout=budget)
@@ -151,6 +160,7 @@ def orchestrate(a) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="gpu_check-"))
     runner = Runner(a, workdir)
     me = [sys.executable, str(Path(__file__).resolve())] + (["--cpu-smoke"] if a.cpu_smoke else [])
+    torch_cmd = [a.torch_python, str(Path(__file__).resolve())] + (["--cpu-smoke"] if a.cpu_smoke else [])
     mpiexec = find_mpiexec(a.mpiexec)
     results = runner.results
     rows: list[Row] = []
@@ -162,56 +172,65 @@ def orchestrate(a) -> int:
     runner.note(f"gpu_check {'CPU smoke' if a.cpu_smoke else 'GPU'} run: parts {','.join(a.parts)}; deadline "
                 f"{a.deadline_s:.0f} s; work folder {workdir}; mpiexec {mpiexec or 'none'}; torch python "
                 f"{a.torch_python}")
+    speed_args = ["--steps", str(a.steps), "--warmup-steps", str(a.warmup_steps), "--warmup-s", str(a.warmup_s),
+                  "--llama-batch", str(a.llama_batch), "--gpt2-batch", str(a.gpt2_batch),
+                  "--hpe-attention", a.hpe_attention] + (["--no-compile"] if a.no_compile else [])
+    data = None
+
+    def part_tests():
+        cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rfE", "-p", "no:cacheprovider"]
+        if _has_module("pytest_timeout"):
+            cmd.append(f"--timeout={int(part_limit(a, 'tests'))}")
+        r = runner.run("tests", cmd, part_limit(a, "tests"), parse_json=False)
+        r["counts"] = pytest_counts(r.pop("log") or "")
+        if r["counts"] is None and "error" not in r:
+            r["error"] = f"no pytest summary (exit status {r['rc']})"
+
+    def part_speed(model):
+        if data is None:
+            results[f"{model}:hpengine"] = {"error": "no corpus"}
+            return
+        runner.run(f"{model}:hpengine", me + ["--worker", "hpengine", "--model", model, "--data", data] + speed_args,
+                   part_limit(a, f"{model}:hpengine"))
+        runner.run(f"{model}:torch", torch_cmd + ["--worker", "torch", "--model", model] + speed_args,
+                   part_limit(a, f"{model}:torch"))
+
+    def part_attention():
+        reps = ["--attn-reps", str(a.attn_reps)]
+        runner.run("attention:hpengine", me + ["--worker", "attention"] + reps, part_limit(a, "attention:hpengine"))
+        runner.run("attention:torch", torch_cmd + ["--worker", "attention_torch"] + reps,
+                   part_limit(a, "attention:torch"))
+
+    def part_bandwidth():
+        runner.run("bandwidth", me + ["--worker", "bandwidth", "--bw-params", str(a.bw_params), "--bw-reps",
+                                      str(a.bw_reps), "--bw-inner", str(a.bw_inner), "--pack-segments",
+                                      str(a.pack_segments)], part_limit(a, "bandwidth"))
+
+    def part_dp2():
+        if mpiexec is None or data is None:
+            why = {"skipped" if a.cpu_smoke else "error": "no mpiexec" if mpiexec is None else "no corpus"}
+            results["dp2:1"], results["dp2:2"] = dict(why), dict(why)
+            return
+        common = ["--worker", "losses", "--data", data, "--dp2-steps", str(a.dp2_steps)] + speed_args[:6]
+        runner.run("dp2:1", [mpiexec, "-n", "1"] + me + common + ["--variants", "single"], part_limit(a, "dp2-1"))
+        variants = ",".join(("dp", "sharding") + TRANSPORTS)
+        runner.run("dp2:2", [mpiexec, "-n", "2"] + me + common + ["--variants", variants], part_limit(a, "dp2-2"))
+
+    def part_calibrate():      # the planner's GPU figures (plan_gpu.py) for clusters/h200_node.toml; if time is left
+        r = runner.run("calibrate", [sys.executable, "-m", "hpengine", "plan", "--calibrate", "--device",
+                                     "cpu" if a.cpu_smoke else "gpu"], part_limit(a, "calibrate"), optional=True,
+                       parse_json=False)
+        r["cluster"] = cluster_table(r.pop("log") or "")
+
+    run_part = {"tests": part_tests, "llama": lambda: part_speed("llama"), "gpt2": lambda: part_speed("gpt2"),
+                "attention": part_attention, "bandwidth": part_bandwidth, "dp2": part_dp2, "calibrate": part_calibrate}
     try:
-        needs_corpus = any(p in a.parts for p in ("ref", "gpt2", "dp2"))
-        data = None
-        if needs_corpus:
-            r = runner.run("corpus", me + ["--worker", "corpus"], part_limit(a, "corpus"))
-            data = r.get("path")
-        if "tests" in a.parts:
-            cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rfE", "-p", "no:cacheprovider"]
-            if _has_module("pytest_timeout"):
-                cmd.append(f"--timeout={int(part_limit(a, 'tests'))}")
-            r = runner.run("tests", cmd, part_limit(a, "tests"), parse_json=False)
-            r["counts"] = pytest_counts(r.pop("log") or "")
-            if r["counts"] is None and "error" not in r:
-                r["error"] = f"no pytest summary (exit status {r['rc']})"
-        if "bandwidth" in a.parts:
-            runner.run("bandwidth", me + ["--worker", "bandwidth", "--bw-params", str(a.bw_params), "--bw-reps",
-                                          str(a.bw_reps), "--bw-inner", str(a.bw_inner), "--pack-segments",
-                                          str(a.pack_segments)], part_limit(a, "bandwidth"))
-        if "calibrate" in a.parts:     # the planner's GPU figures (plan_gpu.py) for clusters/h200_node.toml
-            r = runner.run("calibrate", [sys.executable, "-m", "hpengine", "plan", "--calibrate", "--device",
-                                         "cpu" if a.cpu_smoke else "gpu"], part_limit(a, "calibrate"), parse_json=False)
-            r["cluster"] = cluster_table(r.pop("log") or "")
-        speed_args = ["--steps", str(a.steps), "--warmup-steps", str(a.warmup_steps), "--warmup-s",
-                      str(a.warmup_s), "--gpt2-batch", str(a.gpt2_batch)]
-        torch_cmd = [a.torch_python, str(Path(__file__).resolve())] + (["--cpu-smoke"] if a.cpu_smoke else [])
-
-        def speed(model):
-            if data is None:
-                results[f"{model}:hpengine"] = {"error": "no corpus"}
-                return
-            runner.run(f"{model}:hpengine", me + ["--worker", "hpengine", "--model", model, "--data", data]
-                       + speed_args, part_limit(a, "hpengine"))
-            for i, at in enumerate(a.torch_attn):
-                runner.run(f"{model}:torch-{at}", torch_cmd + ["--worker", "torch", "--model", model, "--attn", at]
-                           + speed_args, part_limit(a, "torch"), optional=i > 0)
-
-        if "ref" in a.parts:
-            speed("ref")
-        if "dp2" in a.parts:
-            if mpiexec is None or data is None:
-                why = {"skipped" if a.cpu_smoke else "error": "no mpiexec" if mpiexec is None else "no corpus"}
-                results["dp2:1"], results["dp2:2"] = dict(why), dict(why)
-            else:
-                common = ["--worker", "losses", "--data", data, "--dp2-steps", str(a.dp2_steps)]
-                runner.run("dp2:1", [mpiexec, "-n", "1"] + me + common + ["--variants", "single"],
-                           part_limit(a, "dp2-1"))
-                runner.run("dp2:2", [mpiexec, "-n", "2"] + me + common + ["--variants", "dp,sharding"],
-                           part_limit(a, "dp2-2"))
-        if "gpt2" in a.parts:
-            speed("gpt2")
+        if any(p in a.parts for p in SPEED_PARTS + ("dp2",)):
+            data = runner.run("corpus", me + ["--worker", "corpus"], part_limit(a, "corpus")).get("path")
+        for part in (p for p in PARTS if p in a.parts):
+            run_part[part]()
+            print(format_table(build_rows(results, a, [part])), flush=True)      # this part's rows, now
+            write_outputs(a, build_rows(results, a), results, runner)
     except (SystemExit, KeyboardInterrupt) as e:
         runner.kill()
         runner.note(f"stopped early: {e}")
@@ -222,6 +241,29 @@ def orchestrate(a) -> int:
               f"{runner.deadline.elapsed():.0f} s; logs: {runner.log_path}")
         print(format_table(rows), flush=True)
     return verdict(rows)
+
+
+def build_rows(results: dict, a, parts=None) -> list[Row]:
+    """The table, in the parts' order, from their results (parts not asked for are left out)."""
+    rows: list[Row] = []
+    smoke, asked = a.cpu_smoke, a.parts if parts is None else parts
+    for part in (p for p in PARTS if p in asked):
+        if part == "tests":
+            rows += rows_tests(results.get("tests"), smoke)
+        elif part in SPEED_PARTS:
+            rows += rows_speed(part, model_shape(a, part), results.get(f"{part}:hpengine"),
+                               results.get(f"{part}:torch"), smoke)
+        elif part == "attention":
+            rows += rows_attention(attn_shape(a), results.get("attention:hpengine"), results.get("attention:torch"),
+                                   smoke)
+        elif part == "bandwidth":
+            rows += rows_bandwidth(results.get("bandwidth"), smoke)
+        elif part == "dp2":
+            rows += rows_dp2(results.get("dp2:1"), results.get("dp2:2"), smoke, a.loss_rtol, a.gnorm_rtol)
+            rows += rows_transports(results.get("dp2:2"), smoke, a.loss_rtol)
+        elif part == "calibrate":
+            rows += rows_calibrate(results.get("calibrate"))
+    return rows
 
 
 def _has_module(name: str) -> bool:
@@ -247,13 +289,9 @@ def write_outputs(a, rows: list[Row], results: dict, runner: Runner) -> None:
 
 # ------------------------------------------------------------------------- inside a part's process
 
-def write_result(a, res: dict) -> None:
-    if a.result:
-        Path(a.result).write_text(json.dumps(res, indent=1, default=str))
-
-
 WORKERS = {"corpus": worker_corpus, "bandwidth": worker_bandwidth, "hpengine": worker_hpengine,
-           "torch": worker_torch, "losses": worker_losses}
+           "torch": worker_torch, "losses": worker_losses, "attention": worker_attention,
+           "attention_torch": worker_attention_torch}
 
 
 def main(argv=None) -> int:
@@ -261,7 +299,7 @@ def main(argv=None) -> int:
     if a.worker:
         res = WORKERS[a.worker](a)
         if res is not None:
-            write_result(a, res)
+            save_result(a.result, res)
             print(json.dumps({k: v for k, v in res.items() if not isinstance(v, dict)}, default=str))
         return 0
     return orchestrate(a)

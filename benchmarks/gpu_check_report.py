@@ -1,7 +1,8 @@
 """gpu_check's judgement: the byte and rate arithmetic behind the bandwidth and tokens/s figures, pytest's
-summary line, and the table built from the parts' results, each row with its target and PASS / FAIL /
-INFO / SKIP / smoke status, in plain text and Markdown, and the exit status that follows from it.
-Standard library only: pure functions of the results, tested without a GPU.
+summary line, the table's rows (each with its target and PASS / FAIL / INFO / SKIP / smoke status) of the
+tests, bandwidth, calibrate and dp2 parts, the table in plain text and Markdown, and the exit status that
+follows from it. The model parts' rows are in gpu_check_models.py. Standard library only: pure functions of
+the results, tested without a GPU.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from gpu_check_options import ADAMW_BYTES_PER_PARAM, BW_TARGET, SPEED_TARGET, model_label, model_shape
+from gpu_check_options import ADAMW_BYTES_PER_PARAM, BW_TARGET
 
 
 # ------------------------------------------------------------------------- arithmetic (pure)
@@ -116,7 +117,7 @@ def _tbps(x: float) -> str:
     return f"{x / 1e12:.2f} TB/s" if x >= 1e11 else f"{x / 1e9:.1f} GB/s"
 
 
-def _err(res: dict | None, what: str) -> str:
+def err_text(res: dict | None, what: str) -> str:
     if res is None:
         return f"{what}: not run"
     if res.get("skipped"):
@@ -126,7 +127,7 @@ def _err(res: dict | None, what: str) -> str:
 
 def rows_tests(res: dict | None, smoke: bool) -> list[Row]:
     if res is None or res.get("counts") is None:
-        return [Row("GPU tests (pytest tests/gpu)", _err(res, "pytest"), "0 failed",
+        return [Row("GPU tests (pytest tests/gpu)", err_text(res, "pytest"), "0 failed",
                     "SKIP" if res and res.get("skipped") else "FAIL", res or {})]
     c = res["counts"]
     ok = c["failed"] == 0 and c["errors"] == 0 and res.get("rc") == 0 and (smoke or c["passed"] > 0)
@@ -139,7 +140,7 @@ def rows_bandwidth(res: dict | None, smoke: bool) -> list[Row]:
              ("unpack", "unpack kernel", "pack_copy", False))
     if res is None or "timings" not in res:
         st = "SKIP" if res and res.get("skipped") else "FAIL"
-        return [Row(f"{label} bandwidth", _err(res, "bandwidth"), f">= {BW_TARGET:.0%} of D2D copy" if tgt else "-",
+        return [Row(f"{label} bandwidth", err_text(res, "bandwidth"), f">= {BW_TARGET:.0%} of D2D copy" if tgt else "-",
                     st if tgt else "INFO") for _, label, _, tgt in names]
     t, rows = res["timings"], []
     for key, label, ref, tgt in names:
@@ -160,36 +161,11 @@ def rows_calibrate(res: dict | None) -> list[Row]:
     """The planner's measured GPU figures (for clusters/h200_node.toml), information only."""
     c = (res or {}).get("cluster") or {}
     if not c or res.get("error"):
-        return [Row("planner calibration (plan --calibrate)", _err(res, "calibrate") if res else "not run", "-",
+        return [Row("planner calibration (plan --calibrate)", err_text(res, "calibrate") if res else "not run", "-",
                     "SKIP" if res and res.get("skipped") else "INFO", res or {})]
     keys = [k for k in ("gemm_eff_max", "gemm_half_dim", "mem_bw_gbs", "launch_us", "tflops", "tflops_fp32", "act_ns")
             if k in c]
     return [Row("planner calibration (plan --calibrate)", ", ".join(f"{k} {c[k]:.4g}" for k in keys), "-", "INFO", c)]
-
-
-def rows_speed(model: str, shape: dict, hpe: dict | None, torch_res: dict, attn: list[str], smoke: bool) -> list[Row]:
-    label = "ref GPT" if model == "ref" else "GPT-2 small"
-    what = f"tokens/s {label} {model_label(shape)}"
-    if hpe is None or "tokens_per_s" not in hpe:
-        return [Row(what, _err(hpe, "hpengine"), f">= {SPEED_TARGET:.1f}x torch eager",
-                    "SKIP" if hpe and hpe.get("skipped") else "FAIL", hpe or {})]
-    rows = []
-    for i, at in enumerate(attn):
-        tr = torch_res.get(at)
-        tgt = f">= {SPEED_TARGET:.1f}x torch" if i == 0 else "-"
-        w = what if i == 0 else f"  vs torch {at} attention (info)"
-        if tr is None or "tokens_per_s" not in tr:
-            skipped = tr is not None and tr.get("skipped")
-            rows.append(Row(w, f"hpengine {hpe['tokens_per_s']:,.0f}; {_err(tr, 'torch ' + at)}", tgt,
-                            "SKIP" if (skipped or i) else "FAIL", tr or {}))
-            continue
-        ratio = hpe["tokens_per_s"] / tr["tokens_per_s"]
-        same = hpe.get("n_params") == tr.get("n_params")
-        value = (f"hpengine {hpe['tokens_per_s']:,.0f} / torch {tr['tokens_per_s']:,.0f} = {ratio:.2f}x"
-                 + ("" if same else f" (params differ: {hpe.get('n_params')} vs {tr.get('n_params')})"))
-        status = ("FAIL" if not same else judged(ratio >= SPEED_TARGET, smoke)) if i == 0 else "INFO"
-        rows.append(Row(w, value, tgt, status, {"ratio": ratio, "hpengine": hpe, "torch": tr}))
-    return rows
 
 
 def rows_dp2(single: dict | None, multi: dict | None, smoke: bool, loss_rtol: float, gnorm_rtol: float) -> list[Row]:
@@ -198,7 +174,7 @@ def rows_dp2(single: dict | None, multi: dict | None, smoke: bool, loss_rtol: fl
     bad = next((r for r in (single, multi) if r is None or "variants" not in r), "none")
     if bad != "none":
         st = "SKIP" if bad and bad.get("skipped") else "FAIL"
-        return [Row(labels[v], _err(bad, "1-rank run" if bad is single else "2-rank run"), target, st)
+        return [Row(labels[v], err_text(bad, "1-rank run" if bad is single else "2-rank run"), target, st)
                 for v in ("dp", "sharding")]
     ref = single["variants"]["single"]
     rows = []
@@ -218,21 +194,52 @@ def rows_dp2(single: dict | None, multi: dict | None, smoke: bool, loss_rtol: fl
     return rows
 
 
-def build_rows(results: dict, a) -> list[Row]:
-    """The table, in the brief's order, from the parts' results (absent parts are left out)."""
-    rows: list[Row] = []
-    smoke = a.cpu_smoke
-    if "tests" in a.parts:
-        rows += rows_tests(results.get("tests"), smoke)
-    if "bandwidth" in a.parts:
-        rows += rows_bandwidth(results.get("bandwidth"), smoke)
-    if "calibrate" in a.parts:
-        rows += rows_calibrate(results.get("calibrate"))
-    for m in ("ref", "gpt2"):
-        if m in a.parts:
-            rows += rows_speed(m, model_shape(a, m), results.get(f"{m}:hpengine"),
-                               {at: results.get(f"{m}:torch-{at}") for at in a.torch_attn}, a.torch_attn, smoke)
-    if "dp2" in a.parts:
-        rows += rows_dp2(results.get("dp2:1"), results.get("dp2:2"), smoke, a.loss_rtol, a.gnorm_rtol)
-    return rows
+def _shared(run: dict | None) -> bool:
+    """Whether a 2-rank run's ranks were on one device."""
+    devs = (run or {}).get("devices") or []
+    return len(devs) > 1 and len(set(devs)) < len(devs)
 
+
+def rows_transports(multi: dict | None, smoke: bool, loss_rtol: float) -> list[Row]:
+    """The dp2 part's timed 2-rank data-parallel runs, runtime.collectives = "mpi" (host-staged) and "nccl":
+    tokens/s and the exposed gradient-sync wait per step (information); nccl's losses against mpi's (judged
+    where both ran)."""
+    runs = (multi or {}).get("variants") or {}
+    mpi, rows = runs.get("mpi"), []
+    for v in ("mpi", "nccl"):
+        got, what = runs.get(v), f"2 ranks dp, collectives {v}" + (" (host-staged)" if v == "mpi" else "")
+        tgt = "-" if v == "mpi" else f"losses = mpi's, rtol {loss_rtol:.0e}"
+        if got is None:
+            rows.append(Row(what, err_text(multi, "2-rank run") if multi is None or multi.get("error") or
+                            multi.get("skipped") else "not run", tgt,
+                            "SKIP" if multi is None or multi.get("skipped") or smoke else "FAIL"))
+            continue
+        if got.get("not_available"):
+            rows.append(Row(what, f"not available: {got['not_available']}", tgt, "SKIP", got))
+            continue
+        shared = _shared(mpi) and v == "nccl"
+        if "tokens_per_s" not in got:
+            note = "; the 2 ranks share one GPU, which NCCL does not support" if shared else ""
+            rows.append(Row(what, got.get("error", "failed") + note, tgt, "INFO" if shared else "FAIL", got))
+            continue
+        devs = got.get("devices") or []
+        where = (f"{len(devs)} ranks share GPU {devs[0]} (runtime.share_devices)" if _shared(got)
+                 else f"devices {devs}") if not smoke else f"backend {got.get('backend')}"
+        value = (f"{got['tokens_per_s']:,.0f} tok/s, grad sync wait {got['grad_sync_wait_ms']:.1f} ms/step, "
+                 f"{got.get('grad_bytes', 0) / 2**20:.0f} MiB of gradients; {where}")
+        warn = got.get("warnings") or []
+        if warn:
+            value += f"; logged: {warn[0]}" + (f" (+{len(warn) - 1})" if len(warn) > 1 else "")
+        if v == "mpi":
+            rows.append(Row(what, value, tgt, "INFO", got))
+            continue
+        if mpi is None or "losses" not in mpi:
+            rows.append(Row(what, value + "; no mpi run to compare with", tgt, "INFO", got))
+            continue
+        d = max_rel_diff(got["losses"], mpi["losses"])
+        ratio = got["tokens_per_s"] / mpi["tokens_per_s"] if mpi.get("tokens_per_s") else float("inf")
+        fell_back = any("nccl" in w.lower() for w in warn)      # e.g. NCCL not usable, MPI used instead
+        rows.append(Row(what, f"{value}; {ratio:.2f}x mpi's tok/s; losses vs mpi {d:.0e}", tgt,
+                        "FAIL" if d > loss_rtol else "INFO" if fell_back else "PASS",
+                        {"loss_rel": d, "ratio": ratio, "run": got}))
+    return rows
