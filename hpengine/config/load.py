@@ -211,6 +211,10 @@ def validate(cfg: Config) -> None:
                               f"give one per model or leave it empty")
     if any(lr < 0 for lr in t.model_lrs):
         raise ConfigError(f"train.model_lrs = {t.model_lrs}: every learning rate must be >= 0")
+    rt = cfg.runtime
+    if rt.collectives == "nccl" and rt.backend == "numpy":
+        raise ConfigError("runtime.collectives = 'nccl' needs device buffers but runtime.backend = 'numpy': use "
+                          "collectives = 'mpi', or backend = 'cupy' / 'auto' (NCCL where a GPU is found, else MPI)")
     d = cfg.data
     if d.path and d.sources:
         raise ConfigError(f"data.path = {_show(d.path)} and data.sources ({len(d.sources)} files) are both set: "

@@ -380,6 +380,11 @@ class RuntimeConfig:
     cuda_aware_mpi: bool | str = _f("auto", 'hand device buffers straight to MPI: "auto" (when the MPI library '
                                     'says it can), true, or false (stage through pinned host memory)',
                                     check=(lambda v: v in (True, False, "auto"), 'must be "auto", true or false'))
+    collectives: str = _f("mpi", 'what carries collectives on device buffers: "mpi", or "nccl" (each mesh '
+                          "communicator gets an NCCL twin for allreduce, reduce-scatter, all-gather and broadcast; "
+                          "MPI keeps start-up, control messages, host buffers, sends and receives; where NCCL is "
+                          "missing on some rank or the backend resolves to NumPy, every rank warns and uses MPI)",
+                          choices=("mpi", "nccl"))
     share_devices: bool = _f(False, "allow more ranks on a node than GPUs (ranks share devices; logged as a "
                                     "warning)")
     blas_threads: int = _f(0, "threads of each rank's CPU BLAS/OpenMP pool; 0 = automatic: the cores the rank is "

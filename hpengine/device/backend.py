@@ -44,6 +44,55 @@ def cublas_module():
     return cublas
 
 
+def nccl_module():
+    """CuPy's NCCL binding (cupy.cuda.nccl), or a BackendError saying how to get it. CuPy loads libnccl from
+    the system or from the nvidia-nccl-cu13 wheel; without either the module imports but is not available."""
+    cupy_module()
+    try:
+        from cupy.cuda import nccl  # noqa: PLC0415 - ships with CuPy, usable only when libnccl is found
+    except ImportError as e:
+        raise BackendError(f"CuPy's NCCL binding is not importable ({e}); pip install nvidia-nccl-cu13 "
+                           "(or install NCCL on the system)") from e
+    if not getattr(nccl, "available", False) or not hasattr(nccl, "get_unique_id"):
+        raise BackendError("CuPy found no NCCL library (libnccl.so.2); pip install nvidia-nccl-cu13 "
+                           "(or install NCCL on the system)")
+    return nccl
+
+
+class CudaNccl:
+    """What dist/nccl.py needs of the device to hand CuPy arrays to NCCL: the nccl module, which arrays
+    live on the device, their pointers, the current stream and events on it. A stand-in with the same
+    methods lets the CPU tests check which calls go where."""
+
+    def __init__(self, cupy):
+        self.cupy = cupy
+
+    def module(self):
+        return nccl_module()
+
+    def on_device(self, arr) -> bool:
+        return not isinstance(arr, (np.ndarray, np.generic))
+
+    def ptr(self, arr) -> int:
+        return arr.data.ptr
+
+    def stream(self) -> int:
+        """The current stream's handle: NCCL calls are ordered with the compute around them, no sync()."""
+        return self.cupy.cuda.get_current_stream().ptr
+
+    def record(self):
+        """An event on the current stream after what has been queued on it."""
+        ev = self.cupy.cuda.Event(block=False, disable_timing=True)
+        ev.record(self.cupy.cuda.get_current_stream())
+        return ev
+
+    def synchronize(self, event) -> None:
+        event.synchronize()
+
+    def done(self, event) -> bool:
+        return bool(event.done)
+
+
 def scatter_add(a, indices, values) -> None:
     """a[indices] += values on CuPy arrays, repeated indices summed (GPU atomics)."""
     cupy_module()
@@ -76,6 +125,12 @@ class Backend:
     @property
     def is_gpu(self) -> bool:
         return self.name == "cupy"
+
+    def nccl_device(self) -> CudaNccl:
+        """The device side of NCCL calls (dist/nccl.py), or a BackendError when this backend has none."""
+        if not self.is_gpu:
+            raise BackendError(f"the backend is {self.name}, and NCCL needs CuPy arrays on a GPU")
+        return CudaNccl(self.xp)
 
     def set_matmul_precision(self, precision: str) -> str:
         """runtime.matmul_precision: "tf32" puts this device's cuBLAS handle in TF32 tensor-op math (float32

@@ -1,6 +1,8 @@
 """The only module that hands arrays to mpi4py. Wraps one communicator per mesh axis, syncs the
 device before MPI touches a buffer (staging through pinned host memory when the MPI is not CUDA-aware),
 and counts bytes and calls per operation so tests and the planner can compare traffic with formulas.
+With an NCCL twin (runtime.collectives = "nccl", dist/nccl.py) device buffers go to NCCL instead for the
+calls NCCL has; control messages and host buffers stay on MPI.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections import defaultdict
 
 from mpi4py import MPI
 
+from hpengine.dist.nccl import Request as NcclRequest, Twin
 from hpengine.dist.watchdog import note_comm
 
 log = logging.getLogger("hpengine")
@@ -40,21 +43,41 @@ class Staged:
 
 
 class Comm:
-    """A communicator plus traffic counters: stats[op] = [calls, bytes]."""
+    """A communicator plus traffic counters: stats[op] = [calls, bytes], whichever library carried them;
+    nccl_stats[op] = [calls, bytes] of those NCCL carried. `nccl`: the device adapter of dist/nccl.py
+    (nccl.choose) when this communicator gets an NCCL twin (collective over mpi_comm)."""
 
-    def __init__(self, mpi_comm, name: str, backend=None):
+    def __init__(self, mpi_comm, name: str, backend=None, nccl=None):
         self.c = mpi_comm
         self.name = name
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.backend = backend
         self.stats = defaultdict(lambda: [0, 0])
+        self.nccl_stats = defaultdict(lambda: [0, 0])
         self._types = {}            # strided datatypes of allgather_axis1, by shape
+        self.twin = Twin(mpi_comm, nccl) if nccl is not None and self.size > 1 else None
+        self._via = None            # the NCCL call the last method made (the tracer's name for it)
 
-    def _count(self, op, arr):
+    def _count(self, op, arr, nccl_call=None):
         st = self.stats[op]
         st[0] += 1
         st[1] += int(arr.nbytes)
+        if nccl_call:
+            st = self.nccl_stats[op]
+            st[0] += 1
+            st[1] += int(arr.nbytes)
+            self._via = nccl_call
         note_comm(op, self.name, arr.nbytes)     # what the hang watchdog names if this call never returns
+
+    def _nccl(self, *arrays, op=MPI.SUM) -> bool:
+        """Whether this call's arrays go to the NCCL twin (device buffers, a dtype and op NCCL has)."""
+        return self.twin is not None and self.twin.takes(*arrays, op=op)
+
+    def close(self) -> None:
+        """Destroy the NCCL twin (the MPI communicator is the mesh's to free)."""
+        if self.twin is not None:
+            self.twin.close()
+            self.twin = None
 
     def _out(self, arr, copy=True):
         """The buffer MPI may touch for arr (arr itself on NumPy or CUDA-aware MPI), after a sync."""
@@ -69,6 +92,7 @@ class Comm:
 
     def reset_stats(self):
         self.stats.clear()
+        self.nccl_stats.clear()
 
     # Timeline events. Off (tracer None) the methods are the plain ones above, so tracing off
     # costs nothing; on, this instance's methods are shadowed by timed wrappers (trace.Tracer).
@@ -85,7 +109,10 @@ class Comm:
 
     # --- collectives on arrays (in place where the name ends in _) ----------------------------
     def allreduce_(self, arr, op=MPI.SUM):
-        if self.size > 1:
+        if self.size > 1 and self._nccl(arr, op=op):
+            self._count("allreduce", arr, "ncclAllReduce")
+            self.twin.allreduce(arr, op)
+        elif self.size > 1:
             self._count("allreduce", arr)
             buf = self._out(arr)
             self.c.Allreduce(MPI.IN_PLACE, buf, op=op)
@@ -93,6 +120,9 @@ class Comm:
         return arr
 
     def iallreduce_(self, arr, op=MPI.SUM):
+        if self._nccl(arr, op=op):
+            self._count("allreduce", arr, "ncclAllReduce")
+            return self.twin.allreduce(arr, op)
         self._count("allreduce", arr)
         buf = self._out(arr)
         return self._req(self.c.Iallreduce(MPI.IN_PLACE, buf, op=op), buf, arr)
@@ -111,7 +141,9 @@ class Comm:
 
     def allgatherv_(self, arr, counts, displs):
         """Every rank contributes arr[displs[r]:displs[r]+counts[r]]; all get the whole arr."""
-        if self.size > 1:
+        if self.size > 1 and self._nccl(arr, op=None):
+            self._count("allgather", arr, self.twin.allgatherv(arr, counts, displs)[1])
+        elif self.size > 1:
             self._count("allgather", arr)
             buf = self._out(arr)
             self.c.Allgatherv(MPI.IN_PLACE, [buf, counts, displs, None])
@@ -119,6 +151,10 @@ class Comm:
         return arr
 
     def iallgatherv_(self, arr, counts, displs):
+        if self._nccl(arr, op=None):
+            req, call = self.twin.allgatherv(arr, counts, displs)
+            self._count("allgather", arr, call)
+            return req
         self._count("allgather", arr)
         buf = self._out(arr)
         return self._req(self.c.Iallgatherv(MPI.IN_PLACE, [buf, counts, displs, None]), buf, arr)
@@ -148,6 +184,10 @@ class Comm:
         if self.size == 1:
             recv.reshape(-1)[...] = send.reshape(-1)
             return recv
+        if self._nccl(send, recv, op=op) and recv.size * self.size == send.size:
+            self._count("reduce_scatter", send, "ncclReduceScatter")
+            self.twin.reduce_scatter(send, recv, op)
+            return recv
         self._count("reduce_scatter", send)
         sbuf, rbuf = self._out(send), self._out(recv, copy=False)
         self.c.Reduce_scatter_block(sbuf, rbuf, op=op)
@@ -155,13 +195,18 @@ class Comm:
         return recv
 
     def bcast_(self, arr, root: int):
-        if self.size > 1:
+        if self.size > 1 and self._nccl(arr, op=None):
+            self._count("bcast", arr, "ncclBroadcast")
+            self.twin.bcast(arr, root)
+        elif self.size > 1:
             self._count("bcast", arr)
             buf = self._out(arr, copy=self.rank == root)
             self.c.Bcast(buf, root=root)
             self._in(buf, arr)
         return arr
 
+    # Sends and receives stay on MPI under an NCCL twin: NCCL matches them by order, not by tag, and a
+    # send may hold the stream until its peer receives (docs/gpu.md, "NCCL").
     def isend(self, arr, dest: int, tag: int):
         self._count("send", arr)
         buf = self._out(arr)
@@ -208,25 +253,34 @@ def _raw(r):
 
 
 def waitall(reqs) -> None:
+    """Wait for MPI and NCCL requests."""
     reqs = [r for r in reqs if r is not None]
-    if reqs:
-        MPI.Request.Waitall([_raw(r) for r in reqs])
-        for r in reqs:
+    mpi = [r for r in reqs if not isinstance(r, NcclRequest)]
+    for r in reqs:
+        if isinstance(r, NcclRequest):
+            r.Wait()
+    if mpi:
+        MPI.Request.Waitall([_raw(r) for r in mpi])
+        for r in mpi:
             if isinstance(r, Staged):
                 r.finish()
 
 
 def testall(reqs) -> bool:
     """Let MPI progress outstanding requests (MPICH advances non-blocking collectives only inside
-    MPI calls); True when all are complete."""
+    MPI calls); True when all are complete (NCCL requests included)."""
     if not reqs:
         return True
-    if MPI.Request.Testall([_raw(r) for r in reqs]):
-        for r in reqs:
-            if isinstance(r, Staged):
-                r.finish()
-        return True
-    return False
+    mpi = [r for r in reqs if not isinstance(r, NcclRequest)]
+    nccl_done = all([r.Test() for r in reqs if isinstance(r, NcclRequest)])
+    if mpi and not MPI.Request.Testall([_raw(r) for r in mpi]):
+        return False
+    if not nccl_done:
+        return False
+    for r in mpi:
+        if isinstance(r, Staged):
+            r.finish()
+    return True
 
 
 # the Comm methods a tracer times, with the MPI call each stands for
@@ -238,11 +292,13 @@ TRACED = {"allreduce_": "Allreduce", "iallreduce_": "Iallreduce", "ireduce": "Ir
 
 
 def _timed(comm, call, fn):
-    """fn (an unbound Comm method) as a timeline event: non-blocking calls span their issue only."""
+    """fn (an unbound Comm method) as a timeline event named after the MPI call, or the NCCL call when the
+    twin carried it: non-blocking calls span their issue only."""
     def timed(*args, **kw):
         tok = comm.tracer.comm_start(comm.name, call, int(getattr(args[0], "nbytes", 0)) if args else 0)
+        comm._via = None
         out = fn(comm, *args, **kw)
-        comm.tracer.comm_end(tok)
+        comm.tracer.comm_end(tok, comm._via)
         return out
     return timed
 

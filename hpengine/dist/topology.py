@@ -9,6 +9,7 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from hpengine.config.load import mesh_order
+from hpengine.dist.comm import Comm
 from hpengine.layout.resolve import AXES, TopologyError, resolve_degrees  # noqa: F401  (re-exported)
 
 
@@ -53,6 +54,9 @@ class Mesh:
         """Free every communicator this mesh made (collective on the world: each rank frees the same ones in
         the same order). MPI has a few thousand communicators per process; a process that builds many
         engines (a test suite, a sweep) frees each mesh when done with it. The mesh is unusable after."""
+        for c in self.comms.values():     # NCCL twins first, while their MPI communicators exist
+            if isinstance(c, Comm):
+                c.close()
         for c in self._made:
             if c != MPI.COMM_NULL:
                 c.Free()

@@ -37,9 +37,10 @@ class Tracer:
         """Token of an MPI call in progress (comm.py asks only when tracing is on)."""
         return (comm, call, nbytes, _now())
 
-    def comm_end(self, tok) -> None:
-        comm, call, nbytes, t0 = tok
-        self.lap("comm:" + comm, t0, call, nbytes)
+    def comm_end(self, tok, call: str | None = None) -> None:
+        """Close the call of `tok`; `call` renames it (the NCCL call that carried it instead of MPI)."""
+        comm, named, nbytes, t0 = tok
+        self.lap("comm:" + comm, t0, call or named, nbytes)
 
     @property
     def dropped(self) -> int:

@@ -18,6 +18,7 @@ from hpengine.device.threads import pin as pin_blas_threads
 from hpengine.device.threads import pool_size as blas_pool_size
 from hpengine.dist.agree import agree_or_raise
 from hpengine.dist.comm import Comm, resolve_cuda_aware
+from hpengine.dist.nccl import choose as choose_nccl
 from hpengine.dist.topology import Mesh, node_gather
 from hpengine.engine.engine import Engine
 from hpengine.layout.resolve import resolve
@@ -124,10 +125,11 @@ def warn_split_groups(mesh, world) -> None:
                     axis, shown, more, d, axis)
 
 
-def build(cfg, world=None, with_data: bool = True):
+def build(cfg, world=None, with_data: bool = True, nccl_device=None):
     """Resolved layout, mesh, backend, dataset (unless with_data is False: the caller feeds the engine) and
     engine for this rank. Every check that needs no communicator (resolve) runs before the first
-    collective; those that can differ by rank are agreed."""
+    collective; those that can differ by rank are agreed. nccl_device stands in for the backend's NCCL
+    adapter under runtime.collectives = "nccl" (the CPU tests' NumPy stand-in, dist/nccl.py)."""
     startguard.mpi_ready()          # a Ctrl-C during start-up: now MPI can abort every rank
     world = world or MPI.COMM_WORLD
     launch.check_world(world)
@@ -140,7 +142,8 @@ def build(cfg, world=None, with_data: bool = True):
         keep_heap()
     node = {"local_rank": local, "node_ranks": per_node, "blas_threads": blas_pool_size(),
             "device": backend.device, "memory_limit": limit[1] if limit else None}
-    mesh = Mesh(world, res.degrees, res.order, wrap=lambda c, a: Comm(c, a, backend), node=node)
+    nccl = choose_nccl(cfg.runtime.collectives, backend, world, nccl_device)     # None: MPI carries all
+    mesh = Mesh(world, res.degrees, res.order, wrap=lambda c, a: Comm(c, a, backend, nccl), node=node)
     if len(res.grad_axes) > 1:  # context parallel with data parallel: gradients summed over dp x cp
         mesh.group(*res.grad_axes)
     if res.ep > 1:              # the expert blocks, inside the data-parallel ranks, and their replicas
