@@ -61,11 +61,17 @@ def nccl_module():
 
 class CudaNccl:
     """What dist/nccl.py needs of the device to hand CuPy arrays to NCCL: the nccl module, which arrays
-    live on the device, their pointers, the current stream and events on it. A stand-in with the same
-    methods lets the CPU tests check which calls go where."""
+    live on the device, their pointers, the stream NCCL runs on and events on it. A stand-in with the same
+    methods lets the CPU tests check which calls go where.
+
+    NCCL runs on a stream of its own, so a gradient bucket's reduction overlaps the backward still being
+    queued on the compute stream: each call first waits (on the device) for what the compute stream has
+    queued, and a caller that needs the result in order makes the compute stream wait for the call's event
+    (join), without blocking the host."""
 
     def __init__(self, cupy):
         self.cupy = cupy
+        self._comm = None
 
     def module(self):
         return nccl_module()
@@ -76,15 +82,26 @@ class CudaNccl:
     def ptr(self, arr) -> int:
         return arr.data.ptr
 
+    def _event(self, stream):
+        ev = self.cupy.cuda.Event(block=False, disable_timing=True)
+        ev.record(stream)
+        return ev
+
     def stream(self) -> int:
-        """The current stream's handle: NCCL calls are ordered with the compute around them, no sync()."""
-        return self.cupy.cuda.get_current_stream().ptr
+        """The handle of NCCL's stream, made to wait first for what the compute stream has queued (the
+        buffers' producers): no host sync."""
+        if self._comm is None:
+            self._comm = self.cupy.cuda.Stream(non_blocking=True)
+        self._comm.wait_event(self._event(self.cupy.cuda.get_current_stream()))
+        return self._comm.ptr
 
     def record(self):
-        """An event on the current stream after what has been queued on it."""
-        ev = self.cupy.cuda.Event(block=False, disable_timing=True)
-        ev.record(self.cupy.cuda.get_current_stream())
-        return ev
+        """An event on NCCL's stream after the calls queued on it."""
+        return self._event(self._comm)
+
+    def join(self, event) -> None:
+        """The compute stream waits (on the device) for event: what it queues next sees the call's result."""
+        self.cupy.cuda.get_current_stream().wait_event(event)
 
     def synchronize(self, event) -> None:
         event.synchronize()

@@ -111,7 +111,7 @@ class Comm:
     def allreduce_(self, arr, op=MPI.SUM):
         if self.size > 1 and self._nccl(arr, op=op):
             self._count("allreduce", arr, "ncclAllReduce")
-            self.twin.allreduce(arr, op)
+            self.twin.allreduce(arr, op).join()
         elif self.size > 1:
             self._count("allreduce", arr)
             buf = self._out(arr)
@@ -142,7 +142,9 @@ class Comm:
     def allgatherv_(self, arr, counts, displs):
         """Every rank contributes arr[displs[r]:displs[r]+counts[r]]; all get the whole arr."""
         if self.size > 1 and self._nccl(arr, op=None):
-            self._count("allgather", arr, self.twin.allgatherv(arr, counts, displs)[1])
+            req, call = self.twin.allgatherv(arr, counts, displs)
+            self._count("allgather", arr, call)
+            req.join()
         elif self.size > 1:
             self._count("allgather", arr)
             buf = self._out(arr)
@@ -186,7 +188,7 @@ class Comm:
             return recv
         if self._nccl(send, recv, op=op) and recv.size * self.size == send.size:
             self._count("reduce_scatter", send, "ncclReduceScatter")
-            self.twin.reduce_scatter(send, recv, op)
+            self.twin.reduce_scatter(send, recv, op).join()
             return recv
         self._count("reduce_scatter", send)
         sbuf, rbuf = self._out(send), self._out(recv, copy=False)
@@ -197,7 +199,7 @@ class Comm:
     def bcast_(self, arr, root: int):
         if self.size > 1 and self._nccl(arr, op=None):
             self._count("bcast", arr, "ncclBroadcast")
-            self.twin.bcast(arr, root)
+            self.twin.bcast(arr, root).join()
         elif self.size > 1:
             self._count("bcast", arr)
             buf = self._out(arr, copy=self.rank == root)

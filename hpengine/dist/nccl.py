@@ -1,8 +1,9 @@
 """NCCL twins of the mesh's communicators (runtime.collectives = "nccl"): deciding once, on every rank
 together, whether NCCL is usable; making a communicator's twin (rank 0's unique id broadcast over MPI); and
-the NCCL collectives comm.py hands device buffers to, on the current stream, with requests that waitall
-and testall understand. Sends and receives stay on MPI (docs/gpu.md, "NCCL", says why). The device side (pointers, stream, events, the nccl module) comes from an adapter:
-backend.CudaNccl on a GPU, a NumPy stand-in in the CPU tests.
+the NCCL collectives comm.py hands device buffers to, on a stream of their own after what the compute
+stream has queued, with requests that waitall and testall understand. Sends and receives stay on MPI
+(docs/gpu.md, "NCCL", says why). The device side (pointers, streams, events, the nccl module) comes from an
+adapter: backend.CudaNccl on a GPU, a NumPy stand-in in the CPU tests.
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def choose(setting: str, backend, world, device=None):
 
 
 class Request:
-    """An NCCL call in flight on the stream: Wait() blocks the host until it is done, Test() asks."""
+    """An NCCL call in flight on NCCL's stream: Wait() blocks the host until it is done, Test() asks, join()
+    orders the compute stream after it without blocking the host (the blocking calls of comm.py)."""
 
     def __init__(self, twin, arrays, event):
         self.twin, self.arrays, self.event = twin, arrays, event    # arrays: kept alive until done
@@ -62,6 +64,11 @@ class Request:
     def Wait(self):
         self.twin.dev.synchronize(self.event)
         self.arrays = None
+
+    def join(self):
+        """Later work on the compute stream (which allocates and frees on it) runs after this call."""
+        self.twin.dev.join(self.event)
+        return self
 
     def Test(self) -> bool:
         if not self.twin.dev.done(self.event):
@@ -102,7 +109,7 @@ class Twin:
     def _done(self, *arrays) -> Request:
         return Request(self, arrays, self.dev.record())
 
-    # --- collectives, queued on the current stream ------------------------------------------------
+    # --- collectives, queued on NCCL's stream ------------------------------------------------
     def allreduce(self, arr, op=MPI.SUM) -> Request:
         p, n, dt = self._args(arr)
         self.comm.allReduce(p, p, n, dt, self._op(op), self.dev.stream())

@@ -42,6 +42,7 @@ class Device:
 
     def __init__(self, module, fail: str | None = None):
         self.nccl, self.fail = module, fail
+        self.joined = 0             # blocking calls ordered before the compute stream's next work
 
     def module(self):
         if self.fail:
@@ -62,6 +63,10 @@ class Device:
 
     def synchronize(self, event) -> None:
         event.wait()
+
+    def join(self, event) -> None:
+        """The compute stream waiting for event: the stand-in's calls are done when they return."""
+        self.joined += 1
 
     def done(self, event) -> bool:
         return event.test()

@@ -93,6 +93,9 @@ def test_device_buffers_go_to_nccl_with_mpis_results_and_counts(pair):
     p2p = ("send", "recv")                               # matched by tag: MPI's (docs/gpu.md, "NCCL")
     assert dict(comm.nccl_stats) == {k: v for k, v in comm.stats.items() if k not in p2p}
     assert mod.calls == {"ncclAllReduce": 3, "ncclReduceScatter": 1, "ncclAllGather": 1, "ncclBroadcast": 1 + N}
+    # the five blocking calls (allreduce_ twice, reduce_scatter, allgatherv_, bcast_) order the compute stream
+    # after them; the two non-blocking ones leave that to their requests' Wait
+    assert comm.twin.dev.joined == 5
 
 
 def test_host_buffers_other_ops_and_control_messages_stay_on_mpi(pair):
