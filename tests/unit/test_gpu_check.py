@@ -4,6 +4,7 @@ partial results; and the whole script's control flow end to end in --cpu-smoke m
 sizes) through benchmarks/gpu_check.sh (whose own tests are in test_gpu_check_shell.py)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -340,14 +341,16 @@ def test_cpu_smoke_end_to_end(tmp_path):
     assert {r["status"] for r in doc["rows"]} <= {"PASS", "INFO", "SKIP", "smoke"}
     by = {r["what"]: r for r in doc["rows"]}
     assert by["GPU tests (pytest tests/gpu)"]["status"] == "PASS"
-    assert by[next(n for n in by if n.endswith("hpengine float32"))]["status"] == "PASS"   # agrees with torch
+    torch_here = importlib.util.find_spec("torch") is not None         # the interop extra's torch, if installed
+    if torch_here:
+        assert by[next(n for n in by if n.endswith("hpengine float32"))]["status"] == "PASS"   # agrees with torch
     res = doc["results"]
     assert res["bandwidth"]["timings"]["adamw"]["traffic"] == 28 * (1 << 20)
     for model in ("llama", "gpt2"):
         shape = opts.SMOKE_MODELS[model]
         assert res[f"{model}:hpengine"]["tokens_per_s"] > 0
         assert res[f"{model}:hpengine"]["n_params"] == gm.n_params(shape)
-        for mode in ("eager", "compile"):
+        for mode in ("eager", "compile") if torch_here else ():
             assert res[f"{model}:torch"][mode]["n_params"] == gm.n_params(shape)
     assert res["calibrate"]["cluster"]["tflops_fp32"] > 0      # --device cpu in the smoke run
     mpi = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
