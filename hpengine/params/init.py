@@ -6,10 +6,12 @@ slice (tensor-parallel, sharded) computes exactly that slice without materialisi
 from __future__ import annotations
 
 import hashlib
+import math
 
 import numpy as np
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+CHUNK = 1 << 16          # elements hashed at a time (normal_slice)
 
 
 def _key(seed: int, name: str) -> np.uint64:
@@ -37,13 +39,32 @@ def _flat_indices(global_shape, slices) -> np.ndarray:
     return idx
 
 
-def normal_slice(seed: int, name: str, global_shape, slices, std: float) -> np.ndarray:
-    """Standard-normal * std values (float64, host) of the given slice of a tensor."""
-    idx = _flat_indices(global_shape, slices)
-    base = _key(seed, name) + (idx * np.uint64(2) + np.uint64(1)) * _GOLDEN
+def _normal(key: np.uint64, idx: np.ndarray, std: float) -> np.ndarray:
+    """Box-Muller standard normals * std of the hashed indices idx (float64)."""
+    base = key + (idx * np.uint64(2) + np.uint64(1)) * _GOLDEN
     u1 = ((_mix(base) >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53   # (0, 1]
     u2 = (_mix(base + _GOLDEN) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53  # [0, 1)
     return std * np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+
+
+def normal_slice(seed: int, name: str, global_shape, slices, std: float) -> np.ndarray:
+    """Standard-normal * std values (float64, host) of the given slice of a tensor.
+
+    Made CHUNK elements (whole rows of the first dim) at a time: the hash's dozen uint64 temporaries then stay
+    in cache instead of each being as large as the tensor (a 32,000 x 2,048 embedding: 0.5 GB apiece), several
+    times faster and with a small peak. Each value depends on its index alone, so the chunks change nothing."""
+    shape = tuple(s.stop - s.start for s in slices)
+    key = _key(seed, name)
+    if not shape:
+        return _normal(key, _flat_indices(global_shape, slices), std)
+    out = np.empty(shape)
+    per_row = math.prod(shape[1:])
+    rows = max(1, CHUNK // max(per_row, 1))
+    first = slices[0]
+    for r in range(0, shape[0], rows):
+        part = (slice(first.start + r, min(first.stop, first.start + r + rows)),) + tuple(slices[1:])
+        out[r:r + rows] = _normal(key, _flat_indices(global_shape, part), std)
+    return out
 
 
 def init_tensor(spec, seed: int, slices=None) -> np.ndarray:

@@ -235,6 +235,23 @@ def test_init_tensor_arbitrary_slices_of_3d():
     np.testing.assert_array_equal(init_tensor(spec, 1, sl), full[sl])
 
 
+@pytest.mark.parametrize("shape", [(3 * 1024 + 5, 37), (200_001,), (2, 70_000)])
+def test_init_tensor_made_in_chunks_equals_its_slices_and_is_standard_normal(shape):
+    """A tensor larger than init's chunk: the whole equals every slice made on its own (other chunk
+    boundaries, other first rows), and its values are standard normals * std (mean, variance, a tail)."""
+    spec = ParamSpec("big", shape, std=0.5)
+    full = init_tensor(spec, 7)
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        lo = [int(rng.integers(0, n)) for n in shape]
+        sl = tuple(slice(a, int(rng.integers(a + 1, n + 1))) for a, n in zip(lo, shape))
+        np.testing.assert_array_equal(init_tensor(spec, 7, sl), full[sl])
+    z = full.reshape(-1) / 0.5
+    n = z.size
+    assert abs(z.mean()) < 5 / np.sqrt(n) and abs(z.var() - 1) < 5 * np.sqrt(2 / n)
+    assert abs(np.mean(np.abs(z) > 2) - 0.0455) < 5 * np.sqrt(0.0455 / n)      # P(|Z| > 2) of a normal
+
+
 def test_init_flat_tp_layouts_hold_slices_of_the_one_process_tensors():
     specs = specs_example()[:1] + specs_example()[2:]     # all split dims divisible by 2
     whole = FlatBuffer(Layout(specs), np, np.float64)
