@@ -34,17 +34,23 @@ def parse(argv=None):
 
 
 
-def run(a) -> dict:
+def warm_engine(overrides, warmup_s: float):
+    """(config, engine, tokens per step, steps run): the engine of the built-in defaults with `overrides`,
+    built through the public path and stepped for warmup_s seconds (at least one step)."""
     from hpengine.config.load import load_config  # noqa: PLC0415 - after the thread variables are set
     from hpengine.run.build import build  # noqa: PLC0415
 
-    cfg = load_config(None, ["train.eval_every=0", *a.overrides])
+    cfg = load_config(None, ["train.eval_every=0", *overrides])
     eng = build(cfg)
-    toks = cfg.train.global_batch * cfg.model.seq_len
-    step, t_end = 0, time.perf_counter() + a.warmup_s
+    step, t_end = 0, time.perf_counter() + warmup_s
     while step == 0 or time.perf_counter() < t_end:
         eng.train_step(step)
         step += 1
+    return cfg, eng, cfg.train.global_batch * cfg.model.seq_len, step
+
+
+def run(a) -> dict:
+    cfg, eng, toks, step = warm_engine(a.overrides, a.warmup_s)
     warm_steps = step
     prof = None
     if a.profile:

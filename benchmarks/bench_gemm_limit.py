@@ -23,6 +23,7 @@ import sys
 import time
 
 from _machine import cpu_name  # noqa: E402 - benchmarks/ is sys.path[0]
+from bench_core import warm_engine  # noqa: E402
 from _threads import ensure_threads  # noqa: E402
 
 
@@ -118,16 +119,7 @@ def run(a) -> dict:
     import numpy as np  # noqa: PLC0415
     from threadpoolctl import threadpool_info  # noqa: PLC0415
 
-    from hpengine.config.load import load_config  # noqa: PLC0415
-    from hpengine.run.build import build  # noqa: PLC0415
-
-    cfg = load_config(None, ["train.eval_every=0", *a.overrides])
-    eng = build(cfg)
-    toks = cfg.train.global_batch * cfg.model.seq_len
-    step, t_end = 0, time.perf_counter() + a.warmup_s
-    while step == 0 or time.perf_counter() < t_end:
-        eng.train_step(step)
-        step += 1
+    cfg, eng, toks, step = warm_engine(a.overrides, a.warmup_s)
     rec = Recorder()
     with recording(rec):
         eng.train_step(step)
