@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-CHUNK = 1 << 16          # elements hashed at a time (normal_slice)
+CHUNK = 1 << 14          # elements hashed at a time (normal_slice): its temporaries stay in L2
 
 
 def _key(seed: int, name: str) -> np.uint64:
