@@ -25,14 +25,26 @@ if ((u & 0x7F800000u) == 0x7F800000u) {
 FROM_BF16_BODY = """
 y = __uint_as_float(((unsigned int)b) << 16);
 """
+# float32 x -> float32 y, x rounded to its nearest bfloat16 (ties to even) in float32 storage: precision.round_bf16_
+# in one pass with no host sync (inf stays inf, a NaN becomes the canonical quiet NaN round_bf16_ writes)
+ROUND_BF16_BODY = """
+unsigned int u = __float_as_uint(x);
+if ((u & 0x7F800000u) == 0x7F800000u) {
+    y = (u & 0x007FFFFFu) ? __uint_as_float(0x7FC00000u) : x;
+} else {
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    y = __uint_as_float(u & 0xFFFF0000u);
+}
+"""
 _KERNELS: dict = {}
+_BODIES = {"to": ("float32 x", "uint16 y", TO_BF16_BODY), "from": ("uint16 b", "float32 y", FROM_BF16_BODY),
+           "round": ("float32 x", "float32 y", ROUND_BF16_BODY)}
 
 
 def _kernel(xp, name: str):
     if name not in _KERNELS:
-        _KERNELS[name] = (xp.ElementwiseKernel("float32 x", "uint16 y", TO_BF16_BODY, "hpengine_to_bf16")
-                          if name == "to" else
-                          xp.ElementwiseKernel("uint16 b", "float32 y", FROM_BF16_BODY, "hpengine_from_bf16"))
+        ins, outs, body = _BODIES[name]
+        _KERNELS[name] = xp.ElementwiseKernel(ins, outs, body, f"hpengine_{name}_bf16")
     return _KERNELS[name]
 
 
@@ -50,6 +62,11 @@ def from_bf16_bits(xp, bits):
         u <<= 16
         return u.view(np.float32)
     return _kernel(xp, "from")(bits, xp.empty(bits.shape, dtype=np.float32))
+
+
+def round_bf16_cupy_(xp, a):
+    """a (float32 CuPy array, any strides) rounded in place to bfloat16 values by ROUND_BF16_BODY; returns a."""
+    return _kernel(xp, "round")(a, a)
 
 
 def bf16_bits_numpy(a: np.ndarray) -> np.ndarray:

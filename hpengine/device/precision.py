@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from hpengine.device.bf16_bits import round_bf16_cupy_
+
 EXP = 0x7F800000
 
 
@@ -25,6 +27,8 @@ def round_bf16_(xp, a):
         raise TypeError(f"bf16 rounding needs float32 storage, got {a.dtype}")
     if a.size == 0:
         return a
+    if not isinstance(a, (np.ndarray, np.generic)):     # CuPy: one kernel (the steps below sync the host twice)
+        return round_bf16_cupy_(xp, a)
     u = a.view(xp.uint32)
     special = (u & EXP) == EXP                   # inf or NaN: never carried into the exponent
     bias = (u >> 16) & 1

@@ -69,9 +69,12 @@ class Engine:
         # what amp rounds, where (bf16 caches packed in 2 bytes: amp.bf16_storage); the loss scaler
         self.precision = Precision(amp, res.amp, res.packs_activations(backend.is_gpu))
         self.amp, self.scaler = res.amp, self.precision.scaler
-        # amp: float32 master weights of the owned range, from the exact (unrounded) initial values
-        self.master = (init_range(self.layout, t.seed, self.sync.owned, self.xp, np.float32)
-                       if self.amp else None)
+        # amp: float32 master weights of the owned range, from the exact (unrounded) initial values: a copy of
+        # the held ones while they are still float32 or wider (bf16 rounds them only below), else hashed again
+        # (float16's compute copy has lost them); a second hashing pass costs ~30 s for 1 B parameters
+        held = self.sync.owned_params() if self.amp else None
+        self.master = (None if held is None else held.astype(np.float32) if held.dtype.itemsize >= 4
+                       else init_range(self.layout, t.seed, self.sync.owned, self.xp, np.float32))
         self._round_held_params()
         # per tensor: the sums that make its gradient whole and whether it counts in the norm here
         self.reductions = reductions(self.stage, self.tp.rank, res.sp, res.cp > 1)

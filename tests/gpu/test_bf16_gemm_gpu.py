@@ -9,6 +9,7 @@ import pytest
 from mpi4py import MPI
 
 from hpengine.device import backend, bf16_bits
+from hpengine.device.precision import round_bf16_
 from hpengine.config.load import load_config
 from hpengine.nn import bf16_gemm
 from hpengine.run.build import build
@@ -23,6 +24,21 @@ def test_conversion_bit_for_bit():
     x = x.reshape(1024, 1024)[:, ::2]                                    # a strided view
     got = cp.asnumpy(bf16_bits.to_bf16_bits(cp, cp.asarray(x)))
     np.testing.assert_array_equal(got, bf16_bits.bf16_bits_numpy(x))
+
+
+def test_rounding_in_place_bit_for_bit():
+    """precision.round_bf16_ on CuPy (one kernel) against its NumPy path: every bit, NaNs included, on a
+    strided view whose other elements stay untouched."""
+    cp = backend.cupy_module()
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 2**32, size=1 << 20, dtype=np.uint64).astype(np.uint32)
+    x[:4] = (0x7F800000, 0xFF800001, 0x00008000, 0x3F818000)            # inf, a NaN, ties to even both ways
+    x = x.view(np.float32).reshape(1024, 1024)
+    dev = cp.asarray(x)
+    round_bf16_(cp, dev[:, ::2])
+    want = x.copy()
+    round_bf16_(np, want[:, ::2])
+    np.testing.assert_array_equal(cp.asnumpy(dev).view(np.uint32), want.view(np.uint32))
 
 
 VIEWS = {

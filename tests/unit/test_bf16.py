@@ -113,3 +113,16 @@ def test_bf16_resume_is_bit_exact(small_corpus, tmp_path):
     assert got == want
     pa, pc = a.named_params(), c.named_params()
     assert all(np.array_equal(pa[n], pc[n]) for n in pa)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_masters_start_from_the_unrounded_initial_values(small_corpus, dtype):
+    """Under amp the float32 masters start bit for bit at the initial parameters of a run without amp (the
+    exact values, before the compute copy is rounded to bfloat16 or held in float16)."""
+    f32 = engine(small_corpus, *KINDS["llama"], "model.dtype=float32")
+    amp = engine(small_corpus, *KINDS["llama"], "strategy.amp.enable=true", f"strategy.amp.dtype={dtype}",
+                 "model.dtype=float32")
+    want = np.asarray(f32.sync.owned_params())
+    assert amp.master.dtype == np.float32 and amp.master.shape == want.shape
+    assert np.array_equal(amp.master.view(np.uint32), want.view(np.uint32))
+    assert not np.array_equal(np.asarray(amp.sync.owned_params(), dtype=np.float32), want)     # rounded

@@ -97,6 +97,17 @@ def test_unpacking_body_compiles(tmp_path):
     assert re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", log) == [("0", "0")], log
 
 
+@pytest.mark.skipif(kernels.find_nvcc() is None, reason="nvcc not installed")
+def test_rounding_body_compiles(tmp_path):
+    src = tmp_path / "bf16_round.cu"
+    src.write_text('extern "C" __global__ void round_in_place(float* xs, int n) {\n'
+                   "    int i = blockIdx.x * blockDim.x + threadIdx.x;\n    if (i >= n) return;\n"
+                   "    float x = xs[i];\n    float& y = xs[i];\n" + bf16_bits.ROUND_BF16_BODY + "}\n")
+    log = kernels.compile_check("round", archs=("sm_80",), path=str(src), compiler="nvcc")["sm_80"]
+    assert "Compiling entry function 'round_in_place' for 'sm_80'" in log, log
+    assert [line for line in log.splitlines() if "warning" in line.lower()] == [], log
+
+
 HOST_SHIM = """#include <cstring>
 static inline unsigned int __float_as_uint(float x) { unsigned int u; std::memcpy(&u, &x, 4); return u; }
 static inline float __uint_as_float(unsigned int u) { float x; std::memcpy(&x, &u, 4); return x; }
@@ -106,16 +117,20 @@ extern "C" void to_bf16(const float* xs, unsigned short* ys, long n) {
 extern "C" void from_bf16(const unsigned short* bs, float* ys, long n) {
     for (long i = 0; i < n; ++i) { unsigned short b = bs[i]; float y; @FROM@ ys[i] = y; }
 }
+extern "C" void round_bf16(const float* xs, float* ys, long n) {
+    for (long i = 0; i < n; ++i) { float x = xs[i]; float y; @ROUND@ ys[i] = y; }
+}
 """
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no host C++ compiler")
 def test_numpy_twin_equals_the_kernel_bodies_run_on_the_host(tmp_path):
     """The CUDA bodies themselves, compiled for the CPU with the two intrinsics they use as bit copies,
-    against the NumPy conversions: every bit, NaNs included."""
+    against the NumPy conversions and rounding: every bit, NaNs included."""
     src, lib = tmp_path / "bodies.cpp", tmp_path / "bodies.so"
     src.write_text(HOST_SHIM.replace("@TO@", "{" + bf16_bits.TO_BF16_BODY + "}")
-                   .replace("@FROM@", "{" + bf16_bits.FROM_BF16_BODY + "}"))
+                   .replace("@FROM@", "{" + bf16_bits.FROM_BF16_BODY + "}")
+                   .replace("@ROUND@", "{" + bf16_bits.ROUND_BF16_BODY + "}"))
     subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
     so = ctypes.CDLL(str(lib))
     x = values()
@@ -124,6 +139,9 @@ def test_numpy_twin_equals_the_kernel_bodies_run_on_the_host(tmp_path):
     so.from_bf16(bits.ctypes.data_as(ctypes.c_void_p), back.ctypes.data_as(ctypes.c_void_p), ctypes.c_long(x.size))
     np.testing.assert_array_equal(bf16_bits.to_bf16_bits(np, x), bits)
     np.testing.assert_array_equal(bf16_bits.from_bf16_bits(np, bits).view(np.uint32), back.view(np.uint32))
+    rounded = np.empty(x.size, np.float32)
+    so.round_bf16(x.ctypes.data_as(ctypes.c_void_p), rounded.ctypes.data_as(ctypes.c_void_p), ctypes.c_long(x.size))
+    np.testing.assert_array_equal(round_bf16_(np, x.copy()).view(np.uint32), rounded.view(np.uint32))
 
 
 def engine(corpus, *extra):
