@@ -1,5 +1,5 @@
 // Fused AdamW over one owned range of a flat buffer (entries adamw_f32, adamw_f32_half, adamw_f32_bf16,
-// adamw_f64).
+// adamw_f32_bf16bits, adamw_f64).
 // NumPy twin: hpengine.kernels.adamw_numpy; launcher: hpengine.kernels.adamw_cupy.
 //
 // Launch assumptions
@@ -8,8 +8,10 @@
 //   * p, g, m, v hold the same n elements (the owned range); mask holds n bytes, nonzero where the
 //     element's tensor takes weight decay; half (adamw_f32_half) receives the n updated weights as fp16,
 //     bf16 (adamw_f32_bf16) as float32 holding the nearest bfloat16 (ties to even; a NaN becomes the
-//     canonical 0x7FC00000, inf stays inf: hpengine.precision.round_bf16_). The arrays do not overlap.
-//   * 16-byte vector loads when p, g, m, v (and bf16; half, 8 bytes) sit at the same offset from a 16-byte
+//     canonical 0x7FC00000, inf stays inf: hpengine.precision.round_bf16_), bits (adamw_f32_bf16bits) as the
+//     uint16 bits of that bfloat16 (a NaN keeps its sign and high payload, quiet bit set:
+//     hpengine.device.bf16_bits.TO_BF16_BODY). The arrays do not overlap.
+//   * 16-byte vector loads when p, g, m, v (and bf16; half and bits, 8 bytes) sit at the same offset from a 16-byte
 //     boundary: a scalar peel up to p's first aligned element, vectors, a scalar tail. Otherwise every
 //     element runs scalar (still coalesced). The launcher keeps m and v aligned like p.
 //   * Every operation is IEEE round-to-nearest with subnormals kept (inline PTX: CuPy appends -ftz=true,
@@ -46,7 +48,15 @@ __device__ __forceinline__ float to_bf16_value(float x) {
     return __uint_as_float(u & 0xFFFF0000u);
 }
 
-enum { NO_COPY = 0, HALF_COPY = 1, BF16_COPY = 2 };
+// the bits of x's nearest bfloat16 (ties to even): TO_BF16_BODY of hpengine/device/bf16_bits.py
+__device__ __forceinline__ unsigned short to_bf16_bits(float x) {
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7F800000u) == 0x7F800000u) return (unsigned short)((u >> 16) | ((u & 0x007FFFFFu) ? 0x0040u : 0u));
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+enum { NO_COPY = 0, HALF_COPY = 1, BF16_COPY = 2, BF16_BITS_COPY = 3 };
 
 template <typename T> struct Vec;
 template <> struct Vec<float> { typedef float4 type; enum { N = 4 }; };
@@ -79,7 +89,8 @@ __device__ void adamw_body(T* __restrict__ p, const T* __restrict__ g, T* __rest
     long long head = (long long)(((16 - ((u64)p & 15)) & 15) / sizeof(T));
     if (head > n) head = n;
     bool vec = aligned(g + head, 16) && aligned(m + head, 16) && aligned(v + head, 16) &&
-               (COPY != HALF_COPY || aligned(half + head, 2 * N)) && (COPY != BF16_COPY || aligned(bf16 + head, 16));
+               ((COPY != HALF_COPY && COPY != BF16_BITS_COPY) || aligned(half + head, 2 * N)) &&
+               (COPY != BF16_COPY || aligned(bf16 + head, 16));
     if (!vec) head = n;                                   // uniform across the grid: no divergence
     const long long nvec = (n - head) / N, rest = n - nvec * N;
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -108,6 +119,12 @@ __device__ void adamw_body(T* __restrict__ p, const T* __restrict__ g, T* __rest
                                    to_bf16_value((float)pe[2]), to_bf16_value((float)pe[3]));
             *reinterpret_cast<float4*>(bf16 + i) = b;
         }
+        if (COPY == BF16_BITS_COPY) {                     // float only: N == 4
+            uint2 h;
+            h.x = (unsigned)to_bf16_bits((float)pe[0]) | ((unsigned)to_bf16_bits((float)pe[1]) << 16);
+            h.y = (unsigned)to_bf16_bits((float)pe[2]) | ((unsigned)to_bf16_bits((float)pe[3]) << 16);
+            *reinterpret_cast<uint2*>(half + i) = h;
+        }
     }
     for (long long r = tid; r < rest; r += stride) {      // the peel [0, head) and the tail
         const long long i = r < head ? r : r + nvec * N;
@@ -118,6 +135,7 @@ __device__ void adamw_body(T* __restrict__ p, const T* __restrict__ g, T* __rest
         v[i] = vi;
         if (COPY == HALF_COPY) half[i] = to_half((float)pi);
         if (COPY == BF16_COPY) bf16[i] = to_bf16_value((float)pi);
+        if (COPY == BF16_BITS_COPY) half[i] = to_bf16_bits((float)pi);
     }
 }
 
@@ -142,6 +160,14 @@ extern "C" __global__ void adamw_f32_bf16(float* p, const float* g, float* m, fl
                                           float keep) {
     const Coefs<float> c = {b1, c1, b2, c2, step, eps, keep};
     adamw_body<float, BF16_COPY>(p, g, m, v, mask, bf16, n, c);
+}
+
+extern "C" __global__ void adamw_f32_bf16bits(float* p, const float* g, float* m, float* v,
+                                              const unsigned char* mask, unsigned short* bits, long long n,
+                                              float b1, float c1, float b2, float c2, float step, float eps,
+                                              float keep) {
+    const Coefs<float> c = {b1, c1, b2, c2, step, eps, keep};
+    adamw_body<float, BF16_BITS_COPY>(p, g, m, v, mask, bits, n, c);
 }
 
 extern "C" __global__ void adamw_f64(double* p, const double* g, double* m, double* v,

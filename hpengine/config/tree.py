@@ -327,8 +327,9 @@ class AmpConfig:
                            choices=("auto", "dynamic", "off"))
     grad_dtype: str = _f("float32", "bfloat16 only: dtype gradients accumulate and are reduced in (float32 as "
                          "Megatron, or bfloat16: half the gradient traffic)", choices=("float32", "bfloat16"))
-    bf16_storage: str = _f("auto", "bfloat16 only: how the activations a block keeps for its backward are stored: "
-                           "packed (bfloat16 bits, 2 bytes an element), float32 (bf16 values in float32, 4 bytes), "
+    bf16_storage: str = _f("auto", "bfloat16 only: how the activations a block keeps for its backward and the "
+                           "parameters' compute copy are stored: packed (bfloat16 bits, 2 bytes an element), "
+                           "float32 (bf16 values in float32, 4 bytes), "
                            "auto (packed on a GPU backend, float32 on NumPy); both give the same values",
                            choices=("auto", "float32", "packed"))
     init_scale: float = _f(65536.0, "initial loss scale", check=_must(">", 0))

@@ -77,3 +77,17 @@ def bf16_bits_numpy(a: np.ndarray) -> np.ndarray:
     rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
     kept = ((u >> 16) | np.where((u & 0x007FFFFF) != 0, 0x0040, 0)).astype(np.uint16)
     return np.where(special, kept, rounded).astype(np.uint16)
+
+
+def store_values_(xp, dst, vals) -> None:
+    """Write float values into dst: as their bfloat16 bits (nearest, ties to even) when dst is a uint16 buffer
+    of bits (packed parameters), else cast to dst's dtype."""
+    if dst.dtype == np.uint16:
+        dst[...] = to_bf16_bits(xp, xp.asarray(vals, dtype=np.float32))
+    else:
+        dst[...] = xp.asarray(vals, dtype=dst.dtype)
+
+
+def as_float32(xp, a):
+    """a's values as float32 when a holds bfloat16 bits (uint16), else a itself."""
+    return from_bf16_bits(xp, a) if a.dtype == np.uint16 else a

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hpengine.device import backend
+from hpengine.device.bf16_bits import to_bf16_bits
 from hpengine.device.precision import round_bf16_
 
 KERNELS = ("adamw", "pack", "fused")
@@ -212,9 +213,10 @@ def chunk_plan(size: int, chunk: int, runs) -> list[tuple[int, int, list[tuple[i
 
 
 def adamw_numpy(p, g, m, v, mask, c: AdamWCoefs, copy=None, *, plan=None, scratch=None) -> None:
-    """Twin of adamw_f32 / adamw_f32_half / adamw_f32_bf16 / adamw_f64: updates p, m, v in place with the
-    kernel's operations in the kernel's order and writes the compute copy when given: float16 (rounded to
-    nearest) or float32 holding the nearest bfloat16 values (precision.round_bf16_). plan (chunk_plan of
+    """Twin of adamw_f32 / adamw_f32_half / adamw_f32_bf16 / adamw_f32_bf16bits / adamw_f64: updates p, m, v in
+    place with the kernel's operations in the kernel's order and writes the compute copy when given: float16
+    (rounded to nearest), float32 holding the nearest bfloat16 values (precision.round_bf16_) or uint16 holding
+    their bits (bf16_bits.to_bf16_bits). plan (chunk_plan of
     mask's runs) may replace mask; scratch is two vectors as long as the plan's longest chunk. Works on
     CuPy arrays too."""
     xp = backend.array_module(p)
@@ -243,15 +245,17 @@ def adamw_numpy(p, g, m, v, mask, c: AdamWCoefs, copy=None, *, plan=None, scratc
             for ra, rb in runs:
                 pc[ra:rb] *= keep
         pc -= b
-        if copy is not None:
+        if copy is not None and copy.dtype == np.uint16:
+            copy[i:j] = to_bf16_bits(xp, pc)
+        elif copy is not None:
             copy[i:j] = pc
             if copy.dtype == np.float32:
                 round_bf16_(xp, copy[i:j])
 
 
 def adamw_cupy(p, g, m, v, mask, c: AdamWCoefs, copy=None) -> None:
-    """Launch adamw_f32 / adamw_f32_half / adamw_f32_bf16 / adamw_f64 on CuPy arrays (same contract as
-    adamw_numpy)."""
+    """Launch adamw_f32 / adamw_f32_half / adamw_f32_bf16 / adamw_f32_bf16bits / adamw_f64 on CuPy arrays (same
+    contract as adamw_numpy)."""
     n = p.size
     for nm, a in (("g", g), ("m", m), ("v", v), ("mask", mask)) + ((("copy", copy),) if copy is not None else ()):
         if a.size != n or not a.flags.c_contiguous:
@@ -259,7 +263,8 @@ def adamw_cupy(p, g, m, v, mask, c: AdamWCoefs, copy=None) -> None:
     if mask.dtype.itemsize != 1 or any(a.dtype != p.dtype for a in (g, m, v)):
         raise ValueError(f"adamw: p, g, m, v share one dtype and mask is bytes; got {p.dtype}, {g.dtype}, "
                          f"{m.dtype}, {v.dtype}, mask {mask.dtype}")
-    copies = {None: "adamw_f32", np.dtype(np.float16): "adamw_f32_half", np.dtype(np.float32): "adamw_f32_bf16"}
+    copies = {None: "adamw_f32", np.dtype(np.float16): "adamw_f32_half", np.dtype(np.float32): "adamw_f32_bf16",
+              np.dtype(np.uint16): "adamw_f32_bf16bits"}
     kind = None if copy is None else copy.dtype
     if p.dtype == np.float32 and kind in copies:
         entry, width = copies[kind], 4
@@ -267,7 +272,8 @@ def adamw_cupy(p, g, m, v, mask, c: AdamWCoefs, copy=None) -> None:
         entry, width = "adamw_f64", 2
     else:
         raise ValueError(f"adamw: no kernel for p.dtype = {p.dtype} (compute copy: {kind}); float32 (with no "
-                         "copy, a float16 copy or a bfloat16-valued float32 copy) and float64 are supported")
+                         "copy, a float16 copy, a bfloat16-valued float32 copy or a uint16 copy of bfloat16 bits) "
+                         "and float64 are supported")
     if n == 0:
         return
     args = (p, g, m, v, mask) + ((copy,) if copy is not None else ()) + (np.int64(n),)

@@ -75,6 +75,8 @@ class Engine:
         held = self.sync.owned_params() if self.amp else None
         self.master = (None if held is None else held.astype(np.float32) if held.dtype.itemsize >= 4
                        else init_range(self.layout, t.seed, self.sync.owned, self.xp, np.float32))
+        if self.precision.packed:       # the compute copy in 2 bytes: bfloat16 bits of the values init wrote
+            self.sync.hold_bf16_bits()
         self._round_held_params()
         # per tensor: the sums that make its gradient whole and whether it counts in the norm here
         self.reductions = reductions(self.stage, self.tp.rank, res.sp, res.cp > 1)
@@ -108,7 +110,7 @@ class Engine:
 
     # --- forward / backward ---------------------------------------------------------------------
     def _P(self, slot, b, nxt=None):
-        buf = self.sync.params_for(slot.prefix + b, nxt and slot.prefix + nxt)
+        buf = self.precision.layer_params(self.xp, self.sync.params_for(slot.prefix + b, nxt and slot.prefix + nxt))
         return Prefixed(buf, slot.prefix) if slot.prefix else buf
 
     def _G(self, slot, b):
@@ -304,7 +306,8 @@ class Engine:
         the schedule's factor."""
         own = self.sync.owned
         p = self.sync.owned_params() if self.master is None else self.master
-        # amp: the optimizer writes the compute copy (float16, or float32 holding bf16 values) in its pass
+        # amp: the optimizer writes the compute copy (float16, float32 holding bf16 values, or packed their bits)
+        # in its pass
         copy = self.sync.owned_params() if self.master is not None else None
         lr_scale = lr_at(step, self.unit_lr, self.cfg.train.steps)     # each model has its own peak lr
         for s, opt in zip(self.slots, self.opts):
@@ -402,8 +405,8 @@ class Engine:
         self._round_held_params()
 
     def _round_held_params(self) -> None:
-        """bf16: the compute copy this rank holds (whole buffer and owned shard) as bfloat16 values; local,
-        and the same on every replica, since each holds the same unrounded values."""
+        """bf16: the compute copy this rank holds (whole buffer and owned shard) as bfloat16 values (packed: bits
+        already); local, and the same on every replica, since each holds the same unrounded values."""
         self.precision.held_params_(self.xp, (getattr(self.sync.params, "data", None), self.sync.owned_params()))
 
     def memory(self) -> dict:

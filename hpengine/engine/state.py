@@ -8,6 +8,8 @@ import dataclasses
 
 import numpy as np
 
+from hpengine.device.bf16_bits import store_values_
+
 
 def checkpoint_pieces(stage, sync, opts, master, replica: dict, backend, elsewhere: frozenset,
                       copy: bool = True) -> list:
@@ -77,14 +79,14 @@ def load_state(stage, sync, opts, master, tp, backend, reader, params_only: bool
         if not full and hit is None:
             continue
         vals = reader.read("param", name, lay.box(name)).reshape(-1)
-        if full:
-            sync.params.data[r.slice] = xp.asarray(vals, dtype=backend.dtype)
+        if full:            # the compute copy: the backend's dtype, or packed bfloat16 bits
+            store_values_(xp, sync.params.data[r.slice], vals)
         if hit is not None:
             dst = master if master is not None else sync.owned_params()
-            dst[hit.start - own.start:hit.stop - own.start] = xp.asarray(
-                vals[hit.start - r.start:hit.stop - r.start], dtype=dst.dtype)
+            store_values_(xp, dst[hit.start - own.start:hit.stop - own.start],
+                          vals[hit.start - r.start:hit.stop - r.start])
     if master is not None and not full:
-        sync.owned_params()[...] = master
+        store_values_(xp, sync.owned_params(), master)
     if params_only:
         return None
     return _load_moments(stage, sync, opts, tp, xp, reader)

@@ -21,14 +21,14 @@ def zero_bytes(psi: float, share: float, stage: int, w: int, g: int, k: int) -> 
             k * (share if stage >= 1 else psi))
 
 
-def precision(mcfg, amp) -> tuple:
+def precision(mcfg, amp, packed: bool = False) -> tuple:
     """(w, g, K, compute bytes): 16-bit copies and fp32 master + Adam under float16 amp (K = 12); bfloat16
-    values are kept in float32 storage (precision.py), so its copies, gradients (flat buffers MPI sums: MPI
-    has no bfloat16 sum) and activations on the wire take 4 bytes, as do its cached activations unless
-    they are packed (packed_caches: 2 bytes, block_activations); else the dtype for parameters and
-    gradients and two Adam moments (K = 8 in float32)."""
+    values are kept in float32 storage (precision.py), so its gradients (flat buffers MPI sums: MPI has no
+    bfloat16 sum) and activations on the wire take 4 bytes, as do its compute copy and cached activations
+    unless they are packed (packed_caches: the copy as bfloat16 bits, w = 2, the caches block_activations);
+    else the dtype for parameters and gradients and two Adam moments (K = 8 in float32)."""
     if amp == "bfloat16":
-        return 4, 4, 12, 4
+        return 2 if packed else 4, 4, 12, 4
     if amp:
         return 2, 2, 12, 2
     item = 8 if mcfg.dtype == "float64" else 4
@@ -58,14 +58,16 @@ def _partition(sizes, n, mode):
     return partition(list(sizes), n, mode)
 
 
-def model_state(mcfg, st: Stage, lay: Resolved, models: int, sh_rank=None) -> dict:
-    w, g, k, _ = precision(mcfg, lay.amp)
+def model_state(mcfg, st: Stage, lay: Resolved, models: int, sh_rank=None, packed: bool = False) -> dict:
+    """ZeRO model states of this sharding rank; packed (packed_caches): the compute copy in bfloat16 bits."""
+    w, g, k, _ = precision(mcfg, lay.amp, packed)
     p, gr, o = zero_bytes(st.psi * models, owned(st, lay, models, sh_rank), lay.zstage, w, g, k)
     return {"params": p, "grads": gr, "optimizer": o}
 
 
 def packed_caches(lay: Resolved, cluster=None) -> bool:
-    """Whether bf16 amp keeps the activation caches as bfloat16 bits (strategy.amp.bf16_storage): "packed", or
+    """Whether bf16 amp keeps the activation caches and the parameters' compute copy as bfloat16 bits
+    (strategy.amp.bf16_storage): "packed", or
     "auto" on a GPU, which runtime.backend = "cupy" says, or, with runtime.backend = "auto", a GPU cluster (any
     cluster without the CPU figures that --calibrate --device cpu measures)."""
     return lay.packs_activations(cluster is not None and not (cluster.block_us or cluster.act_ns))
@@ -126,9 +128,10 @@ def chunk_stash(mcfg, st: Stage, chunk, lay: Resolved, item: int) -> int:
 def buffers(mcfg, st: Stage, lay: Resolved, own: int, packed: bool = False) -> int:
     """Transient bytes: stage >= 2 keeps up to MAX_INFLIGHT + 1 blocks of temporary gradients, stage 3
     two gathered blocks (current and prefetched, + the tied embedding); a recomputed layer is rebuilt
-    in backward, and packed caches (packed_caches) are unpacked one layer at a time for its backward;
-    pipelines hold two activations; amp unscales the owned gradient into float32."""
-    w, g, _, item = precision(mcfg, lay.amp)
+    in backward, and packed caches (packed_caches) are unpacked one layer at a time for its backward, as are
+    packed parameters (one block's float32 weights, with the blocks it reads); pipelines hold two activations;
+    amp unscales the owned gradient into float32."""
+    w, g, _, item = precision(mcfg, lay.amp, packed)
     big = max(st.block(b) for b in st.names)
     out = (MAX_INFLIGHT + 1) * big * g if lay.zstage >= 2 else 0
     if lay.zstage == 3:
@@ -137,6 +140,7 @@ def buffers(mcfg, st: Stage, lay: Resolved, own: int, packed: bool = False) -> i
     out += rc.transient(a, st, lay)
     if packed:
         out += max((rc.cached(a, st, lay, b.name) for b in st.kinds if b.kind == "layer"), default=0)
+        out += 4 * (big + sum(st.block(d) for d in _read_blocks(st)))
     if lay.pp > 1:
         out += 2 * lay.rows * mcfg.seq_len // (lay.seq_parts * lay.cp) * mcfg.d_model * item
     return out + (4 * own if lay.amp else 0)

@@ -33,10 +33,11 @@ def gathered_per_microbatch(mcfg, st: Stage) -> int:
     return total
 
 
-def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=None) -> dict:
+def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=None, packed: bool = False) -> dict:
     """{axis: {op: bytes}} one rank sends in one optimizer step, as comm.py counts it (every rank
-    counts its own buffer of a collective; "tied" is the first/last-stage wte gradient sum)."""
-    w, g, _, item = precision(mcfg, lay.amp)
+    counts its own buffer of a collective; "tied" is the first/last-stage wte gradient sum); packed
+    (packed_caches): the parameters' all-gathers move bfloat16 bits."""
+    w, g, _, item = precision(mcfg, lay.amp, packed)
     M, psi, out = models, st.psi * models, {}
     losses = F64 * (M + plan_moe.loss_figures(mcfg, M))         # the loss allreduce, with the MoE figures riding on it
     if lay.sh > 1:
@@ -173,7 +174,7 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
     exposed after overlapping the last backward / the forward prefetch; fixed: the optimizer over the
     owned elements, the scalar allreduces and the per-step overhead). "hidden": {what: (seconds hidden behind
     compute, bytes per step)} for the gradient and sharding collectives that overlap compute."""
-    tr, M = traffic(mcfg, st, lay, stage, models), models
+    tr, M = traffic(mcfg, st, lay, stage, models, packed=packed_caches(lay, cluster)), models
     slow = oversubscription(lay, cluster)
     comp = slow * M * compute_s(mcfg, st, lay, cluster)
     mb = lay.k * lay.m
@@ -228,11 +229,11 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
 def predict_stage(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster=None, sh_rank=None) -> dict:
     """Memory (bytes) and traffic of one rank of `stage`; times when a cluster is given."""
     item, packed = precision(mcfg, lay.amp)[3], packed_caches(lay, cluster)
-    mem = model_state(mcfg, st, lay, models, sh_rank)
+    mem = model_state(mcfg, st, lay, models, sh_rank, packed)
     mem["activations"] = activations(mcfg, st, lay, stage, item, packed)
     mem["buffers"] = buffers(mcfg, st, lay, owned(st, lay, models, sh_rank), packed)
     mem["total"] = sum(mem.values())
-    out = {"stage": stage, "memory": mem, "traffic": traffic(mcfg, st, lay, stage, models, sh_rank)}
+    out = {"stage": stage, "memory": mem, "traffic": traffic(mcfg, st, lay, stage, models, sh_rank, packed)}
     if cluster is not None:
         out["times"] = stage_times(mcfg, st, lay, stage, models, cluster, sh_rank)
     return out

@@ -11,7 +11,7 @@ import numpy as np
 from hpengine.device.precision import round_bf16_
 from hpengine.layout.cache import cache_arrays
 from hpengine.nn import bf16_gemm
-from hpengine.strategies.bf16_storage import pack_cache, unpack_cache
+from hpengine.strategies.bf16_storage import UnpackedParams, pack_cache, unpack_cache
 
 
 def loss_scaling(acfg) -> bool:
@@ -54,10 +54,11 @@ class Precision:
     bfloat16 is stored where a bf16 implementation stores it: a block's output and its caches, its input
     gradient in backward, the compute copy of the parameters and, with amp.grad_dtype = "bfloat16", the
     gradients; each of those is rounded here and nowhere else. The values are bfloat16 values kept in float32
-    (device/precision.py), except, with `packed` (amp.bf16_storage), the caches: those are held as bfloat16
-    bits, 2 bytes an element, from the end of the block's forward to the start of its backward
-    (strategies/bf16_storage.py). The compute copy and the gradients stay in float32 storage either way: they
-    are the flat buffers MPI sums and gathers, and MPI has no bfloat16 sum."""
+    (device/precision.py), except, with `packed` (amp.bf16_storage), the caches and the compute copy: the
+    caches are held as bfloat16 bits, 2 bytes an element, from the end of the block's forward to the start of
+    its backward, and the compute copy is a flat buffer of bits (uint16; MPI gathers it as it is) that the
+    layers read as float32, one block at a time (strategies/bf16_storage.py). The gradients stay in float32
+    storage either way: they are the flat buffers MPI sums, and MPI has no bfloat16 sum."""
 
     def __init__(self, acfg, amp_on: bool, packed: bool = False):
         self.amp = amp_on
@@ -111,11 +112,17 @@ class Precision:
                 round_bf16_(xp, G[sp.name])
 
     def held_params_(self, xp, arrays) -> None:
-        """The compute copy of the parameters a rank holds, as bfloat16 values (after init and loads)."""
+        """The compute copy of the parameters a rank holds, as bfloat16 values (after init and loads); bits
+        (packed: uint16) are bfloat16 already, written so at init (GradSync.hold_bf16_bits) and by loads."""
         if self.bf16:
             for a in arrays:
-                if a is not None:
+                if a is not None and a.dtype == np.float32:
                     round_bf16_(xp, a)
+
+    def layer_params(self, xp, buf):
+        """What a block's layers read of the parameters buffer `buf` hands out: float32 values (packed: unpacked
+        from the bits, each tensor once, for this block access only)."""
+        return UnpackedParams(xp, buf) if self.packed else buf
 
     def ready_grad(self, xp, g, all_finite):
         """The reduced owned gradient for the update: float32 and unscaled under amp; None when the loss

@@ -10,6 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
+from hpengine.device.bf16_bits import as_float32, to_bf16_bits
 from hpengine.params.buffers import FlatBuffer, Range
 from hpengine.params.init import init_flat
 
@@ -40,6 +41,7 @@ class GradSync(Protocol):
     """What every gradient/parameter synchronisation offers the engine."""
     owned: Range                 # the flat-buffer range this rank updates
     params: FlatBuffer | None    # every parameter of the stage (None under stage 3)
+    param_dtype: object          # the compute copy's dtype: the backend's, or uint16 bfloat16 bits
     transient_peak: int          # most bytes of temporary buffers held at once
 
     # parameters and gradients a block reads and writes during a pass
@@ -58,9 +60,10 @@ class GradSync(Protocol):
     def loss_allreduce(self, losses: list) -> list: ...
     def owned_params(self): ...
     def share_params(self) -> None: ...
+    def hold_bf16_bits(self) -> None: ...         # the compute copy as bfloat16 bits from now on
 
     # state and accounting
-    def full_params(self) -> np.ndarray: ...
+    def full_params(self) -> np.ndarray: ...      # host values in float (bits unpacked)
     def param_bytes(self) -> int: ...
     def grad_bytes(self) -> int: ...
     def comm_names(self) -> dict: ...             # {"grads": [...], "params": [...]} communicators used
@@ -73,6 +76,7 @@ class LocalSync:
     def __init__(self, stage, backend, full_grads: bool = True, full_params: bool = True):
         self.stage_desc, self.be = stage, backend
         self.layout, self.xp, self.dtype = stage.layout, backend.xp, backend.dtype
+        self.param_dtype = np.dtype(self.dtype)
         self.owned = Range(0, self.layout.total)
         self.params = self.grads = None
         if full_params:
@@ -137,13 +141,20 @@ class LocalSync:
     def share_params(self):
         pass
 
+    def hold_bf16_bits(self) -> None:
+        """The compute copy as the bits of its bfloat16 values (uint16, 2 bytes a parameter), converted once from
+        the float32 values init wrote; it is read through strategies/bf16_storage.UnpackedParams."""
+        self.param_dtype = np.dtype(np.uint16)
+        if self.params is not None:
+            self.params = FlatBuffer(self.layout, self.xp, np.uint16, to_bf16_bits(self.xp, self.params.data))
+
     def loss_allreduce(self, losses: list) -> list:
         return losses
 
     # state and accounting
     def full_params(self) -> np.ndarray:
         self.be.sync()
-        return self.be.to_host(self.params.data).copy()
+        return as_float32(np, self.be.to_host(self.params.data)).copy()
 
     def param_bytes(self) -> int:
         return int(self.params.data.nbytes)

@@ -1,6 +1,7 @@
-"""Activation caches in 2 bytes an element under bf16 amp (strategy.amp.bf16_storage = "packed"): each float32
-array a block keeps for its backward is stored as its bfloat16 bits (uint16) once the forward has made it,
-and is float32 again for that block's backward only (one block at a time).
+"""Activation caches and the parameters' compute copy in 2 bytes an element under bf16 amp
+(strategy.amp.bf16_storage = "packed"): each float32 array a block keeps for its backward is stored as its
+bfloat16 bits (uint16) once the forward has made it, and is float32 again for that block's backward only (one
+block at a time); the compute copy is a uint16 flat buffer of bits, read through UnpackedParams.
 
 Packing goes by root array: views sharing storage (q, k and v of one qkv product, a linear's 2-D view of its
 input) pack that storage once and come back as views of one float32 array, so a cache takes exactly half
@@ -100,3 +101,21 @@ def unpack_cache(xp, cache):
 
     return map_cache(cache, one)
 
+
+
+class UnpackedParams:
+    """A block's parameters as its layers read them when the compute copy is bfloat16 bits: `[name]` is the
+    float32 array of that tensor's values (from_bf16_bits, exact), converted on first access and kept for the
+    life of this object, which the engine makes for one block's forward or backward: one block's float32
+    weights at a time, as a gathered block under ZeRO-3."""
+
+    def __init__(self, xp, buf):
+        self.xp, self.buf, self.values = xp, buf, {}
+
+    def __getitem__(self, name):
+        if name not in self.values:
+            self.values[name] = from_bf16_bits(self.xp, self.buf[name])
+        return self.values[name]
+
+    def __contains__(self, name):
+        return name in self.buf

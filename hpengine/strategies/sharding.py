@@ -4,7 +4,9 @@ The stage's flat buffer is cut into one Range per sharding rank ("tensor": whole
 element count; "flat": equal ranges). Each finished block's gradient is reduced straight to the owners
 of its parts; an owner then averages across dp, runs AdamW on its range and shares the result.
 Stage 1 keeps full gradients and parameters, stage 2 only the owned gradient, stage 3 only the owned
-parameters too (a block's parameters are gathered just in time, the next block's prefetched).
+parameters too (a block's parameters are gathered just in time, the next block's prefetched). Under packed
+bfloat16 storage the parameters held and gathered are bfloat16 bits (uint16): the all-gathers move 2 bytes a
+parameter.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 
 import numpy as np
 
+from hpengine.device.bf16_bits import as_float32, to_bf16_bits
 from hpengine.dist.comm import testall, waitall
 from hpengine.layout.resolve import MAX_INFLIGHT
 from hpengine.params.buffers import FlatBuffer, Layout, Range, imbalance, partition
@@ -132,9 +135,14 @@ class ShardedSync(LocalSync):
             displs = [r.start for r in self.ranges]
             self.sh.allgatherv_(self.params.data, counts, displs)
 
+    def hold_bf16_bits(self) -> None:
+        super().hold_bf16_bits()
+        if self.stage == 3:
+            self.pshard = to_bf16_bits(self.xp, self.pshard)
+
     def _start_gather(self, b):
         br, own = self.block_ranges[b], self.owned
-        buf = FlatBuffer(self.block_layouts[b], self.xp, self.dtype)
+        buf = FlatBuffer(self.block_layouts[b], self.xp, self.param_dtype)
         mine = own.intersect(br)
         if mine is not None:
             buf.data[mine.start - br.start:mine.stop - br.start] = \
@@ -181,10 +189,10 @@ class ShardedSync(LocalSync):
     def full_params(self) -> np.ndarray:
         if self.stage < 3:
             return super().full_params()
-        full = self.xp.zeros(self.layout.total, dtype=self.dtype)
+        full = self.xp.zeros(self.layout.total, dtype=self.param_dtype)
         full[self.owned.slice] = self.pshard
         self.sh.allgatherv_(full, [r.size for r in self.ranges], [r.start for r in self.ranges])
-        return self.be.to_host(full)
+        return as_float32(np, self.be.to_host(full))
 
     def param_bytes(self) -> int:
         return int(self.pshard.nbytes if self.stage == 3 else self.params.data.nbytes)

@@ -58,12 +58,12 @@ def test_adamw_kernel_equals_twin(dtype, n, offs):
         assert same_bits(dp, p) and same_bits(dm, m) and same_bits(dv, v), f"step {t}"
 
 
-@pytest.mark.parametrize("copy", [np.float16, np.float32])
+@pytest.mark.parametrize("copy", [np.float16, np.float32, np.uint16])
 @pytest.mark.parametrize("n", [1, 7, 4096, 100_003])
 @pytest.mark.parametrize("off", [0, 2])
 def test_adamw_copy_kernel_equals_twin(copy, n, off):
-    """amp's compute copy written in the update's pass: float16 (adamw_f32_half) or float32 holding bf16
-    values (adamw_f32_bf16), bit for bit the twin's."""
+    """amp's compute copy written in the update's pass: float16 (adamw_f32_half), float32 holding bf16
+    values (adamw_f32_bf16) or their bits (adamw_f32_bf16bits), bit for bit the twin's."""
     rng = np.random.default_rng(7)
     p, g, m, v, mask = adamw_inputs(rng, n, np.float32)
     p *= 1e3 if copy == np.float16 else 10.0 ** rng.integers(-30, 30, n)    # rounding at scale / across exponents

@@ -3,7 +3,7 @@ parameter, gradient and optimizer bytes equal Engine.memory() on every rank, the
 communicator and operation equal the comm.py counters over two steps, and the predicted activation bytes
 are within 10% of the engine's counted live caches (here they are equal; exactly so, checked, under sequence
 parallelism, the zero-bubble schedules, whose W stash is counted too, the MoE layers, context parallelism and
-bfloat16 caches packed in 2 bytes)."""
+bfloat16 caches packed in 2 bytes). Packed bfloat16 parameters take 2 bytes held and gathered."""
 import pytest
 
 from helpers import LLAMA, config, need
@@ -137,6 +137,9 @@ LAYOUTS = [
     ("sp_bf16_packed_llama_tp2_dp", EVEN, LLAMA + TP2 + SP + DP + BF16_PACKED),
     ("zb_bf16_packed_pp2_zb1p_dp", TWO_OR_4, PP2 + DP + BF16_PACKED + [S + "pipeline.micro_batches=4",
                                                                    S + "pipeline.schedule=zb1p"]),
+    # the compute copy as bfloat16 bits: 2 bytes a parameter held, and in the sharding all-gathers
+    ("bf16_packed_sharding2", lambda n: n > 1, SH + [S + "sharding.stage=2"] + BF16_PACKED),
+    ("bf16_packed_llama_sharding3", lambda n: n > 1, LLAMA + SH + [S + "sharding.stage=3"] + BF16_PACKED),
     ("zb_pp4_zbv", lambda n: n == 4, [S + "pipeline.enable=true", S + "pipeline.degree=4", S + "pipeline.micro_batches=8",
                                       S + "pipeline.schedule=zbv", "model.n_layers=8"]),
 ]
@@ -161,8 +164,8 @@ def test_plan_equals_engine(corpus, world, name, fits, extra):
         (want["params"], want["grads"], want["optimizer"]), where
     tol = 0.25 if eng.res.ep > 1 else 0.1     # expert parallel: the rows a rank receives follow the routing
     assert abs(want["activations"] - got["activation_peak_bytes"]) <= tol * got["activation_peak_bytes"], where
-    if name.startswith(("sp_", "zb_", "moe_", "cp_")):   # sequence parallel's split caches, the W stash, experts,
-        # context parallel's per-rank caches: exact
+    if name.startswith(("sp_", "zb_", "moe_", "cp_", "bf16_")):   # sequence parallel's split caches, the W stash,
+        # experts, context parallel's per-rank caches, packed caches: exact
         assert want["activations"] == got["activation_peak_bytes"], where
     counted = {axis: {op: v[1] for op, v in c.stats.items()}
                for axis, c in eng.mesh.comms.items() if c is not None and c.stats}

@@ -3,7 +3,8 @@ float32 emulation: the bits against ml_dtypes and the round trip against precisi
 special values; views of one array packed once and rebuilt as views of one array; the conversion kernels'
 bodies compiled by nvcc, and run on the host against their NumPy twin; on NumPy a packed run trains bit for
 bit like the float32 one (gpt and llama kinds, recompute off, full and selective) with its cache peak lower
-by exactly half the packed float32 bytes, which the planner predicts; the config rules."""
+by exactly half the packed float32 bytes, which the planner predicts, and its compute copy of the parameters
+bfloat16 bits in half the bytes; the config rules."""
 from __future__ import annotations
 
 import ctypes
@@ -158,9 +159,14 @@ def test_packed_run_equals_float32_storage(small_corpus, kind, recompute):
     f32 = engine(small_corpus, *KINDS[kind], *RECOMPUTE[recompute], "strategy.amp.bf16_storage=float32")
     packed = engine(small_corpus, *KINDS[kind], *RECOMPUTE[recompute], "strategy.amp.bf16_storage=packed")
     assert not f32.precision.packed and packed.precision.packed
+    # the compute copy: bfloat16 bits in half the bytes, the bits of the float32 storage's values
+    assert packed.sync.params.data.dtype == np.uint16 and f32.sync.params.data.dtype == np.float32
+    assert 2 * packed.memory()["param_bytes"] == f32.memory()["param_bytes"] == 4 * f32.layout.total
+    np.testing.assert_array_equal(packed.sync.params.data, f32.sync.params.data.view(np.uint32) >> 16)
     (la, pa), (lb, pb) = train(f32), train(packed)
     assert la == lb
-    assert all(np.array_equal(pa[n], pb[n]) for n in pa)
+    assert all(pa[n].dtype == pb[n].dtype == np.float32 and np.array_equal(pa[n], pb[n]) for n in pa)
+    np.testing.assert_array_equal(packed.sync.params.data, f32.sync.params.data.view(np.uint32) >> 16)
     assert packed.cache_peak < f32.cache_peak
     if kind == "gpt":
         # every array a gpt layer caches is float32 (xhat and rstd, the linears' inputs, qkv, the scaled q,
@@ -171,7 +177,8 @@ def test_packed_run_equals_float32_storage(small_corpus, kind, recompute):
         layer = {"off": cb["layer"], "full": cb["input"], "selective": cb["layer"] - cb["scores"]}[recompute]
         assert packed.cache_peak == f32.cache_peak - c.n_layers * layer // 2
     cfg = packed.cfg
-    assert packed.cache_peak == for_rank(cfg, 1, packed.mesh.coords)["memory"]["activations"]
+    pred = for_rank(cfg, 1, packed.mesh.coords)["memory"]
+    assert (packed.cache_peak, packed.memory()["param_bytes"]) == (pred["activations"], pred["params"])
 
 
 @pytest.mark.parametrize("extra", [KINDS["llama"] + ["model.qk_norm=true", "model.attention=flash"],

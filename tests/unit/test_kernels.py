@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -221,6 +222,21 @@ def test_adamw_twin_bf16_copy():
     assert not np.array_equal(copy, p)
 
 
+def test_adamw_twin_bf16_bits_copy():
+    """The compute copy as bfloat16 bits (uint16) equals ml_dtypes' bfloat16 of the updated weights, across
+    exponents, the weights unchanged by writing it."""
+    rng = np.random.default_rng(4)
+    n = 70_000
+    p = (rng.standard_normal(n) * 10.0 ** rng.integers(-30, 30, n)).astype(np.float32)
+    g, p2, bits = rng.standard_normal(n).astype(np.float32), p.copy(), np.zeros(n, np.uint16)
+    c = kernels.adamw_coefs(2, 1e-3, (0.9, 0.95), 1e-8, 0.1, 0.5)
+    mask = (rng.random(n) < 0.7).astype(np.uint8)
+    kernels.adamw_numpy(p, g, np.zeros(n, np.float32), np.zeros(n, np.float32), mask, c, bits)
+    kernels.adamw_numpy(p2, g, np.zeros(n, np.float32), np.zeros(n, np.float32), mask, c)
+    assert p.tobytes() == p2.tobytes()
+    assert bits.tobytes() == p2.astype(ml_dtypes.bfloat16).view(np.uint16).tobytes()
+
+
 def test_mask_runs_and_chunk_plan():
     mask = np.array([0, 1, 1, 0, 0, 1, 0, 1, 1, 1], np.uint8)
     assert kernels.mask_runs(mask) == [(1, 3), (5, 6), (7, 10)]
@@ -333,14 +349,15 @@ def _check_launch(call, rows=False, strided=()):
 
 
 @pytest.mark.parametrize("dtype,copy", [(np.float32, None), (np.float32, np.float16), (np.float32, np.float32),
-                                        (np.float64, None)])
+                                        (np.float32, np.uint16), (np.float64, None)])
 def test_adamw_launch_matches_kernel_signature(launches, dtype, copy):
     n = 1001
     arrs = [np.zeros(n, dtype) for _ in range(4)]
     h = np.zeros(n, copy) if copy else None
     kernels.adamw_cupy(*arrs, np.zeros(n, np.uint8), kernels.adamw_coefs(1, 1e-3, (0.9, 0.95), 1e-8, 0.1), h)
     (call,) = launches
-    want = {None: "adamw_f32", np.float16: "adamw_f32_half", np.float32: "adamw_f32_bf16"}[copy]
+    want = {None: "adamw_f32", np.float16: "adamw_f32_half", np.float32: "adamw_f32_bf16",
+            np.uint16: "adamw_f32_bf16bits"}[copy]
     assert call[1] == (want if dtype == np.float32 else "adamw_f64")
     _check_launch(call)
     assert call[4][5 + (copy is not None)] == n
