@@ -7,13 +7,12 @@ import re
 
 import numpy as np
 import pytest
+from launch_args import check_args
 
 from hpengine.device import kernels
 from hpengine.nn import flash, flash_cuda
 
 SRC = kernels.source_path("attention").read_text()
-C_TYPES = {"float*": np.float32, "double*": np.float64, "unsigned short*": np.uint16, "float": np.float32,
-           "double": np.float64, "long long": np.int64, "int": np.int32}
 
 
 def _entries():
@@ -87,19 +86,7 @@ def launches(monkeypatch):
 
 def _check(call, B, heads, T, hd):
     entry, grid, block, args, shared = call
-    sig = _signature(entry)
-    assert len(args) == len(sig), (entry, len(args), sig)
-    for k, (ctype, a) in enumerate(zip(sig, args)):
-        want = np.dtype(C_TYPES[ctype])
-        if ctype.endswith("*"):
-            assert isinstance(a, np.ndarray) and a.dtype.itemsize == want.itemsize, (entry, k, ctype)
-            if a.ndim == 4:                                    # a strided tensor: its three strides follow
-                assert a.strides[-1] == a.itemsize
-                assert tuple(args[k + 1:k + 4]) == tuple(s // a.itemsize for s in a.strides[:3]), (entry, k)
-            else:
-                assert a.flags.c_contiguous and a.dtype == want
-        else:
-            assert isinstance(a, np.generic) and a.dtype == want, (entry, k, ctype, type(a))
+    check_args(entry, args, _signature(entry), same_dtype=False)
     rows, tpr, kt = flash_cuda.TILES[entry.rsplit("_", 1)[1]]
     item = 8 if entry.endswith("f64") else 4
     assert block == (rows * tpr,) and grid == (-(-T // rows), B * heads)

@@ -10,6 +10,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from launch_args import check_args
 
 from hpengine.device import kernels
 from hpengine.nn import bf16_gemm, flash_cuda
@@ -17,8 +18,6 @@ from hpengine.nn import bf16_gemm, flash_cuda
 PATH = kernels.source_path("attention_mma")
 SRC = PATH.read_text()
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
-C_TYPES = {"float*": np.float32, "unsigned short*": np.uint16, "float": np.float32, "long long": np.int64,
-           "int": np.int32}
 
 
 def _entries():
@@ -196,19 +195,7 @@ def _signature(entry):
 
 def _check(call, B, heads, T, hd):
     entry, grid, block, args, shared = call
-    sig = _signature(entry)
-    assert len(args) == len(sig), (entry, len(args), sig)
-    for k, (ctype, a) in enumerate(zip(sig, args)):
-        want = np.dtype(C_TYPES[ctype])
-        if ctype.endswith("*"):
-            assert isinstance(a, np.ndarray) and a.dtype == want, (entry, k, ctype)
-            if a.ndim == 4:
-                assert a.strides[-1] == a.itemsize
-                assert tuple(args[k + 1:k + 4]) == tuple(s // a.itemsize for s in a.strides[:3]), (entry, k)
-            else:
-                assert a.flags.c_contiguous
-        else:
-            assert isinstance(a, np.generic) and a.dtype == want, (entry, k, ctype, type(a))
+    check_args(entry, args, _signature(entry), same_dtype=True)
     bound = int(entry.rsplit("hd", 1)[1])
     bn, bnq, qt = flash_cuda.MMA_TILES[bound]
     ld, rows = bound + flash_cuda.MMA_PAD, 16 * flash_cuda.MMA_WARPS
