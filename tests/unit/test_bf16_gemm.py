@@ -12,6 +12,7 @@ import re
 import ml_dtypes
 import numpy as np
 import pytest
+from cuda_bodies import compile_body
 from mpi4py import MPI
 
 from hpengine.device import bf16_bits, kernels
@@ -133,14 +134,8 @@ def test_cublas_ex_arguments_emulated(case, accumulate):
 
 @pytest.mark.skipif(kernels.find_nvcc() is None, reason="nvcc not installed")
 def test_conversion_body_compiles(tmp_path):
-    src = tmp_path / "to_bf16.cu"
-    src.write_text('extern "C" __global__ void to_bf16(const float* xs, unsigned short* ys, int n) {\n'
-                   "    int i = blockIdx.x * blockDim.x + threadIdx.x;\n    if (i >= n) return;\n"
-                   "    float x = xs[i];\n    unsigned short y;\n" + bf16_bits.TO_BF16_BODY + "    ys[i] = y;\n}\n")
-    logs = kernels.compile_check("to_bf16", archs=("sm_80",), path=str(src), compiler="nvcc")   # raises on failure
-    log = logs["sm_80"]
-    assert "Compiling entry function 'to_bf16' for 'sm_80'" in log, log
-    assert [line for line in log.splitlines() if "warning" in line.lower()] == [], log
+    log = compile_body(tmp_path, "to_bf16", "const float* xs, unsigned short* ys",
+                       "    float x = xs[i];\n    unsigned short y;\n" + bf16_bits.TO_BF16_BODY + "    ys[i] = y;\n")
     assert re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", log) == [("0", "0")], log
 
 

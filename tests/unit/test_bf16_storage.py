@@ -15,6 +15,7 @@ import subprocess
 import ml_dtypes
 import numpy as np
 import pytest
+from cuda_bodies import compile_body
 from mpi4py import MPI
 
 from hpengine.config.load import load_config
@@ -86,27 +87,17 @@ def test_views_share_one_packed_root():
 
 @pytest.mark.skipif(kernels.find_nvcc() is None, reason="nvcc not installed")
 def test_unpacking_body_compiles(tmp_path):
-    src = tmp_path / "bf16_round_trip.cu"
-    src.write_text('extern "C" __global__ void round_trip(const float* xs, float* ys, int n) {\n'
-                   "    int i = blockIdx.x * blockDim.x + threadIdx.x;\n    if (i >= n) return;\n"
-                   "    float x = xs[i];\n    unsigned short b;\n    {\n        unsigned short y;\n"
-                   + bf16_bits.TO_BF16_BODY + "        b = y;\n    }\n    float y;\n"
-                   + bf16_bits.FROM_BF16_BODY + "    ys[i] = y;\n}\n")
-    log = kernels.compile_check("round_trip", archs=("sm_80",), path=str(src), compiler="nvcc")["sm_80"]
-    assert "Compiling entry function 'round_trip' for 'sm_80'" in log, log
-    assert [line for line in log.splitlines() if "warning" in line.lower()] == [], log
+    log = compile_body(tmp_path, "round_trip", "const float* xs, float* ys",
+                       "    float x = xs[i];\n    unsigned short b;\n    {\n        unsigned short y;\n"
+                       + bf16_bits.TO_BF16_BODY + "        b = y;\n    }\n    float y;\n"
+                       + bf16_bits.FROM_BF16_BODY + "    ys[i] = y;\n")
     assert re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", log) == [("0", "0")], log
 
 
 @pytest.mark.skipif(kernels.find_nvcc() is None, reason="nvcc not installed")
 def test_rounding_body_compiles(tmp_path):
-    src = tmp_path / "bf16_round.cu"
-    src.write_text('extern "C" __global__ void round_in_place(float* xs, int n) {\n'
-                   "    int i = blockIdx.x * blockDim.x + threadIdx.x;\n    if (i >= n) return;\n"
-                   "    float x = xs[i];\n    float& y = xs[i];\n" + bf16_bits.ROUND_BF16_BODY + "}\n")
-    log = kernels.compile_check("round", archs=("sm_80",), path=str(src), compiler="nvcc")["sm_80"]
-    assert "Compiling entry function 'round_in_place' for 'sm_80'" in log, log
-    assert [line for line in log.splitlines() if "warning" in line.lower()] == [], log
+    compile_body(tmp_path, "round_in_place", "float* xs",
+                 "    float x = xs[i];\n    float& y = xs[i];\n" + bf16_bits.ROUND_BF16_BODY)
 
 
 HOST_SHIM = """#include <cstring>
