@@ -56,7 +56,7 @@ def array_module(device: str):
 
 
 def to_host(a):
-    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+    return np.asarray(a) if backend.on_host(a) else a.get()
 
 
 def full_logits(model, P, ids, xp=np):

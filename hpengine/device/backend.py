@@ -77,7 +77,7 @@ class CudaNccl:
         return nccl_module()
 
     def on_device(self, arr) -> bool:
-        return not isinstance(arr, (np.ndarray, np.generic))
+        return not on_host(arr)
 
     def ptr(self, arr) -> int:
         return arr.data.ptr
@@ -117,9 +117,15 @@ def scatter_add(a, indices, values) -> None:
     cupyx.scatter_add(a, indices, values)
 
 
+def on_host(a) -> bool:
+    """Whether array a lives in host memory: a NumPy array or scalar that does not export the CUDA array
+    interface (CuPy arrays, and device arrays of any library that hands out device pointers, do)."""
+    return isinstance(a, (np.ndarray, np.generic)) and not hasattr(a, "__cuda_array_interface__")
+
+
 def array_module(a):
     """numpy for NumPy arrays, cupy for CuPy arrays."""
-    return np if isinstance(a, (np.ndarray, np.generic)) else cupy_module().get_array_module(a)
+    return np if on_host(a) else cupy_module().get_array_module(a)
 
 
 class Backend:
@@ -186,7 +192,7 @@ class Backend:
         """The buffer to hand MPI for arr, after sync(): arr itself (NumPy, or CUDA-aware MPI), else a
         reused pinned host buffer holding arr's values (copy=False: receive-only, contents undefined)."""
         self.sync()
-        if not self.is_gpu or self.cuda_aware or isinstance(arr, np.ndarray):   # host arrays go as they are
+        if not self.is_gpu or self.cuda_aware or on_host(arr):   # host arrays go as they are
             return arr
         return self.staging.stage_out(arr, copy)
 

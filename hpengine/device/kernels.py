@@ -198,7 +198,7 @@ def adamw_coefs(t: int, lr: float, betas, eps: float, weight_decay: float, grad_
 
 def mask_runs(mask) -> list[tuple[int, int]]:
     """Maximal [start, stop) runs where mask is nonzero."""
-    m = np.asarray(mask if isinstance(mask, np.ndarray) else mask.get()).astype(bool).view(np.int8)
+    m = np.asarray(mask if backend.on_host(mask) else mask.get()).astype(bool).view(np.int8)
     edges = np.flatnonzero(np.diff(np.concatenate(([0], m, [0]))))
     return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
@@ -283,7 +283,7 @@ def adamw_cupy(p, g, m, v, mask, c: AdamWCoefs, copy=None) -> None:
 
 def adamw(p, g, m, v, mask, c: AdamWCoefs, copy=None) -> None:
     """The fused update on whichever device the arrays live."""
-    (adamw_numpy if isinstance(p, np.ndarray) else adamw_cupy)(p, g, m, v, mask, c, copy)
+    (adamw_numpy if backend.on_host(p) else adamw_cupy)(p, g, m, v, mask, c, copy)
 
 
 # ----------------------------------------------------------------------------- pack / unpack
@@ -351,7 +351,7 @@ def _launch_copy(op: str, buf, flat, offsets, sizes):
 
 def pack(buf, src, offsets, sizes):
     """Gather the segments of src into the contiguous message buf (kernel or twin); returns buf."""
-    if isinstance(src, np.ndarray):
+    if backend.on_host(src):
         return pack_numpy(buf, src, offsets, sizes)
     _launch_copy("pack", buf, src, offsets, sizes)
     return buf
@@ -359,7 +359,7 @@ def pack(buf, src, offsets, sizes):
 
 def unpack(buf, dst, offsets, sizes):
     """Scatter the message buf back into the segments of dst (kernel or twin); returns dst."""
-    if isinstance(dst, np.ndarray):
+    if backend.on_host(dst):
         return unpack_numpy(buf, dst, offsets, sizes)
     _launch_copy("unpack", buf, dst, offsets, sizes)
     return dst

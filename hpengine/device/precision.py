@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hpengine.device.backend import on_host
 from hpengine.device.bf16_bits import round_bf16_cupy_
 
 EXP = 0x7F800000
@@ -27,7 +28,7 @@ def round_bf16_(xp, a):
         raise TypeError(f"bf16 rounding needs float32 storage, got {a.dtype}")
     if a.size == 0:
         return a
-    if not isinstance(a, (np.ndarray, np.generic)):     # CuPy: one kernel (the steps below sync the host twice)
+    if not on_host(a):     # CuPy: one kernel (the steps below sync the host twice)
         return round_bf16_cupy_(xp, a)
     u = a.view(xp.uint32)
     special = (u & EXP) == EXP                   # inf or NaN: never carried into the exponent

@@ -1,0 +1,130 @@
+"""The engine's CuPy code paths, run on the CPU through a NumPy stand-in for CuPy (emulated_cupy.py), against the
+NumPy backend: with the layers' fused kernels off (their values are not emulated), training on the stand-in
+device equals training on NumPy (float64 1e-10; bf16 amp over packed storage within float32 sums' order), so
+the strided cuBLAS calls, the bf16 GEMMs' arguments, the packed caches and the AdamW launch do on "CuPy" what
+NumPy does. With every kernel on, a step of each model kind, float32 and bf16 amp, standard and flash attention,
+makes only launches that fit their entries' C signatures and the launch limits, and no host array reaches a
+kernel or cuBLAS. It checks the Python side of the GPU path, not the kernels' arithmetic."""
+from __future__ import annotations
+
+import emulated_cupy
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpengine.config.load import load_config
+from hpengine.nn import flash, fused
+from hpengine.run.build import build
+
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.seq_len=16", "train.global_batch=8",
+        "optim.lr=3e-3", "optim.warmup_steps=2", "optim.clip_grad_norm=0.5"]
+KINDS = {"gpt": ["model.kind=gpt"], "llama": ["model.kind=llama", "model.n_kv_heads=2", "model.ffn_hidden=48"]}
+BF16 = ["strategy.amp.enable=true", "strategy.amp.dtype=bfloat16", "model.dtype=float32",
+        "strategy.amp.bf16_storage=packed"]
+STEPS = 3
+
+
+def train(corpus, backend, *extra, steps=STEPS):
+    eng = build(load_config(None, [*TINY, f"data.path={corpus}", f"runtime.backend={backend}", *extra]),
+                MPI.COMM_SELF)
+    assert eng.be.name == backend
+    losses = [eng.train_step(s)["loss"] for s in range(steps)]
+    return np.array(losses), eng.named_params()
+
+
+@pytest.fixture
+def device(monkeypatch):
+    return emulated_cupy.install(monkeypatch)
+
+
+@pytest.fixture
+def unfused(monkeypatch):
+    monkeypatch.setattr(fused, "ENABLED", False)
+    monkeypatch.setattr(flash, "CUDA", False)
+
+
+def _same(got, want, rtol, atol):
+    (gl, gp), (wl, wp) = got, want
+    np.testing.assert_allclose(gl, wl, rtol=rtol, atol=atol)
+    assert gp.keys() == wp.keys()
+    for k in wp:
+        np.testing.assert_allclose(np.asarray(gp[k]), wp[k], rtol=rtol, atol=atol, err_msg=k)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_float64_on_the_stand_in_device_trains_like_numpy(small_corpus, device, unfused, kind):
+    extra = [*KINDS[kind], "model.dtype=float64"]
+    want = train(small_corpus, "numpy", *extra)
+    got = train(small_corpus, "cupy", *extra)
+    _same(got, want, 1e-10, 1e-12)
+    assert set(device.launches) == {"adamw_f64"}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_bf16_packed_on_the_stand_in_device_trains_like_numpy(small_corpus, device, unfused, kind):
+    want = train(small_corpus, "numpy", *KINDS[kind], *BF16)
+    got = train(small_corpus, "cupy", *KINDS[kind], *BF16)
+    _same(got, want, 2e-3, 2e-3)
+    assert {g[0] for g in device.gemms} == {"gemmStridedBatchedEx"}
+    assert set(device.launches) == {"adamw_f32_bf16bits"}
+
+
+LAUNCH_CASES = {
+    "gpt_f32_standard": ([*KINDS["gpt"], "model.dtype=float32"],
+                         {"gelu_fwd_f32", "gelu_bwd_f32", "causal_softmax_f32", "layernorm_fwd_f32", "xent_fwd_f32",
+                          "adamw_f32"}),
+    "gpt_f32_flash": ([*KINDS["gpt"], "model.dtype=float32", "model.attention=flash"],
+                      {"flash_fwd_f32", "flash_bwd_dq_f32", "flash_bwd_dkdv_f32"}),
+    "llama_bf16_flash": ([*KINDS["llama"], *BF16, "model.attention=flash"],
+                         {"flash_mma_fwd_f32_hd64", "flash_mma_bwd_dkdv_f32_hd64", "rmsnorm_fwd_f32", "rope_fwd_f32",
+                          "swiglu_fwd_f32", "adamw_f32_bf16bits"}),
+    "gpt_bf16_standard": ([*KINDS["gpt"], *BF16], {"causal_softmax_f32", "adamw_f32_bf16bits"}),
+}
+
+
+@pytest.mark.parametrize("case", list(LAUNCH_CASES))
+def test_every_launch_fits_its_kernel(small_corpus, device, case):
+    extra, must = LAUNCH_CASES[case]
+    losses, _ = train(small_corpus, "cupy", *extra, steps=1)      # the stand-in checks each launch as it goes
+    assert np.isfinite(losses).all()
+    assert must <= set(device.launches), sorted(set(device.launches))
+    assert device.gemms
+
+
+def test_host_arrays_do_not_mix_with_device_arrays(device):
+    a = device.zeros(4, dtype=np.float32)
+    with pytest.raises(TypeError, match="Unsupported type"):
+        a + np.ones(4, np.float32)
+    with pytest.raises(TypeError, match="Unsupported type"):
+        device.exp(np.ones(4))
+    assert isinstance(device.asarray(np.ones(4)) + a, emulated_cupy.DevArray)
+
+
+def test_a_launch_against_its_signature_is_checked(device):
+    from hpengine.device import kernels
+    fn = kernels.function("fused", "gelu_fwd_f32")
+    x, y, s = (device.zeros(8, dtype=np.float32) for _ in range(3))
+    fn((1,), (256,), (x, y, s, np.int64(8)))
+    with pytest.raises(AssertionError, match="not a device array"):
+        fn((1,), (256,), (x, np.zeros(8, np.float32), s, np.int64(8)))
+    with pytest.raises(AssertionError, match="argument 3"):
+        fn((1,), (256,), (x, y, s, 8))
+    with pytest.raises(AssertionError, match="3 arguments for 4"):
+        fn((1,), (256,), (x, y, s))
+    with pytest.raises(AssertionError, match="shared memory"):
+        fn((1,), (256,), (x, y, s, np.int64(8)), shared_mem=64 << 10)
+
+
+def test_cublas_outside_an_allocation_is_refused(device):
+    from hpengine.device import backend
+    cublas = backend.cublas_module()
+    a, b, c = (device.zeros((4, 4), dtype=np.float32) for _ in range(3))
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    cublas.sgemmStridedBatched(7, 0, 0, 4, 4, 4, one.ctypes.data, a.data.ptr, 4, 16, b.data.ptr, 4, 16,
+                               zero.ctypes.data, c.data.ptr, 4, 16, 1)
+    with pytest.raises(AssertionError, match="outside its allocation"):
+        cublas.sgemmStridedBatched(7, 0, 0, 4, 4, 4, one.ctypes.data, a.data.ptr, 4, 16, b.data.ptr, 4, 16,
+                                   zero.ctypes.data, c.data.ptr, 4, 16, 2)
+    with pytest.raises(AssertionError, match="no device allocation"):
+        cublas.sgemmStridedBatched(7, 0, 0, 4, 4, 4, one.ctypes.data, one.ctypes.data, 4, 16, b.data.ptr, 4, 16,
+                                   zero.ctypes.data, c.data.ptr, 4, 16, 1)
