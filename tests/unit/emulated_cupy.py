@@ -115,6 +115,12 @@ class DevArray(np.ndarray):
         return {"shape": self.shape, "typestr": self.dtype.str, "strides": self.strides, "version": 3,
                 "data": (self.__array_interface__["data"][0], False)}
 
+    def __getitem__(self, key):
+        r = super().__getitem__(key)
+        if isinstance(r, DevArray) and not _in_device_memory(r) and r.base is not None:
+            return _own(r.view(np.ndarray))     # NumPy's fancy indexing: a subclass view of a host temporary
+        return r
+
     def get(self, stream=None, out=None):
         if out is not None:
             out[...] = self.view(np.ndarray)

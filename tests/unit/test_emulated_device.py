@@ -21,6 +21,7 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.seq_le
 KINDS = {"gpt": ["model.kind=gpt"], "llama": ["model.kind=llama", "model.n_kv_heads=2", "model.ffn_hidden=48"]}
 BF16 = ["strategy.amp.enable=true", "strategy.amp.dtype=bfloat16", "model.dtype=float32",
         "strategy.amp.bf16_storage=packed"]
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.aux_loss=0.01"]
 STEPS = 3
 
 
@@ -60,6 +61,11 @@ def test_float64_on_the_stand_in_device_trains_like_numpy(small_corpus, device, 
     assert set(device.launches) == {"adamw_f64"}
 
 
+def test_moe_on_the_stand_in_device_trains_like_numpy(small_corpus, device, unfused):
+    extra = [*KINDS["llama"], *MOE, "model.dtype=float64"]
+    _same(train(small_corpus, "cupy", *extra), train(small_corpus, "numpy", *extra), 1e-10, 1e-12)
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_bf16_packed_on_the_stand_in_device_trains_like_numpy(small_corpus, device, unfused, kind):
     want = train(small_corpus, "numpy", *KINDS[kind], *BF16)
@@ -79,6 +85,9 @@ LAUNCH_CASES = {
                          {"flash_mma_fwd_f32_hd64", "flash_mma_bwd_dkdv_f32_hd64", "rmsnorm_fwd_f32", "rope_fwd_f32",
                           "swiglu_fwd_f32", "adamw_f32_bf16bits"}),
     "gpt_bf16_standard": ([*KINDS["gpt"], *BF16], {"causal_softmax_f32", "adamw_f32_bf16bits"}),
+    "llama_moe_bf16": ([*KINDS["llama"], *BF16, *MOE], {"swiglu_fwd_f32", "grouped_softmax_bwd_f32"}),
+    "gpt_recompute_selective": ([*KINDS["gpt"], *BF16, "strategy.recompute.enable=true",
+                                 "strategy.recompute.granularity=selective"], {"gelu_fwd_f32", "layernorm_bwd_f32"}),
 }
 
 

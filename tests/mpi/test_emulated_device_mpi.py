@@ -1,0 +1,42 @@
+"""Ranks on the CuPy stand-in device (tests/unit/emulated_cupy.py), sharing it, with MPI through the pinned host
+staging of the GPU path (no CUDA-aware MPI): data parallel, sharding stage 3 (its per-block gathers) and a
+1F1B pipeline train as on NumPy, each against the one-process NumPy run (float64, 1e-10; fused kernels off, as
+their values are not emulated). This checks the staging and the device-side plumbing of the collectives, not a
+GPU or a CUDA-aware MPI."""
+import sys
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+from helpers import assert_same, assert_same_params, config, need, run
+from hpengine.nn import flash, fused
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+import emulated_cupy  # noqa: E402 - the stand-in lives beside the unit tests that check it
+
+WORLD = MPI.COMM_WORLD
+N = WORLD.Get_size()
+S = "strategy."
+DEVICE = ["runtime.backend=cupy", "runtime.share_devices=true", "runtime.cuda_aware_mpi=false"]
+LAYOUTS = {
+    "dp": [f"{S}data_parallel.enable=true", f"{S}data_parallel.degree={N}"],
+    "sharding3": [f"{S}sharding.enable=true", f"{S}sharding.degree={N}", f"{S}sharding.stage=3"],
+    "pp_1f1b": ["model.n_layers=4", f"{S}pipeline.enable=true", f"{S}pipeline.degree={N}",
+                f"{S}pipeline.micro_batches=4"],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_ranks_on_the_stand_in_device_train_like_one_numpy_process(corpus, monkeypatch, layout):
+    need(N == 2, "two ranks sharing the stand-in device")
+    monkeypatch.setattr(fused, "ENABLED", False)
+    monkeypatch.setattr(flash, "CUDA", False)
+    shape = ["model.n_layers=4"] if layout == "pp_1f1b" else []
+    want_l, want_p, _ = run(config(corpus, *shape, "runtime.backend=numpy"), MPI.COMM_SELF, steps=3)
+    emulated_cupy.install(monkeypatch)
+    got_l, got_p, eng = run(config(corpus, *LAYOUTS[layout], *DEVICE), WORLD, steps=3)
+    assert eng.be.name == "cupy" and eng.be.staging is not None and eng.be.staging.nbytes > 0   # MPI went via host
+    assert_same(got_l, want_l)
+    assert_same_params(got_p, want_p)
+    eng.mesh.free()
