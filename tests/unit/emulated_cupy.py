@@ -16,6 +16,7 @@ every ElementwiseKernel and every cuBLAS call, and the tests hold each against w
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import re
 import sys
@@ -28,6 +29,11 @@ from hpengine.device import bf16_bits, kernels
 from hpengine.device.precision import round_bf16_
 
 SHARED_DEFAULT = 48 << 10
+# what the device would have launched, by kind: "raw:<entry>", "ew:<ElementwiseKernel>", "cublas:<call>",
+# "ufunc:<name>" (a ufunc call, reduction or scatter), "fn:<name>" (a function that writes a new array),
+# "copy" (setitem, copy, astype, fancy indexing); CuPy launches about one kernel for each
+LAUNCHES: collections.Counter = collections.Counter()
+NO_KERNEL = {"empty", "empty_like"}
 _LIVE: dict = {}                 # start address -> (end address, weakref of the owning buffer)
 
 
@@ -118,8 +124,28 @@ class DevArray(np.ndarray):
     def __getitem__(self, key):
         r = super().__getitem__(key)
         if isinstance(r, DevArray) and not _in_device_memory(r) and r.base is not None:
+            LAUNCHES["copy"] += 1
             return _own(r.view(np.ndarray))     # NumPy's fancy indexing: a subclass view of a host temporary
         return r
+
+    def __setitem__(self, key, value):
+        _refuse_host("setitem", (value,))
+        LAUNCHES["copy"] += 1
+        super().__setitem__(key, value)
+
+    def copy(self, order="C"):
+        LAUNCHES["copy"] += 1
+        return super().copy(order)
+
+    def astype(self, dtype, *args, **kw):
+        r = super().astype(dtype, *args, **kw)
+        if r is not self:
+            LAUNCHES["copy"] += 1
+        return r
+
+    def fill(self, value):
+        LAUNCHES["copy"] += 1
+        super().fill(value)
 
     def get(self, stream=None, out=None):
         if out is not None:
@@ -138,13 +164,14 @@ class DevArray(np.ndarray):
         if outs:
             kw["out"] = tuple(_plain(o) for o in outs)
         r = getattr(ufunc, method)(*(_plain(x) for x in inputs), **kw)
+        LAUNCHES[f"ufunc:{ufunc.__name__}" + ("" if method == "__call__" else f".{method}")] += 1
         if outs:
             return outs[0] if len(outs) == 1 else outs
         return _wrap(r)
 
     def __array_function__(self, func, types_, args, kwargs):
         _refuse_host(func.__name__, args, kwargs)
-        return _wrap(func(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()}))
+        return _counted(func.__name__, _wrap(func(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()})))
 
 
 # --------------------------------------------------------------------------------- the cupy module
@@ -152,11 +179,19 @@ class DevArray(np.ndarray):
 HOST_IN = {"asarray", "array", "asanyarray"}        # the calls that move host arrays to the device
 
 
+def _counted(name, r):
+    """r, counted as a launch when it is a new array a kernel wrote (not a view, not an empty allocation)."""
+    first = r[0] if isinstance(r, (tuple, list)) and r else r
+    if isinstance(first, DevArray) and first.base is None and name not in NO_KERNEL:
+        LAUNCHES[f"fn:{name}"] += 1
+    return r
+
+
 def _function(name, fn):
     def call(*args, **kw):
         if name not in HOST_IN:
             _refuse_host(name, args, kw)
-        return _wrap(fn(*_plain(args), **{k: _plain(v) for k, v in kw.items()}))
+        return _counted(name, _wrap(fn(*_plain(args), **{k: _plain(v) for k, v in kw.items()})))
     call.__name__ = name
     return call
 
@@ -224,6 +259,7 @@ def _elementwise(in_params, out_params, body, name):
 
     def run(x, y):
         _refuse_host(name, (x, y))
+        LAUNCHES[f"ew:{name}"] += 1
         y.view(np.ndarray)[...] = twins[body](x.view(np.ndarray))
         return y
     return run
@@ -273,6 +309,7 @@ def make_cupyx() -> types.ModuleType:
 
     def scatter_add(a, indices, values):
         _refuse_host("scatter_add", (a, indices, values))
+        LAUNCHES["ufunc:add.at"] += 1
         np.add.at(a.view(np.ndarray), _plain(indices), _plain(values))
     mod.scatter_add = scatter_add
     mod.empty_pinned = lambda shape, dtype=np.float64: np.empty(shape, dtype)
@@ -369,6 +406,7 @@ class _Kernel:
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         check_launch(self.entry, self.sig, tuple(grid), tuple(block), tuple(args), shared_mem)
         self.mod.launches.append(self.entry)
+        LAUNCHES[f"raw:{self.entry}"] += 1
         run = next((f for pre, f in EMULATED.items() if self.entry.startswith(pre)), None)
         if run is not None:
             run(args)
@@ -425,6 +463,7 @@ def _gemm(mod, name, transa, transb, m, n, k, alpha, beta, A, lda, sa, B, ldb, s
     prod = np.matmul(a, b)
     c[...] = alpha * prod + (beta * c if beta != 0 else 0)
     mod.gemms.append((name, m, n, k, batch))
+    LAUNCHES[f"cublas:{name}"] += 1
 
 
 def make_cublas(mod) -> types.SimpleNamespace:
@@ -455,6 +494,8 @@ def install(monkeypatch) -> types.ModuleType:
     from hpengine.nn import gemm
     mod = make_module()
     cublas = make_cublas(mod)
+    LAUNCHES.clear()
+    mod.counts = LAUNCHES
     monkeypatch.setattr(backend, "cupy_module", lambda: mod)
     monkeypatch.setattr(backend, "cublas_module", lambda: cublas)
     monkeypatch.setitem(sys.modules, "cupyx", make_cupyx())
