@@ -382,8 +382,9 @@ class RuntimeConfig:
                                     'says it can), true, or false (stage through pinned host memory)',
                                     check=(lambda v: v in (True, False, "auto"), 'must be "auto", true or false'))
     collectives: str = _f("mpi", 'what carries collectives on device buffers: "mpi", or "nccl" (each mesh '
-                          "communicator gets an NCCL twin for allreduce, reduce-scatter, all-gather and broadcast; "
-                          "MPI keeps start-up, control messages, host buffers, sends and receives; where NCCL is "
+                          "communicator gets an NCCL twin for allreduce, reduce-scatter, all-gather and broadcast, "
+                          "and the pipeline's and the context-parallel ring's sends and receives go on directed "
+                          "NCCL channels; MPI keeps start-up, control messages and host buffers; where NCCL is "
                           "missing on some rank or the backend resolves to NumPy, every rank warns and uses MPI)",
                           choices=("mpi", "nccl"))
     share_devices: bool = _f(False, "allow more ranks on a node than GPUs (ranks share devices; logged as a "

@@ -61,7 +61,7 @@ def nccl_module():
 
 class CudaNccl:
     """What dist/nccl.py needs of the device to hand CuPy arrays to NCCL: the nccl module, which arrays
-    live on the device, their pointers, the stream NCCL runs on and events on it. A stand-in with the same
+    live on the device, their pointers, the streams NCCL runs on and events on them. A stand-in with the same
     methods lets the CPU tests check which calls go where.
 
     NCCL runs on a stream of its own, so a gradient bucket's reduction overlaps the backward still being
@@ -87,17 +87,23 @@ class CudaNccl:
         ev.record(stream)
         return ev
 
-    def stream(self) -> int:
-        """The handle of NCCL's stream, made to wait first for what the compute stream has queued (the
-        buffers' producers): no host sync."""
-        if self._comm is None:
-            self._comm = self.cupy.cuda.Stream(non_blocking=True)
-        self._comm.wait_event(self._event(self.cupy.cuda.get_current_stream()))
-        return self._comm.ptr
+    def new_stream(self):
+        """A stream of its own (each point-to-point channel's, dist/nccl_p2p.py)."""
+        return self.cupy.cuda.Stream(non_blocking=True)
 
-    def record(self):
-        """An event on NCCL's stream after the calls queued on it."""
-        return self._event(self._comm)
+    def stream(self, s=None) -> int:
+        """The handle of stream s (default: the collectives' NCCL stream), made to wait first for what the
+        compute stream has queued (the buffers' producers, a reused buffer's last reader): no host sync."""
+        if s is None:
+            if self._comm is None:
+                self._comm = self.new_stream()
+            s = self._comm
+        s.wait_event(self._event(self.cupy.cuda.get_current_stream()))
+        return s.ptr
+
+    def record(self, s=None):
+        """An event on stream s (default: the collectives' NCCL stream) after the calls queued on it."""
+        return self._event(self._comm if s is None else s)
 
     def join(self, event) -> None:
         """The compute stream waits (on the device) for event: what it queues next sees the call's result."""

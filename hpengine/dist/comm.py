@@ -2,7 +2,8 @@
 device before MPI touches a buffer (staging through pinned host memory when the MPI is not CUDA-aware),
 and counts bytes and calls per operation so tests and the planner can compare traffic with formulas.
 With an NCCL twin (runtime.collectives = "nccl", dist/nccl.py) device buffers go to NCCL instead for the
-calls NCCL has; control messages and host buffers stay on MPI.
+calls NCCL has, sends and receives on the directed channels a caller opened (dist/nccl_p2p.py); control
+messages and host buffers stay on MPI.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections import defaultdict
 from mpi4py import MPI
 
 from hpengine.dist.nccl import Request as NcclRequest, Twin
+from hpengine.dist.nccl_p2p import open_channels
 from hpengine.dist.watchdog import note_comm
 
 log = logging.getLogger("hpengine")
@@ -57,6 +59,8 @@ class Comm:
         self._types = {}            # strided datatypes of allgather_axis1, by shape
         self.twin = Twin(mpi_comm, nccl) if nccl is not None and self.size > 1 else None
         self._via = None            # the NCCL call the last method made (the tracer's name for it)
+        self.channels = {}          # (src, dst, key) -> this rank's nccl_p2p.Channel
+        self._opened = set()        # every channel opened on this communicator, the same on every rank
 
     def _count(self, op, arr, nccl_call=None):
         st = self.stats[op]
@@ -74,7 +78,10 @@ class Comm:
         return self.twin is not None and self.twin.takes(*arrays, op=op)
 
     def close(self) -> None:
-        """Destroy the NCCL twin (the MPI communicator is the mesh's to free)."""
+        """Destroy the NCCL twin and channels (the MPI communicator is the mesh's to free)."""
+        for ch in self.channels.values():
+            ch.close()
+        self.channels = {}
         if self.twin is not None:
             self.twin.close()
             self.twin = None
@@ -207,14 +214,37 @@ class Comm:
             self._in(buf, arr)
         return arr
 
-    # Sends and receives stay on MPI under an NCCL twin: NCCL matches them by order, not by tag, and a
-    # send may hold the stream until its peer receives (docs/gpu.md, "NCCL").
-    def isend(self, arr, dest: int, tag: int):
+    # --- point-to-point ---------------------------------------------------------------------------
+    def open_channels(self, wanted) -> None:
+        """Directed NCCL channels for `wanted`, (src, dst, key) triples every rank passes alike (collective;
+        nothing without a twin). isend / irecv with channel=key then hand device arrays to the channel
+        (me, dest, key) / (source, me, key); NCCL matches by issue order, so a key must name a message
+        sequence that both ends send and receive in the same order (tags do not reach NCCL)."""
+        if self.twin is not None:
+            self.channels.update(open_channels(self.c, self.twin, wanted, self._opened))
+
+    def _channel(self, src, dst, key, arr):
+        """The channel that carries this send or receive, or None: no such channel, or an array NCCL does
+        not take (host memory, a dtype NCCL lacks), which MPI carries by tag as without channels."""
+        ch = self.channels.get((src, dst, key)) if key is not None else None
+        return ch if ch is not None and self.twin.takes(arr, op=None) else None
+
+    def isend(self, arr, dest: int, tag: int, channel=None):
+        ch = self._channel(self.rank, dest, channel, arr)
+        if ch is not None:
+            self._count("send", arr, "ncclSend")
+            return ch.send(arr)
         self._count("send", arr)
         buf = self._out(arr)
         return self._req(self.c.Isend(buf, dest=dest, tag=tag), buf, None)
 
-    def irecv(self, arr, source: int, tag: int):
+    def irecv(self, arr, source: int, tag: int, channel=None):
+        """Wait() on the request: the data is in arr for later work (on a channel the compute stream waits
+        for it on the device; the host goes on)."""
+        ch = self._channel(source, self.rank, channel, arr)
+        if ch is not None:
+            self._count("recv", arr, "ncclRecv")
+            return ch.recv(arr)
         self._count("recv", arr)
         buf = self._out(arr, copy=False)
         return self._req(self.c.Irecv(buf, source=source, tag=tag), buf, arr)

@@ -1,9 +1,9 @@
 """NCCL twins of the mesh's communicators (runtime.collectives = "nccl"): deciding once, on every rank
 together, whether NCCL is usable; making a communicator's twin (rank 0's unique id broadcast over MPI); and
 the NCCL collectives comm.py hands device buffers to, on a stream of their own after what the compute
-stream has queued, with requests that waitall and testall understand. Sends and receives stay on MPI
-(docs/gpu.md, "NCCL", says why). The device side (pointers, streams, events, the nccl module) comes from an
-adapter: backend.CudaNccl on a GPU, a NumPy stand-in in the CPU tests.
+stream has queued, with requests that waitall and testall understand (sends and receives go on the
+directed channels of nccl_p2p.py). The device side (pointers, streams, events, the nccl module) comes from
+an adapter: backend.CudaNccl on a GPU, a NumPy stand-in in the CPU tests.
 """
 from __future__ import annotations
 
@@ -58,23 +58,32 @@ class Request:
     """An NCCL call in flight on NCCL's stream: Wait() blocks the host until it is done, Test() asks, join()
     orders the compute stream after it without blocking the host (the blocking calls of comm.py)."""
 
-    def __init__(self, twin, arrays, event):
-        self.twin, self.arrays, self.event = twin, arrays, event    # arrays: kept alive until done
+    def __init__(self, dev, arrays, event):
+        self.dev, self.arrays, self.event = dev, arrays, event     # arrays: kept alive until done
 
     def Wait(self):
-        self.twin.dev.synchronize(self.event)
+        self.dev.synchronize(self.event)
         self.arrays = None
 
     def join(self):
         """Later work on the compute stream (which allocates and frees on it) runs after this call."""
-        self.twin.dev.join(self.event)
+        self.dev.join(self.event)
         return self
 
     def Test(self) -> bool:
-        if not self.twin.dev.done(self.event):
+        if not self.dev.done(self.event):
             return False
         self.arrays = None
         return True
+
+
+class Arrival(Request):
+    """A receive in flight on a channel's stream: Wait() orders the compute stream after the data arrived
+    (join) and leaves the host going on; whoever reads the data on the host syncs the compute stream."""
+
+    def Wait(self):
+        self.join()
+        self.arrays = None
 
 
 class Twin:
@@ -107,7 +116,7 @@ class Twin:
         return self.dev.ptr(arr), arr.size, self.dtypes[arr.dtype]
 
     def _done(self, *arrays) -> Request:
-        return Request(self, arrays, self.dev.record())
+        return Request(self.dev, arrays, self.dev.record())
 
     # --- collectives, queued on NCCL's stream ------------------------------------------------
     def allreduce(self, arr, op=MPI.SUM) -> Request:

@@ -17,7 +17,7 @@ import numpy as np
 
 from hpengine.models.context import LocalAttn, LocalSeq
 from hpengine.nn.context_split import head_tail_positions
-from hpengine.strategies.context_parallel import CONTEXT_ATTENTION
+from hpengine.strategies.context_parallel import CONTEXT_ATTENTION, ring_channels
 
 
 def _as_heads(y, H):
@@ -49,6 +49,8 @@ class ContextAttention(LocalAttn):
         self.positions = head_tail_positions(T, comm.size, comm.rank)       # host int64, ascending
         self._index = xp.asarray(self.positions)
         self._rows = {}                    # id(table) -> (table, its rows at our positions)
+        if how == "ring":                  # every cp rank builds its context at the same point
+            comm.open_channels(ring_channels(comm.size))
 
     def rows(self, table):
         hit = self._rows.get(id(table))

@@ -22,6 +22,10 @@ from hpengine.nn.ring_attention import (
 
 # message tags on the cp communicator: keys and values, their positions, their accumulating gradients
 TAG_KV, TAG_POS, TAG_DKV = 30001, 30002, 30003
+# the tags that are also channels (NCCL's under runtime.collectives = "nccl", matched by issue order): every
+# rank walks the same layers, steps and passes, so each rank sends a tag's messages to the next in the order
+# that one receives them; the positions are host arrays, which stay on MPI
+RING_CHANNELS = (TAG_KV, TAG_DKV)
 
 
 class CPComm(Protocol):
@@ -29,9 +33,11 @@ class CPComm(Protocol):
     rank: int
     size: int
 
-    def isend(self, arr, dest: int, tag: int): ...
+    def open_channels(self, wanted) -> None: ...
 
-    def irecv(self, arr, source: int, tag: int): ...
+    def isend(self, arr, dest: int, tag: int, channel=None): ...
+
+    def irecv(self, arr, source: int, tag: int, channel=None): ...
 
     def allgather_axis1(self, send, recv): ...
 
@@ -43,6 +49,11 @@ class CPComm(Protocol):
 def _pack(xp, k, v):
     # (2, B, K, Tk, hd) C-contiguous, whatever the strides of k and v: what MPI may send
     return xp.ascontiguousarray(xp.stack([k, v]))
+
+
+def ring_channels(cp: int) -> list:
+    """The ring's channels, (sender, receiver, tag): each rank to the next, for the tags of RING_CHANNELS."""
+    return [(r, (r + 1) % cp, tag) for r in range(cp) for tag in RING_CHANNELS] if cp > 1 else []
 
 
 def _wait(reqs) -> None:
@@ -67,8 +78,8 @@ def ring_attention_forward(xp, comm: CPComm, q, k, v, q_pos, k_pos, scale=None):
         reqs, nblk, npos = [], None, None
         if step < cp - 1:
             nblk, npos = xp.empty(blk.shape, dtype=blk.dtype), np.empty(pos.shape, dtype=pos.dtype)
-            reqs = [comm.irecv(nblk, prv, TAG_KV), comm.irecv(npos, prv, TAG_POS),
-                    comm.isend(blk, nxt, TAG_KV), comm.isend(pos, nxt, TAG_POS)]
+            reqs = [comm.irecv(nblk, prv, TAG_KV, channel=TAG_KV), comm.irecv(npos, prv, TAG_POS),
+                    comm.isend(blk, nxt, TAG_KV, channel=TAG_KV), comm.isend(pos, nxt, TAG_POS)]
         seen.append(pos)
         # a block wholly after every query is skipped; the messages above go the same on every rank
         if block_visible(qp, pos):
@@ -102,10 +113,10 @@ def ring_attention_backward(xp, comm: CPComm, do, cache):
         reqs, nblk = [], None
         if step < cp - 1:
             nblk = xp.empty(blk.shape, dtype=blk.dtype)
-            reqs = [comm.irecv(nblk, prv, TAG_KV), comm.isend(blk, nxt, TAG_KV)]
+            reqs = [comm.irecv(nblk, prv, TAG_KV, channel=TAG_KV), comm.isend(blk, nxt, TAG_KV, channel=TAG_KV)]
         if cp > 1:      # what the previous rank sends at this step: next step's block (last: our own)
             gnext = xp.empty(gshape, dtype=ct)
-            greq = comm.irecv(gnext, prv, TAG_DKV)
+            greq = comm.irecv(gnext, prv, TAG_DKV, channel=TAG_DKV)
         grads = None
         if block_visible(qp, seen[step]):
             dqb, *grads = block_backward(xp, q, blk[0], blk[1], o, lse, do, qp, seen[step], scale, delta)
@@ -116,7 +127,7 @@ def ring_attention_backward(xp, comm: CPComm, do, cache):
             acc[1] += grads[1]
         if cp > 1:
             _wait(gsend)                    # the previous gradient send, before its buffer is dropped
-            gsend = [comm.isend(acc, nxt, TAG_DKV)]
+            gsend = [comm.isend(acc, nxt, TAG_DKV, channel=TAG_DKV)]
             acc, arriving = gnext, [greq]
         _wait(reqs)
         blk = nblk

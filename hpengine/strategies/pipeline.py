@@ -3,9 +3,12 @@ forward and their gradients backward with Isend/Irecv tagged by (micro-batch, vi
 Which blocks each stage holds is decided in resolve.py (split_blocks).
 
 Sends are non-blocking and receives complete in schedule order, so a schedule that simulates without
-deadlock (tests/unit/test_schedules.py, test_zero_bubble.py) runs without one here. A zero-bubble schedule
-splits each backward: B hands the executor the chunk's weight-gradient work, W runs it later. Under ZB-V
-the two chunks that meet on the last rank pass activations and gradients to each other in memory.
+deadlock (tests/unit/test_schedules.py, test_zero_bubble.py) runs without one here. Each (global chunk
+received, direction) is one channel of the pp communicator (NCCL's under runtime.collectives = "nccl",
+which matches by issue order): in every schedule both ends take its micro-batches in the same order
+(tests/unit/test_pipeline_channels.py). A zero-bubble schedule splits each backward: B hands the executor
+the chunk's weight-gradient work, W runs it later. Under ZB-V the two chunks that meet on the last rank pass
+activations and gradients to each other in memory.
 """
 from __future__ import annotations
 
@@ -43,6 +46,14 @@ class PipelineExecutor:
         # node shares: with the other stages' it gives the pipeline-wide bubble (benchmarks/bench_zero_bubble.py)
         self.last_run = (0.0, 0.0, 0.0)
         self.tr = OFF
+        if p > 1:       # every pp rank builds its executor at the same point of building the engine
+            pp_comm.open_channels(self.channels())
+
+    def channels(self) -> list:
+        """Every stage's (sender, receiver, (global chunk received, direction)): the same list on every rank."""
+        st = self.place.stage_of
+        return [(st(g - 1), st(g), (g, FWD)) for g in range(1, self.V)] + \
+               [(st(g + 1), st(g), (g, BWD)) for g in range(self.V - 1)]
 
     def _g(self, chunk):
         return self.place.virtual(self.stage, chunk)
@@ -75,7 +86,8 @@ class PipelineExecutor:
             return self.local.pop((mb, g_dst, direction))
         buf = self._buffer(mb, g_dst, direction, shape)
         t = self.tr.now()
-        self.pp.irecv(self._piece(buf), source=src, tag=self._tag(mb, g_dst, direction)).Wait()
+        self.pp.irecv(self._piece(buf), source=src, tag=self._tag(mb, g_dst, direction),
+                      channel=(g_dst, direction)).Wait()
         if self.split is not None:      # every tp rank of the sender sent its piece to its peer here
             n = buf.size // self.split.size
             self.split.allgatherv_(buf.reshape(-1), [n] * self.split.size, [r * n for r in range(self.split.size)])
@@ -102,7 +114,8 @@ class PipelineExecutor:
         if dest == self.stage:
             self.local[mb, g_dst, direction] = arr
             return None
-        return self.pp.isend(self._piece(arr), dest=dest, tag=self._tag(mb, g_dst, direction))
+        return self.pp.isend(self._piece(arr), dest=dest, tag=self._tag(mb, g_dst, direction),
+                             channel=(g_dst, direction))
 
     def run(self, chunks, forward, backward, begin_pass, x, y, last_pass: bool, grad: bool = True,
             tracer=OFF, weight=None) -> float:

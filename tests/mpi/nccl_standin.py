@@ -1,7 +1,10 @@
 """A NumPy stand-in for CuPy's NCCL binding and for backend.CudaNccl, so the CPU tests can check which calls
 hpengine hands to NCCL, with which arguments, and that the results equal MPI's. It checks routing, not
-NCCL: each stand-in call is carried at once by a blocking MPI collective, so its events are done when
-recorded. A "pointer" is the array itself; every NumPy array counts as device memory except a HostArray.
+NCCL: each stand-in collective is carried at once by a blocking MPI collective, so its events are done when
+recorded; a channel's send and receive are an Isend and an Irecv with one fixed tag on the channel's own MPI
+communicator, so MPI's non-overtaking order matches them by issue order, as NCCL does, and their events are
+done when the MPI requests are. A "pointer" is the array itself, a "stream handle" the stream itself; every
+NumPy array counts as device memory except a HostArray.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from mpi4py import MPI
 from hpengine.device.backend import BackendError
 
 UID_BYTES = 128
+P2P_TAG = 5         # every send and receive of a channel: matched by issue order alone
 
 
 class HostArray(np.ndarray):
@@ -25,16 +29,32 @@ def host(a) -> HostArray:
 
 
 class Event:
-    """The stand-in's event: every stand-in call has finished when it returns."""
+    """The stand-in's event: done when the MPI requests queued on its stream before it are (none for the
+    collectives, which have finished when they return)."""
 
-    def __init__(self):
-        self.waited = 0
+    def __init__(self, reqs=()):
+        self.reqs, self.waited = list(reqs), 0
 
     def wait(self):
         self.waited += 1
+        MPI.Request.Waitall(self.reqs)
 
     def test(self) -> bool:
-        return True
+        return MPI.Request.Testall(self.reqs)
+
+
+class Stream:
+    """A channel's stream: its queued MPI requests, what it carried ("send" / "recv"), and whether it was
+    made to wait for the compute stream since its last call (Device.stream)."""
+
+    def __init__(self):
+        self.pending, self.carried, self.after_compute = [], set(), False
+
+    def take(self, what: str) -> None:
+        assert self.after_compute, f"a {what} on a stream that did not first wait for the compute stream"
+        self.after_compute = False
+        self.carried.add(what)
+        assert len(self.carried) == 1, "one stream carried both sends and receives"
 
 
 class Device:
@@ -43,6 +63,7 @@ class Device:
     def __init__(self, module, fail: str | None = None):
         self.nccl, self.fail = module, fail
         self.joined = 0             # blocking calls ordered before the compute stream's next work
+        self.streams = []           # the channels' streams
 
     def module(self):
         if self.fail:
@@ -55,18 +76,29 @@ class Device:
     def ptr(self, arr):
         return arr
 
-    def stream(self) -> int:
-        return 0
+    def new_stream(self) -> Stream:
+        self.streams.append(Stream())
+        return self.streams[-1]
 
-    def record(self) -> Event:
-        return Event()
+    def stream(self, s=None):
+        if s is None:
+            return 0
+        s.after_compute = True
+        return s
+
+    def record(self, s=None) -> Event:
+        if s is None:
+            return Event()
+        s.pending = [r for r in s.pending if r != MPI.REQUEST_NULL]     # completed ones are null
+        return Event(s.pending)
 
     def synchronize(self, event) -> None:
         event.wait()
 
     def join(self, event) -> None:
-        """The compute stream waiting for event: the stand-in's calls are done when they return."""
+        """The compute stream waiting for event: what it runs next sees the data, so a receive must be in."""
         self.joined += 1
+        event.wait()
 
     def done(self, event) -> bool:
         return event.test()
@@ -182,3 +214,18 @@ class Communicator:
         if self.rank == root and send is not recv:
             recv[...] = send
         self.c.Bcast(recv, root=root)
+
+    def _p2p(self, arr, count, dtype, peer, stream, what):
+        self._check(arr, count, dtype)
+        assert self.size == 2 and peer == 1 - self.rank, f"a channel's {what} to peer {peer} from rank {self.rank}"
+        assert isinstance(stream, Stream), f"a {what} on the collectives' stream, not a channel's"
+        stream.take(what)
+        self._note("ncclSend" if what == "send" else "ncclRecv")
+
+    def send(self, buf, count, dtype, peer, stream):
+        self._p2p(buf, count, dtype, peer, stream, "send")
+        stream.pending.append(self.c.Isend(buf, dest=peer, tag=P2P_TAG))
+
+    def recv(self, buf, count, dtype, peer, stream):
+        self._p2p(buf, count, dtype, peer, stream, "recv")
+        stream.pending.append(self.c.Irecv(buf, source=peer, tag=P2P_TAG))

@@ -1,8 +1,10 @@
 """Training with runtime.collectives = "nccl" through the NumPy stand-in (nccl_standin.py) equals training
 with "mpi" (float64, 1e-10: losses and every parameter) for data parallel, sharding stage 3 (uneven
-all-gathers), tensor parallel, pipelines (1F1B, interleaved, ZB-V) and the context-parallel ring: the device
-buffers' collectives went to the stand-in, the sends and receives stayed on MPI. Where NCCL is missing on a rank,
-every rank says so in one line and trains as with MPI. This checks the routing, not NCCL itself."""
+all-gathers), tensor parallel, pipelines (1F1B, interleaved, ZB-V; tp x pp with scatter/gather at 4 ranks) and
+the context-parallel ring: the device buffers' collectives and the pipeline's and the ring's sends and
+receives went to the stand-in (which matches a channel's messages by issue order alone, so a wrong channel
+would deliver another micro-batch's data), with MPI's counts and bytes. Where NCCL is missing on a rank, every
+rank says so in one line and trains as with MPI. This checks the routing, not NCCL itself."""
 import logging
 
 import numpy as np
@@ -23,18 +25,23 @@ def on(switch, *more):
     return [f"{S}{switch}.enable=true", f"{S}{switch}.degree={N}", *more]
 
 
-LAYOUTS = {   # name -> (overrides, the NCCL calls that must have carried something)
-    "dp": (on("data_parallel"), {"ncclAllReduce"}),
-    "sharding3": (on("sharding", f"{S}sharding.stage=3"), {"ncclBroadcast"}),
-    "tp": (["model.n_heads=4", *on("tensor_parallel")], {"ncclAllReduce"}),
-    "pp_1f1b": (["model.n_layers=4", *on("pipeline", f"{S}pipeline.micro_batches=4")], {"ncclAllReduce"}),
+P2P = {"ncclSend", "ncclRecv"}
+LAYOUTS = {   # name -> (overrides, the NCCL calls that must have carried something, ranks it is written for)
+    "dp": (on("data_parallel"), {"ncclAllReduce"}, 2),
+    "sharding3": (on("sharding", f"{S}sharding.stage=3"), {"ncclBroadcast"}, 2),
+    "tp": (["model.n_heads=4", *on("tensor_parallel")], {"ncclAllReduce"}, 2),
+    "pp_1f1b": (["model.n_layers=4", *on("pipeline", f"{S}pipeline.micro_batches=4")], {"ncclAllReduce", *P2P}, 2),
     "pp_interleaved": (["model.n_layers=4", *on("pipeline", f"{S}pipeline.schedule=interleaved",
                                                  f"{S}pipeline.virtual_stages=2", f"{S}pipeline.micro_batches=4")],
-                       {"ncclAllReduce"}),
+                       {"ncclAllReduce", *P2P}, 2),
     "pp_zbv": (["model.n_layers=4", *on("pipeline", f"{S}pipeline.schedule=zbv", f"{S}pipeline.micro_batches=4")],
-               {"ncclAllReduce"}),
-    "cp_ring": (on("context_parallel"), {"ncclAllReduce"}),
+               {"ncclAllReduce", *P2P}, 2),
+    "tp_pp_scatter": (["model.n_heads=4", f"{S}tensor_parallel.enable=true", f"{S}tensor_parallel.degree=2",
+                       f"{S}pipeline.enable=true", f"{S}pipeline.degree=2", f"{S}pipeline.micro_batches=2"],
+                      {"ncclAllReduce", "ncclAllGather", *P2P}, 4),
+    "cp_ring": (on("context_parallel"), {"ncclAllReduce", *P2P}, 2),
 }
+POS_BYTES = 8 * (8 // 2)    # a ring's position message: seq_len / cp int64 positions, host memory (MPI's)
 
 
 def train(cfg, device=None):
@@ -44,10 +51,24 @@ def train(cfg, device=None):
     return np.array(losses), eng.named_params(), eng
 
 
+def _check_p2p(layout, comms):
+    """Every pipeline send and receive went to NCCL; in the ring all but the position messages."""
+    for name, c in comms.items():
+        nccl = {op: c.nccl_stats.get(op, [0, 0]) for op in ("send", "recv")}
+        mpi = {op: [n - nccl[op][0], b - nccl[op][1]] for op, (n, b) in c.stats.items() if op in nccl}
+        if name == "pp" and c.size > 1:
+            assert c.stats["send"][0] and not any(n for n, _ in mpi.values()), (layout, dict(c.stats))
+        elif name == "cp" and c.size > 1:
+            assert all(n and b == n * POS_BYTES for n, b in mpi.values()), (layout, mpi)
+            assert nccl["send"][0] and nccl["recv"] == nccl["send"], layout
+        else:
+            assert not any(n for n, _ in mpi.values()) and nccl["send"][0] == nccl["recv"][0] == 0, (layout, name)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_nccl_trains_like_mpi(corpus, layout):
-    need(N == 2, "the layouts here are written for 2 ranks")
-    extra, must = LAYOUTS[layout]
+    extra, must, ranks = LAYOUTS[layout]
+    need(N == ranks, f"the layout is written for {ranks} ranks")
     want_l, want_p, ref = train(config(corpus, *extra))
     mod = Module()
     try:
@@ -55,11 +76,13 @@ def test_nccl_trains_like_mpi(corpus, layout):
         assert_same(got_l, want_l)
         assert_same_params(got_p, want_p)
         assert must <= set(mod.calls), (layout, dict(mod.calls))
-        carried = {op for c in eng.mesh.comms.values() if c is not None for op in c.nccl_stats}
-        assert carried and not carried & {"send", "recv"} and all(c.twin is not None for c in eng.mesh.comms.values() if c is not None and c.size > 1)
-        for name, c in eng.mesh.comms.items():      # the same traffic as MPI's, whoever carried it
-            if c is not None:
-                assert dict(c.stats) == dict(ref.mesh.comms[name].stats), name
+        comms = {name: c for name, c in eng.mesh.comms.items() if c is not None}
+        assert all(c.twin is not None for c in comms.values() if c.size > 1)
+        for name, c in comms.items():      # the same traffic as MPI's, whoever carried it
+            assert dict(c.stats) == dict(ref.mesh.comms[name].stats), name
+        _check_p2p(layout, comms)
+        assert (mod.calls["ncclSend"], mod.calls["ncclRecv"]) == \
+            tuple(sum(c.nccl_stats.get(op, [0])[0] for c in comms.values()) for op in ("send", "recv"))
     finally:
         eng.mesh.free()
         ref.mesh.free()

@@ -91,7 +91,7 @@ class LocalComm:
         self.stats[op][0] += 1
         self.stats[op][1] += int(arr.nbytes)
 
-    def isend(self, arr, dest, tag):
+    def isend(self, arr, dest, tag, channel=None):
         self._count("send", arr)
         with self.g.cond:
             key = (self.rank, dest, tag)
@@ -100,7 +100,7 @@ class LocalComm:
             self.g.cond.notify_all()
         return _Sent()
 
-    def irecv(self, arr, source, tag):
+    def irecv(self, arr, source, tag, channel=None):
         self._count("recv", arr)
         with self.g.cond:
             key = (source, self.rank, tag)
