@@ -10,6 +10,9 @@ in:
 - CuPy: each operand converted once to bf16 bits (uint16, contiguous; one pass that reads the strided
   view: device/bf16_bits.py), then cublasGemmStridedBatchedEx over the calls gemm.plan makes for those
   contiguous copies and the (possibly strided) float32 output, which it writes or accumulates into.
+A float32 array whose bfloat16 bits are already at hand (a packed parameter, unpacked for one block:
+strategies/bf16_storage.UnpackedParams) is registered with `hold_bits`: an operand that views it goes in as
+the same view of those bits (CuPy: no conversion pass; NumPy: no rounded copy, its values are bfloat16 already).
 `launch_args` builds the cuBLAS arguments without a GPU, so the CPU tests emulate them in NumPy against
 CuPy's binding order.
 """
@@ -28,6 +31,7 @@ CUDA_R_32F, CUDA_R_16BF = 0, 14            # cudaDataType_t
 CUBLAS_COMPUTE_32F = 68                    # cublasComputeType_t
 CUBLAS_GEMM_DEFAULT = -1                   # cublasGemmAlgo_t: cuBLAS picks (tensor cores for bf16)
 _STATE = {"on": False}
+_HELD: dict = {}                           # data pointer of a float32 array -> (that array, its bfloat16 bits)
 
 
 @contextlib.contextmanager
@@ -50,7 +54,8 @@ def matmul(xp, a, b, out=None, accumulate=False):
     if a.dtype != np.float32 or b.dtype != np.float32:
         raise TypeError(f"bf16 operands come from float32 storage, got {a.dtype} @ {b.dtype}")
     if xp.__name__ != "cupy":
-        r = _rounded(xp, a) @ _rounded(xp, b)
+        r = (a if _held_view(xp, a) is not None else _rounded(xp, a)) @ \
+            (b if _held_view(xp, b) is not None else _rounded(xp, b))
         if out is None:
             return r
         if accumulate:
@@ -61,7 +66,9 @@ def matmul(xp, a, b, out=None, accumulate=False):
     if out is None:
         out = xp.empty(a.shape[:-1] + b.shape[-1:], dtype=np.float32)
         accumulate = False
-    a16, b16 = to_bf16_bits(xp, a), to_bf16_bits(xp, b)
+    a16, b16 = (_held_view(xp, x) for x in (a, b))
+    a16 = to_bf16_bits(xp, a) if a16 is None else a16
+    b16 = to_bf16_bits(xp, b) if b16 is None else b16
     calls = gemm.plan(a16.shape, _elements(a16), b16.shape, _elements(b16), out.shape, _elements(out))
     target = out
     if calls is None:                    # an output cuBLAS cannot write in place: a contiguous one first
@@ -74,6 +81,43 @@ def matmul(xp, a, b, out=None, accumulate=False):
         else:
             out[...] = target
     return out
+
+
+def _ptr(a) -> int:
+    return a.data.ptr if hasattr(a.data, "ptr") else a.__array_interface__["data"][0]   # CuPy, NumPy
+
+
+def hold_bits(values, bits) -> None:
+    """Register float32 `values` (C-contiguous) as holding exactly the bfloat16 values of `bits` (uint16, its
+    shape): until release_bits, a GEMM operand that views values reads the bits instead. Neither may change
+    while registered (parameters during one block's pass)."""
+    if values.dtype != np.float32 or bits.dtype != np.uint16 or values.shape != bits.shape or \
+            not values.flags.c_contiguous:
+        raise ValueError(f"hold_bits: C-contiguous float32 values and uint16 bits of one shape, got "
+                         f"{values.dtype} {values.shape} and {bits.dtype} {bits.shape}")
+    _HELD[_ptr(values)] = (values, bits)
+
+
+def release_bits(values) -> None:
+    _HELD.pop(_ptr(values), None)
+
+
+def _held_view(xp, a):
+    """The view of registered bits that matches view a of registered values, or None (a views nothing
+    registered, or not on the element grid)."""
+    if not _HELD:
+        return None
+    root = a
+    while getattr(root.base, "dtype", None) is not None:
+        root = root.base
+    got = _HELD.get(_ptr(root))
+    if got is None or got[0] is not root:
+        return None
+    off, rest = divmod(_ptr(a) - _ptr(root), 4)
+    if rest or any(st % 4 for st in a.strides):
+        return None
+    bits = got[1].reshape(-1)
+    return xp.lib.stride_tricks.as_strided(bits[off:], a.shape, tuple(st // 2 for st in a.strides))
 
 
 def _rounded(xp, a):

@@ -16,6 +16,7 @@ import numpy as np
 
 from hpengine.device.bf16_bits import from_bf16_bits, to_bf16_bits
 from hpengine.layout.cache import map_cache
+from hpengine.nn import bf16_gemm
 
 F32 = np.dtype(np.float32)
 
@@ -107,15 +108,22 @@ class UnpackedParams:
     """A block's parameters as its layers read them when the compute copy is bfloat16 bits: `[name]` is the
     float32 array of that tensor's values (from_bf16_bits, exact), converted on first access and kept for the
     life of this object, which the engine makes for one block's forward or backward: one block's float32
-    weights at a time, as a gathered block under ZeRO-3."""
+    weights at a time, as a gathered block under ZeRO-3. The GEMMs take the bits themselves
+    (bf16_gemm.hold_bits) for as long as this object lives."""
 
     def __init__(self, xp, buf):
         self.xp, self.buf, self.values = xp, buf, {}
 
     def __getitem__(self, name):
         if name not in self.values:
-            self.values[name] = from_bf16_bits(self.xp, self.buf[name])
+            bits = self.buf[name]
+            self.values[name] = v = from_bf16_bits(self.xp, bits)
+            bf16_gemm.hold_bits(v, bits)       # the GEMMs read these bits, not v converted back
         return self.values[name]
+
+    def __del__(self):
+        for v in self.values.values():
+            bf16_gemm.release_bits(v)
 
     def __contains__(self, name):
         return name in self.buf

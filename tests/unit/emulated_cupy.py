@@ -33,6 +33,7 @@ SHARED_DEFAULT = 48 << 10
 # "ufunc:<name>" (a ufunc call, reduction or scatter), "fn:<name>" (a function that writes a new array),
 # "copy" (setitem, copy, astype, fancy indexing); CuPy launches about one kernel for each
 LAUNCHES: collections.Counter = collections.Counter()
+MOVED: collections.Counter = collections.Counter()      # bytes each ElementwiseKernel read and wrote
 NO_KERNEL = {"empty", "empty_like"}
 _LIVE: dict = {}                 # start address -> (end address, weakref of the owning buffer)
 
@@ -91,10 +92,10 @@ def _wrap(r):
 def _in_device_memory(r: np.ndarray) -> bool:
     """Whether r views memory that belongs to a device array (the result of a view-making function)."""
     b = r.base
-    while isinstance(b, np.ndarray):
+    while b is not None:                # through as_strided's DummyArray too (it keeps .base)
         if isinstance(b, DevArray):
             return True
-        b = b.base
+        b = getattr(b, "base", None)
     return False
 
 
@@ -260,6 +261,7 @@ def _elementwise(in_params, out_params, body, name):
     def run(x, y):
         _refuse_host(name, (x, y))
         LAUNCHES[f"ew:{name}"] += 1
+        MOVED[f"ew:{name}"] += x.nbytes + y.nbytes
         y.view(np.ndarray)[...] = twins[body](x.view(np.ndarray))
         return y
     return run
@@ -495,7 +497,8 @@ def install(monkeypatch) -> types.ModuleType:
     mod = make_module()
     cublas = make_cublas(mod)
     LAUNCHES.clear()
-    mod.counts = LAUNCHES
+    MOVED.clear()
+    mod.counts, mod.moved = LAUNCHES, MOVED
     monkeypatch.setattr(backend, "cupy_module", lambda: mod)
     monkeypatch.setattr(backend, "cublas_module", lambda: cublas)
     monkeypatch.setitem(sys.modules, "cupyx", make_cupyx())
