@@ -137,3 +137,26 @@ def test_cublas_outside_an_allocation_is_refused(device):
     with pytest.raises(AssertionError, match="no device allocation"):
         cublas.sgemmStridedBatched(7, 0, 0, 4, 4, 4, one.ctypes.data, one.ctypes.data, 4, 16, b.data.ptr, 4, 16,
                                    zero.ctypes.data, c.data.ptr, 4, 16, 1)
+
+
+def test_held_bits_go_to_the_gemm_as_they_are(device):
+    from hpengine.device.bf16_bits import from_bf16_bits, to_bf16_bits
+    from hpengine.nn import bf16_gemm
+    rng = np.random.default_rng(0)
+    x = device.asarray(rng.normal(size=(6, 5)).astype(np.float32))
+    bits = to_bf16_bits(device, device.asarray(rng.normal(size=(7, 5)).astype(np.float32)))
+    w = from_bf16_bits(device, bits)
+    with bf16_gemm.operands(True):
+        want = bf16_gemm.matmul(device, x, w.T).get()          # w converted back to bits by a kernel
+        before = device.counts["ew:hpengine_to_bf16"]
+        bf16_gemm.hold_bits(w, bits)
+        try:
+            got = bf16_gemm.matmul(device, x, w.T).get()       # the bits themselves, transposed
+            part = bf16_gemm.matmul(device, x, w[2:5].T).get()
+        finally:
+            bf16_gemm.release_bits(w)
+    assert device.counts["ew:hpengine_to_bf16"] - before == 2  # x only, twice
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(part, want[:, 2:5])
+    with pytest.raises(ValueError, match="one shape"):
+        bf16_gemm.hold_bits(w, bits[:3])
