@@ -28,7 +28,8 @@ class _Patch:
         mapping[key] = value
 
 
-def main(argv=None) -> int:
+def main(argv=None, patch=None) -> int:
+    """patch: what installs the stand-in (pytest's monkeypatch in a test; else for the life of the process)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("config", help="a config file (TOML)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
     from hpengine.config.load import load_config  # noqa: PLC0415
     from hpengine.run.build import build  # noqa: PLC0415
 
-    emulated_cupy.install(_Patch())
+    emulated_cupy.install(patch or _Patch())
     cfg = load_config(a.config, ["runtime.backend=cupy", *a.overrides])
     eng = build(cfg, MPI.COMM_SELF)
     eng.train_step(0)                              # first step: plans, kernel tables, allocations

@@ -7,6 +7,10 @@ makes only launches that fit their entries' C signatures and the launch limits, 
 kernel or cuBLAS. It checks the Python side of the GPU path, not the kernels' arithmetic."""
 from __future__ import annotations
 
+import re
+import sys
+from pathlib import Path
+
 import emulated_cupy
 import numpy as np
 import pytest
@@ -160,3 +164,37 @@ def test_held_bits_go_to_the_gemm_as_they_are(device):
     np.testing.assert_array_equal(part, want[:, 2:5])
     with pytest.raises(ValueError, match="one shape"):
         bf16_gemm.hold_bits(w, bits[:3])
+
+
+def _conversions(corpus, monkeypatch, hold: bool) -> int:
+    from hpengine.nn import bf16_gemm
+    if not hold:
+        monkeypatch.setattr(bf16_gemm, "hold_bits", lambda values, bits: None)
+    mod = emulated_cupy.install(monkeypatch)
+    eng = build(load_config(None, [*TINY, f"data.path={corpus}", "runtime.backend=cupy", *KINDS["llama"], *BF16]),
+                MPI.COMM_SELF)
+    eng.train_step(0)
+    mod.counts.clear()
+    eng.train_step(1)
+    return mod.counts["ew:hpengine_to_bf16"]
+
+
+def test_packed_weights_skip_one_conversion_per_gemm_they_enter(small_corpus, monkeypatch):
+    # each of the llama's 7 weight matrices per layer and the head's enters two GEMMs a step (forward, and the
+    # input gradient's), and each would be converted to bits for both
+    L = 2
+    without = _conversions(small_corpus, monkeypatch, hold=False)
+    monkeypatch.undo()
+    assert without - _conversions(small_corpus, monkeypatch, hold=True) == 2 * (7 * L + 1)
+
+
+def test_the_launch_count_script_runs(capsys, monkeypatch):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import emulated_launches
+    cfg = Path(__file__).resolve().parents[2] / "configs" / "default.toml"
+    assert emulated_launches.main([str(cfg), "--set", "model.n_layers=1", "--set", "model.d_model=32",
+                                   "--set", "train.global_batch=2", "--top", "3"], monkeypatch) == 0
+    out = capsys.readouterr().out
+    total = int(re.search(r"launches per step: (\d+) \((.*)\)", out).group(1))
+    parts = re.search(r"launches per step: \d+ \((.*)\)", out).group(1)
+    assert total > 0 and total == sum(int(p.split()[1]) for p in parts.split(", "))
