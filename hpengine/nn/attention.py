@@ -91,10 +91,11 @@ def attention_forward(xp, qkv, n_heads):
         y = xp.empty((B, T, n_heads * hd), dtype=q.dtype)
         (o,) = _heads(y, n_heads, 1)
     ps = []
-    for a, b in _blocks(T):
-        p = _scores(xp, q, kt, a, b)
-        _mm(xp, p, v[:, :, :b], o[:, :, a:b])
-        ps.append(p)
+    with bf16_gemm.held(xp, q, kt if kt.flags.c_contiguous else kt.base, v):   # bf16: converted once, not per block
+        for a, b in _blocks(T):
+            p = _scores(xp, q, kt, a, b)
+            _mm(xp, p, v[:, :, :b], o[:, :, a:b])
+            ps.append(p)
     if gpu:
         y = o.transpose(0, 2, 1, 3).reshape(B, T, n_heads * hd)     # one copy back to (B, T, H*hd)
     return y, (qkv, q, ps, y)
@@ -165,17 +166,20 @@ def attention_backward(xp, dy, cache):
     else:
         rs = xp.ascontiguousarray(xp.einsum("bhtd,bhtd->bht", do, o)[..., None])
     # the last block covers every key: it writes dk, dv whole, earlier blocks add to a prefix
-    for (a, b), p in reversed(list(zip(_blocks(T), ps))):
-        dob = dob_all[:, :, a:b]
-        ds = _mm(xp, dob, vt[..., :b])
-        if fused.usable(xp, ds, p, rs) and ds.flags.c_contiguous and p.flags.c_contiguous:
-            fused.softmax_backward_(ds, p, rs, a)
-        else:
-            ds -= rs[:, :, a:b]
-            ds *= p
-        _mm(xp, ds, k[:, :, :b], dq[:, :, a:b])
-        _mm(xp, p.swapaxes(-1, -2), dob, dv[:, :, :b], accumulate=b < T)
-        _mm(xp, ds.swapaxes(-1, -2), q[:, :, a:b], dk[:, :, :b], accumulate=b < T)
+    keys = vt if vt.flags.c_contiguous else vt.base
+    with bf16_gemm.held(xp, dob_all, keys, k, q):         # bf16: each converted once for every block's products
+        for (a, b), p in reversed(list(zip(_blocks(T), ps))):
+            dob = dob_all[:, :, a:b]
+            ds = _mm(xp, dob, vt[..., :b])
+            if fused.usable(xp, ds, p, rs) and ds.flags.c_contiguous and p.flags.c_contiguous:
+                fused.softmax_backward_(ds, p, rs, a)
+            else:
+                ds -= rs[:, :, a:b]
+                ds *= p
+            with bf16_gemm.held(xp, ds):
+                _mm(xp, ds, k[:, :, :b], dq[:, :, a:b])
+                _mm(xp, p.swapaxes(-1, -2), dob, dv[:, :, :b], accumulate=b < T)
+                _mm(xp, ds.swapaxes(-1, -2), q[:, :, a:b], dk[:, :, :b], accumulate=b < T)
     dq *= 1.0 / math.sqrt(C3 // (3 * H))
     if gpu:
         for dst, src in zip(_heads(dqkv, H, 3), (dq, dk, dv)):

@@ -13,6 +13,7 @@ in:
 A float32 array whose bfloat16 bits are already at hand (a packed parameter, unpacked for one block:
 strategies/bf16_storage.UnpackedParams) is registered with `hold_bits`: an operand that views it goes in as
 the same view of those bits (CuPy: no conversion pass; NumPy: no rounded copy, its values are bfloat16 already).
+`held` converts an array once for all the products inside it (a gradient that two products read).
 `launch_args` builds the cuBLAS arguments without a GPU, so the CPU tests emulate them in NumPy against
 CuPy's binding order.
 """
@@ -54,8 +55,8 @@ def matmul(xp, a, b, out=None, accumulate=False):
     if a.dtype != np.float32 or b.dtype != np.float32:
         raise TypeError(f"bf16 operands come from float32 storage, got {a.dtype} @ {b.dtype}")
     if xp.__name__ != "cupy":
-        r = (a if _held_view(xp, a) is not None else _rounded(xp, a)) @ \
-            (b if _held_view(xp, b) is not None else _rounded(xp, b))
+        ah, bh = _held_view(xp, a), _held_view(xp, b)
+        r = (_rounded(xp, a) if ah is None else ah) @ (_rounded(xp, b) if bh is None else bh)
         if out is None:
             return r
         if accumulate:
@@ -89,35 +90,53 @@ def _ptr(a) -> int:
 
 def hold_bits(values, bits) -> None:
     """Register float32 `values` (C-contiguous) as holding exactly the bfloat16 values of `bits` (uint16, its
-    shape): until release_bits, a GEMM operand that views values reads the bits instead. Neither may change
-    while registered (parameters during one block's pass)."""
+    shape): until release_bits, a GEMM operand in values' memory reads the bits (CuPy) or values themselves,
+    already bfloat16 (NumPy). Neither may change while registered (parameters during one block's pass)."""
     if values.dtype != np.float32 or bits.dtype != np.uint16 or values.shape != bits.shape or \
             not values.flags.c_contiguous:
         raise ValueError(f"hold_bits: C-contiguous float32 values and uint16 bits of one shape, got "
                          f"{values.dtype} {values.shape} and {bits.dtype} {bits.shape}")
-    _HELD[_ptr(values)] = (values, bits)
+    _HELD[_ptr(values)] = (values, bits if _is_cupy(values) else values)
 
 
 def release_bits(values) -> None:
     _HELD.pop(_ptr(values), None)
 
 
+@contextlib.contextmanager
+def held(xp, *arrays):
+    """Inside, the GEMMs take each of these float32 arrays (C-contiguous ones; others as before) as bfloat16
+    operands converted once here, however many products read them or their views: none may change inside."""
+    mine = [a for a in arrays if active() and a is not None and a.dtype == np.float32 and a.size
+            and a.flags.c_contiguous and _ptr(a) not in _HELD]
+    for a in mine:
+        _HELD[_ptr(a)] = (a, to_bf16_bits(xp, a) if xp.__name__ == "cupy" else _rounded(xp, a))
+    try:
+        yield
+    finally:
+        for a in mine:
+            _HELD.pop(_ptr(a), None)
+
+
+def _is_cupy(a) -> bool:
+    return hasattr(a.data, "ptr")
+
+
 def _held_view(xp, a):
-    """The view of registered bits that matches view a of registered values, or None (a views nothing
-    registered, or not on the element grid)."""
-    if not _HELD:
+    """What a GEMM takes for float32 view a when its memory lies inside a held array: the same view of that
+    array's bits (CuPy) or of its bfloat16 values (NumPy); None otherwise."""
+    if not _HELD or a.dtype != np.float32:
         return None
-    root = a
-    while getattr(root.base, "dtype", None) is not None:
-        root = root.base
-    got = _HELD.get(_ptr(root))
-    if got is None or got[0] is not root:
-        return None
-    off, rest = divmod(_ptr(a) - _ptr(root), 4)
-    if rest or any(st % 4 for st in a.strides):
-        return None
-    bits = got[1].reshape(-1)
-    return xp.lib.stride_tricks.as_strided(bits[off:], a.shape, tuple(st // 2 for st in a.strides))
+    lo = _ptr(a) + sum(min(0, st * (n - 1)) for st, n in zip(a.strides, a.shape))
+    hi = _ptr(a) + sum(max(0, st * (n - 1)) for st, n in zip(a.strides, a.shape)) + 4
+    for start, (values, operand) in _HELD.items():
+        if start <= lo and hi <= start + values.nbytes:
+            off, rest = divmod(_ptr(a) - start, 4)
+            if rest or any(st % 4 for st in a.strides):
+                return None
+            flat, item = operand.reshape(-1), operand.itemsize
+            return xp.lib.stride_tricks.as_strided(flat[off:], a.shape, tuple(st // 4 * item for st in a.strides))
+    return None
 
 
 def _rounded(xp, a):

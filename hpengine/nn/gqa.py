@@ -8,7 +8,7 @@ one GEMM per (batch row, kv head) whose rows are all the group's queries: the ke
 never repeated per query head, and backward's dk and dv sum over the group inside the GEMM. Query rows
 come in the same two causal blocks as nn/attention.py (the fully masked quarter is never computed).
 """
-from hpengine.nn import fused
+from hpengine.nn import bf16_gemm, fused
 from hpengine.nn.attention import _blocks, _causal_bias, _mm, _rowsum
 
 
@@ -55,14 +55,15 @@ def gqa_attention_forward(xp, q, k, v):
     (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k)
     y5 = _per_head(y, K, g)
     qs, ps = [], []
-    for a, b in _blocks(T):
-        qb = _grouped(q, K, g, a, b)
-        p = _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2))
-        _softmax_(xp, p, a)
-        o = _mm(xp, p, v[:, :, :b])
-        y5[:, :, :, a:b] = o.reshape(B, K, g, b - a, hd)
-        qs.append(qb)
-        ps.append(p)
+    with bf16_gemm.held(xp, k, v):          # bf16: converted once for every block's products
+        for a, b in _blocks(T):
+            qb = _grouped(q, K, g, a, b)
+            p = _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2))
+            _softmax_(xp, p, a)
+            o = _mm(xp, p, v[:, :, :b])
+            y5[:, :, :, a:b] = o.reshape(B, K, g, b - a, hd)
+            qs.append(qb)
+            ps.append(p)
     return y, (qs, k, v, ps, y)
 
 
@@ -96,20 +97,22 @@ def gqa_attention_backward(xp, dy, cache):
     dq5 = dq.reshape(B, K, g, T, hd)
     dk, dv = xp.empty(k.shape, dtype=dy.dtype), xp.empty(k.shape, dtype=dy.dtype)
     # the last block covers every key: it writes dk, dv whole, the earlier block adds to a prefix
-    for (a, b), qb, p in reversed(list(zip(_blocks(T), qs, ps))):
-        dob, ob = _grouped(dy5, K, g, a, b), _grouped(y5, K, g, a, b)
-        # softmax backward: ds = p * (dp - rowsum(dp * p)), and rowsum(dp * p) = rowsum(do * o)
-        rs = ((dob * ob).sum(axis=-1, keepdims=True) if dy.dtype.itemsize < 4
-              else xp.einsum("bkrd,bkrd->bkr", dob, ob)[..., None])
-        ds = _mm(xp, dob, v[:, :, :b].swapaxes(-1, -2))
-        if fused.usable(xp, ds, p, rs) and ds.flags.c_contiguous and p.flags.c_contiguous:
-            fused.grouped_softmax_backward_(ds, p, rs)
-        else:
-            ds -= rs
-            ds *= p
-        dq5[:, :, :, a:b] = _mm(xp, ds, k[:, :, :b]).reshape(B, K, g, b - a, hd)
-        _mm(xp, p.swapaxes(-1, -2), dob, dv[:, :, :b], accumulate=b < T)
-        _mm(xp, ds.swapaxes(-1, -2), qb, dk[:, :, :b], accumulate=b < T)
+    with bf16_gemm.held(xp, dy, k, v):      # bf16: converted once for every block's products
+        for (a, b), qb, p in reversed(list(zip(_blocks(T), qs, ps))):
+            dob, ob = _grouped(dy5, K, g, a, b), _grouped(y5, K, g, a, b)
+            # softmax backward: ds = p * (dp - rowsum(dp * p)), and rowsum(dp * p) = rowsum(do * o)
+            rs = ((dob * ob).sum(axis=-1, keepdims=True) if dy.dtype.itemsize < 4
+                  else xp.einsum("bkrd,bkrd->bkr", dob, ob)[..., None])
+            ds = _mm(xp, dob, v[:, :, :b].swapaxes(-1, -2))
+            if fused.usable(xp, ds, p, rs) and ds.flags.c_contiguous and p.flags.c_contiguous:
+                fused.grouped_softmax_backward_(ds, p, rs)
+            else:
+                ds -= rs
+                ds *= p
+            with bf16_gemm.held(xp, ds):
+                dq5[:, :, :, a:b] = _mm(xp, ds, k[:, :, :b]).reshape(B, K, g, b - a, hd)
+                _mm(xp, p.swapaxes(-1, -2), dob, dv[:, :, :b], accumulate=b < T)
+                _mm(xp, ds.swapaxes(-1, -2), qb, dk[:, :, :b], accumulate=b < T)
     return dq, dk, dv
 
 

@@ -20,8 +20,9 @@ def linear_forward(xp, x, w, b=None):
 
 def linear_backward(xp, dy, cache, w, dw, db=None):
     # dy: (..., OC), w, dw: (C, OC), db: (OC,) or None -> dx: (..., C)
-    linear_backward_weight(xp, dy, cache, dw, db)
-    return linear_backward_input(xp, dy, cache, w)
+    with bf16_gemm.held(xp, dy.reshape(-1, dw.shape[1])):     # bf16 amp: dy converted once for both products
+        linear_backward_weight(xp, dy, cache, dw, db)
+        return linear_backward_input(xp, dy, cache, w)
 
 
 def linear_backward_input(xp, dy, cache, w):

@@ -65,9 +65,15 @@ def _refuse_host(what, args, kwargs=None) -> None:
 
 
 def _register(a: np.ndarray) -> None:
-    root = a
-    while isinstance(root.base, np.ndarray):
-        root = root.base
+    """Note the allocation a lives in: the array at the end of its chain of bases (through as_strided's
+    DummyArray, which keeps .base) that owns its memory."""
+    root, b = None, a
+    while b is not None:
+        if isinstance(b, np.ndarray) and b.flags.owndata:
+            root = b
+        b = getattr(b, "base", None)
+    if root is None:
+        return
     start = root.__array_interface__["data"][0]
     if start in _LIVE and _LIVE[start][1]() is root:
         return
