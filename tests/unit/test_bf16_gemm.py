@@ -166,3 +166,20 @@ def test_engine_routes_gemms_only_under_bf16(monkeypatch, amp):
     assert (linear, len(calls) - linear - attention) == ((2 * 4 + 1) * 3 if bf else 0, 0)
     assert (attention > 0 and attention % (2 * 6) == 0) if bf else attention == 0
     assert not bf16_gemm.active()
+
+
+def test_held_operands_give_the_products_of_unheld_ones():
+    # a gradient read by two products (a linear's weight and input gradients), converted once inside held:
+    # the same bits as each product rounding it itself; a view of a held array (a slice, a transpose) too
+    rng = np.random.default_rng(5)
+    dy, x, w = (rng.normal(size=s).astype(np.float32) for s in ((12, 6), (12, 4), (4, 6)))
+    with bf16_gemm.operands(True):
+        want = (bf16_gemm.matmul(np, x.T, dy), bf16_gemm.matmul(np, dy, w.T), bf16_gemm.matmul(np, dy[3:9].T, x[3:9]))
+        with bf16_gemm.held(np, dy):
+            assert bf16_gemm._held_view(np, dy[3:9].T) is not None
+            got = (bf16_gemm.matmul(np, x.T, dy), bf16_gemm.matmul(np, dy, w.T), bf16_gemm.matmul(np, dy[3:9].T, x[3:9]))
+        assert not bf16_gemm._HELD
+    for g, w_ in zip(got, want):
+        np.testing.assert_array_equal(g, w_)
+    with bf16_gemm.held(np, dy):                      # outside bf16 amp nothing is held
+        assert not bf16_gemm._HELD
