@@ -17,10 +17,13 @@ from hpengine.device.backend import BackendError
 
 log = logging.getLogger("hpengine")
 
-# NumPy dtype -> the name of NCCL's enum for it in the nccl module (bfloat16 is stored as float32 here)
+# NumPy dtype -> the name of NCCL's enum for it in the nccl module (bfloat16 is float32 storage or uint16 bits here)
 DTYPES = {"float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64", "int8": "NCCL_INT8",
           "uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "uint32": "NCCL_UINT32", "int64": "NCCL_INT64",
           "uint64": "NCCL_UINT64"}
+# what only moves bytes (broadcast, all-gather, send, receive) may also be a dtype NCCL lacks of the same width:
+# bfloat16 bits (uint16, packed storage) travel as NCCL's 16-bit float, untouched
+MOVED_AS = {"uint16": "NCCL_FLOAT16"}
 OPS = ((MPI.SUM, "NCCL_SUM"), (MPI.PROD, "NCCL_PROD"), (MPI.MAX, "NCCL_MAX"), (MPI.MIN, "NCCL_MIN"))
 
 
@@ -97,6 +100,8 @@ class Twin:
         self.uid = mpi_comm.bcast(uid, root=0)
         self.comm = self.nccl.NcclCommunicator(self.size, self.uid, self.rank)
         self.dtypes = {np.dtype(k): getattr(self.nccl, v) for k, v in DTYPES.items() if hasattr(self.nccl, v)}
+        self.moves = {**self.dtypes, **{np.dtype(k): getattr(self.nccl, v) for k, v in MOVED_AS.items()
+                                        if hasattr(self.nccl, v)}}
         self.ops = [(mpi, getattr(self.nccl, name)) for mpi, name in OPS if hasattr(self.nccl, name)]
 
     def close(self) -> None:
@@ -108,12 +113,13 @@ class Twin:
 
     def takes(self, *arrays, op=MPI.SUM) -> bool:
         """Whether NCCL carries a call on these arrays: device arrays, contiguous, of a dtype and a reduction
-        NCCL has; anything else (host buffers, other ops) stays on MPI."""
-        return all(self.dev.on_device(a) and a.flags.c_contiguous and a.dtype in self.dtypes for a in arrays) \
+        NCCL has (op None: a call that only moves data, MOVED_AS too); anything else stays on MPI."""
+        types = self.moves if op is None else self.dtypes
+        return all(self.dev.on_device(a) and a.flags.c_contiguous and a.dtype in types for a in arrays) \
             and (op is None or self._op(op) is not None)
 
-    def _args(self, arr):
-        return self.dev.ptr(arr), arr.size, self.dtypes[arr.dtype]
+    def _args(self, arr, moving=False):
+        return self.dev.ptr(arr), arr.size, (self.moves if moving else self.dtypes)[arr.dtype]
 
     def _done(self, *arrays) -> Request:
         return Request(self.dev, arrays, self.dev.record())
@@ -134,7 +140,7 @@ class Twin:
         are equal and back to back, else one broadcast per rank in one NCCL group (NCCL has no allgatherv).
         Returns the request and the NCCL call it made."""
         flat, s = arr.reshape(-1), self.dev.stream()
-        n, dt = counts[0], self.dtypes[arr.dtype]
+        n, dt = counts[0], self.moves[arr.dtype]
         if all(c == n for c in counts) and list(displs) == [r * n for r in range(self.size)] and flat.size == n * self.size:
             mine = flat[self.rank * n:(self.rank + 1) * n]
             self.comm.allGather(self.dev.ptr(mine), self.dev.ptr(flat), n, dt, s)
@@ -150,6 +156,6 @@ class Twin:
         return self._done(arr), "ncclBroadcast"
 
     def bcast(self, arr, root: int) -> Request:
-        p, n, dt = self._args(arr)
+        p, n, dt = self._args(arr, moving=True)
         self.comm.broadcast(p, p, n, dt, root, self.dev.stream())
         return self._done(arr)

@@ -13,7 +13,7 @@ class Channel:
     the unique id), the receiver NCCL rank 1."""
 
     def __init__(self, twin, uid, sending: bool):
-        self.dev, self.dtypes, self.sending = twin.dev, twin.dtypes, sending
+        self.dev, self.dtypes, self.sending = twin.dev, twin.moves, sending
         self.comm = twin.nccl.NcclCommunicator(2, uid, 0 if sending else 1)
         self.stream = twin.dev.new_stream()
 

@@ -26,6 +26,7 @@ def on(switch, *more):
 
 
 P2P = {"ncclSend", "ncclRecv"}
+BF16 = ["model.dtype=float32", f"{S}amp.enable=true", f"{S}amp.dtype=bfloat16", f"{S}amp.bf16_storage=packed"]
 LAYOUTS = {   # name -> (overrides, the NCCL calls that must have carried something, ranks it is written for)
     "dp": (on("data_parallel"), {"ncclAllReduce"}, 2),
     "sharding3": (on("sharding", f"{S}sharding.stage=3"), {"ncclBroadcast"}, 2),
@@ -40,6 +41,8 @@ LAYOUTS = {   # name -> (overrides, the NCCL calls that must have carried someth
                        f"{S}pipeline.enable=true", f"{S}pipeline.degree=2", f"{S}pipeline.micro_batches=2"],
                       {"ncclAllReduce", "ncclAllGather", *P2P}, 4),
     "cp_ring": (on("context_parallel"), {"ncclAllReduce", *P2P}, 2),
+    # bfloat16 bits (uint16) only move: NCCL carries them as 16-bit values, the parameters' gathers included
+    "sharding3_bf16_packed": (on("sharding", f"{S}sharding.stage=3", *BF16), {"ncclBroadcast"}, 2),
 }
 POS_BYTES = 8 * (8 // 2)    # a ring's position message: seq_len / cp int64 positions, host memory (MPI's)
 
@@ -81,6 +84,9 @@ def test_nccl_trains_like_mpi(corpus, layout):
         for name, c in comms.items():      # the same traffic as MPI's, whoever carried it
             assert dict(c.stats) == dict(ref.mesh.comms[name].stats), name
         _check_p2p(layout, comms)
+        if layout.endswith("packed"):       # every all-gather of the bits went to NCCL
+            gathers = [(c.stats["allgather"], c.nccl_stats["allgather"]) for c in comms.values() if "allgather" in c.stats]
+            assert gathers and all(a == b for a, b in gathers), gathers
         assert (mod.calls["ncclSend"], mod.calls["ncclRecv"]) == \
             tuple(sum(c.nccl_stats.get(op, [0])[0] for c in comms.values()) for op in ("send", "recv"))
     finally:
