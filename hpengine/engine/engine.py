@@ -99,7 +99,8 @@ class Engine:
         self.opt_steps = 0          # optimizer updates applied (AdamW's bias-correction count)
         self.unit_lr = dataclasses.replace(cfg.optim, lr=1.0)
         self.pipe = PipelineExecutor(self.pp, self.xp, backend.dtype, res.pp, res.v, res.m, res.schedule,
-                                     cfg.model.d_model, res.seq_parts, mesh.comms["tp"] if res.scatter else None)
+                                     cfg.model.d_model, res.seq_parts, mesh.comms["tp"] if res.scatter else None,
+                                     wire_bits=self.precision.packed)
         self.tracer = Tracer()      # train.py hands in a recording one under runtime.trace
         self.before_update = None   # called before a step changes parameters or moments (an async save's fence)
 
@@ -160,6 +161,7 @@ class Engine:
             if b.kind == "head":
                 d = m.head_backward(xp, c, self._G(slot, b.name), ctx, self._P(slot, b.name, prev),
                                     self.precision.loss_scale, works)
+                self.precision.input_grad_(xp, d)
             elif b.kind == "embed":
                 m.embed_backward(xp, d, c, self._G(slot, b.name), ctx, works)
                 d = None

@@ -33,10 +33,16 @@ def gathered_per_microbatch(mcfg, st: Stage) -> int:
     return total
 
 
+def wire_item(lay: Resolved, item: int, packed: bool) -> int:
+    """Bytes an element of the activations and gradients between pipeline stages takes: packed bf16 storage
+    sends their bfloat16 bits."""
+    return 2 if packed and lay.amp == "bfloat16" else item
+
+
 def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=None, packed: bool = False) -> dict:
     """{axis: {op: bytes}} one rank sends in one optimizer step, as comm.py counts it (every rank
     counts its own buffer of a collective; "tied" is the first/last-stage wte gradient sum); packed
-    (packed_caches): the parameters' all-gathers move bfloat16 bits."""
+    (packed_caches): the parameters' all-gathers and the pipeline's sends move bfloat16 bits."""
     w, g, _, item = precision(mcfg, lay.amp, packed)
     M, psi, out = models, st.psi * models, {}
     losses = F64 * (M + plan_moe.loss_figures(mcfg, M))         # the loss allreduce, with the MoE figures riding on it
@@ -58,7 +64,7 @@ def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=Non
         out["tp"] = plan_tp.traffic(mcfg, st, lay, tokens, item, g, 4 if lay.amp else item, F64 * M, rep)
     hops = _hops(lay, stage)
     if hops:                 # activations to the next virtual stage, gradients to the previous one
-        act, gathered = plan_tp.pipeline_bytes(mcfg, lay, tokens, item, hops)
+        act, gathered = plan_tp.pipeline_bytes(mcfg, lay, tokens, wire_item(lay, item, packed), hops)
         out["pp"] = {"send": act, "recv": act}
         if gathered:
             out["tp"]["allgather"] = out["tp"].get("allgather", 0) + gathered
@@ -189,7 +195,8 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
         out["cp"] = plan_cp.ring_seconds(mcfg, st, lay, precision(mcfg, lay.amp)[3], M, comp / M,
                                          *link(lay, "cp", cluster))
     tp_link = lambda op: link(lay, "tp", cluster, op)      # noqa: E731
-    _, gathered = plan_tp.pipeline_bytes(mcfg, lay, lay.share * mcfg.seq_len // lay.cp * M, precision(mcfg, lay.amp)[3],
+    _, gathered = plan_tp.pipeline_bytes(mcfg, lay, lay.share * mcfg.seq_len // lay.cp * M,
+                                         wire_item(lay, precision(mcfg, lay.amp)[3], packed_caches(lay, cluster)),
                                          _hops(lay, stage))
     if "tp" in tr:          # the tp regions' collectives; a split pipeline send's gather counts with pp
         per_mb = {op: (n - (gathered if op == "allgather" else 0)) / mb for op, n in tr["tp"].items()}

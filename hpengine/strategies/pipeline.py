@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
+from hpengine.device.bf16_bits import from_bf16_bits, to_bf16_bits
 from hpengine.dist.comm import testall, waitall
 from hpengine.dist.tracer import OFF
 from hpengine.layout.schedules import Action, make_schedule, placement, splits_backward
@@ -30,8 +33,12 @@ class PipelineExecutor:
     follows finishes the step's gradients."""
 
     def __init__(self, pp_comm, xp, dtype, p: int, v: int, m: int, schedule: str, width: int, seq_parts: int = 1,
-                 split_comm=None):
+                 split_comm=None, wire_bits: bool = False):
         self.pp, self.xp, self.dtype, self.p, self.v, self.m, self.width = pp_comm, xp, dtype, p, v, m, width
+        # packed bf16 storage: what crosses stages (block outputs, input gradients: bfloat16 values in float32)
+        # travels as its bfloat16 bits, half the bytes, and is float32 again on arrival (exactly)
+        self.wire_bits = wire_bits
+        self.in_flight = []             # the bits of sends not yet complete
         self.seq_parts = seq_parts      # sequence parallel: a stage's activations hold T / tp positions
         self.split = split_comm         # scatter/gather: the tp Comm whose ranks send 1/tp each
         self.stage = pp_comm.rank
@@ -70,7 +77,7 @@ class PipelineExecutor:
         key = (mb if direction == FWD or self.split_bw else -1, g_dst, direction, shape)
         buf = self.buffers.get(key)
         if buf is None:
-            buf = self.buffers[key] = self.xp.empty(shape, dtype=self.dtype)
+            buf = self.buffers[key] = self.xp.empty(shape, dtype=np.uint16 if self.wire_bits else self.dtype)
         return buf
 
     def _piece(self, arr):
@@ -92,7 +99,7 @@ class PipelineExecutor:
             n = buf.size // self.split.size
             self.split.allgatherv_(buf.reshape(-1), [n] * self.split.size, [r * n for r in range(self.split.size)])
         self.tr.lap("pipeline idle", t, "wait F" if direction == FWD else "wait B", (mb, g_dst))
-        return buf
+        return from_bf16_bits(self.xp, buf) if self.wire_bits else buf
 
     # --- point-to-point, named after the direction data flows in the model ----------------------
     def recv_forward(self, mb, g, shape):
@@ -114,6 +121,9 @@ class PipelineExecutor:
         if dest == self.stage:
             self.local[mb, g_dst, direction] = arr
             return None
+        if self.wire_bits:
+            arr = to_bf16_bits(self.xp, arr)
+            self.in_flight.append(arr)          # alive until the sends are drained
         return self.pp.isend(self._piece(arr), dest=dest, tag=self._tag(mb, g_dst, direction),
                              channel=(g_dst, direction))
 
@@ -165,11 +175,13 @@ class PipelineExecutor:
                 tr.lap("weights", t, "W", (mb, g))
                 self.busy_s += time.perf_counter() - t0
             sends = [r for r in sends if r is not None]
-            testall(sends)
+            if testall(sends):
+                self.in_flight = []
         if sends:
             t = tr.now()
             waitall(sends)
             tr.lap("pipeline idle", t, "drain sends")
+        self.in_flight = []
         t_end = time.perf_counter()
         self.wall_s += t_end - t_start
         self.last_run = (t_start, t_end, self.busy_s - busy_before)

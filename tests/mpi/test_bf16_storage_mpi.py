@@ -2,7 +2,8 @@
 bfloat16 bits) trains bit for bit like the float32 storage of the same values across ranks: pipeline 1F1B, a
 zero-bubble schedule (its W stash holds what backward unpacked), tensor parallelism with sequence parallelism,
 and sharding stages 2 and 3 (whose all-gathers move the bits), on 2 ranks. Each rank's packed cache peak is
-below the float32 one and equals the planner's prediction; its compute copy takes half the bytes. A checkpoint
+below the float32 one and equals the planner's prediction; its compute copy takes half the bytes, and so do the
+pipeline's sends (bfloat16 bits), as the planner predicts. A checkpoint
 saved under one storage continues bit for bit under the other."""
 import numpy as np
 import pytest
@@ -40,8 +41,13 @@ def test_packed_equals_float32_storage(corpus, world, name):
     assert all(pa[n].dtype == pb[n].dtype == np.float32 and np.array_equal(pa[n], pb[n]) for n in pa), name
     assert eb.cache_peak < ea.cache_peak, name
     assert 2 * eb.memory()["param_bytes"] == ea.memory()["param_bytes"], name
-    pred = for_rank(eb.cfg, world.Get_size(), eb.mesh.coords)["memory"]
+    plan = for_rank(eb.cfg, world.Get_size(), eb.mesh.coords)
+    pred = plan["memory"]
     assert (eb.cache_peak, eb.memory()["param_bytes"]) == (pred["activations"], pred["params"]), name
+    if name.startswith("pp"):       # what crosses stages travels as bfloat16 bits: half the bytes, as planned
+        fa, fb = ea.mesh.comms["pp"].stats, eb.mesh.comms["pp"].stats
+        assert fb["send"][0] == fa["send"][0] and 2 * fb["send"][1] == fa["send"][1] and fb["recv"] == fb["send"]
+        assert fb["send"][1] == 2 * plan["traffic"]["pp"]["send"], name
 
 
 @pytest.mark.parametrize("name,save,load", [("sh2_stage3_llama", "packed", "float32"),
