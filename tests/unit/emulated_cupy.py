@@ -23,6 +23,10 @@ import sys
 import types
 import weakref
 
+from typing import NamedTuple
+
+import emulated_flash
+import emulated_fused
 import numpy as np
 
 from hpengine.device import bf16_bits, kernels
@@ -382,7 +386,13 @@ def check_launch(entry, sig, grid, block, args, shared_mem) -> None:
     assert 0 <= shared_mem <= SHARED_DEFAULT, f"{entry}: {shared_mem} bytes of dynamic shared memory"
 
 
-def _adamw(args):
+class Launch(NamedTuple):
+    grid: tuple
+    block: tuple
+    shared_mem: int
+
+
+def _adamw(args, launch):
     p, g, m, v, mask, *rest = args
     copy = rest.pop(0) if isinstance(rest[0], DevArray) else None
     coefs = kernels.AdamWCoefs(*(float(x) for x in rest[1:]))
@@ -390,13 +400,32 @@ def _adamw(args):
 
 
 def _copy(op):
-    def run(args):
+    def run(args, launch):
         buf, flat, offsets, _, sizes, _ = (_plain(a) for a in args)
         (kernels.pack_numpy if op == "pack" else kernels.unpack_numpy)(buf, flat, offsets, sizes)
     return run
 
 
-EMULATED = {"adamw_": _adamw, "pack_": _copy("pack"), "unpack_": _copy("unpack")}
+# entry prefix -> emulator(args, launch); the emulators of fused.cu, attention.cu and attention_mma.cu are keyed
+# by their full entry names
+PREFIXED = {"adamw_": _adamw, "pack_": _copy("pack"), "unpack_": _copy("unpack")}
+EMULATED = {**emulated_fused.EMULATED, **emulated_flash.EMULATED}
+
+
+def emulator(entry):
+    run = EMULATED.get(entry) or next((f for pre, f in PREFIXED.items() if entry.startswith(pre)), None)
+    if run is None:
+        raise NotImplementedError(f"the CuPy stand-in has no emulator for kernel entry {entry}")
+    return run
+
+
+def _overlap(entry, sig, args) -> None:
+    """Outputs do not overlap inputs (the .cu's launch assumptions; in-place entries have no const input
+    that is their output)."""
+    ins = [a for (_, ptr, const), a in zip(sig, args) if ptr and const]
+    for (_, ptr, const), a in zip(sig, args):
+        if ptr and not const:
+            assert not any(np.shares_memory(a, b) for b in ins), f"{entry}: an output overlaps an input"
 
 
 class _Kernel:
@@ -404,16 +433,12 @@ class _Kernel:
         self.mod, self.entry, self.sig = mod, entry, sig
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
-        check_launch(self.entry, self.sig, tuple(grid), tuple(block), tuple(args), shared_mem)
+        args = tuple(args)
+        check_launch(self.entry, self.sig, tuple(grid), tuple(block), args, shared_mem)
+        _overlap(self.entry, self.sig, args)
         self.mod.launches.append(self.entry)
         LAUNCHES[f"raw:{self.entry}"] += 1
-        run = next((f for pre, f in EMULATED.items() if self.entry.startswith(pre)), None)
-        if run is not None:
-            run(args)
-            return
-        for (_, ptr, const), a in zip(self.sig, args):
-            if ptr and not const:
-                a.view(np.ndarray)[...] = 0
+        emulator(self.entry)(args, Launch(tuple(grid), tuple(block), shared_mem))
 
 
 class _Module:

@@ -137,3 +137,16 @@ def test_cublas_outside_an_allocation_is_refused(device):
     with pytest.raises(AssertionError, match="no device allocation"):
         cublas.sgemmStridedBatched(7, 0, 0, 4, 4, 4, one.ctypes.data, one.ctypes.data, 4, 16, b.data.ptr, 4, 16,
                                    zero.ctypes.data, c.data.ptr, 4, 16, 1)
+
+
+FUSED_F64 = {"gpt_standard": [*KINDS["gpt"]], "gpt_flash": [*KINDS["gpt"], "model.attention=flash"],
+             "llama_flash": [*KINDS["llama"], "model.attention=flash"], "llama_moe": [*KINDS["llama"], *MOE]}
+
+
+@pytest.mark.parametrize("case", list(FUSED_F64))
+def test_float64_with_the_kernels_on_trains_like_numpy(small_corpus, device, case):
+    extra = [*FUSED_F64[case], "model.dtype=float64"]
+    want = train(small_corpus, "numpy", *extra)
+    got = train(small_corpus, "cupy", *extra)
+    print(sorted(set(device.launches)))
+    _same(got, want, 1e-10, 1e-12)
