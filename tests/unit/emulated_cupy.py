@@ -200,6 +200,20 @@ def _function(name, fn):
     return call
 
 
+def _poisoned(make):
+    """np.empty or np.empty_like whose floating-point result holds NaN (bfloat16 bits a NaN's): a kernel or
+    launcher that leaves part of an output unwritten shows up in the values, not only when the memory's old
+    contents happen to differ."""
+    def run(*args, **kw):
+        a = make(*args, **kw)
+        if a.dtype.kind == "f":
+            a.fill(np.nan)
+        elif a.dtype == np.uint16:
+            a.fill(0x7FC0)
+        return a
+    return run
+
+
 class _Stream:
     def __init__(self, non_blocking=False, null=False):
         self.ptr = 0 if null else id(self)
@@ -294,6 +308,7 @@ def make_module() -> types.ModuleType:
     mod.RawModule = lambda code=None, **kw: _Module(mod, code)
     mod.asnumpy = lambda a: np.array(_plain(a), copy=True)
     mod.get_array_module = lambda *a: mod
+    mod.empty, mod.empty_like = (_function(n, _poisoned(getattr(np, n))) for n in ("empty", "empty_like"))
     mod.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(
         as_strided=_function("as_strided", np.lib.stride_tricks.as_strided)))
 
