@@ -9,9 +9,13 @@ every ElementwiseKernel and every cuBLAS call, and the tests hold each against w
   device allocation each pointer falls in; an operand outside every allocation, or reaching past one, fails.
 - A RawKernel launch is checked against its entry's C signature, read from the .cu source with its macros
   expanded: pointers are device arrays of the C type, contiguous (or a 4-d view followed by its three element
-  strides), scalars NumPy scalars of the C type exactly; blocks of 1..1024 threads, grid in range, dynamic
-  shared memory within the 48 KiB a launch gets without opting in. AdamW and pack/unpack run their NumPy
-  twins; any other entry writes zeros into its non-const pointers (its values are not emulated).
+  strides; rope's input a 4-d view read through the four strides that end its list), outputs not overlapping
+  inputs, scalars NumPy scalars of the C type exactly; blocks of 1..1024 threads, grid in range, dynamic shared
+  memory within the 48 KiB a launch gets without opting in. Then it runs: AdamW and pack/unpack through their
+  NumPy twins, the fused.cu, attention.cu and attention_mma.cu entries through emulators of their C code
+  (emulated_fused.py, emulated_flash.py), which take the launch's arguments and grid as the kernel does; an
+  entry without an emulator is an error. `empty` and `empty_like` fill floating-point arrays with NaN, so
+  output a launch leaves unwritten shows.
 - The bf16 ElementwiseKernels run their NumPy twins (device/bf16_bits.py); any other body is refused.
 """
 from __future__ import annotations
@@ -386,7 +390,10 @@ def check_launch(entry, sig, grid, block, args, shared_mem) -> None:
             ok = a.dtype == want or (ctype == "unsigned short" and a.dtype == np.float16)
             assert ok, f"{entry} argument {k} ({ctype}*): dtype {a.dtype}"
             strided = a.ndim == 4 and [t for t, p, _ in sig[k + 1:k + 4]] == ["long long"] * 3
-            if strided:
+            if k == 0 and entry.startswith("rope_"):        # read through the four strides that end the list
+                assert a.ndim == 4 and tuple(args[-4:]) == tuple(s // a.itemsize for s in a.strides), \
+                    f"{entry} argument 0: a {a.shape} view not read through its element strides"
+            elif strided:
                 assert a.strides[-1] == a.itemsize and \
                     tuple(args[k + 1:k + 4]) == tuple(s // a.itemsize for s in a.strides[:3]), \
                     f"{entry} argument {k}: a {a.shape} view not followed by its element strides"
