@@ -14,7 +14,7 @@ import pytest
 
 from hpengine.device import kernels
 from hpengine.device.precision import round_bf16_
-from hpengine.nn import bf16_gemm, flash_cuda, fused
+from hpengine.nn import bf16_gemm, flash, flash_cuda, fused
 
 F64 = dict(rtol=1e-12, atol=1e-13)
 
@@ -327,3 +327,23 @@ def test_flash_launch_outside_the_kernel_contract_is_refused(device):
     args[-3] = np.int32(9)                               # T past the views' 8 rows
     with pytest.raises(AssertionError, match="outside"):
         fn(launch.grid, launch.block, tuple(args), shared_mem=launch.shared_mem)
+
+
+def test_flash_mma_over_several_key_tiles_follows_the_numpy_twin(device):
+    """T past one key tile: P is rounded after the running max of the tiles so far, as nn/flash.py's twin
+    does with its key blocks of 64 (grouped rows, key/value heads shared by two query heads)."""
+    B, H, K, T, hd = 1, 4, 2, 130, 16
+    q, k, v, dout = (a.astype(np.float32) for a in _inputs(B, H, K, T, hd))
+    q *= np.float32(1 / math.sqrt(hd))
+    dy = dout.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
+    with bf16_gemm.operands(True):
+        y, cache = flash.flash_gqa_forward(np, q, k, v)          # key blocks of flash.BK = 64, the kernel's BN
+        want = (y, cache[4], *flash.flash_gqa_backward(np, dy, cache))
+        yd, cache = flash.flash_gqa_forward(device, *(_dev(device, a) for a in (q, k, v)))
+        got = (yd, cache[4], *flash.flash_gqa_backward(device, _dev(device, dy), cache))
+    assert {f"flash_mma_{op}_f32_hd64" for op in ("fwd", "bwd_dq", "bwd_dkdv")} <= set(device.launches)
+    for name, g, w in zip(("y", "lse", "dq", "dk", "dv"), got, want):
+        g, big = _host(g), np.abs(w).max()
+        err = np.abs(g - w)
+        tight = np.quantile(err, 0.9)          # rounding P after the whole row's max moves 10% of y by 7e-5
+        assert err.max() <= big * 2 ** -7 and tight <= big * 1e-6, (name, err.max(), tight, big)
