@@ -26,7 +26,6 @@ import re
 import sys
 import types
 import weakref
-
 from typing import NamedTuple
 
 import emulated_flash

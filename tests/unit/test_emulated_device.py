@@ -1,10 +1,11 @@
 """The engine's CuPy code paths, run on the CPU through a NumPy stand-in for CuPy (emulated_cupy.py), against the
-NumPy backend: with the layers' fused kernels off (their values are not emulated), training on the stand-in
-device equals training on NumPy (float64 1e-10; bf16 amp over packed storage within float32 sums' order), so
-the strided cuBLAS calls, the bf16 GEMMs' arguments, the packed caches and the AdamW launch do on "CuPy" what
-NumPy does. With every kernel on, a step of each model kind, float32 and bf16 amp, standard and flash attention,
-makes only launches that fit their entries' C signatures and the launch limits, and no host array reaches a
-kernel or cuBLAS. It checks the Python side of the GPU path, not the kernels' arithmetic."""
+NumPy backend. With the layers' fused kernels off, training on the stand-in device equals training on NumPy
+(float64 1e-10; bf16 amp over packed storage within float32 sums' order), so the strided cuBLAS calls, the bf16
+GEMMs' arguments, the packed caches and the AdamW launch do on "CuPy" what NumPy does. With the fused and flash
+kernels on, as on a GPU, their emulated C code trains like NumPy too: float64 at 1e-10, float32 and bf16 amp on
+the tensor-core flash entries within float32 sums' order. With every kernel on, a step of each model kind,
+float32 and bf16 amp, standard and flash attention, makes only launches that fit their entries' C signatures and
+the launch limits, and no host array reaches a kernel or cuBLAS."""
 from __future__ import annotations
 
 import emulated_cupy

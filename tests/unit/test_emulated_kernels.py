@@ -16,7 +16,8 @@ from hpengine.device import kernels
 from hpengine.device.precision import round_bf16_
 from hpengine.nn import bf16_gemm, flash, flash_cuda, fused
 
-F64 = dict(rtol=1e-12, atol=1e-13)
+F64 = {"rtol": 1e-12, "atol": 1e-13}
+RNG = np.random.default_rng(7)
 
 
 @pytest.fixture(autouse=True)
@@ -229,7 +230,7 @@ def _attention(q, k, v, scale, dout, rnd=lambda x: x):
     dp = rnd(dout) @ rnd(v).swapaxes(-1, -2)
     ds = p * (dp - (dout * o).sum(-1, keepdims=True))   # D = rowsum(dO * O), FlashAttention-2's
     B, H = q.shape[:2]
-    fold = lambda a: a.reshape(B, H // g, g, T, -1).sum(2)       # noqa: E731
+    fold = lambda a: a.reshape(B, H // g, g, T, -1).sum(2)  # noqa: E731
     return (o, (m + np.log(l_))[..., 0], (rnd(ds) @ rnd(k)) * scale, fold(rnd(ds).swapaxes(-1, -2) @ qs),
             fold(rnd(p).swapaxes(-1, -2) @ rnd(dout)))
 
