@@ -40,6 +40,7 @@ def _families() -> dict:
     for m in re.finditer(r"^ENTRIES\((\w+), [\w ]+, (\w+), (\d+), (\d+), (\d+)\)", _SIMT, re.M):
         suf, a, rows, tpr, kt = m.group(1), _A[m.group(2)], *map(int, m.group(3, 4, 5))
         qk = (lambda hd, kt=kt, a=a: 2 * kt * hd * a.itemsize)
+        # no rounding of P: its key tiling changes only the order of the sums, so one tile of every key
         fams[suf] = ("flash_", Family(rows, rows * tpr, HD_MAX, a, 1 << 30, False, {
             "fwd": qk, "bwd_dq": qk, "bwd_dkdv": lambda hd, kt=kt, a=a: 2 * kt * (hd + 1) * a.itemsize}))
     for m in re.finditer(r"^MMA_ENTRIES\((\w+), [\w ]+, (\d+), (\d+), (\d+), (\d+)\)", _MMA, re.M):
