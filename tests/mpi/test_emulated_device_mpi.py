@@ -1,8 +1,8 @@
 """Ranks on the CuPy stand-in device (tests/unit/emulated_cupy.py), sharing it, with MPI through the pinned host
 staging of the GPU path (no CUDA-aware MPI): data parallel, sharding stage 3 (its per-block gathers) and a
-1F1B pipeline train as on NumPy, each against the one-process NumPy run (float64, 1e-10; fused kernels off, as
-their values are not emulated). This checks the staging and the device-side plumbing of the collectives, not a
-GPU or a CUDA-aware MPI."""
+1F1B pipeline train as on NumPy, each against the one-process NumPy run (float64, 1e-10), with the fused kernels
+on as on a GPU (the stand-in emulates their C code). This checks the staging and the device-side plumbing of the
+collectives, not a GPU or a CUDA-aware MPI."""
 import sys
 from pathlib import Path
 
@@ -10,7 +10,6 @@ import pytest
 from mpi4py import MPI
 
 from helpers import assert_same, assert_same_params, config, need, run
-from hpengine.nn import flash, fused
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 import emulated_cupy  # noqa: E402 - the stand-in lives beside the unit tests that check it
@@ -30,12 +29,11 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_ranks_on_the_stand_in_device_train_like_one_numpy_process(corpus, monkeypatch, layout):
     need(N == 2, "two ranks sharing the stand-in device")
-    monkeypatch.setattr(fused, "ENABLED", False)
-    monkeypatch.setattr(flash, "CUDA", False)
     shape = ["model.n_layers=4"] if layout == "pp_1f1b" else []
     want_l, want_p, _ = run(config(corpus, *shape, "runtime.backend=numpy"), MPI.COMM_SELF, steps=3)
-    emulated_cupy.install(monkeypatch)
+    device = emulated_cupy.install(monkeypatch)
     got_l, got_p, eng = run(config(corpus, *LAYOUTS[layout], *DEVICE), WORLD, steps=3)
+    assert {"layernorm_fwd_f64", "causal_softmax_f64", "softmax_bwd_f64"} <= set(device.launches)
     assert eng.be.name == "cupy" and eng.be.staging is not None and eng.be.staging.nbytes > 0   # MPI went via host
     assert_same(got_l, want_l)
     assert_same_params(got_p, want_p)

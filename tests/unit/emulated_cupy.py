@@ -9,9 +9,13 @@ every ElementwiseKernel and every cuBLAS call, and the tests hold each against w
   device allocation each pointer falls in; an operand outside every allocation, or reaching past one, fails.
 - A RawKernel launch is checked against its entry's C signature, read from the .cu source with its macros
   expanded: pointers are device arrays of the C type, contiguous (or a 4-d view followed by its three element
-  strides), scalars NumPy scalars of the C type exactly; blocks of 1..1024 threads, grid in range, dynamic
-  shared memory within the 48 KiB a launch gets without opting in. AdamW and pack/unpack run their NumPy
-  twins; any other entry writes zeros into its non-const pointers (its values are not emulated).
+  strides; rope's input a 4-d view read through the four strides that end its list), outputs not overlapping
+  inputs, scalars NumPy scalars of the C type exactly; blocks of 1..1024 threads, grid in range, dynamic shared
+  memory within the 48 KiB a launch gets without opting in. Then it runs: AdamW and pack/unpack through their
+  NumPy twins, the fused.cu, attention.cu and attention_mma.cu entries through emulators of their C code
+  (emulated_fused.py, emulated_flash.py), which take the launch's arguments and grid as the kernel does; an
+  entry without an emulator is an error. `empty` and `empty_like` fill floating-point arrays with NaN, so
+  output a launch leaves unwritten shows.
 - The bf16 ElementwiseKernels run their NumPy twins (device/bf16_bits.py); any other body is refused.
 """
 from __future__ import annotations
@@ -22,7 +26,10 @@ import re
 import sys
 import types
 import weakref
+from typing import NamedTuple
 
+import emulated_flash
+import emulated_fused
 import numpy as np
 
 from hpengine.device import bf16_bits, kernels
@@ -203,6 +210,20 @@ def _function(name, fn):
     return call
 
 
+def _poisoned(make):
+    """np.empty or np.empty_like whose floating-point result holds NaN (bfloat16 bits a NaN's): a kernel or
+    launcher that leaves part of an output unwritten shows up in the values, not only when the memory's old
+    contents happen to differ."""
+    def run(*args, **kw):
+        a = make(*args, **kw)
+        if a.dtype.kind == "f":
+            a.fill(np.nan)
+        elif a.dtype == np.uint16:
+            a.fill(0x7FC0)
+        return a
+    return run
+
+
 class _Stream:
     def __init__(self, non_blocking=False, null=False):
         self.ptr = 0 if null else id(self)
@@ -298,6 +319,7 @@ def make_module() -> types.ModuleType:
     mod.RawModule = lambda code=None, **kw: _Module(mod, code)
     mod.asnumpy = lambda a: np.array(_plain(a), copy=True)
     mod.get_array_module = lambda *a: mod
+    mod.empty, mod.empty_like = (_function(n, _poisoned(getattr(np, n))) for n in ("empty", "empty_like"))
     mod.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(
         as_strided=_function("as_strided", np.lib.stride_tricks.as_strided)))
 
@@ -375,7 +397,10 @@ def check_launch(entry, sig, grid, block, args, shared_mem) -> None:
             ok = a.dtype == want or (ctype == "unsigned short" and a.dtype == np.float16)
             assert ok, f"{entry} argument {k} ({ctype}*): dtype {a.dtype}"
             strided = a.ndim == 4 and [t for t, p, _ in sig[k + 1:k + 4]] == ["long long"] * 3
-            if strided:
+            if k == 0 and entry.startswith("rope_"):        # read through the four strides that end the list
+                assert a.ndim == 4 and tuple(args[-4:]) == tuple(s // a.itemsize for s in a.strides), \
+                    f"{entry} argument 0: a {a.shape} view not read through its element strides"
+            elif strided:
                 assert a.strides[-1] == a.itemsize and \
                     tuple(args[k + 1:k + 4]) == tuple(s // a.itemsize for s in a.strides[:3]), \
                     f"{entry} argument {k}: a {a.shape} view not followed by its element strides"
@@ -390,7 +415,13 @@ def check_launch(entry, sig, grid, block, args, shared_mem) -> None:
     assert 0 <= shared_mem <= SHARED_DEFAULT, f"{entry}: {shared_mem} bytes of dynamic shared memory"
 
 
-def _adamw(args):
+class Launch(NamedTuple):
+    grid: tuple
+    block: tuple
+    shared_mem: int
+
+
+def _adamw(args, launch):
     p, g, m, v, mask, *rest = args
     copy = rest.pop(0) if isinstance(rest[0], DevArray) else None
     coefs = kernels.AdamWCoefs(*(float(x) for x in rest[1:]))
@@ -398,13 +429,32 @@ def _adamw(args):
 
 
 def _copy(op):
-    def run(args):
+    def run(args, launch):
         buf, flat, offsets, _, sizes, _ = (_plain(a) for a in args)
         (kernels.pack_numpy if op == "pack" else kernels.unpack_numpy)(buf, flat, offsets, sizes)
     return run
 
 
-EMULATED = {"adamw_": _adamw, "pack_": _copy("pack"), "unpack_": _copy("unpack")}
+# entry prefix -> emulator(args, launch); the emulators of fused.cu, attention.cu and attention_mma.cu are keyed
+# by their full entry names
+PREFIXED = {"adamw_": _adamw, "pack_": _copy("pack"), "unpack_": _copy("unpack")}
+EMULATED = {**emulated_fused.EMULATED, **emulated_flash.EMULATED}
+
+
+def emulator(entry):
+    run = EMULATED.get(entry) or next((f for pre, f in PREFIXED.items() if entry.startswith(pre)), None)
+    if run is None:
+        raise NotImplementedError(f"the CuPy stand-in has no emulator for kernel entry {entry}")
+    return run
+
+
+def _overlap(entry, sig, args) -> None:
+    """Outputs do not overlap inputs (the .cu's launch assumptions; in-place entries have no const input
+    that is their output)."""
+    ins = [a for (_, ptr, const), a in zip(sig, args) if ptr and const]
+    for (_, ptr, const), a in zip(sig, args):
+        if ptr and not const:
+            assert not any(np.shares_memory(a, b) for b in ins), f"{entry}: an output overlaps an input"
 
 
 class _Kernel:
@@ -412,16 +462,12 @@ class _Kernel:
         self.mod, self.entry, self.sig = mod, entry, sig
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
-        check_launch(self.entry, self.sig, tuple(grid), tuple(block), tuple(args), shared_mem)
+        args = tuple(args)
+        check_launch(self.entry, self.sig, tuple(grid), tuple(block), args, shared_mem)
+        _overlap(self.entry, self.sig, args)
         self.mod.launches.append(self.entry)
         LAUNCHES[f"raw:{self.entry}"] += 1
-        run = next((f for pre, f in EMULATED.items() if self.entry.startswith(pre)), None)
-        if run is not None:
-            run(args)
-            return
-        for (_, ptr, const), a in zip(self.sig, args):
-            if ptr and not const:
-                a.view(np.ndarray)[...] = 0
+        emulator(self.entry)(args, Launch(tuple(grid), tuple(block), shared_mem))
 
 
 class _Module:

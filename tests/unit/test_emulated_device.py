@@ -1,10 +1,11 @@
 """The engine's CuPy code paths, run on the CPU through a NumPy stand-in for CuPy (emulated_cupy.py), against the
-NumPy backend: with the layers' fused kernels off (their values are not emulated), training on the stand-in
-device equals training on NumPy (float64 1e-10; bf16 amp over packed storage within float32 sums' order), so
-the strided cuBLAS calls, the bf16 GEMMs' arguments, the packed caches and the AdamW launch do on "CuPy" what
-NumPy does. With every kernel on, a step of each model kind, float32 and bf16 amp, standard and flash attention,
-makes only launches that fit their entries' C signatures and the launch limits, and no host array reaches a
-kernel or cuBLAS. It checks the Python side of the GPU path, not the kernels' arithmetic."""
+NumPy backend. With the layers' fused kernels off, training on the stand-in device equals training on NumPy
+(float64 1e-10; bf16 amp over packed storage within float32 sums' order), so the strided cuBLAS calls, the bf16
+GEMMs' arguments, the packed caches and the AdamW launch do on "CuPy" what NumPy does. With the fused and flash
+kernels on, as on a GPU, their emulated C code trains like NumPy too: float64 at 1e-10, float32 and bf16 amp on
+the tensor-core flash entries within float32 sums' order. With every kernel on, a step of each model kind,
+float32 and bf16 amp, standard and flash attention, makes only launches that fit their entries' C signatures and
+the launch limits, and no host array reaches a kernel or cuBLAS."""
 from __future__ import annotations
 
 import re
@@ -198,3 +199,56 @@ def test_the_launch_count_script_runs(capsys, monkeypatch):
     total = int(re.search(r"launches per step: (\d+) \((.*)\)", out).group(1))
     parts = re.search(r"launches per step: \d+ \((.*)\)", out).group(1)
     assert total > 0 and total == sum(int(p.split()[1]) for p in parts.split(", "))
+
+
+# the real GPU path (fused kernels and flash kernels on) against NumPy, and the entries it must launch
+POINTS = {"gpt": {"gelu_fwd", "gelu_bwd", "layernorm_fwd", "layernorm_bwd", "colsum_part", "colsum_prod_part",
+                  "colsum_finish", "xent_fwd", "xent_bwd"},
+          "llama": {"rmsnorm_fwd", "rmsnorm_bwd", "rope_fwd", "rope_bwd", "swiglu_fwd", "swiglu_bwd",
+                    "colsum_prod_part", "colsum_finish", "xent_fwd", "xent_bwd"}}
+STANDARD = {"gpt": {"causal_softmax", "softmax_bwd"}, "llama": {"causal_softmax", "grouped_softmax_bwd"}}
+FLASH = {"flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv"}
+
+
+def _entries(names, suffix):
+    return {f"{n}_{suffix}" for n in names}
+
+
+FUSED_F64 = {"gpt_standard": ([*KINDS["gpt"]], POINTS["gpt"] | STANDARD["gpt"]),
+             "gpt_flash": ([*KINDS["gpt"], "model.attention=flash"], POINTS["gpt"] | FLASH),
+             "llama_flash": ([*KINDS["llama"], "model.attention=flash"], POINTS["llama"] | FLASH),
+             "llama_moe": ([*KINDS["llama"], *MOE], POINTS["llama"] | STANDARD["llama"])}
+
+
+@pytest.mark.parametrize("case", list(FUSED_F64))
+def test_float64_with_the_kernels_on_trains_like_numpy(small_corpus, device, case):
+    extra, must = FUSED_F64[case]
+    want = train(small_corpus, "numpy", *extra, "model.dtype=float64")
+    got = train(small_corpus, "cupy", *extra, "model.dtype=float64")
+    _same(got, want, 1e-10, 1e-12)
+    assert _entries(must, "f64") | {"adamw_f64"} <= set(device.launches), sorted(set(device.launches))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("attention", ["standard", "flash"])
+def test_float32_with_the_kernels_on_trains_like_numpy(small_corpus, device, kind, attention):
+    extra = [*KINDS[kind], "model.dtype=float32", f"model.attention={attention}"]
+    want = train(small_corpus, "numpy", *extra)
+    got = train(small_corpus, "cupy", *extra)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    # Adam divides each update by the gradient's size: a weight with a tiny gradient moves by lr whatever
+    # the last bits of that gradient, so the weights get an absolute tolerance well below lr = 3e-3
+    _same(got, want, 1e-4, 2e-5)
+    must = POINTS[kind] | (FLASH if attention == "flash" else STANDARD[kind])
+    assert _entries(must, "f32") <= set(device.launches), sorted(set(device.launches))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_bf16_flash_with_the_kernels_on_trains_like_numpy(small_corpus, device, kind):
+    extra = [*KINDS[kind], *BF16, "model.attention=flash"]
+    want = train(small_corpus, "numpy", *extra)
+    got = train(small_corpus, "cupy", *extra)
+    _same(got, want, 2e-3, 2e-3)
+    must = {f"flash_mma_{op}_f32_hd64" for op in ("fwd", "bwd_dq", "bwd_dkdv")} | _entries(POINTS[kind], "f32")
+    assert must <= set(device.launches), sorted(set(device.launches))
+    assert not FLASH & {e.rsplit("_", 1)[0] for e in device.launches}

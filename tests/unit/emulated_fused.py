@@ -1,0 +1,263 @@
+"""NumPy emulators of the entries of hpengine/_kernels/fused.cu, for the CuPy stand-in (emulated_cupy.py). Each
+takes a launch as the kernel does (its device pointers and scalars, and the launch where the work split depends
+on it), computes what the C code computes in the entry's type, and writes the kernel's outputs only; a read or
+write past an array, or a launch outside the .cu's launch assumptions, fails an assertion naming the entry."""
+from __future__ import annotations
+
+import functools
+import re
+
+import numpy as np
+
+from hpengine.device import kernels
+
+_SRC = kernels.source_path("fused").read_text()
+GELU_K, GELU_A = (float(re.search(rf"^#define {n} (\S+)$", _SRC, re.M).group(1)) for n in ("GELU_K", "GELU_A"))
+
+
+def mem(a, n, what: str) -> np.ndarray:
+    """The first n elements of the contiguous device array a, as a writable flat view."""
+    n = int(n)
+    assert 0 <= n <= a.size, f"{what}: {n} elements of an array of {a.size}"
+    return a.view(np.ndarray).reshape(-1)[:n]
+
+
+def inside(a, idx, what: str) -> None:
+    """Flat indices idx fall in the device array a."""
+    assert idx.size == 0 or (idx.min() >= 0 and idx.max() < a.size), \
+        f"{what}: elements {idx.min()} .. {idx.max()} of an array of {a.size}"
+
+
+def at(a, idx, what: str) -> np.ndarray:
+    """The contiguous device array a's elements at flat indices idx (a copy)."""
+    inside(a, idx, what)
+    return a.view(np.ndarray).reshape(-1)[idx]
+
+
+def _table(a, n_rows, n_cols, what):
+    return mem(a, int(n_rows) * int(n_cols), what).reshape(int(n_rows), int(n_cols))
+
+
+def _row_block(entry, launch):
+    # block_reduce shuffles over full warps and keeps MAX_WARPS partial values
+    x = launch.block[0]
+    assert x % 32 == 0 and x <= 1024 and tuple(launch.block[1:]) in ((), (1,), (1, 1)), f"{entry}: block {launch.block}"
+
+
+# ---------------------------------------------------------------- point-wise
+
+def gelu_fwd(entry, args, launch):
+    x, y, s, n = args
+    t = x.dtype.type
+    xi = mem(x, n, entry)
+    u = xi * xi
+    u *= t(-2.0 * GELU_A * GELU_K)
+    u -= t(2.0 * GELU_K)
+    u *= xi
+    si = t(1) / (np.exp(u) + t(1))
+    mem(s, n, entry)[...] = si
+    mem(y, n, entry)[...] = xi * si
+
+
+def gelu_bwd(entry, args, launch):
+    x, s, dy, dx, n = args
+    t = x.dtype.type
+    xi, si = mem(x, n, entry), mem(s, n, entry)
+    d = xi * xi
+    d *= t(6.0 * GELU_A * GELU_K)
+    d += t(2.0 * GELU_K)
+    d *= xi
+    d *= t(1) - si
+    d += t(1)
+    d *= si
+    mem(dx, n, entry)[...] = d * mem(dy, n, entry)
+
+
+def softmax_bwd(entry, args, launch):
+    ds, p, rs, n, n_cols, n_q, q0, rs_len = (int(a) if isinstance(a, np.integer) else a for a in args)
+    assert 0 <= q0 and q0 + n_q <= rs_len, f"{entry}: queries {q0} .. {q0 + n_q - 1} of rows of {rs_len}"
+    r = np.arange(n) // n_cols
+    d = mem(ds, n, entry)
+    d[...] = (d - at(rs, (r // n_q) * rs_len + q0 + r % n_q, entry)) * mem(p, n, entry)
+
+
+def grouped_softmax_bwd(entry, args, launch):
+    ds, p, rs, n, n_cols = args
+    n, n_cols = int(n), int(n_cols)
+    d = mem(ds, n, entry)
+    d[...] = (d - at(rs, np.arange(n) // n_cols, entry)) * mem(p, n, entry)
+
+
+def rope(entry, args, launch):
+    x, cs, sn, y, n, n_t, n_h, n_k, *strides = args
+    n, n_t, n_h, n_k = int(n), int(n_t), int(n_h), int(n_k)
+    fwd = entry.startswith("rope_fwd")
+    assert x.ndim == 4 and tuple(strides) == tuple(st // x.itemsize for st in x.strides), \
+        f"{entry}: input strides {strides} are not those of its {x.shape} view {x.strides}"
+    i = np.arange(n)
+    r, k = i // n_k, i % n_k
+    q = r // n_t if fwd else r // n_h
+    t = r % n_t if fwd else q % n_t
+    h = q % n_h if fwd else r % n_h
+    b = q // n_h if fwd else q // n_t
+    ax1, ax2 = (t, h) if fwd else (h, t)
+    if n:
+        assert (b.max() < x.shape[0] and ax1.max() < x.shape[1] and ax2.max() < x.shape[2]
+                and 2 * n_k <= x.shape[3]), f"{entry}: pairs of {n} reach past the {x.shape} input"
+    xv = x.view(np.ndarray)
+    x1, x2 = xv[b, ax1, ax2, k], xv[b, ax1, ax2, k + n_k]
+    c, s = at(cs, t * n_k + k, entry), at(sn, t * n_k + k, entry)
+    lo = r * 2 * n_k + k
+    inside(y, lo + n_k, entry)
+    out = mem(y, y.size, entry)
+    out[lo] = x1 * c - x2 * s if fwd else x1 * c + x2 * s
+    out[lo + n_k] = x2 * c + x1 * s if fwd else x2 * c - x1 * s
+
+
+def swiglu_fwd(entry, args, launch):
+    g, u, a, s, n = args
+    t = g.dtype.type
+    gi = mem(g, n, entry)
+    si = t(1) / (np.exp(-gi) + t(1))
+    mem(s, n, entry)[...] = si
+    mem(a, n, entry)[...] = gi * si * mem(u, n, entry)
+
+
+def swiglu_bwd(entry, args, launch):
+    g, u, s, da, dg, du, n = args
+    t = g.dtype.type
+    gi, si, dai = mem(g, n, entry), mem(s, n, entry), mem(da, n, entry)
+    mem(du, n, entry)[...] = gi * si * dai
+    d = t(1) - si
+    d *= gi
+    d += t(1)
+    d *= si
+    d *= mem(u, n, entry)
+    mem(dg, n, entry)[...] = d * dai
+
+
+def _targets(entry, target, n_rows, n_cols):
+    tg = mem(target, n_rows, entry)
+    assert n_rows == 0 or (tg.min() >= 0 and tg.max() < n_cols), f"{entry}: a target outside 0 .. {n_cols - 1}"
+    return tg
+
+
+def xent_bwd(entry, args, launch):
+    p, target, d, n, n_cols, scale = args
+    n, n_cols = int(n), int(n_cols)
+    i = np.arange(n)
+    r, j = i // n_cols, i % n_cols
+    tg = _targets(entry, target, -(-n // n_cols), n_cols)
+    mem(d, n, entry)[...] = mem(p, n, entry) * scale - np.where(j == tg[r], scale, p.dtype.type(0))
+
+
+# ---------------------------------------------------------------- one block per row
+
+def causal_softmax(entry, args, launch):
+    p, n_rows, n_cols, n_q, q0 = (int(a) if isinstance(a, np.integer) else a for a in args)
+    _row_block(entry, launch)
+    rows = _table(p, n_rows, n_cols, entry)
+    seen = q0 + np.arange(n_rows) % n_q + 1
+    assert n_rows == 0 or (seen.min() >= 1 and seen.max() <= n_cols), \
+        f"{entry}: rows see {seen.min()} .. {seen.max()} keys of rows of {n_cols}"
+    mask = np.arange(n_cols) < seen[:, None]
+    z = np.where(mask, rows, -np.inf).astype(p.dtype)
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    inv = p.dtype.type(1) / e.sum(axis=1, keepdims=True)
+    rows[...] = np.where(mask, e * inv, p.dtype.type(0))
+
+
+def layernorm_fwd(entry, args, launch):
+    x, w, b, y, xhat, rstd, n_rows, n_cols, eps = args
+    _row_block(entry, launch)
+    n_rows, n_cols = int(n_rows), int(n_cols)
+    xr = _table(x, n_rows, n_cols, entry)
+    mean = xr.sum(axis=1, keepdims=True) / x.dtype.type(n_cols)
+    d = xr - mean
+    rs = x.dtype.type(1) / np.sqrt((d * d).sum(axis=1, keepdims=True) / x.dtype.type(n_cols) + eps)
+    h = d * rs
+    _table(xhat, n_rows, n_cols, entry)[...] = h
+    _table(y, n_rows, n_cols, entry)[...] = h * mem(w, n_cols, entry) + mem(b, n_cols, entry)
+    mem(rstd, n_rows, entry)[...] = rs[:, 0]
+
+
+def layernorm_bwd(entry, args, launch):
+    dy, xhat, rstd, w, dx, n_rows, n_cols = args
+    _row_block(entry, launch)
+    n_rows, n_cols = int(n_rows), int(n_cols)
+    dr, hr, wv = _table(dy, n_rows, n_cols, entry), _table(xhat, n_rows, n_cols, entry), mem(w, n_cols, entry)
+    rs = mem(rstd, n_rows, entry)[:, None]
+    g = dr * wv
+    n = dy.dtype.type(n_cols)
+    mg = g.sum(axis=1, keepdims=True) / n * rs
+    mgx = (g * hr).sum(axis=1, keepdims=True) / n * rs
+    _table(dx, n_rows, n_cols, entry)[...] = dr * wv * rs - mg - hr * mgx
+
+
+def rmsnorm_fwd(entry, args, launch):
+    x, w, y, xhat, rstd, n_rows, n_cols, eps = args
+    _row_block(entry, launch)
+    n_rows, n_cols = int(n_rows), int(n_cols)
+    t = x.dtype.type
+    xr = _table(x, n_rows, n_cols, entry)
+    rs = t(1) / np.sqrt((xr * xr).sum(axis=1, keepdims=True) * t(1.0 / n_cols) + eps)
+    h = xr * rs
+    _table(xhat, n_rows, n_cols, entry)[...] = h
+    _table(y, n_rows, n_cols, entry)[...] = h * mem(w, n_cols, entry)
+    mem(rstd, n_rows, entry)[...] = rs[:, 0]
+
+
+def rmsnorm_bwd(entry, args, launch):
+    dy, xhat, rstd, w, dx, n_rows, n_cols = args
+    _row_block(entry, launch)
+    n_rows, n_cols = int(n_rows), int(n_cols)
+    dr, hr, wv = _table(dy, n_rows, n_cols, entry), _table(xhat, n_rows, n_cols, entry), mem(w, n_cols, entry)
+    m = (dr * wv * hr).sum(axis=1, keepdims=True) * dy.dtype.type(1.0 / n_cols)
+    _table(dx, n_rows, n_cols, entry)[...] = (dr * wv - hr * m) * mem(rstd, n_rows, entry)[:, None]
+
+
+def xent_fwd(entry, args, launch):
+    z, target, p, nll, n_rows, n_cols = args
+    _row_block(entry, launch)
+    n_rows, n_cols = int(n_rows), int(n_cols)
+    zr = _table(z, n_rows, n_cols, entry)
+    tg = _targets(entry, target, n_rows, n_cols)
+    m = zr.max(axis=1, keepdims=True)
+    e = np.exp(zr - m)
+    s = e.sum(axis=1, keepdims=True)
+    _table(p, n_rows, n_cols, entry)[...] = e * (z.dtype.type(1) / s)
+    mem(nll, n_rows, entry)[...] = (np.log(s) - (zr[np.arange(n_rows), tg][:, None] - m))[:, 0]
+
+
+# ---------------------------------------------------------------- column sums
+
+def colsum_part(entry, args, launch):
+    """part[chunk] = the column sums of the chunk's rows: gridDim.y chunks of ceil(n_rows / gridDim.y) rows,
+    columns below gridDim.x * 32."""
+    a, b, part, n_rows, n_cols = args if len(args) == 5 else (args[0], None, *args[1:])
+    n_rows, n_cols = int(n_rows), int(n_cols)
+    assert tuple(launch.block) in ((32, 8), (32, 8, 1)), f"{entry}: block {launch.block}, not (32, 8)"
+    gx, gy = (tuple(launch.grid) + (1,))[:2]
+    vals = _table(a, n_rows, n_cols, entry)
+    if b is not None:
+        vals = vals * _table(b, n_rows, n_cols, entry)
+    cols = min(n_cols, 32 * gx)
+    per = -(-n_rows // gy)
+    out = _table(part, gy, n_cols, entry)
+    for y in range(gy):
+        out[y, :cols] = vals[y * per:min(y * per + per, n_rows), :cols].sum(axis=0)
+
+
+def colsum_finish(entry, args, launch):
+    part, out, n_parts, n_cols, accumulate = (int(a) if isinstance(a, np.integer) else a for a in args)
+    s = _table(part, n_parts, n_cols, entry).sum(axis=0)
+    o = mem(out, n_cols, entry)
+    o[...] = o + s if accumulate else s
+
+
+_OPS = {"gelu_fwd": gelu_fwd, "gelu_bwd": gelu_bwd, "causal_softmax": causal_softmax, "softmax_bwd": softmax_bwd,
+        "layernorm_fwd": layernorm_fwd, "layernorm_bwd": layernorm_bwd, "grouped_softmax_bwd": grouped_softmax_bwd,
+        "rmsnorm_fwd": rmsnorm_fwd, "rmsnorm_bwd": rmsnorm_bwd, "rope_fwd": rope, "rope_bwd": rope,
+        "swiglu_fwd": swiglu_fwd, "swiglu_bwd": swiglu_bwd, "xent_fwd": xent_fwd, "xent_bwd": xent_bwd,
+        "colsum_part": colsum_part, "colsum_prod_part": colsum_part, "colsum_finish": colsum_finish}
+EMULATED = {f"{op}_{s}": functools.partial(fn, f"{op}_{s}") for op, fn in _OPS.items() for s in ("f32", "f64")}
