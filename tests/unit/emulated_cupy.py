@@ -24,6 +24,7 @@ import collections
 import ctypes
 import re
 import sys
+import time
 import types
 import weakref
 from typing import NamedTuple
@@ -50,6 +51,11 @@ class Ptr:
 
     def __init__(self, ptr: int):
         self.ptr = ptr
+
+    def copy_from_device_async(self, src, nbytes: int, stream=None):
+        """cudaMemcpyAsync device to device, as CuPy's MemoryPointer has it."""
+        LAUNCHES["memcpy"] += 1
+        ctypes.memmove(self.ptr, src.ptr, nbytes)
 
 
 def _plain(x):
@@ -240,10 +246,10 @@ class _Stream:
 
 class _Event:
     def __init__(self, block=False, disable_timing=False, interprocess=False):
-        self.done = True
+        self.done, self.at = True, time.perf_counter()
 
     def record(self, stream=None):
-        pass
+        self.at = time.perf_counter()           # work is done when launched: the host clock is the device's
 
     def synchronize(self):
         pass
@@ -307,6 +313,7 @@ def make_module() -> types.ModuleType:
     null = _Stream(null=True)
     mod.cuda = Cuda(
         Device=_Device, Stream=_Stream, Event=_Event, get_current_stream=lambda: null,
+        get_elapsed_time=lambda e0, e1: (e1.at - e0.at) * 1e3,
         alloc_pinned_memory=lambda n: bytearray(n),
         device=types.SimpleNamespace(get_cublas_handle=lambda: 7),
         runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, memGetInfo=lambda: (64 << 30, 80 << 30),
@@ -320,6 +327,11 @@ def make_module() -> types.ModuleType:
     mod.asnumpy = lambda a: np.array(_plain(a), copy=True)
     mod.get_array_module = lambda *a: mod
     mod.empty, mod.empty_like = (_function(n, _poisoned(getattr(np, n))) for n in ("empty", "empty_like"))
+    rng = np.random.default_rng(0)
+    mod.random = types.SimpleNamespace(           # CuPy's take a dtype, as NumPy's Generator does
+        standard_normal=_function("standard_normal", lambda size=None, dtype=np.float64:
+                                  rng.standard_normal(size, dtype=dtype)),
+        random=_function("random", lambda size=None, dtype=np.float64: rng.random(size, dtype=dtype)))
     mod.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(
         as_strided=_function("as_strided", np.lib.stride_tricks.as_strided)))
 
