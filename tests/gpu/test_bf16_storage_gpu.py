@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not backend.cupy_usable(), reason="needs CuPy an
 def test_pack_and_unpack_equal_the_numpy_twin():
     cp = backend.cupy_module()
     rng = np.random.default_rng(0)
-    x = rng.integers(0, 2**32, size=(64, 3 * 96), dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = rng.integers(0, 2**32, size=(64, 3 * 96), dtype=np.uint64).astype(np.uint32).view(np.float32).copy()
     cache = lambda a: (a[:, :96], a[:, 96:192], a[:, 192:].T, a.reshape(-1))        # noqa: E731
     want = pack_cache(np, cache(x), set())
     got = pack_cache(cp, cache(cp.asarray(x)), set())

@@ -243,6 +243,12 @@ class _Stream:
     def use(self):
         return self
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
 
 class _Event:
     def __init__(self, block=False, disable_timing=False, interprocess=False):
@@ -549,9 +555,11 @@ def make_cublas(mod) -> types.SimpleNamespace:
                   A, lda, sa, B, ldb, sb, C, ldc, sc, batch, (isz,) * 3, lambda x: x)
         return run
 
+    modes = {}           # handle -> math mode (kept, not applied: the products stay float32)
     return types.SimpleNamespace(gemmStridedBatchedEx=ex, sgemmStridedBatched=typed("sgemmStridedBatched", f32, 4),
                                  dgemmStridedBatched=typed("dgemmStridedBatched", f64, 8),
-                                 setMathMode=lambda handle, mode: None)
+                                 setMathMode=lambda handle, mode: modes.__setitem__(handle, mode),
+                                 getMathMode=lambda handle: modes.get(handle, 0))
 
 
 def install(monkeypatch) -> types.ModuleType:

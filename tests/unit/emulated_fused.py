@@ -54,7 +54,8 @@ def gelu_fwd(entry, args, launch):
     u *= t(-2.0 * GELU_A * GELU_K)
     u -= t(2.0 * GELU_K)
     u *= xi
-    si = t(1) / (np.exp(u) + t(1))
+    with np.errstate(over="ignore"):          # exp overflows to inf for large negative x: s = 0, as on the device
+        si = t(1) / (np.exp(u) + t(1))
     mem(s, n, entry)[...] = si
     mem(y, n, entry)[...] = xi * si
 
