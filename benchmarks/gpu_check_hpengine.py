@@ -184,11 +184,7 @@ def worker_losses(a) -> dict | None:
             except ConfigError as e:                     # the same refusal on every rank: a row, not a crash
                 out["variants"][v] = {"not_available": f"config: {e}"}
                 continue
-            info = world.gather((bool(eng.be.cuda_aware), int(eng.be.staging.nbytes if eng.be.staging is not None
-                                                               else 0), eng.be.device), root=0)
-            got = {"backend": eng.be.name, "cuda_aware": [i[0] for i in info or []],
-                   "staged_bytes": [i[1] for i in info or []], "devices": [i[2] for i in info or []],
-                   "degrees": dict(eng.mesh.degrees)}
+            got = {"backend": eng.be.name, "degrees": dict(eng.mesh.degrees)}
             if v in TRANSPORTS:
                 sync, _ = device_of(eng.be)
                 r = timed_steps(eng, a, sync)
@@ -205,6 +201,11 @@ def worker_losses(a) -> dict | None:
                     losses.append(float(m["loss"]))
                     norms.append(float(m["grad_norm"]))
                 got.update(losses=losses, grad_norms=norms)
+            # how the ranks reached MPI, once they have trained (the pinned staging grows with the first transfers)
+            info = world.gather((bool(eng.be.cuda_aware), int(eng.be.staging.nbytes if eng.be.staging is not None
+                                                               else 0), eng.be.device), root=0)
+            got.update(cuda_aware=[i[0] for i in info or []], staged_bytes=[i[1] for i in info or []],
+                       devices=[i[2] for i in info or []])
             warned = world.gather(caught.lines, root=0)
             if warned and any(warned):
                 got["warnings"] = sorted({w for ws in warned for w in ws})

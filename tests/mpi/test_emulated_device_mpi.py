@@ -38,3 +38,27 @@ def test_ranks_on_the_stand_in_device_train_like_one_numpy_process(corpus, monke
     assert_same(got_l, want_l)
     assert_same_params(got_p, want_p)
     eng.mesh.free()
+
+
+def test_the_gpu_checks_two_rank_worker_on_the_stand_in(corpus, monkeypatch, tmp_path):
+    """benchmarks/gpu_check's dp2 worker in GPU mode (smoke sizes) on the stand-in: every 2-rank variant reports,
+    data parallel and sharding agree, the ranks reached MPI through host staging, and the NCCL variant falls back
+    with the one-line reason (two ranks share the device)."""
+    need(N == 2, "the worker is written for 2 ranks")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import gpu_check_hpengine as gh
+    import gpu_check_options as opts
+    mod = emulated_cupy.install(monkeypatch)
+    monkeypatch.setitem(sys.modules, "cupy", mod)
+    monkeypatch.setattr(opts, "MODELS", opts.SMOKE_MODELS)
+    a = opts.parse(["--steps", "1", "--warmup-steps", "1", "--warmup-s", "0", "--dp2-steps", "2"])
+    a.data, a.result = str(corpus), None
+    a.variants = "dp,sharding,mpi,nccl"           # "single" is the orchestrator's 1-rank run (mpiexec -n 1)
+    out = WORLD.bcast(gh.worker_losses(a), root=0)
+    v = out["variants"]
+    assert set(v) == set(a.variants.split(",")) and not any("error" in r for r in v.values()), v
+    for name in ("dp", "sharding"):
+        assert v[name]["backend"] == "cupy" and all(b > 0 for b in v[name]["staged_bytes"]), v[name]
+    assert max(abs(x - y) / abs(y) for x, y in zip(v["dp"]["losses"], v["sharding"]["losses"])) < 1e-5
+    assert v["mpi"]["tokens_per_s"] > 0
+    assert v["nccl"]["tokens_per_s"] > 0 and any("NCCL" in w or "nccl" in w for w in v["nccl"].get("warnings", []))
