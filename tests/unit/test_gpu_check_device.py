@@ -64,3 +64,15 @@ def test_the_attention_worker_on_the_device(device):
     for name in ("o", "dq", "dk", "dv"):        # three kernel families on the same bf16 inputs agree
         norms = [checks[v][name]["norm"] for v in ("bf16", "bits", "float32")]
         assert all(np.isfinite(norms)) and max(norms) - min(norms) <= 2e-2 * max(norms), (name, norms)
+
+
+def test_the_gpu_calibration_on_the_device(device, monkeypatch):
+    from hpengine.planner import calibrate_gpu as cg
+    monkeypatch.setattr(cg, "GEMM_SHAPES", ((32, 32, 32), (64, 64, 64), (128, 128, 128), (96, 64, 192)))
+    monkeypatch.setattr(cg, "COPY_ELEMENTS", (1 << 12, 1 << 14, 1 << 16))
+    monkeypatch.setattr(cg, "LAUNCH_CALLS", (20, 200))
+    monkeypatch.setattr(cg, "_gemm_s", lambda cp, dev, m, k, n, dtype: cg._events(
+        cp, dev, lambda: cp.matmul(cp.ones((min(m, 128), min(k, 128)), dtype=dtype),
+                                   cp.ones((min(k, 128), min(n, 128)), dtype=dtype)), 1))
+    out = cg.calibrate_gpu()
+    assert "[cluster]" in out and "launch_us" in out and "mem_bw_gbs" in out, out
