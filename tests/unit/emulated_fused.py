@@ -182,17 +182,23 @@ def layernorm_fwd(entry, args, launch):
     mem(rstd, n_rows, entry)[...] = rs[:, 0]
 
 
-def layernorm_bwd(entry, args, launch):
+def _norm_bwd(entry, args, launch):
+    """The common arguments of layernorm_bwd and rmsnorm_bwd: (dy, xhat, w, rstd (rows, 1), dx) as row tables, and
+    n_cols."""
     dy, xhat, rstd, w, dx, n_rows, n_cols = args
     _row_block(entry, launch)
     n_rows, n_cols = int(n_rows), int(n_cols)
-    dr, hr, wv = _table(dy, n_rows, n_cols, entry), _table(xhat, n_rows, n_cols, entry), mem(w, n_cols, entry)
-    rs = mem(rstd, n_rows, entry)[:, None]
+    rows = (_table(a, n_rows, n_cols, entry) for a in (dy, xhat))
+    return (*rows, mem(w, n_cols, entry), mem(rstd, n_rows, entry)[:, None], _table(dx, n_rows, n_cols, entry), n_cols)
+
+
+def layernorm_bwd(entry, args, launch):
+    dr, hr, wv, rs, dx, n_cols = _norm_bwd(entry, args, launch)
     g = dr * wv
-    n = dy.dtype.type(n_cols)
+    n = dr.dtype.type(n_cols)
     mg = g.sum(axis=1, keepdims=True) / n * rs
     mgx = (g * hr).sum(axis=1, keepdims=True) / n * rs
-    _table(dx, n_rows, n_cols, entry)[...] = dr * wv * rs - mg - hr * mgx
+    dx[...] = dr * wv * rs - mg - hr * mgx
 
 
 def rmsnorm_fwd(entry, args, launch):
@@ -209,12 +215,9 @@ def rmsnorm_fwd(entry, args, launch):
 
 
 def rmsnorm_bwd(entry, args, launch):
-    dy, xhat, rstd, w, dx, n_rows, n_cols = args
-    _row_block(entry, launch)
-    n_rows, n_cols = int(n_rows), int(n_cols)
-    dr, hr, wv = _table(dy, n_rows, n_cols, entry), _table(xhat, n_rows, n_cols, entry), mem(w, n_cols, entry)
-    m = (dr * wv * hr).sum(axis=1, keepdims=True) * dy.dtype.type(1.0 / n_cols)
-    _table(dx, n_rows, n_cols, entry)[...] = (dr * wv - hr * m) * mem(rstd, n_rows, entry)[:, None]
+    dr, hr, wv, rs, dx, n_cols = _norm_bwd(entry, args, launch)
+    m = (dr * wv * hr).sum(axis=1, keepdims=True) * dr.dtype.type(1.0 / n_cols)
+    dx[...] = (dr * wv - hr * m) * rs
 
 
 def xent_fwd(entry, args, launch):
