@@ -145,7 +145,7 @@ def buffers(mcfg, st: Stage, lay: Resolved, own: int, packed: bool = False) -> i
     g = held_grad_bytes(mcfg, lay, packed)
     big = max(st.block(b) for b in st.names)
     out = (MAX_INFLIGHT + 1) * big * g if lay.zstage >= 2 else 0
-    if packed and lay.bf16_grads and lay.replicas > 1:
+    if packed and lay.bf16_grads and lay.replicas * lay.cp > 1:
         wire = big if lay.sh > 1 else min(sum(st.block(b) for b in st.names), big + int(lay.bucket_mb * 2**20) // 4)
         out += (MAX_INFLIGHT + 1) * wire * 4
     if packed and lay.bf16_grads:
