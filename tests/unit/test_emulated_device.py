@@ -198,3 +198,18 @@ def test_the_launch_count_script_runs(capsys, monkeypatch):
     total = int(re.search(r"launches per step: (\d+) \((.*)\)", out).group(1))
     parts = re.search(r"launches per step: \d+ \((.*)\)", out).group(1)
     assert total > 0 and total == sum(int(p.split()[1]) for p in parts.split(", "))
+
+
+def test_bf16_packed_gradients_on_the_stand_in_device(small_corpus, device, unfused):
+    """amp.grad_dtype = "bfloat16" over packed storage (a tied head and two passes a step: scratches opened
+    across blocks and accumulated into the bits): the gradients at rest are device bits in half the bytes, and
+    training follows NumPy's packed run within float32 sums' order."""
+    extra = [*KINDS["gpt"], *BF16, "strategy.amp.grad_dtype=bfloat16", "model.tie_head=true",
+             "strategy.gradient_merge.enable=true", "strategy.gradient_merge.k_steps=2"]
+    want = train(small_corpus, "numpy", *extra)
+    eng = build(load_config(None, [*TINY, f"data.path={small_corpus}", "runtime.backend=cupy", *extra]), MPI.COMM_SELF)
+    got = np.array([eng.train_step(s)["loss"] for s in range(STEPS)]), eng.named_params()
+    _same(got, want, 2e-3, 2e-3)
+    g = eng.sync.grads.data
+    assert isinstance(g, device.ndarray) and g.dtype == np.uint16 and eng.memory()["grad_bytes"] == 2 * g.size
+    assert not eng.sync.scratch
