@@ -154,6 +154,12 @@ class LocalSync:
                 del self.scratch[b], self.opens[b]
                 self.transient -= s.data.nbytes
 
+    def _closed(self, blocks) -> None:
+        """Packed: a reduction reads the bits, so none of its blocks may still have a scratch open."""
+        open_ = [b for b in blocks if b in self.scratch]
+        if open_:
+            raise RuntimeError(f"gradients of block(s) {open_} reduced while a backward still holds them")
+
     def _update_grad(self, bits):
         """The float32 values of the owned gradient's bits, for the reductions left and the update (the
         activations are gone by then); counted as transient until the next step begins."""

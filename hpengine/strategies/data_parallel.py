@@ -82,6 +82,8 @@ class DataParallelSync(LocalSync):
         self.remaining[i] -= 1
         if self.remaining[i] == 0:
             t = time.perf_counter()
+            if self.packed_grads:
+                self._closed(self.buckets[i][1])
             for r, comm in self.pieces[i]:
                 if self.packed_grads:
                     self._reduce_packed(r, comm)

@@ -94,8 +94,7 @@ class ShardedSync(LocalSync):
         """Each part of the block's bits to its owner through float32 wires; the owner packs the sum into its
         stored gradient (the full buffer's owned range, or gshard) when it completes."""
         own, br, xp = self.owned, self.block_ranges[block], self.xp
-        if block in self.scratch:
-            raise RuntimeError(f"gradients of block {block} reduced while a backward still holds them")
+        self._closed([block])
         if self.stage == 1:
             bits = self.grads.data[br.slice]
         else:
