@@ -23,10 +23,11 @@ def zero_bytes(psi: float, share: float, stage: int, w: int, g: int, k: int) -> 
 
 def precision(mcfg, amp, packed: bool = False) -> tuple:
     """(w, g, K, compute bytes): 16-bit copies and fp32 master + Adam under float16 amp (K = 12); bfloat16
-    values are kept in float32 storage (precision.py), so its gradients (flat buffers MPI sums: MPI has no
-    bfloat16 sum) and activations on the wire take 4 bytes, as do its compute copy and cached activations
-    unless they are packed (packed_caches: the copy as bfloat16 bits, w = 2, the caches block_activations);
-    else the dtype for parameters and gradients and two Adam moments (K = 8 in float32)."""
+    values are kept in float32 storage (precision.py), so its gradients on the wire (MPI has no bfloat16 sum)
+    and activations on the wire take 4 bytes, as do its compute copy, cached activations and held gradients
+    unless they are packed (packed_caches: the copy as bfloat16 bits, w = 2, the caches block_activations,
+    bfloat16 gradients held_grad_bytes); else the dtype for parameters and gradients and two Adam moments
+    (K = 8 in float32)."""
     if amp == "bfloat16":
         return 2 if packed else 4, 4, 12, 4
     if amp:
