@@ -325,8 +325,9 @@ class AmpConfig:
                     "hpengine/device/precision.py, activation caches as bf16_storage says; every GEMM with bf16 operands and float32 sums, nn/bf16_gemm.py)", choices=("float16", "bfloat16"))
     loss_scaling: str = _f("auto", "dynamic loss scaling: auto (on for float16, off for bfloat16), dynamic, off",
                            choices=("auto", "dynamic", "off"))
-    grad_dtype: str = _f("float32", "bfloat16 only: dtype gradients accumulate and are reduced in (float32 as "
-                         "Megatron, or bfloat16: half the gradient traffic)", choices=("float32", "bfloat16"))
+    grad_dtype: str = _f("float32", "bfloat16 only: dtype gradients are kept in between sums (float32 as Megatron, "
+                         "or bfloat16: rounded after each sum, 2 bytes an element under packed bf16_storage; "
+                         "the sums still move float32)", choices=("float32", "bfloat16"))
     bf16_storage: str = _f("auto", "bfloat16 only: how the activations a block keeps for its backward and the "
                            "parameters' compute copy are stored: packed (bfloat16 bits, 2 bytes an element), "
                            "float32 (bf16 values in float32, 4 bytes), "

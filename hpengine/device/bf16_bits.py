@@ -48,11 +48,15 @@ def _kernel(xp, name: str):
     return _KERNELS[name]
 
 
-def to_bf16_bits(xp, a):
-    """The bfloat16 bits (uint16, C-contiguous, a's shape) of float32 array a, in one pass over any strides."""
+def to_bf16_bits(xp, a, out=None):
+    """The bfloat16 bits (uint16, C-contiguous, a's shape) of float32 array a, in one pass over any strides;
+    written into `out` (uint16, a's shape) when given, and returned."""
     if xp.__name__ != "cupy":
-        return bf16_bits_numpy(a)
-    return _kernel(xp, "to")(a, xp.empty(a.shape, dtype=np.uint16))
+        if out is None:
+            return bf16_bits_numpy(a)
+        out[...] = bf16_bits_numpy(a)
+        return out
+    return _kernel(xp, "to")(a, xp.empty(a.shape, dtype=np.uint16) if out is None else out)
 
 
 def from_bf16_bits(xp, bits):

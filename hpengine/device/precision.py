@@ -6,8 +6,9 @@ Under strategy.amp with dtype = "bfloat16" the engine rounds at the points where
 stores a tensor: the compute copy of the parameters (written from the float32 masters by the AdamW pass
 itself, kernels.adamw_numpy and the adamw_f32_bf16 kernel, after initialisation and after a load), every block's output activation and its saved activations
 (caches), every block's input gradient in backward and, with amp.grad_dtype = "bfloat16", the gradients
-each block accumulates and the reduced gradient. With amp.bf16_storage = "packed" the caches are then held
-as bfloat16 bits instead (strategies/bf16_storage.py), the same values in 2 bytes. Every GEMM takes bfloat16
+after each block's backward and after each sum (strategies/amp.Precision lists them). With
+amp.bf16_storage = "packed" the caches, and bfloat16 gradients, are then held as bfloat16 bits instead
+(strategies/bf16_storage.py, strategies/base.py), the same values in 2 bytes. Every GEMM takes bfloat16
 operands and sums in float32 (nn/bf16_gemm.py, inside the engine's passes); the rest of a block's arithmetic
 is float32, as inside a fused kernel that reads bf16 and computes in fp32.
 """

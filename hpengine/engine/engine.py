@@ -77,6 +77,8 @@ class Engine:
                        else init_range(self.layout, t.seed, self.sync.owned, self.xp, np.float32))
         if self.precision.packed:       # the compute copy in 2 bytes: bfloat16 bits of the values init wrote
             self.sync.hold_bf16_bits()
+        if self.precision.bf16_grads:   # gradients rounded after every sum; packed: held as bfloat16 bits
+            self.sync.hold_bf16_grads(self.precision.packed)
         self._round_held_params()
         # per tensor: the sums that make its gradient whole and whether it counts in the norm here
         self.reductions = reductions(self.stage, self.tp.rank, res.sp, res.cp > 1)
@@ -189,8 +191,7 @@ class Engine:
             self._block_grads_done(slot, name)
 
     def _block_grads_done(self, slot, name) -> None:
-        self.precision.block_grads_(self.xp, self.sync.grads_for(slot.prefix + name),
-                                    self.stage.block_specs[slot.prefix + name])
+        self.sync.grads_done(slot.prefix + name)      # bfloat16 gradients: rounded (packed: stored as bits)
         self.sync.block_done(slot.prefix + name)
 
     def _loss_args(self, norm: float, grad: bool):
@@ -287,6 +288,7 @@ class Engine:
         None when amp saw an overflow on any rank."""
         for r in self.tied:                  # a tied copy first, then the replicas, then (sp) tp
             self.mesh.comms["tied"].allreduce_(self.sync.grads_for(r.block)[r.tensor])
+            self.sync.grads_done(r.block)
         self.sync.flush_deferred()
         g = self.sync.reduce_grads()
         self.ctx.seq.sum_replicated_(g, self.replicated)

@@ -124,6 +124,7 @@ class Resolved:
     # bf16 amp: how activation caches are stored, "packed" (2 bytes) or "float32"; "auto" while the backend is
     # (runtime.backend = "auto": packed on a GPU); "" without bf16 amp
     bf16_storage: str = ""
+    bf16_grads: bool = False      # bf16 amp with amp.grad_dtype = "bfloat16" (packed storage: gradients as bits)
 
     def __post_init__(self):
         object.__setattr__(self, "order", mesh_order(self.order))
@@ -219,7 +220,8 @@ def resolve(cfg, world: int) -> Resolved:
     ep = s.expert_parallel.degree if s.expert_parallel.enable else 1
     res = dataclasses.replace(res, sp=sp, scatter=d["tp"] > 1 and d["pp"] > 1 and not sp and pc.scatter_gather,
                               ep=d["dp"] if ep == -1 else ep, cp=d["cp"], cp_comm=s.context_parallel.comm,
-                              bf16_storage=_bf16_storage(cfg))
+                              bf16_storage=_bf16_storage(cfg),
+                              bf16_grads=s.amp.enable and s.amp.dtype == "bfloat16" and s.amp.grad_dtype == "bfloat16")
     check(cfg, res)
     chunks(cfg.model, res)          # the pipeline split must be possible
     return res

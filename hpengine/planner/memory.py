@@ -23,10 +23,11 @@ def zero_bytes(psi: float, share: float, stage: int, w: int, g: int, k: int) -> 
 
 def precision(mcfg, amp, packed: bool = False) -> tuple:
     """(w, g, K, compute bytes): 16-bit copies and fp32 master + Adam under float16 amp (K = 12); bfloat16
-    values are kept in float32 storage (precision.py), so its gradients (flat buffers MPI sums: MPI has no
-    bfloat16 sum) and activations on the wire take 4 bytes, as do its compute copy and cached activations
-    unless they are packed (packed_caches: the copy as bfloat16 bits, w = 2, the caches block_activations);
-    else the dtype for parameters and gradients and two Adam moments (K = 8 in float32)."""
+    values are kept in float32 storage (precision.py), so its gradients on the wire (MPI has no bfloat16 sum)
+    and activations on the wire take 4 bytes, as do its compute copy, cached activations and held gradients
+    unless they are packed (packed_caches: the copy as bfloat16 bits, w = 2, the caches block_activations,
+    bfloat16 gradients held_grad_bytes); else the dtype for parameters and gradients and two Adam moments
+    (K = 8 in float32)."""
     if amp == "bfloat16":
         return 2 if packed else 4, 4, 12, 4
     if amp:
@@ -58,9 +59,17 @@ def _partition(sizes, n, mode):
     return partition(list(sizes), n, mode)
 
 
+def held_grad_bytes(mcfg, lay: Resolved, packed: bool = False) -> int:
+    """Bytes a gradient element takes at rest: 2 when bf16 amp packs (packed_caches) bfloat16 gradients
+    (amp.grad_dtype = "bfloat16"; their sums still move float32 wire copies), else precision's g."""
+    return 2 if packed and lay.bf16_grads else precision(mcfg, lay.amp, packed)[1]
+
+
 def model_state(mcfg, st: Stage, lay: Resolved, models: int, sh_rank=None, packed: bool = False) -> dict:
-    """ZeRO model states of this sharding rank; packed (packed_caches): the compute copy in bfloat16 bits."""
-    w, g, k, _ = precision(mcfg, lay.amp, packed)
+    """ZeRO model states of this sharding rank; packed (packed_caches): the compute copy in bfloat16 bits, and
+    bfloat16 gradients too (held_grad_bytes)."""
+    w, _, k, _ = precision(mcfg, lay.amp, packed)
+    g = held_grad_bytes(mcfg, lay, packed)
     p, gr, o = zero_bytes(st.psi * models, owned(st, lay, models, sh_rank), lay.zstage, w, g, k)
     return {"params": p, "grads": gr, "optimizer": o}
 
@@ -129,11 +138,19 @@ def buffers(mcfg, st: Stage, lay: Resolved, own: int, packed: bool = False) -> i
     """Transient bytes: stage >= 2 keeps up to MAX_INFLIGHT + 1 blocks of temporary gradients, stage 3
     two gathered blocks (current and prefetched, + the tied embedding); a recomputed layer is rebuilt
     in backward, and packed caches (packed_caches) are unpacked one layer at a time for its backward, as are
-    packed parameters (one block's float32 weights, with the blocks it reads); pipelines hold two activations;
-    amp unscales the owned gradient into float32."""
-    w, g, _, item = precision(mcfg, lay.amp, packed)
+    packed parameters (one block's float32 weights, with the blocks it reads) and packed bfloat16 gradients (a
+    block's float32 scratch, with the blocks it reads, and up to MAX_INFLIGHT + 1 float32 wire copies of a
+    block or a bucket in their sums); pipelines hold two activations; amp unscales the owned gradient into
+    float32 (packed gradients: their float32 values for the update)."""
+    w, _, _, item = precision(mcfg, lay.amp, packed)
+    g = held_grad_bytes(mcfg, lay, packed)
     big = max(st.block(b) for b in st.names)
     out = (MAX_INFLIGHT + 1) * big * g if lay.zstage >= 2 else 0
+    if packed and lay.bf16_grads and lay.replicas * lay.cp > 1:
+        wire = big if lay.sh > 1 else min(sum(st.block(b) for b in st.names), big + int(lay.bucket_mb * 2**20) // 4)
+        out += (MAX_INFLIGHT + 1) * wire * 4
+    if packed and lay.bf16_grads:
+        out += 4 * (big + sum(st.block(d) for d in _read_blocks(st)))
     if lay.zstage == 3:
         out += (2 * big + sum(st.block(d) for d in _read_blocks(st))) * w
     a = block_activations(mcfg, lay, item)

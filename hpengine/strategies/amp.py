@@ -53,12 +53,19 @@ class Precision:
 
     bfloat16 is stored where a bf16 implementation stores it: a block's output and its caches, its input
     gradient in backward, the compute copy of the parameters and, with amp.grad_dtype = "bfloat16", the
-    gradients; each of those is rounded here and nowhere else. The values are bfloat16 values kept in float32
-    (device/precision.py), except, with `packed` (amp.bf16_storage), the caches and the compute copy: the
-    caches are held as bfloat16 bits, 2 bytes an element, from the end of the block's forward to the start of
-    its backward, and the compute copy is a flat buffer of bits (uint16; MPI gathers it as it is) that the
-    layers read as float32, one block at a time (strategies/bf16_storage.py). The gradients stay in float32
-    storage either way: they are the flat buffers MPI sums, and MPI has no bfloat16 sum."""
+    gradients; each of those but the gradients is rounded here and nowhere else. The values are bfloat16
+    values kept in float32 (device/precision.py), except, with `packed` (amp.bf16_storage), the caches and the
+    compute copy: the caches are held as bfloat16 bits, 2 bytes an element, from the end of the block's forward
+    to the start of its backward, and the compute copy is a flat buffer of bits (uint16; MPI gathers it as it
+    is) that the layers read as float32, one block at a time (strategies/bf16_storage.py).
+
+    bfloat16 gradients are bfloat16 values wherever they rest, so a sum of several stages rounds after each:
+    after a block's backward (its own tensors and those it reads of other blocks: a tied head's wte), after the
+    tied copies' allreduce, after the replicas' (or sharding owners') reduction of each piece, after each dp or
+    ep-dp piece's allreduce of the owned range under sharding, and after sequence parallel's sum over tp of the
+    replicated tensors (ready_grad). The gradient sync rounds all but the last (GradSync.hold_bf16_grads, its
+    grads_done and reductions), since it alone knows where the gradients are stored; packed, it stores them as
+    bfloat16 bits and sums float32 wire copies of them (MPI has no bfloat16 sum), packing being the rounding."""
 
     def __init__(self, acfg, amp_on: bool, packed: bool = False):
         self.amp = amp_on
@@ -105,12 +112,6 @@ class Precision:
         if self.bf16:
             round_bf16_(xp, d)
 
-    def block_grads_(self, xp, G, specs) -> None:
-        """The gradients a block accumulated, under amp.grad_dtype = "bfloat16"."""
-        if self.bf16_grads:
-            for sp in specs:
-                round_bf16_(xp, G[sp.name])
-
     def held_params_(self, xp, arrays) -> None:
         """The compute copy of the parameters a rank holds, as bfloat16 values (after init and loads); bits
         (packed: uint16) are bfloat16 already, written so at init (GradSync.hold_bf16_bits) and by loads."""
@@ -126,7 +127,8 @@ class Precision:
 
     def ready_grad(self, xp, g, all_finite):
         """The reduced owned gradient for the update: float32 and unscaled under amp; None when the loss
-        scaler saw an overflow on any rank (`all_finite(local_ok)` agrees on it collectively)."""
+        scaler saw an overflow on any rank (`all_finite(local_ok)` agrees on it collectively). bfloat16
+        gradients are rounded once more here: sequence parallel's replicated sum over tp comes last."""
         if self.bf16_grads:
             round_bf16_(xp, g)
         if self.scaler is None:

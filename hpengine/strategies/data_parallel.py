@@ -2,7 +2,8 @@
 allreduce starts as soon as backward has finished every block in the bucket.
 
 The loss is normalised by the global token count, so the sum over replicas is already the mean
-gradient of the global batch (the seed's "sum divided by n" with the 1/n folded into the loss).
+gradient of the global batch (the seed's "sum divided by n" with the 1/n folded into the loss). Packed
+bfloat16 gradients are summed as float32 wire copies of each bucket, packed back when their sum completes.
 """
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import time
 
 import numpy as np
 
+from hpengine.device.bf16_bits import from_bf16_bits, to_bf16_bits
+from hpengine.device.precision import round_bf16_
 from hpengine.dist.comm import testall, waitall
 from hpengine.params.buffers import Range
-from hpengine.strategies.base import LocalSync
+from hpengine.strategies.base import LocalSync, Wires
 
 
 def make_buckets(done_order, block_ranges, cap_bytes, itemsize):
@@ -63,11 +66,13 @@ class DataParallelSync(LocalSync):
         self.ep_dp = ep_dp
         self.pieces = [segments(r, experts, dp_comm, ep_dp) for r, _ in self.buckets]
         self.reqs, self.remaining = [], {}
+        self.wires = Wires(self)
         self.wait_s = self.sync_s = 0.0
 
     def begin_step(self):
         super().begin_step()
         self.reqs = []
+        self.wires = Wires(self)
         self.remaining = {i: len(bs) for i, (_, bs) in enumerate(self.buckets)}
 
     def _reduce_block(self, block):
@@ -77,18 +82,33 @@ class DataParallelSync(LocalSync):
         self.remaining[i] -= 1
         if self.remaining[i] == 0:
             t = time.perf_counter()
+            if self.packed_grads:
+                self._closed(self.buckets[i][1])
             for r, comm in self.pieces[i]:
-                self.reqs.append(comm.iallreduce_(self.grads.data[r.slice]))
+                if self.packed_grads:
+                    self._reduce_packed(r, comm)
+                else:
+                    self.reqs.append(comm.iallreduce_(self.grads.data[r.slice]))
             self.sync_s += time.perf_counter() - t
         testall(self.reqs)
+        self.wires.progress()
+
+    def _reduce_packed(self, r, comm):
+        wire, bits = from_bf16_bits(self.xp, self.grads.data[r.slice]), self.grads.data[r.slice]
+        self.wires.add([comm.iallreduce_(wire)], [wire], lambda: to_bf16_bits(self.xp, wire, out=bits))
 
     def reduce_grads(self):
         t = time.perf_counter()
         waitall(self.reqs)
+        self.wires.wait()
         dt = time.perf_counter() - t
         self.wait_s += dt
         self.sync_s += dt
         self.reqs = []
+        if self.packed_grads:
+            return self._update_grad(self.grads.data)
+        if self.round_grads:        # every piece's sum, rounded (a piece not summed is bfloat16 already)
+            round_bf16_(self.xp, self.grads.data)
         return self.grads.data
 
     def loss_allreduce(self, losses):

@@ -6,7 +6,8 @@ of its parts; an owner then averages across dp, runs AdamW on its range and shar
 Stage 1 keeps full gradients and parameters, stage 2 only the owned gradient, stage 3 only the owned
 parameters too (a block's parameters are gathered just in time, the next block's prefetched). Under packed
 bfloat16 storage the parameters held and gathered are bfloat16 bits (uint16): the all-gathers move 2 bytes a
-parameter.
+parameter; packed bfloat16 gradients (the full buffer, the per-block temporaries at rest between passes, the
+owned shard) are bits too, reduced through float32 wire copies.
 """
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ import time
 
 import numpy as np
 
-from hpengine.device.bf16_bits import as_float32, to_bf16_bits
+from hpengine.device.bf16_bits import as_float32, from_bf16_bits, to_bf16_bits
+from hpengine.device.precision import round_bf16_
 from hpengine.dist.comm import testall, waitall
 from hpengine.layout.resolve import MAX_INFLIGHT
-from hpengine.params.buffers import FlatBuffer, Layout, Range, imbalance, partition
+from hpengine.params.buffers import FlatBuffer, Range, imbalance, partition
 from hpengine.params.init import init_range
-from hpengine.strategies.base import LocalSync, Merged
+from hpengine.strategies.base import LocalSync, Merged, Wires
 from hpengine.strategies.data_parallel import segments
 
 
@@ -36,10 +38,6 @@ class ShardedSync(LocalSync):
         self.pieces = [(Range(r.start - own.start, r.stop - own.start), c)
                        for r, c in segments(own, experts, dp_comm, ep_dp) if c.size > 1]
         self.imbalance = imbalance(self.ranges)
-        self.block_ranges = desc.block_ranges
-        self.block_layouts = {b: Layout(v, lay.tp_rank, lay.tp_size, lay.ep_rank, lay.ep_size)
-                              for b, v in desc.block_specs.items() if v}
-        self.deps = desc.deps
         self.parts = {b: [(r, p) for r, R in enumerate(self.ranges) if (p := br.intersect(R))]
                       for b, br in desc.block_ranges.items()}
         if stage >= 2:
@@ -47,30 +45,75 @@ class ShardedSync(LocalSync):
         if stage == 3:
             self.pshard = init_range(lay, desc.seed, own, self.xp, self.dtype)
         self.gtemp, self.inflight, self.gathered = {}, [], {}
+        self.wires = Wires(self)
         self.wait_s = self.sync_s = 0.0
 
     # --- gradients --------------------------------------------------------------------------------
     def _gtemp(self, b):
         if b not in self.gtemp:
-            self.gtemp[b] = FlatBuffer(self.block_layouts[b], self.xp, self.dtype)
+            self.gtemp[b] = FlatBuffer(self.block_layouts[b], self.xp, self.grad_dtype)
             self._track(self.gtemp[b].data.nbytes)
         return self.gtemp[b]
 
-    def grads_for(self, block):
+    @property
+    def grad_dtype(self):
+        return np.dtype(np.uint16) if self.packed_grads else np.dtype(self.dtype)
+
+    def _grads_view(self, block):
         if self.stage == 1:
             return self.grads
         bufs = [self._gtemp(b) for b in [block] + list(self.deps.get(block, ()))]
         return bufs[0] if len(bufs) == 1 else Merged(bufs)
 
+    def _stored(self, b):
+        return super()._stored(b) if self.stage == 1 else self._gtemp(b).data
+
+    def _hold_grad_bits(self) -> None:
+        super()._hold_grad_bits()
+        if self.stage >= 2:
+            self.gshard = self.xp.zeros(self.owned.size, dtype=np.uint16)
+
     def begin_step(self):
         self._finish_gathers()
+        self._end_update_grad()
+        self.wires = Wires(self)
         if self.stage == 1:
             self.grads.zero()
 
     def _reduce_block(self, block):
         if not self.last or block not in self.parts:
             return
-        t0, own, br = time.perf_counter(), self.owned, self.block_ranges[block]
+        t0 = time.perf_counter()
+        if self.packed_grads:
+            self._reduce_packed(block)
+        else:
+            self._reduce_f32(block)
+        self.sync_s += time.perf_counter() - t0
+
+    def _reduce_packed(self, block):
+        """Each part of the block's bits to its owner through float32 wires; the owner packs the sum into its
+        stored gradient (the full buffer's owned range, or gshard) when it completes."""
+        own, br, xp = self.owned, self.block_ranges[block], self.xp
+        self._closed([block])
+        if self.stage == 1:
+            bits = self.grads.data[br.slice]
+        else:
+            buf = self.gtemp.pop(block)      # its last pass is over: the wire replaces the bits
+            self.transient -= buf.data.nbytes
+            bits = buf.data
+        wire = from_bf16_bits(xp, bits)
+        reqs, mine = [], None
+        for r, p in self.parts[block]:
+            src = wire[p.start - br.start:p.stop - br.start]
+            reqs.append(self.sh.ireduce(src, src, root=r))
+            if r == self.sh.rank:
+                dst = self.grads.data[p.slice] if self.stage == 1 else self.gshard[p.start - own.start:p.stop - own.start]
+                mine = (src, dst)
+        done = (lambda: to_bf16_bits(xp, mine[0], out=mine[1])) if mine else (lambda: None)
+        self.wires.add(reqs, [wire], done)
+
+    def _reduce_f32(self, block):
+        own, br = self.owned, self.block_ranges[block]
         reqs = []
         for r, p in self.parts[block]:
             if self.stage == 1:
@@ -86,7 +129,6 @@ class ShardedSync(LocalSync):
             old_reqs, old_block = self.inflight.pop(0)
             waitall(old_reqs)
             self._free_gtemp(old_block)
-        self.sync_s += time.perf_counter() - t0
 
     def _progress(self):
         """Advance the reductions in flight; free the temporary gradients of finished blocks."""
@@ -109,9 +151,16 @@ class ShardedSync(LocalSync):
             waitall(reqs)
             self._free_gtemp(b)
         self.inflight = []
+        self.wires.wait()
         g = self.grads.data[self.owned.slice] if self.stage == 1 else self.gshard
+        if self.packed_grads:       # each owner sum is packed already (rounded)
+            g = self._update_grad(g)
+        elif self.round_grads:      # the owners' sums, rounded
+            round_bf16_(self.xp, g)
         for r, comm in self.pieces:     # owners of the same range in different replicas average it
             comm.allreduce_(g[r.slice])
+            if self.round_grads:
+                round_bf16_(self.xp, g[r.slice])
         self.wait_s += time.perf_counter() - t0
         self.sync_s += time.perf_counter() - t0
         return g

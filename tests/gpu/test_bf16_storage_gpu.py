@@ -1,8 +1,8 @@
 """bfloat16 activation caches in 2 bytes on the GPU (strategies/bf16_storage.py through device/bf16_bits.py's
 kernels) against the NumPy twin: the bits and the round trip of strided views bit for bit, and a bf16 amp run
 on CuPy whose caches are packed (auto on a GPU) training bit for bit like the float32 storage of the same
-values on CuPy, with device arrays of uint16 bits in its caches and a lower cache peak. Skips cleanly without
-CuPy and a device."""
+values on CuPy, with device arrays of uint16 bits in its caches and a lower cache peak, and so with bfloat16
+gradients packed too. Skips cleanly without CuPy and a device."""
 from __future__ import annotations
 
 import numpy as np
@@ -52,3 +52,25 @@ def test_packed_run_on_cupy_equals_float32_storage(small_corpus):
     cp = backend.cupy_module()
     assert held and all(isinstance(a.bits, cp.ndarray) and a.bits.dtype == np.uint16 for a in held)
     eng.chunk_backward(slot, slot.chunks[0], None, caches)
+
+
+def test_packed_gradients_on_cupy_equal_float32_storage(small_corpus):
+    """amp.grad_dtype = "bfloat16" with a tied head and two passes a step: the packed run's gradients at rest
+    are device bits in half the bytes and it trains bit for bit like the float32 storage on CuPy."""
+    base = [f"data.path={small_corpus}", "train.eval_every=0", "model.d_model=64", "model.n_layers=2",
+            "model.n_heads=4", "model.seq_len=64", "train.global_batch=4", "model.dtype=float32",
+            "model.tie_head=true", "strategy.amp.enable=true", "strategy.amp.dtype=bfloat16",
+            "strategy.amp.grad_dtype=bfloat16", "strategy.gradient_merge.enable=true",
+            "strategy.gradient_merge.k_steps=2", "runtime.backend=auto"]
+    out = {}
+    for mode in ("float32", "auto"):
+        eng = build(load_config(None, base + [f"strategy.amp.bf16_storage={mode}"]), MPI.COMM_SELF)
+        assert eng.be.is_gpu and eng.sync.packed_grads == (mode == "auto")
+        losses = [eng.train_step(s)["loss"] for s in range(3)]
+        out[mode] = (losses, eng.named_params(), eng)
+    (la, pa, ea), (lb, pb, eb) = out["float32"], out["auto"]
+    assert la == lb and all(np.array_equal(pa[n], pb[n]) for n in pa)
+    cp = backend.cupy_module()
+    g = eb.sync.grads.data
+    assert isinstance(g, cp.ndarray) and g.dtype == np.uint16
+    assert 2 * eb.memory()["grad_bytes"] == ea.memory()["grad_bytes"]

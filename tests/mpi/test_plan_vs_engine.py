@@ -3,7 +3,8 @@ parameter, gradient and optimizer bytes equal Engine.memory() on every rank, the
 communicator and operation equal the comm.py counters over two steps, and the predicted activation bytes
 are within 10% of the engine's counted live caches (here they are equal; exactly so, checked, under sequence
 parallelism, the zero-bubble schedules, whose W stash is counted too, the MoE layers, context parallelism and
-bfloat16 caches packed in 2 bytes). Packed bfloat16 parameters take 2 bytes held and gathered."""
+bfloat16 caches packed in 2 bytes). Packed bfloat16 parameters take 2 bytes held and gathered; packed bfloat16
+gradients 2 bytes held and 4 on the wire."""
 import pytest
 
 from helpers import LLAMA, config, need
@@ -140,6 +141,11 @@ LAYOUTS = [
     # the compute copy as bfloat16 bits: 2 bytes a parameter held, and in the sharding all-gathers
     ("bf16_packed_sharding2", lambda n: n > 1, SH + [S + "sharding.stage=2"] + BF16_PACKED),
     ("bf16_packed_llama_sharding3", lambda n: n > 1, LLAMA + SH + [S + "sharding.stage=3"] + BF16_PACKED),
+    # bfloat16 gradients packed too: 2 bytes held, float32 on the wire (the sums, the tied copies' allreduce)
+    ("bf16_packed_grads_sharding2", lambda n: n > 1, SH + [S + "sharding.stage=2", S + "amp.grad_dtype=bfloat16"]
+     + BF16_PACKED),
+    ("bf16_packed_grads_pp2_dp_tied", EVEN, PP2 + DP + [S + "pipeline.micro_batches=2", "model.tie_head=true",
+                                                        S + "amp.grad_dtype=bfloat16"] + BF16_PACKED),
     ("zb_pp4_zbv", lambda n: n == 4, [S + "pipeline.enable=true", S + "pipeline.degree=4", S + "pipeline.micro_batches=8",
                                       S + "pipeline.schedule=zbv", "model.n_layers=8"]),
 ]

@@ -252,3 +252,18 @@ def test_bf16_flash_with_the_kernels_on_trains_like_numpy(small_corpus, device, 
     must = {f"flash_mma_{op}_f32_hd64" for op in ("fwd", "bwd_dq", "bwd_dkdv")} | _entries(POINTS[kind], "f32")
     assert must <= set(device.launches), sorted(set(device.launches))
     assert not FLASH & {e.rsplit("_", 1)[0] for e in device.launches}
+
+
+def test_bf16_packed_gradients_on_the_stand_in_device(small_corpus, device, unfused):
+    """amp.grad_dtype = "bfloat16" over packed storage (a tied head and two passes a step: scratches opened
+    across blocks and accumulated into the bits): the gradients at rest are device bits in half the bytes, and
+    training follows NumPy's packed run within float32 sums' order."""
+    extra = [*KINDS["gpt"], *BF16, "strategy.amp.grad_dtype=bfloat16", "model.tie_head=true",
+             "strategy.gradient_merge.enable=true", "strategy.gradient_merge.k_steps=2"]
+    want = train(small_corpus, "numpy", *extra)
+    eng = build(load_config(None, [*TINY, f"data.path={small_corpus}", "runtime.backend=cupy", *extra]), MPI.COMM_SELF)
+    got = np.array([eng.train_step(s)["loss"] for s in range(STEPS)]), eng.named_params()
+    _same(got, want, 2e-3, 2e-3)
+    g = eng.sync.grads.data
+    assert isinstance(g, device.ndarray) and g.dtype == np.uint16 and eng.memory()["grad_bytes"] == 2 * g.size
+    assert not eng.sync.scratch
