@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import traceback
 
 from mpi4py import MPI
@@ -363,6 +364,9 @@ def _abort() -> int:
     sys.stderr.write(f"hpengine: {who} failed:\n{traceback.format_exc()}")
     sys.stderr.flush()
     if w.Get_size() > 1:
+        # the launcher forwards this line through its proxies; Abort tears the job down at once, and on a
+        # loaded node Hydra was seen to drop a dying rank's last output: give the forwarding a moment
+        time.sleep(0.3)
         w.Abort(1)
     return 1
 
