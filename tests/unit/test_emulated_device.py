@@ -267,3 +267,30 @@ def test_bf16_packed_gradients_on_the_stand_in_device(small_corpus, device, unfu
     g = eng.sync.grads.data
     assert isinstance(g, device.ndarray) and g.dtype == np.uint16 and eng.memory()["grad_bytes"] == 2 * g.size
     assert not eng.sync.scratch
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_checkpoint_saved_on_the_device_resumes_on_numpy(small_corpus, device, tmp_path, background):
+    """Saved after 2 steps on the stand-in device (synchronously, or by the background writer from pinned host
+    snapshots), loaded by a NumPy engine, 2 more steps: the straight 4-step NumPy run (float64, 1e-10)."""
+    import logging
+
+    from hpengine.checkpoint import background as bg
+    from hpengine.run.train import restore, save_state
+    extra = [*KINDS["llama"], "model.dtype=float64"]
+    want = train(small_corpus, "numpy", *extra, steps=4)
+    cfg = lambda be: load_config(None, [*TINY, f"data.path={small_corpus}", f"runtime.backend={be}", *extra])  # noqa: E731
+    eng = build(cfg("cupy"), MPI.COMM_SELF)
+    saver = bg.Saver(eng.world, eng.tracer, logging.getLogger("hpengine")) if background else None
+    if saver is not None:
+        eng.before_update = saver.fence
+    for s in range(2):
+        eng.train_step(s)
+    save_state(eng, tmp_path, 2, keep=1, saver=saver)
+    eng.train_step(2)                                   # the next update runs while (or after) the writer works
+    if saver is not None:
+        saver.wait()
+    resumed = build(cfg("numpy"), MPI.COMM_SELF)
+    assert restore(resumed, cfg("numpy"), tmp_path) == 2
+    got = np.array([resumed.train_step(s)["loss"] for s in (2, 3)]), resumed.named_params()
+    _same(got, (want[0][2:], want[1]), 1e-10, 1e-12)
