@@ -12,6 +12,7 @@ a column linear's gather of its stashed input (sequence parallelism) moves into 
 """
 from __future__ import annotations
 
+from hpengine.nn import bf16_gemm
 from hpengine.nn import (
     embedding_backward,
     embedding_forward,
@@ -32,10 +33,11 @@ def columns_forward(xp, ctx, x, ws, bs=None):
     # x: (B, T_local, C), ws[i]: (C, OC_i / tp) -> ([(B, T, OC_i / tp)], stash): linears sharing one input
     h = ctx.tp.copy_to_tp(x)
     ys, caches = [], []
-    for w, b in zip(ws, bs or (None,) * len(ws)):
-        y, c = linear_forward(xp, h, w, b)
-        ys.append(y)
-        caches.append(c)
+    with bf16_gemm.held(xp, h):             # bf16 amp: the shared input converted once for all the linears
+        for w, b in zip(ws, bs or (None,) * len(ws)):
+            y, c = linear_forward(xp, h, w, b)
+            ys.append(y)
+            caches.append(c)
     # sequence parallel: the caches keep this rank's piece x, not the gathered h
     return ys, ctx.seq.stash_inputs(x, *caches)
 
@@ -48,12 +50,13 @@ def columns_backward(xp, ctx, dys, stash, ws, gws, gbs=None, defer=None):
         return dx
     caches = ctx.seq.unstash_inputs(stash)
     dh = None
-    for dy, c, w, gw, gb in zip(dys, caches, ws, gws, gbs or (None,) * len(ws)):
-        d = linear_backward(xp, dy, c, w, gw, gb)
-        if dh is None:
-            dh = d
-        else:
-            dh += d
+    with bf16_gemm.held(xp, caches[0][0]):  # the linears' one input (their caches view it), converted once
+        for dy, c, w, gw, gb in zip(dys, caches, ws, gws, gbs or (None,) * len(ws)):
+            d = linear_backward(xp, dy, c, w, gw, gb)
+            if dh is None:
+                dh = d
+            else:
+                dh += d
     return ctx.tp.copy_to_tp_backward(dh)
 
 
@@ -81,8 +84,9 @@ def columns_backward_weight(xp, ctx, dys, stash, gws, gbs=None):
     collective: every tp rank runs its W halves in the same order (the ranks of a stage run one schedule).
     dys must reach W as B was handed them (unmodified)."""
     caches = ctx.seq.unstash_inputs(stash)
-    for dy, c, gw, gb in zip(dys, caches, gws, gbs or (None,) * len(gws)):
-        linear_backward_weight(xp, dy, c, gw, gb)
+    with bf16_gemm.held(xp, caches[0][0]):
+        for dy, c, gw, gb in zip(dys, caches, gws, gbs or (None,) * len(gws)):
+            linear_backward_weight(xp, dy, c, gw, gb)
 
 
 def column_forward(xp, ctx, x, w, b=None):
