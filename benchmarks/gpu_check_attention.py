@@ -15,7 +15,7 @@ import math
 import statistics
 import sys
 
-from gpu_check_bandwidth import EventTimer, HostTimer
+from gpu_check_bandwidth import HostTimer, device_setup
 from gpu_check_options import attn_shape, save_result
 
 TENSORS = ("q", "k", "v", "do", "w")            # w: the pattern every output is dotted with
@@ -71,16 +71,9 @@ def worker_attention(a) -> dict:
     from hpengine.device import kernels                       # noqa: PLC0415
     from hpengine.device.precision import round_bf16_          # noqa: PLC0415
     from hpengine.nn import bf16_gemm, flash, flash_cuda       # noqa: PLC0415
-    import numpy as np                                          # noqa: PLC0415
     B, H, T, hd = attn_shape(a)
     n, scale = B * H * T * hd, 1.0 / math.sqrt(hd)
-    if a.cpu_smoke:
-        xp, timer, device = np, HostTimer(), "cpu"
-    else:
-        import cupy as xp                                       # noqa: PLC0415
-        timer = EventTimer(xp)
-        device = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)["name"]
-        device = device.decode() if isinstance(device, bytes) else str(device)
+    xp, timer, device = device_setup(a.cpu_smoke, "cpu")
     x = {name: round_bf16_(xp, (AMPLITUDE[name] * pattern_float64(xp, n, j)).astype(xp.float32).reshape(B, H, T, hd))
          for j, name in enumerate(TENSORS)}
     res = {"shape": [B, H, T, hd], "device": device, "variants": {}}

@@ -56,16 +56,21 @@ def pack_segments(n: int, k: int, seed: int = 0):
     return offsets, sizes
 
 
+def device_setup(cpu_smoke: bool, cpu_name: str) -> tuple:
+    """(array module, timer, device name) of a worker: NumPy and the host clock with --cpu-smoke, else CuPy and
+    CUDA events on the current device."""
+    if cpu_smoke:
+        import numpy as np                               # noqa: PLC0415
+        return np, HostTimer(), cpu_name
+    import cupy as xp                                    # noqa: PLC0415
+    name = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)["name"]
+    return xp, EventTimer(xp), name.decode() if isinstance(name, bytes) else str(name)
+
+
 def worker_bandwidth(a) -> dict:
     from hpengine.device import kernels                         # noqa: PLC0415
     import numpy as np                                   # noqa: PLC0415
-    if a.cpu_smoke:
-        xp, timer, device = np, HostTimer(), "cpu (NumPy twins)"
-    else:
-        import cupy as xp                                # noqa: PLC0415
-        timer = EventTimer(xp)
-        device = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)["name"]
-        device = device.decode() if isinstance(device, bytes) else str(device)
+    xp, timer, device = device_setup(a.cpu_smoke, "cpu (NumPy twins)")
     n, f32 = a.bw_params, np.float32
 
     def rand(size, scale=1.0):

@@ -129,6 +129,11 @@ def on_host(a) -> bool:
     return isinstance(a, (np.ndarray, np.generic)) and not hasattr(a, "__cuda_array_interface__")
 
 
+def data_ptr(a) -> int:
+    """The address of array a's first element: CuPy's data.ptr, or NumPy's array interface."""
+    return a.data.ptr if hasattr(a.data, "ptr") else a.__array_interface__["data"][0]
+
+
 def array_module(a):
     """numpy for NumPy arrays, cupy for CuPy arrays."""
     return np if on_host(a) else cupy_module().get_array_module(a)

@@ -70,11 +70,11 @@ def matmul(xp, a, b, out=None, accumulate=False):
     a16, b16 = (_held_view(xp, x) for x in (a, b))
     a16 = to_bf16_bits(xp, a) if a16 is None else a16
     b16 = to_bf16_bits(xp, b) if b16 is None else b16
-    calls = gemm.plan(a16.shape, _elements(a16), b16.shape, _elements(b16), out.shape, _elements(out))
+    calls = gemm.plan(a16.shape, gemm.elements(a16), b16.shape, gemm.elements(b16), out.shape, gemm.elements(out))
     target = out
     if calls is None:                    # an output cuBLAS cannot write in place: a contiguous one first
         target = xp.empty(out.shape, dtype=np.float32)
-        calls = gemm.plan(a16.shape, _elements(a16), b16.shape, _elements(b16), target.shape, _elements(target))
+        calls = gemm.plan(a16.shape, gemm.elements(a16), b16.shape, gemm.elements(b16), target.shape, gemm.elements(target))
     _launch(xp, calls, a16, b16, target, accumulate and target is out)
     if target is not out:
         if accumulate:
@@ -82,10 +82,6 @@ def matmul(xp, a, b, out=None, accumulate=False):
         else:
             out[...] = target
     return out
-
-
-def _ptr(a) -> int:
-    return a.data.ptr if hasattr(a.data, "ptr") else a.__array_interface__["data"][0]   # CuPy, NumPy
 
 
 def hold_bits(values, bits) -> None:
@@ -96,11 +92,11 @@ def hold_bits(values, bits) -> None:
             not values.flags.c_contiguous:
         raise ValueError(f"hold_bits: C-contiguous float32 values and uint16 bits of one shape, got "
                          f"{values.dtype} {values.shape} and {bits.dtype} {bits.shape}")
-    _HELD[_ptr(values)] = (values, bits if _is_cupy(values) else values)
+    _HELD[backend.data_ptr(values)] = (values, values if backend.on_host(values) else bits)
 
 
 def release_bits(values) -> None:
-    _HELD.pop(_ptr(values), None)
+    _HELD.pop(backend.data_ptr(values), None)
 
 
 @contextlib.contextmanager
@@ -108,18 +104,14 @@ def held(xp, *arrays):
     """Inside, the GEMMs take each of these float32 arrays (C-contiguous ones; others as before) as bfloat16
     operands converted once here, however many products read them or their views: none may change inside."""
     mine = [a for a in arrays if active() and a is not None and a.dtype == np.float32 and a.size
-            and a.flags.c_contiguous and _ptr(a) not in _HELD]
+            and a.flags.c_contiguous and backend.data_ptr(a) not in _HELD]
     for a in mine:
-        _HELD[_ptr(a)] = (a, to_bf16_bits(xp, a) if xp.__name__ == "cupy" else _rounded(xp, a))
+        _HELD[backend.data_ptr(a)] = (a, to_bf16_bits(xp, a) if xp.__name__ == "cupy" else _rounded(xp, a))
     try:
         yield
     finally:
         for a in mine:
-            _HELD.pop(_ptr(a), None)
-
-
-def _is_cupy(a) -> bool:
-    return hasattr(a.data, "ptr")
+            _HELD.pop(backend.data_ptr(a), None)
 
 
 def _held_view(xp, a):
@@ -127,11 +119,10 @@ def _held_view(xp, a):
     array's bits (CuPy) or of its bfloat16 values (NumPy); None otherwise."""
     if not _HELD or a.dtype != np.float32:
         return None
-    lo = _ptr(a) + sum(min(0, st * (n - 1)) for st, n in zip(a.strides, a.shape))
-    hi = _ptr(a) + sum(max(0, st * (n - 1)) for st, n in zip(a.strides, a.shape)) + 4
+    lo, hi = gemm.span(a)
     for start, (values, operand) in _HELD.items():
         if start <= lo and hi <= start + values.nbytes:
-            off, rest = divmod(_ptr(a) - start, 4)
+            off, rest = divmod(backend.data_ptr(a) - start, 4)
             if rest or any(st % 4 for st in a.strides):
                 return None
             flat, item = operand.reshape(-1), operand.itemsize
@@ -142,9 +133,6 @@ def _held_view(xp, a):
 def _rounded(xp, a):
     return round_bf16_(xp, np.array(a, dtype=np.float32, copy=True))
 
-
-def _elements(x) -> tuple:
-    return tuple(s // x.itemsize for s in x.strides)
 
 
 def launch_args(calls, a_ptr: int, b_ptr: int, out_ptr: int, alpha_ptr: int, beta_ptr: int, handle: int) -> list:

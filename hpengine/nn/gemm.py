@@ -98,19 +98,21 @@ def plan(a_shape, a_strides, b_shape, b_strides, c_shape, c_strides) -> tuple[Ca
     return tuple(calls)
 
 
-def _elements(x) -> tuple:
+def elements(x) -> tuple:
+    """Array x's strides in elements (what plan takes)."""
     return tuple(s // x.itemsize for s in x.strides)
 
 
-def _span(x) -> tuple:
+def span(x) -> tuple:
     """[first byte, last byte + 1) that view x touches."""
-    lo = x.data.ptr + sum(min(0, s * (n - 1)) for s, n in zip(x.strides, x.shape))
-    hi = x.data.ptr + sum(max(0, s * (n - 1)) for s, n in zip(x.strides, x.shape)) + x.itemsize
+    p = backend.data_ptr(x)
+    lo = p + sum(min(0, s * (n - 1)) for s, n in zip(x.strides, x.shape))
+    hi = p + sum(max(0, s * (n - 1)) for s, n in zip(x.strides, x.shape)) + x.itemsize
     return lo, hi
 
 
 def _overlaps(x, y) -> bool:
-    (a, b), (c, d) = _span(x), _span(y)
+    (a, b), (c, d) = span(x), span(y)
     return a < d and c < b
 
 
@@ -130,7 +132,7 @@ def matmul(xp, a, b, out=None, accumulate=False):
     if a.ndim >= 2 and a.dtype == b.dtype == out.dtype and a.dtype in (np.float32, np.float64) and \
             all(s % a.itemsize == 0 for x in (a, b, out) for s in x.strides) and \
             not _overlaps(out, a) and not _overlaps(out, b):
-        calls = plan(a.shape, _elements(a), b.shape, _elements(b), out.shape, _elements(out))
+        calls = plan(a.shape, elements(a), b.shape, elements(b), out.shape, elements(out))
     if calls is None or (len(calls) > MAX_LOOPED_CALLS and _copied_bytes(a, b, out) < COPY_WORTH_BYTES) or \
             not _works(xp, a.dtype):
         if accumulate:
@@ -152,7 +154,7 @@ def _works(xp, dtype) -> bool:
             a = (xp.arange(2 * 3 * 4, dtype=dtype).reshape(2, 4, 3) / 7).swapaxes(-1, -2)   # transposed
             b = xp.arange(2 * 4 * 5, dtype=dtype).reshape(2, 4, 5) / 5
             out = xp.zeros((2, 3, 5), dtype=dtype)
-            _launch(xp, plan(a.shape, _elements(a), b.shape, _elements(b), out.shape, _elements(out)), a, b, out, False)
+            _launch(xp, plan(a.shape, elements(a), b.shape, elements(b), out.shape, elements(out)), a, b, out, False)
             ok = bool(xp.allclose(out, xp.matmul(a, b)))
         except Exception as e:  # noqa: BLE001 - any failure means: use cupy.matmul
             ok, why = False, f"{type(e).__name__}: {e}"

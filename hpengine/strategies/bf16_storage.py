@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpengine.device.backend import data_ptr
 from hpengine.device.bf16_bits import from_bf16_bits, to_bf16_bits
 from hpengine.layout.cache import map_cache
 from hpengine.nn import bf16_gemm
@@ -51,10 +52,6 @@ def _root(a):
     return a
 
 
-def _ptr(a) -> int:
-    return a.data.ptr if hasattr(a.data, "ptr") else a.__array_interface__["data"][0]   # CuPy, NumPy
-
-
 def pack_cache(xp, cache, skip_roots: set):
     """The cache with its float32 arrays (not 0-d ones, not views of storage in skip_roots: parameters) as
     bfloat16 bits; other leaves are kept. The values must already be bfloat16 values for the packing to be
@@ -74,7 +71,7 @@ def pack_cache(xp, cache, skip_roots: set):
             return a
         if a is root:
             return packed(id(root), root)
-        off, rest = divmod(_ptr(a) - _ptr(root), 4)
+        off, rest = divmod(data_ptr(a) - data_ptr(root), 4)
         if (root.dtype != F32 or not root.flags.c_contiguous or rest
                 or any(s < 0 or s % 4 for s in a.strides)):     # no element grid of its root to rebuild it on
             return packed(("view", id(a)), a)

@@ -93,9 +93,6 @@ def emulate_ex(args, mem: Memory):
             cf[ic] = alpha_v * (Am.astype(np.float64) @ Bm) + beta_v * cf[ic]
 
 
-def _elements(x):
-    return tuple(s // x.itemsize for s in x.strides)
-
 
 CASES = {
     # (a view, b view, out view) as attention and the linears take them
@@ -120,7 +117,7 @@ def test_cublas_ex_arguments_emulated(case, accumulate):
     out[...] = rng.normal(size=out.shape)
     start = out.copy()
     a16, b16 = bf16_bits.bf16_bits_numpy(a), bf16_bits.bf16_bits_numpy(b)     # contiguous, as on the GPU
-    calls = gemm.plan(a16.shape, _elements(a16), b16.shape, _elements(b16), out.shape, _elements(out))
+    calls = gemm.plan(a16.shape, gemm.elements(a16), b16.shape, gemm.elements(b16), out.shape, gemm.elements(out))
     assert calls is not None
     one, beta = np.ones(1, np.float32), np.full(1, 1.0 if accumulate else 0.0, np.float32)
     base = out.base if out.base is not None else out

@@ -120,7 +120,7 @@ def test_two_dimensional_transposed_product(rng):
 
 
 def test_overlap_is_seen():
-    class View:          # the attributes gemm._span reads from a CuPy array
+    class View:          # the attributes gemm.span reads from a CuPy array
         def __init__(self, ptr, shape, strides, itemsize=8):
             self.data, self.shape, self.strides, self.itemsize = type("P", (), {"ptr": ptr})(), shape, strides, itemsize
     a = View(1000, (4, 4), (32, 8))                  # bytes 1000 .. 1128
