@@ -95,7 +95,10 @@ def end_cache_bytes(mcfg, rows: int, tp: int, item: int, amp: bool, share: int, 
     "w_embed", "w_head": the W stash of a split backward (nn/deferred.py), what a block's deferred
     weight-gradient work holds from B to W: the embedding its input gradient and indices, the head the
     logits' gradient (in the gradients' dtype, which is the activations') and the linear's input. Under
-    context parallelism (degree cp) a rank holds T / cp tokens of each sequence."""
+    context parallelism (degree cp) a rank holds T / cp tokens of each sequence.
+
+    "bits_head", "bits_w_head": the elements of those that only GEMMs read (the linear's input), which packed
+    bf16 storage keeps as bfloat16 bits (planner/memory.block_activations)."""
     T, C = mcfg.seq_len // cp, mcfg.d_model
     n, Vp = rows * T, padded_vocab(mcfg.vocab_size, tp)
     targets = embedding_cache_bytes(n) if tp > 1 else share * T * 8
@@ -103,7 +106,8 @@ def end_cache_bytes(mcfg, rows: int, tp: int, item: int, amp: bool, share: int, 
     head = norm + n // parts * C * item + n * (Vp // tp) * (4 if amp else item) + targets
     return {"embed": embedding_cache_bytes(n), "head": head, "input": n // parts * C * item,
             "w_embed": n // parts * C * item + embedding_cache_bytes(n),
-            "w_head": (n * (Vp // tp) + n // parts * C) * item}
+            "w_head": (n * (Vp // tp) + n // parts * C) * item, "bits_head": n // parts * C,
+            "bits_w_head": n // parts * C}
 
 
 def tok_embed_forward(xp, P, idx, ctx):
@@ -124,7 +128,7 @@ def head_weight(P, G, tied):
 
 def head_forward(xp, P, x, targets, norm, ctx, tied):
     # x: (B, T, C) -> loss (this rank's share of the global-mean loss)
-    h, c_ln = layernorm_forward(xp, x, P["ln_f.w"], P["ln_f.b"])
+    h, c_ln = layernorm_forward(xp, x, P["ln_f.w"], P["ln_f.b"], gemm_input=True)
     loss, c = logits_loss_forward(xp, P, h, targets, norm, ctx, tied)
     return loss, (c_ln, c)
 
@@ -151,7 +155,7 @@ def logits_loss_backward(xp, cache, G, ctx, tied, P, dloss=1.0, defer=None):
 def mlp_forward(xp, P, p, x, ctx):
     # x: (B, T, C) -> (B, T, C), the residual branch only
     h, c1 = column_forward(xp, ctx, x, P[f"{p}.fc.w"], P[f"{p}.fc.b"])
-    g, c2 = gelu_forward(xp, h)
+    g, c2 = gelu_forward(xp, h, gemm_input=True)
     o, c3 = row_forward(xp, ctx, g, P[f"{p}.proj.w"], P[f"{p}.proj.b"])
     # g is rebuilt in backward from the GELU cache (one multiply): a third less MLP activation memory
     return o, (c1, c2, linear_drop_input(c3))
@@ -160,7 +164,7 @@ def mlp_forward(xp, P, p, x, ctx):
 def mlp_backward(xp, do, cache, P, G, p, ctx, defer=None):
     # do: (B, T, C) -> dx: (B, T, C); `do` must stay unmodified until a deferred W runs
     stash, c2, c3 = cache
-    c3 = linear_restore_input(c3, gelu_recompute(xp, c2))
+    c3 = linear_restore_input(c3, gelu_recompute(xp, c2, gemm_input=True))
     dg = row_backward(xp, ctx, do, c3, P[f"{p}.proj.w"], G[f"{p}.proj.w"], G[f"{p}.proj.b"], defer)
     del c3
     dh = gelu_backward(xp, dg, c2)

@@ -104,7 +104,8 @@ class GPT:
         # W stash (split backward): each row linear's whole output gradient and input, each column linear's
         # output gradient and input (a piece of it under sequence parallelism): dy, g, dh, h2; dx1, a, dqkv, h
         w = n * (2 * C + 2 * C // parts + (2 * self.F + 4 * C) // tp) * item
-        return {"layer": layer, "scores": scores, "w_layer": w,
+        bits = n * (2 * C // parts + self.F // tp)     # of those, what only GEMMs read: h2, h and g
+        return {"layer": layer, "scores": scores, "w_layer": w, "bits_w_layer": bits,
                 **end_cache_bytes(self.cfg, rows, tp, item, amp, share, parts=parts, cp=cp)}
 
     def tp_allreduces(self) -> tuple:
@@ -160,14 +161,14 @@ class GPT:
         # keep_scores=False (selective recompute): the cache drops the attention probabilities, which
         # layer_backward rebuilds; flash attention keeps none anyway
         p = f"h.{i}"
-        h, c_ln1 = layernorm_forward(xp, x, P[f"{p}.ln1.w"], P[f"{p}.ln1.b"])
+        h, c_ln1 = layernorm_forward(xp, x, P[f"{p}.ln1.w"], P[f"{p}.ln1.b"], gemm_input=True)
         qkv, c_qkv = column_forward(xp, ctx, h, P[f"{p}.attn.qkv.w"], P[f"{p}.attn.qkv.b"])
         qkv, _ = ctx.attn.kv_forward(qkv, None)          # the fused core reads its keys and values from qkv
         a, c_att = ctx.attn.fused_forward(xp, self._cores(keep_scores)[0], qkv, self.H // ctx.tp.size)
         o, c_proj = row_forward(xp, ctx, a, P[f"{p}.attn.proj.w"], P[f"{p}.attn.proj.b"])
         o += x                  # o is ours: the residual sum needs no new array
         x1 = o
-        h2, c_ln2 = layernorm_forward(xp, x1, P[f"{p}.ln2.w"], P[f"{p}.ln2.b"])
+        h2, c_ln2 = layernorm_forward(xp, x1, P[f"{p}.ln2.w"], P[f"{p}.ln2.b"], gemm_input=True)
         m, c_mlp = mlp_forward(xp, P, f"{p}.mlp", h2, ctx)
         x1 += m
         return x1, (c_ln1, c_qkv, c_att, c_proj, c_ln2, c_mlp)

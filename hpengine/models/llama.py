@@ -120,7 +120,8 @@ class Llama:
         # W stash (split backward), as gpt's: dy, the gating, dg, du, h2; dx, a, dq, dk, dv, h
         heads = 2 * (self.H + self.K) * self.hd       # a and dq (n_heads wide), dk and dv (n_kv_heads wide)
         w = n * (2 * C + 2 * C // parts + (3 * self.F + heads) // tp) * item
-        out = {"layer": layer, "scores": scores, "w_layer": w, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
+        bits = n * (2 * C // parts + 3 * self.F // tp)    # of those, what only GEMMs read: h2, h, the gating, dg, du
+        out = {"layer": layer, "scores": scores, "w_layer": w, "bits_w_layer": bits, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
                                                  rmsnorm_cache_bytes(ns, C, item), parts, cp)}
         if self.moe is not None:     # an MoE layer: the attention's part, then the router's and experts'
             moe = (2 * rmsnorm_cache_bytes(ns, C, item) + ns * C * item + att + self.moe.cache_bytes(n, C, item, tp))
@@ -128,6 +129,7 @@ class Llama:
             for i in range(self.L):
                 if self.moe.routed(i):
                     out[f"layer.{i}"], out[f"w_layer.{i}"] = moe, w_moe
+                    out[f"bits_w_layer.{i}"] = n * C // parts     # h (the router reads h2 in float32)
         return out
 
     def tp_allreduces(self) -> tuple:
@@ -196,7 +198,7 @@ class Llama:
         p, (B, T) = f"h.{i}", (x.shape[0], x.shape[1] * ctx.seq.parts)   # T: the whole sequence
         H, K, hd = P[f"{p}.attn.q.w"].shape[1] // self.hd, P[f"{p}.attn.k.w"].shape[1] // self.hd, self.hd
         cos, sin, qcos, qsin = self._tables_at(xp, x.dtype, ctx)
-        hs, c_n1 = rmsnorm_forward(xp, x, P[f"{p}.attn_norm.w"], self.eps)
+        hs, c_n1 = rmsnorm_forward(xp, x, P[f"{p}.attn_norm.w"], self.eps, gemm_input=True)
         (q, k, v), c_qkv = columns_forward(xp, ctx, hs, (P[f"{p}.attn.q.w"], P[f"{p}.attn.k.w"], P[f"{p}.attn.v.w"]))
         del hs
         q, k, c_qk = self._qk_forward(xp, P, p, q.reshape(B, T, H, hd), k.reshape(B, T, K, hd))
@@ -206,14 +208,15 @@ class Llama:
         a, c_att = ctx.attn.grouped_forward(xp, self._cores(keep_scores)[0], q, k, v, scale=1.0)   # q is scaled
         o, c_o = row_forward(xp, ctx, a, P[f"{p}.attn.o.w"])
         o += x                  # o is ours: the residual sum needs no new array
-        h2s, c_n2 = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps)
-        if self._routed(i):
+        routed = self._routed(i)       # the router's logits are no bf16 GEMM: it reads float32
+        h2s, c_n2 = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps, gemm_input=not routed)
+        if routed:
             d, c_moe = self.moe.forward(xp, P, p, h2s, ctx, loss)
             o += d
             return o, (c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_moe)
         (g, u), c_gu = columns_forward(xp, ctx, h2s, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]))
         del h2s
-        m, c_sw = swiglu_forward(xp, g, u)
+        m, c_sw = swiglu_forward(xp, g, u, gemm_input=True)
         d, c_d = row_forward(xp, ctx, m, P[f"{p}.mlp.down.w"])
         del m
         o += d
@@ -259,10 +262,10 @@ class Llama:
         else:
             c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_gu, c_sw, c_d = cache
             # MLP branch
-            c_d = linear_restore_input(c_d, swiglu_recompute(xp, c_sw))
+            c_d = linear_restore_input(c_d, swiglu_recompute(xp, c_sw, gemm_input=True))
             dm = row_backward(xp, ctx, dy, c_d, P[f"{p}.mlp.down.w"], G[f"{p}.mlp.down.w"], defer=defer)
             del c_d
-            dg, du = swiglu_backward(xp, dm, c_sw)
+            dg, du = swiglu_backward(xp, dm, c_sw, gemm_input=True)
             dh2 = columns_backward(xp, ctx, (dg, du), c_gu, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]),
                                    (G[f"{p}.mlp.gate.w"], G[f"{p}.mlp.up.w"]), defer=defer)
         dx = rmsnorm_backward(xp, dh2, c_n2, P[f"{p}.mlp_norm.w"], G[f"{p}.mlp_norm.w"])
@@ -285,7 +288,7 @@ class Llama:
 
     def head_forward(self, xp, P, x, targets, norm, ctx):
         # x: (B, T, C) -> loss
-        h, c_n = rmsnorm_forward(xp, x, P["norm.w"], self.eps)
+        h, c_n = rmsnorm_forward(xp, x, P["norm.w"], self.eps, gemm_input=True)
         loss, c = logits_loss_forward(xp, P, h, targets, norm, ctx, self.tied)
         return loss, (c_n, c)
 

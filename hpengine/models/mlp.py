@@ -58,7 +58,8 @@ class MLP:
         n, C = rows * self.cfg.seq_len, self.C
         layer = layernorm_cache_elements(n // parts, C) + n // parts * C + gelu_cache_elements(n * self.F // tp)
         w = n * (C + C // parts + 2 * self.F // tp) * item      # W stash: dy, g, dh, h (models/gpt.py)
-        return {"layer": layer * item, "scores": 0, "w_layer": w, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
+        bits = n * (C // parts + self.F // tp)                 # of those, what only GEMMs read: h and g
+        return {"layer": layer * item, "scores": 0, "w_layer": w, "bits_w_layer": bits, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
                                                                        parts=parts)}
 
     def tp_allreduces(self) -> tuple:
@@ -95,7 +96,7 @@ class MLP:
         # loss (norm, loss scale) is what an MoE layer of the llama kind reads; a dense layer adds no loss
         # no attention, so no scores to drop: selective recompute keeps this layer's cache whole
         p = f"h.{i}"
-        h, c_ln = layernorm_forward(xp, x, P[f"{p}.ln.w"], P[f"{p}.ln.b"])
+        h, c_ln = layernorm_forward(xp, x, P[f"{p}.ln.w"], P[f"{p}.ln.b"], gemm_input=True)
         m, c_mlp = mlp_forward(xp, P, f"{p}.mlp", h, ctx)
         return x + m, (c_ln, c_mlp)
 

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from hpengine.nn import fused
+from hpengine.nn import bf16_gemm, fused
 
 
 def _no_overflow_warning(xp):
@@ -20,15 +20,17 @@ _A = 0.044715
 _SAT = 30.0
 
 
-def gelu_forward(xp, x):
+def gelu_forward(xp, x, gemm_input=False):
     # x: (...) -> y: (...); y = 0.5 x (1 + tanh(u)), u = K (x + A x^3)
+    # gemm_input: only GEMMs read y (and gelu_recompute's); under bf16 amp it is stored as they take it
+    # (bf16_gemm.store_for_gemm)
     # 0.5 (1 + tanh(u)) == sigmoid(2u) = 1 / (1 + exp(-2u)): it avoids the cancellation in 1 + tanh(u) for
     # negative x. Where exp(-2u) overflows to inf the sigmoid is 1 / inf = 0, its value to the dtype's
     # precision (below the smallest normal number); the overflow is expected there and not reported.
     # 1 / s is np.divide(1.0, s): the same IEEE quotient as np.reciprocal, twice as fast in NumPy 2.
     if fused.usable(xp, x):
-        y, s = fused.gelu_forward(xp, x)
-        return y, (x, s)
+        y, s = fused.gelu_forward(xp, x, bits=gemm_input and bf16_gemm.writes_bits() and x.dtype == xp.float32)
+        return (bf16_gemm.store_for_gemm(xp, y) if gemm_input else y), (x, s)
     if x.dtype.itemsize < 4:
         return _gelu_forward_half(xp, x)
     s = x * x
@@ -39,7 +41,8 @@ def gelu_forward(xp, x):
         xp.exp(s, out=s)
     s += 1.0
     xp.divide(1.0, s, out=s)            # s = sigmoid(2u)
-    return x * s, (x, s)
+    y = x * s
+    return (bf16_gemm.store_for_gemm(xp, y) if gemm_input else y), (x, s)
 
 
 def _gelu_forward_half(xp, x):
@@ -78,10 +81,11 @@ def gelu_backward(xp, dy, cache):
     return d
 
 
-def gelu_recompute(xp, cache):
+def gelu_recompute(xp, cache, gemm_input=False):
     # -> y: exactly the array gelu_forward returned (same ops, same order)
     x, s = cache
-    return x * s
+    y = x * s
+    return bf16_gemm.store_for_gemm(xp, y) if gemm_input else y
 
 
 def relu_forward(xp, x):

@@ -14,9 +14,14 @@ where the interleaved views would take one call per batch row, each too small to
 fill a GPU. Query rows come in two blocks, the
 first attending only to the first half of the keys: a quarter of the scores
 (all masked) is never computed.
+
+Under bf16 amp the probabilities are stored as the GEMMs read them (bf16_gemm.store_for_gemm): packed, as
+bfloat16 bits, which the softmax kernel writes from the float32 scores; the forward's product with the values,
+the cache, the softmax gradient and dv's product read those bits.
 """
 import math
 
+from hpengine.device.bf16_bits import as_float32
 from hpengine.nn import bf16_gemm, fused, gemm
 
 
@@ -114,6 +119,8 @@ def _scores(xp, q, kt, a, b):
     # the probabilities of query rows a..b-1 over keys 0..b-1 (kt: the keys _transposed): the forward's exact operations
     p = _mm(xp, q[:, :, a:b], kt[..., :b])
     if fused.usable(xp, p) and p.flags.c_contiguous:
+        if bf16_gemm.writes_bits() and p.dtype == xp.float32:
+            return fused.causal_softmax_bits(xp, p, a)     # the probabilities' bfloat16 bits from the scores
         fused.causal_softmax_(p, a)         # mask, max, exp, sum and scale in one pass
     else:
         p += _causal_bias(xp, a, b, p.dtype)
@@ -123,7 +130,18 @@ def _scores(xp, q, kt, a, b):
         s = _rowsum(xp, p)
         xp.reciprocal(s, out=s)
         p *= s
-    return p
+    return bf16_gemm.store_for_gemm(xp, p)
+
+
+def softmax_grad_(xp, ds, p, rs, fuse):
+    """ds = (ds - rs) * p in place (ds: dP on entry); p float32, or bfloat16 bits (bf16 amp, packed); fuse(ds,
+    p, rs) launches the fused kernel, taken when the arrays suit it."""
+    if fused.usable(xp, ds, rs) and p.dtype in (ds.dtype, xp.uint16) and ds.flags.c_contiguous and \
+            p.flags.c_contiguous:
+        fuse(ds, p, rs)
+        return
+    ds -= rs
+    ds *= as_float32(xp, p)
 
 
 def attention_drop_scores(cache):
@@ -171,11 +189,12 @@ def attention_backward(xp, dy, cache):
         for (a, b), p in reversed(list(zip(_blocks(T), ps))):
             dob = dob_all[:, :, a:b]
             ds = _mm(xp, dob, vt[..., :b])
-            if fused.usable(xp, ds, p, rs) and ds.flags.c_contiguous and p.flags.c_contiguous:
+            if fused.usable(xp, ds, rs) and p.dtype in (ds.dtype, xp.uint16) and ds.flags.c_contiguous and \
+                    p.flags.c_contiguous:
                 fused.softmax_backward_(ds, p, rs, a)
             else:
                 ds -= rs[:, :, a:b]
-                ds *= p
+                ds *= as_float32(xp, p)
             with bf16_gemm.held(xp, ds):
                 _mm(xp, ds, k[:, :, :b], dq[:, :, a:b])
                 _mm(xp, p.swapaxes(-1, -2), dob, dv[:, :, :b], accumulate=b < T)

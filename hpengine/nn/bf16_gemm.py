@@ -14,6 +14,9 @@ A float32 array whose bfloat16 bits are already at hand (a packed parameter, unp
 strategies/bf16_storage.UnpackedParams) is registered with `hold_bits`: an operand that views it goes in as
 the same view of those bits (CuPy: no conversion pass; NumPy: no rounded copy, its values are bfloat16 already).
 `held` converts an array once for all the products inside it (a gradient that two products read).
+An operand may also come as bfloat16 bits already (uint16, any view): a layer whose output only GEMMs read
+writes it so (`gemm_input`), in its own kernel on CuPy when the storage is packed (`operands(True, bits=True)`),
+and the GEMM takes it as it is; NumPy multiplies the float32 values of those bits.
 `launch_args` builds the cuBLAS arguments without a GPU, so the CPU tests emulate them in NumPy against
 CuPy's binding order.
 """
@@ -24,39 +27,55 @@ import contextlib
 import numpy as np
 
 from hpengine.device import backend
-from hpengine.device.bf16_bits import to_bf16_bits
+from hpengine.device.bf16_bits import from_bf16_bits, to_bf16_bits
 from hpengine.device.precision import round_bf16_
 from hpengine.nn import gemm
 
 CUDA_R_32F, CUDA_R_16BF = 0, 14            # cudaDataType_t
 CUBLAS_COMPUTE_32F = 68                    # cublasComputeType_t
 CUBLAS_GEMM_DEFAULT = -1                   # cublasGemmAlgo_t: cuBLAS picks (tensor cores for bf16)
-_STATE = {"on": False}
+_STATE = {"on": False, "bits": False}
 _HELD: dict = {}                           # data pointer of a float32 array -> (that array, its bfloat16 bits)
 
 
 @contextlib.contextmanager
-def operands(bf16: bool):
-    """GEMMs inside take bfloat16 operands when bf16 is true (the engine's passes under bf16 amp)."""
-    prev, _STATE["on"] = _STATE["on"], bool(bf16)
+def operands(bf16: bool, bits: bool = False):
+    """GEMMs inside take bfloat16 operands when bf16 is true (the engine's passes under bf16 amp); with bits
+    (packed storage) the layers that produce a GEMM's input write it as bfloat16 bits (gemm_input)."""
+    prev = dict(_STATE)
+    _STATE.update(on=bool(bf16), bits=bool(bf16) and bool(bits))
     try:
         yield
     finally:
-        _STATE["on"] = prev
+        _STATE.update(prev)
 
 
 def active() -> bool:
     return _STATE["on"]
 
 
+def writes_bits() -> bool:
+    """Whether a layer's output that only GEMMs read is written as bfloat16 bits (uint16) here."""
+    return _STATE["bits"]
+
+
+def store_for_gemm(xp, y):
+    """y (float32), a layer's output that only GEMMs read (and caches that GEMMs read), as bf16 amp stores it:
+    its bfloat16 bits (packed storage), else rounded to bfloat16 values in place; y itself outside bf16 amp.
+    The GEMMs round their operands anyway, so the values they multiply do not change; what does is that the
+    output and what caches it take 2 bytes an element. For a layer without a kernel that writes the bits."""
+    if not _STATE["on"] or y.dtype != np.float32:
+        return y
+    return to_bf16_bits(xp, y) if _STATE["bits"] else round_bf16_(xp, y)
+
+
 def matmul(xp, a, b, out=None, accumulate=False):
-    """out = a @ b (or out += a @ b) with a and b rounded to bfloat16, float32 products and sums; float32
-    arrays in and out (equal leading dims, as gemm.plan takes them). Returns out."""
-    if a.dtype != np.float32 or b.dtype != np.float32:
-        raise TypeError(f"bf16 operands come from float32 storage, got {a.dtype} @ {b.dtype}")
+    """out = a @ b (or out += a @ b) with a and b rounded to bfloat16 (or given as their bits, uint16), float32
+    products and sums; float32 out (equal leading dims, as gemm.plan takes them). Returns out."""
+    if any(x.dtype not in (np.float32, np.uint16) for x in (a, b)):
+        raise TypeError(f"bf16 operands are float32 values or uint16 bits, got {a.dtype} @ {b.dtype}")
     if xp.__name__ != "cupy":
-        ah, bh = _held_view(xp, a), _held_view(xp, b)
-        r = (_rounded(xp, a) if ah is None else ah) @ (_rounded(xp, b) if bh is None else bh)
+        r = _values(xp, a) @ _values(xp, b)
         if out is None:
             return r
         if accumulate:
@@ -67,13 +86,14 @@ def matmul(xp, a, b, out=None, accumulate=False):
     if out is None:
         out = xp.empty(a.shape[:-1] + b.shape[-1:], dtype=np.float32)
         accumulate = False
-    a16, b16 = (_held_view(xp, x) for x in (a, b))
-    a16 = to_bf16_bits(xp, a) if a16 is None else a16
-    b16 = to_bf16_bits(xp, b) if b16 is None else b16
+    a16, b16 = (_bits(xp, x) for x in (a, b))
     calls = gemm.plan(a16.shape, gemm.elements(a16), b16.shape, gemm.elements(b16), out.shape, gemm.elements(out))
     target = out
     if calls is None:                    # an output cuBLAS cannot write in place: a contiguous one first
         target = xp.empty(out.shape, dtype=np.float32)
+        calls = gemm.plan(a16.shape, gemm.elements(a16), b16.shape, gemm.elements(b16), target.shape, gemm.elements(target))
+    if calls is None:                    # an operand without a unit stride in its matrix dims: copied contiguous
+        a16, b16 = xp.ascontiguousarray(a16), xp.ascontiguousarray(b16)
         calls = gemm.plan(a16.shape, gemm.elements(a16), b16.shape, gemm.elements(b16), target.shape, gemm.elements(target))
     _launch(xp, calls, a16, b16, target, accumulate and target is out)
     if target is not out:
@@ -132,6 +152,22 @@ def _held_view(xp, a):
 
 def _rounded(xp, a):
     return round_bf16_(xp, np.array(a, dtype=np.float32, copy=True))
+
+
+def _values(xp, a):
+    """NumPy: the bfloat16 values operand a stands for, as float32 (bits converted, held, or rounded)."""
+    if a.dtype == np.uint16:
+        return from_bf16_bits(xp, a)
+    held = _held_view(xp, a)
+    return _rounded(xp, a) if held is None else held
+
+
+def _bits(xp, a):
+    """CuPy: operand a as bfloat16 bits (bits as they are, held, or converted in one pass)."""
+    if a.dtype == np.uint16:
+        return a
+    held = _held_view(xp, a)
+    return to_bf16_bits(xp, a) if held is None else held
 
 
 

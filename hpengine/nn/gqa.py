@@ -6,10 +6,11 @@ Inputs come head-major from the rotary embedding: q (B, H, T, hd), already rotat
 The g query heads of a group and a block of query rows fold into one row axis, so every product is
 one GEMM per (batch row, kv head) whose rows are all the group's queries: the keys and values are
 never repeated per query head, and backward's dk and dv sum over the group inside the GEMM. Query rows
-come in the same two causal blocks as nn/attention.py (the fully masked quarter is never computed).
+come in the same two causal blocks as nn/attention.py (the fully masked quarter is never computed), and the
+probabilities are stored as there (bfloat16 bits under bf16 amp, packed).
 """
 from hpengine.nn import bf16_gemm, fused
-from hpengine.nn.attention import _blocks, _causal_bias, _mm, _rowsum
+from hpengine.nn.attention import _blocks, _causal_bias, _mm, _rowsum, softmax_grad_
 
 
 def _grouped(a, K, g, a0, b0):
@@ -24,20 +25,24 @@ def _per_head(a, K, g):
     return a.reshape(B, T, K, g, -1).transpose(0, 2, 3, 1, 4)
 
 
-def _softmax_(xp, p, a):
-    # in place on grouped scores p (B, K, g*n, b) of query rows a .. a+n-1 (repeated per head)
+def _softmax(xp, p, a):
+    # the probabilities of grouped scores p (B, K, g*n, b) of query rows a .. a+n-1 (repeated per head), as
+    # they are stored (bf16_gemm.store_for_gemm): computed in place in p
     B, K, gn, b = p.shape
     n = b - a
     p5 = p.reshape(B, K, gn // n, n, b)
     if fused.usable(xp, p5) and p5.flags.c_contiguous:
+        if bf16_gemm.writes_bits() and p.dtype == xp.float32:
+            return fused.causal_softmax_bits(xp, p5, a).reshape(p.shape)
         fused.causal_softmax_(p5, a)
-        return
+        return bf16_gemm.store_for_gemm(xp, p)
     p5 += _causal_bias(xp, a, b, p.dtype)
     p5 -= p5.max(axis=-1, keepdims=True)        # the diagonal is never masked: the max is finite
     xp.exp(p5, out=p5)
     s = _rowsum(xp, p5)
     xp.reciprocal(s, out=s)
     p5 *= s
+    return bf16_gemm.store_for_gemm(xp, p)
 
 
 def gqa_shapes(xp, q, k):
@@ -58,8 +63,7 @@ def gqa_attention_forward(xp, q, k, v):
     with bf16_gemm.held(xp, k, v):          # bf16: converted once for every block's products
         for a, b in _blocks(T):
             qb = _grouped(q, K, g, a, b)
-            p = _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2))
-            _softmax_(xp, p, a)
+            p = _softmax(xp, _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2)), a)
             o = _mm(xp, p, v[:, :, :b])
             y5[:, :, :, a:b] = o.reshape(B, K, g, b - a, hd)
             qs.append(qb)
@@ -81,9 +85,7 @@ def gqa_restore_scores(xp, cache):
         return cache
     ps = []
     for (a, b), qb in zip(_blocks(k.shape[2]), qs):
-        p = _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2))
-        _softmax_(xp, p, a)
-        ps.append(p)
+        ps.append(_softmax(xp, _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2)), a))
     return qs, k, v, ps, y
 
 
@@ -104,11 +106,7 @@ def gqa_attention_backward(xp, dy, cache):
             rs = ((dob * ob).sum(axis=-1, keepdims=True) if dy.dtype.itemsize < 4
                   else xp.einsum("bkrd,bkrd->bkr", dob, ob)[..., None])
             ds = _mm(xp, dob, v[:, :, :b].swapaxes(-1, -2))
-            if fused.usable(xp, ds, p, rs) and ds.flags.c_contiguous and p.flags.c_contiguous:
-                fused.grouped_softmax_backward_(ds, p, rs)
-            else:
-                ds -= rs
-                ds *= p
+            softmax_grad_(xp, ds, p, rs, fused.grouped_softmax_backward_)
             with bf16_gemm.held(xp, ds):
                 dq5[:, :, :, a:b] = _mm(xp, ds, k[:, :, :b]).reshape(B, K, g, b - a, hd)
                 _mm(xp, p.swapaxes(-1, -2), dob, dv[:, :, :b], accumulate=b < T)

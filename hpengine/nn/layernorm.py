@@ -5,7 +5,7 @@ Row means are GEMVs / einsums: a reduction over a short last axis is several
 times slower in NumPy and would allocate a temporary for every product. Half
 precision (amp) keeps NumPy's reductions, which accumulate in float32.
 """
-from hpengine.nn import fused
+from hpengine.nn import bf16_gemm, fused
 
 
 def _rowmean(xp, a, b=None):
@@ -20,13 +20,15 @@ def _rowmean(xp, a, b=None):
     return m
 
 
-def layernorm_forward(xp, x, w, b, eps=1e-5):
+def layernorm_forward(xp, x, w, b, eps=1e-5, gemm_input=False):
     # x: (..., C), w: (C,), b: (C,) -> y: (..., C)
+    # gemm_input: only GEMMs read y; under bf16 amp it is stored as they take it (bf16_gemm.store_for_gemm)
     C = x.shape[-1]
     x2 = x.reshape(-1, C)
     if fused.usable(xp, x2, w, b):
-        y, xhat, rstd = fused.layernorm_forward(xp, x2, w, b, eps)
-        return y.reshape(x.shape), (xhat, rstd)
+        bits = gemm_input and bf16_gemm.writes_bits() and x2.dtype == xp.float32
+        y, xhat, rstd = fused.layernorm_forward(xp, x2, w, b, eps, bits=bits)
+        return _stored(xp, y, gemm_input).reshape(x.shape), (xhat, rstd)
     xhat = x2 - _rowmean(xp, x2)
     var = _rowmean(xp, xhat, xhat)
     var += eps
@@ -35,7 +37,11 @@ def layernorm_forward(xp, x, w, b, eps=1e-5):
     xhat *= rstd
     y = xhat * w
     y += b
-    return y.reshape(x.shape), (xhat, rstd)
+    return _stored(xp, y, gemm_input).reshape(x.shape), (xhat, rstd)
+
+
+def _stored(xp, y, gemm_input):
+    return bf16_gemm.store_for_gemm(xp, y) if gemm_input else y
 
 
 def layernorm_backward(xp, dy, cache, w, dw, db):

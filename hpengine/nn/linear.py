@@ -4,6 +4,7 @@ Leading dims are folded into one so every product is a single 2-D GEMM. linear_b
 halves, which a zero-bubble pipeline runs apart (Qi et al. 2023): linear_backward_input (B, dx, which
 the previous stage waits for) and linear_backward_weight (W, dw and db, which can wait).
 """
+from hpengine.device.bf16_bits import as_float32
 from hpengine.nn import bf16_gemm, fused, gemm
 
 
@@ -57,6 +58,8 @@ def linear_backward_weight(xp, dy, cache, dw, db=None):
         gemm.matmul(xp, x2.T, dy2, dw, accumulate=True)     # cuBLAS adds into dw: no temporary
     else:
         dw += x2.T @ dy2
+    if db is not None:
+        dy2 = as_float32(xp, dy2)                            # bf16 amp may hand dy over as its bits
     if db is not None and fused.usable(xp, dy2, db) and db.flags.c_contiguous:
         fused.colsum_(xp, dy2, db)
     elif db is not None:

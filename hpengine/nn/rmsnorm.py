@@ -6,20 +6,22 @@ LlamaRMSNorm: the normalised x is rounded back to x's dtype before the weight mu
 cache keeps the normalised input (x's dtype) and 1/rms per row (float32 under amp), so backward
 needs no recompute.
 """
-from hpengine.nn import fused
+from hpengine.nn import bf16_gemm, fused
 
 
 def _compute_dtype(xp, dtype):
     return xp.float32 if dtype.itemsize < 4 else dtype
 
 
-def rmsnorm_forward(xp, x, w, eps=1e-5):
+def rmsnorm_forward(xp, x, w, eps=1e-5, gemm_input=False):
     # x: (..., C), w: (C,) -> y: (..., C)
+    # gemm_input: only GEMMs read y; under bf16 amp it is stored as they take it (bf16_gemm.store_for_gemm)
     C = x.shape[-1]
     x2 = x.reshape(-1, C)
     if fused.usable(xp, x2, w):
-        y, xhat, rstd = fused.rmsnorm_forward(xp, x2, w, eps)
-        return y.reshape(x.shape), (xhat, rstd)
+        bits = gemm_input and bf16_gemm.writes_bits() and x2.dtype == xp.float32
+        y, xhat, rstd = fused.rmsnorm_forward(xp, x2, w, eps, bits=bits)
+        return _stored(xp, y, gemm_input).reshape(x.shape), (xhat, rstd)
     xc = x2.astype(_compute_dtype(xp, x.dtype), copy=False)
     # mean(x^2) as a dot product per row with 1/C folded in: one pass, no (N, C) temporary
     ms = xp.einsum("ij,ij->i", xc, xc)[:, None]
@@ -30,7 +32,11 @@ def rmsnorm_forward(xp, x, w, eps=1e-5):
     xhat = xc * rstd
     if xhat.dtype != x.dtype:
         xhat = xhat.astype(x.dtype)
-    return (xhat * w).reshape(x.shape), (xhat, rstd)
+    return _stored(xp, xhat * w, gemm_input).reshape(x.shape), (xhat, rstd)
+
+
+def _stored(xp, y, gemm_input):
+    return bf16_gemm.store_for_gemm(xp, y) if gemm_input else y
 
 
 def rmsnorm_backward(xp, dy, cache, w, dw):

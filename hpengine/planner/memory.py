@@ -98,14 +98,17 @@ def block_activations(mcfg, lay: Resolved, item: int, packed: bool = False) -> d
     routing: as many as it sent) and their regrouping order, and the exchange's row counts.
     packed (packed_caches, bf16 amp: item 4): every float32 array of a layer's cache and a recomputed layer's
     input in 2 bytes an element, the statistics kept in float32 whatever the dtype (rstd, lse) too; the
-    head's (never packed) and the W stash's (what backward unpacked) stay as they are. The models' formulas
+    head's (never packed) and the W stash's (what backward unpacked) stay as they are, but for the arrays
+    only GEMMs read, which the layers write as bfloat16 bits then (the models' "bits_<kind>" elements: the
+    head's linear input, the linears' inputs and the gating's gradients in a W stash). The models' formulas
     are linear in a float item of 4 or more bytes and fixed in their integer parts, so a block's float32
     bytes are its bytes at item 8 less those at item 4, and packing takes half of them off."""
     out = _model_cache_bytes(mcfg, lay, item)
     if packed:
         wide = _model_cache_bytes(mcfg, lay, 2 * item)
         out.update({k: v - (wide[k] - v) // 2 for k, v in out.items()
-                    if k not in ("head", "embed") and not k.startswith("w_")})
+                    if k not in ("head", "embed") and not k.startswith(("w_", "bits_"))})
+        out.update({k: v - out[f"bits_{k}"] * (item - 2) for k, v in out.items() if f"bits_{k}" in out})
     return out
 
 
@@ -124,13 +127,13 @@ def activations(mcfg, st: Stage, lay: Resolved, stage: int, item: int, packed: b
     their passes one after another, so one model's caches are live at a time."""
     w = tuple(chunk_activations(mcfg, st, ch, lay, item, packed) for ch in st.chunks)
     return peak_live(lay.schedule, lay.pp, lay.m, lay.v, stage, w,
-                     tuple(chunk_stash(mcfg, st, ch, lay, item) for ch in st.chunks))
+                     tuple(chunk_stash(mcfg, st, ch, lay, item, packed) for ch in st.chunks))
 
 
-def chunk_stash(mcfg, st: Stage, chunk, lay: Resolved, item: int) -> int:
+def chunk_stash(mcfg, st: Stage, chunk, lay: Resolved, item: int, packed: bool = False) -> int:
     """A split backward's W stash of one micro-batch through one chunk: what its blocks' deferred
     weight-gradient work holds from B to W (the same whether or not a layer was recomputed)."""
-    a = block_activations(mcfg, lay, item)
+    a = block_activations(mcfg, lay, item, packed)
     return sum(rc.of_block(a, st.kind_of[b], "w_" + st.kind_of[b].kind) for b in chunk)
 
 

@@ -61,7 +61,8 @@ def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=Non
     tokens = lay.share * mcfg.seq_len // lay.cp * M
     if lay.tp > 1:
         rep = plan_tp.replicated_owned(st, lay, M, _partition, sh_rank)
-        out["tp"] = plan_tp.traffic(mcfg, st, lay, tokens, item, g, 4 if lay.amp else item, F64 * M, rep)
+        out["tp"] = plan_tp.traffic(mcfg, st, lay, tokens, item, g, 4 if lay.amp else item, F64 * M, rep,
+                                    packed and lay.amp == "bfloat16")
     hops = _hops(lay, stage)
     if hops:                 # activations to the next virtual stage, gradients to the previous one
         act, gathered = plan_tp.pipeline_bytes(mcfg, lay, tokens, wire_item(lay, item, packed), hops)

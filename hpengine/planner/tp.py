@@ -30,10 +30,28 @@ def activation_calls(mcfg, st, lay) -> dict:
             "reduce_scatter": 2 * a * layers + a * again + ends[0] + ends[1]}
 
 
+def bits_gathers(mcfg, st, lay) -> int:
+    """Of the all-gathers of activation_calls, those whose activation only GEMMs read (a region entry's norm
+    output, forward, again for the linear's weight gradient and in a recomputed layer's forward; the head's
+    the same), which packed bf16 storage moves as bfloat16 bits. An MoE layer's MLP entry is not one: the
+    router reads its input in float32."""
+    if not lay.sp:
+        return 0
+    a, _ = build_model(mcfg, lay.tp).tp_allreduces()
+    again = rc.full(st, lay)
+    routed = _routed(mcfg)
+    moe_again = sum(routed(st.kind_of[n]) for n in again)
+    return 2 * a * st.layers + a * len(again) + 2 * len(st.of_kind("head")) - 2 * moe_layers(mcfg, st) - moe_again
+
+
+def _routed(mcfg):
+    moe = getattr(build_model(mcfg), "moe", None)
+    return lambda b: moe is not None and b.kind == "layer" and moe.routed(b.layer)
+
+
 def moe_layers(mcfg, st) -> int:
     """The stage's layers with routed experts: each sums its gates' (tokens, top_k) gradient over tp in backward."""
-    moe = getattr(build_model(mcfg), "moe", None)
-    return sum(b.kind == "layer" and moe.routed(b.layer) for b in st.kinds) if moe is not None else 0
+    return sum(map(_routed(mcfg), st.kinds))
 
 
 def replicated_owned(st, lay, models: int, partition_of, sh_rank=None) -> int:
@@ -61,13 +79,17 @@ def flagged_per_rank(sizes, flags, ranges) -> tuple:
     return tuple(sum(max(0, min(b, r.stop) - max(a, r.start)) for a, b in spans) for r in ranges)
 
 
-def traffic(mcfg, st, lay, tokens: int, item: int, g: int, loss_item: int, scalars: int, replicated: int) -> dict:
+def traffic(mcfg, st, lay, tokens: int, item: int, g: int, loss_item: int, scalars: int, replicated: int,
+            packed: bool = False) -> dict:
     """{op: bytes} on the tp communicator in one step: `tokens` of the step through the stage, activations
     of `item` bytes, gradients of `g`; the loss's max, sum and target logit per head in `loss_item` bytes;
-    `scalars` bytes of squared norms; `replicated` elements of gradients summed over tp once a step."""
+    `scalars` bytes of squared norms; `replicated` elements of gradients summed over tp once a step; packed
+    (bf16 storage): the all-gathers of bits_gathers move 2 bytes an element."""
     C = mcfg.d_model
     ce = 3 * len(st.of_kind("head")) * loss_item
     out = {op: tokens * n * C * item for op, n in activation_calls(mcfg, st, lay).items()}
+    if packed and "allgather" in out:
+        out["allgather"] -= tokens * bits_gathers(mcfg, st, lay) * C * (item - 2)
     gates = tokens * mcfg.moe.top_k * item * moe_layers(mcfg, st) if mcfg.kind == "llama" else 0
     out["allreduce"] = out.get("allreduce", 0) + tokens * ce + scalars + replicated * g + gates
     return out

@@ -83,8 +83,9 @@ class Precision:
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def gemm_operands(self):
-        """The context inside which every GEMM takes bfloat16 operands (bf16 amp only)."""
-        return bf16_gemm.operands(self.bf16)
+        """The context inside which every GEMM takes bfloat16 operands (bf16 amp only), and, packed, the
+        layers write what only GEMMs read as bfloat16 bits (bf16_gemm.store_for_gemm)."""
+        return bf16_gemm.operands(self.bf16, bits=self.packed)
 
     def stored_activations_(self, xp, kind: str, h, cache, param_roots: set = frozenset()):
         """A block's output and what it keeps for backward, as bf16 would store them; returns the cache as

@@ -134,8 +134,14 @@ LAYOUTS = [
         S + "pipeline.micro_batches=2", S + "recompute.enable=true", S + "recompute.granularity=selective"]),
     ("cp_llama_cp4", lambda n: n == 4, LLAMA + [S + "context_parallel.enable=true", S + "context_parallel.degree=4",
                                                  "model.seq_len=16"]),
-    # bfloat16 caches packed in 2 bytes (the head's and the W stash's not): the wire stays float32
+    # bfloat16 caches packed in 2 bytes (the head's and the W stash's not, but for what only GEMMs read, which the
+    # layers write as bits: the norms' outputs, the gating, also in sequence parallelism's all-gathers): the
+    # gradients' wire stays float32
     ("sp_bf16_packed_llama_tp2_dp", EVEN, LLAMA + TP2 + SP + DP + BF16_PACKED),
+    ("sp_bf16_packed_moe_tp2_dp_recompute", EVEN, MOE + TP2 + SP + DP + BF16_PACKED + [
+        S + "recompute.enable=true", S + "recompute.every=2"]),
+    ("sp_bf16_packed_gpt_tp2_pp2_zb1p", lambda n: n == 4, TP2 + SP + PP2 + BF16_PACKED + [
+        S + "pipeline.micro_batches=4", S + "pipeline.schedule=zb1p"]),
     ("zb_bf16_packed_pp2_zb1p_dp", TWO_OR_4, PP2 + DP + BF16_PACKED + [S + "pipeline.micro_batches=4",
                                                                    S + "pipeline.schedule=zb1p"]),
     # the compute copy as bfloat16 bits: 2 bytes a parameter held, and in the sharding all-gathers

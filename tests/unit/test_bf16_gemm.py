@@ -180,3 +180,62 @@ def test_held_operands_give_the_products_of_unheld_ones():
         np.testing.assert_array_equal(g, w_)
     with bf16_gemm.held(np, dy):                      # outside bf16 amp nothing is held
         assert not bf16_gemm._HELD
+
+
+@pytest.mark.parametrize("view", ["plain", "transposed", "sliced"])
+def test_bits_operands_are_their_values(view):
+    # an operand handed over as bfloat16 bits (a layer that writes what only GEMMs read): the product of the
+    # values those bits hold, against float64 on ml_dtypes-rounded operands
+    rng = np.random.default_rng(6)
+    a, b = rng.normal(size=(20, 12)).astype(np.float32), rng.normal(size=(12, 7)).astype(np.float32)
+    bits = bf16_bits.bf16_bits_numpy(a)
+    a_op, bits_op = {"plain": (a, bits), "transposed": (a.T.copy().T, bits.T.copy().T),
+                     "sliced": (a[::2], bits[::2])}[view]
+    with bf16_gemm.operands(True, bits=True):
+        got = bf16_gemm.matmul(np, bits_op, b)
+        np.testing.assert_array_equal(got, bf16_gemm.matmul(np, a_op, b))
+    np.testing.assert_allclose(got, bf16(a_op).astype(np.float64) @ bf16(b), rtol=2e-6, atol=2e-6)
+    with pytest.raises(TypeError, match="float32 values or uint16 bits"):
+        bf16_gemm.matmul(np, a.astype(np.float64), b)
+
+
+def test_store_for_gemm_follows_the_storage():
+    x = np.float32([1.0 + 2.0**-9, 1.0 + 3 * 2.0**-9, -3.0e38, np.inf])    # two ties (to even), a large, inf
+    want = np.float32([1.0, 1.0 + 2.0**-7, -3.0e38, np.inf]).astype(ml_dtypes.bfloat16)
+    assert bf16_gemm.store_for_gemm(np, x) is x                             # outside bf16 amp: as it is
+    with bf16_gemm.operands(True, bits=True):
+        assert bf16_gemm.writes_bits()
+        got = bf16_gemm.store_for_gemm(np, x.copy())
+        assert got.dtype == np.uint16
+        np.testing.assert_array_equal(got, want.view(np.uint16))
+        assert bf16_gemm.store_for_gemm(np, got) is got                     # bits already
+    with bf16_gemm.operands(True):                                          # float32 storage: rounded in place
+        assert not bf16_gemm.writes_bits()
+        y = x.copy()
+        assert bf16_gemm.store_for_gemm(np, y) is y
+        np.testing.assert_array_equal(y, want.astype(np.float32))
+    with bf16_gemm.operands(False, bits=True):
+        assert not bf16_gemm.writes_bits()
+    assert not bf16_gemm.writes_bits() and not bf16_gemm.active()
+
+
+@pytest.mark.parametrize("storage,kind", [("packed", "llama"), ("packed", "gpt"), ("float32", "llama")])
+def test_linears_read_their_inputs_as_bits_when_packed(monkeypatch, storage, kind):
+    # packed, the inputs only GEMMs read (the norms' outputs, the MLP's gating or GELU) reach the linears as
+    # bfloat16 bits; the attention output (the o / proj linear's input) stays float32
+    seen = []
+    real = bf16_gemm.matmul
+    monkeypatch.setattr(bf16_gemm, "matmul", lambda xp, a, b, *r, **k: (
+        seen.append((inspect.stack()[1].function, a.dtype)) or real(xp, a, b, *r, **k)))
+    L = 2
+    cfg = load_config(None, ["model.d_model=16", f"model.n_layers={L}", "model.n_heads=2", "model.seq_len=8",
+                             f"model.kind={kind}", "train.global_batch=4", "runtime.backend=numpy",
+                             "model.dtype=float32", "strategy.amp.enable=true", "strategy.amp.dtype=bfloat16",
+                             f"strategy.amp.bf16_storage={storage}"])
+    build(cfg, MPI.COMM_SELF).train_step(0)
+    fwd = [dt for fn, dt in seen if fn == "linear_forward"]
+    bits = sum(dt == np.uint16 for dt in fwd)
+    # a layer's linears: llama q, k, v, gate, up, down and o; gpt qkv, fc, proj and attn.proj; the head's one
+    per_layer = {"llama": 6, "gpt": 3}[kind]
+    assert len(fwd) == L * (per_layer + 1) + 1
+    assert bits == (L * per_layer + 1 if storage == "packed" else 0)

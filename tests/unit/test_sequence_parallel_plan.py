@@ -52,15 +52,23 @@ def test_gpt_activation_bytes_by_hand():
     column linears' output gradients (n 4C / t, n 3C / t) and inputs (ns C each: this rank's piece under sp):
     one rank 96 * (128 + 128 + 768) * 2 = 196608; tp 96 * (128 + 128 + 384) * 2 = 122880; sp 96 * (128 + 64
     + 384) * 2 = 110592. The head: the logits' gradient n * 256 / t and the linear's input ns C: 61440,
-    36864, 30720. The embedding: its input gradient ns C and the 864 bytes of indices: 13152, 13152, 7008."""
+    36864, 30720. The embedding: its input gradient ns C and the 864 bytes of indices: 13152, 13152, 7008.
+
+    What only GEMMs read, in elements, which packed bf16 storage keeps as bfloat16 bits: the head's linear
+    input ns C in its cache and its W stash (6144, 6144, 3072); a layer's W stash the two column linears'
+    inputs ns C each and the GELU's output n 4C / t: 96 * (128 + 256) = 36864, 96 * (128 + 128) = 24576,
+    96 * (64 + 128) = 18432."""
     base = MODEL + ["train.global_batch=3", "strategy.amp.enable=true"]
     tp = ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2"]
     want = {"one": dict(layer=246144, scores=36864, input=12288, head=123840, embed=864,
-                        w_layer=196608, w_head=61440, w_embed=13152),
+                        w_layer=196608, w_head=61440, w_embed=13152, bits_head=6144, bits_w_head=6144,
+                        bits_w_layer=36864),
             "tp": dict(layer=147840, scores=18432, input=12288, head=74784, embed=864,
-                       w_layer=122880, w_head=36864, w_embed=13152),
+                       w_layer=122880, w_head=36864, w_embed=13152, bits_head=6144, bits_w_head=6144,
+                       bits_w_layer=24576),
             "sp": dict(layer=123072, scores=18432, input=6144, head=62400, embed=864,
-                       w_layer=110592, w_head=30720, w_embed=7008)}
+                       w_layer=110592, w_head=30720, w_embed=7008, bits_head=3072, bits_w_head=3072,
+                       bits_w_layer=18432)}
     for name, extra, world in (("one", [], 1), ("tp", tp, 2),
                                ("sp", tp + ["strategy.tensor_parallel.sequence_parallel=true"], 2)):
         cfg = load_config(None, base + extra)
