@@ -1,20 +1,30 @@
 // Fused layer kernels for the CuPy path: each replaces a chain of element-wise CuPy calls (one launch and
-// one pass over memory each) by a single launch that reads its inputs once. Entries <op>_f32 and <op>_f64.
+// one pass over memory each) by a single launch that reads its inputs once. Entries <op>_f32 and <op>_f64;
+// and, for bf16 amp, <op>_f32_bf16: float32 math with the arrays below as bfloat16 bits (unsigned short, the
+// float32's high half rounded to nearest even, as TO_BF16_BODY of hpengine/device/bf16_bits.py rounds), so
+// that a GEMM's input needs no conversion pass of its own:
+//   gelu_fwd, swiglu_fwd, layernorm_fwd, rmsnorm_fwd: the output (y, a) in bits; s, xhat, rstd float32;
+//   swiglu_bwd: dg and du in bits;
+//   causal_softmax_f32_bf16(z, p, ...): not in place: float32 scores z in (unchanged), the bits of the
+//     probabilities out, whose float32 values before rounding are causal_softmax_f32's;
+//   softmax_bwd, grouped_softmax_bwd: p read as bits; ds float32, in place.
 // NumPy twins: the NumPy code in hpengine/nn (gelu_forward, gelu_backward, attention_forward's softmax,
 // attention_backward's softmax gradient, gqa_attention_backward's softmax gradient, layernorm_forward,
 // layernorm_backward's dx, rmsnorm_forward, rmsnorm_backward's dx, rope_forward, rope_backward,
 // swiglu_forward, swiglu_backward, cross_entropy_forward, cross_entropy_backward, the bias and norm weight
-// gradients' column sums), which computes the same formulas; hpengine/nn/fused.py launches these.
+// gradients' column sums), which computes the same formulas (for the bits, then rounds with
+// bf16_bits.to_bf16_bits); hpengine/nn/fused.py launches these.
 //
 // Launch assumptions
-//   * point-wise entries (gelu_*, softmax_bwd, grouped_softmax_bwd, rope_*, swiglu_*, xent_bwd): 1-D
+//   * point-wise entries (gelu_*, softmax_bwd_*, grouped_softmax_bwd_*, rope_*, swiglu_*, xent_bwd): 1-D
 //     grid-stride loops, any grid covers any n.
-//   * row entries (causal_softmax, layernorm_*, rmsnorm_*, xent_fwd): one block per row (grid-stride over
+//   * row entries (causal_softmax_*, layernorm_*, rmsnorm_*, xent_fwd): one block per row (grid-stride over
 //     rows), blockDim.x a multiple of 32 and at most 1024; rows are contiguous, n_cols elements apart.
 //   * colsum_part*: blocks of (32, 8) threads, gridDim.x * 32 >= n_cols, gridDim.y chunks of rows;
 //     colsum_finish: 1-D grid-stride, part holding gridDim.y rows of the part entry's grid.
 //   * all arrays C-contiguous, except the input of rope_*, read through the four element strides passed;
 //     outputs do not overlap inputs unless the entry says "in place".
+//   * causal_softmax_f32/_f64 work in place on p; causal_softmax_f32_bf16's z and p are separate arrays.
 
 #define MAX_WARPS 32
 
@@ -30,6 +40,25 @@ template <> __device__ __forceinline__ double rsq<double>(double x) { return 1.0
 template <typename T> __device__ __forceinline__ T neg_inf();
 template <> __device__ __forceinline__ float neg_inf<float>() { return -__int_as_float(0x7f800000); }
 template <> __device__ __forceinline__ double neg_inf<double>() { return -__longlong_as_double(0x7ff0000000000000LL); }
+
+// float32 v -> the bits of the bfloat16 nearest v (ties to even); inf stays inf, a NaN keeps its sign and high
+// payload with the quiet bit 0x0040 set: TO_BF16_BODY of hpengine/device/bf16_bits.py
+__device__ __forceinline__ unsigned short bf16_bits(float v) {
+    unsigned int u = __float_as_uint(v);
+    if ((u & 0x7F800000u) == 0x7F800000u) return (unsigned short)((u >> 16) | ((u & 0x007FFFFFu) ? 0x0040u : 0u));
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+// stores and loads in an array's storage type: bits are rounded on the way in, exact on the way out
+__device__ __forceinline__ void put(float* __restrict__ a, long long i, float v) { a[i] = v; }
+__device__ __forceinline__ void put(double* __restrict__ a, long long i, double v) { a[i] = v; }
+__device__ __forceinline__ void put(unsigned short* __restrict__ a, long long i, float v) { a[i] = bf16_bits(v); }
+__device__ __forceinline__ float get(const float* __restrict__ a, long long i) { return a[i]; }
+__device__ __forceinline__ double get(const double* __restrict__ a, long long i) { return a[i]; }
+__device__ __forceinline__ float get(const unsigned short* __restrict__ a, long long i) {
+    return __uint_as_float((unsigned int)a[i] << 16);
+}
 
 struct Sum { template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; } };
 struct Max { template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return a > b ? a : b; } };
@@ -56,8 +85,9 @@ __device__ __forceinline__ T block_reduce(T v, T* sh, Op op) {
 #define GELU_K 0.7978845608028654
 #define GELU_A 0.044715
 
-template <typename T>
-__device__ void gelu_fwd(const T* __restrict__ x, T* __restrict__ y, T* __restrict__ s, long long n) {
+// (Y: y's storage, T or bits)
+template <typename T, typename Y = T>
+__device__ void gelu_fwd(const T* __restrict__ x, Y* __restrict__ y, T* __restrict__ s, long long n) {
     GRID_STRIDE(i, n) {
         const T xi = x[i];
         T u = xi * xi;
@@ -66,7 +96,7 @@ __device__ void gelu_fwd(const T* __restrict__ x, T* __restrict__ y, T* __restri
         u *= xi;
         const T si = (T)1 / (ex<T>(u) + (T)1);
         s[i] = si;
-        y[i] = xi * si;
+        put(y, i, xi * si);
     }
 }
 
@@ -87,45 +117,49 @@ __device__ void gelu_bwd(const T* __restrict__ x, const T* __restrict__ s, const
     }
 }
 
-// ---- causal softmax, in place, over score rows of a query block: p is (n_rows, n_cols) with
+// ---- causal softmax over score rows z of a query block into p, both (n_rows, n_cols) with
 // n_rows = batch*heads*n_q; row r is query q0 + r % n_q, which sees keys 0 .. q0 + r % n_q; the keys
-// after it become exact zeros.
-template <typename T>
-__device__ void causal_softmax(T* p, long long n_rows, int n_cols, int n_q, int q0) {
+// after it become exact zeros. P = T: in place (p is z), the exponentials kept in the row between the
+// passes; P bits: z is left as it is and the last pass computes the same exponentials again.
+template <typename T, typename P>
+__device__ void causal_softmax(const T* z, P* p, long long n_rows, int n_cols, int n_q, int q0) {
+    const bool in_place = sizeof(P) == sizeof(T);
     __shared__ T sh[MAX_WARPS];
     ROWS(r, n_rows) {
-        T* row = p + r * n_cols;
+        const T* zr = z + r * n_cols;
+        P* row = p + r * n_cols;
         const int seen = q0 + (int)(r % n_q) + 1;
         T m = neg_inf<T>();
-        for (int j = threadIdx.x; j < seen; j += blockDim.x) m = m > row[j] ? m : row[j];
+        for (int j = threadIdx.x; j < seen; j += blockDim.x) m = m > zr[j] ? m : zr[j];
         m = block_reduce(m, sh, Max());
         T s = 0;
         for (int j = threadIdx.x; j < seen; j += blockDim.x) {
-            const T e = ex<T>(row[j] - m);
-            row[j] = e;
+            const T e = ex<T>(zr[j] - m);
+            if (in_place) put(row, j, e);
             s += e;
         }
         s = (T)1 / block_reduce(s, sh, Sum());
-        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) row[j] = j < seen ? row[j] * s : (T)0;
+        for (int j = threadIdx.x; j < n_cols; j += blockDim.x)
+            put(row, j, j < seen ? (in_place ? (T)get(row, j) : ex<T>(zr[j] - m)) * s : (T)0);
     }
 }
 
 // ---- softmax gradient, in place on ds (= dP on entry): ds = (ds - rs) * p, rs one value per query row;
 // row r of the (batch*heads*n_q, n_cols) block is query q0 + r % n_q of head r / n_q, whose rs sits at
-// rs[(r / n_q) * rs_len + q0 + r % n_q].
-template <typename T>
-__device__ void softmax_bwd(T* ds, const T* __restrict__ p, const T* __restrict__ rs, long long n,
+// rs[(r / n_q) * rs_len + q0 + r % n_q]. (P: p's storage, T or bits)
+template <typename T, typename P = T>
+__device__ void softmax_bwd(T* ds, const P* __restrict__ p, const T* __restrict__ rs, long long n,
                             int n_cols, int n_q, int q0, int rs_len) {
     GRID_STRIDE(i, n) {
         const long long r = i / n_cols;
-        ds[i] = (ds[i] - rs[(r / n_q) * rs_len + q0 + r % n_q]) * p[i];
+        ds[i] = (ds[i] - rs[(r / n_q) * rs_len + q0 + r % n_q]) * (T)get(p, i);
     }
 }
 
 // ---- layer norm over rows of x (n_rows, n_cols): xhat = (x - mean) rstd, y = xhat w + b; rstd per row
-template <typename T>
+template <typename T, typename Y = T>
 __device__ void layernorm_fwd(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
-                              T* __restrict__ y, T* __restrict__ xhat, T* __restrict__ rstd, long long n_rows,
+                              Y* __restrict__ y, T* __restrict__ xhat, T* __restrict__ rstd, long long n_rows,
                               int n_cols, T eps) {
     __shared__ T sh[MAX_WARPS];
     ROWS(r, n_rows) {
@@ -139,7 +173,7 @@ __device__ void layernorm_fwd(const T* __restrict__ x, const T* __restrict__ w, 
         for (int j = threadIdx.x; j < n_cols; j += blockDim.x) {
             const T h = (xr[j] - mean) * rs;
             xhat[r * n_cols + j] = h;
-            y[r * n_cols + j] = h * w[j] + b[j];
+            put(y, r * n_cols + j, h * w[j] + b[j]);
         }
         if (threadIdx.x == 0) rstd[r] = rs;
     }
@@ -164,16 +198,16 @@ __device__ void layernorm_bwd(const T* __restrict__ dy, const T* __restrict__ xh
 }
 
 // ---- grouped-query softmax gradient, in place on ds (= dP on entry): ds = (ds - rs) * p over rows of
-// n_cols scores, rs one value per row
-template <typename T>
-__device__ void grouped_softmax_bwd(T* ds, const T* __restrict__ p, const T* __restrict__ rs, long long n,
+// n_cols scores, rs one value per row (P: p's storage, T or bits)
+template <typename T, typename P = T>
+__device__ void grouped_softmax_bwd(T* ds, const P* __restrict__ p, const T* __restrict__ rs, long long n,
                                     int n_cols) {
-    GRID_STRIDE(i, n) ds[i] = (ds[i] - rs[i / n_cols]) * p[i];
+    GRID_STRIDE(i, n) ds[i] = (ds[i] - rs[i / n_cols]) * (T)get(p, i);
 }
 
 // ---- RMS norm over rows of x (n_rows, n_cols): rstd = 1 / sqrt(mean(x^2) + eps), xhat = x rstd, y = xhat w
-template <typename T>
-__device__ void rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+template <typename T, typename Y = T>
+__device__ void rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, Y* __restrict__ y,
                             T* __restrict__ xhat, T* __restrict__ rstd, long long n_rows, int n_cols, T eps) {
     __shared__ T sh[MAX_WARPS];
     ROWS(r, n_rows) {
@@ -184,7 +218,7 @@ __device__ void rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, T*
         for (int j = threadIdx.x; j < n_cols; j += blockDim.x) {
             const T h = xr[j] * rs;
             xhat[r * n_cols + j] = h;
-            y[r * n_cols + j] = h * w[j];
+            put(y, r * n_cols + j, h * w[j]);
         }
         if (threadIdx.x == 0) rstd[r] = rs;
     }
@@ -232,29 +266,30 @@ __device__ void rope(const T* __restrict__ x, const T* __restrict__ cs, const T*
 }
 
 // ---- SiLU gating: s = sigmoid(g), a = g s u; backward du = g s da, dg = ((1 - s) g + 1) s u da
-template <typename T>
-__device__ void swiglu_fwd(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ a, T* __restrict__ s,
+// (Y: the storage of a, or of dg and du: T or bits)
+template <typename T, typename Y = T>
+__device__ void swiglu_fwd(const T* __restrict__ g, const T* __restrict__ u, Y* __restrict__ a, T* __restrict__ s,
                            long long n) {
     GRID_STRIDE(i, n) {
         const T gi = g[i];
         const T si = (T)1 / (ex<T>(-gi) + (T)1);
         s[i] = si;
-        a[i] = gi * si * u[i];
+        put(a, i, gi * si * u[i]);
     }
 }
 
-template <typename T>
+template <typename T, typename Y = T>
 __device__ void swiglu_bwd(const T* __restrict__ g, const T* __restrict__ u, const T* __restrict__ s,
-                           const T* __restrict__ da, T* __restrict__ dg, T* __restrict__ du, long long n) {
+                           const T* __restrict__ da, Y* __restrict__ dg, Y* __restrict__ du, long long n) {
     GRID_STRIDE(i, n) {
         const T gi = g[i], si = s[i], dai = da[i];
-        du[i] = gi * si * dai;
+        put(du, i, gi * si * dai);
         T d = (T)1 - si;
         d *= gi;
         d += (T)1;
         d *= si;
         d *= u[i];
-        dg[i] = d * dai;
+        put(dg, i, d * dai);
     }
 }
 
@@ -327,7 +362,7 @@ extern "C" __global__ void gelu_fwd_##S(const T* x, T* y, T* s, long long n) { g
 extern "C" __global__ void gelu_bwd_##S(const T* x, const T* s, const T* dy, T* dx, long long n) {             \
     gelu_bwd<T>(x, s, dy, dx, n); }                                                                            \
 extern "C" __global__ void causal_softmax_##S(T* p, long long n_rows, int n_cols, int n_q, int q0) {           \
-    causal_softmax<T>(p, n_rows, n_cols, n_q, q0); }                                                           \
+    causal_softmax<T, T>(p, p, n_rows, n_cols, n_q, q0); }                                                     \
 extern "C" __global__ void softmax_bwd_##S(T* ds, const T* p, const T* rs, long long n, int n_cols, int n_q,   \
                                            int q0, int rs_len) {                                               \
     softmax_bwd<T>(ds, p, rs, n, n_cols, n_q, q0, rs_len); }                                                   \
@@ -371,5 +406,32 @@ extern "C" __global__ void colsum_prod_part_##S(const T* a, const T* b, T* part,
 extern "C" __global__ void colsum_finish_##S(const T* part, T* out, int n_parts, int n_cols, int accumulate) { \
     colsum_finish<T>(part, out, n_parts, n_cols, accumulate); }
 
+// the ops of the header's bfloat16 list: the arrays it names as bits (unsigned short), T's math otherwise
+#define ENTRIES_BF16(S, T)                                                                                     \
+extern "C" __global__ void gelu_fwd_##S##_bf16(const T* x, unsigned short* y, T* s, long long n) {             \
+    gelu_fwd<T, unsigned short>(x, y, s, n); }                                                                 \
+extern "C" __global__ void causal_softmax_##S##_bf16(const T* z, unsigned short* p, long long n_rows,          \
+                                                     int n_cols, int n_q, int q0) {                            \
+    causal_softmax<T, unsigned short>(z, p, n_rows, n_cols, n_q, q0); }                                        \
+extern "C" __global__ void softmax_bwd_##S##_bf16(T* ds, const unsigned short* p, const T* rs, long long n,    \
+                                                  int n_cols, int n_q, int q0, int rs_len) {                   \
+    softmax_bwd<T, unsigned short>(ds, p, rs, n, n_cols, n_q, q0, rs_len); }                                   \
+extern "C" __global__ void layernorm_fwd_##S##_bf16(const T* x, const T* w, const T* b, unsigned short* y,     \
+                                                    T* xhat, T* rstd, long long n_rows, int n_cols, T eps) {   \
+    layernorm_fwd<T, unsigned short>(x, w, b, y, xhat, rstd, n_rows, n_cols, eps); }                           \
+extern "C" __global__ void grouped_softmax_bwd_##S##_bf16(T* ds, const unsigned short* p, const T* rs,         \
+                                                          long long n, int n_cols) {                           \
+    grouped_softmax_bwd<T, unsigned short>(ds, p, rs, n, n_cols); }                                            \
+extern "C" __global__ void rmsnorm_fwd_##S##_bf16(const T* x, const T* w, unsigned short* y, T* xhat, T* rstd, \
+                                                  long long n_rows, int n_cols, T eps) {                       \
+    rmsnorm_fwd<T, unsigned short>(x, w, y, xhat, rstd, n_rows, n_cols, eps); }                                \
+extern "C" __global__ void swiglu_fwd_##S##_bf16(const T* g, const T* u, unsigned short* a, T* s,             \
+                                                 long long n) {                                                \
+    swiglu_fwd<T, unsigned short>(g, u, a, s, n); }                                                            \
+extern "C" __global__ void swiglu_bwd_##S##_bf16(const T* g, const T* u, const T* s, const T* da,              \
+                                                 unsigned short* dg, unsigned short* du, long long n) {        \
+    swiglu_bwd<T, unsigned short>(g, u, s, da, dg, du, n); }
+
 ENTRIES(f32, float)
 ENTRIES(f64, double)
+ENTRIES_BF16(f32, float)

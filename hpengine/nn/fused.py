@@ -2,6 +2,11 @@
 place of a chain of CuPy calls that each launch a kernel and make a pass over memory. The NumPy code
 beside each call site in hpengine/nn is the twin: same formulas, used on the CPU and for float16.
 
+Under bfloat16 amp the outputs that only feed bf16 GEMMs can come out as bfloat16 bits (uint16, rounded as
+device/bf16_bits.py's TO_BF16_BODY) from the same launch: `bits=True` on gelu_forward, layernorm_forward,
+rmsnorm_forward, swiglu_forward and swiglu_backward, and causal_softmax_bits; the softmax backwards read p as
+bits when it is uint16. These take float32 arrays only.
+
 `ENABLED` switches the fused path off (benchmarks/gpu_profile.py compares both).
 """
 from __future__ import annotations
@@ -12,6 +17,7 @@ from hpengine.device import kernels
 
 ENABLED = True
 _SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+BITS = np.dtype(np.uint16)
 
 
 def usable(xp, *arrays) -> bool:
@@ -20,8 +26,19 @@ def usable(xp, *arrays) -> bool:
             and all(a.dtype == arrays[0].dtype for a in arrays))
 
 
-def _fn(entry: str, dtype):
-    return kernels.function("fused", f"{entry}_{_SUFFIX[np.dtype(dtype)]}")
+def _fn(entry: str, dtype, bits: bool = False):
+    return kernels.function("fused", f"{entry}_{_SUFFIX[np.dtype(dtype)]}" + ("_bf16" if bits else ""))
+
+
+def _float32(what: str, *arrays) -> None:
+    # the _bf16 entries exist for float32 math only
+    bad = [a.dtype for a in arrays if a.dtype != np.float32]
+    if bad:
+        raise ValueError(f"{what}: bfloat16 bits come from float32 arrays only, not {bad[0]}")
+
+
+def _out(xp, like, bits: bool):
+    return xp.empty(like.shape, dtype=BITS) if bits else xp.empty_like(like)
 
 
 def _row_threads(n_cols: int) -> int:
@@ -29,18 +46,21 @@ def _row_threads(n_cols: int) -> int:
     return int(min(1024, max(32, 1 << max(0, (n_cols - 1).bit_length() - 2))))
 
 
-def _rows(entry, dtype, n_rows, n_cols, args):
-    _fn(entry, dtype)((max(1, min(int(n_rows), 1 << 20)),), (_row_threads(n_cols),), args)
+def _rows(entry, dtype, n_rows, n_cols, args, bits=False):
+    _fn(entry, dtype, bits)((max(1, min(int(n_rows), 1 << 20)),), (_row_threads(n_cols),), args)
 
 
-def _points(entry, dtype, n, args):
-    _fn(entry, dtype)((kernels.blocks_for(n),), (kernels.THREADS,), args)
+def _points(entry, dtype, n, args, bits=False):
+    _fn(entry, dtype, bits)((kernels.blocks_for(n),), (kernels.THREADS,), args)
 
 
-def gelu_forward(xp, x):
+def gelu_forward(xp, x, bits=False):
+    """-> y = gelu(x) and the cache s, contiguous, of x's shape; y as bfloat16 bits with bits=True."""
     x = xp.ascontiguousarray(x)
-    y, s = xp.empty_like(x), xp.empty_like(x)
-    _points("gelu_fwd", x.dtype, x.size, (x, y, s, np.int64(x.size)))
+    if bits:
+        _float32("gelu_forward", x)
+    y, s = _out(xp, x, bits), xp.empty_like(x)
+    _points("gelu_fwd", x.dtype, x.size, (x, y, s, np.int64(x.size)), bits)
     return y, s
 
 
@@ -59,27 +79,52 @@ def causal_softmax_(p, q0: int):
                                                       np.int32(q0)))
 
 
+def causal_softmax_bits(xp, z, q0: int):
+    """The bfloat16 bits (uint16, z's shape) of the causal softmax of float32 scores z (..., n_q, n_cols),
+    contiguous, of queries q0 .. q0 + n_q - 1: causal_softmax_'s float32 values, rounded; z is left as it is."""
+    _float32("causal_softmax_bits", z)
+    if not z.flags.c_contiguous:
+        raise ValueError("causal_softmax_bits: z must be contiguous")
+    n_q, n_cols = z.shape[-2:]
+    n_rows = z.size // n_cols
+    p = xp.empty(z.shape, dtype=BITS)
+    _rows("causal_softmax", z.dtype, n_rows, n_cols, (z, p, np.int64(n_rows), np.int32(n_cols), np.int32(n_q),
+                                                      np.int32(q0)), True)
+    return p
+
+
 def softmax_backward_(ds, p, rs, q0: int):
-    """In place: ds = (ds - rs) * p, with rs (..., T, 1) holding one value per query of the whole sequence."""
+    """In place: ds = (ds - rs) * p, with rs (..., T, 1) holding one value per query of the whole sequence; p
+    may be bfloat16 bits (uint16), ds and rs then float32."""
+    bits = p.dtype == BITS
+    if bits:
+        _float32("softmax_backward_", ds, rs)
     n_q, n_cols = ds.shape[-2:]
     _points("softmax_bwd", ds.dtype, ds.size, (ds, p, rs, np.int64(ds.size), np.int32(n_cols), np.int32(n_q),
-                                               np.int32(q0), np.int32(rs.shape[-2])))
+                                               np.int32(q0), np.int32(rs.shape[-2])), bits)
 
 
 def grouped_softmax_backward_(ds, p, rs):
-    """In place: ds = (ds - rs) * p, with ds, p (..., n_cols) contiguous and rs (..., 1) one value per row."""
+    """In place: ds = (ds - rs) * p, with ds, p (..., n_cols) contiguous and rs (..., 1) one value per row; p may
+    be bfloat16 bits (uint16), ds and rs then float32."""
     if not (ds.flags.c_contiguous and p.flags.c_contiguous):
         raise ValueError("grouped_softmax_backward_: ds and p must be contiguous")
+    bits = p.dtype == BITS
+    if bits:
+        _float32("grouped_softmax_backward_", ds, rs)
     rs = rs if rs.flags.c_contiguous else rs.copy()
-    _points("grouped_softmax_bwd", ds.dtype, ds.size, (ds, p, rs, np.int64(ds.size), np.int32(ds.shape[-1])))
+    _points("grouped_softmax_bwd", ds.dtype, ds.size, (ds, p, rs, np.int64(ds.size), np.int32(ds.shape[-1])), bits)
 
 
-def layernorm_forward(xp, x2, w, b, eps):
-    """x2 (N, C) -> y, xhat (N, C), rstd (N, 1)."""
+def layernorm_forward(xp, x2, w, b, eps, bits=False):
+    """x2 (N, C) -> y, xhat (N, C), rstd (N, 1); y as bfloat16 bits with bits=True."""
     x2, w, b = xp.ascontiguousarray(x2), xp.ascontiguousarray(w), xp.ascontiguousarray(b)
+    if bits:
+        _float32("layernorm_forward", x2, w, b)
     n, c = x2.shape
-    y, xhat, rstd = xp.empty_like(x2), xp.empty_like(x2), xp.empty((n, 1), dtype=x2.dtype)
-    _rows("layernorm_fwd", x2.dtype, n, c, (x2, w, b, y, xhat, rstd, np.int64(n), np.int32(c), x2.dtype.type(eps)))
+    y, xhat, rstd = _out(xp, x2, bits), xp.empty_like(x2), xp.empty((n, 1), dtype=x2.dtype)
+    _rows("layernorm_fwd", x2.dtype, n, c, (x2, w, b, y, xhat, rstd, np.int64(n), np.int32(c), x2.dtype.type(eps)),
+          bits)
     return y, xhat, rstd
 
 
@@ -91,12 +136,14 @@ def layernorm_backward_dx(xp, dy2, xhat, rstd, w):
     return dx
 
 
-def rmsnorm_forward(xp, x2, w, eps):
-    """x2 (N, C) -> y, xhat (N, C), rstd (N, 1)."""
+def rmsnorm_forward(xp, x2, w, eps, bits=False):
+    """x2 (N, C) -> y, xhat (N, C), rstd (N, 1); y as bfloat16 bits with bits=True."""
     x2, w = xp.ascontiguousarray(x2), xp.ascontiguousarray(w)
+    if bits:
+        _float32("rmsnorm_forward", x2, w)
     n, c = x2.shape
-    y, xhat, rstd = xp.empty_like(x2), xp.empty_like(x2), xp.empty((n, 1), dtype=x2.dtype)
-    _rows("rmsnorm_fwd", x2.dtype, n, c, (x2, w, y, xhat, rstd, np.int64(n), np.int32(c), x2.dtype.type(eps)))
+    y, xhat, rstd = _out(xp, x2, bits), xp.empty_like(x2), xp.empty((n, 1), dtype=x2.dtype)
+    _rows("rmsnorm_fwd", x2.dtype, n, c, (x2, w, y, xhat, rstd, np.int64(n), np.int32(c), x2.dtype.type(eps)), bits)
     return y, xhat, rstd
 
 
@@ -134,19 +181,23 @@ def rope_backward(xp, dy, cos, sin):
     return _rope("rope_bwd", xp, dy, cos, sin, xp.empty((B, T, H, hd), dtype=dy.dtype), T, H)
 
 
-def swiglu_forward(xp, g, u):
-    """-> a = g sigmoid(g) u and s = sigmoid(g), contiguous, of g's shape."""
+def swiglu_forward(xp, g, u, bits=False):
+    """-> a = g sigmoid(g) u and s = sigmoid(g), contiguous, of g's shape; a as bfloat16 bits with bits=True."""
     g, u = xp.ascontiguousarray(g), xp.ascontiguousarray(u)
-    a, s = xp.empty_like(g), xp.empty_like(g)
-    _points("swiglu_fwd", g.dtype, g.size, (g, u, a, s, np.int64(g.size)))
+    if bits:
+        _float32("swiglu_forward", g, u)
+    a, s = _out(xp, g, bits), xp.empty_like(g)
+    _points("swiglu_fwd", g.dtype, g.size, (g, u, a, s, np.int64(g.size)), bits)
     return a, s
 
 
-def swiglu_backward(xp, g, u, s, da):
-    """-> (dg, du), contiguous, of g's shape."""
+def swiglu_backward(xp, g, u, s, da, bits=False):
+    """-> (dg, du), contiguous, of g's shape; as bfloat16 bits with bits=True."""
     g, u, s, da = (xp.ascontiguousarray(a) for a in (g, u, s, da))
-    dg, du = xp.empty_like(g), xp.empty_like(g)
-    _points("swiglu_bwd", g.dtype, g.size, (g, u, s, da, dg, du, np.int64(g.size)))
+    if bits:
+        _float32("swiglu_backward", g, u, s, da)
+    dg, du = _out(xp, g, bits), _out(xp, g, bits)
+    _points("swiglu_bwd", g.dtype, g.size, (g, u, s, da, dg, du, np.int64(g.size)), bits)
     return dg, du
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hpengine.device import backend
+from hpengine.device.bf16_bits import from_bf16_bits, to_bf16_bits
 from hpengine.nn import (attention_backward, attention_forward, cross_entropy_backward, cross_entropy_forward,
                          fused, gelu_backward, gelu_forward, layernorm_backward, layernorm_forward)
 
@@ -149,9 +150,11 @@ def test_linear_backward_accumulates(dtype, rows):
 
 @pytest.fixture
 def entries(monkeypatch):
-    """The fused entries launched during a test: the comparisons must go through the kernels."""
+    """The fused entries launched during a test, <op>_bf16 for the bits entries: the comparisons must go through
+    the kernels."""
     seen, fn = set(), fused._fn
-    monkeypatch.setattr(fused, "_fn", lambda entry, dtype: seen.add(entry) or fn(entry, dtype))
+    monkeypatch.setattr(fused, "_fn", lambda entry, dtype, bits=False:
+                        seen.add(entry + ("_bf16" if bits else "")) or fn(entry, dtype, bits))
     return seen
 
 
@@ -228,3 +231,117 @@ def test_gqa_attention(entries, dtype, B, T, H, K, hd):
     for got, want in zip(gqa_attention_backward(cp, dyd, cd), gqa_attention_backward(np, dy, c)):
         close(got, want, dtype)
     assert {"causal_softmax", "grouped_softmax_bwd"} <= entries
+
+
+# ---------------------------------------------------------------- bfloat16-bits entries (<op>_f32_bf16)
+
+def close_bits(bits, host, f32=None):
+    """Bits from an _f32_bf16 entry: their values within a bfloat16 rounding (2^-8 relative) and float32 noise of
+    the NumPy twin's `host`; with f32 (the _f32 entry's output on the same inputs) equal to its rounding by
+    TO_BF16_BODY (bf16_bits.to_bf16_bits), or one bfloat16 step away where the two entries' float32 code
+    contracts or unrolls differently (the stand-in computes both alike: equal there)."""
+    assert bits.dtype == np.uint16 and bits.shape == np.shape(host)
+    got = cp.asnumpy(from_bf16_bits(cp, bits)).astype(np.float64)
+    want = np.asarray(host, np.float64)
+    assert (np.abs(got - want) <= 2.0 ** -8 * np.abs(want) + TOL[np.float32] * max(1.0, np.abs(want).max())).all()
+    if f32 is not None:
+        ref = cp.asnumpy(from_bf16_bits(cp, to_bf16_bits(cp, f32))).astype(np.float64)
+        step = np.abs(got - ref) <= 2.0 ** -7 * np.maximum(np.abs(got), np.abs(ref))
+        assert step.all() and (got == ref).mean() >= 0.99
+
+
+def same_f32(dev, other_dev, host):
+    """A float32 side output of a bits entry: the _f32 entry's (bit for bit on the stand-in), the twin's to TOL."""
+    close(dev, host, np.float32)
+    close(dev, cp.asnumpy(other_dev), np.float32)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (2, 7, 300)])
+def test_gelu_swiglu_bits(entries, shape):
+    from hpengine.nn.swiglu import swiglu_backward, swiglu_forward
+    rng = np.random.default_rng(12)
+    x, xd = pair(rng, shape, np.float32, 3.0)
+    y, c = gelu_forward(np, x)
+    yd, sd = fused.gelu_forward(cp, xd)
+    yb, sb = fused.gelu_forward(cp, xd, bits=True)
+    close_bits(yb, y, yd)
+    same_f32(sb, sd, c[1])
+    g, gd = pair(rng, shape, np.float32, 3.0)
+    u, ud = pair(rng, shape, np.float32)
+    a, c = swiglu_forward(np, g, u)
+    ad, sd = fused.swiglu_forward(cp, gd, ud)
+    ab, sb = fused.swiglu_forward(cp, gd, ud, bits=True)
+    close_bits(ab, a, ad)
+    same_f32(sb, sd, c[2])
+    da, dad = pair(rng, shape, np.float32)
+    want = swiglu_backward(np, da, c)
+    f32 = fused.swiglu_backward(cp, gd, ud, sd, dad)
+    for got, w, ref in zip(fused.swiglu_backward(cp, gd, ud, sd, dad, bits=True), want, f32):
+        close_bits(got, w, ref)
+    assert {"gelu_fwd_bf16", "swiglu_fwd_bf16", "swiglu_bwd_bf16"} <= entries
+
+
+@pytest.mark.parametrize("rows,C", [(15, 7), (37, 96), (5, 1500)])
+def test_norm_bits(entries, rows, C):
+    from hpengine.nn.rmsnorm import rmsnorm_forward
+    rng = np.random.default_rng(13)
+    x, xd = pair(rng, (rows, C), np.float32, 2.0)
+    w, wd = pair(rng, (C,), np.float32)
+    b, bd = pair(rng, (C,), np.float32)
+    y, c = layernorm_forward(np, x + np.float32(1.5), w, b)
+    f32 = fused.layernorm_forward(cp, xd + np.float32(1.5), wd, bd, 1e-5)
+    yb, xhat, rstd = fused.layernorm_forward(cp, xd + np.float32(1.5), wd, bd, 1e-5, bits=True)
+    close_bits(yb, y, f32[0])
+    same_f32(xhat, f32[1], c[0])
+    same_f32(rstd, f32[2], c[1])
+    y, c = rmsnorm_forward(np, x, w)
+    f32 = fused.rmsnorm_forward(cp, xd, wd, 1e-5)
+    yb, xhat, rstd = fused.rmsnorm_forward(cp, xd, wd, 1e-5, bits=True)
+    close_bits(yb, y, f32[0])
+    same_f32(xhat, f32[1], c[0])
+    same_f32(rstd, f32[2], c[1])
+    assert {"layernorm_fwd_bf16", "rmsnorm_fwd_bf16"} <= entries
+
+
+@pytest.mark.parametrize("n_q,T,q0", [(5, 5, 0), (7, 40, 33), (64, 200, 100)])
+def test_causal_softmax_bits_and_its_gradients(entries, n_q, T, q0):
+    rng = np.random.default_rng(14)
+    z, zd = pair(rng, (2, 3, n_q, T), np.float32, 3.0)
+    mask = np.arange(T) <= q0 + np.arange(n_q)[:, None]
+    zm = np.where(mask, z, -np.inf)
+    e = np.exp(zm - zm.max(-1, keepdims=True))
+    p = e / e.sum(-1, keepdims=True)
+    p32 = zd.copy()
+    fused.causal_softmax_(p32, q0)
+    pb = fused.causal_softmax_bits(cp, zd, q0)
+    close_bits(pb, p, p32)
+    assert (cp.asnumpy(pb)[..., ~mask] == 0).all()                 # the masked keys: exact zeros
+    assert cp.asnumpy(zd).tobytes() == z.tobytes()
+    pf = cp.asnumpy(from_bf16_bits(cp, pb))                        # the values the bits hold
+    ds, dsd = pair(rng, z.shape, np.float32)
+    rs, rsd = pair(rng, (2, 3, q0 + n_q, 1), np.float32)
+    for bits in (False, True):
+        d = dsd.copy()
+        fused.softmax_backward_(d, pb if bits else cp.asarray(pf), rsd, q0)
+        close(d, (ds - rs[:, :, q0:q0 + n_q]) * pf, np.float32)
+        d = dsd.copy()
+        fused.grouped_softmax_backward_(d, pb if bits else cp.asarray(pf), rsd[:, :, q0:q0 + n_q].copy())
+        close(d, (ds - rs[:, :, q0:q0 + n_q]) * pf, np.float32)
+    assert {"causal_softmax_bf16", "softmax_bwd_bf16", "grouped_softmax_bwd_bf16"} <= entries
+
+
+def test_bits_rounding_is_to_bf16_body():
+    """The kernels' rounding against TO_BF16_BODY's ElementwiseKernel on the same float32 values: g = 2^14
+    saturates the gate, so swiglu's a = 2^14 u exactly; ties, overflow to inf and inf round alike; a NaN stays
+    a NaN."""
+    rng = np.random.default_rng(15)
+    ties = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x3F808001, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF,
+                     0xFF7FFFFF, 0x7F800000, 0xFF800000], np.uint32).view(np.float32)
+    spread = (rng.standard_normal(20000) * 2.0 ** rng.integers(-60, 60, 20000)).astype(np.float32)
+    a = np.concatenate([ties, spread, np.array([np.nan], np.float32)])
+    u = cp.asarray(a * np.float32(2.0 ** -14))
+    out, s = fused.swiglu_forward(cp, cp.full(a.shape, 2.0 ** 14, dtype=np.float32), u, bits=True)
+    assert (cp.asnumpy(s) == 1).all()
+    got, want = cp.asnumpy(out), cp.asnumpy(to_bf16_bits(cp, cp.asarray(a)))
+    assert (got[:-1] == want[:-1]).all()
+    assert got[-1] & 0x7F80 == 0x7F80 and got[-1] & 0x7F

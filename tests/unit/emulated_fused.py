@@ -1,7 +1,8 @@
 """NumPy emulators of the entries of hpengine/_kernels/fused.cu, for the CuPy stand-in (emulated_cupy.py). Each
 takes a launch as the kernel does (its device pointers and scalars, and the launch where the work split depends
 on it), computes what the C code computes in the entry's type, and writes the kernel's outputs only; a read or
-write past an array, or a launch outside the .cu's launch assumptions, fails an assertion naming the entry."""
+write past an array, or a launch outside the .cu's launch assumptions, fails an assertion naming the entry. The
+_f32_bf16 entries run their _f32 emulator on float32 temporaries and store or read the bfloat16 bits."""
 from __future__ import annotations
 
 import functools
@@ -10,6 +11,7 @@ import re
 import numpy as np
 
 from hpengine.device import kernels
+from hpengine.device.bf16_bits import bf16_bits_numpy, from_bf16_bits
 
 _SRC = kernels.source_path("fused").read_text()
 GELU_K, GELU_A = (float(re.search(rf"^#define {n} (\S+)$", _SRC, re.M).group(1)) for n in ("GELU_K", "GELU_A"))
@@ -265,3 +267,54 @@ _OPS = {"gelu_fwd": gelu_fwd, "gelu_bwd": gelu_bwd, "causal_softmax": causal_sof
         "swiglu_fwd": swiglu_fwd, "swiglu_bwd": swiglu_bwd, "xent_fwd": xent_fwd, "xent_bwd": xent_bwd,
         "colsum_part": colsum_part, "colsum_prod_part": colsum_part, "colsum_finish": colsum_finish}
 EMULATED = {f"{op}_{s}": functools.partial(fn, f"{op}_{s}") for op, fn in _OPS.items() for s in ("f32", "f64")}
+
+
+# ---------------------------------------------------------------- bfloat16 bits (the _f32_bf16 entries)
+
+def _bits_out(fn, outs, count):
+    """fn (an _f32 emulator) with its arguments at positions outs as bfloat16 bits: it computes those into float32
+    temporaries, whose first count(args) elements are then stored as their bits (TO_BF16_BODY's rounding)."""
+    def run(entry, args, launch):
+        temps = {}
+        for k in outs:
+            assert args[k].dtype == np.uint16, f"{entry} argument {k}: dtype {args[k].dtype}, not bits"
+            temps[k] = np.empty(args[k].size, np.float32)
+        fn(entry, [temps.get(k, a) for k, a in enumerate(args)], launch)
+        n = count(args)
+        for k, t in temps.items():
+            mem(args[k], n, entry)[...] = bf16_bits_numpy(t[:n])
+    return run
+
+
+def _bits_in(fn, k):
+    """fn (an _f32 emulator) with its argument k read as bfloat16 bits: the float32 values they hold, exactly."""
+    def run(entry, args, launch):
+        assert args[k].dtype == np.uint16, f"{entry} argument {k}: dtype {args[k].dtype}, not bits"
+        fn(entry, [from_bf16_bits(np, a.view(np.ndarray)) if j == k else a for j, a in enumerate(args)], launch)
+    return run
+
+
+def causal_softmax_bits(entry, args, launch):
+    """causal_softmax_f32 on a float32 copy of the scores z (left as they are), its rows stored as bits in p."""
+    z, p, n_rows, n_cols, n_q, q0 = args
+    n = int(n_rows) * int(n_cols)
+    assert p.dtype == np.uint16, f"{entry} argument 1: dtype {p.dtype}, not bits"
+    rows = mem(z, n, entry).copy()
+    causal_softmax(entry, (rows, n_rows, n_cols, n_q, q0), launch)
+    mem(p, n, entry)[...] = bf16_bits_numpy(rows)
+
+
+def _points(args):
+    return int(args[-1])                        # n, the last argument
+
+
+def _rows(args):
+    return int(args[-3]) * int(args[-2])        # n_rows * n_cols, before eps
+
+
+_BITS = {"gelu_fwd": _bits_out(gelu_fwd, (1,), _points), "swiglu_fwd": _bits_out(swiglu_fwd, (2,), _points),
+         "swiglu_bwd": _bits_out(swiglu_bwd, (4, 5), _points),
+         "layernorm_fwd": _bits_out(layernorm_fwd, (3,), _rows), "rmsnorm_fwd": _bits_out(rmsnorm_fwd, (2,), _rows),
+         "causal_softmax": causal_softmax_bits, "softmax_bwd": _bits_in(softmax_bwd, 1),
+         "grouped_softmax_bwd": _bits_in(grouped_softmax_bwd, 1)}
+EMULATED.update({f"{op}_f32_bf16": functools.partial(fn, f"{op}_f32_bf16") for op, fn in _BITS.items()})

@@ -52,23 +52,28 @@ def _compilers():
 
 
 def declared_entries(src: str) -> set[str]:
-    """The extern "C" entry names a .cu file declares: written out, or made by an ENTRIES(SUFFIX, ...) macro
-    from its <op>_##SUFFIX definitions, once per ENTRIES line."""
+    """The extern "C" entry names a .cu file declares: written out, or made by a macro NAME(S, ...) (ENTRIES,
+    ENTRIES_BF16) from its <op>_##S or <op>_##S##<tail> definitions, once per NAME(SUFFIX, ...) line."""
     head = r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?'
     names = set(re.findall(head + r"(?!__launch_bounds__)(\w+)\(", src))
-    ops = re.findall(head + r"(\w+)##\w+\(", src)
-    names |= {op + suffix for op in ops for suffix in re.findall(r"^ENTRIES\((\w+)", src, re.M)}
+    for macro, body in re.findall(r"^#define (\w+)\(S\b[^)]*\)((?:.*\\\n)*.*)", src, re.MULTILINE):
+        ops = re.findall(head + r"(\w+)##S((?:##\w+)?)\(", body)
+        names |= {op + suffix + tail.lstrip("#") for op, tail in ops
+                  for suffix in re.findall(rf"^{macro}\((\w+)", src, re.MULTILINE)}
     return names
 
 
 def test_declared_entries_reads_both_forms():
     src = ('extern "C" __global__ void plain_f32(float* p) {}\n#define ENTRIES(S, T) \\\n'
            'extern "C" __global__ void __launch_bounds__(256) op_##S(T* p) {}\n'
-           'ENTRIES(f32, float)\nENTRIES(f64, double)\n')
-    assert declared_entries(src) == {"plain_f32", "op_f32", "op_f64"}
+           '#define ENTRIES_BF16(S, T) \\\nextern "C" __global__ void op_##S##_bf16(T* p) {}\n'
+           'ENTRIES(f32, float)\nENTRIES(f64, double)\nENTRIES_BF16(f32, float)\n')
+    assert declared_entries(src) == {"plain_f32", "op_f32", "op_f64", "op_f32_bf16"}
     assert {"adamw_f32", "adamw_f64"} <= declared_entries(kernels.load_source("adamw"))
     assert {"pack_f32", "unpack_f64"} <= declared_entries(kernels.load_source("pack"))
-    assert {"rope_fwd_f32", "rmsnorm_bwd_f64"} <= declared_entries(kernels.load_source("fused"))
+    fused = declared_entries(kernels.load_source("fused"))
+    assert {"rope_fwd_f32", "rmsnorm_bwd_f64", "causal_softmax_f32_bf16", "swiglu_bwd_f32_bf16"} <= fused
+    assert "rope_fwd_f32_bf16" not in fused and "gelu_fwd_f64_bf16" not in fused
 
 
 @pytest.mark.timeout(300)
