@@ -29,7 +29,7 @@ from hpengine.models.common import (
     tok_embed_backward,
     tok_embed_forward,
 )
-from hpengine.models.context import LOCAL
+from hpengine.models.context import LOCAL, LocalAttn
 from hpengine.models.decode import KVCache, output_logits
 from hpengine.models.moe_mlp import MoEMLP
 from hpengine.models.tp_layers import (
@@ -199,7 +199,10 @@ class Llama:
         H, K, hd = P[f"{p}.attn.q.w"].shape[1] // self.hd, P[f"{p}.attn.k.w"].shape[1] // self.hd, self.hd
         cos, sin, qcos, qsin = self._tables_at(xp, x.dtype, ctx)
         hs, c_n1 = rmsnorm_forward(xp, x, P[f"{p}.attn_norm.w"], self.eps, gemm_input=True)
-        (q, k, v), c_qkv = columns_forward(xp, ctx, hs, (P[f"{p}.attn.q.w"], P[f"{p}.attn.k.w"], P[f"{p}.attn.v.w"]))
+        # the values go only to the attention's products (standard attention on this rank): stored in bfloat16
+        v_bits = not self.flash and type(ctx.attn) is LocalAttn      # (context parallelism subclasses it)
+        (q, k, v), c_qkv = columns_forward(xp, ctx, hs, (P[f"{p}.attn.q.w"], P[f"{p}.attn.k.w"], P[f"{p}.attn.v.w"]),
+                                           bf16_out=(False, False, v_bits))
         del hs
         q, k, c_qk = self._qk_forward(xp, P, p, q.reshape(B, T, H, hd), k.reshape(B, T, K, hd))
         q = rope_forward(xp, q, qcos, qsin)

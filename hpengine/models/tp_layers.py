@@ -29,13 +29,15 @@ __all__ = ["column_backward", "column_backward_input", "column_backward_weight",
            "vocab_embed_forward", "vocab_loss_backward", "vocab_loss_forward"]
 
 
-def columns_forward(xp, ctx, x, ws, bs=None):
-    # x: (B, T_local, C), ws[i]: (C, OC_i / tp) -> ([(B, T, OC_i / tp)], stash): linears sharing one input
+def columns_forward(xp, ctx, x, ws, bs=None, bf16_out=()):
+    # x: (B, T_local, C), ws[i]: (C, OC_i / tp) -> ([(B, T, OC_i / tp)], stash): linears sharing one input;
+    # bf16_out[i]: linear i's output stored as bfloat16 under bf16 amp (nn/linear.linear_forward)
     h = ctx.tp.copy_to_tp(x)
     ys, caches = [], []
+    outs = tuple(bf16_out) + (False,) * (len(ws) - len(bf16_out))
     with bf16_gemm.held(xp, h):             # bf16 amp: the shared input converted once for all the linears
-        for w, b in zip(ws, bs or (None,) * len(ws)):
-            y, c = linear_forward(xp, h, w, b)
+        for w, b, o in zip(ws, bs or (None,) * len(ws), outs):
+            y, c = linear_forward(xp, h, w, b, o)
             ys.append(y)
             caches.append(c)
     # sequence parallel: the caches keep this rank's piece x, not the gathered h
@@ -89,9 +91,9 @@ def columns_backward_weight(xp, ctx, dys, stash, gws, gbs=None):
             linear_backward_weight(xp, dy, c, gw, gb)
 
 
-def column_forward(xp, ctx, x, w, b=None):
+def column_forward(xp, ctx, x, w, b=None, bf16_out=False):
     # x: (B, T_local, C), w: (C, OC / tp) -> y: (B, T, OC / tp), stash
-    (y,), stash = columns_forward(xp, ctx, x, (w,), None if b is None else (b,))
+    (y,), stash = columns_forward(xp, ctx, x, (w,), None if b is None else (b,), (bf16_out,))
     return y, stash
 
 

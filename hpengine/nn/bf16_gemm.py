@@ -16,7 +16,9 @@ the same view of those bits (CuPy: no conversion pass; NumPy: no rounded copy, i
 `held` converts an array once for all the products inside it (a gradient that two products read).
 An operand may also come as bfloat16 bits already (uint16, any view): a layer whose output only GEMMs read
 writes it so (`gemm_input`), in its own kernel on CuPy when the storage is packed (`operands(True, bits=True)`),
-and the GEMM takes it as it is; NumPy multiplies the float32 values of those bits.
+and the GEMM takes it as it is; NumPy multiplies the float32 values of those bits. `product_stored` gives a GEMM's
+output in bfloat16 too (cuBLAS writes CUDA_R_16BF, the bias added in float32 before the one rounding), for a
+layer whose consumers read bits (SwiGLU's and GELU's kernels, the rotary embedding, attention's products).
 `launch_args` builds the cuBLAS arguments without a GPU, so the CPU tests emulate them in NumPy against
 CuPy's binding order.
 """
@@ -150,6 +152,27 @@ def _held_view(xp, a):
     return None
 
 
+def product_stored(xp, a, b, bias=None):
+    """a @ b (+ bias, a bfloat16 value per column), bfloat16 operands and float32 sums, as bf16 amp stores a
+    GEMM output that other layers read: its bfloat16 bits (packed; on CuPy cuBLAS writes them, C = bias bits
+    with beta 1 when there is a bias), else rounded to bfloat16 values (float32). Outside bf16 amp, float32."""
+    if xp.__name__ != "cupy" or not _STATE["bits"]:
+        y = matmul(xp, a, b) if _STATE["on"] else a @ b
+        if bias is not None:
+            y += bias
+        return store_for_gemm(xp, y)
+    out = xp.empty(a.shape[:-1] + b.shape[-1:], dtype=np.uint16)
+    if bias is not None:
+        out[...] = _bits(xp, bias)       # bias bits under every row: cuBLAS adds them (beta 1) before rounding
+    a16, b16 = (_bits(xp, x) for x in (a, b))
+    calls = gemm.plan(a16.shape, gemm.elements(a16), b16.shape, gemm.elements(b16), out.shape, gemm.elements(out))
+    if calls is None:
+        a16, b16 = xp.ascontiguousarray(a16), xp.ascontiguousarray(b16)
+        calls = gemm.plan(a16.shape, gemm.elements(a16), b16.shape, gemm.elements(b16), out.shape, gemm.elements(out))
+    _launch(xp, calls, a16, b16, out, bias is not None)
+    return out
+
+
 def _rounded(xp, a):
     return round_bf16_(xp, np.array(a, dtype=np.float32, copy=True))
 
@@ -171,19 +194,21 @@ def _bits(xp, a):
 
 
 
-def launch_args(calls, a_ptr: int, b_ptr: int, out_ptr: int, alpha_ptr: int, beta_ptr: int, handle: int) -> list:
+def launch_args(calls, a_ptr: int, b_ptr: int, out_ptr: int, alpha_ptr: int, beta_ptr: int, handle: int,
+                c_bits: bool = False) -> list:
     """The arguments of cublas.gemmStridedBatchedEx for each planned call, in CuPy's binding order: (handle,
     transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb, strideB, beta, C, Ctype, ldc,
     strideC, batchCount, computeType, algo). cuBLAS's A is b (bf16 bits, 2 bytes an element), its B is a,
-    C the float32 output (see gemm.plan)."""
+    C the output (see gemm.plan): float32, or bfloat16 bits with c_bits."""
+    ctype, citem = (CUDA_R_16BF, 2) if c_bits else (CUDA_R_32F, 4)
     return [(handle, c.transa, c.transb, c.m, c.n, c.k, alpha_ptr, b_ptr + 2 * c.a_off, CUDA_R_16BF, c.lda,
-             c.stride_a, a_ptr + 2 * c.b_off, CUDA_R_16BF, c.ldb, c.stride_b, beta_ptr, out_ptr + 4 * c.c_off,
-             CUDA_R_32F, c.ldc, c.stride_c, c.batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) for c in calls]
+             c.stride_a, a_ptr + 2 * c.b_off, CUDA_R_16BF, c.ldb, c.stride_b, beta_ptr, out_ptr + citem * c.c_off,
+             ctype, c.ldc, c.stride_c, c.batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) for c in calls]
 
 
 def _launch(xp, calls, a16, b16, out, accumulate):
     cublas = backend.cublas_module()
     one, beta = np.ones(1, np.float32), np.full(1, 1.0 if accumulate else 0.0, np.float32)
     for args in launch_args(calls, a16.data.ptr, b16.data.ptr, out.data.ptr, one.ctypes.data, beta.ctypes.data,
-                            xp.cuda.device.get_cublas_handle()):
+                            xp.cuda.device.get_cublas_handle(), out.dtype == np.uint16):
         cublas.gemmStridedBatchedEx(*args)

@@ -8,10 +8,14 @@ from hpengine.device.bf16_bits import as_float32
 from hpengine.nn import bf16_gemm, fused, gemm
 
 
-def linear_forward(xp, x, w, b=None):
+def linear_forward(xp, x, w, b=None, bf16_out=False):
     # x: (..., C), w: (C, OC), b: (OC,) or None -> y: (..., OC)
+    # bf16_out: under bf16 amp y is stored as bfloat16 (bits when packed: bf16_gemm.product_stored), for
+    # consumers that read it so
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if bf16_out and bf16_gemm.active():
+        return bf16_gemm.product_stored(xp, x2, w, b).reshape(*lead, w.shape[1]), (x2, lead)
     y = bf16_gemm.matmul(xp, x2, w) if bf16_gemm.active() else x2 @ w
     if b is not None:
         y += b

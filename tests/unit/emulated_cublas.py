@@ -33,7 +33,8 @@ def _operand(ptr, itemsize, rows, cols, ld, stride, batch, what):
     return np.lib.stride_tricks.as_strided(flat, (batch, rows, cols), (stride * itemsize, itemsize, ld * itemsize))
 
 
-def _gemm(mod, name, transa, transb, m, n, k, alpha, beta, A, lda, sa, B, ldb, sb, C, ldc, sc, batch, isz, conv):
+def _gemm(mod, name, transa, transb, m, n, k, alpha, beta, A, lda, sa, B, ldb, sb, C, ldc, sc, batch, isz, conv,
+          c_bits=False):
     N = 0
     a = _operand(A, isz[0], *((m, k) if transa == N else (k, m)), lda, sa, batch, f"{name} A")
     b = _operand(B, isz[1], *((k, n) if transb == N else (n, k)), ldb, sb, batch, f"{name} B")
@@ -42,7 +43,11 @@ def _gemm(mod, name, transa, transb, m, n, k, alpha, beta, A, lda, sa, B, ldb, s
     a = a if transa == N else a.swapaxes(-1, -2)
     b = b if transb == N else b.swapaxes(-1, -2)
     prod = np.matmul(a, b)
-    c[...] = alpha * prod + (beta * c if beta != 0 else 0)
+    if c_bits:        # bfloat16 C: read as its values, alpha AB + beta C in float32, rounded once on the store
+        acc = alpha * prod + (beta * conv(c) if beta != 0 else np.float32(0))
+        c[...] = bf16_bits.bf16_bits_numpy(acc.astype(np.float32))
+    else:
+        c[...] = alpha * prod + (beta * c if beta != 0 else 0)
     mod.gemms.append((name, m, n, k, batch))
     LAUNCHES[f"cublas:{name}"] += 1
 
@@ -52,11 +57,12 @@ def make_cublas(mod) -> types.SimpleNamespace:
 
     def ex(handle, ta, tb, m, n, k, alpha, A, at, lda, sa, B, bt, ldb, sb, beta, C, ct, ldc, sc, batch, comp, algo):
         from hpengine.nn import bf16_gemm
-        assert (at, bt, ct, comp) == (bf16_gemm.CUDA_R_16BF, bf16_gemm.CUDA_R_16BF, bf16_gemm.CUDA_R_32F,
-                                      bf16_gemm.CUBLAS_COMPUTE_32F), (at, bt, ct, comp)
+        assert (at, bt, comp) == (bf16_gemm.CUDA_R_16BF, bf16_gemm.CUDA_R_16BF, bf16_gemm.CUBLAS_COMPUTE_32F) and \
+            ct in (bf16_gemm.CUDA_R_32F, bf16_gemm.CUDA_R_16BF), (at, bt, ct, comp)
+        c_bits = ct == bf16_gemm.CUDA_R_16BF
         _gemm(mod, "gemmStridedBatchedEx", ta, tb, m, n, k, f32.from_address(alpha).value,
-              f32.from_address(beta).value, A, lda, sa, B, ldb, sb, C, ldc, sc, batch, (2, 2, 4),
-              lambda x: bf16_bits.from_bf16_bits(np, np.ascontiguousarray(x)))
+              f32.from_address(beta).value, A, lda, sa, B, ldb, sb, C, ldc, sc, batch, (2, 2, 2 if c_bits else 4),
+              lambda x: bf16_bits.from_bf16_bits(np, np.ascontiguousarray(x)), c_bits)
 
     def typed(name, ct, isz):
         def run(handle, ta, tb, m, n, k, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch):

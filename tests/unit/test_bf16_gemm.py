@@ -233,9 +233,35 @@ def test_linears_read_their_inputs_as_bits_when_packed(monkeypatch, storage, kin
                              "model.dtype=float32", "strategy.amp.enable=true", "strategy.amp.dtype=bfloat16",
                              f"strategy.amp.bf16_storage={storage}"])
     build(cfg, MPI.COMM_SELF).train_step(0)
-    fwd = [dt for fn, dt in seen if fn == "linear_forward"]
+    fwd = [dt for fn, dt in seen if fn in ("linear_forward", "product_stored")]
     bits = sum(dt == np.uint16 for dt in fwd)
     # a layer's linears: llama q, k, v, gate, up, down and o; gpt qkv, fc, proj and attn.proj; the head's one
     per_layer = {"llama": 6, "gpt": 3}[kind]
     assert len(fwd) == L * (per_layer + 1) + 1
     assert bits == (L * per_layer + 1 if storage == "packed" else 0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_product_stored_rounds_once_with_its_bias(monkeypatch, bias):
+    # a GEMM output stored in bfloat16 (cuBLAS writing CUDA_R_16BF, the bias as C with beta 1, on the stand-in
+    # device; NumPy's twin): the bits of round(a @ b + bias) over bfloat16 operands, one rounding, against
+    # float64 on ml_dtypes-rounded operands
+    import emulated_cupy
+    dev = emulated_cupy.install(monkeypatch)
+    rng = np.random.default_rng(8)
+    a, b = rng.normal(size=(24, 16)).astype(np.float32), rng.normal(size=(16, 40)).astype(np.float32)
+    c = bf16(rng.normal(size=40)) if bias else None
+    exact = bf16(a).astype(np.float64) @ bf16(b) + (0 if c is None else c)
+    gemms = emulated_cupy.LAUNCHES["cublas:gemmStridedBatchedEx"]
+    with bf16_gemm.operands(True, bits=True):
+        host = bf16_gemm.product_stored(np, a, b, c)
+        got = bf16_gemm.product_stored(dev, dev.asarray(a), dev.asarray(b), None if c is None else dev.asarray(c))
+        assert isinstance(got, dev.ndarray) and got.dtype == host.dtype == np.uint16
+    got = got.get()
+    assert emulated_cupy.LAUNCHES["cublas:gemmStridedBatchedEx"] == gemms + 1
+    # within one bfloat16 step of the exact sum's rounding (float32 sums in either order), equal in most places
+    values = (got.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_allclose(values, exact, rtol=2**-7, atol=1e-6)
+    assert np.mean(got == host) > 0.95 and np.mean(got == bf16_bits.bf16_bits_numpy(exact)) > 0.95
+    with bf16_gemm.operands(True):              # float32 storage: the same values, rounded in float32
+        np.testing.assert_array_equal(bf16_gemm.product_stored(np, a, b, c), (host.astype(np.uint32) << 16).view(np.float32))
