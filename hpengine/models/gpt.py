@@ -108,6 +108,12 @@ class GPT:
         return {"layer": layer, "scores": scores, "w_layer": w, "bits_w_layer": bits,
                 **end_cache_bytes(self.cfg, rows, tp, item, amp, share, parts=parts, cp=cp)}
 
+    # the tensors only linear layers read (packed bf16 storage hands them to the GEMMs as bits: gemm_weight)
+    GEMM_WEIGHTS = (".attn.qkv.w", ".attn.proj.w", ".mlp.fc.w", ".mlp.proj.w", "lm_head.w")
+
+    def gemm_weight(self, name: str) -> bool:
+        return name.endswith(self.GEMM_WEIGHTS)
+
     def tp_allreduces(self) -> tuple:
         """Activation allreduces per layer under tensor parallelism: (forward, backward); the attention's and the MLP's reduce_from_tp
         forward and copy_to_tp backward."""

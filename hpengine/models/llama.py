@@ -132,6 +132,14 @@ class Llama:
                     out[f"bits_w_layer.{i}"] = n * C // parts     # h (the router reads h2 in float32)
         return out
 
+    # the tensors only linear layers read (packed bf16 storage hands them to the GEMMs as bits: gemm_weight); not
+    # the router's (its logits are float32) nor the routed experts' (grouped products of their own)
+    GEMM_WEIGHTS = (".attn.q.w", ".attn.k.w", ".attn.v.w", ".attn.o.w", ".mlp.gate.w", ".mlp.up.w", ".mlp.down.w",
+                    ".moe.shared.gate.w", ".moe.shared.up.w", ".moe.shared.down.w", "lm_head.w")
+
+    def gemm_weight(self, name: str) -> bool:
+        return name.endswith(self.GEMM_WEIGHTS)
+
     def tp_allreduces(self) -> tuple:
         """Activation allreduces per layer under tensor parallelism: (forward, backward); the attention's and
         the MLP's reduce_from_tp forward and copy_to_tp backward."""

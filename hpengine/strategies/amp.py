@@ -121,10 +121,11 @@ class Precision:
                 if a is not None and a.dtype == np.float32:
                     round_bf16_(xp, a)
 
-    def layer_params(self, xp, buf):
+    def layer_params(self, xp, buf, gemm_weight=None):
         """What a block's layers read of the parameters buffer `buf` hands out: float32 values (packed: unpacked
-        from the bits, each tensor once, for this block access only)."""
-        return UnpackedParams(xp, buf) if self.packed else buf
+        from the bits, each tensor once, for this block access only; the bits themselves for the tensors
+        gemm_weight(name) says only GEMMs read)."""
+        return UnpackedParams(xp, buf, gemm_weight) if self.packed else buf
 
     def ready_grad(self, xp, g, all_finite):
         """The reduced owned gradient for the update: float32 and unscaled under amp; None when the loss

@@ -106,12 +106,16 @@ class UnpackedParams:
     float32 array of that tensor's values (from_bf16_bits, exact), converted on first access and kept for the
     life of this object, which the engine makes for one block's forward or backward: one block's float32
     weights at a time, as a gathered block under ZeRO-3. The GEMMs take the bits themselves
-    (bf16_gemm.hold_bits) for as long as this object lives."""
+    (bf16_gemm.hold_bits) for as long as this object lives. A tensor that only GEMMs read (gemm_weight(name):
+    the linear layers' weights) is handed out as its bits (uint16), never converted."""
 
-    def __init__(self, xp, buf):
+    def __init__(self, xp, buf, gemm_weight=None):
         self.xp, self.buf, self.values = xp, buf, {}
+        self.gemm_weight = gemm_weight or (lambda name: False)
 
     def __getitem__(self, name):
+        if self.gemm_weight(name):
+            return self.buf[name]
         if name not in self.values:
             bits = self.buf[name]
             self.values[name] = v = from_bf16_bits(self.xp, bits)

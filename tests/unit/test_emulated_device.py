@@ -169,9 +169,15 @@ def test_held_bits_go_to_the_gemm_as_they_are(device):
         bf16_gemm.hold_bits(w, bits[:3])
 
 
-def _conversions(corpus, monkeypatch, hold: bool) -> int:
+def _conversions(corpus, monkeypatch, mode: str) -> tuple:
+    """(to_bf16, from_bf16) launches of the llama's second bf16 step: "none" converts every weight for each GEMM,
+    "hold" unpacks the weights and the GEMMs read their bits (bf16_gemm.hold_bits), "bits" (the engine's way) hands
+    the linears' weights to the GEMMs as bits, unconverted."""
+    from hpengine.models.llama import Llama
     from hpengine.nn import bf16_gemm
-    if not hold:
+    if mode != "bits":
+        monkeypatch.setattr(Llama, "gemm_weight", lambda self, name: False)
+    if mode == "none":
         monkeypatch.setattr(bf16_gemm, "hold_bits", lambda values, bits: None)
     mod = emulated_cupy.install(monkeypatch)
     eng = build(load_config(None, [*TINY, f"data.path={corpus}", "runtime.backend=cupy", *KINDS["llama"], *BF16]),
@@ -179,16 +185,20 @@ def _conversions(corpus, monkeypatch, hold: bool) -> int:
     eng.train_step(0)
     mod.counts.clear()
     eng.train_step(1)
-    return mod.counts["ew:hpengine_to_bf16"]
-
-
-def test_packed_weights_skip_one_conversion_per_gemm_they_enter(small_corpus, monkeypatch):
-    # each of the llama's 7 weight matrices per layer and the head's enters two GEMMs a step (forward, and the
-    # input gradient's), and each would be converted to bits for both
-    L = 2
-    without = _conversions(small_corpus, monkeypatch, hold=False)
+    out = mod.counts["ew:hpengine_to_bf16"], mod.counts["ew:hpengine_from_bf16"]
     monkeypatch.undo()
-    assert without - _conversions(small_corpus, monkeypatch, hold=True) == 2 * (7 * L + 1)
+    return out
+
+
+def test_packed_weights_reach_the_gemms_unconverted(small_corpus, monkeypatch):
+    # each of the llama's 7 weight matrices per layer and the head's enters two GEMMs a step (forward, and the
+    # input gradient's) in two passes (a forward's parameters and a backward's): converted to bits for each GEMM,
+    # or unpacked once a pass with the GEMMs reading the bits, or neither
+    L = 2
+    n = 2 * (7 * L + 1)
+    none, hold, bits = (_conversions(small_corpus, monkeypatch, m) for m in ("none", "hold", "bits"))
+    assert none[0] - hold[0] == n and none[1] == hold[1]
+    assert hold[0] == bits[0] and hold[1] - bits[1] == n
 
 
 def test_the_launch_count_script_runs(capsys, monkeypatch):
