@@ -58,6 +58,8 @@ def gqa_shapes(xp, q, k):
 def gqa_attention_forward(xp, q, k, v):
     # q: (B, H, T, hd), k, v: (B, K, T, hd) -> y: (B, T, H*hd)
     (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k)
+    if v.dtype == xp.uint16 and xp.__name__ == "cupy":
+        v = xp.ascontiguousarray(v)         # bf16 bits (B, K, T, hd): one strided-batched GEMM over every head
     y5 = _per_head(y, K, g)
     qs, ps = [], []
     with bf16_gemm.held(xp, k, v):          # bf16: converted once for every block's products

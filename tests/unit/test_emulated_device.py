@@ -310,3 +310,14 @@ def test_a_checkpoint_saved_on_the_device_resumes_on_numpy(small_corpus, device,
     assert restore(resumed, cfg("numpy"), tmp_path) == 2
     got = np.array([resumed.train_step(s)["loss"] for s in (2, 3)]), resumed.named_params()
     _same(got, (want[0][2:], want[1]), 1e-10, 1e-12)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_bf16_product_is_one_cublas_call(small_corpus, device, monkeypatch, kind):
+    # operands that arrive as bits (a layer's output, a weight's compute copy, the values) batch over every head in
+    # one strided-batched call, as the contiguous conversions did
+    from hpengine.nn import bf16_gemm
+    real, calls = bf16_gemm._launch, []
+    monkeypatch.setattr(bf16_gemm, "_launch", lambda xp, c, *a: calls.append(len(c)) or real(xp, c, *a))
+    train(small_corpus, "cupy", *KINDS[kind], *BF16, steps=1)
+    assert calls and set(calls) == {1}
