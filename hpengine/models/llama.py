@@ -120,7 +120,9 @@ class Llama:
         # W stash (split backward), as gpt's: dy, the gating, dg, du, h2; dx, a, dq, dk, dv, h
         heads = 2 * (self.H + self.K) * self.hd       # a and dq (n_heads wide), dk and dv (n_kv_heads wide)
         w = n * (2 * C + 2 * C // parts + (3 * self.F + heads) // tp) * item
-        bits = n * (2 * C // parts + 3 * self.F // tp)    # of those, what only GEMMs read: h2, h, the gating, dg, du
+        # of those, what only GEMMs read: h2, h, the gating, dg, du, and a (standard attention on this rank)
+        a_bits = n * self.H * self.hd // tp if not self.flash and cp == 1 else 0
+        bits = n * (2 * C // parts + 3 * self.F // tp) + a_bits
         out = {"layer": layer, "scores": scores, "w_layer": w, "bits_w_layer": bits, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
                                                  rmsnorm_cache_bytes(ns, C, item), parts, cp)}
         if self.moe is not None:     # an MoE layer: the attention's part, then the router's and experts'
@@ -129,7 +131,7 @@ class Llama:
             for i in range(self.L):
                 if self.moe.routed(i):
                     out[f"layer.{i}"], out[f"w_layer.{i}"] = moe, w_moe
-                    out[f"bits_w_layer.{i}"] = n * C // parts     # h (the router reads h2 in float32)
+                    out[f"bits_w_layer.{i}"] = n * C // parts + a_bits    # h, a (the router reads h2 in float32)
         return out
 
     # the tensors only linear layers read (packed bf16 storage hands them to the GEMMs as bits: gemm_weight); not

@@ -9,6 +9,7 @@ never repeated per query head, and backward's dk and dv sum over the group insid
 come in the same two causal blocks as nn/attention.py (the fully masked quarter is never computed), and the
 probabilities are stored as there (bfloat16 bits under bf16 amp, packed).
 """
+from hpengine.device.bf16_bits import as_float32, to_bf16_bits
 from hpengine.nn import bf16_gemm, fused
 from hpengine.nn.attention import _blocks, _causal_bias, _mm, _rowsum, softmax_grad_
 
@@ -60,17 +61,23 @@ def gqa_attention_forward(xp, q, k, v):
     (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k)
     if v.dtype == xp.uint16 and xp.__name__ == "cupy":
         v = xp.ascontiguousarray(v)         # bf16 bits (B, K, T, hd): one strided-batched GEMM over every head
+    bits = bf16_gemm.writes_bits() and y.dtype == xp.float32
+    if bits:                                # only the o projection and this cache read y: its bfloat16 bits
+        y = xp.empty(y.shape, dtype=xp.uint16)
     y5 = _per_head(y, K, g)
     qs, ps = [], []
     with bf16_gemm.held(xp, k, v):          # bf16: converted once for every block's products
         for a, b in _blocks(T):
             qb = _grouped(q, K, g, a, b)
             p = _softmax(xp, _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2)), a)
-            o = _mm(xp, p, v[:, :, :b])
-            y5[:, :, :, a:b] = o.reshape(B, K, g, b - a, hd)
+            o = _mm(xp, p, v[:, :, :b]).reshape(B, K, g, b - a, hd)
+            if bits:
+                to_bf16_bits(xp, o, out=y5[:, :, :, a:b])
+            else:
+                y5[:, :, :, a:b] = o
             qs.append(qb)
             ps.append(p)
-    return y, (qs, k, v, ps, y)
+    return bf16_gemm.store_for_gemm(xp, y), (qs, k, v, ps, y)
 
 
 def gqa_drop_scores(cache):
@@ -96,7 +103,7 @@ def gqa_attention_backward(xp, dy, cache):
     qs, k, v, ps, y = cache
     B, K, T, hd = k.shape
     g = y.shape[-1] // (hd * K)
-    dy5, y5 = _per_head(dy, K, g), _per_head(y, K, g)
+    dy5, y5 = _per_head(dy, K, g), _per_head(as_float32(xp, y), K, g)
     dq = xp.empty((B, K * g, T, hd), dtype=dy.dtype)
     dq5 = dq.reshape(B, K, g, T, hd)
     dk, dv = xp.empty(k.shape, dtype=dy.dtype), xp.empty(k.shape, dtype=dy.dtype)

@@ -221,8 +221,8 @@ def test_store_for_gemm_follows_the_storage():
 
 @pytest.mark.parametrize("storage,kind", [("packed", "llama"), ("packed", "gpt"), ("float32", "llama")])
 def test_linears_read_their_inputs_as_bits_when_packed(monkeypatch, storage, kind):
-    # packed, the inputs only GEMMs read (the norms' outputs, the MLP's gating or GELU) reach the linears as
-    # bfloat16 bits; the attention output (the o / proj linear's input) stays float32
+    # packed, the inputs only GEMMs read (the norms' outputs, the MLP's gating or GELU, the grouped attention's
+    # output) reach the linears as bfloat16 bits
     seen = []
     real = bf16_gemm.matmul
     monkeypatch.setattr(bf16_gemm, "matmul", lambda xp, a, b, *r, **k: (
@@ -235,9 +235,11 @@ def test_linears_read_their_inputs_as_bits_when_packed(monkeypatch, storage, kin
     build(cfg, MPI.COMM_SELF).train_step(0)
     fwd = [dt for fn, dt in seen if fn in ("linear_forward", "product_stored")]
     bits = sum(dt == np.uint16 for dt in fwd)
-    # a layer's linears: llama q, k, v, gate, up, down and o; gpt qkv, fc, proj and attn.proj; the head's one
-    per_layer = {"llama": 6, "gpt": 3}[kind]
-    assert len(fwd) == L * (per_layer + 1) + 1
+    # a layer's linears: llama q, k, v, o, gate, up and down, all reading bits (the o projection the grouped
+    # attention's output); gpt qkv, fc and proj, but attn.proj (the fused attention's output stays float32); the
+    # head's one
+    linears, per_layer = {"llama": (7, 7), "gpt": (4, 3)}[kind]
+    assert len(fwd) == L * linears + 1
     assert bits == (L * per_layer + 1 if storage == "packed" else 0)
 
 
