@@ -104,7 +104,8 @@ class GPT:
         # W stash (split backward): each row linear's whole output gradient and input, each column linear's
         # output gradient and input (a piece of it under sequence parallelism): dy, g, dh, h2; dx1, a, dqkv, h
         w = n * (2 * C + 2 * C // parts + (2 * self.F + 4 * C) // tp) * item
-        bits = n * (2 * C // parts + self.F // tp)     # of those, what only GEMMs read: h2, h and g
+        # of those, what only GEMMs read: h2, h, g, and a (standard attention on this rank)
+        bits = n * (2 * C // parts + self.F // tp + (C // tp if not self.flash and cp == 1 else 0))
         return {"layer": layer, "scores": scores, "w_layer": w, "bits_w_layer": bits,
                 **end_cache_bytes(self.cfg, rows, tp, item, amp, share, parts=parts, cp=cp)}
 

@@ -21,7 +21,7 @@ the cache, the softmax gradient and dv's product read those bits.
 """
 import math
 
-from hpengine.device.bf16_bits import as_float32
+from hpengine.device.bf16_bits import as_float32, to_bf16_bits
 from hpengine.nn import bf16_gemm, fused, gemm
 
 
@@ -101,8 +101,11 @@ def attention_forward(xp, qkv, n_heads):
             p = _scores(xp, q, kt, a, b)
             _mm(xp, p, v[:, :, :b], o[:, :, a:b])
             ps.append(p)
-    if gpu:
+    if gpu and bf16_gemm.writes_bits():         # only the projection and this cache read y: its bfloat16 bits
+        y = to_bf16_bits(xp, o.transpose(0, 2, 1, 3)).reshape(B, T, n_heads * hd)
+    elif gpu:
         y = o.transpose(0, 2, 1, 3).reshape(B, T, n_heads * hd)     # one copy back to (B, T, H*hd)
+    y = bf16_gemm.store_for_gemm(xp, y)
     return y, (qkv, q, ps, y)
 
 
@@ -166,7 +169,7 @@ def attention_backward(xp, dy, cache):
     B, T, C3 = qkv.shape
     H = q.shape[1]
     _, k, v = _heads(qkv, H, 3)
-    (do,), (o,) = _heads(dy, H, 1), _heads(y, H, 1)
+    (do,), (o,) = _heads(dy, H, 1), _heads(as_float32(xp, y), H, 1)
     dqkv = xp.empty((B, T, C3), dtype=dy.dtype)
     gpu = _on_gpu(xp)
     # the values as ds = do @ v^T reads them: a view on the CPU (a transposed copy costs there what it saves),

@@ -235,10 +235,9 @@ def test_linears_read_their_inputs_as_bits_when_packed(monkeypatch, storage, kin
     build(cfg, MPI.COMM_SELF).train_step(0)
     fwd = [dt for fn, dt in seen if fn in ("linear_forward", "product_stored")]
     bits = sum(dt == np.uint16 for dt in fwd)
-    # a layer's linears: llama q, k, v, o, gate, up and down, all reading bits (the o projection the grouped
-    # attention's output); gpt qkv, fc and proj, but attn.proj (the fused attention's output stays float32); the
-    # head's one
-    linears, per_layer = {"llama": (7, 7), "gpt": (4, 3)}[kind]
+    # a layer's linears, all reading bits (the o and attn.proj projections the attention's output): llama q, k,
+    # v, o, gate, up and down; gpt qkv, attn.proj, fc and proj; the head's one
+    linears, per_layer = {"llama": (7, 7), "gpt": (4, 4)}[kind]
     assert len(fwd) == L * linears + 1
     assert bits == (L * per_layer + 1 if storage == "packed" else 0)
 
