@@ -1,13 +1,20 @@
 // Fused layer kernels for the CuPy path: each replaces a chain of element-wise CuPy calls (one launch and
 // one pass over memory each) by a single launch that reads its inputs once. Entries <op>_f32 and <op>_f64;
-// and, for bf16 amp, <op>_f32_bf16: float32 math with the arrays below as bfloat16 bits (unsigned short, the
-// float32's high half rounded to nearest even, as TO_BF16_BODY of hpengine/device/bf16_bits.py rounds), so
-// that a GEMM's input needs no conversion pass of its own:
+// and, for bf16 amp, float32 math with the arrays below as bfloat16 bits (unsigned short, the float32's high
+// half rounded to nearest even, as TO_BF16_BODY of hpengine/device/bf16_bits.py rounds; read exactly), so
+// that a GEMM's input or output needs no conversion pass of its own. <op>_f32_bf16, the outputs in bits:
 //   gelu_fwd, swiglu_fwd, layernorm_fwd, rmsnorm_fwd: the output (y, a) in bits; s, xhat, rstd float32;
-//   swiglu_bwd: dg and du in bits;
+//   swiglu_bwd: dg and du in bits; rope_fwd, rope_bwd: y (dx) in bits, the input float32 (strided as ever);
 //   causal_softmax_f32_bf16(z, p, ...): not in place: float32 scores z in (unchanged), the bits of the
 //     probabilities out, whose float32 values before rounding are causal_softmax_f32's;
 //   softmax_bwd, grouped_softmax_bwd: p read as bits; ds float32, in place.
+// <op>_f32_bf16i, the inputs (a GEMM's outputs) in bits too:
+//   rope_fwd: x read as bits (a strided view, as ever), y in bits;
+//   gelu_fwd: x read as bits, y and s in bits; gelu_bwd: x, s read as bits, dy and dx float32;
+//   swiglu_fwd: g, u read as bits, a and s in bits; swiglu_bwd: g, u, s read as bits, da float32, dg, du bits;
+//   gelu_recompute(x, s, y): y = x s, swiglu_recompute(g, u, s, a): a = (g s) u; all bits.
+//   With the cache s in bits the forwards compute y (a) from the value s's bits hold, so that the
+//   recompute entries rebuild the forward's output bit for bit from the cache.
 // NumPy twins: the NumPy code in hpengine/nn (gelu_forward, gelu_backward, attention_forward's softmax,
 // attention_backward's softmax gradient, gqa_attention_backward's softmax gradient, layernorm_forward,
 // layernorm_backward's dx, rmsnorm_forward, rmsnorm_backward's dx, rope_forward, rope_backward,
@@ -50,15 +57,28 @@ __device__ __forceinline__ unsigned short bf16_bits(float v) {
     return (unsigned short)(u >> 16);
 }
 
+// a value -> the element of storage type E that holds it (bits: rounded), and an element -> its value (exact)
+template <typename E, typename T> __device__ __forceinline__ E element(T v) { return v; }
+template <> __device__ __forceinline__ unsigned short element<unsigned short, float>(float v) { return bf16_bits(v); }
+__device__ __forceinline__ float value(float v) { return v; }
+__device__ __forceinline__ double value(double v) { return v; }
+__device__ __forceinline__ float value(unsigned short b) { return __uint_as_float((unsigned int)b << 16); }
+
 // stores and loads in an array's storage type: bits are rounded on the way in, exact on the way out
 __device__ __forceinline__ void put(float* __restrict__ a, long long i, float v) { a[i] = v; }
 __device__ __forceinline__ void put(double* __restrict__ a, long long i, double v) { a[i] = v; }
 __device__ __forceinline__ void put(unsigned short* __restrict__ a, long long i, float v) { a[i] = bf16_bits(v); }
+// put, then the value the array now holds: v itself, or for bits the bfloat16 value v rounded to
+__device__ __forceinline__ float stored(float* __restrict__ a, long long i, float v) { a[i] = v; return v; }
+__device__ __forceinline__ double stored(double* __restrict__ a, long long i, double v) { a[i] = v; return v; }
+__device__ __forceinline__ float stored(unsigned short* __restrict__ a, long long i, float v) {
+    const unsigned short b = bf16_bits(v);
+    a[i] = b;
+    return value(b);
+}
 __device__ __forceinline__ float get(const float* __restrict__ a, long long i) { return a[i]; }
 __device__ __forceinline__ double get(const double* __restrict__ a, long long i) { return a[i]; }
-__device__ __forceinline__ float get(const unsigned short* __restrict__ a, long long i) {
-    return __uint_as_float((unsigned int)a[i] << 16);
-}
+__device__ __forceinline__ float get(const unsigned short* __restrict__ a, long long i) { return value(a[i]); }
 
 struct Sum { template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; } };
 struct Max { template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return a > b ? a : b; } };
@@ -85,27 +105,26 @@ __device__ __forceinline__ T block_reduce(T v, T* sh, Op op) {
 #define GELU_K 0.7978845608028654
 #define GELU_A 0.044715
 
-// (Y: y's storage, T or bits)
-template <typename T, typename Y = T>
-__device__ void gelu_fwd(const T* __restrict__ x, Y* __restrict__ y, T* __restrict__ s, long long n) {
+// (Y: y's storage, X: that of x and s; T or bits. y is x times the value s holds: gelu_recompute's y)
+template <typename T, typename Y = T, typename X = T>
+__device__ void gelu_fwd(const X* __restrict__ x, Y* __restrict__ y, X* __restrict__ s, long long n) {
     GRID_STRIDE(i, n) {
-        const T xi = x[i];
+        const T xi = get(x, i);
         T u = xi * xi;
         u *= (T)(-2.0 * GELU_A * GELU_K);
         u -= (T)(2.0 * GELU_K);
         u *= xi;
-        const T si = (T)1 / (ex<T>(u) + (T)1);
-        s[i] = si;
+        const T si = stored(s, i, (T)1 / (ex<T>(u) + (T)1));
         put(y, i, xi * si);
     }
 }
 
-// dx = dy s (1 + (1 - s) x (2K + 6AK x^2))
-template <typename T>
-__device__ void gelu_bwd(const T* __restrict__ x, const T* __restrict__ s, const T* __restrict__ dy,
+// dx = dy s (1 + (1 - s) x (2K + 6AK x^2)) (X: the storage of x and s, T or bits)
+template <typename T, typename X = T>
+__device__ void gelu_bwd(const X* __restrict__ x, const X* __restrict__ s, const T* __restrict__ dy,
                          T* __restrict__ dx, long long n) {
     GRID_STRIDE(i, n) {
-        const T xi = x[i], si = s[i];
+        const T xi = get(x, i), si = get(s, i);
         T d = xi * xi;
         d *= (T)(6.0 * GELU_A * GELU_K);
         d += (T)(2.0 * GELU_K);
@@ -115,6 +134,12 @@ __device__ void gelu_bwd(const T* __restrict__ x, const T* __restrict__ s, const
         d *= si;
         dx[i] = d * dy[i];
     }
+}
+
+// y = x s from gelu_fwd's input and cache: its output again (X: x's and s's storage, Y: y's)
+template <typename T, typename X, typename Y>
+__device__ void gelu_recompute(const X* __restrict__ x, const X* __restrict__ s, Y* __restrict__ y, long long n) {
+    GRID_STRIDE(i, n) put(y, i, (T)get(x, i) * (T)get(s, i));
 }
 
 // ---- causal softmax over score rows z of a query block into p, both (n_rows, n_cols) with
@@ -244,10 +269,12 @@ __device__ void rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ xhat
 // turns by +-angle: forward y1 = x1 c - x2 s, y2 = x2 c + x1 s; backward y1 = x1 c + x2 s, y2 = x2 c - x1 s,
 // c, s = cos, sin (n_t, n_k) at (t, k). One thread per pair of the C-contiguous output: forward reads
 // x (B, n_t, n_h, 2 n_k) and writes (B, n_h, n_t, 2 n_k), backward the other way round; s0..s3 are the
-// input's strides in elements, in its own axis order.
-template <typename T, bool FWD>
-__device__ void rope(const T* __restrict__ x, const T* __restrict__ cs, const T* __restrict__ sn,
-                     T* __restrict__ y, long long n, int n_t, int n_h, int n_k, long long s0, long long s1,
+// input's strides in elements, in its own axis order. (X: the input's storage, Y: the output's; T or bits.
+// Loads and stores through the offset pointers, not put/get: those promise the compiler no aliasing, which
+// would change the f32/f64 entries' code)
+template <typename T, bool FWD, typename X = T, typename Y = T>
+__device__ void rope(const X* __restrict__ x, const T* __restrict__ cs, const T* __restrict__ sn,
+                     Y* __restrict__ y, long long n, int n_t, int n_h, int n_k, long long s0, long long s1,
                      long long s2, long long s3) {
     GRID_STRIDE(i, n) {
         const long long r = i / n_k;                      // output row: (b, h, t) forward, (b, t, h) backward
@@ -256,41 +283,48 @@ __device__ void rope(const T* __restrict__ x, const T* __restrict__ cs, const T*
         const int t = FWD ? (int)(r - q * n_t) : (int)(q % n_t);
         const int h = FWD ? (int)(q % n_h) : (int)(r - q * n_h);
         const long long b = FWD ? q / n_h : q / n_t;
-        const T* xi = x + b * s0 + (FWD ? t * s1 + h * s2 : h * s1 + t * s2) + k * s3;
-        const T x1 = xi[0], x2 = xi[n_k * s3];
+        const X* xi = x + b * s0 + (FWD ? t * s1 + h * s2 : h * s1 + t * s2) + k * s3;
+        const T x1 = value(xi[0]), x2 = value(xi[n_k * s3]);
         const T c = cs[(long long)t * n_k + k], s = sn[(long long)t * n_k + k];
-        T* yi = y + r * (2 * n_k) + k;
-        yi[0] = FWD ? x1 * c - x2 * s : x1 * c + x2 * s;
-        yi[n_k] = FWD ? x2 * c + x1 * s : x2 * c - x1 * s;
+        Y* yi = y + r * (2 * n_k) + k;
+        yi[0] = element<Y>(FWD ? x1 * c - x2 * s : x1 * c + x2 * s);
+        yi[n_k] = element<Y>(FWD ? x2 * c + x1 * s : x2 * c - x1 * s);
     }
 }
 
 // ---- SiLU gating: s = sigmoid(g), a = g s u; backward du = g s da, dg = ((1 - s) g + 1) s u da
-// (Y: the storage of a, or of dg and du: T or bits)
-template <typename T, typename Y = T>
-__device__ void swiglu_fwd(const T* __restrict__ g, const T* __restrict__ u, Y* __restrict__ a, T* __restrict__ s,
+// (Y: the storage of a, or of dg and du; X: that of g, u and s; T or bits. a is (g times the value s holds)
+// times u: swiglu_recompute's a)
+template <typename T, typename Y = T, typename X = T>
+__device__ void swiglu_fwd(const X* __restrict__ g, const X* __restrict__ u, Y* __restrict__ a, X* __restrict__ s,
                            long long n) {
     GRID_STRIDE(i, n) {
-        const T gi = g[i];
-        const T si = (T)1 / (ex<T>(-gi) + (T)1);
-        s[i] = si;
-        put(a, i, gi * si * u[i]);
+        const T gi = get(g, i);
+        const T si = stored(s, i, (T)1 / (ex<T>(-gi) + (T)1));
+        put(a, i, gi * si * get(u, i));
     }
 }
 
-template <typename T, typename Y = T>
-__device__ void swiglu_bwd(const T* __restrict__ g, const T* __restrict__ u, const T* __restrict__ s,
+template <typename T, typename Y = T, typename X = T>
+__device__ void swiglu_bwd(const X* __restrict__ g, const X* __restrict__ u, const X* __restrict__ s,
                            const T* __restrict__ da, Y* __restrict__ dg, Y* __restrict__ du, long long n) {
     GRID_STRIDE(i, n) {
-        const T gi = g[i], si = s[i], dai = da[i];
+        const T gi = get(g, i), si = get(s, i), dai = da[i];
         put(du, i, gi * si * dai);
         T d = (T)1 - si;
         d *= gi;
         d += (T)1;
         d *= si;
-        d *= u[i];
+        d *= get(u, i);
         put(dg, i, d * dai);
     }
+}
+
+// a = (g s) u from swiglu_fwd's cache: its output again (X: the storage of g, u and s, Y: a's)
+template <typename T, typename X, typename Y>
+__device__ void swiglu_recompute(const X* __restrict__ g, const X* __restrict__ u, const X* __restrict__ s,
+                                 Y* __restrict__ a, long long n) {
+    GRID_STRIDE(i, n) put(a, i, (T)get(g, i) * (T)get(s, i) * (T)get(u, i));
 }
 
 // ---- softmax cross-entropy over rows of logits (n_rows, n_cols): p = softmax (written to p),
@@ -406,7 +440,8 @@ extern "C" __global__ void colsum_prod_part_##S(const T* a, const T* b, T* part,
 extern "C" __global__ void colsum_finish_##S(const T* part, T* out, int n_parts, int n_cols, int accumulate) { \
     colsum_finish<T>(part, out, n_parts, n_cols, accumulate); }
 
-// the ops of the header's bfloat16 list: the arrays it names as bits (unsigned short), T's math otherwise
+// the ops of the header's bfloat16 lists (_bf16, _bf16i): the arrays they name as bits (unsigned short), T's
+// math otherwise
 #define ENTRIES_BF16(S, T)                                                                                     \
 extern "C" __global__ void gelu_fwd_##S##_bf16(const T* x, unsigned short* y, T* s, long long n) {             \
     gelu_fwd<T, unsigned short>(x, y, s, n); }                                                                 \
@@ -430,7 +465,39 @@ extern "C" __global__ void swiglu_fwd_##S##_bf16(const T* g, const T* u, unsigne
     swiglu_fwd<T, unsigned short>(g, u, a, s, n); }                                                            \
 extern "C" __global__ void swiglu_bwd_##S##_bf16(const T* g, const T* u, const T* s, const T* da,              \
                                                  unsigned short* dg, unsigned short* du, long long n) {        \
-    swiglu_bwd<T, unsigned short>(g, u, s, da, dg, du, n); }
+    swiglu_bwd<T, unsigned short>(g, u, s, da, dg, du, n); }                                                   \
+extern "C" __global__ void rope_fwd_##S##_bf16(const T* x, const T* cs, const T* sn, unsigned short* y,        \
+                                               long long n, int n_t, int n_h, int n_k, long long s0,           \
+                                               long long s1, long long s2, long long s3) {                     \
+    rope<T, true, T, unsigned short>(x, cs, sn, y, n, n_t, n_h, n_k, s0, s1, s2, s3); }                        \
+extern "C" __global__ void rope_bwd_##S##_bf16(const T* dy, const T* cs, const T* sn, unsigned short* dx,      \
+                                               long long n, int n_t, int n_h, int n_k, long long s0,           \
+                                               long long s1, long long s2, long long s3) {                     \
+    rope<T, false, T, unsigned short>(dy, cs, sn, dx, n, n_t, n_h, n_k, s0, s1, s2, s3); }                     \
+extern "C" __global__ void rope_fwd_##S##_bf16i(const unsigned short* x, const T* cs, const T* sn,             \
+                                                unsigned short* y, long long n, int n_t, int n_h, int n_k,     \
+                                                long long s0, long long s1, long long s2, long long s3) {      \
+    rope<T, true, unsigned short, unsigned short>(x, cs, sn, y, n, n_t, n_h, n_k, s0, s1, s2, s3); }           \
+extern "C" __global__ void gelu_fwd_##S##_bf16i(const unsigned short* x, unsigned short* y, unsigned short* s, \
+                                                long long n) {                                                 \
+    gelu_fwd<T, unsigned short, unsigned short>(x, y, s, n); }                                                 \
+extern "C" __global__ void gelu_bwd_##S##_bf16i(const unsigned short* x, const unsigned short* s, const T* dy, \
+                                                T* dx, long long n) {                                          \
+    gelu_bwd<T, unsigned short>(x, s, dy, dx, n); }                                                            \
+extern "C" __global__ void gelu_recompute_##S##_bf16i(const unsigned short* x, const unsigned short* s,        \
+                                                      unsigned short* y, long long n) {                        \
+    gelu_recompute<T, unsigned short, unsigned short>(x, s, y, n); }                                           \
+extern "C" __global__ void swiglu_fwd_##S##_bf16i(const unsigned short* g, const unsigned short* u,            \
+                                                  unsigned short* a, unsigned short* s, long long n) {         \
+    swiglu_fwd<T, unsigned short, unsigned short>(g, u, a, s, n); }                                            \
+extern "C" __global__ void swiglu_bwd_##S##_bf16i(const unsigned short* g, const unsigned short* u,            \
+                                                  const unsigned short* s, const T* da, unsigned short* dg,    \
+                                                  unsigned short* du, long long n) {                           \
+    swiglu_bwd<T, unsigned short, unsigned short>(g, u, s, da, dg, du, n); }                                   \
+extern "C" __global__ void swiglu_recompute_##S##_bf16i(const unsigned short* g, const unsigned short* u,      \
+                                                        const unsigned short* s, unsigned short* a,            \
+                                                        long long n) {                                         \
+    swiglu_recompute<T, unsigned short, unsigned short>(g, u, s, a, n); }
 
 ENTRIES(f32, float)
 ENTRIES(f64, double)

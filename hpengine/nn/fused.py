@@ -4,8 +4,13 @@ beside each call site in hpengine/nn is the twin: same formulas, used on the CPU
 
 Under bfloat16 amp the outputs that only feed bf16 GEMMs can come out as bfloat16 bits (uint16, rounded as
 device/bf16_bits.py's TO_BF16_BODY) from the same launch: `bits=True` on gelu_forward, layernorm_forward,
-rmsnorm_forward, swiglu_forward and swiglu_backward, and causal_softmax_bits; the softmax backwards read p as
-bits when it is uint16. These take float32 arrays only.
+rmsnorm_forward, rope_forward, rope_backward, swiglu_forward and swiglu_backward, and causal_softmax_bits
+(the _f32_bf16 entries); these take float32 arrays only. A GEMM's output in bits is read as it is (the
+_f32_bf16i entries): rope_forward's x, gelu's x (and its cache s), swiglu's g and u (and s), and
+gelu_recompute and swiglu_recompute take bits; their outputs are then bits too, but gelu_backward's dx
+(float32).
+The softmax backwards read p as bits when it is uint16. Math is float32 throughout; dtypes that fit no entry
+are a ValueError.
 
 `ENABLED` switches the fused path off (benchmarks/gpu_profile.py compares both).
 """
@@ -26,8 +31,12 @@ def usable(xp, *arrays) -> bool:
             and all(a.dtype == arrays[0].dtype for a in arrays))
 
 
-def _fn(entry: str, dtype, bits: bool = False):
-    return kernels.function("fused", f"{entry}_{_SUFFIX[np.dtype(dtype)]}" + ("_bf16" if bits else ""))
+# entry name tails after the math's suffix: outputs as bits; inputs (and the outputs) as bits
+BF16, BF16I = "_bf16", "_bf16i"
+
+
+def _fn(entry: str, dtype, tail: str = ""):
+    return kernels.function("fused", f"{entry}_{_SUFFIX[np.dtype(dtype)]}{tail}")
 
 
 def _float32(what: str, *arrays) -> None:
@@ -35,6 +44,21 @@ def _float32(what: str, *arrays) -> None:
     bad = [a.dtype for a in arrays if a.dtype != np.float32]
     if bad:
         raise ValueError(f"{what}: bfloat16 bits come from float32 arrays only, not {bad[0]}")
+
+
+def _bits_in(what: str, bits: dict, f32: dict | None = None) -> bool:
+    """True when the arrays `bits` (name -> array) are bfloat16 bits (uint16) and `f32` float32: an _f32_bf16i
+    entry's operands; False when none of them is uint16; a ValueError naming the dtypes for any other mix."""
+    f32 = f32 or {}
+    named = {**bits, **f32}
+    held = [a.dtype == BITS for a in named.values()]
+    if not any(held):
+        return False
+    if all(held[:len(bits)]) and all(a.dtype == np.float32 for a in f32.values()):
+        return True
+    got = ", ".join(f"{k} {a.dtype}" for k, a in named.items())
+    want = ", ".join(bits) + " uint16" + (", " + ", ".join(f32) + " float32" if f32 else "")
+    raise ValueError(f"{what}: no kernel entry takes {got} (bfloat16 bits: {want}; else one float dtype)")
 
 
 def _out(xp, like, bits: bool):
@@ -46,29 +70,47 @@ def _row_threads(n_cols: int) -> int:
     return int(min(1024, max(32, 1 << max(0, (n_cols - 1).bit_length() - 2))))
 
 
-def _rows(entry, dtype, n_rows, n_cols, args, bits=False):
-    _fn(entry, dtype, bits)((max(1, min(int(n_rows), 1 << 20)),), (_row_threads(n_cols),), args)
+def _rows(entry, dtype, n_rows, n_cols, args, tail=""):
+    _fn(entry, dtype, tail)((max(1, min(int(n_rows), 1 << 20)),), (_row_threads(n_cols),), args)
 
 
-def _points(entry, dtype, n, args, bits=False):
-    _fn(entry, dtype, bits)((kernels.blocks_for(n),), (kernels.THREADS,), args)
+def _points(entry, dtype, n, args, tail=""):
+    _fn(entry, dtype, tail)((kernels.blocks_for(n),), (kernels.THREADS,), args)
 
 
 def gelu_forward(xp, x, bits=False):
-    """-> y = gelu(x) and the cache s, contiguous, of x's shape; y as bfloat16 bits with bits=True."""
+    """-> y = gelu(x) and the cache s, contiguous, of x's shape; y as bfloat16 bits with bits=True. x as bits
+    (uint16): y and s as bits, y from the value s holds (gelu_recompute's y), whatever `bits` says."""
     x = xp.ascontiguousarray(x)
+    if _bits_in("gelu_forward", {"x": x}):
+        y, s = xp.empty_like(x), xp.empty_like(x)
+        _points("gelu_fwd", np.float32, x.size, (x, y, s, np.int64(x.size)), BF16I)
+        return y, s
     if bits:
         _float32("gelu_forward", x)
     y, s = _out(xp, x, bits), xp.empty_like(x)
-    _points("gelu_fwd", x.dtype, x.size, (x, y, s, np.int64(x.size)), bits)
+    _points("gelu_fwd", x.dtype, x.size, (x, y, s, np.int64(x.size)), BF16 if bits else "")
     return y, s
 
 
 def gelu_backward(xp, x, s, dy):
+    """-> dx, contiguous, of dy's shape; x and s may be bits (uint16, gelu_forward's from bits), dy and dx then
+    float32."""
     x, s, dy = xp.ascontiguousarray(x), xp.ascontiguousarray(s), xp.ascontiguousarray(dy)
     dx = xp.empty_like(dy)
-    _points("gelu_bwd", dy.dtype, dy.size, (x, s, dy, dx, np.int64(dy.size)))
+    tail = BF16I if _bits_in("gelu_backward", {"x": x, "s": s}, {"dy": dy}) else ""
+    _points("gelu_bwd", dy.dtype, dy.size, (x, s, dy, dx, np.int64(dy.size)), tail)
     return dx
+
+
+def gelu_recompute(xp, x, s):
+    """-> y = x s as bits (uint16), contiguous, from gelu_forward's bits x and s: its y again, bit for bit."""
+    x, s = xp.ascontiguousarray(x), xp.ascontiguousarray(s)
+    if not _bits_in("gelu_recompute", {"x": x, "s": s}):
+        raise ValueError(f"gelu_recompute: bfloat16 bits (uint16) only, not x {x.dtype}, s {s.dtype}")
+    y = xp.empty_like(x)
+    _points("gelu_recompute", np.float32, x.size, (x, s, y, np.int64(x.size)), BF16I)
+    return y
 
 
 def causal_softmax_(p, q0: int):
@@ -89,7 +131,7 @@ def causal_softmax_bits(xp, z, q0: int):
     n_rows = z.size // n_cols
     p = xp.empty(z.shape, dtype=BITS)
     _rows("causal_softmax", z.dtype, n_rows, n_cols, (z, p, np.int64(n_rows), np.int32(n_cols), np.int32(n_q),
-                                                      np.int32(q0)), True)
+                                                      np.int32(q0)), BF16)
     return p
 
 
@@ -101,7 +143,7 @@ def softmax_backward_(ds, p, rs, q0: int):
         _float32("softmax_backward_", ds, rs)
     n_q, n_cols = ds.shape[-2:]
     _points("softmax_bwd", ds.dtype, ds.size, (ds, p, rs, np.int64(ds.size), np.int32(n_cols), np.int32(n_q),
-                                               np.int32(q0), np.int32(rs.shape[-2])), bits)
+                                               np.int32(q0), np.int32(rs.shape[-2])), BF16 if bits else "")
 
 
 def grouped_softmax_backward_(ds, p, rs):
@@ -113,7 +155,8 @@ def grouped_softmax_backward_(ds, p, rs):
     if bits:
         _float32("grouped_softmax_backward_", ds, rs)
     rs = rs if rs.flags.c_contiguous else rs.copy()
-    _points("grouped_softmax_bwd", ds.dtype, ds.size, (ds, p, rs, np.int64(ds.size), np.int32(ds.shape[-1])), bits)
+    _points("grouped_softmax_bwd", ds.dtype, ds.size, (ds, p, rs, np.int64(ds.size), np.int32(ds.shape[-1])),
+            BF16 if bits else "")
 
 
 def layernorm_forward(xp, x2, w, b, eps, bits=False):
@@ -124,7 +167,7 @@ def layernorm_forward(xp, x2, w, b, eps, bits=False):
     n, c = x2.shape
     y, xhat, rstd = _out(xp, x2, bits), xp.empty_like(x2), xp.empty((n, 1), dtype=x2.dtype)
     _rows("layernorm_fwd", x2.dtype, n, c, (x2, w, b, y, xhat, rstd, np.int64(n), np.int32(c), x2.dtype.type(eps)),
-          bits)
+          BF16 if bits else "")
     return y, xhat, rstd
 
 
@@ -143,7 +186,8 @@ def rmsnorm_forward(xp, x2, w, eps, bits=False):
         _float32("rmsnorm_forward", x2, w)
     n, c = x2.shape
     y, xhat, rstd = _out(xp, x2, bits), xp.empty_like(x2), xp.empty((n, 1), dtype=x2.dtype)
-    _rows("rmsnorm_fwd", x2.dtype, n, c, (x2, w, y, xhat, rstd, np.int64(n), np.int32(c), x2.dtype.type(eps)), bits)
+    _rows("rmsnorm_fwd", x2.dtype, n, c, (x2, w, y, xhat, rstd, np.int64(n), np.int32(c), x2.dtype.type(eps)),
+          BF16 if bits else "")
     return y, xhat, rstd
 
 
@@ -155,8 +199,9 @@ def rmsnorm_backward_dx(xp, dy2, xhat, rstd, w):
     return dx
 
 
-def _rope(entry, xp, x, cos, sin, out, n_t, n_h):
-    # one thread per rotated pair of out; x is read in its own strides, passed in elements
+def _rope(entry, xp, x, cos, sin, out, n_t, n_h, tail=""):
+    # one thread per rotated pair of out; x is read in its own strides, passed in elements (of x's dtype, bits
+    # too); float32 math for bits
     if any(st % x.itemsize for st in x.strides):
         x = xp.ascontiguousarray(x)
     cos, sin = xp.ascontiguousarray(cos), xp.ascontiguousarray(sin)
@@ -164,41 +209,81 @@ def _rope(entry, xp, x, cos, sin, out, n_t, n_h):
         raise ValueError(f"{entry}: tables {cos.shape}, {sin.shape} do not fit {n_t} positions of {out.shape}")
     n = out.size // 2
     strides = tuple(np.int64(st // x.itemsize) for st in x.strides)
-    _points(entry, x.dtype, n, (x, cos, sin, out, np.int64(n), np.int32(n_t), np.int32(n_h),
-                                np.int32(out.shape[-1] // 2)) + strides)
+    _points(entry, np.float32 if x.dtype == BITS else x.dtype, n,
+            (x, cos, sin, out, np.int64(n), np.int32(n_t), np.int32(n_h), np.int32(out.shape[-1] // 2)) + strides, tail)
     return out
 
 
-def rope_forward(xp, x, cos, sin):
-    """x (B, T, H, hd) in any strides, cos and sin (T, hd/2) -> a new contiguous (B, H, T, hd)."""
+def _rope_tail(what, x, cos, sin, bits):
+    # the entry for x and the tables: bits in (float32 tables), bits out (float32 all), or one float dtype
+    if _bits_in(what, {"x": x}, {"cos": cos, "sin": sin}):
+        return BF16I
+    if bits:
+        _float32(what, x, cos, sin)
+    return BF16 if bits else ""
+
+
+def rope_forward(xp, x, cos, sin, bits=False):
+    """x (B, T, H, hd) in any strides, cos and sin (T, hd/2) -> a new contiguous (B, H, T, hd); as bfloat16 bits
+    with bits=True or when x is bits (uint16, the tables then float32)."""
     B, T, H, hd = x.shape
-    return _rope("rope_fwd", xp, x, cos, sin, xp.empty((B, H, T, hd), dtype=x.dtype), T, H)
+    tail = _rope_tail("rope_forward", x, cos, sin, bits)
+    out = xp.empty((B, H, T, hd), dtype=BITS if tail else x.dtype)
+    return _rope("rope_fwd", xp, x, cos, sin, out, T, H, tail)
 
 
-def rope_backward(xp, dy, cos, sin):
-    """dy (B, H, T, hd) in any strides -> a new contiguous (B, T, H, hd), rotated back."""
+def rope_backward(xp, dy, cos, sin, bits=False):
+    """dy (B, H, T, hd) in any strides -> a new contiguous (B, T, H, hd), rotated back; as bfloat16 bits with
+    bits=True (dy, cos and sin float32)."""
     B, H, T, hd = dy.shape
-    return _rope("rope_bwd", xp, dy, cos, sin, xp.empty((B, T, H, hd), dtype=dy.dtype), T, H)
+    if dy.dtype == BITS:
+        raise ValueError("rope_backward: no kernel entry reads dy as bfloat16 bits (uint16), only float32 or float64")
+    if bits:
+        _float32("rope_backward", dy, cos, sin)
+    out = xp.empty((B, T, H, hd), dtype=BITS if bits else dy.dtype)
+    return _rope("rope_bwd", xp, dy, cos, sin, out, T, H, BF16 if bits else "")
 
 
 def swiglu_forward(xp, g, u, bits=False):
-    """-> a = g sigmoid(g) u and s = sigmoid(g), contiguous, of g's shape; a as bfloat16 bits with bits=True."""
+    """-> a = g sigmoid(g) u and s = sigmoid(g), contiguous, of g's shape; a as bfloat16 bits with bits=True.
+    g and u as bits (uint16): a and s as bits, a from the value s holds (swiglu_recompute's a), whatever `bits`
+    says."""
     g, u = xp.ascontiguousarray(g), xp.ascontiguousarray(u)
+    if _bits_in("swiglu_forward", {"g": g, "u": u}):
+        a, s = xp.empty_like(g), xp.empty_like(g)
+        _points("swiglu_fwd", np.float32, g.size, (g, u, a, s, np.int64(g.size)), BF16I)
+        return a, s
     if bits:
         _float32("swiglu_forward", g, u)
     a, s = _out(xp, g, bits), xp.empty_like(g)
-    _points("swiglu_fwd", g.dtype, g.size, (g, u, a, s, np.int64(g.size)), bits)
+    _points("swiglu_fwd", g.dtype, g.size, (g, u, a, s, np.int64(g.size)), BF16 if bits else "")
     return a, s
 
 
 def swiglu_backward(xp, g, u, s, da, bits=False):
-    """-> (dg, du), contiguous, of g's shape; as bfloat16 bits with bits=True."""
+    """-> (dg, du), contiguous, of g's shape; as bfloat16 bits with bits=True, or when g, u and s are bits
+    (uint16, swiglu_forward's from bits; da then float32)."""
     g, u, s, da = (xp.ascontiguousarray(a) for a in (g, u, s, da))
+    if _bits_in("swiglu_backward", {"g": g, "u": u, "s": s}, {"da": da}):
+        dg, du = xp.empty_like(g), xp.empty_like(g)
+        _points("swiglu_bwd", np.float32, g.size, (g, u, s, da, dg, du, np.int64(g.size)), BF16I)
+        return dg, du
     if bits:
         _float32("swiglu_backward", g, u, s, da)
     dg, du = _out(xp, g, bits), _out(xp, g, bits)
-    _points("swiglu_bwd", g.dtype, g.size, (g, u, s, da, dg, du, np.int64(g.size)), bits)
+    _points("swiglu_bwd", g.dtype, g.size, (g, u, s, da, dg, du, np.int64(g.size)), BF16 if bits else "")
     return dg, du
+
+
+def swiglu_recompute(xp, g, u, s):
+    """-> a = (g s) u as bits (uint16), contiguous, from swiglu_forward's bits g, u and s: its a again, bit for
+    bit."""
+    g, u, s = (xp.ascontiguousarray(a) for a in (g, u, s))
+    if not _bits_in("swiglu_recompute", {"g": g, "u": u, "s": s}):
+        raise ValueError(f"swiglu_recompute: bfloat16 bits (uint16) only, not g {g.dtype}, u {u.dtype}, s {s.dtype}")
+    a = xp.empty_like(g)
+    _points("swiglu_recompute", np.float32, g.size, (g, u, s, a, np.int64(g.size)), BF16I)
+    return a
 
 
 def colsum_(xp, a2, out, b2=None):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hpengine.device import backend
-from hpengine.device.bf16_bits import from_bf16_bits, to_bf16_bits
+from hpengine.device.bf16_bits import bf16_bits_numpy, from_bf16_bits, to_bf16_bits
 from hpengine.nn import (attention_backward, attention_forward, cross_entropy_backward, cross_entropy_forward,
                          fused, gelu_backward, gelu_forward, layernorm_backward, layernorm_forward)
 
@@ -150,11 +150,10 @@ def test_linear_backward_accumulates(dtype, rows):
 
 @pytest.fixture
 def entries(monkeypatch):
-    """The fused entries launched during a test, <op>_bf16 for the bits entries: the comparisons must go through
-    the kernels."""
+    """The fused entries launched during a test, <op>_bf16 and <op>_bf16i for the bits entries: the comparisons
+    must go through the kernels."""
     seen, fn = set(), fused._fn
-    monkeypatch.setattr(fused, "_fn", lambda entry, dtype, bits=False:
-                        seen.add(entry + ("_bf16" if bits else "")) or fn(entry, dtype, bits))
+    monkeypatch.setattr(fused, "_fn", lambda entry, dtype, tail="": seen.add(entry + tail) or fn(entry, dtype, tail))
     return seen
 
 
@@ -233,7 +232,7 @@ def test_gqa_attention(entries, dtype, B, T, H, K, hd):
     assert {"causal_softmax", "grouped_softmax_bwd"} <= entries
 
 
-# ---------------------------------------------------------------- bfloat16-bits entries (<op>_f32_bf16)
+# ---------------------------------------------------------------- bfloat16-bits entries (<op>_f32_bf16, _bf16i)
 
 def close_bits(bits, host, f32=None):
     """Bits from an _f32_bf16 entry: their values within a bfloat16 rounding (2^-8 relative) and float32 noise of
@@ -345,3 +344,66 @@ def test_bits_rounding_is_to_bf16_body():
     got, want = cp.asnumpy(out), cp.asnumpy(to_bf16_bits(cp, cp.asarray(a)))
     assert (got[:-1] == want[:-1]).all()
     assert got[-1] & 0x7F80 == 0x7F80 and got[-1] & 0x7F
+
+
+@pytest.mark.parametrize("B,T,H,hd", [(2, 7, 3, 6), (1, 33, 2, 64)])
+def test_rope_bits(entries, B, T, H, hd):
+    """Rotations written as bits, and read from a bits projection through its strided (B, T, H, hd) view."""
+    from hpengine.nn.rope import rope_backward, rope_forward, rope_tables
+    rng = np.random.default_rng(16)
+    proj, projd = pair(rng, (B, T, 2 * H * hd), np.float32)
+    tables = [rope_tables(xp, T + 3, hd, 10000.0, np.float32, 0.5) for xp in (np, cp)]
+
+    def heads(a):
+        return a[:, :, H * hd:].reshape(B, T, H, hd)
+    f32 = fused.rope_forward(cp, heads(projd), *tables[1])
+    close_bits(fused.rope_forward(cp, heads(projd), *tables[1], bits=True), rope_forward(np, heads(proj), *tables[0]),
+               f32)
+    pb = to_bf16_bits(cp, projd)
+    pv = from_bf16_bits(cp, pb)
+    want = rope_forward(np, heads(cp.asnumpy(pv)), *tables[0])
+    close_bits(fused.rope_forward(cp, heads(pb), *tables[1]), want, fused.rope_forward(cp, heads(pv), *tables[1]))
+    dy, dyd = pair(rng, (B, T, H, hd), np.float32)
+    dyt, dytd = (a.transpose(0, 2, 1, 3) for a in (dy, dyd))                # strided (B, H, T, hd)
+    close_bits(fused.rope_backward(cp, dytd, *tables[1], bits=True), rope_backward(np, dyt, *tables[0]),
+               fused.rope_backward(cp, dytd, *tables[1]))
+    assert {"rope_fwd_bf16", "rope_bwd_bf16", "rope_fwd_bf16i"} <= entries
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (2, 7, 300)])
+def test_gelu_swiglu_read_bits(entries, shape):
+    """Inputs as bits: the cache s within a rounding of the twin's (and of the float32 entry's, rounded); the
+    forward's output equal to the rounding of NumPy's product on the values of the inputs and of s's bits (exact in
+    float32: bfloat16 significands), and to the recompute entry's; the backwards against the twin on those values."""
+    from hpengine.nn.swiglu import swiglu_backward, swiglu_forward, swiglu_recompute
+    rng = np.random.default_rng(17)
+
+    def bits_pair(scale=1.0):
+        b = to_bf16_bits(cp, cp.asarray((rng.standard_normal(shape) * scale).astype(np.float32)))
+        return b, from_bf16_bits(cp, b)
+    xb, xv = bits_pair(3.0)
+    x = cp.asnumpy(xv)
+    _, c = gelu_forward(np, x)
+    yb, sb = fused.gelu_forward(cp, xb)
+    close_bits(sb, c[1], fused.gelu_forward(cp, xv)[1])
+    sv = cp.asnumpy(from_bf16_bits(cp, sb))
+    assert (cp.asnumpy(yb) == bf16_bits_numpy(x * sv)).all()
+    assert cp.asnumpy(fused.gelu_recompute(cp, xb, sb)).tobytes() == cp.asnumpy(yb).tobytes()
+    dy, dyd = pair(rng, shape, np.float32)
+    dx = fused.gelu_backward(cp, xb, sb, dyd)
+    close(dx, gelu_backward(np, dy, (x, sv)), np.float32)
+    close(dx, cp.asnumpy(fused.gelu_backward(cp, xv, cp.asarray(sv), dyd)), np.float32)
+    (gb, gv), (ub, uv) = bits_pair(3.0), bits_pair()
+    g, u = cp.asnumpy(gv), cp.asnumpy(uv)
+    _, c = swiglu_forward(np, g, u)
+    ab, sb = fused.swiglu_forward(cp, gb, ub)
+    close_bits(sb, c[2], fused.swiglu_forward(cp, gv, uv)[1])
+    sv = cp.asnumpy(from_bf16_bits(cp, sb))
+    assert (cp.asnumpy(ab) == bf16_bits_numpy(swiglu_recompute(np, (g, u, sv)))).all()
+    assert cp.asnumpy(fused.swiglu_recompute(cp, gb, ub, sb)).tobytes() == cp.asnumpy(ab).tobytes()
+    da, dad = pair(rng, shape, np.float32)
+    f32 = fused.swiglu_backward(cp, gv, uv, cp.asarray(sv), dad)
+    for got, w, ref in zip(fused.swiglu_backward(cp, gb, ub, sb, dad), swiglu_backward(np, da, (g, u, sv)), f32):
+        close_bits(got, w, ref)
+    assert {"gelu_fwd_bf16i", "gelu_bwd_bf16i", "gelu_recompute_bf16i", "swiglu_fwd_bf16i", "swiglu_bwd_bf16i",
+            "swiglu_recompute_bf16i"} <= entries

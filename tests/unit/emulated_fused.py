@@ -2,7 +2,8 @@
 takes a launch as the kernel does (its device pointers and scalars, and the launch where the work split depends
 on it), computes what the C code computes in the entry's type, and writes the kernel's outputs only; a read or
 write past an array, or a launch outside the .cu's launch assumptions, fails an assertion naming the entry. The
-_f32_bf16 entries run their _f32 emulator on float32 temporaries and store or read the bfloat16 bits."""
+_f32_bf16 and _f32_bf16i entries run their _f32 emulator on float32 temporaries and the float32 values of bits
+inputs, and store the bfloat16 bits."""
 from __future__ import annotations
 
 import functools
@@ -92,6 +93,7 @@ def grouped_softmax_bwd(entry, args, launch):
 
 
 def rope(entry, args, launch):
+    """Also the _bf16i entry's: x a strided view of bits, whose elements are read as the values they hold."""
     x, cs, sn, y, n, n_t, n_h, n_k, *strides = args
     n, n_t, n_h, n_k = int(n), int(n_t), int(n_h), int(n_k)
     fwd = entry.startswith("rope_fwd")
@@ -109,6 +111,8 @@ def rope(entry, args, launch):
                 and 2 * n_k <= x.shape[3]), f"{entry}: pairs of {n} reach past the {x.shape} input"
     xv = x.view(np.ndarray)
     x1, x2 = xv[b, ax1, ax2, k], xv[b, ax1, ax2, k + n_k]
+    if x.dtype == np.uint16:
+        x1, x2 = from_bf16_bits(np, x1), from_bf16_bits(np, x2)
     c, s = at(cs, t * n_k + k, entry), at(sn, t * n_k + k, entry)
     lo = r * 2 * n_k + k
     inside(y, lo + n_k, entry)
@@ -137,6 +141,18 @@ def swiglu_bwd(entry, args, launch):
     d *= si
     d *= mem(u, n, entry)
     mem(dg, n, entry)[...] = d * dai
+
+
+def gelu_recompute(entry, args, launch):
+    x, s, y, n = args
+    mem(y, n, entry)[...] = mem(x, n, entry) * mem(s, n, entry)
+
+
+def swiglu_recompute(entry, args, launch):
+    g, u, s, a, n = args
+    out = mem(a, n, entry)
+    out[...] = mem(g, n, entry) * mem(s, n, entry)
+    out *= mem(u, n, entry)
 
 
 def _targets(entry, target, n_rows, n_cols):
@@ -286,11 +302,35 @@ def _bits_out(fn, outs, count):
     return run
 
 
-def _bits_in(fn, k):
-    """fn (an _f32 emulator) with its argument k read as bfloat16 bits: the float32 values they hold, exactly."""
-    def run(entry, args, launch):
+def _values(entry, args, ks):
+    """args with the bfloat16 bits at positions ks replaced by the float32 values they hold, exactly."""
+    for k in ks:
         assert args[k].dtype == np.uint16, f"{entry} argument {k}: dtype {args[k].dtype}, not bits"
-        fn(entry, [from_bf16_bits(np, a.view(np.ndarray)) if j == k else a for j, a in enumerate(args)], launch)
+    return [from_bf16_bits(np, a.view(np.ndarray)) if j in ks else a for j, a in enumerate(args)]
+
+
+def _bits_in(fn, ks):
+    """fn (an _f32 emulator) with its arguments at positions ks read as bfloat16 bits."""
+    def run(entry, args, launch):
+        fn(entry, _values(entry, args, ks), launch)
+    return run
+
+
+def _forward_bits_in(fwd, recompute, ins, out, cache):
+    """A forward _bf16i entry: fwd (the _f32 emulator) on the values of the bits inputs at positions ins for the
+    cache (position cache), stored as bits; then the output (position out) as recompute's bits from the inputs and
+    the value the cache's bits hold, as the kernel computes it."""
+    def run(entry, args, launch):
+        n = _points(args)
+        vals = _values(entry, args, ins)
+        temps = {k: np.empty(args[k].size, np.float32) for k in (out, cache)}
+        for k in temps:
+            assert args[k].dtype == np.uint16, f"{entry} argument {k}: dtype {args[k].dtype}, not bits"
+        fwd(entry, [temps.get(k, a) for k, a in enumerate(vals)], launch)
+        mem(args[cache], n, entry)[...] = bf16_bits_numpy(temps[cache][:n])
+        s = from_bf16_bits(np, mem(args[cache], n, entry))
+        recompute(entry, [vals[k] for k in ins] + [s, temps[out], np.int64(n)], launch)
+        mem(args[out], n, entry)[...] = bf16_bits_numpy(temps[out][:n])
     return run
 
 
@@ -312,9 +352,22 @@ def _rows(args):
     return int(args[-3]) * int(args[-2])        # n_rows * n_cols, before eps
 
 
+def _pairs(args):
+    return 2 * int(args[4])                     # rope: both elements of n pairs
+
+
 _BITS = {"gelu_fwd": _bits_out(gelu_fwd, (1,), _points), "swiglu_fwd": _bits_out(swiglu_fwd, (2,), _points),
          "swiglu_bwd": _bits_out(swiglu_bwd, (4, 5), _points),
          "layernorm_fwd": _bits_out(layernorm_fwd, (3,), _rows), "rmsnorm_fwd": _bits_out(rmsnorm_fwd, (2,), _rows),
-         "causal_softmax": causal_softmax_bits, "softmax_bwd": _bits_in(softmax_bwd, 1),
-         "grouped_softmax_bwd": _bits_in(grouped_softmax_bwd, 1)}
+         "causal_softmax": causal_softmax_bits, "softmax_bwd": _bits_in(softmax_bwd, (1,)),
+         "grouped_softmax_bwd": _bits_in(grouped_softmax_bwd, (1,)),
+         "rope_fwd": _bits_out(rope, (3,), _pairs), "rope_bwd": _bits_out(rope, (3,), _pairs)}
+_BITS_IN = {"rope_fwd": _bits_out(rope, (3,), _pairs),        # rope reads the strided bits itself
+            "gelu_fwd": _forward_bits_in(gelu_fwd, gelu_recompute, (0,), 1, 2),
+            "gelu_bwd": _bits_in(gelu_bwd, (0, 1)),
+            "gelu_recompute": _bits_out(_bits_in(gelu_recompute, (0, 1)), (2,), _points),
+            "swiglu_fwd": _forward_bits_in(swiglu_fwd, swiglu_recompute, (0, 1), 2, 3),
+            "swiglu_bwd": _bits_out(_bits_in(swiglu_bwd, (0, 1, 2)), (4, 5), _points),
+            "swiglu_recompute": _bits_out(_bits_in(swiglu_recompute, (0, 1, 2)), (3,), _points)}
 EMULATED.update({f"{op}_f32_bf16": functools.partial(fn, f"{op}_f32_bf16") for op, fn in _BITS.items()})
+EMULATED.update({f"{op}_f32_bf16i": functools.partial(fn, f"{op}_f32_bf16i") for op, fn in _BITS_IN.items()})

@@ -1,9 +1,10 @@
-"""The fused kernels' bfloat16-bits entries (<op>_f32_bf16 of kernels/fused.cu) on the CuPy stand-in, launched
+"""The fused kernels' bfloat16-bits outputs (<op>_f32_bf16 of kernels/fused.cu) on the CuPy stand-in, launched
 through hpengine/nn/fused.py: each float32 entry first against its closed form (float32 tolerance), then the bits
 entry's output equal, bit for bit, to ml_dtypes' bfloat16 of that entry's float32 output (nearest, ties to even:
 an oracle independent of the stand-in's rounding), its float32 side outputs equal to the float32 entry's, and the
 softmax backwards reading bits equal to the float32 entry on the values the bits hold. Ties, overflow to inf, inf
-and NaN through the gating entry, whose output is an exact multiple of its input there."""
+and NaN through the gating entry, whose output is an exact multiple of its input there. (The entries that read
+bits too, <op>_f32_bf16i: test_fused_bits_inputs.py.)"""
 from __future__ import annotations
 
 import emulated_cupy
@@ -134,6 +135,38 @@ def test_causal_softmax_bits(device, q0):
             fused.causal_softmax_bits(device, zd, q0 + 1)
 
 
+def _rotated(x, ang, sign):
+    """x (..., hd) with each pair (x[k], x[k + hd/2]) turned by sign * ang (..., hd/2), in float64."""
+    h = x.shape[-1] // 2
+    z = (x[..., :h].astype(np.float64) + 1j * x[..., h:]) * np.exp(sign * 1j * ang)
+    return np.concatenate([z.real, z.imag], -1)
+
+
+def test_rope_bits(device):
+    """Forward from the second half of a (B, T, 2 H hd) projection, read in place through its strides, and
+    backward from a transposed dy: the float32 entries against the rotation by the angle, the bits entries
+    their ml_dtypes rounding."""
+    B, T, H, hd = 2, 5, 3, 8
+    proj = _normal(B, T, 2 * H * hd)
+    ang = _normal(T + 2, hd // 2, scale=2.0)
+    cos, sin = (_dev(device, f(ang[:T]).astype(np.float32)) for f in (np.cos, np.sin))
+    ang = ang[:T].astype(np.float64)
+    x = _dev(device, proj)[:, :, H * hd:].reshape(B, T, H, hd)
+    assert not x.flags.c_contiguous
+    y = fused.rope_forward(device, x, cos, sin)
+    want = _rotated(proj[:, :, H * hd:].reshape(B, T, H, hd), ang[:, None], 1).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(_host(y), want, **F32)
+    _same_bits(fused.rope_forward(device, x, cos, sin, bits=True), y)
+    dy = _normal(B, T, H, hd)
+    dyd = _dev(device, dy).transpose(0, 2, 1, 3)                   # (B, H, T, hd), strided
+    dx = fused.rope_backward(device, dyd, cos, sin)
+    np.testing.assert_allclose(_host(dx), _rotated(dy, ang[:, None], -1), **F32)
+    dxb = fused.rope_backward(device, dyd, cos, sin, bits=True)
+    assert dxb.shape == (B, T, H, hd)
+    _same_bits(dxb, dx)
+    assert {"rope_fwd_f32_bf16", "rope_bwd_f32_bf16"} <= set(device.launches)
+
+
 # ---------------------------------------------------------------- p read as bits
 
 def test_softmax_backwards_read_bits(device):
@@ -195,6 +228,11 @@ def test_bits_want_float32(device):
         fused.swiglu_forward(device, x64, x64, bits=True)
     with pytest.raises(ValueError, match="float32"):
         fused.swiglu_backward(device, x64, x64, x64, x64, bits=True)
+    x4, tab = device.asarray(np.ones((1, 2, 1, 4))), device.asarray(np.ones((2, 2)))
+    with pytest.raises(ValueError, match="float32"):
+        fused.rope_forward(device, x4, tab, tab, bits=True)
+    with pytest.raises(ValueError, match="float32"):
+        fused.rope_backward(device, x4, tab, tab, bits=True)
     with pytest.raises(ValueError, match="float32"):
         fused.causal_softmax_bits(device, device.asarray(np.ones((2, 4, 4))), 0)
     with pytest.raises(ValueError, match="contiguous"):
