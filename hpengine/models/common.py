@@ -154,8 +154,8 @@ def logits_loss_backward(xp, cache, G, ctx, tied, P, dloss=1.0, defer=None):
 
 def mlp_forward(xp, P, p, x, ctx):
     # x: (B, T, C) -> (B, T, C), the residual branch only
-    h, c1 = column_forward(xp, ctx, x, P[f"{p}.fc.w"], P[f"{p}.fc.b"])
-    g, c2 = gelu_forward(xp, h, gemm_input=True)
+    h, c1 = column_forward(xp, ctx, x, P[f"{p}.fc.w"], P[f"{p}.fc.b"], bf16_out=True)    # bf16 amp: GELU reads bf16
+    g, c2 = gelu_forward(xp, h, bf16=True)
     o, c3 = row_forward(xp, ctx, g, P[f"{p}.proj.w"], P[f"{p}.proj.b"])
     # g is rebuilt in backward from the GELU cache (one multiply): a third less MLP activation memory
     return o, (c1, c2, linear_drop_input(c3))
@@ -164,7 +164,7 @@ def mlp_forward(xp, P, p, x, ctx):
 def mlp_backward(xp, do, cache, P, G, p, ctx, defer=None):
     # do: (B, T, C) -> dx: (B, T, C); `do` must stay unmodified until a deferred W runs
     stash, c2, c3 = cache
-    c3 = linear_restore_input(c3, gelu_recompute(xp, c2, gemm_input=True))
+    c3 = linear_restore_input(c3, gelu_recompute(xp, c2, bf16=True))
     dg = row_backward(xp, ctx, do, c3, P[f"{p}.proj.w"], G[f"{p}.proj.w"], G[f"{p}.proj.b"], defer)
     del c3
     dh = gelu_backward(xp, dg, c2)

@@ -120,8 +120,10 @@ class Llama:
         # W stash (split backward), as gpt's: dy, the gating, dg, du, h2; dx, a, dq, dk, dv, h
         heads = 2 * (self.H + self.K) * self.hd       # a and dq (n_heads wide), dk and dv (n_kv_heads wide)
         w = n * (2 * C + 2 * C // parts + (3 * self.F + heads) // tp) * item
-        # of those, what only GEMMs read: h2, h, the gating, dg, du, and a (standard attention on this rank)
-        a_bits = n * self.H * self.hd // tp if not self.flash and cp == 1 else 0
+        # of those, what only GEMMs read: h2, h, the gating, dg, du, a (standard attention on this rank) and,
+        # without q/k norms, dq and dk
+        a_bits = (n * self.H * self.hd // tp if not self.flash and cp == 1 else 0) + \
+            (0 if self.qk else n * (self.H + self.K) * self.hd // tp)
         bits = n * (2 * C // parts + 3 * self.F // tp) + a_bits
         out = {"layer": layer, "scores": scores, "w_layer": w, "bits_w_layer": bits, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
                                                  rmsnorm_cache_bytes(ns, C, item), parts, cp)}
@@ -131,7 +133,7 @@ class Llama:
             for i in range(self.L):
                 if self.moe.routed(i):
                     out[f"layer.{i}"], out[f"w_layer.{i}"] = moe, w_moe
-                    out[f"bits_w_layer.{i}"] = n * C // parts + a_bits    # h, a (the router reads h2 in float32)
+                    out[f"bits_w_layer.{i}"] = n * C // parts + a_bits    # h, a, dq, dk (the router reads h2 in float32)
         return out
 
     # the tensors only linear layers read (packed bf16 storage hands them to the GEMMs as bits: gemm_weight); not
@@ -209,14 +211,16 @@ class Llama:
         H, K, hd = P[f"{p}.attn.q.w"].shape[1] // self.hd, P[f"{p}.attn.k.w"].shape[1] // self.hd, self.hd
         cos, sin, qcos, qsin = self._tables_at(xp, x.dtype, ctx)
         hs, c_n1 = rmsnorm_forward(xp, x, P[f"{p}.attn_norm.w"], self.eps, gemm_input=True)
-        # the values go only to the attention's products (standard attention on this rank): stored in bfloat16
-        v_bits = not self.flash and type(ctx.attn) is LocalAttn      # (context parallelism subclasses it)
+        # under bf16 amp the projections' outputs are stored in bfloat16 where bits-reading kernels or the
+        # attention's products take them (bf16_attention): v, and q and k unless the q/k norms read them
+        att_bits = self._bf16_attention(ctx)
+        qk_bits = att_bits and not self.qk
         (q, k, v), c_qkv = columns_forward(xp, ctx, hs, (P[f"{p}.attn.q.w"], P[f"{p}.attn.k.w"], P[f"{p}.attn.v.w"]),
-                                           bf16_out=(False, False, v_bits))
+                                           bf16_out=(qk_bits, qk_bits, att_bits))
         del hs
         q, k, c_qk = self._qk_forward(xp, P, p, q.reshape(B, T, H, hd), k.reshape(B, T, K, hd))
-        q = rope_forward(xp, q, qcos, qsin)
-        k = rope_forward(xp, k, cos, sin)
+        q = rope_forward(xp, q, qcos, qsin, gemm_input=att_bits)
+        k = rope_forward(xp, k, cos, sin, gemm_input=att_bits)
         k, v = ctx.attn.kv_forward(k, v.reshape(B, T, K, hd).transpose(0, 2, 1, 3))
         a, c_att = ctx.attn.grouped_forward(xp, self._cores(keep_scores)[0], q, k, v, scale=1.0)   # q is scaled
         o, c_o = row_forward(xp, ctx, a, P[f"{p}.attn.o.w"])
@@ -227,13 +231,18 @@ class Llama:
             d, c_moe = self.moe.forward(xp, P, p, h2s, ctx, loss)
             o += d
             return o, (c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_moe)
-        (g, u), c_gu = columns_forward(xp, ctx, h2s, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]))
+        (g, u), c_gu = columns_forward(xp, ctx, h2s, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]), bf16_out=(True, True))
         del h2s
-        m, c_sw = swiglu_forward(xp, g, u, gemm_input=True)
+        m, c_sw = swiglu_forward(xp, g, u, bf16=True)
         d, c_d = row_forward(xp, ctx, m, P[f"{p}.mlp.down.w"])
         del m
         o += d
         return o, (c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_gu, c_sw, linear_drop_input(c_d))
+
+    def _bf16_attention(self, ctx) -> bool:
+        """Whether the attention's inputs may be bfloat16 bits (bf16 amp): the standard grouped core on this rank
+        (flash's NumPy twin and context parallelism's drivers compute on float32)."""
+        return not self.flash and type(ctx.attn) is LocalAttn      # (context parallelism subclasses it)
 
     def _tables_at(self, xp, dtype, ctx):
         """cos, sin, and the query's (1/sqrt(hd) folded in) at the positions this rank's attention sees."""
@@ -275,10 +284,10 @@ class Llama:
         else:
             c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_gu, c_sw, c_d = cache
             # MLP branch
-            c_d = linear_restore_input(c_d, swiglu_recompute(xp, c_sw, gemm_input=True))
+            c_d = linear_restore_input(c_d, swiglu_recompute(xp, c_sw, bf16=True))
             dm = row_backward(xp, ctx, dy, c_d, P[f"{p}.mlp.down.w"], G[f"{p}.mlp.down.w"], defer=defer)
             del c_d
-            dg, du = swiglu_backward(xp, dm, c_sw, gemm_input=True)
+            dg, du = swiglu_backward(xp, dm, c_sw, bf16=True)
             dh2 = columns_backward(xp, ctx, (dg, du), c_gu, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]),
                                    (G[f"{p}.mlp.gate.w"], G[f"{p}.mlp.up.w"]), defer=defer)
         dx = rmsnorm_backward(xp, dh2, c_n2, P[f"{p}.mlp_norm.w"], G[f"{p}.mlp_norm.w"])
@@ -287,7 +296,10 @@ class Llama:
         da = row_backward(xp, ctx, dx, c_o, P[f"{p}.attn.o.w"], G[f"{p}.attn.o.w"], defer=defer)
         dq, dk, dv = ctx.attn.grouped_backward(xp, self._cores()[1], da, c_att)
         dk, dv = ctx.attn.kv_backward(dk, dv)
-        dq, dk = self._qk_backward(xp, rope_backward(xp, dq, qcos, qsin), rope_backward(xp, dk, cos, sin), c_qk, P, G, p)
+        # without q/k norms only the projections' GEMMs read the rotated-back gradients
+        dq, dk = (rope_backward(xp, dq, qcos, qsin, gemm_input=not self.qk),
+                  rope_backward(xp, dk, cos, sin, gemm_input=not self.qk))
+        dq, dk = self._qk_backward(xp, dq, dk, c_qk, P, G, p)
         dys = (dq, dk, dv.transpose(0, 2, 1, 3))
         dh = columns_backward(xp, ctx, dys, c_qkv, (P[f"{p}.attn.q.w"], P[f"{p}.attn.k.w"], P[f"{p}.attn.v.w"]),
                               (G[f"{p}.attn.q.w"], G[f"{p}.attn.k.w"], G[f"{p}.attn.v.w"]), defer=defer)

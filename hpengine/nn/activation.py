@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from hpengine.device.bf16_bits import as_float32
 from hpengine.nn import bf16_gemm, fused
 
 
@@ -20,19 +21,31 @@ _A = 0.044715
 _SAT = 30.0
 
 
-def gelu_forward(xp, x, gemm_input=False):
+def gelu_forward(xp, x, bf16=False):
     # x: (...) -> y: (...); y = 0.5 x (1 + tanh(u)), u = K (x + A x^3)
-    # gemm_input: only GEMMs read y (and gelu_recompute's); under bf16 amp it is stored as they take it
-    # (bf16_gemm.store_for_gemm)
+    # bf16: under bf16 amp x is a GEMM's output stored in bfloat16 (bf16_gemm.product_stored) and only GEMMs
+    # read y: s and y are stored as the GEMMs take them (bits when packed), y made from the s stored, so
+    # gelu_recompute rebuilds it bit for bit
     # 0.5 (1 + tanh(u)) == sigmoid(2u) = 1 / (1 + exp(-2u)): it avoids the cancellation in 1 + tanh(u) for
     # negative x. Where exp(-2u) overflows to inf the sigmoid is 1 / inf = 0, its value to the dtype's
     # precision (below the smallest normal number); the overflow is expected there and not reported.
     # 1 / s is np.divide(1.0, s): the same IEEE quotient as np.reciprocal, twice as fast in NumPy 2.
+    if bf16 and bf16_gemm.active():
+        if _bits(xp, x):
+            y, s = fused.gelu_forward(xp, x)            # bits in, bits out
+            return y, (x, s)
+        s = bf16_gemm.store_for_gemm(xp, _sigmoid2u(xp, as_float32(xp, x)))
+        return gelu_recompute(xp, (x, s), bf16), (x, s)
     if fused.usable(xp, x):
-        y, s = fused.gelu_forward(xp, x, bits=gemm_input and bf16_gemm.writes_bits() and x.dtype == xp.float32)
-        return (bf16_gemm.store_for_gemm(xp, y) if gemm_input else y), (x, s)
+        y, s = fused.gelu_forward(xp, x)
+        return y, (x, s)
     if x.dtype.itemsize < 4:
         return _gelu_forward_half(xp, x)
+    s = _sigmoid2u(xp, x)
+    return x * s, (x, s)
+
+
+def _sigmoid2u(xp, x):
     s = x * x
     s *= -2.0 * _A * _K
     s -= 2.0 * _K
@@ -41,8 +54,12 @@ def gelu_forward(xp, x, gemm_input=False):
         xp.exp(s, out=s)
     s += 1.0
     xp.divide(1.0, s, out=s)            # s = sigmoid(2u)
-    y = x * s
-    return (bf16_gemm.store_for_gemm(xp, y) if gemm_input else y), (x, s)
+    return s
+
+
+def _bits(xp, *arrays):
+    # whether the fused kernels' bits entries take these: CuPy, every array bfloat16 bits
+    return fused.ENABLED and xp.__name__ == "cupy" and all(a.dtype == xp.uint16 for a in arrays)
 
 
 def _gelu_forward_half(xp, x):
@@ -67,6 +84,9 @@ def gelu_backward(xp, dy, cache):
     # dy: (...) -> dx: (...)
     x, s = cache
     # with s = sigmoid(2u): dy/dx = s + 2 x s (1 - s) K (1 + 3 A x^2)
+    if _bits(xp, x, s) and dy.dtype == xp.float32:      # gelu_forward's bf16 cache
+        return fused.gelu_backward(xp, x, s, dy)
+    x, s = as_float32(xp, x), as_float32(xp, s)
     if fused.usable(xp, x, s, dy):
         return fused.gelu_backward(xp, x, s, dy)
     t = xp.clip(x, -_SAT, _SAT) if x.dtype.itemsize < 4 else x   # float16: keep x^3 finite; beyond
@@ -81,11 +101,14 @@ def gelu_backward(xp, dy, cache):
     return d
 
 
-def gelu_recompute(xp, cache, gemm_input=False):
+def gelu_recompute(xp, cache, bf16=False):
     # -> y: exactly the array gelu_forward returned (same ops, same order)
     x, s = cache
-    y = x * s
-    return bf16_gemm.store_for_gemm(xp, y) if gemm_input else y
+    if bf16 and bf16_gemm.active():
+        if _bits(xp, x, s):
+            return fused.gelu_recompute(xp, x, s)
+        return bf16_gemm.store_for_gemm(xp, as_float32(xp, x) * as_float32(xp, s))
+    return x * s
 
 
 def relu_forward(xp, x):

@@ -61,9 +61,9 @@ def gqa_attention_forward(xp, q, k, v):
     (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k)
     if v.dtype == xp.uint16 and xp.__name__ == "cupy":
         v = xp.ascontiguousarray(v)         # bf16 bits (B, K, T, hd): one strided-batched GEMM over every head
-    bits = bf16_gemm.writes_bits() and y.dtype == xp.float32
-    if bits:                                # only the o projection and this cache read y: its bfloat16 bits
-        y = xp.empty(y.shape, dtype=xp.uint16)
+    bits = bf16_gemm.writes_bits() and y.dtype in (xp.float32, xp.uint16)
+    if bits or y.dtype == xp.uint16:        # only the o projection and this cache read y: its bfloat16 bits
+        y = xp.empty(y.shape, dtype=xp.uint16 if bits else xp.float32)
     y5 = _per_head(y, K, g)
     qs, ps = [], []
     with bf16_gemm.held(xp, k, v):          # bf16: converted once for every block's products

@@ -9,7 +9,8 @@ query's 1/sqrt(hd)) costs nothing.
 """
 import numpy as np
 
-from hpengine.nn import fused
+from hpengine.device.bf16_bits import as_float32
+from hpengine.nn import bf16_gemm, fused
 
 
 def rope_tables(xp, T: int, hd: int, theta: float, dtype, scale: float = 1.0):
@@ -21,24 +22,31 @@ def rope_tables(xp, T: int, hd: int, theta: float, dtype, scale: float = 1.0):
     return (xp.asarray((np.cos(ang) * scale).astype(dtype)), xp.asarray((np.sin(ang) * scale).astype(dtype)))
 
 
-def rope_forward(xp, x, cos, sin):
-    # x: (B, T, H, hd) (any strides) -> y: (B, H, T, hd) contiguous
+def rope_forward(xp, x, cos, sin, gemm_input=False):
+    # x: (B, T, H, hd) (any strides; bfloat16 bits under bf16 amp when a GEMM stored it so) -> y: (B, H, T, hd)
+    # contiguous; gemm_input: only GEMMs read y, which bf16 amp then stores as they take it (bits when packed)
     B, T, H, hd = x.shape
-    if fused.usable(xp, x, cos, sin):
-        return fused.rope_forward(xp, x, cos[:T], sin[:T])
+    bits = gemm_input and bf16_gemm.writes_bits()
+    if fused.usable(xp, cos, sin) and x.dtype in (cos.dtype, xp.uint16):
+        y = fused.rope_forward(xp, x, cos[:T], sin[:T], bits=bits and x.dtype == xp.float32)
+        return bf16_gemm.store_for_gemm(xp, y) if gemm_input else y
+    x = as_float32(xp, x)
     y = xp.empty((B, H, T, hd), dtype=x.dtype)
     _rotate(xp, x, y.transpose(0, 2, 1, 3), cos[:T, None, :], sin[:T, None, :], +1)
-    return y
+    return bf16_gemm.store_for_gemm(xp, y) if gemm_input else y
 
 
-def rope_backward(xp, dy, cos, sin):
-    # dy: (B, H, T, hd) -> dx: (B, T, H, hd) contiguous (reshapes to the projection's (B, T, H*hd))
+def rope_backward(xp, dy, cos, sin, gemm_input=False):
+    # dy: (B, H, T, hd) -> dx: (B, T, H, hd) contiguous (reshapes to the projection's (B, T, H*hd)); gemm_input:
+    # only GEMMs read dx, which bf16 amp then stores as they take it (bits when packed)
     B, H, T, hd = dy.shape
     if fused.usable(xp, dy, cos, sin):
-        return fused.rope_backward(xp, dy, cos[:T], sin[:T])
+        dx = fused.rope_backward(xp, dy, cos[:T], sin[:T], bits=gemm_input and bf16_gemm.writes_bits()
+                                 and dy.dtype == xp.float32)
+        return bf16_gemm.store_for_gemm(xp, dx) if gemm_input else dx
     dx = xp.empty((B, T, H, hd), dtype=dy.dtype)
     _rotate(xp, dy.transpose(0, 2, 1, 3), dx, cos[:T, None, :], sin[:T, None, :], -1)
-    return dx
+    return bf16_gemm.store_for_gemm(xp, dx) if gemm_input else dx
 
 
 def _rotate(xp, x, out, c, s, sign):

@@ -4,41 +4,62 @@ The cache keeps g, u and s = sigmoid(g); the output a (the down projection's inp
 them in backward (two multiplies), a quarter less MLP activation memory than keeping it.
 d/dg silu(g) = s (1 + g (1 - s)).
 """
+from hpengine.device.bf16_bits import as_float32
 from hpengine.nn import bf16_gemm, fused
 from hpengine.nn.activation import _no_overflow_warning
 
 
-def swiglu_forward(xp, g, u, gemm_input=False):
+def swiglu_forward(xp, g, u, bf16=False):
     # g, u: (...) -> a: (...)
-    # gemm_input: only GEMMs read a (and dg, du in swiglu_backward, a in swiglu_recompute); under bf16 amp
-    # each is stored as they take it (bf16_gemm.store_for_gemm)
+    # bf16: under bf16 amp g and u are GEMM outputs stored in bfloat16 (bf16_gemm.product_stored) and only
+    # GEMMs read a, dg, du: s, a, dg and du are stored as the GEMMs take them (bits when packed), a made from
+    # the s stored, so swiglu_recompute rebuilds it bit for bit
+    if bf16 and bf16_gemm.active():
+        if _bits(xp, g, u):
+            a, s = fused.swiglu_forward(xp, g, u)           # bits in, bits out
+            return a, (g, u, s)
+        g32, u32 = as_float32(xp, g), as_float32(xp, u)
+        s = bf16_gemm.store_for_gemm(xp, _sigmoid(xp, g32))
+        return swiglu_recompute(xp, (g32, u32, s), bf16), (g, u, s)
     if fused.usable(xp, g, u):
-        a, s = fused.swiglu_forward(xp, g, u, bits=_bits(xp, gemm_input, g))
-        return _stored(xp, a, gemm_input), (g, u, s)
+        a, s = fused.swiglu_forward(xp, g, u)
+        return a, (g, u, s)
+    s = _sigmoid(xp, g)
+    a = g * s
+    a *= u
+    return a, (g, u, s)
+
+
+def _sigmoid(xp, g):
     s = xp.negative(g)
     with _no_overflow_warning(xp):      # exp overflows to inf for very negative g: the sigmoid is then 0
         xp.exp(s, out=s)
     s += 1.0
     xp.divide(1.0, s, out=s)            # np.reciprocal's quotient, twice as fast in NumPy 2
-    a = g * s
-    a *= u
-    return _stored(xp, a, gemm_input), (g, u, s)
+    return s
 
 
-def swiglu_recompute(xp, cache, gemm_input=False):
+def swiglu_recompute(xp, cache, bf16=False):
     # -> exactly the array swiglu_forward returned (same ops, same order)
     g, u, s = cache
+    if bf16 and bf16_gemm.active():
+        if _bits(xp, g, u, s):
+            return fused.swiglu_recompute(xp, g, u, s)
+        g, u, s = (as_float32(xp, t) for t in (g, u, s))
     a = g * s
     a *= u
-    return _stored(xp, a, gemm_input)
+    return bf16_gemm.store_for_gemm(xp, a) if bf16 else a
 
 
-def swiglu_backward(xp, da, cache, gemm_input=False):
+def swiglu_backward(xp, da, cache, bf16=False):
     # da: (...) -> (dg, du)
     g, u, s = cache
-    if fused.usable(xp, g, u, s, da):
-        dg, du = fused.swiglu_backward(xp, g, u, s, da, bits=_bits(xp, gemm_input, g))
-        return _stored(xp, dg, gemm_input), _stored(xp, du, gemm_input)
+    if bf16 and bf16_gemm.active():
+        if _bits(xp, g, u, s) and da.dtype == xp.float32:
+            return fused.swiglu_backward(xp, g, u, s, da)   # dg, du as bits
+        g, u, s = (as_float32(xp, t) for t in (g, u, s))
+    elif fused.usable(xp, g, u, s, da):
+        return fused.swiglu_backward(xp, g, u, s, da)
     du = g * s
     du *= da
     dg = 1.0 - s
@@ -47,16 +68,14 @@ def swiglu_backward(xp, da, cache, gemm_input=False):
     dg *= s
     dg *= u
     dg *= da
-    return _stored(xp, dg, gemm_input), _stored(xp, du, gemm_input)
+    if bf16:
+        return bf16_gemm.store_for_gemm(xp, dg), bf16_gemm.store_for_gemm(xp, du)
+    return dg, du
 
 
-def _bits(xp, gemm_input, g):
-    # whether the fused kernel writes its GEMM-bound outputs as bfloat16 bits itself
-    return gemm_input and bf16_gemm.writes_bits() and g.dtype == xp.float32
-
-
-def _stored(xp, y, gemm_input):
-    return bf16_gemm.store_for_gemm(xp, y) if gemm_input else y
+def _bits(xp, *arrays):
+    # whether the fused kernels' bits entries take these: CuPy, every array bfloat16 bits
+    return fused.ENABLED and xp.__name__ == "cupy" and all(a.dtype == xp.uint16 for a in arrays)
 
 
 def swiglu_cache_elements(n: int) -> int:

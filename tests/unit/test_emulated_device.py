@@ -89,12 +89,15 @@ LAUNCH_CASES = {
                       {"flash_fwd_f32", "flash_bwd_dq_f32", "flash_bwd_dkdv_f32"}),
     "llama_bf16_flash": ([*KINDS["llama"], *BF16, "model.attention=flash"],
                          {"flash_mma_fwd_f32_hd64", "flash_mma_bwd_dkdv_f32_hd64", "rmsnorm_fwd_f32_bf16", "rope_fwd_f32",
-                          "swiglu_fwd_f32_bf16", "swiglu_bwd_f32_bf16", "adamw_f32_bf16bits"}),
+                          "rope_bwd_f32_bf16", "swiglu_fwd_f32_bf16i", "swiglu_bwd_f32_bf16i", "adamw_f32_bf16bits"}),
+    "llama_bf16_standard": ([*KINDS["llama"], *BF16], {"rope_fwd_f32_bf16i", "rope_bwd_f32_bf16", "causal_softmax_f32_bf16",
+                                                       "grouped_softmax_bwd_f32_bf16", "swiglu_recompute_f32_bf16i"}),
     "gpt_bf16_standard": ([*KINDS["gpt"], *BF16], {"causal_softmax_f32_bf16", "softmax_bwd_f32_bf16",
-                                                   "layernorm_fwd_f32_bf16", "gelu_fwd_f32_bf16", "adamw_f32_bf16bits"}),
+                                                   "layernorm_fwd_f32_bf16", "gelu_fwd_f32_bf16i", "gelu_bwd_f32_bf16i",
+                                                   "gelu_recompute_f32_bf16i", "adamw_f32_bf16bits"}),
     "llama_moe_bf16": ([*KINDS["llama"], *BF16, *MOE], {"swiglu_fwd_f32", "grouped_softmax_bwd_f32_bf16"}),
     "gpt_recompute_selective": ([*KINDS["gpt"], *BF16, "strategy.recompute.enable=true",
-                                 "strategy.recompute.granularity=selective"], {"gelu_fwd_f32_bf16", "layernorm_bwd_f32"}),
+                                 "strategy.recompute.granularity=selective"], {"gelu_fwd_f32_bf16i", "layernorm_bwd_f32"}),
 }
 
 
@@ -220,9 +223,11 @@ POINTS = {"gpt": {"gelu_fwd", "gelu_bwd", "layernorm_fwd", "layernorm_bwd", "col
                     "colsum_prod_part", "colsum_finish", "xent_fwd", "xent_bwd"}}
 STANDARD = {"gpt": {"causal_softmax", "softmax_bwd"}, "llama": {"causal_softmax", "grouped_softmax_bwd"}}
 FLASH = {"flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv"}
-# under bf16 amp, packed, these write (or read) bfloat16 bits: their _f32_bf16 entries run instead
-BITS = {"gelu_fwd", "layernorm_fwd", "rmsnorm_fwd", "swiglu_fwd", "swiglu_bwd", "causal_softmax", "softmax_bwd",
-        "grouped_softmax_bwd"}
+# under bf16 amp, packed, these write bfloat16 bits (_f32_bf16) or read a GEMM's bits output too (_f32_bf16i);
+# under flash attention the rotary embedding's input and output stay float32
+BITS = {"gelu_fwd": "f32_bf16i", "gelu_bwd": "f32_bf16i", "layernorm_fwd": "f32_bf16", "rmsnorm_fwd": "f32_bf16",
+        "swiglu_fwd": "f32_bf16i", "swiglu_bwd": "f32_bf16i", "rope_bwd": "f32_bf16", "causal_softmax": "f32_bf16",
+        "softmax_bwd": "f32_bf16", "grouped_softmax_bwd": "f32_bf16"}
 
 
 def _entries(names, suffix):
@@ -264,8 +269,8 @@ def test_bf16_flash_with_the_kernels_on_trains_like_numpy(small_corpus, device, 
     want = train(small_corpus, "numpy", *extra)
     got = train(small_corpus, "cupy", *extra)
     _same(got, want, 2e-3, 2e-3)
-    must = ({f"flash_mma_{op}_f32_hd64" for op in ("fwd", "bwd_dq", "bwd_dkdv")} | _entries(POINTS[kind] - BITS, "f32")
-            | _entries(POINTS[kind] & BITS, "f32_bf16"))
+    must = ({f"flash_mma_{op}_f32_hd64" for op in ("fwd", "bwd_dq", "bwd_dkdv")} | _entries(POINTS[kind] - set(BITS), "f32")
+            | {f"{op}_{BITS[op]}" for op in POINTS[kind] & set(BITS)})
     assert must <= set(device.launches), sorted(set(device.launches))
     assert not FLASH & {e.rsplit("_", 1)[0] for e in device.launches}
 
