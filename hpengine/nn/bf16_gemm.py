@@ -157,7 +157,7 @@ def product_stored(xp, a, b, bias=None):
     GEMM output that other layers read: its bfloat16 bits (packed; on CuPy cuBLAS writes them, C = bias bits
     with beta 1 when there is a bias), else rounded to bfloat16 values (float32). Outside bf16 amp, float32."""
     if xp.__name__ != "cupy" or not _STATE["bits"]:
-        y = matmul(xp, a, b) if _STATE["on"] else a @ b
+        y = matmul(xp, a, b) if active() else a @ b
         if bias is not None:
             y += bias
         return store_for_gemm(xp, y)
