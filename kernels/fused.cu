@@ -8,6 +8,10 @@
 //   causal_softmax_f32_bf16(z, p, ...): not in place: float32 scores z in (unchanged), the bits of the
 //     probabilities out, whose float32 values before rounding are causal_softmax_f32's;
 //   softmax_bwd, grouped_softmax_bwd: p read as bits; ds float32, in place.
+// <op>_f32_bf16x, the output and the cache in bits: layernorm_fwd, rmsnorm_fwd: y and xhat in bits (y from the
+//   float32 xhat, rounded once), rstd float32.
+// <op>_f32_bf16o, a separate bits output: softmax_bwd(ds, p, rs, out, ...), grouped_softmax_bwd(ds, p, rs, out,
+//   ...): not in place: ds (= dP) float32 in, left as it is; p read as bits; out = (ds - rs) * p in bits.
 // <op>_f32_bf16i, the inputs (a GEMM's outputs) in bits too:
 //   rope_fwd: x read as bits (a strided view, as ever), y in bits;
 //   gelu_fwd: x read as bits, y and s in bits; gelu_bwd: x, s read as bits, dy and dx float32;
@@ -15,6 +19,8 @@
 //   gelu_recompute(x, s, y): y = x s, swiglu_recompute(g, u, s, a): a = (g s) u; all bits.
 //   With the cache s in bits the forwards compute y (a) from the value s's bits hold, so that the
 //   recompute entries rebuild the forward's output bit for bit from the cache.
+//   layernorm_bwd, rmsnorm_bwd: xhat read as bits (a _bf16x forward's), dy, rstd, w and dx float32;
+//   colsum_prod_part(a, b, part, ...): b read as bits, a and part float32 (the norm weights' sum(dy xhat)).
 // NumPy twins: the NumPy code in hpengine/nn (gelu_forward, gelu_backward, attention_forward's softmax,
 // attention_backward's softmax gradient, gqa_attention_backward's softmax gradient, layernorm_forward,
 // layernorm_backward's dx, rmsnorm_forward, rmsnorm_backward's dx, rope_forward, rope_backward,
@@ -32,6 +38,7 @@
 //   * all arrays C-contiguous, except the input of rope_*, read through the four element strides passed;
 //     outputs do not overlap inputs unless the entry says "in place".
 //   * causal_softmax_f32/_f64 work in place on p; causal_softmax_f32_bf16's z and p are separate arrays.
+//   * the softmax gradients work in place on ds, but the _bf16o entries, whose out is a separate array.
 
 #define MAX_WARPS 32
 
@@ -169,22 +176,24 @@ __device__ void causal_softmax(const T* z, P* p, long long n_rows, int n_cols, i
     }
 }
 
-// ---- softmax gradient, in place on ds (= dP on entry): ds = (ds - rs) * p, rs one value per query row;
-// row r of the (batch*heads*n_q, n_cols) block is query q0 + r % n_q of head r / n_q, whose rs sits at
-// rs[(r / n_q) * rs_len + q0 + r % n_q]. (P: p's storage, T or bits)
-template <typename T, typename P = T>
-__device__ void softmax_bwd(T* ds, const P* __restrict__ p, const T* __restrict__ rs, long long n,
+// ---- softmax gradient: out = (ds - rs) * p with ds = dP, rs one value per query row; row r of the
+// (batch*heads*n_q, n_cols) block is query q0 + r % n_q of head r / n_q, whose rs sits at
+// rs[(r / n_q) * rs_len + q0 + r % n_q]. In place when out is ds. (P: p's storage, O: out's; T or bits.
+// out is stored through its own pointer, not put: put's promise of no aliasing does not hold in place)
+template <typename T, typename P = T, typename O = T>
+__device__ void softmax_bwd(const T* ds, const P* __restrict__ p, const T* __restrict__ rs, O* out, long long n,
                             int n_cols, int n_q, int q0, int rs_len) {
     GRID_STRIDE(i, n) {
         const long long r = i / n_cols;
-        ds[i] = (ds[i] - rs[(r / n_q) * rs_len + q0 + r % n_q]) * (T)get(p, i);
+        out[i] = element<O>((ds[i] - rs[(r / n_q) * rs_len + q0 + r % n_q]) * (T)get(p, i));
     }
 }
 
 // ---- layer norm over rows of x (n_rows, n_cols): xhat = (x - mean) rstd, y = xhat w + b; rstd per row
-template <typename T, typename Y = T>
+// (Y: y's storage, H: xhat's; T or bits. y from the unrounded xhat)
+template <typename T, typename Y = T, typename H = T>
 __device__ void layernorm_fwd(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
-                              Y* __restrict__ y, T* __restrict__ xhat, T* __restrict__ rstd, long long n_rows,
+                              Y* __restrict__ y, H* __restrict__ xhat, T* __restrict__ rstd, long long n_rows,
                               int n_cols, T eps) {
     __shared__ T sh[MAX_WARPS];
     ROWS(r, n_rows) {
@@ -197,43 +206,48 @@ __device__ void layernorm_fwd(const T* __restrict__ x, const T* __restrict__ w, 
         const T rs = rsq<T>(block_reduce(v, sh, Sum()) / (T)n_cols + eps);
         for (int j = threadIdx.x; j < n_cols; j += blockDim.x) {
             const T h = (xr[j] - mean) * rs;
-            xhat[r * n_cols + j] = h;
+            put(xhat, r * n_cols + j, h);
             put(y, r * n_cols + j, h * w[j] + b[j]);
         }
         if (threadIdx.x == 0) rstd[r] = rs;
     }
 }
 
-// dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy w
-template <typename T>
-__device__ void layernorm_bwd(const T* __restrict__ dy, const T* __restrict__ xhat, const T* __restrict__ rstd,
+// dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy w (H: xhat's storage, T or bits)
+template <typename T, typename H = T>
+__device__ void layernorm_bwd(const T* __restrict__ dy, const H* __restrict__ xhat, const T* __restrict__ rstd,
                               const T* __restrict__ w, T* __restrict__ dx, long long n_rows, int n_cols) {
     __shared__ T sh[MAX_WARPS];
     ROWS(r, n_rows) {
         const T* dr = dy + r * n_cols;
-        const T* hr = xhat + r * n_cols;
+        const H* hr = xhat + r * n_cols;
         T sg = 0, sgx = 0;
-        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) { const T g = dr[j] * w[j]; sg += g; sgx += g * hr[j]; }
+        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) {
+            const T g = dr[j] * w[j];
+            sg += g;
+            sgx += g * value(hr[j]);
+        }
         const T rs = rstd[r];
         const T mg = block_reduce(sg, sh, Sum()) / (T)n_cols * rs;
         const T mgx = block_reduce(sgx, sh, Sum()) / (T)n_cols * rs;
         for (int j = threadIdx.x; j < n_cols; j += blockDim.x)
-            dx[r * n_cols + j] = dr[j] * w[j] * rs - mg - hr[j] * mgx;
+            dx[r * n_cols + j] = dr[j] * w[j] * rs - mg - value(hr[j]) * mgx;
     }
 }
 
-// ---- grouped-query softmax gradient, in place on ds (= dP on entry): ds = (ds - rs) * p over rows of
-// n_cols scores, rs one value per row (P: p's storage, T or bits)
-template <typename T, typename P = T>
-__device__ void grouped_softmax_bwd(T* ds, const P* __restrict__ p, const T* __restrict__ rs, long long n,
-                                    int n_cols) {
-    GRID_STRIDE(i, n) ds[i] = (ds[i] - rs[i / n_cols]) * (T)get(p, i);
+// ---- grouped-query softmax gradient: out = (ds - rs) * p over rows of n_cols scores, ds = dP, rs one value
+// per row; in place when out is ds (P: p's storage, O: out's; T or bits)
+template <typename T, typename P = T, typename O = T>
+__device__ void grouped_softmax_bwd(const T* ds, const P* __restrict__ p, const T* __restrict__ rs, O* out,
+                                    long long n, int n_cols) {
+    GRID_STRIDE(i, n) out[i] = element<O>((ds[i] - rs[i / n_cols]) * (T)get(p, i));
 }
 
 // ---- RMS norm over rows of x (n_rows, n_cols): rstd = 1 / sqrt(mean(x^2) + eps), xhat = x rstd, y = xhat w
-template <typename T, typename Y = T>
+// (Y: y's storage, H: xhat's; T or bits. y from the unrounded xhat)
+template <typename T, typename Y = T, typename H = T>
 __device__ void rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, Y* __restrict__ y,
-                            T* __restrict__ xhat, T* __restrict__ rstd, long long n_rows, int n_cols, T eps) {
+                            H* __restrict__ xhat, T* __restrict__ rstd, long long n_rows, int n_cols, T eps) {
     __shared__ T sh[MAX_WARPS];
     ROWS(r, n_rows) {
         const T* xr = x + r * n_cols;
@@ -242,26 +256,27 @@ __device__ void rmsnorm_fwd(const T* __restrict__ x, const T* __restrict__ w, Y*
         const T rs = rsq<T>(block_reduce(s, sh, Sum()) * (T)(1.0 / n_cols) + eps);
         for (int j = threadIdx.x; j < n_cols; j += blockDim.x) {
             const T h = xr[j] * rs;
-            xhat[r * n_cols + j] = h;
+            put(xhat, r * n_cols + j, h);
             put(y, r * n_cols + j, h * w[j]);
         }
         if (threadIdx.x == 0) rstd[r] = rs;
     }
 }
 
-// dx = rstd (g - xhat mean(g xhat)), g = dy w
-template <typename T>
-__device__ void rmsnorm_bwd(const T* __restrict__ dy, const T* __restrict__ xhat, const T* __restrict__ rstd,
+// dx = rstd (g - xhat mean(g xhat)), g = dy w (H: xhat's storage, T or bits)
+template <typename T, typename H = T>
+__device__ void rmsnorm_bwd(const T* __restrict__ dy, const H* __restrict__ xhat, const T* __restrict__ rstd,
                             const T* __restrict__ w, T* __restrict__ dx, long long n_rows, int n_cols) {
     __shared__ T sh[MAX_WARPS];
     ROWS(r, n_rows) {
         const T* dr = dy + r * n_cols;
-        const T* hr = xhat + r * n_cols;
+        const H* hr = xhat + r * n_cols;
         T sgx = 0;
-        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) sgx += dr[j] * w[j] * hr[j];
+        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) sgx += dr[j] * w[j] * value(hr[j]);
         const T m = block_reduce(sgx, sh, Sum()) * (T)(1.0 / n_cols);
         const T rs = rstd[r];
-        for (int j = threadIdx.x; j < n_cols; j += blockDim.x) dx[r * n_cols + j] = (dr[j] * w[j] - hr[j] * m) * rs;
+        for (int j = threadIdx.x; j < n_cols; j += blockDim.x)
+            dx[r * n_cols + j] = (dr[j] * w[j] - value(hr[j]) * m) * rs;
     }
 }
 
@@ -361,8 +376,9 @@ __device__ void xent_bwd(const T* __restrict__ p, const long long* __restrict__ 
 
 // ---- column sums of a (n_rows, n_cols), or of a * b: each block (32 x 8 threads) sums 32 columns over one
 // chunk of rows into part[chunk]; colsum_finish adds the chunks in order. Deterministic: no atomics.
-template <typename T, bool PROD>
-__device__ void colsum_part(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ part,
+// (B: b's storage, T or bits)
+template <typename T, bool PROD, typename B = T>
+__device__ void colsum_part(const T* __restrict__ a, const B* __restrict__ b, T* __restrict__ part,
                             long long n_rows, int n_cols) {
     __shared__ T sh[8][33];
     const int col = blockIdx.x * 32 + threadIdx.x;
@@ -371,7 +387,7 @@ __device__ void colsum_part(const T* __restrict__ a, const T* __restrict__ b, T*
     T s = 0;
     if (col < n_cols)
         for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y)
-            s += PROD ? a[r * n_cols + col] * b[r * n_cols + col] : a[r * n_cols + col];
+            s += PROD ? a[r * n_cols + col] * value(b[r * n_cols + col]) : a[r * n_cols + col];
     sh[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.y == 0 && col < n_cols) {
@@ -399,7 +415,7 @@ extern "C" __global__ void causal_softmax_##S(T* p, long long n_rows, int n_cols
     causal_softmax<T, T>(p, p, n_rows, n_cols, n_q, q0); }                                                     \
 extern "C" __global__ void softmax_bwd_##S(T* ds, const T* p, const T* rs, long long n, int n_cols, int n_q,   \
                                            int q0, int rs_len) {                                               \
-    softmax_bwd<T>(ds, p, rs, n, n_cols, n_q, q0, rs_len); }                                                   \
+    softmax_bwd<T>(ds, p, rs, ds, n, n_cols, n_q, q0, rs_len); }                                               \
 extern "C" __global__ void layernorm_fwd_##S(const T* x, const T* w, const T* b, T* y, T* xhat, T* rstd,       \
                                              long long n_rows, int n_cols, T eps) {                            \
     layernorm_fwd<T>(x, w, b, y, xhat, rstd, n_rows, n_cols, eps); }                                           \
@@ -407,7 +423,7 @@ extern "C" __global__ void layernorm_bwd_##S(const T* dy, const T* xhat, const T
                                              long long n_rows, int n_cols) {                                   \
     layernorm_bwd<T>(dy, xhat, rstd, w, dx, n_rows, n_cols); }                                                 \
 extern "C" __global__ void grouped_softmax_bwd_##S(T* ds, const T* p, const T* rs, long long n, int n_cols) {  \
-    grouped_softmax_bwd<T>(ds, p, rs, n, n_cols); }                                                            \
+    grouped_softmax_bwd<T>(ds, p, rs, ds, n, n_cols); }                                                        \
 extern "C" __global__ void rmsnorm_fwd_##S(const T* x, const T* w, T* y, T* xhat, T* rstd, long long n_rows,   \
                                            int n_cols, T eps) {                                                \
     rmsnorm_fwd<T>(x, w, y, xhat, rstd, n_rows, n_cols, eps); }                                                \
@@ -440,8 +456,8 @@ extern "C" __global__ void colsum_prod_part_##S(const T* a, const T* b, T* part,
 extern "C" __global__ void colsum_finish_##S(const T* part, T* out, int n_parts, int n_cols, int accumulate) { \
     colsum_finish<T>(part, out, n_parts, n_cols, accumulate); }
 
-// the ops of the header's bfloat16 lists (_bf16, _bf16i): the arrays they name as bits (unsigned short), T's
-// math otherwise
+// the ops of the header's bfloat16 lists (_bf16, _bf16i, _bf16x, _bf16o): the arrays they name as bits
+// (unsigned short), T's math otherwise
 #define ENTRIES_BF16(S, T)                                                                                     \
 extern "C" __global__ void gelu_fwd_##S##_bf16(const T* x, unsigned short* y, T* s, long long n) {             \
     gelu_fwd<T, unsigned short>(x, y, s, n); }                                                                 \
@@ -450,13 +466,13 @@ extern "C" __global__ void causal_softmax_##S##_bf16(const T* z, unsigned short*
     causal_softmax<T, unsigned short>(z, p, n_rows, n_cols, n_q, q0); }                                        \
 extern "C" __global__ void softmax_bwd_##S##_bf16(T* ds, const unsigned short* p, const T* rs, long long n,    \
                                                   int n_cols, int n_q, int q0, int rs_len) {                   \
-    softmax_bwd<T, unsigned short>(ds, p, rs, n, n_cols, n_q, q0, rs_len); }                                   \
+    softmax_bwd<T, unsigned short>(ds, p, rs, ds, n, n_cols, n_q, q0, rs_len); }                               \
 extern "C" __global__ void layernorm_fwd_##S##_bf16(const T* x, const T* w, const T* b, unsigned short* y,     \
                                                     T* xhat, T* rstd, long long n_rows, int n_cols, T eps) {   \
     layernorm_fwd<T, unsigned short>(x, w, b, y, xhat, rstd, n_rows, n_cols, eps); }                           \
 extern "C" __global__ void grouped_softmax_bwd_##S##_bf16(T* ds, const unsigned short* p, const T* rs,         \
                                                           long long n, int n_cols) {                           \
-    grouped_softmax_bwd<T, unsigned short>(ds, p, rs, n, n_cols); }                                            \
+    grouped_softmax_bwd<T, unsigned short>(ds, p, rs, ds, n, n_cols); }                                        \
 extern "C" __global__ void rmsnorm_fwd_##S##_bf16(const T* x, const T* w, unsigned short* y, T* xhat, T* rstd, \
                                                   long long n_rows, int n_cols, T eps) {                       \
     rmsnorm_fwd<T, unsigned short>(x, w, y, xhat, rstd, n_rows, n_cols, eps); }                                \
@@ -497,7 +513,31 @@ extern "C" __global__ void swiglu_bwd_##S##_bf16i(const unsigned short* g, const
 extern "C" __global__ void swiglu_recompute_##S##_bf16i(const unsigned short* g, const unsigned short* u,      \
                                                         const unsigned short* s, unsigned short* a,            \
                                                         long long n) {                                         \
-    swiglu_recompute<T, unsigned short, unsigned short>(g, u, s, a, n); }
+    swiglu_recompute<T, unsigned short, unsigned short>(g, u, s, a, n); }                                      \
+extern "C" __global__ void layernorm_fwd_##S##_bf16x(const T* x, const T* w, const T* b, unsigned short* y,    \
+                                                     unsigned short* xhat, T* rstd, long long n_rows,          \
+                                                     int n_cols, T eps) {                                      \
+    layernorm_fwd<T, unsigned short, unsigned short>(x, w, b, y, xhat, rstd, n_rows, n_cols, eps); }           \
+extern "C" __global__ void rmsnorm_fwd_##S##_bf16x(const T* x, const T* w, unsigned short* y,                  \
+                                                   unsigned short* xhat, T* rstd, long long n_rows,            \
+                                                   int n_cols, T eps) {                                        \
+    rmsnorm_fwd<T, unsigned short, unsigned short>(x, w, y, xhat, rstd, n_rows, n_cols, eps); }                \
+extern "C" __global__ void layernorm_bwd_##S##_bf16i(const T* dy, const unsigned short* xhat, const T* rstd,   \
+                                                     const T* w, T* dx, long long n_rows, int n_cols) {        \
+    layernorm_bwd<T, unsigned short>(dy, xhat, rstd, w, dx, n_rows, n_cols); }                                 \
+extern "C" __global__ void rmsnorm_bwd_##S##_bf16i(const T* dy, const unsigned short* xhat, const T* rstd,     \
+                                                   const T* w, T* dx, long long n_rows, int n_cols) {          \
+    rmsnorm_bwd<T, unsigned short>(dy, xhat, rstd, w, dx, n_rows, n_cols); }                                   \
+extern "C" __global__ void colsum_prod_part_##S##_bf16i(const T* a, const unsigned short* b, T* part,          \
+                                                        long long n_rows, int n_cols) {                        \
+    colsum_part<T, true, unsigned short>(a, b, part, n_rows, n_cols); }                                        \
+extern "C" __global__ void softmax_bwd_##S##_bf16o(const T* ds, const unsigned short* p, const T* rs,          \
+                                                   unsigned short* out, long long n, int n_cols, int n_q,      \
+                                                   int q0, int rs_len) {                                       \
+    softmax_bwd<T, unsigned short, unsigned short>(ds, p, rs, out, n, n_cols, n_q, q0, rs_len); }              \
+extern "C" __global__ void grouped_softmax_bwd_##S##_bf16o(const T* ds, const unsigned short* p, const T* rs,  \
+                                                           unsigned short* out, long long n, int n_cols) {     \
+    grouped_softmax_bwd<T, unsigned short, unsigned short>(ds, p, rs, out, n, n_cols); }
 
 ENTRIES(f32, float)
 ENTRIES(f64, double)

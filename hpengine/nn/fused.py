@@ -9,8 +9,11 @@ rmsnorm_forward, rope_forward, rope_backward, swiglu_forward and swiglu_backward
 _f32_bf16i entries): rope_forward's x, gelu's x (and its cache s), swiglu's g and u (and s), and
 gelu_recompute and swiglu_recompute take bits; their outputs are then bits too, but gelu_backward's dx
 (float32).
-The softmax backwards read p as bits when it is uint16. Math is float32 throughout; dtypes that fit no entry
-are a ValueError.
+The softmax backwards read p as bits when it is uint16. The norms' caches can be bits too: `cache_bits=True`
+on layernorm_forward and rmsnorm_forward writes y and xhat as bits (the _f32_bf16x entries), which their
+backward_dx and colsum_'s b2 read as they are (_f32_bf16i); softmax_backward_bits and
+grouped_softmax_backward_bits write the softmax gradient as bits into a new array (_f32_bf16o). Math is float32
+throughout; dtypes that fit no entry are a ValueError.
 
 `ENABLED` switches the fused path off (benchmarks/gpu_profile.py compares both).
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpengine.device import kernels
+from hpengine.device import backend, kernels
 
 ENABLED = True
 _SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
@@ -31,8 +34,9 @@ def usable(xp, *arrays) -> bool:
             and all(a.dtype == arrays[0].dtype for a in arrays))
 
 
-# entry name tails after the math's suffix: outputs as bits; inputs (and the outputs) as bits
-BF16, BF16I = "_bf16", "_bf16i"
+# entry name tails after the math's suffix: outputs as bits; inputs (and the outputs) as bits; a norm's output
+# and its cache as bits; a separate bits output of a gradient otherwise made in place
+BF16, BF16I, BF16X, BF16O = "_bf16", "_bf16i", "_bf16x", "_bf16o"
 
 
 def _fn(entry: str, dtype, tail: str = ""):
@@ -159,43 +163,91 @@ def grouped_softmax_backward_(ds, p, rs):
             BF16 if bits else "")
 
 
-def layernorm_forward(xp, x2, w, b, eps, bits=False):
-    """x2 (N, C) -> y, xhat (N, C), rstd (N, 1); y as bfloat16 bits with bits=True."""
-    x2, w, b = xp.ascontiguousarray(x2), xp.ascontiguousarray(w), xp.ascontiguousarray(b)
+def _bits_out_of_place(what, ds, p, rs):
+    # the _bf16o entries' operands: ds and rs float32, p bits, ds and p contiguous; -> the new bits output
+    if not _bits_in(what, {"p": p}, {"ds": ds, "rs": rs}):
+        raise ValueError(f"{what}: no kernel entry takes p {p.dtype} (bfloat16 bits: p uint16, ds, rs float32)")
+    if not (ds.flags.c_contiguous and p.flags.c_contiguous and p.shape == ds.shape):
+        raise ValueError(f"{what}: ds and p must be contiguous and of one shape, not {ds.shape} and {p.shape}")
+    return backend.cupy_module().empty(ds.shape, dtype=BITS)
+
+
+def softmax_backward_bits(ds, p, rs, q0: int):
+    """-> (ds - rs) * p as bfloat16 bits (uint16), a new contiguous array of ds's shape: softmax_backward_'s
+    float32 values, rounded, with ds (dP, float32) left as it is; p bits, rs float32 as there."""
+    out = _bits_out_of_place("softmax_backward_bits", ds, p, rs)
+    n_q, n_cols = ds.shape[-2:]
+    _points("softmax_bwd", np.float32, ds.size, (ds, p, rs, out, np.int64(ds.size), np.int32(n_cols),
+                                                 np.int32(n_q), np.int32(q0), np.int32(rs.shape[-2])), BF16O)
+    return out
+
+
+def grouped_softmax_backward_bits(ds, p, rs):
+    """-> (ds - rs) * p as bfloat16 bits (uint16), a new contiguous array of ds's shape: grouped_softmax_backward_'s
+    float32 values, rounded, with ds (dP, float32) left as it is; p bits, rs float32 as there."""
+    out = _bits_out_of_place("grouped_softmax_backward_bits", ds, p, rs)
+    rs = rs if rs.flags.c_contiguous else rs.copy()
+    _points("grouped_softmax_bwd", np.float32, ds.size, (ds, p, rs, out, np.int64(ds.size),
+                                                         np.int32(ds.shape[-1])), BF16O)
+    return out
+
+
+def _norm_out_tail(what, bits, cache_bits, *arrays):
+    # the forward entry for bits / cache_bits: bits -> _bf16 (y), both -> _bf16x (y and xhat); float32 only
+    if cache_bits and not bits:
+        raise ValueError(f"{what}: cache_bits=True needs bits=True (the cache in bits, y in float32: no entry)")
     if bits:
-        _float32("layernorm_forward", x2, w, b)
+        _float32(what, *arrays)
+    return BF16X if cache_bits else BF16 if bits else ""
+
+
+def _norm_in_tail(what, dy2, xhat, rstd, w):
+    # the backward entry: xhat as bits (a cache_bits forward's) with dy, rstd and w float32 -> _bf16i
+    return BF16I if _bits_in(what, {"xhat": xhat}, {"dy": dy2, "rstd": rstd, "w": w}) else ""
+
+
+def layernorm_forward(xp, x2, w, b, eps, bits=False, cache_bits=False):
+    """x2 (N, C) -> y, xhat (N, C), rstd (N, 1); y as bfloat16 bits with bits=True, and xhat too with
+    cache_bits=True (y from the float32 xhat, rounded once; rstd float32)."""
+    x2, w, b = xp.ascontiguousarray(x2), xp.ascontiguousarray(w), xp.ascontiguousarray(b)
+    tail = _norm_out_tail("layernorm_forward", bits, cache_bits, x2, w, b)
     n, c = x2.shape
-    y, xhat, rstd = _out(xp, x2, bits), xp.empty_like(x2), xp.empty((n, 1), dtype=x2.dtype)
+    y, xhat, rstd = _out(xp, x2, bits), _out(xp, x2, cache_bits), xp.empty((n, 1), dtype=x2.dtype)
     _rows("layernorm_fwd", x2.dtype, n, c, (x2, w, b, y, xhat, rstd, np.int64(n), np.int32(c), x2.dtype.type(eps)),
-          BF16 if bits else "")
+          tail)
     return y, xhat, rstd
 
 
 def layernorm_backward_dx(xp, dy2, xhat, rstd, w):
+    """-> dx (N, C) of layer norm from dy2 (N, C) and the forward's xhat and rstd; xhat may be bits (uint16, a
+    cache_bits forward's), dy2, rstd, w and dx then float32."""
     dy2, xhat, rstd, w = (xp.ascontiguousarray(a) for a in (dy2, xhat, rstd, w))
+    tail = _norm_in_tail("layernorm_backward_dx", dy2, xhat, rstd, w)
     n, c = dy2.shape
     dx = xp.empty_like(dy2)
-    _rows("layernorm_bwd", dy2.dtype, n, c, (dy2, xhat, rstd, w, dx, np.int64(n), np.int32(c)))
+    _rows("layernorm_bwd", dy2.dtype, n, c, (dy2, xhat, rstd, w, dx, np.int64(n), np.int32(c)), tail)
     return dx
 
 
-def rmsnorm_forward(xp, x2, w, eps, bits=False):
-    """x2 (N, C) -> y, xhat (N, C), rstd (N, 1); y as bfloat16 bits with bits=True."""
+def rmsnorm_forward(xp, x2, w, eps, bits=False, cache_bits=False):
+    """x2 (N, C) -> y, xhat (N, C), rstd (N, 1); y as bfloat16 bits with bits=True, and xhat too with
+    cache_bits=True (y from the float32 xhat, rounded once; rstd float32)."""
     x2, w = xp.ascontiguousarray(x2), xp.ascontiguousarray(w)
-    if bits:
-        _float32("rmsnorm_forward", x2, w)
+    tail = _norm_out_tail("rmsnorm_forward", bits, cache_bits, x2, w)
     n, c = x2.shape
-    y, xhat, rstd = _out(xp, x2, bits), xp.empty_like(x2), xp.empty((n, 1), dtype=x2.dtype)
-    _rows("rmsnorm_fwd", x2.dtype, n, c, (x2, w, y, xhat, rstd, np.int64(n), np.int32(c), x2.dtype.type(eps)),
-          BF16 if bits else "")
+    y, xhat, rstd = _out(xp, x2, bits), _out(xp, x2, cache_bits), xp.empty((n, 1), dtype=x2.dtype)
+    _rows("rmsnorm_fwd", x2.dtype, n, c, (x2, w, y, xhat, rstd, np.int64(n), np.int32(c), x2.dtype.type(eps)), tail)
     return y, xhat, rstd
 
 
 def rmsnorm_backward_dx(xp, dy2, xhat, rstd, w):
+    """-> dx (N, C) of RMS norm from dy2 (N, C) and the forward's xhat and rstd; xhat may be bits (uint16, a
+    cache_bits forward's), dy2, rstd, w and dx then float32."""
     dy2, xhat, rstd, w = (xp.ascontiguousarray(a) for a in (dy2, xhat, rstd, w))
+    tail = _norm_in_tail("rmsnorm_backward_dx", dy2, xhat, rstd, w)
     n, c = dy2.shape
     dx = xp.empty_like(dy2)
-    _rows("rmsnorm_bwd", dy2.dtype, n, c, (dy2, xhat, rstd, w, dx, np.int64(n), np.int32(c)))
+    _rows("rmsnorm_bwd", dy2.dtype, n, c, (dy2, xhat, rstd, w, dx, np.int64(n), np.int32(c)), tail)
     return dx
 
 
@@ -287,9 +339,12 @@ def swiglu_recompute(xp, g, u, s):
 
 
 def colsum_(xp, a2, out, b2=None):
-    """out += the column sums of a2 (N, C), or of a2 * b2, in a fixed order (no atomics); out contiguous."""
+    """out += the column sums of a2 (N, C), or of a2 * b2, in a fixed order (no atomics); out contiguous. b2 may be
+    bfloat16 bits (uint16: a cache_bits norm's xhat), a2 and out then float32."""
     if not out.flags.c_contiguous:
         raise ValueError("colsum_: out must be contiguous")
+    if a2.dtype == BITS:
+        raise ValueError("colsum_: no kernel entry reads a2 as bfloat16 bits (uint16), only b2")
     a2 = xp.ascontiguousarray(a2)
     n, c = a2.shape
     chunks = int(max(1, min(256, -(-n // 64))))
@@ -298,7 +353,9 @@ def colsum_(xp, a2, out, b2=None):
     if b2 is None:
         _fn("colsum_part", a2.dtype)(grid, block, (a2, part, np.int64(n), np.int32(c)))
     else:
-        _fn("colsum_prod_part", a2.dtype)(grid, block, (a2, xp.ascontiguousarray(b2), part, np.int64(n), np.int32(c)))
+        b2 = xp.ascontiguousarray(b2)
+        tail = BF16I if _bits_in("colsum_", {"b2": b2}, {"a2": a2, "out": out}) else ""
+        _fn("colsum_prod_part", a2.dtype, tail)(grid, block, (a2, b2, part, np.int64(n), np.int32(c)))
     _points("colsum_finish", a2.dtype, c, (part, out, np.int32(chunks), np.int32(c), np.int32(1)))
 
 

@@ -2,8 +2,8 @@
 takes a launch as the kernel does (its device pointers and scalars, and the launch where the work split depends
 on it), computes what the C code computes in the entry's type, and writes the kernel's outputs only; a read or
 write past an array, or a launch outside the .cu's launch assumptions, fails an assertion naming the entry. The
-_f32_bf16 and _f32_bf16i entries run their _f32 emulator on float32 temporaries and the float32 values of bits
-inputs, and store the bfloat16 bits."""
+_f32_bf16, _f32_bf16i, _f32_bf16x and _f32_bf16o entries run their _f32 emulator on float32 temporaries and the
+float32 values of bits inputs, and store the bfloat16 bits."""
 from __future__ import annotations
 
 import functools
@@ -344,6 +344,20 @@ def causal_softmax_bits(entry, args, launch):
     mem(p, n, entry)[...] = bf16_bits_numpy(rows)
 
 
+def _separate_out(fn, ins, out):
+    """A softmax gradient's _bf16o entry: fn (the in-place _f32 emulator on argument 0, ds) on a float32 copy of
+    ds (left as it is) and the values of the bits at positions ins, its result stored as bits in the argument at
+    position out, which fn's own argument list lacks."""
+    def run(entry, args, launch):
+        assert args[out].dtype == np.uint16, f"{entry} argument {out}: dtype {args[out].dtype}, not bits"
+        n = int(args[out + 1])                  # n follows out
+        vals = _values(entry, args, ins)
+        d = mem(args[0], n, entry).copy()
+        fn(entry, [d] + [a for k, a in enumerate(vals) if k not in (0, out)], launch)
+        mem(args[out], n, entry)[...] = bf16_bits_numpy(d)
+    return run
+
+
 def _points(args):
     return int(args[-1])                        # n, the last argument
 
@@ -368,6 +382,12 @@ _BITS_IN = {"rope_fwd": _bits_out(rope, (3,), _pairs),        # rope reads the s
             "gelu_recompute": _bits_out(_bits_in(gelu_recompute, (0, 1)), (2,), _points),
             "swiglu_fwd": _forward_bits_in(swiglu_fwd, swiglu_recompute, (0, 1), 2, 3),
             "swiglu_bwd": _bits_out(_bits_in(swiglu_bwd, (0, 1, 2)), (4, 5), _points),
-            "swiglu_recompute": _bits_out(_bits_in(swiglu_recompute, (0, 1, 2)), (3,), _points)}
+            "swiglu_recompute": _bits_out(_bits_in(swiglu_recompute, (0, 1, 2)), (3,), _points),
+            "layernorm_bwd": _bits_in(layernorm_bwd, (1,)), "rmsnorm_bwd": _bits_in(rmsnorm_bwd, (1,)),
+            "colsum_prod_part": _bits_in(colsum_part, (1,))}
+_BITS_X = {"layernorm_fwd": _bits_out(layernorm_fwd, (3, 4), _rows), "rmsnorm_fwd": _bits_out(rmsnorm_fwd, (2, 3), _rows)}
+_BITS_O = {"softmax_bwd": _separate_out(softmax_bwd, (1,), 3),
+           "grouped_softmax_bwd": _separate_out(grouped_softmax_bwd, (1,), 3)}
 EMULATED.update({f"{op}_f32_bf16": functools.partial(fn, f"{op}_f32_bf16") for op, fn in _BITS.items()})
-EMULATED.update({f"{op}_f32_bf16i": functools.partial(fn, f"{op}_f32_bf16i") for op, fn in _BITS_IN.items()})
+for _tail, _ops in (("_bf16i", _BITS_IN), ("_bf16x", _BITS_X), ("_bf16o", _BITS_O)):
+    EMULATED.update({f"{op}_f32{_tail}": functools.partial(fn, f"{op}_f32{_tail}") for op, fn in _ops.items()})

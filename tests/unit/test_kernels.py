@@ -67,15 +67,21 @@ def test_declared_entries_reads_both_forms():
     src = ('extern "C" __global__ void plain_f32(float* p) {}\n#define ENTRIES(S, T) \\\n'
            'extern "C" __global__ void __launch_bounds__(256) op_##S(T* p) {}\n'
            '#define ENTRIES_BF16(S, T) \\\nextern "C" __global__ void op_##S##_bf16(T* p) {} \\\n'
-           'extern "C" __global__ void op_##S##_bf16i(T* p) {}\n'
+           'extern "C" __global__ void op_##S##_bf16i(T* p) {} \\\n'
+           'extern "C" __global__ void op_##S##_bf16x(T* p) {} \\\n'
+           'extern "C" __global__ void op_##S##_bf16o(T* p) {}\n'
            'ENTRIES(f32, float)\nENTRIES(f64, double)\nENTRIES_BF16(f32, float)\n')
-    assert declared_entries(src) == {"plain_f32", "op_f32", "op_f64", "op_f32_bf16", "op_f32_bf16i"}
+    assert declared_entries(src) == {"plain_f32", "op_f32", "op_f64", "op_f32_bf16", "op_f32_bf16i", "op_f32_bf16x",
+                                     "op_f32_bf16o"}
     assert {"adamw_f32", "adamw_f64"} <= declared_entries(kernels.load_source("adamw"))
     assert {"pack_f32", "unpack_f64"} <= declared_entries(kernels.load_source("pack"))
     fused = declared_entries(kernels.load_source("fused"))
     assert {"rope_fwd_f32", "rmsnorm_bwd_f64", "causal_softmax_f32_bf16", "swiglu_bwd_f32_bf16", "rope_fwd_f32_bf16",
-            "rope_fwd_f32_bf16i", "swiglu_recompute_f32_bf16i"} <= fused
-    assert not {"rope_bwd_f32_bf16i", "gelu_fwd_f64_bf16", "swiglu_recompute_f32"} & fused
+            "rope_fwd_f32_bf16i", "swiglu_recompute_f32_bf16i", "rmsnorm_fwd_f32_bf16x", "layernorm_fwd_f32_bf16x",
+            "rmsnorm_bwd_f32_bf16i", "layernorm_bwd_f32_bf16i", "colsum_prod_part_f32_bf16i", "softmax_bwd_f32_bf16o",
+            "grouped_softmax_bwd_f32_bf16o"} <= fused
+    assert not {"rope_bwd_f32_bf16i", "gelu_fwd_f64_bf16", "swiglu_recompute_f32", "rmsnorm_fwd_f64_bf16x",
+                "colsum_part_f32_bf16i"} & fused
 
 
 @pytest.mark.timeout(300)
