@@ -97,8 +97,8 @@ def end_cache_bytes(mcfg, rows: int, tp: int, item: int, amp: bool, share: int, 
     logits' gradient (in the gradients' dtype, which is the activations') and the linear's input. Under
     context parallelism (degree cp) a rank holds T / cp tokens of each sequence.
 
-    "bits_head", "bits_w_head": the elements of those that only GEMMs read (the linear's input), which packed
-    bf16 storage keeps as bfloat16 bits (planner/memory.block_activations)."""
+    "bits_head", "bits_w_head": the elements of those that packed bf16 storage keeps as bfloat16 bits
+    (planner/memory.block_activations): the linear's input, and in the cache the norm's normalised input."""
     T, C = mcfg.seq_len // cp, mcfg.d_model
     n, Vp = rows * T, padded_vocab(mcfg.vocab_size, tp)
     targets = embedding_cache_bytes(n) if tp > 1 else share * T * 8
@@ -106,7 +106,7 @@ def end_cache_bytes(mcfg, rows: int, tp: int, item: int, amp: bool, share: int, 
     head = norm + n // parts * C * item + n * (Vp // tp) * (4 if amp else item) + targets
     return {"embed": embedding_cache_bytes(n), "head": head, "input": n // parts * C * item,
             "w_embed": n // parts * C * item + embedding_cache_bytes(n),
-            "w_head": (n * (Vp // tp) + n // parts * C) * item, "bits_head": n // parts * C,
+            "w_head": (n * (Vp // tp) + n // parts * C) * item, "bits_head": 2 * n // parts * C,
             "bits_w_head": n // parts * C}
 
 

@@ -136,15 +136,20 @@ def _scores(xp, q, kt, a, b):
     return bf16_gemm.store_for_gemm(xp, p)
 
 
-def softmax_grad_(xp, ds, p, rs, fuse):
-    """ds = (ds - rs) * p in place (ds: dP on entry); p float32, or bfloat16 bits (bf16 amp, packed); fuse(ds,
-    p, rs) launches the fused kernel, taken when the arrays suit it."""
+def softmax_grad(xp, ds, p, rs, fuse, fuse_bits, rs_rows=None):
+    """(ds - rs) * p (ds: dP on entry, float32 or float64; p the probabilities as stored: bfloat16 bits under bf16
+    amp, packed) as the two GEMMs after it take it: bits from the kernel (a new array; fuse_bits(ds, p, rs)),
+    else in ds's place (fuse(ds, p, rs) when the arrays suit the kernel; rs_rows: the rows of rs the NumPy form
+    subtracts, default rs) and stored by bf16_gemm.store_for_gemm."""
     if fused.usable(xp, ds, rs) and p.dtype in (ds.dtype, xp.uint16) and ds.flags.c_contiguous and \
             p.flags.c_contiguous:
+        if bf16_gemm.writes_bits() and p.dtype == xp.uint16:
+            return fuse_bits(ds, p, rs)
         fuse(ds, p, rs)
-        return
-    ds -= rs
+        return bf16_gemm.store_for_gemm(xp, ds)
+    ds -= rs if rs_rows is None else rs_rows
     ds *= as_float32(xp, p)
+    return bf16_gemm.store_for_gemm(xp, ds)
 
 
 def attention_drop_scores(cache):
@@ -191,13 +196,8 @@ def attention_backward(xp, dy, cache):
     with bf16_gemm.held(xp, dob_all, keys, k, q):         # bf16: each converted once for every block's products
         for (a, b), p in reversed(list(zip(_blocks(T), ps))):
             dob = dob_all[:, :, a:b]
-            ds = _mm(xp, dob, vt[..., :b])
-            if fused.usable(xp, ds, rs) and p.dtype in (ds.dtype, xp.uint16) and ds.flags.c_contiguous and \
-                    p.flags.c_contiguous:
-                fused.softmax_backward_(ds, p, rs, a)
-            else:
-                ds -= rs[:, :, a:b]
-                ds *= as_float32(xp, p)
+            ds = softmax_grad(xp, _mm(xp, dob, vt[..., :b]), p, rs, lambda d, p_, r: fused.softmax_backward_(d, p_, r, a),
+                              lambda d, p_, r: fused.softmax_backward_bits(d, p_, r, a), rs[:, :, a:b])
             with bf16_gemm.held(xp, ds):
                 _mm(xp, ds, k[:, :, :b], dq[:, :, a:b])
                 _mm(xp, p.swapaxes(-1, -2), dob, dv[:, :, :b], accumulate=b < T)

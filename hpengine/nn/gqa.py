@@ -11,7 +11,7 @@ probabilities are stored as there (bfloat16 bits under bf16 amp, packed).
 """
 from hpengine.device.bf16_bits import as_float32, to_bf16_bits
 from hpengine.nn import bf16_gemm, fused
-from hpengine.nn.attention import _blocks, _causal_bias, _mm, _rowsum, softmax_grad_
+from hpengine.nn.attention import _blocks, _causal_bias, _mm, _rowsum, softmax_grad
 
 
 def _grouped(a, K, g, a0, b0):
@@ -114,8 +114,8 @@ def gqa_attention_backward(xp, dy, cache):
             # softmax backward: ds = p * (dp - rowsum(dp * p)), and rowsum(dp * p) = rowsum(do * o)
             rs = ((dob * ob).sum(axis=-1, keepdims=True) if dy.dtype.itemsize < 4
                   else xp.einsum("bkrd,bkrd->bkr", dob, ob)[..., None])
-            ds = _mm(xp, dob, v[:, :, :b].swapaxes(-1, -2))
-            softmax_grad_(xp, ds, p, rs, fused.grouped_softmax_backward_)
+            ds = softmax_grad(xp, _mm(xp, dob, v[:, :, :b].swapaxes(-1, -2)), p, rs, fused.grouped_softmax_backward_,
+                              fused.grouped_softmax_backward_bits)
             with bf16_gemm.held(xp, ds):
                 dq5[:, :, :, a:b] = _mm(xp, ds, k[:, :, :b]).reshape(B, K, g, b - a, hd)
                 _mm(xp, p.swapaxes(-1, -2), dob, dv[:, :, :b], accumulate=b < T)

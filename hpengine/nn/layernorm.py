@@ -5,6 +5,7 @@ Row means are GEMVs / einsums: a reduction over a short last axis is several
 times slower in NumPy and would allocate a temporary for every product. Half
 precision (amp) keeps NumPy's reductions, which accumulate in float32.
 """
+from hpengine.device.bf16_bits import as_float32
 from hpengine.nn import bf16_gemm, fused
 
 
@@ -22,13 +23,14 @@ def _rowmean(xp, a, b=None):
 
 def layernorm_forward(xp, x, w, b, eps=1e-5, gemm_input=False):
     # x: (..., C), w: (C,), b: (C,) -> y: (..., C)
-    # gemm_input: only GEMMs read y; under bf16 amp it is stored as they take it (bf16_gemm.store_for_gemm)
+    # gemm_input: only GEMMs read y; under bf16 amp it is stored as they take it (bf16_gemm.store_for_gemm), and
+    # the cached xhat as bf16 amp stores a cache (y made from the float32 xhat)
     C = x.shape[-1]
     x2 = x.reshape(-1, C)
     if fused.usable(xp, x2, w, b):
         bits = gemm_input and bf16_gemm.writes_bits() and x2.dtype == xp.float32
-        y, xhat, rstd = fused.layernorm_forward(xp, x2, w, b, eps, bits=bits)
-        return _stored(xp, y, gemm_input).reshape(x.shape), (xhat, rstd)
+        y, xhat, rstd = fused.layernorm_forward(xp, x2, w, b, eps, bits=bits, cache_bits=bits)
+        return _stored(xp, y, gemm_input).reshape(x.shape), (_stored(xp, xhat, gemm_input), rstd)
     xhat = x2 - _rowmean(xp, x2)
     var = _rowmean(xp, xhat, xhat)
     var += eps
@@ -37,7 +39,7 @@ def layernorm_forward(xp, x, w, b, eps=1e-5, gemm_input=False):
     xhat *= rstd
     y = xhat * w
     y += b
-    return _stored(xp, y, gemm_input).reshape(x.shape), (xhat, rstd)
+    return _stored(xp, y, gemm_input).reshape(x.shape), (_stored(xp, xhat, gemm_input), rstd)
 
 
 def _stored(xp, y, gemm_input):
@@ -49,15 +51,18 @@ def layernorm_backward(xp, dy, cache, w, dw, db):
     xhat, rstd = cache
     C = w.shape[0]
     dy2 = dy.reshape(-1, C)
-    if fused.usable(xp, dy2, xhat, dw, db) and dw.flags.c_contiguous and db.flags.c_contiguous:
+    kernel = fused.usable(xp, dy2, rstd, w) and xhat.dtype in (dy2.dtype, xp.uint16)   # xhat bits: bf16 amp
+    if kernel and fused.usable(xp, dy2, dw, db) and dw.flags.c_contiguous and db.flags.c_contiguous:
         fused.colsum_(xp, dy2, db)
         fused.colsum_(xp, dy2, dw, xhat)
     else:
+        xhat = as_float32(xp, xhat)
         db += dy2.sum(axis=0)
         dw += (dy2 * xhat).sum(axis=0) if dy2.dtype.itemsize < 4 else xp.einsum("ij,ij->j", dy2, xhat)
     # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), with g = dy * w
-    if fused.usable(xp, dy2, xhat, rstd, w):
+    if kernel:
         return fused.layernorm_backward_dx(xp, dy2, xhat, rstd, w).reshape(dy.shape)
+    xhat = as_float32(xp, xhat)
     g = dy2 * w
     mg = _rowmean(xp, g)
     mgx = _rowmean(xp, g, xhat)

@@ -6,6 +6,7 @@ LlamaRMSNorm: the normalised x is rounded back to x's dtype before the weight mu
 cache keeps the normalised input (x's dtype) and 1/rms per row (float32 under amp), so backward
 needs no recompute.
 """
+from hpengine.device.bf16_bits import as_float32
 from hpengine.nn import bf16_gemm, fused
 
 
@@ -15,13 +16,14 @@ def _compute_dtype(xp, dtype):
 
 def rmsnorm_forward(xp, x, w, eps=1e-5, gemm_input=False):
     # x: (..., C), w: (C,) -> y: (..., C)
-    # gemm_input: only GEMMs read y; under bf16 amp it is stored as they take it (bf16_gemm.store_for_gemm)
+    # gemm_input: only GEMMs read y; under bf16 amp it is stored as they take it (bf16_gemm.store_for_gemm), and
+    # the cached xhat as bf16 amp stores a cache (y made from the float32 xhat)
     C = x.shape[-1]
     x2 = x.reshape(-1, C)
     if fused.usable(xp, x2, w):
         bits = gemm_input and bf16_gemm.writes_bits() and x2.dtype == xp.float32
-        y, xhat, rstd = fused.rmsnorm_forward(xp, x2, w, eps, bits=bits)
-        return _stored(xp, y, gemm_input).reshape(x.shape), (xhat, rstd)
+        y, xhat, rstd = fused.rmsnorm_forward(xp, x2, w, eps, bits=bits, cache_bits=bits)
+        return _stored(xp, y, gemm_input).reshape(x.shape), (_stored(xp, xhat, gemm_input), rstd)
     xc = x2.astype(_compute_dtype(xp, x.dtype), copy=False)
     # mean(x^2) as a dot product per row with 1/C folded in: one pass, no (N, C) temporary
     ms = xp.einsum("ij,ij->i", xc, xc)[:, None]
@@ -32,7 +34,8 @@ def rmsnorm_forward(xp, x, w, eps=1e-5, gemm_input=False):
     xhat = xc * rstd
     if xhat.dtype != x.dtype:
         xhat = xhat.astype(x.dtype)
-    return _stored(xp, xhat * w, gemm_input).reshape(x.shape), (xhat, rstd)
+    y = xhat * w
+    return _stored(xp, y, gemm_input).reshape(x.shape), (_stored(xp, xhat, gemm_input), rstd)
 
 
 def _stored(xp, y, gemm_input):
@@ -45,12 +48,15 @@ def rmsnorm_backward(xp, dy, cache, w, dw):
     xhat, rstd = cache
     C = w.shape[0]
     dy2 = dy.reshape(-1, C)
-    if fused.usable(xp, dy2, xhat, dw) and dw.flags.c_contiguous:
+    kernel = fused.usable(xp, dy2, rstd, w) and xhat.dtype in (dy2.dtype, xp.uint16)   # xhat bits: bf16 amp
+    if kernel and dw.flags.c_contiguous and dw.dtype == dy2.dtype:
         fused.colsum_(xp, dy2, dw, xhat)
     else:
+        xhat = as_float32(xp, xhat)
         dw += (dy2 * xhat).sum(axis=0) if dy2.dtype.itemsize < 4 else xp.einsum("ij,ij->j", dy2, xhat)
-    if fused.usable(xp, dy2, xhat, rstd, w):
+    if kernel:
         return fused.rmsnorm_backward_dx(xp, dy2, xhat, rstd, w).reshape(dy.shape)
+    xhat = as_float32(xp, xhat)
     ct = _compute_dtype(xp, dy.dtype)
     g = dy2.astype(ct) * w.astype(ct, copy=False)
     xh = xhat.astype(ct, copy=False)

@@ -163,11 +163,12 @@ def test_packed_run_equals_float32_storage(small_corpus, kind, recompute):
         # every array a gpt layer caches is float32 (xhat and rstd, the linears' inputs, qkv, the scaled q,
         # the output and the probabilities, GELU's), and the peak holds every layer's cache: packing takes
         # half of the layers' cached bytes off (the embedding keeps its own, the head all but its linear's
-        # input: the final norm writes that as bfloat16 bits, 2 bytes an element off)
+        # input and the final norm's normalised input: that norm writes both as bfloat16 bits, 2 bytes an element
+        # off)
         c = f32.cfg.model
         cb = build_model(c, 1).cache_bytes(8, 1, 4, "bfloat16", 8)
         layer = {"off": cb["layer"], "full": cb["input"], "selective": cb["layer"] - cb["scores"]}[recompute]
-        assert cb["bits_head"] == 8 * c.seq_len * c.d_model
+        assert cb["bits_head"] == 2 * 8 * c.seq_len * c.d_model
         assert packed.cache_peak == f32.cache_peak - c.n_layers * layer // 2 - 2 * cb["bits_head"]
     cfg = packed.cfg
     pred = for_rank(cfg, 1, packed.mesh.coords)["memory"]

@@ -88,16 +88,17 @@ LAUNCH_CASES = {
     "gpt_f32_flash": ([*KINDS["gpt"], "model.dtype=float32", "model.attention=flash"],
                       {"flash_fwd_f32", "flash_bwd_dq_f32", "flash_bwd_dkdv_f32"}),
     "llama_bf16_flash": ([*KINDS["llama"], *BF16, "model.attention=flash"],
-                         {"flash_mma_fwd_f32_hd64", "flash_mma_bwd_dkdv_f32_hd64", "rmsnorm_fwd_f32_bf16", "rope_fwd_f32",
+                         {"flash_mma_fwd_f32_hd64", "flash_mma_bwd_dkdv_f32_hd64", "rmsnorm_fwd_f32_bf16x", "rope_fwd_f32",
                           "rope_bwd_f32_bf16", "swiglu_fwd_f32_bf16i", "swiglu_bwd_f32_bf16i", "adamw_f32_bf16bits"}),
     "llama_bf16_standard": ([*KINDS["llama"], *BF16], {"rope_fwd_f32_bf16i", "rope_bwd_f32_bf16", "causal_softmax_f32_bf16",
-                                                       "grouped_softmax_bwd_f32_bf16", "swiglu_recompute_f32_bf16i"}),
-    "gpt_bf16_standard": ([*KINDS["gpt"], *BF16], {"causal_softmax_f32_bf16", "softmax_bwd_f32_bf16",
-                                                   "layernorm_fwd_f32_bf16", "gelu_fwd_f32_bf16i", "gelu_bwd_f32_bf16i",
+                                                       "grouped_softmax_bwd_f32_bf16o", "swiglu_recompute_f32_bf16i",
+                                                       "rmsnorm_bwd_f32_bf16i", "colsum_prod_part_f32_bf16i"}),
+    "gpt_bf16_standard": ([*KINDS["gpt"], *BF16], {"causal_softmax_f32_bf16", "softmax_bwd_f32_bf16o",
+                                                   "layernorm_fwd_f32_bf16x", "gelu_fwd_f32_bf16i", "gelu_bwd_f32_bf16i",
                                                    "gelu_recompute_f32_bf16i", "adamw_f32_bf16bits"}),
-    "llama_moe_bf16": ([*KINDS["llama"], *BF16, *MOE], {"swiglu_fwd_f32", "grouped_softmax_bwd_f32_bf16"}),
+    "llama_moe_bf16": ([*KINDS["llama"], *BF16, *MOE], {"swiglu_fwd_f32", "grouped_softmax_bwd_f32_bf16o"}),
     "gpt_recompute_selective": ([*KINDS["gpt"], *BF16, "strategy.recompute.enable=true",
-                                 "strategy.recompute.granularity=selective"], {"gelu_fwd_f32_bf16i", "layernorm_bwd_f32"}),
+                                 "strategy.recompute.granularity=selective"], {"gelu_fwd_f32_bf16i", "layernorm_bwd_f32_bf16i"}),
 }
 
 
@@ -223,11 +224,12 @@ POINTS = {"gpt": {"gelu_fwd", "gelu_bwd", "layernorm_fwd", "layernorm_bwd", "col
                     "colsum_prod_part", "colsum_finish", "xent_fwd", "xent_bwd"}}
 STANDARD = {"gpt": {"causal_softmax", "softmax_bwd"}, "llama": {"causal_softmax", "grouped_softmax_bwd"}}
 FLASH = {"flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv"}
-# under bf16 amp, packed, these write bfloat16 bits (_f32_bf16) or read a GEMM's bits output too (_f32_bf16i);
-# under flash attention the rotary embedding's input and output stay float32
-BITS = {"gelu_fwd": "f32_bf16i", "gelu_bwd": "f32_bf16i", "layernorm_fwd": "f32_bf16", "rmsnorm_fwd": "f32_bf16",
+# under bf16 amp, packed, these write bfloat16 bits (_f32_bf16; _f32_bf16x: the cache too; _f32_bf16o: into a new
+# array) or read bits too (_f32_bf16i); under flash attention the rotary embedding's input and output stay float32
+BITS = {"gelu_fwd": "f32_bf16i", "gelu_bwd": "f32_bf16i", "layernorm_fwd": "f32_bf16x", "rmsnorm_fwd": "f32_bf16x",
+        "layernorm_bwd": "f32_bf16i", "rmsnorm_bwd": "f32_bf16i", "colsum_prod_part": "f32_bf16i",
         "swiglu_fwd": "f32_bf16i", "swiglu_bwd": "f32_bf16i", "rope_bwd": "f32_bf16", "causal_softmax": "f32_bf16",
-        "softmax_bwd": "f32_bf16", "grouped_softmax_bwd": "f32_bf16"}
+        "softmax_bwd": "f32_bf16o", "grouped_softmax_bwd": "f32_bf16o"}
 
 
 def _entries(names, suffix):
