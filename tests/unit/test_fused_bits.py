@@ -8,9 +8,11 @@ bits too, <op>_f32_bf16i: test_fused_bits_inputs.py.)"""
 from __future__ import annotations
 
 import emulated_cupy
-import ml_dtypes
 import numpy as np
 import pytest
+from bits_helpers import bf16 as _bf16
+from bits_helpers import dev as _dev
+from bits_helpers import host as _host
 
 from hpengine.device.bf16_bits import from_bf16_bits
 from hpengine.nn import fused
@@ -31,19 +33,6 @@ def device(monkeypatch):
 
 def _normal(*shape, scale=1.0):
     return (RNG.standard_normal(shape) * scale).astype(np.float32)
-
-
-def _dev(device, a):
-    return device.asarray(np.ascontiguousarray(a))
-
-
-def _host(a):
-    return np.asarray(a.get())
-
-
-def _bf16(a):
-    """The bfloat16 bits of float32 values, by ml_dtypes (finite values and inf)."""
-    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
 def _same_bits(bits, f32_out):

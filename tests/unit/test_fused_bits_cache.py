@@ -8,9 +8,12 @@ on the values they hold. Dtype mixes that fit no entry are refused before any la
 from __future__ import annotations
 
 import emulated_cupy
-import ml_dtypes
 import numpy as np
 import pytest
+from bits_helpers import bf16 as _bf16
+from bits_helpers import dev as _dev
+from bits_helpers import host as _host
+from bits_helpers import values as _values
 
 from hpengine.nn import fused
 
@@ -31,24 +34,6 @@ def device(monkeypatch):
 
 def _normal(*shape, scale=1.0):
     return (RNG.standard_normal(shape) * scale).astype(np.float32)
-
-
-def _dev(device, a):
-    return device.asarray(np.ascontiguousarray(a))
-
-
-def _host(a):
-    return np.asarray(a.get())
-
-
-def _bf16(a):
-    """The bfloat16 bits of float32 values, by ml_dtypes (nearest, ties to even)."""
-    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
-
-
-def _values(bits):
-    """The float32 values bfloat16 bits hold, by ml_dtypes."""
-    return np.asarray(bits, np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def _same_bits(bits, f32_out):
