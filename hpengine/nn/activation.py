@@ -31,7 +31,7 @@ def gelu_forward(xp, x, bf16=False):
     # precision (below the smallest normal number); the overflow is expected there and not reported.
     # 1 / s is np.divide(1.0, s): the same IEEE quotient as np.reciprocal, twice as fast in NumPy 2.
     if bf16 and bf16_gemm.active():
-        if _bits(xp, x):
+        if fused.bits_usable(xp, x):
             y, s = fused.gelu_forward(xp, x)            # bits in, bits out
             return y, (x, s)
         s = bf16_gemm.store_for_gemm(xp, _sigmoid2u(xp, as_float32(xp, x)))
@@ -57,11 +57,6 @@ def _sigmoid2u(xp, x):
     return s
 
 
-def _bits(xp, *arrays):
-    # whether the fused kernels' bits entries take these: CuPy, every array bfloat16 bits
-    return fused.ENABLED and xp.__name__ == "cupy" and all(a.dtype == xp.uint16 for a in arrays)
-
-
 def _gelu_forward_half(xp, x):
     # float16: x^3 and exp(-2u) leave float16's range early, so the exponent is exp(-|2u|) only:
     # sigmoid(2u) = 1 / (1 + e) for x >= 0 and e / (1 + e) for x < 0, e = exp(-|2u|)
@@ -84,7 +79,7 @@ def gelu_backward(xp, dy, cache):
     # dy: (...) -> dx: (...)
     x, s = cache
     # with s = sigmoid(2u): dy/dx = s + 2 x s (1 - s) K (1 + 3 A x^2)
-    if _bits(xp, x, s) and dy.dtype == xp.float32:      # gelu_forward's bf16 cache
+    if fused.bits_usable(xp, x, s) and dy.dtype == xp.float32:      # gelu_forward's bf16 cache
         return fused.gelu_backward(xp, x, s, dy)
     x, s = as_float32(xp, x), as_float32(xp, s)
     if fused.usable(xp, x, s, dy):
@@ -105,7 +100,7 @@ def gelu_recompute(xp, cache, bf16=False):
     # -> y: exactly the array gelu_forward returned (same ops, same order)
     x, s = cache
     if bf16 and bf16_gemm.active():
-        if _bits(xp, x, s):
+        if fused.bits_usable(xp, x, s):
             return fused.gelu_recompute(xp, x, s)
         return bf16_gemm.store_for_gemm(xp, as_float32(xp, x) * as_float32(xp, s))
     return x * s

@@ -62,10 +62,10 @@ def writes_bits() -> bool:
 
 
 def store_for_gemm(xp, y):
-    """y (float32), a layer's output that only GEMMs read (and caches that GEMMs read), as bf16 amp stores it:
-    its bfloat16 bits (packed storage), else rounded to bfloat16 values in place; y itself outside bf16 amp.
-    The GEMMs round their operands anyway, so the values they multiply do not change; what does is that the
-    output and what caches it take 2 bytes an element. For a layer without a kernel that writes the bits."""
+    """y (float32), what only GEMMs, bfloat16-reading kernels and caches read of a layer (its output, or a
+    cache the next kernel takes as bits), as bf16 amp stores it: its bfloat16 bits (packed storage), else
+    rounded to bfloat16 values in place; y itself outside bf16 amp. Both storages hold the same values then;
+    the bits take 2 bytes an element. For a layer without a kernel that writes the bits itself."""
     if not _STATE["on"] or y.dtype != np.float32:
         return y
     return to_bf16_bits(xp, y) if _STATE["bits"] else round_bf16_(xp, y)

@@ -34,6 +34,11 @@ def usable(xp, *arrays) -> bool:
             and all(a.dtype == arrays[0].dtype for a in arrays))
 
 
+def bits_usable(xp, *arrays) -> bool:
+    """True when these arrays are bfloat16 bits (uint16) an _f32_bf16i entry takes: CuPy, every one uint16."""
+    return ENABLED and xp.__name__ == "cupy" and all(a.dtype == BITS for a in arrays)
+
+
 # entry name tails after the math's suffix: outputs as bits; inputs (and the outputs) as bits; a norm's output
 # and its cache as bits; a separate bits output of a gradient otherwise made in place
 BF16, BF16I, BF16X, BF16O = "_bf16", "_bf16i", "_bf16x", "_bf16o"

@@ -15,7 +15,7 @@ def swiglu_forward(xp, g, u, bf16=False):
     # GEMMs read a, dg, du: s, a, dg and du are stored as the GEMMs take them (bits when packed), a made from
     # the s stored, so swiglu_recompute rebuilds it bit for bit
     if bf16 and bf16_gemm.active():
-        if _bits(xp, g, u):
+        if fused.bits_usable(xp, g, u):
             a, s = fused.swiglu_forward(xp, g, u)           # bits in, bits out
             return a, (g, u, s)
         g32, u32 = as_float32(xp, g), as_float32(xp, u)
@@ -43,7 +43,7 @@ def swiglu_recompute(xp, cache, bf16=False):
     # -> exactly the array swiglu_forward returned (same ops, same order)
     g, u, s = cache
     if bf16 and bf16_gemm.active():
-        if _bits(xp, g, u, s):
+        if fused.bits_usable(xp, g, u, s):
             return fused.swiglu_recompute(xp, g, u, s)
         g, u, s = (as_float32(xp, t) for t in (g, u, s))
     a = g * s
@@ -55,7 +55,7 @@ def swiglu_backward(xp, da, cache, bf16=False):
     # da: (...) -> (dg, du)
     g, u, s = cache
     if bf16 and bf16_gemm.active():
-        if _bits(xp, g, u, s) and da.dtype == xp.float32:
+        if fused.bits_usable(xp, g, u, s) and da.dtype == xp.float32:
             return fused.swiglu_backward(xp, g, u, s, da)   # dg, du as bits
         g, u, s = (as_float32(xp, t) for t in (g, u, s))
     elif fused.usable(xp, g, u, s, da):
@@ -71,11 +71,6 @@ def swiglu_backward(xp, da, cache, bf16=False):
     if bf16:
         return bf16_gemm.store_for_gemm(xp, dg), bf16_gemm.store_for_gemm(xp, du)
     return dg, du
-
-
-def _bits(xp, *arrays):
-    # whether the fused kernels' bits entries take these: CuPy, every array bfloat16 bits
-    return fused.ENABLED and xp.__name__ == "cupy" and all(a.dtype == xp.uint16 for a in arrays)
 
 
 def swiglu_cache_elements(n: int) -> int:
