@@ -328,7 +328,8 @@ class AmpConfig:
     grad_dtype: str = _f("float32", "bfloat16 only: dtype gradients are kept in between sums (float32 as Megatron, "
                          "or bfloat16: rounded after each sum, 2 bytes an element under packed bf16_storage; "
                          "the sums still move float32)", choices=("float32", "bfloat16"))
-    bf16_storage: str = _f("auto", "bfloat16 only: how the activations a block keeps for its backward and the "
+    bf16_storage: str = _f("auto", "bfloat16 only: how the activations a block keeps for its backward (and, "
+                           "inside a block, what only GEMMs or bfloat16 kernels read) and the "
                            "parameters' compute copy are stored: packed (bfloat16 bits, 2 bytes an element), "
                            "float32 (bf16 values in float32, 4 bytes), "
                            "auto (packed on a GPU backend, float32 on NumPy); both give the same values",
