@@ -2,8 +2,8 @@
 staging of the GPU path (no CUDA-aware MPI): data parallel, sharding stage 3 (its per-block gathers) and a
 1F1B pipeline train as on NumPy, each against the one-process NumPy run (float64, 1e-10), with the fused kernels
 on as on a GPU (the stand-in emulates their C code); packed bf16 with tp and sequence parallelism, and a
-zero-bubble pipeline, follows the same layout's NumPy run. This checks the staging and the device-side plumbing of the
-collectives, not a GPU or a CUDA-aware MPI."""
+zero-bubble pipeline, follows the same layout's NumPy run. This checks the staging and the device-side plumbing
+of the collectives, not a GPU or a CUDA-aware MPI."""
 import sys
 from pathlib import Path
 
