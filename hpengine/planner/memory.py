@@ -141,7 +141,8 @@ def buffers(mcfg, st: Stage, lay: Resolved, own: int, packed: bool = False) -> i
     """Transient bytes: stage >= 2 keeps up to MAX_INFLIGHT + 1 blocks of temporary gradients, stage 3
     two gathered blocks (current and prefetched, + the tied embedding); a recomputed layer is rebuilt
     in backward, and packed caches (packed_caches) are unpacked one layer at a time for its backward, as are
-    packed parameters (one block's float32 weights, with the blocks it reads) and packed bfloat16 gradients (a
+    packed parameters (one block's float32 tensors but the linears' weights, which the GEMMs read as bits, with
+    the blocks it reads) and packed bfloat16 gradients (a
     block's float32 scratch, with the blocks it reads, and up to MAX_INFLIGHT + 1 float32 wire copies of a
     block or a bucket in their sums); pipelines hold two activations; amp unscales the owned gradient into
     float32 (packed gradients: their float32 values for the update)."""
@@ -160,7 +161,8 @@ def buffers(mcfg, st: Stage, lay: Resolved, own: int, packed: bool = False) -> i
     out += rc.transient(a, st, lay)
     if packed:
         out += max((rc.cached(a, st, lay, b.name) for b in st.kinds if b.kind == "layer"), default=0)
-        out += 4 * (big + sum(st.block(d) for d in _read_blocks(st)))
+        unpacked = dict(st.unpacked)
+        out += 4 * (max(unpacked.values(), default=0) + sum(unpacked[d] for d in _read_blocks(st)))
     if lay.pp > 1:
         out += 2 * lay.rows * mcfg.seq_len // (lay.seq_parts * lay.cp) * mcfg.d_model * item
     return out + (4 * own if lay.amp else 0)

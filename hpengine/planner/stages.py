@@ -31,6 +31,7 @@ class Stage:
     expert: tuple = ()     # per tensor (sizes' order, one model): whether it is an expert block split over ep
     expert_mm: int = 0     # of `matmul`, the routed experts' share (top_k of them per token)
     partial: tuple = ()    # per tensor: held whole but applied to this tp rank's heads only (ParamSpec.tp_partial)
+    unpacked: tuple = ()   # (block, elements of its tensors packed bf16 unpacks: all but the linears' weights)
 
     def sizes(self, models: int) -> list[int]:
         """Tensor element counts in layout order, for `models` models sharing the buffer."""
@@ -73,7 +74,7 @@ def _stages(mkey, tp, p, v, split, schedule, ep=1) -> list[Stage]:
     for s in range(p):
         st = build_stage(mcfg, res, s, 0, models=[model])
         slot, lay = st.slots[0], st.layout
-        blocks, matmuls, replicated, expert, partial, expert_mm = [], [], [], [], [], 0
+        blocks, matmuls, replicated, expert, partial, expert_mm, unpacked = [], [], [], [], [], 0, []
         for name in slot.blocks:
             b = slot.block(name)
             specs = st.block_specs[name]
@@ -93,10 +94,11 @@ def _stages(mkey, tp, p, v, split, schedule, ep=1) -> list[Stage]:
             expert += [sp.ep_dim is not None and ep > 1 for sp in specs]
             partial += [sp.tp_dim is None and sp.tp_partial for sp in specs]
             matmuls.append((name, mm))
+            unpacked.append((name, sum(n for sp, n in zip(specs, sizes) if not model.gemm_weight(sp.name))))
         kinds = tuple(slot.block(n) for n in slot.blocks)
         out.append(Stage(tuple(blocks), slot.chunks, sum(k.kind == "layer" for k in kinds), sum(n for _, n in matmuls),
                          kinds, tuple(st.deps.items()), tuple(matmuls),
                          sum(lay.ranges[t].size for t in set(st.tied.values())), tuple(replicated),
                          sum(lay.ranges[sp.name].size for sp in lay.specs if sp.ep_dim is not None and ep > 1),
-                         tuple(expert), expert_mm=expert_mm, partial=tuple(partial)))
+                         tuple(expert), expert_mm=expert_mm, partial=tuple(partial), unpacked=tuple(unpacked)))
     return out
