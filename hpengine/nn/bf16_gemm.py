@@ -186,11 +186,18 @@ def _values(xp, a):
 
 
 def _bits(xp, a):
-    """CuPy: operand a as bfloat16 bits (bits as they are, held, or converted in one pass)."""
+    """CuPy: operand a as bfloat16 bits (bits as they are, held, or converted in one pass). A transposed view of
+    contiguous storage (a weight's .T, the probabilities' swapaxes) is converted as that storage and seen
+    transposed again, as the bits of a packed run are: a product takes the same cuBLAS call whichever storage,
+    bits or float32 values, its operands come from."""
     if a.dtype == np.uint16:
         return a
     held = _held_view(xp, a)
-    return to_bf16_bits(xp, a) if held is None else held
+    if held is not None:
+        return held
+    if a.ndim >= 2 and not a.flags.c_contiguous and a.swapaxes(-1, -2).flags.c_contiguous:
+        return to_bf16_bits(xp, a.swapaxes(-1, -2)).swapaxes(-1, -2)
+    return to_bf16_bits(xp, a)
 
 
 

@@ -1,9 +1,11 @@
 """bfloat16 activation caches in 2 bytes on the GPU (strategies/bf16_storage.py through device/bf16_bits.py's
 kernels) against the NumPy twin: the bits and the round trip of strided views bit for bit, and a bf16 amp run
-on CuPy whose caches are packed (auto on a GPU) training bit for bit like the float32 storage of the same
-values on CuPy, with device arrays of uint16 bits in its caches and a lower cache peak, and so with bfloat16
+on CuPy whose caches are packed (auto on a GPU) training like the float32 storage of the same values on CuPy
+(bit for bit on the stand-in, within float32 sums' order on a device: same_training), with device arrays of uint16 bits in its caches and a lower cache peak, and so with bfloat16
 gradients packed too. Skips cleanly without CuPy and a device."""
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -14,6 +16,19 @@ from hpengine.device import backend
 from hpengine.layout.cache import cache_arrays
 from hpengine.run.build import build
 from hpengine.strategies.bf16_storage import Packed, pack_cache, unpack_cache
+
+
+def same_training(la, pa, lb, pb):
+    """Two storages' runs: bit for bit where every cuBLAS call is emulated (the stand-in: the same products in the
+    same layouts); on a device the packed run's GEMMs that write bfloat16 (CUDA_R_16BF outputs, where the
+    float32 storage writes float32 and rounds) may run other cuBLAS kernels, so float32 sums in another order:
+    within a few bfloat16 steps there."""
+    if os.environ.get("HPENGINE_STANDIN") == "1":
+        assert la == lb and all(np.array_equal(pa[n], pb[n]) for n in pa)
+        return
+    np.testing.assert_allclose(la, lb, rtol=1e-3)
+    for n in pa:
+        np.testing.assert_allclose(pa[n], pb[n], rtol=2**-6, atol=1e-4, err_msg=n)
 
 pytestmark = pytest.mark.skipif(not backend.cupy_usable(), reason="needs CuPy and a usable CUDA device")
 
@@ -43,7 +58,7 @@ def test_packed_run_on_cupy_equals_float32_storage(small_corpus):
         losses = [eng.train_step(s)["loss"] for s in range(3)]
         out[mode] = (losses, eng.named_params(), eng.cache_peak, eng)
     (la, pa, ka, _), (lb, pb, kb, eng) = out["float32"], out["auto"]
-    assert la == lb and all(np.array_equal(pa[n], pb[n]) for n in pa)
+    same_training(la, pa, lb, pb)
     assert kb < ka
     slot = eng.slots[0]
     x, y = eng._rows("train", 0, slot.seed)
@@ -69,7 +84,7 @@ def test_packed_gradients_on_cupy_equal_float32_storage(small_corpus):
         losses = [eng.train_step(s)["loss"] for s in range(3)]
         out[mode] = (losses, eng.named_params(), eng)
     (la, pa, ea), (lb, pb, eb) = out["float32"], out["auto"]
-    assert la == lb and all(np.array_equal(pa[n], pb[n]) for n in pa)
+    same_training(la, pa, lb, pb)
     cp = backend.cupy_module()
     g = eb.sync.grads.data
     assert isinstance(g, cp.ndarray) and g.dtype == np.uint16
