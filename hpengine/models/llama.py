@@ -120,9 +120,9 @@ class Llama:
         # W stash (split backward), as gpt's: dy, the gating, dg, du, h2; dx, a, dq, dk, dv, h
         heads = 2 * (self.H + self.K) * self.hd       # a and dq (n_heads wide), dk and dv (n_kv_heads wide)
         w = n * (2 * C + 2 * C // parts + (3 * self.F + heads) // tp) * item
-        # of those, what only GEMMs read: h2, h, the gating, dg, du, a (standard attention on this rank) and,
-        # without q/k norms, dq and dk
-        a_bits = (n * self.H * self.hd // tp if not self.flash and cp == 1 else 0) + \
+        # of those, what only GEMMs read: h2, h, the gating, dg, du, a (attention on this rank; and dv under
+        # flash attention, whose gradients are bits) and, without q/k norms, dq and dk
+        a_bits = (n * (self.H + (self.K if self.flash else 0)) * self.hd // tp if cp == 1 else 0) + \
             (0 if self.qk else n * (self.H + self.K) * self.hd // tp)
         bits = n * (2 * C // parts + 3 * self.F // tp) + a_bits
         out = {"layer": layer, "scores": scores, "w_layer": w, "bits_w_layer": bits, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
@@ -240,9 +240,9 @@ class Llama:
         return o, (c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_gu, c_sw, linear_drop_input(c_d))
 
     def _bf16_attention(self, ctx) -> bool:
-        """Whether the attention's inputs may be bfloat16 bits (bf16 amp): the standard grouped core on this rank
-        (flash's NumPy twin and context parallelism's drivers compute on float32)."""
-        return not self.flash and type(ctx.attn) is LocalAttn      # (context parallelism subclasses it)
+        """Whether the attention's inputs may be bfloat16 bits (bf16 amp): the grouped or flash core on this rank
+        (context parallelism's drivers compute on float32)."""
+        return type(ctx.attn) is LocalAttn      # (context parallelism subclasses it)
 
     def _tables_at(self, xp, dtype, ctx):
         """cos, sin, and the query's (1/sqrt(hd) folded in) at the positions this rank's attention sees."""

@@ -22,7 +22,8 @@ import math
 
 import numpy as np
 
-from hpengine.nn import flash_cuda
+from hpengine.device.bf16_bits import as_float32, to_bf16_bits
+from hpengine.nn import bf16_gemm, flash_cuda
 from hpengine.nn.attention import _heads, _mm
 from hpengine.nn.gqa import gqa_shapes
 
@@ -59,9 +60,9 @@ def _bias(xp, a, b, c, d, g, dtype):
 
 
 def _use_cuda(xp, *arrays) -> bool:
-    return (CUDA and xp.__name__ == "cupy"
-            and all(a.dtype == arrays[0].dtype for a in arrays) and arrays[0].dtype.itemsize in (4, 8)
-            and arrays[0].dtype.kind == "f")
+    # one storage type: float32, float64, or bfloat16 bits (uint16, the tensor-core entries' bf16 storage)
+    return (CUDA and xp.__name__ == "cupy" and all(a.dtype == arrays[0].dtype for a in arrays)
+            and (arrays[0].dtype.kind == "f" and arrays[0].dtype.itemsize in (4, 8) or arrays[0].dtype == np.uint16))
 
 
 def flash_forward_core(xp, qg, k, v, g: int, bq: int | None = None, bk: int | None = None):
@@ -192,14 +193,22 @@ def _token_rows(a, K, g):
 
 
 def flash_gqa_forward(xp, q, k, v, bq: int | None = None, bk: int | None = None):
-    """Twin of gqa_attention_forward: returns y (B, T, H*hd) and the cache (q, k, v, y, lse, bq, bk)."""
+    """Twin of gqa_attention_forward: returns y (B, T, H*hd) and the cache (q, k, v, y, lse, bq, bk). Under bf16
+    amp q, k, v may be bfloat16 bits (packed: the kernels' bf16 storage, y then bits too) and y, which only the o
+    projection and this cache read, is stored as bf16 amp stores it (bf16_gemm.store_for_gemm)."""
+    if bf16_gemm.writes_bits() and xp.__name__ == "cupy":     # one storage type for the kernels: bits
+        q, k, v = (t if t.dtype == np.uint16 else to_bf16_bits(xp, t) for t in (q, k, v))
     (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k)
     if _use_cuda(xp, q, k, v):
         lse = flash_cuda.forward(xp, q, k, v, y.reshape(B, T, H, hd).transpose(0, 2, 1, 3), 1.0)
     else:
-        og, lseg = flash_forward_core(xp, _group_rows(q, K, g), k, v, g, bq, bk)
+        if y.dtype == np.uint16:
+            y = xp.empty(y.shape, dtype=np.float32)
+        og, lseg = flash_forward_core(xp, _group_rows(as_float32(xp, q), K, g), as_float32(xp, k), as_float32(xp, v),
+                                      g, bq, bk)
         y.reshape(B, T, K, g, hd).transpose(0, 2, 1, 3, 4)[...] = og.reshape(B, K, T, g, hd)
         lse = xp.ascontiguousarray(lseg.reshape(B, K, T, g).swapaxes(2, 3).reshape(B, H, T))
+    y = bf16_gemm.store_for_gemm(xp, y)
     return y, (q, k, v, y, lse, bq, bk)
 
 
@@ -209,14 +218,22 @@ def flash_gqa_backward(xp, dy, cache):
     B, H, T, hd = q.shape
     K = k.shape[1]
     g = H // K
+    bf16 = bf16_gemm.active() and dy.dtype == np.float32    # dO and the gradients stored as bf16 amp stores them
+    if bf16:
+        dy = bf16_gemm.store_for_gemm(xp, dy)               # (rounded in place: dy is this backward's own)
     if _use_cuda(xp, q, k, v, dy):
         dq, dk, dv = (xp.empty(a.shape, dtype=dy.dtype) for a in (q, k, k))
         per_head = lambda a: a.reshape(B, T, H, hd).transpose(0, 2, 1, 3)     # noqa: E731
         flash_cuda.backward(xp, q, k, v, per_head(y), per_head(dy), lse, dq, dk, dv, 1.0)
-        return dq, dk, dv
+        return (dq, dk, dv) if q.dtype == np.uint16 else tuple(_stored(xp, t, bf16) for t in (dq, dk, dv))
+    q, k, v, y, dy = (as_float32(xp, t) for t in (q, k, v, y, dy))
     lseg = lse.reshape(B, K, g, T).swapaxes(2, 3).reshape(B, K, T * g)
     dqg, dk, dv = flash_backward_core(xp, _group_rows(q, K, g), k, v, _token_rows(y, K, g),
                                       _token_rows(dy, K, g), lseg, g, bq, bk)
     dq = xp.ascontiguousarray(dqg.reshape(B, K, T, g, hd).transpose(0, 1, 3, 2, 4).reshape(B, H, T, hd))
     dt = dy.dtype
-    return dq.astype(dt, copy=False), dk.astype(dt, copy=False), dv.astype(dt, copy=False)
+    return tuple(_stored(xp, t.astype(dt, copy=False), bf16) for t in (dq, dk, dv))
+
+
+def _stored(xp, t, bf16):
+    return bf16_gemm.store_for_gemm(xp, t) if bf16 else t

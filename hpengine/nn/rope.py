@@ -40,6 +40,7 @@ def rope_backward(xp, dy, cos, sin, gemm_input=False):
     # dy: (B, H, T, hd) -> dx: (B, T, H, hd) contiguous (reshapes to the projection's (B, T, H*hd)); gemm_input:
     # only GEMMs read dx, which bf16 amp then stores as they take it (bits when packed)
     B, H, T, hd = dy.shape
+    dy = as_float32(xp, dy)             # bf16 amp: flash attention's dq, dk may come as bits
     if fused.usable(xp, dy, cos, sin):
         dx = fused.rope_backward(xp, dy, cos[:T], sin[:T], bits=gemm_input and bf16_gemm.writes_bits()
                                  and dy.dtype == xp.float32)

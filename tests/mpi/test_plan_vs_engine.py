@@ -142,6 +142,8 @@ LAYOUTS = [
         S + "recompute.enable=true", S + "recompute.every=2"]),
     ("sp_bf16_packed_gpt_tp2_pp2_zb1p", lambda n: n == 4, TP2 + SP + PP2 + BF16_PACKED + [
         S + "pipeline.micro_batches=4", S + "pipeline.schedule=zb1p"]),
+    ("zb_bf16_packed_llama_flash_pp2_zb1p", TWO_OR_4, LLAMA + PP2 + DP + BF16_PACKED + [
+        "model.attention=flash", S + "pipeline.micro_batches=4", S + "pipeline.schedule=zb1p"]),
     ("zb_bf16_packed_pp2_zb1p_dp", TWO_OR_4, PP2 + DP + BF16_PACKED + [S + "pipeline.micro_batches=4",
                                                                    S + "pipeline.schedule=zb1p"]),
     # the compute copy as bfloat16 bits: 2 bytes a parameter held, and in the sharding all-gathers

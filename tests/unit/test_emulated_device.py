@@ -88,7 +88,7 @@ LAUNCH_CASES = {
     "gpt_f32_flash": ([*KINDS["gpt"], "model.dtype=float32", "model.attention=flash"],
                       {"flash_fwd_f32", "flash_bwd_dq_f32", "flash_bwd_dkdv_f32"}),
     "llama_bf16_flash": ([*KINDS["llama"], *BF16, "model.attention=flash"],
-                         {"flash_mma_fwd_f32_hd64", "flash_mma_bwd_dkdv_f32_hd64", "rmsnorm_fwd_f32_bf16x", "rope_fwd_f32",
+                         {"flash_mma_fwd_bf16_hd64", "flash_mma_bwd_dkdv_bf16_hd64", "rmsnorm_fwd_f32_bf16x", "rope_fwd_f32_bf16i",
                           "rope_bwd_f32_bf16", "swiglu_fwd_f32_bf16i", "swiglu_bwd_f32_bf16i", "adamw_f32_bf16bits"}),
     "llama_bf16_standard": ([*KINDS["llama"], *BF16], {"rope_fwd_f32_bf16i", "rope_bwd_f32_bf16", "causal_softmax_f32_bf16",
                                                        "grouped_softmax_bwd_f32_bf16o", "swiglu_recompute_f32_bf16i",
@@ -225,10 +225,12 @@ POINTS = {"gpt": {"gelu_fwd", "gelu_bwd", "layernorm_fwd", "layernorm_bwd", "col
 STANDARD = {"gpt": {"causal_softmax", "softmax_bwd"}, "llama": {"causal_softmax", "grouped_softmax_bwd"}}
 FLASH = {"flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv"}
 # under bf16 amp, packed, these write bfloat16 bits (_f32_bf16; _f32_bf16x: the cache too; _f32_bf16o: into a new
-# array) or read bits too (_f32_bf16i); under flash attention the rotary embedding's input and output stay float32
+# array) or read bits too (_f32_bf16i); the llama's flash attention takes bits (its bf16 storage entries), gpt's
+# fused qkv float32
 BITS = {"gelu_fwd": "f32_bf16i", "gelu_bwd": "f32_bf16i", "layernorm_fwd": "f32_bf16x", "rmsnorm_fwd": "f32_bf16x",
         "layernorm_bwd": "f32_bf16i", "rmsnorm_bwd": "f32_bf16i", "colsum_prod_part": "f32_bf16i",
-        "swiglu_fwd": "f32_bf16i", "swiglu_bwd": "f32_bf16i", "rope_bwd": "f32_bf16", "causal_softmax": "f32_bf16",
+        "swiglu_fwd": "f32_bf16i", "swiglu_bwd": "f32_bf16i", "rope_fwd": "f32_bf16i", "rope_bwd": "f32_bf16",
+        "causal_softmax": "f32_bf16",
         "softmax_bwd": "f32_bf16o", "grouped_softmax_bwd": "f32_bf16o"}
 
 
@@ -271,7 +273,8 @@ def test_bf16_flash_with_the_kernels_on_trains_like_numpy(small_corpus, device, 
     want = train(small_corpus, "numpy", *extra)
     got = train(small_corpus, "cupy", *extra)
     _same(got, want, 2e-3, 2e-3)
-    must = ({f"flash_mma_{op}_f32_hd64" for op in ("fwd", "bwd_dq", "bwd_dkdv")} | _entries(POINTS[kind] - set(BITS), "f32")
+    storage = "bf16" if kind == "llama" else "f32"
+    must = ({f"flash_mma_{op}_{storage}_hd64" for op in ("fwd", "bwd_dq", "bwd_dkdv")} | _entries(POINTS[kind] - set(BITS), "f32")
             | {f"{op}_{BITS[op]}" for op in POINTS[kind] & set(BITS)})
     assert must <= set(device.launches), sorted(set(device.launches))
     assert not FLASH & {e.rsplit("_", 1)[0] for e in device.launches}
