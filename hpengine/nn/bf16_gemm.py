@@ -61,12 +61,13 @@ def writes_bits() -> bool:
     return _STATE["bits"]
 
 
-def store_for_gemm(xp, y):
+def store_for_gemm(xp, y, on: bool = True):
     """y (float32), what only GEMMs, bfloat16-reading kernels and caches read of a layer (its output, or a
     cache the next kernel takes as bits), as bf16 amp stores it: its bfloat16 bits (packed storage), else
     rounded to bfloat16 values in place; y itself outside bf16 amp. Both storages hold the same values then;
-    the bits take 2 bytes an element. For a layer without a kernel that writes the bits itself."""
-    if not _STATE["on"] or y.dtype != np.float32:
+    the bits take 2 bytes an element. For a layer without a kernel that writes the bits itself. on=False (a
+    caller whose output other layers read in float32): y as it is."""
+    if not on or not _STATE["on"] or y.dtype != np.float32:
         return y
     return to_bf16_bits(xp, y) if _STATE["bits"] else round_bf16_(xp, y)
 
@@ -89,14 +90,10 @@ def matmul(xp, a, b, out=None, accumulate=False):
         out = xp.empty(a.shape[:-1] + b.shape[-1:], dtype=np.float32)
         accumulate = False
     a16, b16 = (_bits(xp, x) for x in (a, b))
-    calls = gemm.plan(a16.shape, gemm.elements(a16), b16.shape, gemm.elements(b16), out.shape, gemm.elements(out))
     target = out
-    if calls is None:                    # an output cuBLAS cannot write in place: a contiguous one first
+    if _plan(a16, b16, out) is None:     # an output cuBLAS cannot write in place: a contiguous one first
         target = xp.empty(out.shape, dtype=np.float32)
-        calls = gemm.plan(a16.shape, gemm.elements(a16), b16.shape, gemm.elements(b16), target.shape, gemm.elements(target))
-    if calls is None:                    # an operand without a unit stride in its matrix dims: copied contiguous
-        a16, b16 = xp.ascontiguousarray(a16), xp.ascontiguousarray(b16)
-        calls = gemm.plan(a16.shape, gemm.elements(a16), b16.shape, gemm.elements(b16), target.shape, gemm.elements(target))
+    calls, a16, b16 = _planned(xp, a16, b16, target)
     _launch(xp, calls, a16, b16, target, accumulate and target is out)
     if target is not out:
         if accumulate:
@@ -164,13 +161,23 @@ def product_stored(xp, a, b, bias=None):
     out = xp.empty(a.shape[:-1] + b.shape[-1:], dtype=np.uint16)
     if bias is not None:
         out[...] = _bits(xp, bias)       # bias bits under every row: cuBLAS adds them (beta 1) before rounding
-    a16, b16 = (_bits(xp, x) for x in (a, b))
-    calls = gemm.plan(a16.shape, gemm.elements(a16), b16.shape, gemm.elements(b16), out.shape, gemm.elements(out))
-    if calls is None:
-        a16, b16 = xp.ascontiguousarray(a16), xp.ascontiguousarray(b16)
-        calls = gemm.plan(a16.shape, gemm.elements(a16), b16.shape, gemm.elements(b16), out.shape, gemm.elements(out))
+    calls, a16, b16 = _planned(xp, *(_bits(xp, x) for x in (a, b)), out)
     _launch(xp, calls, a16, b16, out, bias is not None)
     return out
+
+
+def _plan(a16, b16, out):
+    return gemm.plan(a16.shape, gemm.elements(a16), b16.shape, gemm.elements(b16), out.shape, gemm.elements(out))
+
+
+def _planned(xp, a16, b16, out):
+    """(cuBLAS calls, a16, b16) for out = a16 @ b16: the operands as they are, or copied contiguous when one has no
+    unit stride in its matrix dims (out is one cuBLAS writes in place)."""
+    calls = _plan(a16, b16, out)
+    if calls is None:
+        a16, b16 = xp.ascontiguousarray(a16), xp.ascontiguousarray(b16)
+        calls = _plan(a16, b16, out)
+    return calls, a16, b16
 
 
 def _rounded(xp, a):

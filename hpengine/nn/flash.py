@@ -225,15 +225,11 @@ def flash_gqa_backward(xp, dy, cache):
         dq, dk, dv = (xp.empty(a.shape, dtype=dy.dtype) for a in (q, k, k))
         per_head = lambda a: a.reshape(B, T, H, hd).transpose(0, 2, 1, 3)     # noqa: E731
         flash_cuda.backward(xp, q, k, v, per_head(y), per_head(dy), lse, dq, dk, dv, 1.0)
-        return (dq, dk, dv) if q.dtype == np.uint16 else tuple(_stored(xp, t, bf16) for t in (dq, dk, dv))
+        return tuple(bf16_gemm.store_for_gemm(xp, t, bf16) for t in (dq, dk, dv))   # (bits already: as they are)
     q, k, v, y, dy = (as_float32(xp, t) for t in (q, k, v, y, dy))
     lseg = lse.reshape(B, K, g, T).swapaxes(2, 3).reshape(B, K, T * g)
     dqg, dk, dv = flash_backward_core(xp, _group_rows(q, K, g), k, v, _token_rows(y, K, g),
                                       _token_rows(dy, K, g), lseg, g, bq, bk)
     dq = xp.ascontiguousarray(dqg.reshape(B, K, T, g, hd).transpose(0, 1, 3, 2, 4).reshape(B, H, T, hd))
     dt = dy.dtype
-    return tuple(_stored(xp, t.astype(dt, copy=False), bf16) for t in (dq, dk, dv))
-
-
-def _stored(xp, t, bf16):
-    return bf16_gemm.store_for_gemm(xp, t) if bf16 else t
+    return tuple(bf16_gemm.store_for_gemm(xp, t.astype(dt, copy=False), bf16) for t in (dq, dk, dv))

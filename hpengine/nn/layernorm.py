@@ -30,7 +30,8 @@ def layernorm_forward(xp, x, w, b, eps=1e-5, gemm_input=False):
     if fused.usable(xp, x2, w, b):
         bits = gemm_input and bf16_gemm.writes_bits() and x2.dtype == xp.float32
         y, xhat, rstd = fused.layernorm_forward(xp, x2, w, b, eps, bits=bits, cache_bits=bits)
-        return _stored(xp, y, gemm_input).reshape(x.shape), (_stored(xp, xhat, gemm_input), rstd)
+        store = bf16_gemm.store_for_gemm
+        return store(xp, y, gemm_input).reshape(x.shape), (store(xp, xhat, gemm_input), rstd)
     xhat = x2 - _rowmean(xp, x2)
     var = _rowmean(xp, xhat, xhat)
     var += eps
@@ -39,11 +40,8 @@ def layernorm_forward(xp, x, w, b, eps=1e-5, gemm_input=False):
     xhat *= rstd
     y = xhat * w
     y += b
-    return _stored(xp, y, gemm_input).reshape(x.shape), (_stored(xp, xhat, gemm_input), rstd)
-
-
-def _stored(xp, y, gemm_input):
-    return bf16_gemm.store_for_gemm(xp, y) if gemm_input else y
+    store = bf16_gemm.store_for_gemm
+    return store(xp, y, gemm_input).reshape(x.shape), (store(xp, xhat, gemm_input), rstd)
 
 
 def layernorm_backward(xp, dy, cache, w, dw, db):

@@ -23,7 +23,8 @@ def rmsnorm_forward(xp, x, w, eps=1e-5, gemm_input=False):
     if fused.usable(xp, x2, w):
         bits = gemm_input and bf16_gemm.writes_bits() and x2.dtype == xp.float32
         y, xhat, rstd = fused.rmsnorm_forward(xp, x2, w, eps, bits=bits, cache_bits=bits)
-        return _stored(xp, y, gemm_input).reshape(x.shape), (_stored(xp, xhat, gemm_input), rstd)
+        store = bf16_gemm.store_for_gemm
+        return store(xp, y, gemm_input).reshape(x.shape), (store(xp, xhat, gemm_input), rstd)
     xc = x2.astype(_compute_dtype(xp, x.dtype), copy=False)
     # mean(x^2) as a dot product per row with 1/C folded in: one pass, no (N, C) temporary
     ms = xp.einsum("ij,ij->i", xc, xc)[:, None]
@@ -35,11 +36,8 @@ def rmsnorm_forward(xp, x, w, eps=1e-5, gemm_input=False):
     if xhat.dtype != x.dtype:
         xhat = xhat.astype(x.dtype)
     y = xhat * w
-    return _stored(xp, y, gemm_input).reshape(x.shape), (_stored(xp, xhat, gemm_input), rstd)
-
-
-def _stored(xp, y, gemm_input):
-    return bf16_gemm.store_for_gemm(xp, y) if gemm_input else y
+    store = bf16_gemm.store_for_gemm
+    return store(xp, y, gemm_input).reshape(x.shape), (store(xp, xhat, gemm_input), rstd)
 
 
 def rmsnorm_backward(xp, dy, cache, w, dw):

@@ -29,11 +29,11 @@ def rope_forward(xp, x, cos, sin, gemm_input=False):
     bits = gemm_input and bf16_gemm.writes_bits()
     if fused.usable(xp, cos, sin) and x.dtype in (cos.dtype, xp.uint16):
         y = fused.rope_forward(xp, x, cos[:T], sin[:T], bits=bits and x.dtype == xp.float32)
-        return bf16_gemm.store_for_gemm(xp, y) if gemm_input else y
+        return bf16_gemm.store_for_gemm(xp, y, gemm_input)
     x = as_float32(xp, x)
     y = xp.empty((B, H, T, hd), dtype=x.dtype)
     _rotate(xp, x, y.transpose(0, 2, 1, 3), cos[:T, None, :], sin[:T, None, :], +1)
-    return bf16_gemm.store_for_gemm(xp, y) if gemm_input else y
+    return bf16_gemm.store_for_gemm(xp, y, gemm_input)
 
 
 def rope_backward(xp, dy, cos, sin, gemm_input=False):
@@ -44,10 +44,10 @@ def rope_backward(xp, dy, cos, sin, gemm_input=False):
     if fused.usable(xp, dy, cos, sin):
         dx = fused.rope_backward(xp, dy, cos[:T], sin[:T], bits=gemm_input and bf16_gemm.writes_bits()
                                  and dy.dtype == xp.float32)
-        return bf16_gemm.store_for_gemm(xp, dx) if gemm_input else dx
+        return bf16_gemm.store_for_gemm(xp, dx, gemm_input)
     dx = xp.empty((B, T, H, hd), dtype=dy.dtype)
     _rotate(xp, dy.transpose(0, 2, 1, 3), dx, cos[:T, None, :], sin[:T, None, :], -1)
-    return bf16_gemm.store_for_gemm(xp, dx) if gemm_input else dx
+    return bf16_gemm.store_for_gemm(xp, dx, gemm_input)
 
 
 def _rotate(xp, x, out, c, s, sign):

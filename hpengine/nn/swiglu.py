@@ -48,7 +48,7 @@ def swiglu_recompute(xp, cache, bf16=False):
         g, u, s = (as_float32(xp, t) for t in (g, u, s))
     a = g * s
     a *= u
-    return bf16_gemm.store_for_gemm(xp, a) if bf16 else a
+    return bf16_gemm.store_for_gemm(xp, a, bf16)
 
 
 def swiglu_backward(xp, da, cache, bf16=False):
