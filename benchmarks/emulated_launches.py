@@ -1,7 +1,8 @@
 """What one training step would launch on a GPU, counted on the CPU: the engine runs with runtime.backend = "cupy"
 on the NumPy stand-in for CuPy of tests/unit/emulated_cupy.py, which counts every RawKernel, ElementwiseKernel
 and cuBLAS call, every CuPy ufunc call and every array-writing function or copy (CuPy launches about one kernel
-for each), and the bytes the bfloat16 conversion kernels move. Deterministic: no timing, no GPU.
+for each), and the bfloat16 conversions (ElementwiseKernels, pack_bf16) with the bytes they move. Deterministic: no
+timing, no GPU.
 
     .venv/bin/python benchmarks/emulated_launches.py configs/default.toml
     .venv/bin/python benchmarks/emulated_launches.py configs/llama_small.toml --set strategy.amp.enable=true \
@@ -55,8 +56,8 @@ def main(argv=None, patch=None) -> int:
     print(f"launches per step: {sum(counts.values())} ({', '.join(f'{k} {v}' for k, v in kinds.most_common())})")
     moved = sum(emulated_cupy.MOVED.values())
     if moved:
-        print(f"bfloat16 conversion kernels: {sum(v for k, v in counts.items() if k.startswith('ew:'))} launches, "
-              f"{moved / 2**20:.1f} MiB moved")
+        conv = sum(counts[k] for k in emulated_cupy.MOVED)      # the ElementwiseKernels' and pack_bf16's
+        print(f"bfloat16 conversion kernels: {conv} launches, {moved / 2**20:.1f} MiB moved")
     for k, v in counts.most_common(a.top):
         print(f"{v:6d}  {k}")
     return 0

@@ -20,7 +20,8 @@
 //   With the cache s in bits the forwards compute y (a) from the value s's bits hold, so that the
 //   recompute entries rebuild the forward's output bit for bit from the cache.
 //   layernorm_bwd, rmsnorm_bwd: xhat read as bits (a _bf16x forward's), dy, rstd, w and dx float32;
-//   colsum_prod_part(a, b, part, ...): b read as bits, a and part float32 (the norm weights' sum(dy xhat)).
+//   colsum_prod_part(a, b, part, ...): b read as bits, a and part float32 (the norm weights' sum(dy xhat));
+//   colsum_part(a, part, ...): a read as bits, part float32 (a bias gradient from a bits output gradient).
 // NumPy twins: the NumPy code in hpengine/nn (gelu_forward, gelu_backward, attention_forward's softmax,
 // attention_backward's softmax gradient, gqa_attention_backward's softmax gradient, layernorm_forward,
 // layernorm_backward's dx, rmsnorm_forward, rmsnorm_backward's dx, rope_forward, rope_backward,
@@ -376,9 +377,9 @@ __device__ void xent_bwd(const T* __restrict__ p, const long long* __restrict__ 
 
 // ---- column sums of a (n_rows, n_cols), or of a * b: each block (32 x 8 threads) sums 32 columns over one
 // chunk of rows into part[chunk]; colsum_finish adds the chunks in order. Deterministic: no atomics.
-// (B: b's storage, T or bits)
-template <typename T, bool PROD, typename B = T>
-__device__ void colsum_part(const T* __restrict__ a, const B* __restrict__ b, T* __restrict__ part,
+// (A, B: a's and b's storage, T or bits)
+template <typename T, bool PROD, typename B = T, typename A = T>
+__device__ void colsum_part(const A* __restrict__ a, const B* __restrict__ b, T* __restrict__ part,
                             long long n_rows, int n_cols) {
     __shared__ T sh[8][33];
     const int col = blockIdx.x * 32 + threadIdx.x;
@@ -387,7 +388,7 @@ __device__ void colsum_part(const T* __restrict__ a, const B* __restrict__ b, T*
     T s = 0;
     if (col < n_cols)
         for (long long r = r0 + threadIdx.y; r < r1; r += blockDim.y)
-            s += PROD ? a[r * n_cols + col] * value(b[r * n_cols + col]) : a[r * n_cols + col];
+            s += PROD ? value(a[r * n_cols + col]) * value(b[r * n_cols + col]) : value(a[r * n_cols + col]);
     sh[threadIdx.y][threadIdx.x] = s;
     __syncthreads();
     if (threadIdx.y == 0 && col < n_cols) {
@@ -531,6 +532,9 @@ extern "C" __global__ void rmsnorm_bwd_##S##_bf16i(const T* dy, const unsigned s
 extern "C" __global__ void colsum_prod_part_##S##_bf16i(const T* a, const unsigned short* b, T* part,          \
                                                         long long n_rows, int n_cols) {                        \
     colsum_part<T, true, unsigned short>(a, b, part, n_rows, n_cols); }                                        \
+extern "C" __global__ void colsum_part_##S##_bf16i(const unsigned short* a, T* part, long long n_rows,         \
+                                                   int n_cols) {                                               \
+    colsum_part<T, false, unsigned short, unsigned short>(a, a, part, n_rows, n_cols); }                       \
 extern "C" __global__ void softmax_bwd_##S##_bf16o(const T* ds, const unsigned short* p, const T* rs,          \
                                                    unsigned short* out, long long n, int n_cols, int n_q,      \
                                                    int q0, int rs_len) {                                       \

@@ -1,5 +1,7 @@
 // Gather segments of a buffer into one contiguous message and scatter it back (entries pack_f32,
-// unpack_f32, pack_f64, unpack_f64). NumPy twins: hpengine.kernels.pack_numpy / unpack_numpy.
+// unpack_f32, pack_f64, unpack_f64); pack_bf16_f32 gathers bfloat16 bits (unsigned short) into a float32
+// message, each value exact (the bits are its high half). NumPy twins: hpengine.kernels.pack_numpy /
+// unpack_numpy / pack_bf16_numpy.
 //
 // Segment k is src[offsets[k] : offsets[k] + sizes[k]]; in the message it sits at
 // buf[starts[k] : starts[k] + sizes[k]], starts being the exclusive prefix sum of sizes. A strided
@@ -70,4 +72,16 @@ extern "C" __global__ void pack_f64(double* buf, const double* src, const long l
 extern "C" __global__ void unpack_f64(const double* buf, double* dst, const long long* offsets,
                                       const long long* starts, const long long* sizes, int nseg) {
     copy_segments<double>(dst, buf, offsets, starts, sizes, nseg);
+}
+
+// bfloat16 bits to float32 values, element by element (a block's small tensors: a few thousand elements)
+extern "C" __global__ void pack_bf16_f32(float* buf, const unsigned short* src, const long long* offsets,
+                                         const long long* starts, const long long* sizes, int nseg) {
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (int k = blockIdx.y; k < nseg; k += gridDim.y) {
+        float* out = buf + starts[k];
+        const unsigned short* in = src + offsets[k];
+        for (long long i = tid; i < sizes[k]; i += stride) out[i] = __uint_as_float((unsigned int)in[i] << 16);
+    }
 }

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hpengine.device import backend
-from hpengine.device.bf16_bits import to_bf16_bits
+from hpengine.device.bf16_bits import from_bf16_bits, to_bf16_bits
 from hpengine.device.precision import round_bf16_
 
 KERNELS = ("adamw", "pack", "fused")
@@ -299,7 +299,7 @@ def strided_segments(start: int, rows: int, cols: int, ld: int):
     return start + ld * np.arange(rows, dtype=np.int64), np.full(rows, cols, dtype=np.int64)
 
 
-def _segments(buf, flat, offsets, sizes, what: str):
+def _segments(buf, flat, offsets, sizes, what: str, dtypes=None):
     offsets, sizes = np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
     if offsets.shape != sizes.shape or offsets.ndim != 1:
         raise ValueError(f"{what}: offsets and sizes must be 1-D of one length; got {offsets.shape}, {sizes.shape}")
@@ -307,7 +307,11 @@ def _segments(buf, flat, offsets, sizes, what: str):
         raise ValueError(f"{what}: a segment falls outside the {flat.size}-element buffer")
     if int(sizes.sum()) > buf.size:
         raise ValueError(f"{what}: segments hold {int(sizes.sum())} elements; the message has {buf.size}")
-    if buf.dtype != flat.dtype or buf.ndim != 1 or flat.ndim != 1:
+    if dtypes is not None:
+        if (buf.dtype, flat.dtype) != tuple(np.dtype(d) for d in dtypes) or buf.ndim != 1 or flat.ndim != 1:
+            raise ValueError(f"{what}: a 1-D {np.dtype(dtypes[0])} message and a 1-D {np.dtype(dtypes[1])} buffer; got "
+                             f"{buf.dtype} {buf.shape}, {flat.dtype} {flat.shape}")
+    elif buf.dtype != flat.dtype or buf.ndim != 1 or flat.ndim != 1:
         raise ValueError(f"{what}: message and buffer must be 1-D of one dtype; got {buf.dtype}, {flat.dtype}")
     return offsets, segment_starts(sizes), sizes
 
@@ -326,13 +330,25 @@ def unpack_numpy(buf, dst, offsets, sizes):
     return dst
 
 
+BF16_PACK = (np.float32, np.uint16)        # pack_bf16: a float32 message from a buffer of bfloat16 bits
+
+
+def pack_bf16_numpy(buf, src, offsets, sizes):
+    """Twin of pack_bf16_f32: buf[starts[k]:+sizes[k]] = the float32 values of the bfloat16 bits
+    src[offsets[k]:+sizes[k]] (exact); returns buf."""
+    for o, s, n in zip(*_segments(buf, src, offsets, sizes, "pack_bf16", BF16_PACK)):
+        buf[s:s + n] = from_bf16_bits(np, src[o:o + n])
+    return buf
+
+
 def _launch_copy(op: str, buf, flat, offsets, sizes):
-    offsets, starts, sizes = _segments(buf, flat, offsets, sizes, op)
+    bits = op == "pack_bf16"
+    offsets, starts, sizes = _segments(buf, flat, offsets, sizes, op, BF16_PACK if bits else None)
     if not (buf.flags.c_contiguous and flat.flags.c_contiguous):
         raise ValueError(f"{op}: message and buffer must be contiguous")
     if not sizes.size:
         return
-    suffix = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}.get(buf.dtype)
+    suffix = "f32" if bits else {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}.get(buf.dtype)
     if suffix is None:
         raise ValueError(f"{op}: no kernel for dtype {buf.dtype}; float32 and float64 are supported")
     cupy = backend.cupy_module()
@@ -354,6 +370,15 @@ def pack(buf, src, offsets, sizes):
     if backend.on_host(src):
         return pack_numpy(buf, src, offsets, sizes)
     _launch_copy("pack", buf, src, offsets, sizes)
+    return buf
+
+
+def pack_bf16(buf, src, offsets, sizes):
+    """Gather the segments of src (bfloat16 bits, uint16) into the contiguous float32 message buf as their exact
+    values (kernel or twin): one launch for many small tensors; returns buf."""
+    if backend.on_host(src):
+        return pack_bf16_numpy(buf, src, offsets, sizes)
+    _launch_copy("pack_bf16", buf, src, offsets, sizes)
     return buf
 
 

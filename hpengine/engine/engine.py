@@ -114,7 +114,7 @@ class Engine:
     # --- forward / backward ---------------------------------------------------------------------
     def _P(self, slot, b, nxt=None):
         buf = self.precision.layer_params(self.xp, self.sync.params_for(slot.prefix + b, nxt and slot.prefix + nxt),
-                                          slot.model.gemm_weight)
+                                          slot.model.gemm_weight, self.stage.block_specs[slot.prefix + b])
         return Prefixed(buf, slot.prefix) if slot.prefix else buf
 
     def _G(self, slot, b):

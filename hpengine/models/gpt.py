@@ -23,7 +23,7 @@ from hpengine.models.common import (
     tok_embed_backward,
     tok_embed_forward,
 )
-from hpengine.models.context import LOCAL
+from hpengine.models.context import LOCAL, LocalAttn
 from hpengine.models.decode import KVCache, output_logits
 from hpengine.models.tp_layers import (
     column_backward,
@@ -104,8 +104,10 @@ class GPT:
         # W stash (split backward): each row linear's whole output gradient and input, each column linear's
         # output gradient and input (a piece of it under sequence parallelism): dy, g, dh, h2; dx1, a, dqkv, h
         w = n * (2 * C + 2 * C // parts + (2 * self.F + 4 * C) // tp) * item
-        # of those, what only GEMMs read: h2, h, g, and a (standard attention on this rank)
-        bits = n * (2 * C // parts + self.F // tp + (C // tp if not self.flash and cp == 1 else 0))
+        # of those, what only GEMMs read: h2, h, g, and, with the attention on this rank, a (and dqkv under flash,
+        # whose gradients are bits)
+        a_bits = (C + (3 * C if self.flash else 0)) // tp if cp == 1 else 0
+        bits = n * (2 * C // parts + self.F // tp + a_bits)
         return {"layer": layer, "scores": scores, "w_layer": w, "bits_w_layer": bits,
                 **end_cache_bytes(self.cfg, rows, tp, item, amp, share, parts=parts, cp=cp)}
 
@@ -169,7 +171,10 @@ class GPT:
         # layer_backward rebuilds; flash attention keeps none anyway
         p = f"h.{i}"
         h, c_ln1 = layernorm_forward(xp, x, P[f"{p}.ln1.w"], P[f"{p}.ln1.b"], gemm_input=True)
-        qkv, c_qkv = column_forward(xp, ctx, h, P[f"{p}.attn.qkv.w"], P[f"{p}.attn.qkv.b"])
+        # under bf16 amp flash attention on this rank reads qkv as bfloat16 (bits when packed), as the
+        # tensor-core kernels take it; the fused standard core and context parallelism's drivers read float32
+        qkv, c_qkv = column_forward(xp, ctx, h, P[f"{p}.attn.qkv.w"], P[f"{p}.attn.qkv.b"],
+                                    bf16_out=self._bf16_attention(ctx))
         qkv, _ = ctx.attn.kv_forward(qkv, None)          # the fused core reads its keys and values from qkv
         a, c_att = ctx.attn.fused_forward(xp, self._cores(keep_scores)[0], qkv, self.H // ctx.tp.size)
         o, c_proj = row_forward(xp, ctx, a, P[f"{p}.attn.proj.w"], P[f"{p}.attn.proj.b"])
@@ -179,6 +184,10 @@ class GPT:
         m, c_mlp = mlp_forward(xp, P, f"{p}.mlp", h2, ctx)
         x1 += m
         return x1, (c_ln1, c_qkv, c_att, c_proj, c_ln2, c_mlp)
+
+    def _bf16_attention(self, ctx) -> bool:
+        """Whether the attention's input may be bfloat16 bits (bf16 amp): the flash core on this rank."""
+        return self.flash and type(ctx.attn) is LocalAttn      # (context parallelism subclasses it)
 
     def layer_backward(self, xp, dy, cache, P, G, i, ctx, defer=None):
         # dy: (B, T, C) -> dx: (B, T, C); defer: a list for the weight-gradient products (nn/deferred.py),

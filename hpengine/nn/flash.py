@@ -142,40 +142,52 @@ def flash_backward_core(xp, qg, k, v, og, dog, lse, g: int, bq: int | None = Non
 # ---- GPT: fused head-major qkv (B, T, H*3*hd) -> (B, T, H*hd) ------------------------------------------
 
 def flash_attention_forward(xp, qkv, n_heads: int, bq: int | None = None, bk: int | None = None):
-    """Twin of attention_forward: returns y (B, T, H*hd) and the cache (qkv, y, lse, bq, bk)."""
+    """Twin of attention_forward: returns y (B, T, H*hd) and the cache (qkv, y, lse, bq, bk). Under bf16 amp qkv
+    may be bfloat16 bits (packed: the kernels' bf16 storage, y then bits too) and y, which only the projection
+    and this cache read, is stored as bf16 amp stores it (bf16_gemm.store_for_gemm)."""
     B, T, C3 = qkv.shape
     if C3 % (3 * n_heads):
         raise ValueError(f"qkv last dim {C3} is not a multiple of 3 * n_heads = {3 * n_heads}")
     hd = C3 // (3 * n_heads)
     scale = 1.0 / math.sqrt(hd)
     q, k, v = _heads(qkv, n_heads, 3)
-    y = xp.empty((B, T, n_heads * hd), dtype=qkv.dtype)
+    cuda = _use_cuda(xp, qkv)
+    bits_twin = qkv.dtype == np.uint16 and not cuda       # the twin computes on the bits' values
+    y = xp.empty((B, T, n_heads * hd), dtype=np.float32 if bits_twin else qkv.dtype)
     (o,) = _heads(y, n_heads, 1)
-    if _use_cuda(xp, qkv):
+    if cuda:
         lse = flash_cuda.forward(xp, q, k, v, o, scale)
     else:
+        q, k, v = (as_float32(xp, t) for t in (q, k, v))
         og, lse = flash_forward_core(xp, q * scale, k, v, 1, bq, bk)
         o[...] = og
+    y = bf16_gemm.store_for_gemm(xp, y)
     return y, (qkv, y, lse, bq, bk)
 
 
 def flash_attention_backward(xp, dy, cache):
-    """Twin of attention_backward: dy (B, T, H*hd) -> dqkv (B, T, H*3*hd)."""
+    """Twin of attention_backward: dy (B, T, H*hd) -> dqkv (B, T, H*3*hd). Under bf16 amp dO and dqkv are stored
+    as bf16 amp stores them (bits when packed: the kernels' bf16 storage; only the qkv projection reads dqkv)."""
     qkv, y, lse, bq, bk = cache
     B, T, C3 = qkv.shape
     H = lse.shape[1]
     scale = 1.0 / math.sqrt(C3 // (3 * H))
+    bf16 = bf16_gemm.active() and dy.dtype == np.float32
+    if bf16:
+        dy = bf16_gemm.store_for_gemm(xp, dy)               # (rounded in place: dy is this backward's own)
     q, k, v = _heads(qkv, H, 3)
     (do,), (o,) = _heads(dy, H, 1), _heads(y, H, 1)
-    dqkv = xp.empty((B, T, C3), dtype=dy.dtype)
+    if _use_cuda(xp, qkv, dy, y):
+        dqkv = xp.empty((B, T, C3), dtype=dy.dtype)
+        flash_cuda.backward(xp, q, k, v, o, do, lse, *_heads(dqkv, H, 3), scale)
+        return bf16_gemm.store_for_gemm(xp, dqkv, bf16)      # (bits already: as they are)
+    q, k, v, o, do = (as_float32(xp, t) for t in (q, k, v, o, do))
+    dqkv = xp.empty((B, T, C3), dtype=do.dtype)
     dq, dk, dv = _heads(dqkv, H, 3)
-    if _use_cuda(xp, qkv, dy):
-        flash_cuda.backward(xp, q, k, v, o, do, lse, dq, dk, dv, scale)
-        return dqkv
     dqg, dkg, dvg = flash_backward_core(xp, q * scale, k, v, o, do, lse, 1, bq, bk)
     dqg *= scale
     dq[...], dk[...], dv[...] = dqg, dkg, dvg
-    return dqkv
+    return bf16_gemm.store_for_gemm(xp, dqkv, bf16)
 
 
 # ---- Llama: grouped-query q (B, H, T, hd) rotated and scaled, k, v (B, K, T, hd) -------------------------

@@ -345,23 +345,26 @@ def swiglu_recompute(xp, g, u, s):
 
 def colsum_(xp, a2, out, b2=None):
     """out += the column sums of a2 (N, C), or of a2 * b2, in a fixed order (no atomics); out contiguous. b2 may be
-    bfloat16 bits (uint16: a cache_bits norm's xhat), a2 and out then float32."""
+    bfloat16 bits (uint16: a cache_bits norm's xhat), a2 and out then float32; or, without b2, a2 (a bfloat16
+    output gradient), out then float32. The bits' sums are the float32 entry's on their values, bit for bit."""
     if not out.flags.c_contiguous:
         raise ValueError("colsum_: out must be contiguous")
-    if a2.dtype == BITS:
-        raise ValueError("colsum_: no kernel entry reads a2 as bfloat16 bits (uint16), only b2")
+    if a2.dtype == BITS and b2 is not None:
+        raise ValueError("colsum_: no kernel entry reads a2 as bfloat16 bits (uint16) with a b2")
     a2 = xp.ascontiguousarray(a2)
     n, c = a2.shape
     chunks = int(max(1, min(256, -(-n // 64))))
-    part = xp.empty((chunks, c), dtype=a2.dtype)
+    sums = out.dtype if a2.dtype == BITS else a2.dtype       # the dtype the sums are made in
+    part = xp.empty((chunks, c), dtype=sums)
     grid, block = (-(-c // 32), chunks), (32, 8)
     if b2 is None:
-        _fn("colsum_part", a2.dtype)(grid, block, (a2, part, np.int64(n), np.int32(c)))
+        tail = BF16I if _bits_in("colsum_", {"a2": a2}, {"out": out}) else ""
+        _fn("colsum_part", sums, tail)(grid, block, (a2, part, np.int64(n), np.int32(c)))
     else:
         b2 = xp.ascontiguousarray(b2)
         tail = BF16I if _bits_in("colsum_", {"b2": b2}, {"a2": a2, "out": out}) else ""
         _fn("colsum_prod_part", a2.dtype, tail)(grid, block, (a2, b2, part, np.int64(n), np.int32(c)))
-    _points("colsum_finish", a2.dtype, c, (part, out, np.int32(chunks), np.int32(c), np.int32(1)))
+    _points("colsum_finish", sums, c, (part, out, np.int32(chunks), np.int32(c), np.int32(1)))
 
 
 def _targets(xp, targets):

@@ -62,11 +62,13 @@ def linear_backward_weight(xp, dy, cache, dw, db=None):
         gemm.matmul(xp, x2.T, dy2, dw, accumulate=True)     # cuBLAS adds into dw: no temporary
     else:
         dw += x2.T @ dy2
-    if db is not None:
-        dy2 = as_float32(xp, dy2)                            # bf16 amp may hand dy over as its bits
-    if db is not None and fused.usable(xp, dy2, db) and db.flags.c_contiguous:
+    if db is None:
+        return
+    if not (fused.bits_usable(xp, dy2) and db.dtype == xp.float32):   # the kernel reads bf16 amp's bits itself
+        dy2 = as_float32(xp, dy2)
+    if fused.usable(xp, db) and db.flags.c_contiguous and dy2.dtype in (db.dtype, xp.uint16):
         fused.colsum_(xp, dy2, db)
-    elif db is not None:
+    else:
         db += dy2.sum(axis=0)
 
 

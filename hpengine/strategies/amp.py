@@ -121,11 +121,14 @@ class Precision:
                 if a is not None and a.dtype == np.float32:
                     round_bf16_(xp, a)
 
-    def layer_params(self, xp, buf, gemm_weight=None):
+    def layer_params(self, xp, buf, gemm_weight=None, specs=()):
         """What a block's layers read of the parameters buffer `buf` hands out: float32 values (packed: unpacked
-        from the bits, each tensor once, for this block access only; the bits themselves for the tensors
-        gemm_weight(name) says only GEMMs read)."""
-        return UnpackedParams(xp, buf, gemm_weight) if self.packed else buf
+        from the bits, for this block access only, the block's tensors (specs) in one conversion; the bits
+        themselves for the tensors gemm_weight(name) says only GEMMs read)."""
+        if not self.packed:
+            return buf
+        gemm_weight = gemm_weight or (lambda name: False)
+        return UnpackedParams(xp, buf, gemm_weight, tuple(sp.name for sp in specs if not gemm_weight(sp.name)))
 
     def ready_grad(self, xp, g, all_finite):
         """The reduced owned gradient for the update: float32 and unscaled under amp; None when the loss

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpengine.device import kernels
 from hpengine.device.backend import data_ptr
 from hpengine.device.bf16_bits import from_bf16_bits, to_bf16_bits
 from hpengine.layout.cache import map_cache
@@ -107,20 +108,41 @@ class UnpackedParams:
     life of this object, which the engine makes for one block's forward or backward: one block's float32
     weights at a time, as a gathered block under ZeRO-3. The GEMMs take the bits themselves
     (bf16_gemm.hold_bits) for as long as this object lives. A tensor that only GEMMs read (gemm_weight(name):
-    the linear layers' weights) is handed out as its bits (uint16), never converted."""
+    the linear layers' weights) is handed out as its bits (uint16), never converted. `together`: the block's
+    other tensors (its norms' weights, biases, embeddings), converted all at once on the first access of any of
+    them, in one launch (device/kernels.pack_bf16) for those that share one flat buffer."""
 
-    def __init__(self, xp, buf, gemm_weight=None):
+    def __init__(self, xp, buf, gemm_weight=None, together=()):
         self.xp, self.buf, self.values = xp, buf, {}
         self.gemm_weight = gemm_weight or (lambda name: False)
+        self.together = together
 
     def __getitem__(self, name):
         if self.gemm_weight(name):
             return self.buf[name]
         if name not in self.values:
-            bits = self.buf[name]
-            self.values[name] = v = from_bf16_bits(self.xp, bits)
-            bf16_gemm.hold_bits(v, bits)       # the GEMMs read these bits, not v converted back
+            self._convert([n for n in self.together if n in self.buf] if name in self.together else [name])
         return self.values[name]
+
+    def _convert(self, names):
+        bits = {n: self.buf[n] for n in names if n not in self.values}
+        first = next(iter(bits.values()))
+        root = _root(first)
+        one = {n: b for n, b in bits.items() if _root(b) is root and b.flags.c_contiguous} \
+            if root.ndim == 1 and root.flags.c_contiguous else {}
+        if len(one) > 1:
+            offsets = np.array([(data_ptr(b) - data_ptr(root)) // b.itemsize for b in one.values()], dtype=np.int64)
+            sizes = np.array([b.size for b in one.values()], dtype=np.int64)
+            flat = kernels.pack_bf16(self.xp.empty(int(sizes.sum()), dtype=np.float32), root, offsets, sizes)
+            for (n, b), o, k in zip(one.items(), kernels.segment_starts(sizes), sizes):
+                self._hold(n, flat[o:o + k].reshape(b.shape), b)
+        for n, b in bits.items():
+            if n not in self.values:
+                self._hold(n, from_bf16_bits(self.xp, b), b)
+
+    def _hold(self, name, values, bits):
+        self.values[name] = values
+        bf16_gemm.hold_bits(values, bits)      # the GEMMs read these bits, not the values converted back
 
     def __del__(self):
         for v in self.values.values():

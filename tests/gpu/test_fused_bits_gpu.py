@@ -1,6 +1,6 @@
 """The fused kernels' entries that keep the norms' caches and the softmax gradient as bfloat16 bits (_f32_bf16x,
-the norm backwards' and the weight gradient's _f32_bf16i, the softmax gradients' _f32_bf16o) against their NumPy
-twins and against the float32 entries rounded by TO_BF16_BODY. Skips cleanly without CuPy and a device."""
+the norm backwards' and the weight and bias gradients' _f32_bf16i, the softmax gradients' _f32_bf16o) against their
+NumPy twins and against the float32 entries rounded by TO_BF16_BODY. Skips cleanly without CuPy and a device."""
 from __future__ import annotations
 
 import numpy as np
@@ -84,3 +84,19 @@ def test_softmax_gradients_as_bits(entries, n_q, T, q0):
     fused.softmax_backward_(d, pb, rsd, q0)
     close_bits(out, (ds - rows) * pf, d)
     assert {"softmax_bwd_bf16o", "grouped_softmax_bwd_bf16o"} <= entries
+
+
+@pytest.mark.parametrize("rows,C", [(15, 7), (130, 2304)])
+def test_bias_gradient_of_bits(entries, rows, C):
+    """The column sums of a bits output gradient added to out: the float32 entry's on the values the bits hold, bit
+    for bit (one order of sums), and NumPy's sum of those values within float32 sums' order."""
+    rng = np.random.default_rng(20)
+    bits = cp.asarray(bf16_bits_numpy(rng.standard_normal((rows, C)).astype(np.float32) * 3))
+    vals = from_bf16_bits(cp, bits)
+    start, out = pair(rng, (C,), np.float32)
+    out32 = out.copy()
+    fused.colsum_(cp, bits, out)
+    fused.colsum_(cp, vals, out32)
+    assert cp.asnumpy(out).tobytes() == cp.asnumpy(out32).tobytes()
+    close(out, start + cp.asnumpy(vals).astype(np.float64).sum(0), np.float32)
+    assert {"colsum_part_bf16i", "colsum_part"} <= entries

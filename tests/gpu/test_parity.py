@@ -113,6 +113,18 @@ def test_pack_unpack_kernels_equal_twins(dtype, off):
     assert same_bits(ddst, dst)
 
 
+@pytest.mark.parametrize("off", [0, 1])
+def test_pack_bf16_kernel_equals_twin(off):
+    rng = np.random.default_rng(6)
+    src = rng.integers(0, 2**16, 200_000, dtype=np.uint16)
+    offs, sizes = [0, 7, 150_003, 199_999, 60_000], [5, 0, 40_000, 1, 768]
+    n = int(np.sum(sizes))
+    buf = kernels.pack_bf16(np.zeros(n + 3, np.float32), src, offs, sizes)
+    dbuf = on_device(np.zeros(n + 3, np.float32), off)
+    kernels.pack_bf16(dbuf, on_device(src, (off + 1) % 2), offs, sizes)
+    assert same_bits(dbuf, buf)
+
+
 def test_kernel_build_error_names_the_cu_line(tmp_path):
     bad = tmp_path / "broken.cu"
     bad.write_text('extern "C" __global__ void broken_f32(float* p) {\n    p[0] = 1.0f;\n    p[1] = nope;\n}\n')

@@ -49,6 +49,7 @@ BITS_LAYOUTS = {
     "pp2_zb1p_gpt": ["model.n_layers=4", f"{S}pipeline.enable=true", f"{S}pipeline.degree={N}",
                      f"{S}pipeline.micro_batches=4", f"{S}pipeline.schedule=zb1p"],
 }
+BITS_LAYOUTS["pp2_zb1p_gpt_flash"] = BITS_LAYOUTS["pp2_zb1p_gpt"] + ["model.attention=flash"]   # dqkv bits in the stash
 
 
 @pytest.mark.parametrize("layout", list(BITS_LAYOUTS))

@@ -146,6 +146,8 @@ LAYOUTS = [
         "model.attention=flash", S + "pipeline.micro_batches=4", S + "pipeline.schedule=zb1p"]),
     ("zb_bf16_packed_pp2_zb1p_dp", TWO_OR_4, PP2 + DP + BF16_PACKED + [S + "pipeline.micro_batches=4",
                                                                    S + "pipeline.schedule=zb1p"]),
+    ("zb_bf16_packed_gpt_flash_pp2_zb1p", TWO_OR_4, PP2 + DP + BF16_PACKED + [
+        "model.attention=flash", S + "pipeline.micro_batches=4", S + "pipeline.schedule=zb1p"]),
     # the compute copy as bfloat16 bits: 2 bytes a parameter held, and in the sharding all-gathers
     ("bf16_packed_sharding2", lambda n: n > 1, SH + [S + "sharding.stage=2"] + BF16_PACKED),
     ("bf16_packed_llama_sharding3", lambda n: n > 1, LLAMA + SH + [S + "sharding.stage=3"] + BF16_PACKED),

@@ -14,7 +14,7 @@ import numpy as np
 # "ufunc:<name>" (a ufunc call, reduction or scatter), "fn:<name>" (a function that writes a new array),
 # "copy" (setitem, copy, astype, fancy indexing); CuPy launches about one kernel for each
 LAUNCHES: collections.Counter = collections.Counter()
-MOVED: collections.Counter = collections.Counter()      # bytes each ElementwiseKernel read and wrote
+MOVED: collections.Counter = collections.Counter()      # bytes each bf16 conversion read and wrote (by entry)
 NO_KERNEL = {"empty", "empty_like"}
 _LIVE: dict = {}                 # start address -> (end address, weakref of the owning buffer)
 

@@ -384,7 +384,7 @@ _BITS_IN = {"rope_fwd": _bits_out(rope, (3,), _pairs),        # rope reads the s
             "swiglu_bwd": _bits_out(_bits_in(swiglu_bwd, (0, 1, 2)), (4, 5), _points),
             "swiglu_recompute": _bits_out(_bits_in(swiglu_recompute, (0, 1, 2)), (3,), _points),
             "layernorm_bwd": _bits_in(layernorm_bwd, (1,)), "rmsnorm_bwd": _bits_in(rmsnorm_bwd, (1,)),
-            "colsum_prod_part": _bits_in(colsum_part, (1,))}
+            "colsum_prod_part": _bits_in(colsum_part, (1,)), "colsum_part": _bits_in(colsum_part, (0,))}
 _BITS_X = {"layernorm_fwd": _bits_out(layernorm_fwd, (3, 4), _rows), "rmsnorm_fwd": _bits_out(rmsnorm_fwd, (2, 3), _rows)}
 _BITS_O = {"softmax_bwd": _separate_out(softmax_bwd, (1,), 3),
            "grouped_softmax_bwd": _separate_out(grouped_softmax_bwd, (1,), 3)}

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import emulated_flash
 import emulated_fused
 import numpy as np
-from emulated_arrays import LAUNCHES, DevArray, _plain
+from emulated_arrays import LAUNCHES, MOVED, DevArray, _plain
 
 from hpengine.device import kernels
 
@@ -97,15 +97,19 @@ def _adamw(args, launch):
 
 
 def _copy(op):
+    twin = {"pack": kernels.pack_numpy, "unpack": kernels.unpack_numpy, "pack_bf16": kernels.pack_bf16_numpy}[op]
+
     def run(args, launch):
         buf, flat, offsets, _, sizes, _ = (_plain(a) for a in args)
-        (kernels.pack_numpy if op == "pack" else kernels.unpack_numpy)(buf, flat, offsets, sizes)
+        twin(buf, flat, offsets, sizes)
+        if op == "pack_bf16":             # a bfloat16 conversion: its bytes counted with the ElementwiseKernels'
+            MOVED["raw:pack_bf16_f32"] += int(sizes.sum()) * (flat.itemsize + buf.itemsize)
     return run
 
 
-# entry prefix -> emulator(args, launch); the emulators of fused.cu, attention.cu and attention_mma.cu are keyed
-# by their full entry names
-PREFIXED = {"adamw_": _adamw, "pack_": _copy("pack"), "unpack_": _copy("unpack")}
+# entry prefix -> emulator(args, launch) (the first that fits: longer prefixes first); the emulators of fused.cu,
+# attention.cu and attention_mma.cu are keyed by their full entry names
+PREFIXED = {"adamw_": _adamw, "pack_bf16_": _copy("pack_bf16"), "pack_": _copy("pack"), "unpack_": _copy("unpack")}
 EMULATED = {**emulated_fused.EMULATED, **emulated_flash.EMULATED}
 
 

@@ -33,6 +33,7 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.seq_le
         "optim.lr=3e-3", "optim.warmup_steps=2", "runtime.backend=numpy"]
 KINDS = {"gpt": ["model.kind=gpt"], "llama": ["model.kind=llama", "model.n_kv_heads=2", "model.ffn_hidden=48"]}
 KINDS["llama_flash"] = KINDS["llama"] + ["model.attention=flash"]
+KINDS["gpt_flash"] = KINDS["gpt"] + ["model.attention=flash"]       # qkv, the output and dqkv as bits in flight
 RC = "strategy.recompute."
 RECOMPUTE = {"off": [], "full": [RC + "enable=true"], "selective": [RC + "enable=true", RC + "granularity=selective"]}
 # inf, NaNs (quiet, signalling, payload only in the low half), +-0, the smallest and a tie-carrying subnormal,

@@ -77,7 +77,7 @@ def test_bf16_packed_on_the_stand_in_device_trains_like_numpy(small_corpus, devi
     got = train(small_corpus, "cupy", *KINDS[kind], *BF16)
     _same(got, want, 2e-3, 2e-3)
     assert {g[0] for g in device.gemms} == {"gemmStridedBatchedEx"}
-    assert set(device.launches) == {"adamw_f32_bf16bits"}
+    assert set(device.launches) == {"adamw_f32_bf16bits", "pack_bf16_f32"}   # the layers' kernels off: storage's only
 
 
 LAUNCH_CASES = {
@@ -173,23 +173,30 @@ def test_held_bits_go_to_the_gemm_as_they_are(device):
         bf16_gemm.hold_bits(w, bits[:3])
 
 
-def _conversions(corpus, monkeypatch, mode: str) -> tuple:
-    """(to_bf16, from_bf16) launches of the llama's second bf16 step: "none" converts every weight for each GEMM,
-    "hold" unpacks the weights and the GEMMs read their bits (bf16_gemm.hold_bits), "bits" (the engine's way) hands
-    the linears' weights to the GEMMs as bits, unconverted."""
+def _conversions(corpus, monkeypatch, mode: str, together: bool = False, kind: str = "llama") -> tuple:
+    """(to_bf16, from_bf16, pack_bf16) launches of the second bf16 step: "none" converts every weight for each
+    GEMM, "hold" unpacks the weights and the GEMMs read their bits (bf16_gemm.hold_bits), "bits" (the engine's way)
+    hands the linears' weights to the GEMMs as bits, unconverted. together=False: every other tensor of a block
+    converted on its own (the engine converts them together, one pack_bf16 a block access); also the losses and
+    parameters."""
     from hpengine.models.llama import Llama
     from hpengine.nn import bf16_gemm
+    from hpengine.strategies.bf16_storage import UnpackedParams
     if mode != "bits":
         monkeypatch.setattr(Llama, "gemm_weight", lambda self, name: False)
     if mode == "none":
         monkeypatch.setattr(bf16_gemm, "hold_bits", lambda values, bits: None)
+    if not together:
+        init = UnpackedParams.__init__
+        monkeypatch.setattr(UnpackedParams, "__init__", lambda self, xp, buf, gw=None, _=(): init(self, xp, buf, gw))
     mod = emulated_cupy.install(monkeypatch)
-    eng = build(load_config(None, [*TINY, f"data.path={corpus}", "runtime.backend=cupy", *KINDS["llama"], *BF16]),
+    eng = build(load_config(None, [*TINY, f"data.path={corpus}", "runtime.backend=cupy", *KINDS[kind], *BF16]),
                 MPI.COMM_SELF)
-    eng.train_step(0)
+    losses = [eng.train_step(0)["loss"]]
     mod.counts.clear()
-    eng.train_step(1)
-    out = mod.counts["ew:hpengine_to_bf16"], mod.counts["ew:hpengine_from_bf16"]
+    losses.append(eng.train_step(1)["loss"])
+    out = (mod.counts["ew:hpengine_to_bf16"], mod.counts["ew:hpengine_from_bf16"], mod.counts["raw:pack_bf16_f32"],
+           losses, eng.named_params())
     monkeypatch.undo()
     return out
 
@@ -203,6 +210,22 @@ def test_packed_weights_reach_the_gemms_unconverted(small_corpus, monkeypatch):
     none, hold, bits = (_conversions(small_corpus, monkeypatch, m) for m in ("none", "hold", "bits"))
     assert none[0] - hold[0] == n and none[1] == hold[1]
     assert hold[0] == bits[0] and hold[1] - bits[1] == n
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_a_blocks_other_tensors_unpack_in_one_launch(small_corpus, monkeypatch, kind):
+    """The norms' weights, biases and embeddings a block access reads in float32: one pack_bf16 launch per block
+    access holding two or more of them, where one from_bf16 each was; the same values, so the same training bit
+    for bit. gpt (2 layers): each layer's forward reads 8 (two norms' weights and biases, four biases), its
+    backward the norms' 2 weights; the embedding's forward 2 tables, the head's forward its norm's weight and
+    bias, its backward the weight: 7 block accesses, 25 tensors. llama: each layer's 2 norm weights in forward
+    and backward; the embedding's table and the head's norm weight stay one conversion each."""
+    each = _conversions(small_corpus, monkeypatch, "bits", False, kind)
+    one = _conversions(small_corpus, monkeypatch, "bits", True, kind)
+    accesses, tensors = {"gpt": (7, 2 * (8 + 2) + 2 + 2 + 1), "llama": (4, 2 * (2 + 2))}[kind]
+    assert each[2] == 0 and one[2] == accesses and one[0] == each[0]
+    assert each[1] - one[1] == tensors
+    assert one[3] == each[3] and all(np.array_equal(one[4][n], each[4][n]) for n in each[4])
 
 
 def test_the_launch_count_script_runs(capsys, monkeypatch):
@@ -225,8 +248,8 @@ POINTS = {"gpt": {"gelu_fwd", "gelu_bwd", "layernorm_fwd", "layernorm_bwd", "col
 STANDARD = {"gpt": {"causal_softmax", "softmax_bwd"}, "llama": {"causal_softmax", "grouped_softmax_bwd"}}
 FLASH = {"flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv"}
 # under bf16 amp, packed, these write bfloat16 bits (_f32_bf16; _f32_bf16x: the cache too; _f32_bf16o: into a new
-# array) or read bits too (_f32_bf16i); the llama's flash attention takes bits (its bf16 storage entries), gpt's
-# fused qkv float32
+# array) or read bits too (_f32_bf16i); flash attention takes bits (its bf16 storage entries), and under it gpt's
+# qkv bias gradient sums the bits of dqkv
 BITS = {"gelu_fwd": "f32_bf16i", "gelu_bwd": "f32_bf16i", "layernorm_fwd": "f32_bf16x", "rmsnorm_fwd": "f32_bf16x",
         "layernorm_bwd": "f32_bf16i", "rmsnorm_bwd": "f32_bf16i", "colsum_prod_part": "f32_bf16i",
         "swiglu_fwd": "f32_bf16i", "swiglu_bwd": "f32_bf16i", "rope_fwd": "f32_bf16i", "rope_bwd": "f32_bf16",
@@ -273,9 +296,8 @@ def test_bf16_flash_with_the_kernels_on_trains_like_numpy(small_corpus, device, 
     want = train(small_corpus, "numpy", *extra)
     got = train(small_corpus, "cupy", *extra)
     _same(got, want, 2e-3, 2e-3)
-    storage = "bf16" if kind == "llama" else "f32"
-    must = ({f"flash_mma_{op}_{storage}_hd64" for op in ("fwd", "bwd_dq", "bwd_dkdv")} | _entries(POINTS[kind] - set(BITS), "f32")
-            | {f"{op}_{BITS[op]}" for op in POINTS[kind] & set(BITS)})
+    must = ({f"flash_mma_{op}_bf16_hd64" for op in ("fwd", "bwd_dq", "bwd_dkdv")} | _entries(POINTS[kind] - set(BITS), "f32")
+            | {f"{op}_{BITS[op]}" for op in POINTS[kind] & set(BITS)} | ({"colsum_part_f32_bf16i"} if kind == "gpt" else set()))
     assert must <= set(device.launches), sorted(set(device.launches))
     assert not FLASH & {e.rsplit("_", 1)[0] for e in device.launches}
 

@@ -4,7 +4,8 @@ normal draws) held as bits; the float32 entry on their float32 values is checked
 by the angle, SiLU gating, GELU's tanh form), and then: the bits outputs equal ml_dtypes' bfloat16 of that entry's
 outputs, a float32 output equals it exactly, and where the cache s is bits too, the forward's output equals
 ml_dtypes' bfloat16 of NumPy's float32 product on the values of the inputs and of s's bits (what the recompute
-entries rebuild, equal to the forward's bits). Dtype mixes that fit no entry are refused before any launch."""
+entries rebuild, equal to the forward's bits); a bias gradient's column sums of bits equal the float32 entry's on
+their values. Dtype mixes that fit no entry are refused before any launch."""
 from __future__ import annotations
 
 import emulated_cupy
@@ -123,6 +124,19 @@ def test_gating_reads_bits(device):
     assert {"swiglu_fwd_f32_bf16i", "swiglu_bwd_f32_bf16i", "swiglu_recompute_f32_bf16i"} <= set(device.launches)
 
 
+def test_bias_gradient_reads_bits(device):
+    """The column sums of a bits output gradient over 3 chunks of rows and 2 column blocks, added to out: the
+    float32 entry's on the bits' values, bit for bit; that entry against NumPy's float64 sum of those values."""
+    db, dv = _bits_input(150, 45, scale=3.0)
+    start = RNG.standard_normal(45).astype(np.float32)
+    out32, out = _dev(device, start), _dev(device, start)
+    fused.colsum_(device, _dev(device, dv), out32)
+    np.testing.assert_allclose(_host(out32), start + dv.astype(np.float64).sum(0), rtol=1e-5, atol=1e-5)
+    fused.colsum_(device, _dev(device, db), out)
+    assert _host(out).dtype == np.float32 and _host(out).tobytes() == _host(out32).tobytes()
+    assert {"colsum_part_f32_bf16i", "colsum_part_f32"} <= set(device.launches)
+
+
 def test_mixes_that_fit_no_entry_are_refused(device):
     b, f32, f64 = (device.asarray(np.ones((2, 8), t)) for t in (np.uint16, np.float32, np.float64))
     with pytest.raises(ValueError, match="swiglu_forward: no kernel entry takes g uint16, u float32"):
@@ -148,4 +162,6 @@ def test_mixes_that_fit_no_entry_are_refused(device):
         fused.rope_forward(device, device.ones((1, 2, 1, 4), np.float32), b[:2, :2].copy(), tab)
     with pytest.raises(ValueError, match="rope_backward: no kernel entry reads dy as bfloat16 bits"):
         fused.rope_backward(device, x4, tab, tab)
+    with pytest.raises(ValueError, match="colsum_: no kernel entry takes a2 uint16, out float64"):
+        fused.colsum_(device, b, device.zeros(8))
     assert not device.launches

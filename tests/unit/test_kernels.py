@@ -79,9 +79,9 @@ def test_declared_entries_reads_both_forms():
     assert {"rope_fwd_f32", "rmsnorm_bwd_f64", "causal_softmax_f32_bf16", "swiglu_bwd_f32_bf16", "rope_fwd_f32_bf16",
             "rope_fwd_f32_bf16i", "swiglu_recompute_f32_bf16i", "rmsnorm_fwd_f32_bf16x", "layernorm_fwd_f32_bf16x",
             "rmsnorm_bwd_f32_bf16i", "layernorm_bwd_f32_bf16i", "colsum_prod_part_f32_bf16i", "softmax_bwd_f32_bf16o",
-            "grouped_softmax_bwd_f32_bf16o"} <= fused
+            "grouped_softmax_bwd_f32_bf16o", "colsum_part_f32_bf16i"} <= fused
     assert not {"rope_bwd_f32_bf16i", "gelu_fwd_f64_bf16", "swiglu_recompute_f32", "rmsnorm_fwd_f64_bf16x",
-                "colsum_part_f32_bf16i"} & fused
+                "colsum_finish_f32_bf16i"} & fused
 
 
 @pytest.mark.timeout(300)
@@ -278,6 +278,23 @@ def test_pack_unpack_round_trip(dtype):
     for o, n in zip(offs, sizes):
         covered[o:o + n] = True
     assert dst[covered].tobytes() == src[covered].tobytes() and (dst[~covered] == 0).all()
+
+
+def test_pack_bf16_gathers_the_exact_values_of_bits():
+    """bfloat16 bits of every kind (normal, subnormal, zero of both signs, inf, NaN) gathered into a float32
+    message: ml_dtypes' float32 of each (an independent oracle), the message's tail untouched; a float32 source
+    or a float64 message is refused."""
+    rng = np.random.default_rng(4)
+    src = rng.integers(0, 2**16, 500, dtype=np.uint16)
+    src[:6] = [0x0000, 0x8000, 0x0001, 0x7F80, 0xFF80, 0x7FC1]
+    offs, sizes = [0, 40, 499, 100], [6, 30, 1, 0]
+    buf = kernels.pack_bf16(np.full(sum(sizes) + 2, -1.0, np.float32), src, offs, sizes)
+    want = np.concatenate([src[o:o + n] for o, n in zip(offs, sizes)]).view(ml_dtypes.bfloat16).astype(np.float32)
+    assert buf[:sum(sizes)].tobytes() == want.tobytes() and (buf[sum(sizes):] == -1).all()
+    with pytest.raises(ValueError, match="a 1-D float32 message and a 1-D uint16 buffer"):
+        kernels.pack_bf16(np.zeros(4, np.float32), src.astype(np.float32), [0], [2])
+    with pytest.raises(ValueError, match="a 1-D float32 message"):
+        kernels.pack_bf16(np.zeros(4), src, [0], [2])
 
 
 def test_pack_checks_its_segments():
