@@ -14,7 +14,7 @@
 //   ...): not in place: ds (= dP) float32 in, left as it is; p read as bits; out = (ds - rs) * p in bits.
 // <op>_f32_bf16i, the inputs (a GEMM's outputs) in bits too:
 //   rope_fwd: x read as bits (a strided view, as ever), y in bits;
-//   gelu_fwd: x read as bits, y and s in bits; gelu_bwd: x, s read as bits, dy and dx float32;
+//   gelu_fwd: x read as bits, y and s in bits; gelu_bwd: x, s read as bits, dy float32, dx in bits;
 //   swiglu_fwd: g, u read as bits, a and s in bits; swiglu_bwd: g, u, s read as bits, da float32, dg, du bits;
 //   gelu_recompute(x, s, y): y = x s, swiglu_recompute(g, u, s, a): a = (g s) u; all bits.
 //   With the cache s in bits the forwards compute y (a) from the value s's bits hold, so that the
@@ -127,10 +127,10 @@ __device__ void gelu_fwd(const X* __restrict__ x, Y* __restrict__ y, X* __restri
     }
 }
 
-// dx = dy s (1 + (1 - s) x (2K + 6AK x^2)) (X: the storage of x and s, T or bits)
-template <typename T, typename X = T>
+// dx = dy s (1 + (1 - s) x (2K + 6AK x^2)) (X: the storage of x and s, D: dx's, T or bits)
+template <typename T, typename X = T, typename D = T>
 __device__ void gelu_bwd(const X* __restrict__ x, const X* __restrict__ s, const T* __restrict__ dy,
-                         T* __restrict__ dx, long long n) {
+                         D* __restrict__ dx, long long n) {
     GRID_STRIDE(i, n) {
         const T xi = get(x, i), si = get(s, i);
         T d = xi * xi;
@@ -140,7 +140,7 @@ __device__ void gelu_bwd(const X* __restrict__ x, const X* __restrict__ s, const
         d *= (T)1 - si;
         d += (T)1;
         d *= si;
-        dx[i] = d * dy[i];
+        put(dx, i, d * dy[i]);
     }
 }
 
@@ -499,8 +499,8 @@ extern "C" __global__ void gelu_fwd_##S##_bf16i(const unsigned short* x, unsigne
                                                 long long n) {                                                 \
     gelu_fwd<T, unsigned short, unsigned short>(x, y, s, n); }                                                 \
 extern "C" __global__ void gelu_bwd_##S##_bf16i(const unsigned short* x, const unsigned short* s, const T* dy, \
-                                                T* dx, long long n) {                                          \
-    gelu_bwd<T, unsigned short>(x, s, dy, dx, n); }                                                            \
+                                                unsigned short* dx, long long n) {                             \
+    gelu_bwd<T, unsigned short, unsigned short>(x, s, dy, dx, n); }                                            \
 extern "C" __global__ void gelu_recompute_##S##_bf16i(const unsigned short* x, const unsigned short* s,        \
                                                       unsigned short* y, long long n) {                        \
     gelu_recompute<T, unsigned short, unsigned short>(x, s, y, n); }                                           \

@@ -167,7 +167,7 @@ def mlp_backward(xp, do, cache, P, G, p, ctx, defer=None):
     c3 = linear_restore_input(c3, gelu_recompute(xp, c2, bf16=True))
     dg = row_backward(xp, ctx, do, c3, P[f"{p}.proj.w"], G[f"{p}.proj.w"], G[f"{p}.proj.b"], defer)
     del c3
-    dh = gelu_backward(xp, dg, c2)
+    dh = gelu_backward(xp, dg, c2, bf16=True)     # bf16 amp: only the fc's GEMMs and bias gradient read it
     return column_backward(xp, ctx, dh, stash, P[f"{p}.fc.w"], G[f"{p}.fc.w"], G[f"{p}.fc.b"], defer)
 
 

@@ -104,10 +104,10 @@ class GPT:
         # W stash (split backward): each row linear's whole output gradient and input, each column linear's
         # output gradient and input (a piece of it under sequence parallelism): dy, g, dh, h2; dx1, a, dqkv, h
         w = n * (2 * C + 2 * C // parts + (2 * self.F + 4 * C) // tp) * item
-        # of those, what only GEMMs read: h2, h, g, and, with the attention on this rank, a (and dqkv under flash,
-        # whose gradients are bits)
+        # of those, what only GEMMs read: h2, h, g, dh (GELU's gradient) and, with the attention on this rank, a
+        # (and dqkv under flash, whose gradients are bits)
         a_bits = (C + (3 * C if self.flash else 0)) // tp if cp == 1 else 0
-        bits = n * (2 * C // parts + self.F // tp + a_bits)
+        bits = n * (2 * C // parts + 2 * self.F // tp + a_bits)
         return {"layer": layer, "scores": scores, "w_layer": w, "bits_w_layer": bits,
                 **end_cache_bytes(self.cfg, rows, tp, item, amp, share, parts=parts, cp=cp)}
 

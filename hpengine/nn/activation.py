@@ -75,15 +75,21 @@ def _gelu_forward_half(xp, x):
     return x * r, (x, r)
 
 
-def gelu_backward(xp, dy, cache):
+def gelu_backward(xp, dy, cache, bf16=False):
     # dy: (...) -> dx: (...)
+    # bf16: under bf16 amp only GEMMs (and a bias gradient) read dx: stored as they take it (bf16_gemm.store_for_gemm;
+    # from gelu_forward's bits cache the kernel writes the bits itself)
     x, s = cache
     # with s = sigmoid(2u): dy/dx = s + 2 x s (1 - s) K (1 + 3 A x^2)
-    if fused.bits_usable(xp, x, s) and dy.dtype == xp.float32:      # gelu_forward's bf16 cache
+    if bf16 and bf16_gemm.active() and fused.bits_usable(xp, x, s) and dy.dtype == xp.float32:  # the bits cache
         return fused.gelu_backward(xp, x, s, dy)
     x, s = as_float32(xp, x), as_float32(xp, s)
     if fused.usable(xp, x, s, dy):
-        return fused.gelu_backward(xp, x, s, dy)
+        return bf16_gemm.store_for_gemm(xp, fused.gelu_backward(xp, x, s, dy), bf16)
+    return bf16_gemm.store_for_gemm(xp, _gelu_backward(xp, x, s, dy), bf16)
+
+
+def _gelu_backward(xp, x, s, dy):
     t = xp.clip(x, -_SAT, _SAT) if x.dtype.itemsize < 4 else x   # float16: keep x^3 finite; beyond
     d = t * t                                                     # _SAT, s (1 - s) is exactly 0 anyway
     d *= 6.0 * _A * _K

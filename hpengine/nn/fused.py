@@ -103,11 +103,11 @@ def gelu_forward(xp, x, bits=False):
 
 
 def gelu_backward(xp, x, s, dy):
-    """-> dx, contiguous, of dy's shape; x and s may be bits (uint16, gelu_forward's from bits), dy and dx then
-    float32."""
+    """-> dx, contiguous, of dy's shape; x and s may be bits (uint16, gelu_forward's from bits), dy then float32
+    and dx bits (only GEMMs and a bias gradient read it)."""
     x, s, dy = xp.ascontiguousarray(x), xp.ascontiguousarray(s), xp.ascontiguousarray(dy)
-    dx = xp.empty_like(dy)
     tail = BF16I if _bits_in("gelu_backward", {"x": x, "s": s}, {"dy": dy}) else ""
+    dx = xp.empty(dy.shape, dtype=BITS) if tail else xp.empty_like(dy)
     _points("gelu_bwd", dy.dtype, dy.size, (x, s, dy, dx, np.int64(dy.size)), tail)
     return dx
 

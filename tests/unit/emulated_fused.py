@@ -378,7 +378,7 @@ _BITS = {"gelu_fwd": _bits_out(gelu_fwd, (1,), _points), "swiglu_fwd": _bits_out
          "rope_fwd": _bits_out(rope, (3,), _pairs), "rope_bwd": _bits_out(rope, (3,), _pairs)}
 _BITS_IN = {"rope_fwd": _bits_out(rope, (3,), _pairs),        # rope reads the strided bits itself
             "gelu_fwd": _forward_bits_in(gelu_fwd, gelu_recompute, (0,), 1, 2),
-            "gelu_bwd": _bits_in(gelu_bwd, (0, 1)),
+            "gelu_bwd": _bits_out(_bits_in(gelu_bwd, (0, 1)), (3,), _points),
             "gelu_recompute": _bits_out(_bits_in(gelu_recompute, (0, 1)), (2,), _points),
             "swiglu_fwd": _forward_bits_in(swiglu_fwd, swiglu_recompute, (0, 1), 2, 3),
             "swiglu_bwd": _bits_out(_bits_in(swiglu_bwd, (0, 1, 2)), (4, 5), _points),
