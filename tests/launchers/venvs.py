@@ -45,6 +45,27 @@ def env_for(tmp_path, launcher: str, **extra) -> dict:
     return env
 
 
+# Open MPI's mpirun sometimes fails to start its PMIx server on a busy machine (a listener thread that does
+# not come up, before any rank runs); such a job is started once more, nothing of it having run
+STARTUP_FAILURE = "The PMIx server's listener thread failed to start"
+
+
+def run_job(argv, log: Path | None = None, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run(argv, **kw) (its output to `log` when given, stdout and stderr together), once more when
+    mpirun's own start-up failed (STARTUP_FAILURE) and nothing ran."""
+    for attempt in range(2):
+        if log is None:
+            res = subprocess.run(argv, **kw)
+            out = (res.stdout or "") + (res.stderr or "") if kw.get("text") else ""
+        else:
+            with open(log, "wb") as f:
+                res = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, **kw)
+            out = log.read_text(errors="replace")
+        if res.returncode == 0 or STARTUP_FAILURE not in out or attempt:
+            return res
+    return res
+
+
 def sets(*items) -> list[str]:
     """`--set` arguments for `items`."""
     return [a for item in items for a in ("--set", item)]
