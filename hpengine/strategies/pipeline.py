@@ -135,7 +135,7 @@ class PipelineExecutor:
         rows = x.shape[0] // m
         act_shape = (rows, x.shape[1] // self.seq_parts, self.width)
         actions = self.actions if grad else self._forward_only()
-        caches, sends, loss, live, work = {}, [], 0.0, 0, {}
+        caches, sends, losses, live, work = {}, [], [], 0, {}
         self.tr = tr = tracer if grad else OFF     # evaluation is one span in train.py
         t_start, busy_before = time.perf_counter(), self.busy_s
         for a in actions:
@@ -152,7 +152,7 @@ class PipelineExecutor:
                     live += 1
                     self.peak_live = max(self.peak_live, live)
                 if g == V - 1:
-                    loss += float(out)
+                    losses.append(out)      # read once every action is queued: a device is not drained mid-step
                 else:
                     sends.append(self.send_forward(out, mb, g))
             elif a.kind == "B":
@@ -185,6 +185,9 @@ class PipelineExecutor:
         t_end = time.perf_counter()
         self.wall_s += t_end - t_start
         self.last_run = (t_start, t_end, self.busy_s - busy_before)
+        loss = 0.0
+        for out in losses:                  # in micro-batch order, as the host adds them
+            loss += float(out)
         return loss
 
     def _forward_only(self):
