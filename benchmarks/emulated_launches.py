@@ -1,8 +1,8 @@
 """What one training step would launch on a GPU, counted on the CPU: the engine runs with runtime.backend = "cupy"
 on the NumPy stand-in for CuPy of tests/unit/emulated_cupy.py, which counts every RawKernel, ElementwiseKernel
 and cuBLAS call, every CuPy ufunc call and every array-writing function or copy (CuPy launches about one kernel
-for each), and the bfloat16 conversions (ElementwiseKernels, pack_bf16) with the bytes they move. Deterministic: no
-timing, no GPU.
+for each), the bfloat16 conversions (ElementwiseKernels, pack_bf16) with the bytes they move, and the host's reads
+of device arrays (each a wait for the device on a GPU). Deterministic: no timing, no GPU.
 
     .venv/bin/python benchmarks/emulated_launches.py configs/default.toml
     .venv/bin/python benchmarks/emulated_launches.py configs/llama_small.toml --set strategy.amp.enable=true \
@@ -47,6 +47,7 @@ def main(argv=None, patch=None) -> int:
     eng.train_step(0)                              # first step: plans, kernel tables, allocations
     emulated_cupy.LAUNCHES.clear()
     emulated_cupy.MOVED.clear()
+    emulated_cupy.READS.clear()
     eng.train_step(1)
     counts = emulated_cupy.LAUNCHES
     kinds = collections.Counter()
@@ -58,6 +59,8 @@ def main(argv=None, patch=None) -> int:
     if moved:
         conv = sum(counts[k] for k in emulated_cupy.MOVED)      # the ElementwiseKernels' and pack_bf16's
         print(f"bfloat16 conversion kernels: {conv} launches, {moved / 2**20:.1f} MiB moved")
+    reads = emulated_cupy.READS
+    print(f"host reads of device arrays per step: {sum(reads.values())} ({', '.join(f'{k} {v}' for k, v in sorted(reads.items()))})")
     for k, v in counts.most_common(a.top):
         print(f"{v:6d}  {k}")
     return 0

@@ -15,6 +15,9 @@ import numpy as np
 # "copy" (setitem, copy, astype, fancy indexing); CuPy launches about one kernel for each
 LAUNCHES: collections.Counter = collections.Counter()
 MOVED: collections.Counter = collections.Counter()      # bytes each bf16 conversion read and wrote (by entry)
+# device-to-host reads, each one a wait for the device on a GPU: "get" (a copy to the host), "float", "int",
+# "bool", "item" (a 0-d array's value)
+READS: collections.Counter = collections.Counter()
 NO_KERNEL = {"empty", "empty_like"}
 _LIVE: dict = {}                 # start address -> (end address, weakref of the owning buffer)
 
@@ -141,10 +144,27 @@ class DevArray(np.ndarray):
         super().fill(value)
 
     def get(self, stream=None, out=None):
+        READS["get"] += 1
         if out is not None:
             out[...] = self.view(np.ndarray)
             return out
         return np.array(self.view(np.ndarray), copy=True)
+
+    def __float__(self):
+        READS["float"] += 1
+        return float(self.view(np.ndarray))
+
+    def __int__(self):
+        READS["int"] += 1
+        return int(self.view(np.ndarray))
+
+    def __bool__(self):
+        READS["bool"] += 1
+        return bool(self.view(np.ndarray))
+
+    def item(self, *args):
+        READS["item"] += 1
+        return self.view(np.ndarray).item(*args)
 
     def set(self, arr, stream=None):
         if isinstance(arr, DevArray):

@@ -27,7 +27,7 @@ import time
 import types
 
 import numpy as np
-from emulated_arrays import _LIVE, LAUNCHES, MOVED, DevArray, _function, _plain, _poisoned, _refuse_host  # noqa: F401
+from emulated_arrays import _LIVE, LAUNCHES, MOVED, READS, DevArray, _function, _plain, _poisoned, _refuse_host  # noqa: F401
 from emulated_cublas import make_cublas
 from emulated_rawkernel import EMULATED, SHARED_DEFAULT, _Module, check_launch, signatures  # noqa: F401
 
@@ -177,7 +177,8 @@ def install(monkeypatch) -> types.ModuleType:
     cublas = make_cublas(mod)
     LAUNCHES.clear()
     MOVED.clear()
-    mod.counts, mod.moved = LAUNCHES, MOVED
+    READS.clear()
+    mod.counts, mod.moved, mod.reads = LAUNCHES, MOVED, READS
     monkeypatch.setattr(backend, "cupy_module", lambda: mod)
     monkeypatch.setattr(backend, "cublas_module", lambda: cublas)
     monkeypatch.setitem(sys.modules, "cupyx", make_cupyx())

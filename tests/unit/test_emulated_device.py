@@ -238,6 +238,8 @@ def test_the_launch_count_script_runs(capsys, monkeypatch):
     total = int(re.search(r"launches per step: (\d+) \((.*)\)", out).group(1))
     parts = re.search(r"launches per step: \d+ \((.*)\)", out).group(1)
     assert total > 0 and total == sum(int(p.split()[1]) for p in parts.split(", "))
+    # the host waits for the device twice a step: the loss and the gradient norm, each a float()
+    assert "host reads of device arrays per step: 2 (float 2)" in out, out
 
 
 # the real GPU path (fused kernels and flash kernels on) against NumPy, and the entries it must launch
