@@ -57,19 +57,19 @@ def test_gpt_activation_bytes_by_hand():
     What packed bf16 storage keeps as bfloat16 bits, in elements: the head's linear input and its norm's
     normalised input, ns C each, in its cache (12288, 12288, 6144), the linear input in its W stash (6144, 6144,
     3072); a layer's W stash the two column linears'
-    inputs ns C each, the GELU's output n 4C / t and the attention's output n C / t: 96 * (128 + 256 + 64) =
-    43008, 96 * (128 + 128 + 32) = 27648, 96 * (64 + 128 + 32) = 21504."""
+    inputs ns C each, the GELU's output and its gradient n 4C / t each and the attention's output n C / t:
+    96 * (128 + 256 + 256 + 64) = 67584, 96 * (128 + 128 + 128 + 32) = 39936, 96 * (64 + 128 + 128 + 32) = 33792."""
     base = MODEL + ["train.global_batch=3", "strategy.amp.enable=true"]
     tp = ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2"]
     want = {"one": dict(layer=246144, scores=36864, input=12288, head=123840, embed=864,
                         w_layer=196608, w_head=61440, w_embed=13152, bits_head=12288, bits_w_head=6144,
-                        bits_w_layer=43008),
+                        bits_w_layer=67584),
             "tp": dict(layer=147840, scores=18432, input=12288, head=74784, embed=864,
                        w_layer=122880, w_head=36864, w_embed=13152, bits_head=12288, bits_w_head=6144,
-                       bits_w_layer=27648),
+                       bits_w_layer=39936),
             "sp": dict(layer=123072, scores=18432, input=6144, head=62400, embed=864,
                        w_layer=110592, w_head=30720, w_embed=7008, bits_head=6144, bits_w_head=3072,
-                       bits_w_layer=21504)}
+                       bits_w_layer=33792)}
     for name, extra, world in (("one", [], 1), ("tp", tp, 2),
                                ("sp", tp + ["strategy.tensor_parallel.sequence_parallel=true"], 2)):
         cfg = load_config(None, base + extra)
