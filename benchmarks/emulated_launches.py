@@ -60,7 +60,8 @@ def main(argv=None, patch=None) -> int:
         conv = sum(counts[k] for k in emulated_cupy.MOVED)      # the ElementwiseKernels' and pack_bf16's
         print(f"bfloat16 conversion kernels: {conv} launches, {moved / 2**20:.1f} MiB moved")
     reads = emulated_cupy.READS
-    print(f"host reads of device arrays per step: {sum(reads.values())} ({', '.join(f'{k} {v}' for k, v in sorted(reads.items()))})")
+    kinds_read = ", ".join(f"{k} {v}" for k, v in sorted(reads.items()))
+    print(f"host reads of device arrays per step: {sum(reads.values())} ({kinds_read})")
     for k, v in counts.most_common(a.top):
         print(f"{v:6d}  {k}")
     return 0

@@ -27,7 +27,8 @@ import time
 import types
 
 import numpy as np
-from emulated_arrays import _LIVE, LAUNCHES, MOVED, READS, DevArray, _function, _plain, _poisoned, _refuse_host  # noqa: F401
+from emulated_arrays import _LIVE, LAUNCHES, MOVED, DevArray, _function, _plain, _poisoned, _refuse_host  # noqa: F401
+from emulated_arrays import READS
 from emulated_cublas import make_cublas
 from emulated_rawkernel import EMULATED, SHARED_DEFAULT, _Module, check_launch, signatures  # noqa: F401
 
