@@ -24,3 +24,12 @@ def bf16(a):
 def values(bits):
     """The float32 values bfloat16 bits hold, by ml_dtypes."""
     return np.asarray(bits, np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def same_bits(bits, f32_out):
+    """A bits entry's output (a stand-in device array) equals ml_dtypes' bfloat16 of f32_out (host or device
+    float32 values): dtype uint16, f32_out's shape, every element."""
+    got = host(bits)
+    want = host(f32_out) if hasattr(f32_out, "get") else np.asarray(f32_out)
+    assert got.dtype == np.uint16 and got.shape == want.shape
+    np.testing.assert_array_equal(got, bf16(want))

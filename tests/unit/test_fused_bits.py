@@ -13,6 +13,7 @@ import pytest
 from bits_helpers import bf16 as _bf16
 from bits_helpers import dev as _dev
 from bits_helpers import host as _host
+from bits_helpers import same_bits as _same_bits
 
 from hpengine.device.bf16_bits import from_bf16_bits
 from hpengine.nn import fused
@@ -33,12 +34,6 @@ def device(monkeypatch):
 
 def _normal(*shape, scale=1.0):
     return (RNG.standard_normal(shape) * scale).astype(np.float32)
-
-
-def _same_bits(bits, f32_out):
-    got = _host(bits)
-    assert got.dtype == np.uint16 and got.shape == f32_out.shape
-    np.testing.assert_array_equal(got, _bf16(_host(f32_out)))
 
 
 def _same(a, b):

@@ -14,6 +14,7 @@ import pytest
 from bits_helpers import bf16 as _bf16
 from bits_helpers import dev as _dev
 from bits_helpers import host as _host
+from bits_helpers import same_bits as _same_bits
 from bits_helpers import values as _values
 
 from hpengine.nn import fused
@@ -36,12 +37,6 @@ def _bits_input(*shape, scale=1.0):
     """(bits, their float32 values) of bfloat16-rounded normal draws."""
     bits = _bf16(RNG.standard_normal(shape) * scale)
     return bits, _values(bits)
-
-
-def _same_bits(bits, f32_out):
-    got = _host(bits)
-    assert got.dtype == np.uint16 and got.shape == np.shape(f32_out)
-    np.testing.assert_array_equal(got, _bf16(f32_out))
 
 
 def _rotated(x, ang, sign):
