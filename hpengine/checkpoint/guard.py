@@ -1,85 +1,32 @@
 """Checkpoint guards: what keeps a bad checkpoint folder or a failing file system to one clear line.
 
-- The manifest's checksum: `manifest_sha256`, the sha256 of the manifest's canonical JSON (sorted keys, no
-  spaces) without that key, stored inside manifest.json. Readers refuse a mismatch naming the file. A
-  manifest without the key (written before manifests were checksummed) still loads, with a warning: its
-  step, optimizer state and piece index are then unverified, though every piece's data still is.
-- The manifest's structure (pieces inside their tensors' shapes), so even an unchecksummed manifest that
-  was edited fails with a message instead of an IndexError.
 - Write failures (disk full, quota, file-size limit, a file where a folder should be, no permission)
   become one CheckpointError naming the checkpoint folder, and for space the bytes needed and free.
 - `check_writable`: the collective start-up check that every rank can create files in the folder.
 - `discard`: a step folder is renamed away before it is deleted, so a kill half-way through never leaves
-  a `step_*` folder with a manifest and missing shards.
+  a `step_*` folder with a manifest and missing shards. The manifest's checksum and MAC: seal.py.
 """
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import logging
 import os
 import re
 import shutil
-from math import prod
 from pathlib import Path
 
+from hpengine.checkpoint.seal import CheckpointError
 from hpengine.dist.agree import agree_or_raise
+from hpengine.files import UnsafeFile, probe_writable, read_text
 
-SUM_KEY = "manifest_sha256"
 # Read once, before any writer thread exists: os.umask can only be read by setting it, and a file another
 # thread created in between would get the temporary mask.
 UMASK = os.umask(0)
 os.umask(UMASK)
 SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+STEP_NAME = re.compile(r"step_\d{8}")      # the only names a checkpoint's step folders have
 DISCARDED = ".discard-"          # prefix of step folders being deleted
 log = logging.getLogger("hpengine")
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be used; the message names the file and what is wrong."""
-
-
-# --- the manifest ----------------------------------------------------------------------------------
-def manifest_digest(manifest: dict) -> str:
-    body = {k: v for k, v in manifest.items() if k != SUM_KEY}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def seal(manifest: dict) -> dict:
-    """The manifest with its checksum added."""
-    return {**manifest, SUM_KEY: manifest_digest(manifest)}
-
-
-def check_manifest(manifest: dict, mpath: Path, kinds) -> None:
-    """Refuse a manifest whose checksum does not match or whose piece index is impossible."""
-    want = manifest.get(SUM_KEY)
-    if want is None:
-        log.warning("manifest '%s' has no checksum (written before manifests were checksummed): its step, "
-                    "state and piece index are not verified", mpath)
-    elif manifest_digest(manifest) != want:
-        raise CheckpointError(f"manifest '{mpath}' does not match its checksum ({SUM_KEY}): it was edited or "
-                              "corrupted; use another checkpoint")
-    try:
-        _check_structure(manifest, kinds)
-    except (KeyError, TypeError, ValueError, AssertionError) as exc:
-        raise CheckpointError(f"manifest '{mpath}' is malformed: {exc or type(exc).__name__}") from None
-
-
-def _check_structure(m: dict, kinds) -> None:
-    int(m["step"])
-    int(m["state"]["opt_steps"])
-    shapes = m["shapes"]
-    for i, p in enumerate(m["pieces"]):
-        what = f"piece {i} ({p['kind']} of {p['name']})"
-        if p["kind"] not in kinds or p["name"] not in shapes:
-            raise ValueError(f"{what}: unknown kind or tensor")
-        g, box, (a, b) = p["global_shape"], p["box"], p["flat"]
-        if len(box) != len(g) or len(g) != len(shapes[p["name"]]) or not all(
-                0 <= lo < hi <= n for (lo, hi), n in zip(box, g)):
-            raise ValueError(f"{what}: box {box} does not fit global shape {g}")
-        if not (isinstance(a, int) and isinstance(b, int) and 0 <= a < b <= prod(hi - lo for lo, hi in box)):
-            raise ValueError(f"{what}: flat range {[a, b]} does not fit its box {box}")
 
 
 # --- write failures --------------------------------------------------------------------------------
@@ -105,10 +52,26 @@ def _errno_of(exc: BaseException) -> int | None:
     return int(hit.group(1)) if hit else None
 
 
+def read_latest(root: Path) -> str:
+    """The step folder name that root/latest holds: a regular file naming a `step_XXXXXXXX` folder of root
+    (nothing else is accepted, so the pointer cannot lead out of root)."""
+    where = f"'{Path(root) / 'latest'}'"
+    try:
+        name = read_text(Path(root) / "latest", "checkpoint pointer", limit=4096).strip()
+    except UnsafeFile as exc:
+        raise CheckpointError(str(exc)) from None
+    except ValueError as exc:
+        raise CheckpointError(f"{where} is not a text pointer: {exc}") from None
+    if not STEP_NAME.fullmatch(name):
+        raise CheckpointError(f"{where} names {name[:80]!r}, not a step folder of its own folder (step_ and 8 "
+                              "digits); it was edited or corrupted")
+    return name
+
+
 def _kept(root: Path) -> str:
     try:
-        return f"'latest' still names {(root / 'latest').read_text().strip()}"
-    except OSError:
+        return f"'latest' still names {read_latest(root)}"
+    except (OSError, CheckpointError):
         return "no earlier checkpoint exists"
 
 
@@ -151,9 +114,9 @@ def check_room(root: Path, step: int, need: int) -> None:
 
 
 def write_bytes(path: Path, data) -> None:
-    """Write a whole file with plain os calls (so a full disk is an OSError here, never a failure deferred
-    to a library's cleanup) and fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)       # less the umask, as open() does
+    """Write a new file with plain os calls (so a full disk is an OSError here, never a failure deferred
+    to a library's cleanup) and fsync it; created exclusively, never through a link."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)   # less the umask
     try:
         view = memoryview(data)
         while view:
@@ -166,7 +129,7 @@ def write_bytes(path: Path, data) -> None:
 def write_at(path: Path, parts) -> None:
     """Write each (offset, byte array) of `parts` into the existing file `path` with plain pwrite calls (a full
     disk is an OSError here; large writes run outside the GIL) and fsync it."""
-    fd = os.open(path, os.O_WRONLY)
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
     try:
         for offset, data in parts:
             view = memoryview(data)
@@ -215,10 +178,8 @@ def check_writable(comm, root) -> None:
                 raise refuse(exc) from None
 
     def probe():
-        p = root / f".probe-r{rank:05d}"
         try:
-            write_bytes(p, b"ok")
-            p.unlink()
+            probe_writable(root, f"r{rank:05d}")
         except OSError as exc:
             raise refuse(exc) from None
     agree_or_raise(comm, make, CheckpointError, (CheckpointError,))

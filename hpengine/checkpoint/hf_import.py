@@ -11,23 +11,136 @@ it unchanged; each tensor is read lazily (memory-mapped) when a rank asks for it
 
 Everything that can be checked without reading tensor data is checked when the reader is made, on every
 rank alike: the architecture, config.json against the run's [model], every tensor's presence and shape,
-and tied against untied output heads.
+and tied against untied output heads. The folder is untrusted (hpengine/files): index names must be bare
+names inside DIR, no link is followed, a FIFO is refused, and each safetensors header is checked in full
+(length; every entry's dtype, shape and data_offsets against the file's size) before a tensor is mapped.
 """
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
 from pathlib import Path
 
 import numpy as np
 
 from hpengine.checkpoint.shards import CheckpointError, read_region
+from hpengine.files import UnsafeFile, inside, open_regular, read_text
 from hpengine.models import hf_kinds, hf_refused, kind_of
 from hpengine.models.hf_common import HFMismatch
 
 PREFIX = "hf:"
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
            "I64": np.int64, "I32": np.int32}
+_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16,
+         "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "F64": 64, "I64": 64, "U64": 64, "C64": 64,
+         "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}     # every safetensors dtype, for the byte counts
+HEADER_LIMIT = 100_000_000                          # the safetensors library's own cap on a header
+TEXT_LIMIT = 64 << 20                               # config.json, model.safetensors.index.json
+
+
+def _unsafe(where: str, exc: Exception) -> CheckpointError:
+    hint = ("; copy the folder without links first (cp -rL), as a Hugging Face cache snapshot links to its "
+            "blobs") if "symbolic link" in str(exc) else ""
+    return CheckpointError(f"{where}: {exc}{hint}")
+
+
+def _a(value) -> str:
+    """What a JSON value is, for a message: 'a JSON list', 'a JSON string', ..."""
+    return "a JSON " + {dict: "object", list: "list", str: "string", bool: "boolean"}.get(type(value), "value")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 100 else text[:96] + " ..."
+
+
+def _unreadable(at: str, name: str, code) -> CheckpointError:
+    return CheckpointError(f"{at}: tensor {name} has dtype {_short(code)}, which cannot be read "
+                           f"(supported: {', '.join(_DTYPES)})")
+
+
+def _json_object(path: Path, where: str, role: str) -> dict:
+    """The JSON object in file `path` (read as a regular file of at most TEXT_LIMIT bytes)."""
+    try:
+        value = json.loads(read_text(path, role, TEXT_LIMIT))
+    except UnsafeFile as exc:
+        raise _unsafe(where, exc) from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{where}: '{path}' is missing, unreadable or not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where}: '{path}' is {_a(value)}; it must be a JSON object")
+    return value
+
+
+def _entry(e, name: str, at: str, room: int) -> tuple:
+    """(dtype code, shape, start, end) of header entry `e` of tensor `name`, checked against the `room`
+    bytes of data the file holds after its header."""
+    what = f"{at}: tensor {name}"
+    if not isinstance(e, dict):
+        raise CheckpointError(f"{what} is {_a(e)}; it must be an object with dtype, shape and data_offsets")
+    code, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+    if not isinstance(code, str) or code not in _BITS:
+        raise _unreadable(at, name, code)
+    if not isinstance(shape, list) or len(shape) > 32 or not all(type(d) is int and 0 <= d < 2**63 for d in shape):
+        raise CheckpointError(f"{what} has shape {_short(shape)}; a shape is a list of at most 32 integers, "
+                              "each 0 <= n < 2**63")
+    if offsets is None:
+        raise CheckpointError(f"{what} has no data_offsets; each tensor needs \"data_offsets\": [start, end]")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise CheckpointError(f"{what} has data_offsets {_short(offsets)}; they must be two integers "
+                              "[start, end] with 0 <= start <= end")
+    a, b = offsets
+    if b > room:
+        raise CheckpointError(f"{what} has data_offsets [{a}, {b}], past the end of the {room} data bytes "
+                              "the file holds after its header")
+    elements = 0 if 0 in shape else 1
+    for d in shape:                           # stops past 2**64: a hostile shape costs no time
+        elements *= d
+        if elements >> 64:
+            break
+    bits = elements * _BITS[code]
+    if bits % 8 or b - a != bits // 8:
+        need = f"{bits // 8}" if bits % 8 == 0 else f"{bits / 8:g} (not a whole number of)"
+        need = "over 2**64" if elements >> 64 else need
+        raise CheckpointError(f"{what} has data_offsets [{a}, {b}] ({b - a} bytes) but shape {_short(shape)} "
+                              f"of {code} needs {need} bytes; the two must agree")
+    return code, tuple(shape), a, b
+
+
+def _header(path: Path, where: str) -> dict:
+    """HF name -> (path, dtype code, shape, start byte, end byte) of one .safetensors file, all checked."""
+    at = f"{where}: '{path}'"
+    try:
+        with open_regular(path, "weights") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise CheckpointError(f"{at} is {size} bytes, too short for a safetensors file (an 8-byte "
+                                      "header length, the header, the data)")
+            n = struct.unpack("<Q", f.read(8))[0]
+            most = min(size - 8, HEADER_LIMIT)
+            if n > most:
+                raise CheckpointError(f"{at} has header length {n}; it can be at most {most} (the file's "
+                                      f"{size} bytes less 8, and never over {HEADER_LIMIT})")
+            text = f.read(n)
+    except UnsafeFile as exc:
+        raise _unsafe(where, exc) from None
+    except OSError as exc:
+        raise CheckpointError(f"{at} is not a readable safetensors file ({exc})") from None
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{at}: the header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{at}: the header is {_a(header)}; it must be a JSON object of tensor entries")
+    out = {}
+    for name, e in header.items():
+        if name != "__metadata__":
+            code, shape, a, b = _entry(e, name, at, size - 8 - n)
+            out[name] = (path, code, shape, 8 + n + a, 8 + n + b)
+    return out
 
 
 class _Safetensors:
@@ -36,47 +149,49 @@ class _Safetensors:
     def __init__(self, files: list[Path], where: str):
         self.entries = {}                     # HF name -> (path, dtype code, shape, start byte, end byte)
         for path in files:
-            try:
-                with open(path, "rb") as f:
-                    n = struct.unpack("<Q", f.read(8))[0]
-                    header = json.loads(f.read(n))
-            except (OSError, ValueError, struct.error) as exc:
-                raise CheckpointError(f"{where}: '{path}' is not a readable safetensors file ({exc})") from None
-            base = 8 + n
-            for name, e in header.items():
-                if name != "__metadata__":
-                    a, b = e["data_offsets"]
-                    self.entries[name] = (path, e["dtype"], tuple(e["shape"]), base + a, base + b)
+            self.entries.update(_header(path, where))
         self.where = where
 
     def shape(self, name):
         return self.entries[name][2]
 
+    def check_readable(self, name):
+        path, code = self.entries[name][:2]
+        if code not in _DTYPES:
+            raise _unreadable(f"{self.where}: '{path}'", name, code)
+
     def get(self, name) -> np.ndarray:
         path, code, shape, a, b = self.entries[name]
-        if code not in _DTYPES:
-            raise CheckpointError(f"{self.where}: tensor {name} has dtype {code}, which cannot be read "
-                                  f"(supported: {', '.join(_DTYPES)})")
         dt = np.dtype(_DTYPES[code]).newbyteorder("<")
         count = (b - a) // dt.itemsize
-        raw = np.memmap(path, dtype=dt, mode="r", offset=a, shape=(count,)) if count else np.zeros(0, dt)
+        try:
+            with open_regular(path, "weights") as f:
+                if os.fstat(f.fileno()).st_size < b:
+                    raise CheckpointError(f"{self.where}: '{path}' is shorter than tensor {name}'s data "
+                                          f"(bytes {a}..{b}): it changed after it was checked")
+                raw = np.memmap(f, dtype=dt, mode="r", offset=a, shape=(count,)) if count else np.zeros(0, dt)
+        except (UnsafeFile, OSError) as exc:
+            raise _unsafe(self.where, exc) from None
         if code == "BF16":
             raw = (raw.astype(np.uint32) << 16).view(np.float32)
         return np.asarray(raw, dtype=np.float64).reshape(shape)
 
 
 def _files(folder: Path, where: str) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if (folder / "model.safetensors").is_file():
-        return [folder / "model.safetensors"]
-    if index.is_file():
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if os.path.lexists(single):
+        return [single]                       # a link or FIFO there is refused when it is opened
+    if os.path.lexists(index):
+        wm = _json_object(index, where, "index").get("weight_map")
+        if not isinstance(wm, dict) or not wm:
+            raise CheckpointError(f"{where}: '{index}' has weight_map {_short(wm)}; it must be a non-empty "
+                                  "object of tensor name -> shard file name")
         try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise CheckpointError(f"{where}: '{index}' is unreadable or has no weight_map ({exc})") from None
-        files = [folder / f for f in sorted(set(wm.values()))]
+            files = sorted({inside(folder, f, f"{index} weight_map", bare=True) for f in wm.values()})
+        except UnsafeFile as exc:
+            raise _unsafe(where, exc) from None
         for f in files:
-            if not f.is_file():
+            if not os.path.lexists(f):
                 raise CheckpointError(f"{where}: shard '{f}' named in {index.name} is missing")
         return files
     raise CheckpointError(f"{where}: no model.safetensors or model.safetensors.index.json in '{folder}' "
@@ -86,7 +201,11 @@ def _files(folder: Path, where: str) -> list[Path]:
 def _check_config(hc: dict, mcfg, where: str) -> str:
     """The model kind of config.json; raises when its shape differs from the run's [model] (the kind's
     adapter checks its own fields)."""
-    arch = (hc.get("architectures") or [None])[0]
+    archs = hc.get("architectures") or [None]
+    if not isinstance(archs, list) or not isinstance(archs[0], (str, type(None))):
+        raise CheckpointError(f"{where}: config.json has architectures {_short(archs)}; it must be a list naming "
+                              "the model class, as [\"GPT2LMHeadModel\"]")
+    arch = archs[0]
     arch_kind = hf_kinds()
     kind = arch_kind.get(arch)
     if arch in hf_refused():
@@ -121,11 +240,7 @@ class HFReader:
     def __init__(self, folder, mcfg, shapes: dict):
         self.dir = Path(folder)
         self.where = where = f"checkpoint.init_from = 'hf:{folder}'"
-        cpath = self.dir / "config.json"
-        try:
-            hc = json.loads(cpath.read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{where}: '{cpath}' is missing or not JSON ({exc})") from None
+        hc = _json_object(self.dir / "config.json", where, "config")
         kind = _check_config(hc, mcfg, f"hf:{folder}")
         self.st = _Safetensors(_files(self.dir, where), where)
         adapter = kind_of(kind).hf
@@ -138,6 +253,7 @@ class HFReader:
             for h in _sources(hf):
                 if h not in self.st.entries:
                     raise CheckpointError(f"{where}: tensor {h} (hpengine {name}) is missing")
+                self.st.check_readable(h)
             got = tuple(self._get(hf, fn, lambda h: np.empty(self.st.shape(h), dtype=np.uint8)).shape)
             want = tuple(shapes.get(name, got))
             if got != want:

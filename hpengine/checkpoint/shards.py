@@ -1,15 +1,16 @@
 """Checkpoints: a folder of per-rank HDF5 shard files and a JSON manifest. Every stored piece names its
 global tensor and the global region it covers, so any layout loads any checkpoint, each rank reading
 only the pieces that overlap what it holds. This file reads them (Reader; exports, info); write.py writes
-and publishes them atomically; every piece and the manifest itself checksummed (guard.py: the manifest's
-checksum, write failures as one line, the start-up writability check); no pickle anywhere, so loading can
-never run code.
+and publishes them atomically; every piece and the manifest itself checksummed (seal.py: the checksum and
+the optional keyed MAC). Every file a manifest or `latest` names stays inside the checkpoint's folder and is
+read only as a regular file, never through a link; no pickle anywhere, so loading can never run code.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import secrets
 import tomllib
 from math import prod
 from pathlib import Path
@@ -17,11 +18,13 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hpengine.checkpoint import guard
+from hpengine.checkpoint import guard, seal
 from hpengine.checkpoint.guard import CheckpointError
+from hpengine.files import UnsafeFile, check_regular, inside, read_text
 
 FORMAT = "hpengine-checkpoint-1"
 KINDS = ("param", "adam_m", "adam_v")
+MANIFEST_LIMIT = 1 << 30          # bytes: far above any manifest (a few hundred bytes a piece)
 
 
 def _sha(arr: np.ndarray) -> str:
@@ -36,8 +39,8 @@ def resolve(path) -> Path:
         raise CheckpointError(f"checkpoint '{p}' does not exist")
     if (p / "manifest.json").exists():
         return p
-    if (p / "latest").exists():
-        target = p / (p / "latest").read_text().strip()
+    if os.path.lexists(p / "latest"):
+        target = p / guard.read_latest(p)
         if (target / "manifest.json").exists():
             return target
         raise CheckpointError(f"'{p / 'latest'}' points at '{target.name}', which has no manifest.json")
@@ -73,17 +76,20 @@ def model_difference(saved_toml: str | None, config_toml: str | None) -> str:
 class Reader:
     """Reads global regions of tensors from a checkpoint folder, verifying each piece it uses."""
 
-    def __init__(self, path):
+    def __init__(self, path, key: bytes | None = None):
+        """key: the signing key (seal.load_key); None takes it from the environment, where one may be set."""
         self.dir = resolve(path)
         mpath = self.dir / "manifest.json"
         try:
-            self.manifest = json.loads(mpath.read_text())
+            self.manifest = json.loads(read_text(mpath, "manifest", limit=MANIFEST_LIMIT))
+        except UnsafeFile as exc:
+            raise CheckpointError(str(exc)) from None
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"manifest '{mpath}' is unreadable or not JSON: {exc}") from None
-        if self.manifest.get("format") != FORMAT:
+        if isinstance(self.manifest, dict) and self.manifest.get("format") != FORMAT:
             raise CheckpointError(f"manifest '{mpath}' has format {self.manifest.get('format')!r}, "
                                   f"expected {FORMAT!r}")
-        guard.check_manifest(self.manifest, mpath, KINDS)
+        seal.check_manifest(self.manifest, mpath, KINDS, key if key is not None else seal.load_key())
         self.by_tensor = {}
         for p in self.manifest["pieces"]:
             self.by_tensor.setdefault((p["kind"], p["name"]), []).append(p)
@@ -106,12 +112,21 @@ class Reader:
     def step(self) -> int:
         return int(self.manifest["step"])
 
+    def _open(self, name: str):
+        """The shard file `name` of this checkpoint: a bare name, a regular file inside the folder, not a link."""
+        try:
+            path = inside(self.dir, name, f"manifest '{self.dir / 'manifest.json'}': shard file", bare=True)
+            check_regular(path, "shard")
+        except UnsafeFile as exc:
+            raise CheckpointError(str(exc)) from None
+        if path not in self.files:
+            self.files[path] = h5py.File(path, "r")
+        return self.files[path]
+
     def _data(self, piece) -> np.ndarray:
         path = self.dir / piece["file"]
         try:
-            if path not in self.files:
-                self.files[path] = h5py.File(path, "r")
-            data = self.files[path][piece["dset"]][...]
+            data = self._open(piece["file"])[piece["dset"]][...]
         except (OSError, KeyError) as exc:
             raise CheckpointError(f"shard '{path}' is missing, truncated or corrupted "
                                   f"(reading {piece['dset']}: {exc})") from None
@@ -168,8 +183,11 @@ class Reader:
                 continue
             path = self.dir / p["file"]
             try:
-                if path not in self.files:
-                    self.files[path] = h5py.File(path, "r")
+                self._open(p["file"])
+            except CheckpointError as exc:
+                broken.add(p["file"])
+                problems.append(str(exc))
+                continue
             except OSError as exc:
                 broken.add(p["file"])
                 problems.append(f"shard '{path}' is missing, truncated or not HDF5: {exc}")
@@ -205,12 +223,19 @@ class ExportReader:
     def __init__(self, path):
         self.path = Path(path)
         try:
+            check_regular(self.path, "checkpoint.init_from")
             self.f = h5py.File(self.path, "r")
+        except UnsafeFile as exc:
+            raise CheckpointError(str(exc)) from None
         except OSError as exc:
             raise CheckpointError(f"checkpoint.init_from = '{path}': not a readable HDF5 file ({exc})") from None
         if self.f.attrs.get("format") != FORMAT + "-export":
             raise CheckpointError(f"'{path}' is not an hpengine export (attribute format missing)")
-        self.step = int(self.f.attrs["step"])
+        step = self.f.attrs.get("step")
+        if not isinstance(step, (int, np.integer)) or step < 0:
+            self.f.close()
+            raise CheckpointError(f"'{path}': attribute step = {step!r} is not a step count (an integer >= 0)")
+        self.step = int(step)
 
     def check_shapes(self, shapes: dict) -> None:
         """The file must hold exactly the config's parameters at their true shapes."""
@@ -243,8 +268,9 @@ def export(path, out, params_only: bool = False) -> dict:
     plain h5py."""
     r = Reader(path)
     out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))   # ours, not a link
         with h5py.File(tmp, "w") as f:
             f.attrs["format"] = FORMAT + "-export"
             f.attrs["step"] = r.step
@@ -266,7 +292,14 @@ def export(path, out, params_only: bool = False) -> dict:
 def info(path) -> dict:
     r = Reader(path)
     files = sorted({p["file"] for p in r.manifest["pieces"]})
-    size = sum((r.dir / f).stat().st_size for f in files if (r.dir / f).exists())
+    size = 0
+    for f in files:
+        try:
+            path = inside(r.dir, f, "shard file", bare=True)
+            if os.path.lexists(path):        # a missing shard is reported by the checksums' pass
+                size += check_regular(path, "shard").st_size
+        except UnsafeFile as exc:
+            raise CheckpointError(f"manifest '{r.dir / 'manifest.json'}': {exc}") from None
     return {"dir": str(r.dir), "step": r.step, "layout": r.manifest["layout"], "world": r.manifest["world"],
             "tensors": len(r.manifest["shapes"]), "elements": sum(prod(s) for s in r.manifest["shapes"].values()),
             "files": len(files), "bytes": size, "state": r.manifest["state"]}

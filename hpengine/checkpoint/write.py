@@ -1,5 +1,7 @@
 """Writing a checkpoint (the format: shards.py): each rank's shard file, then rank 0's manifest, published
 atomically (temporary folder, fsync, rename, then the `latest` pointer), and pruning to the newest few.
+A checkpoints folder records its run's id (OWNER) and each manifest the id of the run that wrote it: pruning
+deletes only `step_XXXXXXXX` folders of this run, never the newest, never anything else in the folder.
 `save` is the synchronous whole; background.py runs the same SaveJob with the shard written by a thread.
 """
 from __future__ import annotations
@@ -7,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import threading
 from pathlib import Path
@@ -14,10 +17,13 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hpengine.checkpoint import guard
-from hpengine.checkpoint.guard import CheckpointError
+from hpengine.checkpoint import guard, seal
+from hpengine.checkpoint.guard import STEP_NAME, CheckpointError
 from hpengine.checkpoint.shards import FORMAT
 from hpengine.dist.agree import agree_or_raise
+from hpengine.files import UnsafeFile, fsync_folder, read_text, write_file
+
+OWNER = ".hpengine-checkpoints"      # in a checkpoints folder: {"run": id} of the run whose checkpoints it holds
 
 
 def _fsync_path(path: Path) -> None:
@@ -61,12 +67,13 @@ def _allocated():
     return dcpl
 
 
-def save(world, root, step: int, keep: int, pieces: list, meta: dict, tracer) -> Path:
+def save(world, root, step: int, keep: int, pieces: list, meta: dict, tracer, key: bytes | None = None) -> Path:
     """Collective over `world` (a comm.Comm): write this rank's `pieces` (state.checkpoint_pieces) of the
     checkpoint of `step` under root/step_XXXXXXXX; rank 0 writes the manifest (`meta`: config, state,
-    shapes, layout, world) and points `latest` at it."""
+    shapes, layout, world; signed with `key`, else with the environment's key if one is set) and points
+    `latest` at it."""
     t_span = tracer.now()          # the save is one "checkpoint" span
-    job = begin(world, root, step, pieces)
+    job = begin(world, root, step, pieces, key)
     try:
         index = _collective(world, lambda: job.write(pieces))
     except CheckpointError:
@@ -81,9 +88,10 @@ class SaveJob:
     """One checkpoint being written: its folders and the bytes the whole job writes. `write` is local (no
     MPI: a background writer may run it); `publish` and `abandon` are collective over `world`."""
 
-    def __init__(self, world, root: Path, step: int, need: int):
-        self.world, self.root, self.step, self.need = world, root, step, need
+    def __init__(self, world, root: Path, step: int, need: int, key: bytes | None = None):
+        self.world, self.root, self.step, self.need, self.key = world, root, step, need, key
         self.final, self.tmp = root / f"step_{step:08d}", root / f".tmp-step_{step:08d}"
+        self.run = None          # rank 0: the folder's run id (claim)
 
     def error(self, exc) -> CheckpointError:
         return guard.write_error(exc, self.root, self.step, self.need)
@@ -119,47 +127,98 @@ class SaveJob:
         def publish():
             if self.world.rank != 0:
                 return
-            manifest = guard.seal({"format": FORMAT, "step": self.step, **meta, "pieces": everything})
+            manifest = seal.seal({"format": FORMAT, "step": self.step, "run": self.run, **meta,
+                                  "pieces": everything}, self.key)
             try:
                 guard.write_bytes(tmp / "manifest.json", json.dumps(manifest).encode())
             except OSError:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
             _fsync_path(tmp)
-            if final.exists():
+            if os.path.lexists(final):
+                if final.is_symlink() or not final.is_dir():
+                    raise CheckpointError(f"'{final}' exists and is not a checkpoint folder of this run; "
+                                          "move it away")
                 guard.discard(final)
             os.replace(tmp, final)
-            _fsync_path(root)
-            (root / "latest.tmp").write_text(final.name + "\n")
-            _fsync_path(root / "latest.tmp")
-            os.replace(root / "latest.tmp", root / "latest")   # updated last: a crash before here keeps the old one
-            _fsync_path(root)
-            _prune(root, keep, prune_later)
+            fsync_folder(root)
+            write_file(root / "latest", final.name + "\n")    # last: a crash before here keeps the old one
+            _prune(root, keep, self.run, final.name, prune_later)
         _collective(self.world, self.guarded(publish))
         return final
 
 
-def begin(world, root, step: int, pieces: list) -> SaveJob:
+def begin(world, root, step: int, pieces: list, key: bytes | None = None) -> SaveJob:
     """Collective: the bytes the job will write, and rank 0's fresh temporary folder (after clearing what a
     killed save left and checking the free space), agreed on every rank."""
-    job = SaveJob(world, Path(root), step, sum(world.allgather_obj(sum(p[-1].nbytes for p in pieces))))
+    job = SaveJob(world, Path(root), step, sum(world.allgather_obj(sum(p[-1].nbytes for p in pieces))),
+                  key if key is not None else seal.load_key())
 
     def prepare():
         if world.rank == 0:
             job.root.mkdir(parents=True, exist_ok=True)
+            job.run = claim(job.root)
             for stale in [*job.root.glob(".tmp-step_*"), *job.root.glob(guard.DISCARDED + "*")]:   # killed half-way
-                shutil.rmtree(stale, ignore_errors=True)
+                if stale.is_symlink() or not stale.is_dir():
+                    stale.unlink()
+                else:
+                    shutil.rmtree(stale, ignore_errors=True)
             guard.check_room(job.root, step, job.need)
             job.tmp.mkdir()
     _collective(world, job.guarded(prepare))
     return job
 
 
-def _prune(root: Path, keep: int, later: bool = False) -> None:
-    """Discard all but the `keep` newest step folders; later=True deletes the renamed folders in a thread (the
-    next save's preparation also clears any it left)."""
+def run_of(root: Path) -> str | None:
+    """The run id recorded in the checkpoints folder root (None: no marker yet)."""
+    path = Path(root) / OWNER
+    if not os.path.lexists(path):
+        return None
+    try:
+        run = json.loads(read_text(path, "checkpoints folder marker", limit=4096)).get("run")
+    except (UnsafeFile, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"'{path}' (the run that owns this checkpoints folder) is unreadable: {exc}; "
+                              "checkpoint.dir holds something hpengine did not write") from None
+    if not (isinstance(run, str) and run.isalnum()):
+        raise CheckpointError(f"'{path}' records run {run!r}, not a run id; checkpoint.dir holds something "
+                              "hpengine did not write")
+    return run
+
+
+def claim(root: Path) -> str:
+    """Rank 0: the run id of the checkpoints folder root, recorded now when it has none."""
+    run = run_of(root)
+    if run is None:
+        run = secrets.token_hex(8)
+        try:
+            write_file(root / OWNER, json.dumps({"run": run}) + "\n", overwrite=False)
+        except UnsafeFile:            # another process recorded one first: that one holds
+            return run_of(root)
+    return run
+
+
+def ours(root: Path, run: str) -> list[Path]:
+    """The step folders of root that run `run` wrote (exact names, real folders, their manifest says so),
+    oldest first."""
+    found = []
+    for p in sorted(root.iterdir()):
+        if not STEP_NAME.fullmatch(p.name) or p.is_symlink() or not p.is_dir():
+            continue
+        try:
+            who = json.loads(read_text(p / "manifest.json", "manifest", limit=1 << 30)).get("run")
+        except (OSError, UnsafeFile, ValueError, AttributeError):
+            continue                  # not readable as ours: never deleted
+        if who == run:
+            found.append(p)
+    return found
+
+
+def _prune(root: Path, keep: int, run: str, newest: str, later: bool = False) -> None:
+    """Discard all but the `keep` newest step folders of this run (never `newest`, the one just published);
+    later=True deletes the renamed folders in a thread (the next save's preparation also clears any it left)."""
+    mine = ours(root, run)
     gone = []
-    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
+    for old in [p for p in mine if p.name != newest][:max(0, len(mine) - keep)]:
         try:
             gone.append(guard.discard(old, remove=not later))
         except OSError:          # a folder that cannot be removed stays; the next save tries again
@@ -167,5 +226,3 @@ def _prune(root: Path, keep: int, later: bool = False) -> None:
     if later and gone:
         threading.Thread(target=lambda: [shutil.rmtree(g, ignore_errors=True) for g in gone],
                          name="hpengine-prune", daemon=True).start()
-
-

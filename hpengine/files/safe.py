@@ -46,7 +46,7 @@ def check_regular(path, what: str) -> os.stat_result:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        raise UnsafeFile(f"{what}: '{path}' does not exist") from None
+        raise UnsafeFile(f"{what}: '{path}' is missing (No such file or directory)") from None
     if stat.S_ISLNK(st.st_mode):
         raise UnsafeFile(f"{what}: '{path}' is a symbolic link; data files are not read through links")
     if not stat.S_ISREG(st.st_mode):

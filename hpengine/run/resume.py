@@ -13,12 +13,14 @@ Rank 0 looks at the file system and every rank gets its answer, so all ranks res
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 from hpengine.checkpoint.shards import CheckpointError, resolve
 from hpengine.dist.agree import agree_or_raise
-from hpengine.run.run_dir import RunError
+from hpengine.files import UnsafeFile, read_text
+from hpengine.run.run_dir import RUN_FILES, RunError
 
 AUTO, LATEST = "auto", "latest"
 
@@ -37,7 +39,7 @@ def resolve_resume(cfg, world, resume, log=None):
 
     def look():
         return _look(cfg) if world.Get_rank() == 0 else None
-    found = agree_or_raise(world, look, RunError, (RunError, CheckpointError, OSError))
+    found = agree_or_raise(world, look, RunError, (RunError, CheckpointError, OSError, UnsafeFile))
     found = world.bcast(found, root=0) if world.Get_size() > 1 else found
     root, note = found
     if log is not None:
@@ -52,7 +54,7 @@ def _look(cfg) -> tuple[str | None, str]:
                        "checkpoints, so name one, e.g. --set train.out_dir=runs/x")
     out = Path(cfg.train.out_dir)
     root = Path(cfg.checkpoint.dir or out / "checkpoints")
-    if (root / "latest").exists():
+    if os.path.lexists(root / "latest"):
         step_dir = resolve(root)                        # a `latest` naming a missing step: CheckpointError
         step = _step(step_dir)
         if step >= cfg.train.steps:
@@ -60,7 +62,7 @@ def _look(cfg) -> tuple[str | None, str]:
                            f"'{step_dir}' is at step {step} and train.steps = {cfg.train.steps}; raise "
                            "train.steps to train on, or choose a new train.out_dir")
         return str(root), f"resuming from the latest checkpoint under {root} (step {step})"
-    held = [n for n in ("metrics.jsonl", "config.toml") if (out / n).exists()]
+    held = [n for n in RUN_FILES if os.path.lexists(out / n)]
     if held:
         kept = set_aside(out, held)
         return None, (f"'{out}' holds an earlier run but no checkpoint ('{root / 'latest'}' does not exist): "
@@ -87,6 +89,6 @@ def set_aside(out: Path, names) -> list[str]:
 
 def _step(step_dir: Path) -> int:
     try:
-        return int(json.loads((step_dir / "manifest.json").read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return int(json.loads(read_text(step_dir / "manifest.json", "manifest", limit=1 << 30))["step"])
+    except (OSError, UnsafeFile, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"manifest '{step_dir / 'manifest.json'}' is unreadable: {exc}") from None

@@ -34,7 +34,7 @@ from hpengine.run.build import (
     load_together,
 )
 from hpengine.run.resume import resolve_resume
-from hpengine.run.run_dir import RunError, prepare_run_dir, trim_metrics
+from hpengine.run.run_dir import RunError, lock_run_dir, prepare_run_dir, trim_metrics, unlock_run_dir
 
 log = logging.getLogger("hpengine")
 
@@ -65,15 +65,23 @@ def _fp_quiet():
 
 def train(cfg, world=None, resume=None) -> dict:
     """Run optimizer steps up to cfg.train.steps (from a checkpoint's step when resuming); returns the
-    final summary (same on every rank)."""
+    final summary (same on every rank). The run folder is locked for the whole run."""
     world = world or MPI.COMM_WORLD
     eng = build(cfg, world)
+    lock = lock_run_dir(cfg, world)             # before anything reads or renames inside the folder
+    try:
+        return _train(eng, cfg, world, resume)
+    finally:
+        unlock_run_dir(lock)
+
+
+def _train(eng, cfg, world, resume) -> dict:
     resume = resolve_resume(cfg, world, resume, log)     # --resume auto: a checkpoint, or None
     start = restore(eng, cfg, resume)
     if start >= cfg.train.steps:              # the same step on every rank: every rank refuses together
         raise RunError(f"--resume {resume}: the checkpoint is at step {start} and train.steps = "
                        f"{cfg.train.steps}: nothing to train; raise train.steps (--set train.steps=N) to go on")
-    out = prepare_run_dir(cfg, world, resuming=resume is not None, data=eng.data)
+    out = prepare_run_dir(cfg, world, resuming=resume, data=eng.data)
     failures_before = faults.failures_size(out)     # what an earlier run of a resumed folder recorded
     if cfg.checkpoint.at_end or cfg.checkpoint.every or cfg.checkpoint.every_minutes:   # found now, not at the first save
         ckpt_guard.check_writable(world, checkpoint_root(cfg))

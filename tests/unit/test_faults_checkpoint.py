@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from hpengine.checkpoint.write import OWNER     # a checkpoints folder's run marker
 from hpengine.checkpoint import shards as checkpoint
-from hpengine.checkpoint import guard as ckpt_guard
+from hpengine.checkpoint import guard as ckpt_guard, seal
 from hpengine.cli.commands import main
 from hpengine.config.load import load_config
 from hpengine.run.build import build
@@ -113,7 +114,7 @@ def test_file_system_full_during_a_4_rank_stage3_save(tmp_path, small_corpus):
               "'latest' still names step_00000003"):
         assert w in line, (w, line)
     assert (root / "latest").read_text().strip() == "step_00000003"
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000003"]     # the half save is gone
+    assert sorted(p.name for p in root.iterdir() if p.name != OWNER) == ["latest", "step_00000003"]     # the half save is gone
     assert checkpoint.Reader(root).verify() == []
 
 
@@ -131,7 +132,7 @@ def test_a_full_disk_is_refused_before_anything_is_written(tmp_path, small_corpu
     for w in (f"'{root}'", "step 2", f"needs about {need / 2**20:.2f} MiB", f"{free / 2**20:.2f} MiB free",
               "'latest' still names step_00000001"):
         assert w in line, (w, line)
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+    assert sorted(p.name for p in root.iterdir() if p.name != OWNER) == ["latest", "step_00000001"]
 
 
 # ---------------------------------------------------------------- (b) the manifest's checksum
@@ -173,7 +174,7 @@ def test_a_manifest_without_checksum_loads_with_a_warning(tmp_path, small_corpus
     root = copy_root(run5, tmp_path)
     manifest = root / "step_00000005" / "manifest.json"
     m = json.loads(manifest.read_text())
-    assert m.pop(ckpt_guard.SUM_KEY) == ckpt_guard.manifest_digest(m)
+    assert m.pop(seal.SUM_KEY) == seal.manifest_digest(m)
     manifest.write_text(json.dumps(m))
     with caplog.at_level("WARNING", logger="hpengine"):
         r = checkpoint.Reader(root)
@@ -268,7 +269,7 @@ def test_a_kill_while_pruning_leaves_no_half_deleted_step_folder(tmp_path, small
     for step in steps:
         assert checkpoint.Reader(step).verify() == [], step
     save_state(eng, root, 3, 1)                              # the next save clears what the kill left
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000003"]
+    assert sorted(p.name for p in root.iterdir() if p.name != OWNER) == ["latest", "step_00000003"]
 
 
 # ---------------------------------------------------------------- (f), (g) the checkpoint folder

@@ -69,10 +69,11 @@ def test_auto_starts_over_in_a_folder_without_a_checkpoint_keeping_the_earlier_f
     rc, said, err = cli(capsys, *args(small_corpus, out, "train.steps=4"), "--resume", "auto")
     assert rc == 0, err
     assert f"'{out}' holds an earlier run but no checkpoint" in said and "starting over from step 0" in said
-    kept = sorted(p.name for p in out.glob("*.before-*"))
-    assert len(kept) == 2 and kept[0].startswith("config.before-") and kept[0].endswith(".toml")
-    assert kept[1].startswith("metrics.before-") and kept[1].endswith(".jsonl")
-    assert [(out / k).read_text() for k in kept] == [before["config.toml"], before["metrics.jsonl"]]
+    # every file the earlier run wrote is kept aside (the new run writes each of them again)
+    kept = {p.name.split(".before-")[0]: p for p in out.glob("*.before-*")}
+    assert sorted(kept) == ["breakdown", "config", "metrics", "ranks", "summary", "tokenizer"]
+    assert kept["config"].suffix == ".toml" and kept["metrics"].suffix == ".jsonl"
+    assert [kept[k].read_text() for k in ("config", "metrics")] == [before["config.toml"], before["metrics.jsonl"]]
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
     fresh = tmp_path / "fresh"                   # the new run is a run from step 0: the same losses
     assert cli(capsys, *args(small_corpus, fresh, "train.steps=4"))[0] == 0

@@ -1,0 +1,113 @@
+"""The manifest's seal. `manifest_sha256` (always) catches corruption and truncation, but anyone who edits the
+manifest can recompute it. With a key (HPENGINE_CHECKPOINT_KEY, HPENGINE_CHECKPOINT_KEY_FILE or
+checkpoint.key_file) the manifest also carries `manifest_hmac_sha256`, a keyed MAC that only key holders can
+make: a checkpoint whose MAC is missing or wrong is refused. The manifest lists every shard piece's sha256,
+so the seal covers the data too. Also here: the manifest's structure check (pieces inside their shapes)."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+from math import prod
+
+from hpengine.files import UnsafeFile, read_bytes
+
+SUM_KEY = "manifest_sha256"
+MAC_KEY = "manifest_hmac_sha256"
+KEY_ENV, KEY_FILE_ENV = "HPENGINE_CHECKPOINT_KEY", "HPENGINE_CHECKPOINT_KEY_FILE"
+log = logging.getLogger("hpengine")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message names the file and what is wrong."""
+
+
+def load_key(key_file: str = "", env=os.environ) -> bytes | None:
+    """The signing key: checkpoint.key_file (`key_file`), else HPENGINE_CHECKPOINT_KEY_FILE, else the text of
+    HPENGINE_CHECKPOINT_KEY; None when none is set. A key file's trailing newline is not part of the key."""
+    path, what = (key_file, "checkpoint.key_file") if key_file else (env.get(KEY_FILE_ENV, ""), KEY_FILE_ENV)
+    if path:
+        try:
+            key = read_bytes(path, what, limit=1 << 16).rstrip(b"\r\n")
+        except (OSError, UnsafeFile) as exc:
+            raise CheckpointError(f"{what} = '{path}': the key file cannot be read "
+                                  f"({getattr(exc, 'strerror', None) or exc})") from None
+        if not key:
+            raise CheckpointError(f"{what} = '{path}': the key file is empty; put a secret of 32 or more "
+                                  "random bytes in it (e.g. `head -c 32 /dev/urandom | base64 > FILE`)")
+        return key
+    text = env.get(KEY_ENV, "")
+    return text.encode() if text else None
+
+
+def _body(manifest: dict) -> bytes:
+    return json.dumps({k: v for k, v in manifest.items() if k not in (SUM_KEY, MAC_KEY)},
+                      sort_keys=True, separators=(",", ":")).encode()
+
+
+def manifest_digest(manifest: dict) -> str:
+    return hashlib.sha256(_body(manifest)).hexdigest()
+
+
+def manifest_mac(manifest: dict, key: bytes) -> str:
+    return hmac.new(key, _body(manifest), hashlib.sha256).hexdigest()
+
+
+def seal(manifest: dict, key: bytes | None = None) -> dict:
+    """The manifest with its checksum added, and with a key its MAC."""
+    out = {**manifest, SUM_KEY: manifest_digest(manifest)}
+    if key is not None:
+        out[MAC_KEY] = manifest_mac(manifest, key)
+    return out
+
+
+def check_manifest(manifest, mpath, kinds, key: bytes | None = None) -> None:
+    """Refuse a manifest that is not a JSON object, whose checksum (or, with a key, MAC) does not match, or
+    whose piece index is impossible."""
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"manifest '{mpath}' is a JSON {type(manifest).__name__}, not an object: it is not "
+                              "an hpengine manifest")
+    want = manifest.get(SUM_KEY)
+    if want is None:
+        log.warning("manifest '%s' has no checksum (written before manifests were checksummed): its step, "
+                    "state and piece index are not verified", mpath)
+    elif manifest_digest(manifest) != want:
+        raise CheckpointError(f"manifest '{mpath}' does not match its checksum ({SUM_KEY}): it was corrupted or "
+                              "edited; use another checkpoint")
+    if key is not None:
+        mac = manifest.get(MAC_KEY)
+        if not isinstance(mac, str):
+            raise CheckpointError(f"manifest '{mpath}' is not signed ({MAC_KEY} missing) but a checkpoint key is "
+                                  "set: it was written without the key or its signature was removed; refused")
+        if not hmac.compare_digest(mac, manifest_mac(manifest, key)):
+            raise CheckpointError(f"manifest '{mpath}' fails its signature check ({MAC_KEY}) under the checkpoint "
+                                  "key that is set: it was written with another key or changed since; refused")
+    elif MAC_KEY in manifest:
+        log.warning("manifest '%s' is signed, but no checkpoint key is set (%s): its signature is not checked",
+                    mpath, KEY_ENV)
+    try:
+        _check_structure(manifest, kinds)
+    except (KeyError, TypeError, ValueError, AssertionError) as exc:
+        raise CheckpointError(f"manifest '{mpath}' is malformed: {exc or type(exc).__name__}") from None
+
+
+def _check_structure(m: dict, kinds) -> None:
+    int(m["step"])
+    int(m["state"]["opt_steps"])
+    shapes = m["shapes"]
+    if not isinstance(shapes, dict) or not isinstance(m["pieces"], list):
+        raise ValueError("'shapes' must be an object and 'pieces' a list")
+    for i, p in enumerate(m["pieces"]):
+        what = f"piece {i} ({p['kind']} of {p['name']})"
+        if p["kind"] not in kinds or p["name"] not in shapes:
+            raise ValueError(f"{what}: unknown kind or tensor")
+        if not isinstance(p["file"], str) or not isinstance(p["dset"], str):
+            raise ValueError(f"{what}: 'file' and 'dset' must be strings")
+        g, box, (a, b) = p["global_shape"], p["box"], p["flat"]
+        if len(box) != len(g) or len(g) != len(shapes[p["name"]]) or not all(
+                0 <= lo < hi <= n for (lo, hi), n in zip(box, g)):
+            raise ValueError(f"{what}: box {box} does not fit global shape {g}")
+        if not (isinstance(a, int) and isinstance(b, int) and 0 <= a < b <= prod(hi - lo for lo, hi in box)):
+            raise ValueError(f"{what}: flat range {[a, b]} does not fit its box {box}")
