@@ -1,6 +1,6 @@
 """The manifest's seal. `manifest_sha256` (always) catches corruption and truncation, but anyone who edits the
-manifest can recompute it. With a key (HPENGINE_CHECKPOINT_KEY, HPENGINE_CHECKPOINT_KEY_FILE or
-checkpoint.key_file) the manifest also carries `manifest_hmac_sha256`, a keyed MAC that only key holders can
+manifest can recompute it. With a key (HPENGINE_CHECKPOINT_KEY, or HPENGINE_CHECKPOINT_KEY_FILE naming a
+file that holds it) the manifest also carries `manifest_hmac_sha256`, a keyed MAC that only key holders can
 make: a checkpoint whose MAC is missing or wrong is refused. The manifest lists every shard piece's sha256,
 so the seal covers the data too. Also here: the manifest's structure check (pieces inside their shapes)."""
 from __future__ import annotations
@@ -24,19 +24,19 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message names the file and what is wrong."""
 
 
-def load_key(key_file: str = "", env=os.environ) -> bytes | None:
-    """The signing key: checkpoint.key_file (`key_file`), else HPENGINE_CHECKPOINT_KEY_FILE, else the text of
-    HPENGINE_CHECKPOINT_KEY; None when none is set. A key file's trailing newline is not part of the key."""
-    path, what = (key_file, "checkpoint.key_file") if key_file else (env.get(KEY_FILE_ENV, ""), KEY_FILE_ENV)
+def load_key(env=os.environ) -> bytes | None:
+    """The signing key: the file HPENGINE_CHECKPOINT_KEY_FILE names, else the text of HPENGINE_CHECKPOINT_KEY;
+    None when neither is set. A key file's trailing newline is not part of the key."""
+    path = env.get(KEY_FILE_ENV, "")
     if path:
         try:
-            key = read_bytes(path, what, limit=1 << 16).rstrip(b"\r\n")
+            key = read_bytes(path, KEY_FILE_ENV, limit=1 << 16).rstrip(b"\r\n")
         except (OSError, UnsafeFile) as exc:
-            raise CheckpointError(f"{what} = '{path}': the key file cannot be read "
+            raise CheckpointError(f"{KEY_FILE_ENV} = '{path}': the key file cannot be read "
                                   f"({getattr(exc, 'strerror', None) or exc})") from None
         if not key:
-            raise CheckpointError(f"{what} = '{path}': the key file is empty; put a secret of 32 or more "
-                                  "random bytes in it (e.g. `head -c 32 /dev/urandom | base64 > FILE`)")
+            raise CheckpointError(f"{KEY_FILE_ENV} = '{path}': the key file is empty; put a secret of 32 or "
+                                  "more random bytes in it (e.g. `head -c 32 /dev/urandom | base64 > FILE`)")
         return key
     text = env.get(KEY_ENV, "")
     return text.encode() if text else None
@@ -74,8 +74,8 @@ def check_manifest(manifest, mpath, kinds, key: bytes | None = None) -> None:
         log.warning("manifest '%s' has no checksum (written before manifests were checksummed): its step, "
                     "state and piece index are not verified", mpath)
     elif manifest_digest(manifest) != want:
-        raise CheckpointError(f"manifest '{mpath}' does not match its checksum ({SUM_KEY}): it was corrupted or "
-                              "edited; use another checkpoint")
+        raise CheckpointError(f"manifest '{mpath}' does not match its checksum ({SUM_KEY}): it was edited or "
+                              "corrupted; use another checkpoint")
     if key is not None:
         mac = manifest.get(MAC_KEY)
         if not isinstance(mac, str):

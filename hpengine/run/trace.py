@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from hpengine.dist.tracer import OFF, Tracer  # noqa: F401 - part of trace's API
 from hpengine.engine.state import reference_order_specs
+from hpengine.files import write_file
 
 log = logging.getLogger("hpengine")
 _now = time.perf_counter_ns
@@ -136,7 +137,7 @@ def write_trace(eng, tr: Tracer, path: Path) -> None:
         return
     doc = merge(parts, offsets, t_zero, eng.res.v)
     doc["otherData"]["max_events"] = tr.max_events
-    Path(path).write_text(json.dumps(doc, separators=(",", ":")))
+    write_file(path, json.dumps(doc, separators=(",", ":")), durable=False)
     dropped = sum(d for *_, d in parts)
     log.info("timeline: %d events from %d ranks -> %s%s (clock alignment error <= %.1f us)",
              sum(len(p[2]) for p in parts), len(parts), path,
@@ -272,6 +273,6 @@ def finish(eng, out, history: list, wall: float) -> dict | None:
     step_s = sum(m["step_ms"] for m in history) / 1e3
     flops, formula = model_flops(eng)
     bd = breakdown(reports, wall, len(history), step_s, flops, formula, comm_labels(eng))
-    (Path(out) / "breakdown.json").write_text(json.dumps(bd, indent=1))
+    write_file(Path(out) / "breakdown.json", json.dumps(bd, indent=1), durable=False)
     log.info("%s", table(bd))
     return bd

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import config
+from hpengine.checkpoint.write import OWNER     # a checkpoints folder's run marker
 from hpengine.checkpoint import shards as checkpoint
 from hpengine.checkpoint import guard as ckpt_guard
 from hpengine.run.build import build
@@ -53,7 +54,7 @@ def test_a_full_disk_on_one_rank_fails_every_rank_and_keeps_latest(corpus, world
     assert set(world.allgather(msg)) == {msg}
     world.Barrier()
     assert (root / "latest").read_text().strip() == "step_00000001"
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+    assert sorted(p.name for p in root.iterdir() if p.name != OWNER) == ["latest", "step_00000001"]
     assert checkpoint.Reader(root).verify() == []
 
 
@@ -63,9 +64,9 @@ def test_check_writable_agrees_across_ranks(world, root, monkeypatch):
     world.Barrier()
     assert good.is_dir() and list(good.iterdir()) == []
     if world.Get_rank() == world.Get_size() - 1:        # one rank cannot write (another node's mount, say)
-        def denied(path, data):
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        monkeypatch.setattr(ckpt_guard, "write_bytes", denied)
+        def denied(folder, tag):
+            raise PermissionError(errno.EACCES, "Permission denied", str(folder))
+        monkeypatch.setattr(ckpt_guard, "probe_writable", denied)
     with pytest.raises(checkpoint.CheckpointError) as e:
         ckpt_guard.check_writable(world, good)
     assert str(e.value) == (f"checkpoint folder '{good}' (checkpoint.dir) is not writable: Permission denied; "
