@@ -16,6 +16,7 @@ from hpengine.files import UnsafeFile, read_bytes
 
 SUM_KEY = "manifest_sha256"
 MAC_KEY = "manifest_hmac_sha256"
+DTYPES = ("float64", "float32", "float16", "bfloat16", "uint16")      # what shards hold
 KEY_ENV, KEY_FILE_ENV = "HPENGINE_CHECKPOINT_KEY", "HPENGINE_CHECKPOINT_KEY_FILE"
 log = logging.getLogger("hpengine")
 
@@ -97,14 +98,23 @@ def _check_structure(m: dict, kinds) -> None:
     int(m["step"])
     int(m["state"]["opt_steps"])
     shapes = m["shapes"]
+    if not isinstance(m.get("config"), str):
+        raise ValueError("'config' must be the run's config as TOML text")
     if not isinstance(shapes, dict) or not isinstance(m["pieces"], list):
         raise ValueError("'shapes' must be an object and 'pieces' a list")
+    for name, shape in shapes.items():
+        if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+            raise ValueError(f"shape of {name!r} is {shape!r}, not a list of sizes")
     for i, p in enumerate(m["pieces"]):
+        if not isinstance(p, dict):
+            raise ValueError(f"piece {i} is {p!r}, not an object")
         what = f"piece {i} ({p['kind']} of {p['name']})"
         if p["kind"] not in kinds or p["name"] not in shapes:
             raise ValueError(f"{what}: unknown kind or tensor")
         if not isinstance(p["file"], str) or not isinstance(p["dset"], str):
             raise ValueError(f"{what}: 'file' and 'dset' must be strings")
+        if p["dtype"] not in DTYPES:
+            raise ValueError(f"{what}: dtype {p['dtype']!r} is not one a checkpoint stores ({', '.join(DTYPES)})")
         g, box, (a, b) = p["global_shape"], p["box"], p["flat"]
         if len(box) != len(g) or len(g) != len(shapes[p["name"]]) or not all(
                 0 <= lo < hi <= n for (lo, hi), n in zip(box, g)):

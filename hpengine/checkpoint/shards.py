@@ -89,7 +89,8 @@ class Reader:
         if isinstance(self.manifest, dict) and self.manifest.get("format") != FORMAT:
             raise CheckpointError(f"manifest '{mpath}' has format {self.manifest.get('format')!r}, "
                                   f"expected {FORMAT!r}")
-        seal.check_manifest(self.manifest, mpath, KINDS, key if key is not None else seal.load_key())
+        self.key = key if key is not None else seal.load_key()
+        seal.check_manifest(self.manifest, mpath, KINDS, self.key)
         self.by_tensor = {}
         for p in self.manifest["pieces"]:
             self.by_tensor.setdefault((p["kind"], p["name"]), []).append(p)
@@ -197,6 +198,13 @@ class Reader:
             except CheckpointError as exc:
                 problems.append(str(exc))
         return problems
+
+    def sealed(self) -> str:
+        """What guards this manifest beyond its checksums, in words (`ckpt verify` and `ckpt info` say it)."""
+        if self.key is not None:
+            return "signature verified"
+        return ("signed, but no key is set: signature not checked" if seal.MAC_KEY in self.manifest else
+                "not signed: an edited manifest with a recomputed checksum would pass")
 
     def close(self):
         for f in self.files.values():
