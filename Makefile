@@ -10,7 +10,7 @@ export MKL_NUM_THREADS ?= 1
 MPIEXEC := $(BIN)/mpiexec
 TEST_TIMEOUT ?= 300
 
-.PHONY: train test test-imports test-unit test-mpi test-openmpi test-cluster test-nodes test-interop bench docs clean-venv
+.PHONY: train test test-imports test-unit test-haswell test-mpi test-openmpi test-cluster test-nodes test-interop bench docs clean-venv
 
 # (re)install when the venv is missing or older than setup.cfg
 $(STAMP): setup.cfg pyproject.toml
@@ -22,7 +22,7 @@ $(STAMP): setup.cfg pyproject.toml
 train: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(BIN)/hpengine train configs/default.toml --set train.out_dir=runs/default-$$(date +%Y%m%d-%H%M%S)
 
-test: test-imports test-openmpi test-unit test-mpi test-cluster test-nodes test-interop
+test: test-imports test-openmpi test-unit test-haswell test-mpi test-cluster test-nodes test-interop
 
 # (test-openmpi comes early: it makes .venv-ompi, which the Open MPI cases of tests/unit and tests/nodes use)
 # the house's import rules (setup.cfg [importlinter]): which rooms may import which, and no circles
@@ -45,6 +45,21 @@ endef
 test-unit: $(STAMP)
 	@command -v shellcheck >/dev/null || $(call SYSPKG,shellcheck,the shellcheck tests)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/unit
+
+# the numerics-heavy unit tests (layers, GEMMs, attention, bf16, the CuPy stand-in against NumPy, whole models)
+# a second time on OpenBLAS's Haswell (AVX2) kernels, forced for this one command: they sum a GEMM in another
+# order than the AVX-512 ones, so a test that holds on one kernel and not the other fails here. Any x86-64 CPU
+# with AVX2 and FMA runs them (without, the job says so and skips; a numpy on another BLAS ignores the variable)
+HASWELL_TESTS := $(addprefix tests/unit/test_, context.py emulated_device.py emulated_kernels.py \
+	gpu_tests_on_standin.py bf16.py bf16_gemm.py bf16_grads.py bf16_storage.py fused_bits.py fused_bits_cache.py \
+	fused_bits_inputs.py gemm_plan.py layers.py llama_layers.py moe_layers.py moe_capacity.py flash.py \
+	flash_model.py ring_attention.py split_backward.py split_models.py selective_recompute.py qk_norm.py \
+	head_dim.py model.py moe_model.py oracle.py oracle_llama.py golden.py generate.py)
+test-haswell: $(STAMP)
+	@if grep -qw avx2 /proc/cpuinfo 2>/dev/null && grep -qw fma /proc/cpuinfo; then \
+	  echo "== $(words $(HASWELL_TESTS)) files of tests/unit under OPENBLAS_CORETYPE=Haswell"; \
+	  OPENBLAS_CORETYPE=Haswell $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) $(HASWELL_TESTS); \
+	else echo "no AVX2 and FMA here: OpenBLAS's Haswell kernels cannot run, test-haswell skipped"; fi
 
 # the same MPI suite at every world size; tests read the size and skip together what does not fit
 test-mpi: $(STAMP)
