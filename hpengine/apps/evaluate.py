@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import tomllib
 from pathlib import Path
 
@@ -25,11 +26,13 @@ import numpy as np
 from mpi4py import MPI
 
 from hpengine.checkpoint import shards as checkpoint
+from hpengine.checkpoint.export import refuse_checkpoint_target
 from hpengine.checkpoint.locate import find_checkpoint
 from hpengine.config import load as C
 from hpengine.data.dataset import check_vocab
 from hpengine.data.format import BYTES, DataError, TokenFile
 from hpengine.dist.agree import agree_or_raise
+from hpengine.files.safe import probe_writable, write_file
 from hpengine.run.build import build, load_together
 
 log = logging.getLogger("hpengine")
@@ -232,11 +235,39 @@ def line(r: dict, checkpoint_arg) -> str:
     return head + "; ".join(f"model {k}: {figs(f)}" for k, f in enumerate(r["models"]))
 
 
-def write_json(r: dict, out) -> None:
-    """The figures as JSON into `out`: a path, or an open text stream (the caller's standard output)."""
+def check_json_out(path, checkpoint_arg, data_path=None, force: bool = False) -> None:
+    """Refuse, before the evaluation runs, a --json file that must not or cannot be written: one in a
+    checkpoint folder or inside the evaluated checkpoint (even with force), the --data file, a folder, an
+    existing file without force, and a folder that is missing or not writable."""
+    p = Path(path)
+    if p.name in ("", ".", ".."):
+        raise C.ConfigError(f"--json '{path}' names no file: give a file path such as '{p / 'eval.json'}'")
+    refuse_checkpoint_target(p, checkpoint_arg, "--json")
+    if data_path is not None and os.path.abspath(p) == os.path.abspath(data_path):
+        raise C.ConfigError(f"--json '{path}' is the --data file: give the figures their own file, e.g. "
+                            f"'{p.with_suffix('.json')}'")
+    if not p.parent.is_dir():
+        raise C.ConfigError(f"--json '{path}': folder '{p.parent}' does not exist (create it first, or name "
+                            "a file in an existing folder)")
+    if p.is_dir():
+        raise C.ConfigError(f"--json '{path}' is a folder: name the file to write, e.g. '{p / 'eval.json'}'")
+    if os.path.lexists(p) and not force:
+        raise C.ConfigError(f"--json '{path}' already exists (pass --force to replace it)")
+    try:
+        probe_writable(p.parent, "eval")
+    except OSError as exc:
+        raise C.ConfigError(f"eval --json: cannot write '{path}': {exc.strerror or exc}") from None
+
+
+def write_json(r: dict, out, overwrite: bool = True) -> None:
+    """The figures as JSON into `out`: a path (written by write_file: a fresh temporary file renamed onto
+    it; overwrite=False refuses an existing one), or an open text stream (the caller's standard output)."""
     text = json.dumps(r, indent=1) + "\n"
     if hasattr(out, "write"):
         out.write(text)
         out.flush()
-    else:
-        Path(out).write_text(text)
+        return
+    try:
+        write_file(out, text, overwrite=overwrite)
+    except OSError as exc:
+        raise C.ConfigError(f"eval --json: cannot write '{out}': {exc.strerror or exc}") from None

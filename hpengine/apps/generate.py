@@ -11,9 +11,10 @@ device "gpu" keeps the parameters, caches and activations on the current CUDA de
 kernels and cuBLAS); only each step's logits come back to the host for sampling. "auto" is the GPU when CuPy
 finds a usable device, else the CPU.
 
-Sampling: the last position's logits in float64; greedy = argmax; else divided by the temperature, then top-k,
-then top-p (the smallest set of most likely tokens whose probability sums to >= p), drawn with
-numpy.random.Generator(PCG64(seed)).
+Sampling: the last position's logits in float64; greedy = argmax; else shifted so the largest is 0 and divided
+by the temperature (any finite temperature > 0: a tiny one underflows to argmax, never to inf - inf), then
+top-k, then top-p (the smallest set of most likely tokens whose probability sums to >= p), drawn with
+numpy.random.Generator(PCG64(seed)), seed an integer >= 0.
 """
 from __future__ import annotations
 
@@ -106,8 +107,33 @@ def check_sampling(temperature, top_k, top_p, greedy) -> None:
         raise ConfigError(f"--top-p {top_p}: must be in (0, 1]")
     if top_k is not None and top_k < 1:
         raise ConfigError(f"--top-k {top_k}: must be >= 1")
-    if not greedy and not temperature > 0:
-        raise ConfigError(f"--temperature {temperature}: must be > 0 (or pass --greedy for argmax decoding)")
+    if not greedy and not 0 < temperature < math.inf:
+        raise ConfigError(f"--temperature {temperature}: must be a finite number > 0 (or pass --greedy for "
+                          "argmax decoding)")
+
+
+def check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ConfigError(f"--seed {seed}: must be an integer >= 0 (numpy's PCG64 takes any non-negative "
+                          "integer)")
+
+
+def check_prompt(prompt) -> None:
+    """The prompt must be text that UTF-8 can encode: an argument that was not UTF-8 arrives with its bad
+    bytes as lone surrogates (Python's surrogateescape), named here as the bytes they were."""
+    if not isinstance(prompt, str):
+        raise DataError(f"the prompt must be text, not {type(prompt).__name__}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(prompt[exc.start])
+        bad = f"byte 0x{code - 0xdc00:02x}" if 0xdc80 <= code <= 0xdcff else f"U+{code:04X} (a lone surrogate)"
+        try:
+            shown = prompt[:40].encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            shown = prompt[:40].encode("utf-8", "backslashreplace")
+        raise DataError(f"--prompt {shown!r}{'...' if len(prompt) > 40 else ''} is not UTF-8 text ({bad} at "
+                        f"character {exc.start}); give UTF-8 text") from None
 
 
 def sample(logits, rng, temperature=1.0, top_k=None, top_p=None, greedy=False) -> int:
@@ -115,7 +141,8 @@ def sample(logits, rng, temperature=1.0, top_k=None, top_p=None, greedy=False) -
     z = np.asarray(logits, dtype=np.float64)
     if greedy:
         return int(np.argmax(z))
-    z = z / temperature
+    with np.errstate(over="ignore"):             # <= 0: a tiny temperature gives -inf, never inf - inf = nan
+        z = (z - z.max()) / temperature
     order = np.argsort(-z, kind="stable")        # most likely first; ties keep the lower id first
     if top_k is not None:
         order = order[:top_k]
@@ -202,6 +229,8 @@ def generate(path, prompt="", max_new=100, temperature=1.0, top_k=None, top_p=No
     out = out or sys.stdout
     note = note or (lambda s: print(f"hpengine: note: {s}", file=sys.stderr, flush=True))
     check_sampling(temperature, top_k, top_p, greedy)
+    check_seed(seed)
+    check_prompt(prompt)
     if max_new < 0:
         raise ConfigError(f"--max-new-tokens {max_new}: must be >= 0")
     xp, device = array_module(device)

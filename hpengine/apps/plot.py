@@ -1,14 +1,19 @@
 """`hpengine plot RUN_DIR`: PNGs of a run folder — loss.png: the training loss (raw, faint, under its
 moving average) and validation loss against step (tokens on the top axis), the learning rate and the
-gradient norm; throughput against step; and the pipeline Gantt chart (stages x time, forward/backward
-per micro-batch) drawn from trace.json. matplotlib is an optional extra (`pip install 'hpengine[plot]'`).
+gradient norm; throughput; the pipeline Gantt chart (stages x time, per micro-batch) from trace.json.
+matplotlib is an optional extra (`pip install 'hpengine[plot]'`). Each PNG is drawn in memory and written by
+write_file (a fresh temporary file renamed onto it): a link where a PNG goes is replaced, never written through.
 """
 from __future__ import annotations
 
+import io
 import json
+import os
 import statistics
 import tomllib
 from pathlib import Path
+
+from hpengine.files.safe import write_file
 
 TRACE_SWITCH = "--set runtime.trace=true (runtime.trace = true in the config)"
 
@@ -52,7 +57,13 @@ def plot_run(run_dir, out_dir=None) -> tuple[list[Path], list[str]]:
     rows, tokens = read_run(run)
     plt = _pyplot()
     out = Path(out_dir) if out_dir else run / "plots"
-    out.mkdir(parents=True, exist_ok=True)
+    if not out_dir and os.path.islink(out):     # the run's own folder: a link there leads the PNGs elsewhere
+        raise PlotError(f"'{out}' is a symbolic link, not the run's plots folder: remove it, or pass --out DIR "
+                        "to choose where the PNGs go")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PlotError(f"plot: cannot write '{out}': {exc.strerror or exc}") from None
     written = [plot_loss(plt, rows, tokens, out / "loss.png"), plot_throughput(plt, rows, out / "throughput.png")]
     notes = []
     trace = run / "trace.json"
@@ -129,11 +140,22 @@ def loss_figure(plt, rows, tokens):
     return fig
 
 
-def plot_loss(plt, rows, tokens, path: Path) -> Path:
-    fig = loss_figure(plt, rows, tokens)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def save(plt, fig, path: Path) -> Path:
+    """The figure as a PNG at path (drawn in memory, then write_file); closes the figure."""
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=110)
+    finally:
+        plt.close(fig)
+    try:
+        write_file(path, buf.getvalue())
+    except OSError as exc:
+        raise PlotError(f"plot: cannot write '{path}': {exc.strerror or exc}") from None
     return path
+
+
+def plot_loss(plt, rows, tokens, path: Path) -> Path:
+    return save(plt, loss_figure(plt, rows, tokens), path)
 
 
 def plot_throughput(plt, rows, path: Path) -> Path:
@@ -150,9 +172,7 @@ def plot_throughput(plt, rows, path: Path) -> Path:
     ax.legend()
     ax.set_title("throughput")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(plt, fig, path)
 
 
 def gantt_window(events) -> tuple[float, float, str]:
@@ -212,6 +232,4 @@ def plot_gantt(plt, events, ranks, path: Path, max_rows: int = 16):
                  + " per micro-batch (colour), recv waits (grey)")
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(plt, fig, path)

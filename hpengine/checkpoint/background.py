@@ -4,7 +4,9 @@ only once every rank's writer has finished, which the ranks learn from the state
 step-boundary agreement they make anyway (train.py: launch.step_boundary), so finishing costs no extra
 collective and never waits for a slow disk. At most one save is in flight; the next save, the end of the run
 and a stop wait for it. A writer's failure reaches every rank at the next step boundary as one
-CheckpointError; its half-written folder is removed and `latest` still names the previous checkpoint.
+CheckpointError; its half-written folder is removed and `latest` still names the previous checkpoint. A run
+that ends on an error abandons the save in flight (`abandon`): its writer is let finish first, since a thread
+left inside h5py when the interpreter exits hangs or crashes the process.
 
 On the CPU the pieces are views of the live buffers: the writer's first act is to copy them, and the engine
 calls `fence()` before it changes the parameters or the optimizer's moments (the next step's update), so the
@@ -14,6 +16,7 @@ sha256, the write and fsync run outside the GIL (only the shard image's assembly
 """
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 
@@ -21,8 +24,10 @@ import numpy as np
 
 from hpengine.checkpoint import write
 from hpengine.checkpoint.guard import CheckpointError
+from hpengine.dist.watchdog import note_progress
 
 IDLE, WRITING, FAILED = 0, 1, 2      # a writer's state as the step-boundary agreement carries it (max wins)
+ABANDON_WAIT_S = 300.0       # how long a run ending on an error waits for its writer (the watchdog's save floor)
 
 
 class Saver:
@@ -117,6 +122,22 @@ class Saver:
         self.log.info("checkpoint step %d -> %s (asynchronous: %.2f s of training time, written in %.2f s)",
                       job.step, path, self.visible_s, written_s)
 
+    def abandon(self, wait_s: float = ABANDON_WAIT_S) -> None:
+        """Not collective (an error may have stopped this rank alone): drop the save in flight, never to be
+        published (`latest` still names the previous checkpoint), once this rank's writer has finished (at
+        most wait_s seconds); rank 0 removes its folder (else the next save does)."""
+        job, thread, self.job, self.thread = self.job, self.thread, None, None
+        for t in (self.warming, thread):
+            if t is not None:
+                t.join(wait_s)
+        if job is None:
+            return
+        if thread.is_alive():
+            self.log.warning("checkpoint step %d: its background writer is still busy after %.0f s; ending without "
+                             "it", job.step, wait_s)
+        elif self.world.rank == 0:
+            shutil.rmtree(job.tmp, ignore_errors=True)
+
     # --- the writer thread ---------------------------------------------------------------------------
     def _write(self, job, pieces, live) -> None:
         try:
@@ -143,4 +164,5 @@ def snapshot(pieces: list, buffers: list) -> list:
         buffers = [np.empty_like(p[-1]) for p in pieces]
     for b, p in zip(buffers, pieces):
         np.copyto(b, p[-1])
+        note_progress(b.nbytes)      # the watchdog sees a long snapshot move
     return [(*p[:-1], b) for p, b in zip(pieces, buffers)]

@@ -10,8 +10,9 @@
                   MixtralForCausalLM, with model.qk_norm Qwen3ForCausalLM, with both Qwen3MoeForCausalLM.
 
 Global tensors are read at their true shape (the manifest's `shapes`), so tensor-parallel vocabulary
-padding never reaches an export. Every format is written under a temporary name and renamed at the end;
-an existing OUT is refused unless force.
+padding never reaches an export. Every format is built inside a fresh private folder beside OUT (no link
+there to follow) and renamed onto OUT at the end; an existing OUT is refused unless force, and no export
+writes into a checkpoint folder or replaces one.
 
 What each kind's tensors are called and how they are laid out in Hugging Face is the kind's adapter's
 (models/hf_gpt.py: GPT-2's Conv1D is (in, out) as here, but its c_attn columns are permuted from the
@@ -21,20 +22,25 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
+import tempfile
 import tomllib
 from pathlib import Path
 
 import numpy as np
 
 from hpengine.checkpoint.guard import as_created
-from hpengine.checkpoint.shards import CheckpointError, Reader, export as export_hdf5
+from hpengine.checkpoint.shards import CheckpointError, Reader, export as export_hdf5, resolve as resolve_checkpoint
 from hpengine.config.load import from_dict
 from hpengine.data.format import TokenFile, sha256_text
 from hpengine.data.tokenizer import EOS_CANDIDATES
+from hpengine.files.safe import write_file
 from hpengine.models import hf_kinds, kind_of
 
 FORMATS = ("hdf5", "safetensors", "hf")
+HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json")
 
 
 def _safetensors():
@@ -127,7 +133,45 @@ def eos_id_of(r: Reader, tok: str | None) -> int | None:
 
 
 # --- writers -----------------------------------------------------------------------------------
-def _check_out(out: Path, fmt: str, force: bool) -> None:
+def checkpoint_folders(path) -> list[Path]:
+    """The resolved folders of the checkpoint `path` names (its step folder, and the checkpoints root when
+    that holds a `latest` pointer); empty when it names none (the command reports that itself)."""
+    p = Path(path)
+    if (p / "checkpoints").is_dir() and not os.path.lexists(p / "manifest.json") \
+            and not os.path.lexists(p / "latest"):          # a run folder, as find_checkpoint reads it
+        p = p / "checkpoints"
+    try:
+        step = resolve_checkpoint(p).resolve()
+    except (CheckpointError, OSError, ValueError):
+        return []
+    root = step.parent
+    return [step] + ([root] if os.path.lexists(root / "latest") else [])
+
+
+def refuse_checkpoint_target(out, checkpoint, what: str) -> None:
+    """Refuse an output path whose folder is a checkpoint folder (it holds manifest.json or a `latest`
+    pointer) or lies inside the checkpoint `checkpoint` names, and one that is or holds that checkpoint:
+    writing there could replace the checkpoint's own files. `what` names the output in the message."""
+    out = Path(out)
+    parent = out.parent.resolve()
+    target = parent / out.name                # a link at out itself is replaced, never followed
+    folders = checkpoint_folders(checkpoint)
+    outside = (folders[-1].parent if folders else parent.parent) / out.name
+    for folder in folders:
+        if folder.is_relative_to(target):
+            raise CheckpointError(f"{what} '{out}' is or holds the checkpoint '{folder}'; give a new file or "
+                                  "folder outside it")
+    for name in ("manifest.json", "latest"):
+        if os.path.lexists(parent / name):
+            raise CheckpointError(f"{what} '{out}': '{parent}' is a checkpoint folder (it holds {name}); "
+                                  f"write outside the checkpoint folders, e.g. '{outside}'")
+    for folder in folders:
+        if parent.is_relative_to(folder):
+            raise CheckpointError(f"{what} '{out}' is inside the checkpoint '{folder}'; write outside the "
+                                  f"checkpoint folders, e.g. '{outside}'")
+
+
+def _check_out(out: Path, fmt: str, force: bool, checkpoint) -> None:
     """Refuse, before reading anything, an output path that cannot or must not be written."""
     if out.name in ("", ".", ".."):
         raise CheckpointError(f"output '{out}' names no new file or folder: give a path such as "
@@ -135,35 +179,53 @@ def _check_out(out: Path, fmt: str, force: bool) -> None:
     if fmt != "hf" and out.is_dir():      # never replace a folder by a file, even with --force
         raise CheckpointError(f"output '{out}' is a folder; --format {fmt} writes one file: give a file path "
                               f"such as '{out / ('model.h5' if fmt == 'hdf5' else 'model.safetensors')}'")
-    if out.exists() and not force:
+    if os.path.lexists(out) and not force:
         raise CheckpointError(f"'{out}' already exists (pass --force to replace it)")
     if not out.parent.is_dir():
         raise CheckpointError(f"output '{out}': folder '{out.parent}' does not exist (create it first)")
+    refuse_checkpoint_target(out, checkpoint, "output")
+    if fmt == "hf" and out.is_dir() and not out.is_symlink():     # --force: only a previous export goes
+        other = sorted(p.name for p in out.iterdir() if p.name not in HF_FILES)
+        if other or not (out / "config.json").is_file():
+            held = ", ".join(other[:3]) + (" ..." if len(other) > 3 else "") if other else "no config.json"
+            raise CheckpointError(f"output '{out}' is a folder that is not an hf export ({held}); --force "
+                                  "replaces only a previous export: give a new folder")
 
 
 def _write_failed(out: Path, exc: BaseException) -> CheckpointError:
     why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).split("\n")[0]
-    return CheckpointError(f"cannot write the export '{out}': {why}")
+    return CheckpointError(f"ckpt export: cannot write '{out}': {why}")
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """Rename tmp to out, replacing an existing out (file or folder) only now."""
-    if out.exists() or out.is_symlink():
-        old = out.with_name(out.name + ".old-export")
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
-    else:
-        os.replace(tmp, out)
+def _stage(out: Path) -> Path:
+    """A fresh private folder beside out (same file system, so the result is published by a rename)."""
+    try:
+        return Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".export"))
+    except OSError as exc:
+        raise _write_failed(out, exc) from None
 
 
-def _remove(p: Path) -> None:
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p, ignore_errors=True)
-    else:
-        p.unlink(missing_ok=True)
+def _publish(new: Path, out: Path, stage: Path, force: bool) -> None:
+    """Put the finished export `new` (inside the stage folder) in out's place: first renamed to a fresh
+    name beside out, then renamed onto out (a link at out is replaced, never followed). With force an
+    existing out is replaced by that rename when both are files; otherwise (an hf folder) it is first moved
+    into the stage folder, deleted with it, and put back if the new one cannot take its place."""
+    beside = out.with_name(f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.export")
+    os.rename(new, beside)
+    old = None
+    try:
+        if os.path.lexists(out):
+            if not force:               # appeared since the check before the export
+                raise CheckpointError(f"'{out}' already exists (pass --force to replace it)")
+            if beside.is_dir() or (out.is_dir() and not out.is_symlink()):    # rename swaps like for like
+                old = stage / ".replaced"
+                os.rename(out, old)
+        os.replace(beside, out)
+    except BaseException:
+        if old is not None and not os.path.lexists(out):
+            os.rename(old, out)
+        shutil.rmtree(beside) if beside.is_dir() and not beside.is_symlink() else beside.unlink(missing_ok=True)
+        raise
 
 
 def export(path, out, fmt: str = "hdf5", params_only: bool = False, force: bool = False, note=print,
@@ -174,18 +236,19 @@ def export(path, out, fmt: str = "hdf5", params_only: bool = False, force: bool 
     if fmt not in FORMATS:
         raise CheckpointError(f"unknown export format {fmt!r} (choose from {', '.join(FORMATS)})")
     out = Path(out)
-    _check_out(out, fmt, force)
+    _check_out(out, fmt, force, path)
     if fmt == "hdf5":
-        tmp = out.with_name(out.name + ".export-tmp")
+        stage = _stage(out)
         try:
-            info = export_hdf5(path, tmp, params_only=params_only)
-            _publish(tmp, out)
+            info = export_hdf5(path, stage / out.name, params_only=params_only)
+            _publish(stage / out.name, out, stage, force)
         except (OSError, RuntimeError) as exc:         # h5py reports I/O errors as RuntimeError
             raise _write_failed(out, exc) from None
         finally:
-            _remove(tmp)
+            shutil.rmtree(stage, ignore_errors=True)
         return {**info, "path": str(out), "format": fmt}
     save_file = _safetensors()
+    from safetensors import SafetensorError
     r = Reader(path)          # refuse a model kind without an HF equivalent before reading any tensor
     cfg = _model_config(r.manifest["config"])
     r.close()
@@ -198,24 +261,25 @@ def export(path, out, fmt: str = "hdf5", params_only: bool = False, force: bool 
                               "safetensors or hdf5)")
     if fmt == "hf":
         select_model({}, cfg, model)          # a bad or missing --model before any tensor is read
-    r, P = read_params(path)
-    if fmt == "hf":
-        P = select_model(P, cfg, model)
-    dtype = str(next(iter(P.values())).dtype)
-    tmp = out.with_name(out.name + ".export-tmp")
-    _remove(tmp)
+    stage = _stage(out)                       # a read-only or full folder fails before the tensors are read
     try:
-        if fmt == "safetensors":
-            save_file({n: np.ascontiguousarray(a) for n, a in P.items()}, str(tmp),
-                      metadata={"format": "hpengine", "config": r.manifest["config"], "step": str(r.step)})
-            n = len(P)
-        else:
-            n = _write_hf(tmp, r, cfg, P, dtype, save_file, note)
-        _publish(tmp, out)
-    except (OSError, RuntimeError) as exc:
-        raise _write_failed(out, exc) from None
+        r, P = read_params(path)
+        if fmt == "hf":
+            P = select_model(P, cfg, model)
+        dtype = str(next(iter(P.values())).dtype)
+        new = stage / out.name
+        try:
+            if fmt == "safetensors":
+                save_file({n: np.ascontiguousarray(a) for n, a in P.items()}, str(new),
+                          metadata={"format": "hpengine", "config": r.manifest["config"], "step": str(r.step)})
+                n = len(P)
+            else:
+                n = _write_hf(new, r, cfg, P, dtype, save_file, note)
+            _publish(new, out, stage, force)
+        except (OSError, RuntimeError, SafetensorError) as exc:
+            raise _write_failed(out, exc) from None
     finally:
-        _remove(tmp)
+        shutil.rmtree(stage, ignore_errors=True)
     return {"path": str(out), "step": r.step, "tensors": n, "format": fmt}
 
 
@@ -227,9 +291,10 @@ def _write_hf(folder: Path, r: Reader, cfg, P: dict, dtype: str, save_file, note
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     tok, where = run_tokenizer(r, cfg)
     eos = eos_id_of(r, tok)
-    (folder / "config.json").write_text(json.dumps(adapter.hf_config(mcfg, dtype, eos), indent=2) + "\n")
+    write_file(folder / "config.json", json.dumps(adapter.hf_config(mcfg, dtype, eos), indent=2) + "\n",
+               overwrite=False)
     gen = {"bos_token_id": eos, "eos_token_id": eos, "max_length": mcfg.seq_len}
-    (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    write_file(folder / "generation_config.json", json.dumps(gen, indent=2) + "\n", overwrite=False)
     if tok is None:
         note("note: no tokenizer.json of the run found next to the checkpoint (or under train.out_dir): "
              "no tokenizer files written")
@@ -237,13 +302,13 @@ def _write_hf(folder: Path, r: Reader, cfg, P: dict, dtype: str, save_file, note
         note("note: the run used hpengine's byte-level ids (token = UTF-8 byte): no Hugging Face tokenizer "
              "files written")
     else:
-        (folder / "tokenizer.json").write_text(tok)
+        write_file(folder / "tokenizer.json", tok, overwrite=False)
         from tokenizers import Tokenizer
         eos_text = Tokenizer.from_str(tok).id_to_token(eos) if eos is not None else None
         tc = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": mcfg.seq_len,
               "clean_up_tokenization_spaces": False}
         if eos_text is not None:
             tc.update(bos_token=eos_text, eos_token=eos_text)
-        (folder / "tokenizer_config.json").write_text(json.dumps(tc, indent=2) + "\n")
+        write_file(folder / "tokenizer_config.json", json.dumps(tc, indent=2) + "\n", overwrite=False)
         note(f"tokenizer files from {where}")
     return len(state)

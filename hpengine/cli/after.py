@@ -6,9 +6,13 @@ import sys
 
 from mpi4py import MPI
 
-from hpengine.apps.evaluate import evaluate, line, write_json
+from hpengine.apps.evaluate import check_json_out, evaluate, line, write_json
 from hpengine.apps.generate import generate, stats_line
+from hpengine.checkpoint.shards import CheckpointError
+from hpengine.config.load import ConfigError
 from hpengine.data import DataError
+from hpengine.dist.agree import agree_or_raise
+from hpengine.files.safe import UnsafeFile
 from hpengine.run.faults import say
 
 
@@ -22,11 +26,12 @@ def generate_parser(sub) -> None:
     src.add_argument("--prompt", default=None, help="the text to continue (default: empty, start from eos)")
     src.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file")
     g.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate at most (default 100)")
-    g.add_argument("--temperature", type=float, default=1.0, help="divides the logits (default 1.0)")
+    g.add_argument("--temperature", type=float, default=1.0, help="divides the logits: a finite number > 0; the "
+                   "smaller, the closer to --greedy (default 1.0)")
     g.add_argument("--top-k", type=int, default=None, help="sample among the K most likely tokens only")
     g.add_argument("--top-p", type=float, default=None, help="nucleus: the smallest set of most likely tokens "
                    "whose probability sums to >= P, 0 < P <= 1")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed, an integer >= 0 (default 0)")
     g.add_argument("--greedy", action="store_true", help="always the most likely token")
     g.add_argument("--no-cache", action="store_true", help="re-run the whole context for every token "
                    "(no key/value cache; for checks and benchmarks)")
@@ -37,12 +42,17 @@ def generate_parser(sub) -> None:
 
 def cmd_generate(a) -> int:
     prompt = a.prompt or ""
-    if a.prompt_file is not None:
+    if a.prompt_file is not None:   # opened as named: a pipe (<(cmd)) is a fine prompt source
         try:
-            with open(a.prompt_file, encoding="utf-8") as f:
-                prompt = f.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise DataError(f"--prompt-file '{a.prompt_file}': {exc}") from None
+            with open(a.prompt_file, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise DataError(f"--prompt-file '{a.prompt_file}': {exc.strerror or exc}") from None
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"--prompt-file '{a.prompt_file}' is not UTF-8 text (byte 0x{data[exc.start]:02x} "
+                            f"at offset {exc.start}: {exc.reason}); give a UTF-8 file") from None
     r = generate(a.checkpoint, prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed, a.greedy,
                  cache=not a.no_cache, device=a.device, model_index=a.model)
     say(stats_line(r), sys.stderr)
@@ -60,18 +70,27 @@ def eval_parser(sub) -> None:
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a key of the checkpoint's config, e.g. --set strategy.sharding.enable=true")
     ev.add_argument("--json", default=None, metavar="OUT", help="also write the figures as JSON to this "
-                    "file; - writes them to standard output (the summary line then goes to standard error)")
+                    "file (an existing one is refused unless --force; never inside a checkpoint folder); - writes "
+                    "them to standard output (the summary line then goes to standard error)")
+    ev.add_argument("--force", action="store_true", help="replace an existing --json file")
     ev.add_argument("--batch", type=int, default=8, help="windows per pass and replica (default 8)")
 
 
 def cmd_eval(a) -> int:
+    world = MPI.COMM_WORLD
+    lead = world.Get_rank() == 0
+    out = a.json if a.json not in (None, "-") else None
+    bad = (ConfigError, CheckpointError, UnsafeFile)
+    if out is not None:             # before the evaluation: a file it may not write fails in seconds, not after
+        agree_or_raise(world, lambda: check_json_out(out, a.checkpoint, a.data, a.force) if lead else None,
+                       ConfigError, bad)
     r = evaluate(a.checkpoint, a.data, a.config, a.overrides, a.batch)
-    if MPI.COMM_WORLD.Get_rank() == 0:
+    if lead:
         if a.json == "-":           # stdout holds the JSON alone, so a pipe can parse it
             say(line(r, a.checkpoint), sys.stderr)
             write_json(r, sys.stdout)
         else:
             print(line(r, a.checkpoint), flush=True)
-            if a.json:
-                write_json(r, a.json)
+    if out is not None:             # every rank learns whether the file was written, so all end alike
+        agree_or_raise(world, lambda: write_json(r, out, overwrite=a.force) if lead else None, ConfigError, bad)
     return 0

@@ -32,6 +32,7 @@ from hpengine.dist.agree import say_once
 from hpengine.dist.topology import TopologyError
 from hpengine.dist.watchdog import where
 from hpengine.engine.engine import NonFiniteError
+from hpengine.files.safe import UnsafeFile
 from hpengine.layout import resolve
 from hpengine.layout.resolve import PipelineError
 from hpengine.planner import search as plan
@@ -95,7 +96,8 @@ def _data_parser(sub) -> None:
     b.add_argument("paths", nargs="*", help="files, folders, or - for standard input (none: the built-in "
                    "stdlib corpus)")
     b.add_argument("--out", required=True, help="output .h5 file")
-    b.add_argument("--force", action="store_true", help="replace an existing OUT")
+    b.add_argument("--force", action="store_true", help="replace an existing OUT (and an existing trained "
+                   "tokenizer file)")
     b.add_argument("--tokenizer", default="bytes", help="bytes (default: UTF-8 bytes, vocab 256, eos 0) or "
                    "the path of a Hugging Face tokenizer.json")
     b.add_argument("--eos-token", help="the token ending each document (default: the first the tokenizer has "
@@ -154,6 +156,7 @@ def _plan_parser(sub) -> None:
     pl.add_argument("--check", metavar="CFG", help="predict memory and step time of this config instead")
     pl.add_argument("--world", type=int, help="ranks for --check (default: nodes x gpus-per-node)")
     pl.add_argument("--out", help="write the best layout as a config TOML")
+    pl.add_argument("--force", action="store_true", help="replace an existing --out file")
     pl.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
     pl.add_argument("--max-micro-batch", type=int, default=8, help="largest micro-batch in sequences (default 8)")
     pl.add_argument("--calibrate", action="store_true", help="measure this machine; print a [cluster] table")
@@ -200,17 +203,21 @@ def _cmd_train(a) -> int:
 def _cmd_ckpt(a) -> int:
     if a.ckpt_cmd == "info":
         i = checkpoint.info(a.dir)
-        problems = checkpoint.Reader(a.dir).verify()
+        reader = checkpoint.Reader(a.dir)
+        problems = reader.verify()
         print(f"{i['dir']}: step {i['step']}, written by {i['world']} ranks with degrees {i['layout']}\n"
               f"  {i['tensors']} tensors, {i['elements']:,} elements, {i['files']} shard files, "
               f"{i['bytes'] / 2**20:.2f} MiB\n  state {i['state']}\n"
-              f"  checksums: {'ok' if not problems else f'{len(problems)} problem(s)'}")
+              f"  checksums: {'ok' if not problems else f'{len(problems)} problem(s)'}; manifest {reader.sealed()}")
         return 0 if not problems else 1
     if a.ckpt_cmd == "verify":
-        problems = checkpoint.Reader(a.dir).verify()
+        reader = checkpoint.Reader(a.dir)
+        problems = reader.verify()
         for p in problems:
             _say(f"hpengine: error: {p}")
         print(f"{a.dir}: {'ok' if not problems else 'CORRUPTED'}")
+        if not problems:          # what the checksums cannot catch, said beside the verdict
+            print(f"  checksums catch corruption and truncation; manifest {reader.sealed()}")
         return 0 if not problems else 1
     info = export(a.dir, a.out, a.format, params_only=a.params_only, force=a.force, model=a.model)
     print(f"wrote {info['path']}: {info['tensors']} tensors at step {info['step']}"
@@ -246,18 +253,13 @@ def _cmd_data(a) -> int:
         print(_data_info(a.file))
         return 0
     source = None
-    if os.path.isdir(a.out):
-        raise DataError(f"--out {a.out}: is a folder; name the .h5 file to write, e.g. --out "
-                        f"{os.path.join(a.out, 'tokens.h5')}")
-    if os.path.exists(a.out) and not a.force:
-        raise DataError(f"--out '{a.out}' already exists (pass --force to replace it)")
     if not a.paths:
         a.paths, source = stdlib_files(DEFAULT_MAX_BYTES), stdlib_source()
     info = build_corpus(a.paths, a.out, a.vocab_size, source=source, tokenizer=a.tokenizer,
                         train_tokenizer=a.train_tokenizer, tokenizer_sample=a.tokenizer_sample,
                         tokenizer_out=a.tokenizer_out, eos_token=a.eos_token, text_field=a.text_field,
                         jsonl=a.jsonl, include=a.include, exclude=a.exclude, workers=a.workers,
-                        progress=a.progress or sys.stderr.isatty())
+                        progress=a.progress or sys.stderr.isatty(), overwrite=a.force)
     print(summary_line(info))
     return 0
 
@@ -277,9 +279,10 @@ def _cmd_config(a) -> int:
 
 
 def _known():
-    """Exception types that mean 'the user asked for something wrong' (one line, exit 2)."""
+    """Exception types that mean 'the user asked for something wrong' (one line, exit 2); UnsafeFile: an
+    output that exists, a link or a FIFO where a file is read or written."""
     return (CheckpointError, ConfigError, DataError, TopologyError, RunError, BackendError, PipelineError,
-            NonFiniteError, LaunchError)
+            NonFiniteError, LaunchError, UnsafeFile)
 
 
 def main(argv=None) -> int:

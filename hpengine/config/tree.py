@@ -338,6 +338,9 @@ class AmpConfig:
     growth_interval: int = _f(1000, "overflow-free steps before the scale grows", check=_POS)
     backoff: float = _f(0.5, "scale multiplier after an overflow", check=_must(">", 0, "<", 1))
     growth_factor: float = _f(2.0, "scale multiplier after growth_interval clean steps", check=_must(">", 1))
+    max_skipped: int = _f(100, "stop a diverged run (exit 2, this model not saved) after this many steps in a row "
+                          "skipped for an overflow; it also stops once the scale falls under 2**-24; 0 = that "
+                          "floor alone", check=_must(">=", 0))
 
 
 @dataclass

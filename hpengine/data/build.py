@@ -6,9 +6,10 @@ With workers > 1 the batches are encoded by that many processes ('spawn': safe w
 has loaded, MPI included), each building the tokenizer once; results are taken in submission order,
 so the file is the same for any number of workers. The bytes tokenizer always encodes in-process.
 
-Every output first lives under a temporary name in its own folder; the token file and a trained
-tokenizer.json appear only when the build succeeds, and no temporary file outlives the build, whatever
-stops it (an error, Ctrl-C).
+Every output first lives under a temporary name in its own folder, created exclusively (never through a
+link); the token file and a trained tokenizer.json appear only when the build succeeds, and no temporary
+file outlives the build, whatever stops it (an error, Ctrl-C). With overwrite=False (the command line
+without --force) an existing output is refused before anything is read.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from hpengine.data import inputs, tokenizer as toks
-from hpengine.data.format import BYTES, DataError, make_durable, write_token_file
+from hpengine.data.format import BYTES, DataError, publish, temp_name, write_token_file
+from hpengine.files.safe import probe_writable, write_file
 
 log = logging.getLogger("hpengine.data")
 
@@ -41,7 +43,7 @@ def build_corpus(paths: Iterable[str | Path], out: str | Path, vocab_size: int |
                  tokenizer_sample: float | int | str | None = None, tokenizer_out: str | Path | None = None,
                  eos_token: str | None = None, text_field: str = "text", jsonl: bool = False,
                  include: Iterable[str] = (), exclude: Iterable[str] = (), workers: int = 1,
-                 progress: bool = False) -> dict:
+                 progress: bool = False, overwrite: bool = True) -> dict:
     """Tokenizes the documents of `paths` (files, folders, "-" for standard input; inputs.py) into the
     token file `out`. Returns the summary: path, n_docs, n_tokens, n_files, vocab_size, eos_id,
     tokenizer_kind, tokenizer_sha256, tokenizer_path (the saved tokenizer.json when one was trained,
@@ -55,39 +57,49 @@ def build_corpus(paths: Iterable[str | Path], out: str | Path, vocab_size: int |
     text_field         the document field of JSON Lines records; jsonl: standard input is JSON Lines
     include, exclude   globs selecting the files found in folders
     source             a short description stored in the file (default: the paths)
+    overwrite          replace an existing token file or tokenizer file (False: refuse it, DataError)
     """
     start = time.perf_counter()
     paths, out = [str(p) for p in paths], Path(out)
     sample = _check_args(paths, vocab_size, tokenizer, train_tokenizer, tokenizer_sample, tokenizer_out,
                          eos_token, text_field, workers)
-    tok_out = Path(tokenizer_out or out.with_suffix(".tokenizer.json")) if train_tokenizer else None
+    tok_out = tokenizer_path(out, tokenizer_out) if train_tokenizer else None
+    _check_outputs(out, tok_out, overwrite)
     spec = None if train_tokenizer else toks.load(tokenizer, eos_token)
     sources = inputs.find_sources(paths, include=include, exclude=exclude, jsonl_stdin=jsonl,
                                   avoid=[out] + ([tok_out] if tok_out else []))
     if source is None:
         source = ", ".join(paths[:3]) + (f" (+{len(paths) - 3} more)" if len(paths) > 3 else "")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    for path in [out] + ([tok_out] if tok_out else []):   # a read-only folder: one line before any input is read
+        with _writing(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            probe_writable(path.parent, "build")
     temps: list[Path] = []
     try:
-        sources, spooled = inputs.spool_stdin(sources, out.parent, f".{out.name}.")
+        with _writing(out):
+            sources, spooled = inputs.spool_stdin(sources, out.parent, f".{out.name}.")
         temps += [spooled] if spooled else []
         tok_tmp = None
         if train_tokenizer:
             spec = _train(sources, paths, vocab_size, sample, text_field, progress)
-            tok_tmp = _temp_file(tok_out, ".tmp", temps)
-            tok_tmp.write_text(spec.text, encoding="utf-8")
-            make_durable(tok_tmp)
+            tok_tmp = temp_name(tok_out)
+            with _writing(tok_out):
+                write_file(tok_tmp, spec.text, overwrite=False)
+            temps.append(tok_tmp)            # only once it is ours: whatever held the name before stays
         counts = inputs.Counts()
-        raw = _temp_file(out, ".raw", temps)
-        lengths = _encode_all(sources, counts, spec, text_field, raw, workers, progress)
+        with _writing(out):
+            raw = _temp_file(out, ".raw", temps)
+        lengths = _encode_all(sources, counts, spec, text_field, raw, workers, progress, out)
         if lengths.size == 0:
             raise _empty(paths, counts, text_field)
         offsets = np.zeros(lengths.size + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         attrs = {**spec.attrs(), **counts.attrs(), "source": source[:200]}
-        write_token_file(out, raw, spec.dtype, offsets, attrs)
+        with _writing(out):
+            write_token_file(out, raw, spec.dtype, offsets, attrs, overwrite=overwrite)
         if tok_tmp is not None:
-            os.replace(tok_tmp, tok_out)
+            with _writing(tok_out):
+                publish(tok_tmp, tok_out, overwrite, "the trained tokenizer's file")
     finally:
         for t in temps:
             t.unlink(missing_ok=True)
@@ -126,6 +138,40 @@ def _check_args(paths, vocab_size, tokenizer, train, sample, tokenizer_out, eos_
         raise DataError(f"--vocab-size {vocab_size} only applies with --train-tokenizer: the tokenizer "
                         f"{tokenizer!s} has its own vocabulary (bytes: 256 ids)")
     return None
+
+
+def tokenizer_path(out: str | Path, tokenizer_out: str | Path | None) -> Path:
+    """Where a trained tokenizer.json goes: tokenizer_out, else out with the suffix .tokenizer.json."""
+    return Path(tokenizer_out or Path(out).with_suffix(".tokenizer.json"))
+
+
+def _check_outputs(out: Path, tok_out: Path | None, overwrite: bool) -> None:
+    """One DataError line for an output that must not be written: a folder, the same file twice, or (without
+    overwrite) a file that exists already."""
+    if out.is_dir():
+        raise DataError(f"--out {out}: is a folder; name the .h5 file to write, e.g. --out {out / 'tokens.h5'}")
+    if os.path.lexists(out) and not overwrite:
+        raise DataError(f"--out '{out}' already exists (pass --force to replace it)")
+    if tok_out is None:
+        return
+    if tok_out.is_dir():
+        raise DataError(f"--tokenizer-out {tok_out}: is a folder; name the .json file to write, e.g. "
+                        f"--tokenizer-out {tok_out / 'tokenizer.json'}")
+    if os.path.abspath(tok_out) == os.path.abspath(out):
+        raise DataError(f"--tokenizer-out {tok_out} is the --out file: give the tokenizer its own file, e.g. "
+                        f"--tokenizer-out {out.with_suffix('.tokenizer.json')}")
+    if os.path.lexists(tok_out) and not overwrite:
+        raise DataError(f"the trained tokenizer's file '{tok_out}' already exists (pass --force to replace it, "
+                        "or --tokenizer-out PATH to save it elsewhere)")
+
+
+@contextlib.contextmanager
+def _writing(path: Path):
+    """An OSError while writing the output `path` (or a temporary file beside it) as one DataError line."""
+    try:
+        yield
+    except OSError as exc:
+        raise DataError(f"data build: cannot write '{path}': {exc.strerror or exc}") from None
 
 
 def _temp_file(beside: Path, suffix: str, temps: list[Path]) -> Path:
@@ -204,15 +250,20 @@ def _encoded(batches: Iterator[tuple[list[str], list[bool]]], spec: toks.Tokeniz
             yield *result.get(), ends
 
 
-def _encode_all(sources, counts, spec, text_field, raw: Path, workers: int, progress: bool) -> np.ndarray:
-    """Appends the tokens of every document to `raw`; returns the document lengths (eos included)."""
+def _encode_all(sources, counts, spec, text_field, raw: Path, workers: int, progress: bool,
+                out: Path | None = None) -> np.ndarray:
+    """Appends the tokens of every document to `raw` (the temporary file of the token file `out`); returns
+    the document lengths (eos included)."""
     lengths, n_docs, n_tokens, t0 = [], 0, 0, time.perf_counter()
     carry = 0                                   # tokens of a document whose pieces are not all encoded
     docs = inputs.documents(sources, counts, text_field)
-    with open(raw, "wb") as f, _bar(progress, sum(s.size for s in sources), "tokenizing") as bar, \
+    with _writing(out or raw):                  # mkstemp made raw; reopening it never follows a link
+        f = open(raw, "wb", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW))
+    with f, _bar(progress, sum(s.size for s in sources), "tokenizing") as bar, \
             contextlib.closing(_encoded(_batches(docs, spec.line_cuts), spec, workers)) as encoded:
         for tokens, lens, ends in encoded:
-            f.write(memoryview(np.ascontiguousarray(tokens, dtype=spec.dtype)))
+            with _writing(out or raw):
+                f.write(memoryview(np.ascontiguousarray(tokens, dtype=spec.dtype)))
             total = np.cumsum(lens)                 # tokens up to the end of each text
             at_ends = total[np.asarray(ends, dtype=bool)]
             if at_ends.size:
@@ -227,6 +278,8 @@ def _encode_all(sources, counts, spec, text_field, raw: Path, workers: int, prog
             rate = n_tokens / max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix_str(f"{n_docs:,} docs, {rate:,.0f} tokens/s", refresh=False)
         bar.update(counts.bytes_done - bar.n)
+        with _writing(out or raw):
+            f.flush()
     return np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
 
 

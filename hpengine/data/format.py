@@ -18,17 +18,21 @@ No MPI here; reading never loads the token array: windows are read where they li
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 import h5py
 import numpy as np
 
+from hpengine.files.safe import fsync_folder, open_regular
+
 FORMAT, VERSION = "hpengine-tokens", 2
 BYTES = "bytes"          # the tokenizer attribute of a byte-level file
 _COPY_BLOCK = 64 * 2**20
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
 
 
 class DataError(Exception):
@@ -46,44 +50,68 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def write_token_file(out: str | Path, raw: str | Path, dtype, doc_offsets: np.ndarray, attrs: dict) -> Path:
+def write_token_file(out: str | Path, raw: str | Path, dtype, doc_offsets: np.ndarray, attrs: dict,
+                     overwrite: bool = True) -> Path:
     """Write `out` from `raw` (a flat binary file of tokens of `dtype`) and the document offsets:
     contiguous "tokens" copied over in blocks (memory does not grow with the corpus), "doc_offsets",
-    the version-2 attributes plus `attrs`. Written under a temporary name in out's folder and renamed
-    at the end: a reader sees no file or the whole file, and a failure leaves nothing under `out`."""
+    the version-2 attributes plus `attrs`. Written under a fresh temporary name in out's folder, created
+    exclusively (never through a link), and renamed at the end: a reader sees no file or the whole file,
+    and a failure leaves nothing under `out`. overwrite=False refuses an existing `out` (DataError)."""
     out, dtype = Path(out), np.dtype(dtype)
     n = os.path.getsize(raw) // dtype.itemsize
     doc_offsets = np.asarray(doc_offsets, dtype=np.int64)
     if n == 0 or doc_offsets[0] != 0 or doc_offsets[-1] != n or np.any(np.diff(doc_offsets) <= 0):
         raise ValueError(f"doc_offsets must rise strictly from 0 to the {n} tokens of {raw}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = temp_name(out)
+    created = False
     try:
-        with h5py.File(tmp, "w") as h5, open(raw, "rb") as src:
-            ds = h5.create_dataset("tokens", shape=(n,), dtype=dtype)         # contiguous
-            step = max(1, _COPY_BLOCK // dtype.itemsize)
-            for start in range(0, n, step):
-                block = np.frombuffer(src.read(min(step, n - start) * dtype.itemsize), dtype=dtype)
-                ds[start:start + block.size] = block
-            h5.create_dataset("doc_offsets", data=doc_offsets)
-            h5.attrs.update({"format": FORMAT, "version": VERSION, "n_tokens": n,
-                             "n_docs": len(doc_offsets) - 1, **attrs})
-        make_durable(tmp)
-        os.replace(tmp, out)
+        with open_regular(raw, "token data") as src:
+            h5 = h5py.File(tmp, "x")        # O_CREAT | O_EXCL: fails on anything already there, a link included
+            created = True
+            with h5:
+                ds = h5.create_dataset("tokens", shape=(n,), dtype=dtype)         # contiguous
+                step = max(1, _COPY_BLOCK // dtype.itemsize)
+                for start in range(0, n, step):
+                    block = np.frombuffer(src.read(min(step, n - start) * dtype.itemsize), dtype=dtype)
+                    ds[start:start + block.size] = block
+                h5.create_dataset("doc_offsets", data=doc_offsets)
+                h5.attrs.update({"format": FORMAT, "version": VERSION, "n_tokens": n,
+                                 "n_docs": len(doc_offsets) - 1, **attrs})
+        with open_regular(tmp, "token file") as f:
+            os.fsync(f.fileno())
+        publish(tmp, out, overwrite, "--out")
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if created:
+            Path(tmp).unlink(missing_ok=True)
         raise
     return out
 
 
-def make_durable(tmp: str | Path) -> None:
-    """Permissions of a normally created file (mkstemp makes 0600) and the data on disk before a rename."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+def temp_name(beside: Path) -> Path:
+    """A fresh name for a temporary file beside `beside` (hidden, never one that exists)."""
+    return beside.with_name(f".{beside.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
+def publish(tmp: Path, out: Path, overwrite: bool, what: str) -> None:
+    """Rename the finished temporary file tmp onto out (a link at out is replaced, never followed).
+    overwrite=False refuses an existing out, atomically where the file system has hard links."""
+    if overwrite:
+        os.replace(tmp, out)
+    else:
+        try:
+            os.link(tmp, out, follow_symlinks=False)      # fails when out exists: nothing is ever clobbered
+        except FileExistsError:
+            raise DataError(f"{what} '{out}' already exists (pass --force to replace it)") from None
+        except OSError as exc:
+            if exc.errno not in _NO_HARD_LINKS:
+                raise
+            if os.path.lexists(out):
+                raise DataError(f"{what} '{out}' already exists (pass --force to replace it)") from None
+            os.replace(tmp, out)
+        else:
+            os.unlink(tmp)
+    fsync_folder(out.parent)
 
 
 class TokenFile:

@@ -245,6 +245,9 @@ class Engine:
             self.scaler.update(False)
             log.warning("step %d: gradient overflow, step skipped on every rank; loss scale -> %g",
                         step + 1, self.scaler.scale)
+            collapsed = self.scaler.collapsed()      # the same scaler state on every rank: they stop together
+            if collapsed:
+                raise NonFiniteError(f"step {step + 1}: {collapsed}")
             self.sync.share_params()
             return self._metrics(step, t0, self._losses(losses), [float("inf")] * len(self.slots), 0.0, skipped=True)
         norms = self._global_norms(g)
@@ -346,11 +349,21 @@ class Engine:
         return out
 
     def _report_non_finite(self, step, losses, g):
-        """A NaN/inf loss or gradient is reported with the step and the ranks that saw it, never trained on."""
-        bad = not (np.isfinite(losses).all() and bool(self.xp.isfinite(g).all()))
-        ranks = [r for r, b in enumerate(self.world.allgather_obj(bad)) if b]
+        """A NaN/inf loss or gradient is reported with the step and the ranks that saw it, never trained on.
+        A rank saw it where its loss share, its gradient or its gradient's squares are not finite (finite
+        float64 gradients beyond 1e154 square to inf); when every share is finite and only their sum
+        overflowed, the ranks with the largest share are named."""
+        own = self.sync.owned
+        squares = float(sum(self._sumsq(g, own.intersect(s.range)) for s in self.slots))
+        bad = not (np.isfinite(losses).all() and bool(self.xp.isfinite(g).all()) and np.isfinite(squares))
+        seen = self.world.allgather_obj((bad, squares))
+        ranks = [r for r, (b, _) in enumerate(seen) if b]
+        if not ranks:
+            top = max(sq for _, sq in seen)
+            ranks = [r for r, (_, sq) in enumerate(seen) if sq == top]
         raise NonFiniteError(f"step {step + 1}: non-finite loss or gradient on rank(s) {ranks} "
-                             f"(losses here: {losses}); stopping instead of training on it")
+                             f"(losses here: {losses}; squared gradient norm here: {squares:.3g}); stopping "
+                             "instead of training on it")
 
     def evaluate(self) -> list[float]:
         """Validation loss of every model on the first eval_batches validation batches."""

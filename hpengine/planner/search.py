@@ -21,6 +21,7 @@ from hpengine.config.load import (
     to_toml,
     validate,
 )
+from hpengine.files import write_file
 from hpengine.layout.resolve import SWITCH_OF_AXIS, Resolved, resolve
 from hpengine.models import build_model
 from hpengine.planner.calibrate import GB, calibrate_device
@@ -293,8 +294,7 @@ def write_best(cfg: Config, best: dict, path: str, cluster: Cluster) -> Config:
         head.append(f"# data: model.vocab_size = {c.model.vocab_size} wants a token file built with its tokenizer "
                     "(hpengine data build DOCS --tokenizer tokenizer.json --out tokens.h5) as data.path; "
                     "empty, this trains on the built-in byte corpus")
-    with open(path, "w") as fh:
-        fh.write("\n".join(head) + "\n" + to_toml(c))
+    write_file(path, "\n".join(head) + "\n" + to_toml(c))      # a fresh file renamed into place, no link followed
     load_config(path)          # what we wrote must load back
     return c
 
@@ -373,6 +373,8 @@ def run(a) -> str:
     if getattr(a, "seq", None) is not None:
         cfg.model.seq_len = a.seq
         validate(cfg)
+    if a.out and os.path.lexists(a.out) and not getattr(a, "force", False):      # before a long search
+        raise PlanError(f"--out {a.out}: the file already exists (pass --force to replace it)")
     t = time.perf_counter()
     fit, n = search(cfg, cluster, a.max_micro_batch)
     out = [f"hpengine plan: {cfg.model.kind} {_n_params(cfg) / 1e9:.3g}B parameters (d_model {cfg.model.d_model}, "

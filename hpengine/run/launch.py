@@ -1,7 +1,8 @@
 """How the engine meets its launcher (mpiexec, srun, qsub): the world-size check against what the
 launcher asked for, and SIGTERM/SIGUSR1 (sent before the wall time) and a first SIGINT (Ctrl-C) turned
 into a stop request the training loop polls; a second SIGINT aborts the job at once; under Open MPI's
-mpirun, which turns Ctrl-C and SIGTERM into a kill of every rank, rank 0 says at once how to stop cleanly.
+mpirun, which turns Ctrl-C and SIGTERM into a kill of every rank, a run's first lines say how to stop it
+resumably and how to continue, and rank 0 says it again when such a signal comes.
 The hang watchdog is dist/watchdog.py.
 """
 from __future__ import annotations
@@ -118,12 +119,30 @@ def open_mpi_kill_note(signum: int, env=None) -> str | None:
     if signum not in (signal.SIGTERM, signal.SIGINT) or env.get("PRTE_LAUNCHED") != "1" \
             or env.get("OMPI_COMM_WORLD_RANK", "0") != "0":
         return None
-    found = re.fullmatch(r"prterun-.+-(\d+)@\d+", env.get("PMIX_NAMESPACE", ""))   # prterun-HOST-PID@JOB
-    pid = found.group(1) if found else "<pid of mpirun>"
+    pid = _mpirun_pid(env)
     return (f"hpengine: {signal.Signals(signum).name} from Open MPI's mpirun, which sends it when interrupted "
             "(Ctrl-C) or terminated and kills every rank half a second later: too soon for a checkpoint (the "
             f"last one saved stays). To stop cleanly, send SIGUSR1 to mpirun instead (kill -USR1 {pid}): the "
             "ranks save after their step and exit 75")
+
+
+def _mpirun_pid(env) -> str:
+    found = re.fullmatch(r"prterun-.+-(\d+)@\d+", env.get("PMIX_NAMESPACE", ""))   # prterun-HOST-PID@JOB
+    return found.group(1) if found else "<pid of mpirun>"
+
+
+def open_mpi_start_note(continue_cmd: str, env=None) -> str | None:
+    """The line a run launched by Open MPI's mpirun (OMPI_COMM_WORLD_RANK set) logs first: Ctrl-C or SIGTERM
+    to mpirun ends the ranks about half a second later, before a checkpoint and before any line can say
+    how to go on, so how to stop resumably and `continue_cmd` are said up front. None elsewhere."""
+    env = os.environ if env is None else env
+    if "OMPI_COMM_WORLD_RANK" not in env:
+        return None
+    return (f"launched by Open MPI's mpirun: Ctrl-C or SIGTERM to mpirun ends the ranks half a second later, "
+            f"without a checkpoint. To stop resumably: send SIGUSR1 to mpirun (kill -USR1 {_mpirun_pid(env)}) or "
+            "SIGTERM/SIGUSR1 to the ranks (kill -TERM with the pids in the run folder's ranks.jsonl; in a batch "
+            "job of jobs/slurm_train.sbatch: scancel --batch --signal=TERM JOBID): they save after their step "
+            f"and exit 75. To continue: {continue_cmd}")
 
 
 def _tell_now(line: str) -> None:

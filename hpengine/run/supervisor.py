@@ -1,18 +1,23 @@
 """The rank supervisor: under an MPI launcher `hpengine train` forks before MPI starts; the child is the rank,
 the parent a small process that forwards the launcher's signals to it, waits for it, and, when it dies
 without a message (a signal, or an exit status hpengine never uses), names it on stderr and in the run
-folder's failures.jsonl before exiting with its status, so the launcher cannot learn of the death first.
+folder's failures.jsonl before exiting with its status, so the launcher cannot learn of the death first; it
+exits once the launcher has read that line (a launcher may drop what an exited process left unread).
 Standard library only: importing mpi4py here would start MPI in the supervisor.
 """
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import select
 import signal
 import socket
+import stat
+import struct
 import sys
+import termios
 import time
 
 from hpengine.run import startguard
@@ -25,6 +30,7 @@ EXIT_ORPHANED = 70
 FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCONT", "SIGTSTP")
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 PR_SET_PDEATHSIG = 1
+READ_WAIT_S = 2.0          # longest wait for the launcher to read the line naming a dead rank
 _state = {"supervisor": None, "fd": None}       # in the rank: its supervisor's pid and the pipe to it
 
 _HINTS = {
@@ -230,6 +236,26 @@ def _emit(line: str) -> None:
         pass
 
 
+def until_read(fd: int = 2, wait_s: float = READ_WAIT_S, poll_s: float = 0.01) -> None:
+    """Return once the reader of `fd` (a pipe or socket: the launcher's) has taken everything written to it,
+    or after wait_s: a launcher that tears the job down as soon as it sees the supervisor exit may never read
+    what the supervisor wrote just before. Files and terminals need no wait."""
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        return
+    request = termios.FIONREAD if stat.S_ISFIFO(mode) else termios.TIOCOUTQ if stat.S_ISSOCK(mode) else None
+    end = time.monotonic() + wait_s
+    while request is not None and time.monotonic() < end:
+        try:
+            unread = struct.unpack("i", fcntl.ioctl(fd, request, b"\0" * 4))[0]
+        except OSError:
+            return
+        if unread <= 0:
+            return
+        time.sleep(poll_s)
+
+
 class Supervisor:
     """The parent's loop: read the rank's record, forward signals, notice the child's end and the
     launcher's (the supervisor's parent changes), then say what happened and exit with the status."""
@@ -295,6 +321,7 @@ class Supervisor:
         if line:                 # the file first: a rank's peer that sees the death reads it to stay quiet
             append_failure(self.run_dir, entry)
             _emit(line)
+            until_read(2)        # the launcher reads the line before it learns of the exit
         return status
 
     def _orphaned(self) -> int:

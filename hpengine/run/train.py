@@ -21,7 +21,8 @@ from hpengine.checkpoint import background, guard as ckpt_guard, hf_import, shar
 from hpengine.config.load import Config, to_dict, to_toml
 from hpengine.device.threads import describe as blas_threads_line
 from hpengine.dist.agree import agree_or_raise
-from hpengine.dist.watchdog import Watchdog
+from hpengine.dist.watchdog import Watchdog, progress as bytes_written
+from hpengine.files import UnsafeFile, open_append, write_file
 from hpengine.layout.resolve import chunks
 from hpengine.layout.schedules import bubble_fraction
 from hpengine.planner import search as plan
@@ -76,6 +77,9 @@ def train(cfg, world=None, resume=None) -> dict:
 
 
 def _train(eng, cfg, world, resume) -> dict:
+    note = launch.open_mpi_start_note(continue_command(cfg.train.out_dir))
+    if note:          # Ctrl-C to mpirun kills the ranks before anything can say how to go on: said up front
+        log.info("%s", note)
     resume = resolve_resume(cfg, world, resume, log)     # --resume auto: a checkpoint, or None
     start = restore(eng, cfg, resume)
     if start >= cfg.train.steps:              # the same step on every rank: every rank refuses together
@@ -97,7 +101,8 @@ def _train(eng, cfg, world, resume) -> dict:
         plan.check_at_start(cfg, eng.mesh.size, log, rank=eng.mesh.rank, gpu=eng.be.is_gpu)
         if resume is not None:
             trim_metrics(out, start, world.Get_rank())
-        metrics_f = open(out / "metrics.jsonl", "a" if resume else "w") if world.Get_rank() == 0 else None
+        metrics_f = agree_or_raise(world, lambda: _open_metrics(out, resume) if world.Get_rank() == 0 else None,
+                                   RunError, (RunError, UnsafeFile))
         prog = progress.begin(eng, cfg, world, start, compute_dtype(cfg), log)     # MFU peak, ETA, memory
         tbw = tboard.open_writer(cfg, out, world.Get_rank())
         tracer = trace.attach(eng, cfg)    # phase timers always; a timeline under runtime.trace
@@ -110,7 +115,8 @@ def _train(eng, cfg, world, resume) -> dict:
     restore_signals = launch.install_stop_handlers()
     saved, last_save = None, _clock()      # the last step saved by this run, and when (checkpoint.every_minutes)
     saver = background.Saver(eng.world, eng.tracer, log) if cfg.checkpoint.async_ else None
-    eng.before_update = saver.fence if saver else None
+    eng.before_update = _fence(saver, watchdog) if saver else None
+    held = False           # a periodic save due at a skipped (overflowed) step: made at the next applied step
     if saver and not eng.be.is_gpu and (cfg.checkpoint.every or cfg.checkpoint.every_minutes or cfg.checkpoint.at_end):
         saver.warm(eng.state_pieces(copy=False)[0])       # the snapshot's memory, mapped while the first steps run
     try:
@@ -137,11 +143,15 @@ def _train(eng, cfg, world, resume) -> dict:
             stop, timed, writer = launch.step_boundary(world, _time_due(cfg, now - last_save),
                                                        saver.state() if saver else 0)    # the same on every rank
             if saver:
-                saver.settle(writer)     # publishes the save in flight once every rank's writer has finished
+                with watchdog.during("checkpoint", bytes_written):     # its publishing is checkpoint work
+                    saver.settle(writer)     # publishes the save in flight once every rank's writer has finished
             if stop and stop != "SIGINT" and step + 1 == cfg.train.steps:
                 stop = None      # it came during the last step: the run is complete, not stopped early
-            if (stop and stop != "SIGINT") or _ckpt_due(cfg, step) or (timed and stop != "SIGINT"):  # Ctrl-C: no save
-                watchdog.heartbeat(step + 1, "checkpoint")
+            # an overflowed step may be the start of a divergence: no periodic save of it (Ctrl-C: no save)
+            periodic = _ckpt_due(cfg, step) or held or (timed and stop != "SIGINT")
+            held = periodic and bool(m.get("skipped")) and not stop
+            if (stop and stop != "SIGINT") or (periodic and not held):
+                watchdog.heartbeat(step + 1, "checkpoint", bytes_written)
                 save_checkpoint(eng, cfg, step + 1, saver)
                 saved, last_save = step + 1, _clock()
             if stop:
@@ -149,15 +159,18 @@ def _train(eng, cfg, world, resume) -> dict:
                          "checkpoint saved" if saved == step + 1 else "no checkpoint: interrupted")
                 break
         if cfg.checkpoint.at_end and history and saved != history[-1]["step"] and stop != "SIGINT":
-            watchdog.heartbeat(history[-1]["step"], "checkpoint")
+            watchdog.heartbeat(history[-1]["step"], "checkpoint", bytes_written)
             save_checkpoint(eng, cfg, history[-1]["step"], saver)    # the final model, for eval and --resume
         if saver:
-            watchdog.heartbeat(history[-1]["step"] if history else start, "checkpoint")
+            watchdog.heartbeat(history[-1]["step"] if history else start, "checkpoint", bytes_written)
             saver.wait()             # the save in flight is published before the run ends
         if world.Get_size() > 1:
             world.Barrier()      # nobody exits (ends its process) while a peer still watches it
     finally:
         eng.before_update = None
+        if saver:        # an error (a diverged step) left a save in flight: its writer ends before the process
+            watchdog.heartbeat(watchdog.step, "checkpoint", bytes_written)
+            saver.abandon()
         monitor.stop()
         launch.on_interrupt(None)
         watchdog.stop()
@@ -173,14 +186,19 @@ def _train(eng, cfg, world, resume) -> dict:
     return summary
 
 
+def continue_command(out) -> str:
+    """The command that continues the run in folder `out`: from its latest checkpoint, or over again when
+    it has none (--resume auto)."""
+    return f"hpengine train {shlex.quote(str(out))}/config.toml --resume auto"
+
+
 def next_steps(cfg, out, stop=None) -> str:
     """The run's last line (rank 0): its folder and the commands to try next on it."""
     q = shlex.quote(str(out))
     root = checkpoint_root(cfg)
     if stop:         # --resume auto: from the latest checkpoint, or over again in this folder when none
         saved = "" if (root / "latest").exists() else ", no checkpoint yet: it starts over in this folder"
-        return (f"run folder {q} (stopped early by {stop}{saved}); continue with: hpengine train "
-                f"{q}/config.toml --resume auto")
+        return f"run folder {q} (stopped early by {stop}{saved}); continue with: {continue_command(out)}"
     if not (root / "latest").exists():
         return f"run folder {q} (no checkpoint saved); next: hpengine plot {q}"
     ck = q if not cfg.checkpoint.dir else shlex.quote(str(root))
@@ -188,6 +206,27 @@ def next_steps(cfg, out, stop=None) -> str:
     data = shlex.quote(cfg.data.val_path) if cfg.data.val_path else "TOKENS.h5"   # hpengine data build ... --out
     return (f"run folder {q}; next: hpengine generate {ck}{model} --prompt 'def ' ; "
             f"hpengine eval {ck} --data {data} ; hpengine plot {q}")
+
+
+def _fence(saver, watchdog):
+    """The engine's hook before an update: wait for the save's snapshot, as a checkpoint phase."""
+    def fence():
+        if not saver.copied.is_set():
+            with watchdog.during("checkpoint", bytes_written):
+                saver.fence()
+    return fence
+
+
+def _open_metrics(out, resume):
+    """metrics.jsonl, appended to: on --resume the file trimmed to the resumed step, else a new empty one."""
+    path = Path(out) / "metrics.jsonl"
+    try:
+        if not resume:
+            write_file(path, "")
+        return open_append(path, "metrics.jsonl")
+    except OSError as exc:
+        raise RunError(f"cannot write '{path}': {exc.strerror or exc}; check the run folder's permissions and "
+                       "free space") from None
 
 
 def _eval_due(cfg, step) -> bool:
@@ -346,5 +385,5 @@ def summarize(eng, history, wall, out, stopped=None) -> dict:
              f"{summary['final_val_loss']:.4f}" if vals else "-",
              f"{summary['median_tokens_per_s']:,.0f}", summary["peak_rss_bytes"] / 2**20)
     if eng.mesh.rank == 0:
-        (Path(out) / "summary.json").write_text(json.dumps(summary, indent=1))
+        write_file(Path(out) / "summary.json", json.dumps(summary, indent=1))
     return summary

@@ -1,8 +1,9 @@
 """Mixed precision: the run's precision policy (Precision: what amp rounds, where) and dynamic loss scaling.
 Compute runs in float16 or bfloat16; the owner of each range keeps the float32 master weights and AdamW
-moments. An overflow anywhere makes every rank skip the
-same step and lower the scale; `growth_interval` clean steps in a row raise it again. bfloat16 has
-float32's exponent range, so it trains without loss scaling by default (amp.loss_scaling = "auto").
+moments. An overflow anywhere makes every rank skip the same step and lower the scale; `growth_interval`
+clean steps in a row raise it again; a scale below MIN_SCALE or `max_skipped` skips in a row is a diverged
+run, which stops. bfloat16 has float32's exponent range, so it trains without loss scaling by default
+(amp.loss_scaling = "auto").
 """
 from __future__ import annotations
 
@@ -21,13 +22,20 @@ def loss_scaling(acfg) -> bool:
     return acfg.loss_scaling == "dynamic"
 
 
+# float16's smallest subnormal: under it the scaled loss gradient is 0 in float16, so even the unscaled
+# gradients overflow; the scale only gets there when every step overflows (about 40 halvings from 65536)
+MIN_SCALE = 2.0 ** -24
+
+
 class LossScaler:
     def __init__(self, acfg):
         self.scale = float(acfg.init_scale)
         self.growth_interval, self.backoff = acfg.growth_interval, acfg.backoff
         self.growth_factor = acfg.growth_factor
+        self.max_skipped = acfg.max_skipped
         self.good_steps = 0
         self.skipped = 0
+        self.in_a_row = 0            # steps skipped since the last applied one (not saved: it starts at 0)
 
     def update(self, finite: bool) -> None:
         """After a step: back off on overflow, grow after growth_interval clean steps."""
@@ -35,10 +43,24 @@ class LossScaler:
             self.scale *= self.backoff
             self.good_steps = 0
             self.skipped += 1
+            self.in_a_row += 1
             return
+        self.in_a_row = 0
         self.good_steps += 1
         if self.good_steps % self.growth_interval == 0:
             self.scale *= self.growth_factor
+
+    def collapsed(self) -> str | None:
+        """Why the run has diverged after a skipped step (the scale fell under MIN_SCALE, or max_skipped steps in
+        a row overflowed), as the rest of one line after the step; None while it may still recover."""
+        if self.scale >= MIN_SCALE and not (self.max_skipped and self.in_a_row >= self.max_skipped):
+            return None
+        why = (f"strategy.amp.max_skipped = {self.max_skipped}" if self.scale >= MIN_SCALE
+               else f"under the floor 2**-24 = {MIN_SCALE:g}")
+        return (f"the gradients overflowed on {self.in_a_row} steps in a row (every one skipped) and the loss scale "
+                f"fell to {self.scale:g} ({why}): the run has diverged; stopping without saving this model; lower "
+                "optim.lr (or raise optim.warmup_steps) and resume from the last checkpoint (--resume latest) or "
+                "start over, or train with strategy.amp.dtype = \"bfloat16\"")
 
     def state(self) -> dict:
         return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}

@@ -221,6 +221,18 @@ def test_cli_plan_writes_best(tmp_path, capsys):
     assert "memory per device" in text and "traffic per step" in text and "fits in 80 GB" in text
 
 
+def test_cli_plan_refuses_an_existing_out_unless_force(tmp_path, capsys):
+    out, args = tmp_path / "mine.toml", ["plan", "--model", "1.3b", "--nodes", "1", "--gpus-per-node", "8",
+                                          "--mem-gb", "80", "--top", "1"]
+    out.write_text("# the user's own config\n")
+    assert main([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already exists (pass --force" in err
+    assert out.read_text() == "# the user's own config\n"
+    assert main([*args, "--out", str(out), "--force"]) == 0
+    assert load_config(out).model.d_model == 2048
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--model", "3b"], "unknown preset; choose one of gpt2-124m, 1.3b, 7b, 13b, 175b, llama3-8b, llama3-70b, "
                        "llama3.2-1b, mixtral-8x7b (aliases: 124m = gpt2-124m, gpt2 = gpt2-124m, 6.7b = 7b)"),
