@@ -28,6 +28,7 @@ import time
 
 from mpi4py import MPI
 
+from hpengine.files import write_file
 from hpengine.run import supervisor
 from hpengine.run.launch import launcher_size
 
@@ -67,8 +68,7 @@ def write_ranks_file(records: list[dict], out, rank: int):
     """ranks.jsonl in the run folder (rank 0 writes it); returns its path."""
     path = os.path.join(str(out), "ranks.jsonl")
     if rank == 0:
-        with open(path, "w") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in records))
+        write_file(path, "".join(json.dumps(r) + "\n" for r in records), durable=False)
     return path
 
 

@@ -210,7 +210,8 @@ def append_failure(run_dir, entry: dict) -> None:
     if not run_dir:
         return
     try:
-        fd = os.open(os.path.join(str(run_dir), FAILURES), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(os.path.join(str(run_dir), FAILURES), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
+                     0o644)     # never through a planted link
         try:
             os.write(fd, (json.dumps(entry) + "\n").encode())
         finally:

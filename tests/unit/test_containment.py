@@ -271,3 +271,21 @@ def test_a_second_job_in_a_run_folder_is_refused_naming_the_holder(tmp_path, sma
     # the holder died: the kernel dropped its lock, and the folder is usable again (no stale lock)
     rc, _, err = cli(capsys, "train", "configs/default.toml", *tiny(small_corpus, out, *STEPS), "--resume", "auto")
     assert rc == 0, err
+
+
+def test_a_resumed_run_writes_its_files_past_planted_links(tmp_path, small_corpus, capsys):
+    """Links planted in a run folder between two jobs: every file the resumed run writes replaces its link."""
+    out = tmp_path / "run"
+    rc, _, err = cli(capsys, "train", "configs/default.toml", *tiny(small_corpus, out, *STEPS))
+    assert rc == 0, err
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    names = ("config.toml", "summary.json", "ranks.jsonl", "breakdown.json", "failures.jsonl")
+    for name in names:
+        (out / name).unlink(missing_ok=True)
+        os.symlink(victim, out / name)
+    rc, _, err = cli(capsys, "train", "configs/default.toml", *tiny(small_corpus, out, "train.steps=3",
+                                                                    "checkpoint.every=1"), "--resume", "latest")
+    assert rc == 0, err
+    assert victim.read_text() == "precious"
+    assert all(not (out / n).is_symlink() for n in names[:4])
