@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import time
 import tomllib
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from hpengine.config import load as C
 from hpengine.data.dataset import check_vocab
 from hpengine.data.format import BYTES, DataError, TokenFile
 from hpengine.dist.agree import agree_or_raise
+from hpengine.files.bars import bar
 from hpengine.files.safe import probe_writable, write_file
 from hpengine.run.build import build, load_together
 
@@ -193,17 +195,19 @@ def _run(eng, cfg, reader, tf, batch, checkpoint_path, data_path) -> dict:
     passes = plan_passes(tf.n_tokens, T, res.replicas, batch, m)[me]
     count_here = eng.tp.rank == 0          # every tp rank holds the whole loss: count it once
     K = len(eng.slots)
-    nll, tokens = np.zeros(K), 0.0
-    for first, count, length, counted in passes:
-        copies = m if count % m else 1
-        x, y = _windows(tf, first, count, length, T, copies)
-        x, y = eng.be.to_device(x), eng.be.to_device(y)
-        for k, slot in enumerate(eng.slots):     # every model of a train.models > 1 checkpoint, same windows
-            out = eng.forward_backward(slot, x, y, float(copies), grad=False)
-            if counted and count_here:
-                nll[k] += float(out)
-        if counted and count_here and eng.mesh.coords["pp"] == res.pp - 1:
-            tokens += count * length
+    nll, tokens, t0 = np.zeros(K), 0.0, time.perf_counter()
+    with bar(len(passes), "evaluating", unit="batch", rank=eng.mesh.rank) as shown:    # rank 0's replica
+        for first, count, length, counted in passes:
+            copies = m if count % m else 1
+            x, y = _windows(tf, first, count, length, T, copies)
+            x, y = eng.be.to_device(x), eng.be.to_device(y)
+            for k, slot in enumerate(eng.slots):     # every model of a train.models > 1 checkpoint, same windows
+                out = eng.forward_backward(slot, x, y, float(copies), grad=False)
+                if counted and count_here:
+                    nll[k] += float(out)
+            if counted and count_here and eng.mesh.coords["pp"] == res.pp - 1:
+                tokens += count * length
+            shown.update(1)
     total = eng.world.allreduce_(np.concatenate([nll, [tokens]]).astype(np.float64))
     n = int(round(float(total[-1])))
     if n != tf.n_tokens - 1:
@@ -212,8 +216,10 @@ def _run(eng, cfg, reader, tf, batch, checkpoint_path, data_path) -> dict:
                              (DataError, OSError, ValueError))
     n_bytes = eng.world.bcast_obj(n_bytes, root=0)
     per = [_figures(float(total[k]), n, n_bytes) for k in range(K)]
+    seconds = eng.world.bcast_obj(time.perf_counter() - t0, root=0)
     out = {"checkpoint": str(reader.dir), "step": reader.step, "data": str(data_path), "tokens": n,
-           "bytes": n_bytes, **per[0], "world": eng.mesh.size, "layout": eng.mesh.degrees}
+           "bytes": n_bytes, **per[0], "world": eng.mesh.size, "layout": eng.mesh.degrees,
+           "batches": len(passes), "replicas": res.replicas, "seconds": seconds}
     if K > 1:
         out["models"] = per          # the top-level figures are model 0's
     return out
@@ -230,9 +236,15 @@ def line(r: dict, checkpoint_arg) -> str:
         bpb = "-" if f["bits_per_byte"] is None else f"{f['bits_per_byte']:.6f}"
         return f"loss {f['loss']:.6f}, perplexity {f['perplexity']:.4f}, bits/byte {bpb}"
     head = f"eval {checkpoint_arg} on {r['data']}: {r['tokens']:,} tokens, "
-    if "models" not in r:
-        return head + figs(r)
-    return head + "; ".join(f"model {k}: {figs(f)}" for k, f in enumerate(r["models"]))
+    body = figs(r) if "models" not in r else "; ".join(f"model {k}: {figs(f)}" for k, f in enumerate(r["models"]))
+    return head + body + (f"; {_passes(r)}" if "batches" in r else "")
+
+
+def _passes(r: dict) -> str:
+    """How the figures were reached, e.g. "128 batches in 91 s" (per replica when there are several)."""
+    b, s = r["batches"], r["seconds"]
+    per = "" if r["replicas"] == 1 else f" on each of {r['replicas']} replicas"
+    return f"{b:,} batch{'' if b == 1 else 'es'}{per} in {s:.1f} s" if s < 10 else f"{b:,} batches{per} in {s:,.0f} s"
 
 
 def check_json_out(path, checkpoint_arg, data_path=None, force: bool = False) -> None:

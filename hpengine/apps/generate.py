@@ -37,6 +37,7 @@ from hpengine.config.load import ConfigError, from_dict
 from hpengine.data.format import DataError
 from hpengine.device import backend
 from hpengine.engine.moe_bias import saved_bias
+from hpengine.files.bars import bar, watched
 from hpengine.models import LOCAL, build_model
 
 DEVICES = ("auto", "cpu", "gpu")
@@ -254,24 +255,28 @@ def generate(path, prompt="", max_new=100, temperature=1.0, top_k=None, top_p=No
     if max_new and len(ids) >= T:
         note(f"the prompt fills the context (model.seq_len = {T} tokens): nothing generated")
     elif max_new:
-        logits = dec.forward(ids)[-1]
-        while True:
-            steps.append(logits)
-            tok = sample(logits, rng, temperature, top_k, top_p, greedy)
-            new.append(tok)
-            ids.append(tok)
-            if tok == text.eos:
-                break
-            s = text.stream(tok)
-            if s:
-                out.write(s)
-                out.flush()
-            if len(new) >= max_new:
-                break
-            if len(ids) >= T:
-                note(f"stopped at model.seq_len = {T} tokens of context (prompt and generated)")
-                break
-            logits = dec.forward([tok])[-1]
+        # text streaming to a terminal is its own progress; written to a file or a pipe, a bar counts it
+        with bar(min(max_new, T - len(ids)), "generating", unit="tok", show=watched() and not watched(out)) as shown:
+            logits = dec.forward(ids)[-1]
+            while True:
+                steps.append(logits)
+                tok = sample(logits, rng, temperature, top_k, top_p, greedy)
+                new.append(tok)
+                ids.append(tok)
+                shown.update(1)
+                if tok == text.eos:
+                    break
+                s = text.stream(tok)
+                if s:
+                    out.write(s)
+                    out.flush()
+                if len(new) >= max_new:
+                    break
+                if len(ids) >= T:
+                    break
+                logits = dec.forward([tok])[-1]
+        if len(ids) >= T and tok != text.eos and len(new) < max_new:     # said once the bar is gone
+            note(f"stopped at model.seq_len = {T} tokens of context (prompt and generated)")
     dt = time.perf_counter() - t0
     s = text.stream(None, final=True)
     if s:

@@ -40,6 +40,16 @@ def read_run(run: Path) -> tuple[list[dict], int]:
     return rows, tokens
 
 
+def had_pipeline(run: Path) -> bool:
+    """Whether the run folder's config.toml turned the pipeline on (true when it cannot be read: the Gantt
+    chart's note then still says how to get one)."""
+    try:
+        t = tomllib.loads((run / "config.toml").read_text())
+    except (OSError, ValueError):
+        return True
+    return bool(t.get("strategy", {}).get("pipeline", {}).get("enable", False))
+
+
 def _pyplot():
     try:
         import matplotlib
@@ -66,10 +76,11 @@ def plot_run(run_dir, out_dir=None) -> tuple[list[Path], list[str]]:
         raise PlotError(f"plot: cannot write '{out}': {exc.strerror or exc}") from None
     written = [plot_loss(plt, rows, tokens, out / "loss.png"), plot_throughput(plt, rows, out / "throughput.png")]
     notes = []
-    trace = run / "trace.json"
+    trace, pipeline = run / "trace.json", had_pipeline(run)     # a run without a pipeline needs no Gantt note
     if not trace.exists():
-        notes.append(f"no trace.json in '{run}': the pipeline Gantt chart is drawn from a timeline; record one with "
-                     f"{TRACE_SWITCH}")
+        if pipeline:
+            notes.append(f"no trace.json in '{run}': the pipeline Gantt chart is drawn from a timeline; record one "
+                         f"with {TRACE_SWITCH}")
     else:
         try:
             doc = json.loads(trace.read_text())
@@ -77,11 +88,11 @@ def plot_run(run_dir, out_dir=None) -> tuple[list[Path], list[str]]:
         except (ValueError, KeyError) as exc:
             raise PlotError(f"'{trace}' is not a Chrome trace written by hpengine ({exc})") from None
         g = plot_gantt(plt, events, doc.get("otherData", {}).get("ranks", []), out / "pipeline_gantt.png")
-        if g is None:
+        if g is not None:
+            written.append(g)
+        elif pipeline:
             notes.append(f"'{trace}' holds no forward/backward events (its oldest events may have been dropped; "
                          f"raise runtime.trace_max_events)")
-        else:
-            written.append(g)
     return written, notes
 
 

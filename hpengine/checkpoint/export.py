@@ -1,6 +1,6 @@
 """`hpengine ckpt export`: a checkpoint folder as one file for other tools.
 
-    hdf5          one HDF5 file of global tensors, parameters and (unless params_only) Adam moments: what
+    hdf5          one HDF5 file of global tensors, parameters and (unless params_only) optimizer state: what
                   checkpoint.init_from reads (checkpoint.export)
     safetensors   one .safetensors file of the parameters under hpengine's names, global true-shape
                   tensors in the checkpoint's dtype; metadata {"format": "hpengine", "config": TOML, "step"}
@@ -35,6 +35,7 @@ from hpengine.checkpoint.shards import CheckpointError, Reader, export as export
 from hpengine.config.load import from_dict
 from hpengine.data.format import TokenFile, sha256_text
 from hpengine.data.tokenizer import EOS_CANDIDATES
+from hpengine.files.bars import bar, following
 from hpengine.files.safe import write_file
 from hpengine.models import hf_kinds, kind_of
 
@@ -77,19 +78,37 @@ def select_model(P: dict, cfg, index: int | None) -> dict:
 
 
 def read_params(path) -> tuple[Reader, dict]:
-    """The checkpoint's parameters as global true-shape arrays in their stored dtype, by hpengine name."""
+    """The checkpoint's parameters as global true-shape arrays in their stored dtype, by hpengine name (a
+    progress bar of the bytes read where a person watches)."""
     r = Reader(path)
     params = {}
     try:
-        for name, shape in r.manifest["shapes"].items():
-            pieces = r.by_tensor.get(("param", name))
-            if not pieces:
-                raise CheckpointError(f"checkpoint '{r.dir}' has no parameter values for {name!r}")
-            params[name] = r.read("param", name, tuple(slice(0, n) for n in shape)).astype(pieces[0]["dtype"])
+        with bar(stored_bytes(r, ("param",)), "reading parameters", unit="B", scale=True) as shown:
+            for name, shape in r.manifest["shapes"].items():
+                pieces = r.by_tensor.get(("param", name))
+                if not pieces:
+                    raise CheckpointError(f"checkpoint '{r.dir}' has no parameter values for {name!r}")
+                params[name] = r.read("param", name, tuple(slice(0, n) for n in shape)).astype(pieces[0]["dtype"])
+                shown.update(params[name].nbytes)
     finally:
         r.close()
     return r, params
 
+
+def stored_bytes(r: Reader, kinds) -> int:
+    """Bytes of the global true-shape tensors of `kinds` (param and the optimizer's state tensors) in their
+    stored dtypes."""
+    total = 0
+    for name, shape in r.manifest["shapes"].items():
+        for kind in kinds:
+            pieces = r.by_tensor.get((kind, name))
+            if pieces:
+                total += int(np.prod(shape, dtype=np.int64)) * np.dtype(pieces[0]["dtype"]).itemsize
+    return total
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(folder) if e.is_file(follow_symlinks=False))
 
 
 def run_tokenizer(r: Reader, cfg) -> tuple[str | None, str]:
@@ -238,9 +257,13 @@ def export(path, out, fmt: str = "hdf5", params_only: bool = False, force: bool 
     out = Path(out)
     _check_out(out, fmt, force, path)
     if fmt == "hdf5":
+        r = Reader(path)
+        total = stored_bytes(r, ("param",) if params_only else r.kinds)
+        r.close()
         stage = _stage(out)
         try:
-            info = export_hdf5(path, stage / out.name, params_only=params_only)
+            with following(bar(total, "writing", unit="B", scale=True), lambda: _folder_bytes(stage)):
+                info = export_hdf5(path, stage / out.name, params_only=params_only)
             _publish(stage / out.name, out, stage, force)
         except (OSError, RuntimeError) as exc:         # h5py reports I/O errors as RuntimeError
             raise _write_failed(out, exc) from None
@@ -293,7 +316,9 @@ def _write_hf(folder: Path, r: Reader, cfg, P: dict, dtype: str, save_file, note
     eos = eos_id_of(r, tok)
     write_file(folder / "config.json", json.dumps(adapter.hf_config(mcfg, dtype, eos), indent=2) + "\n",
                overwrite=False)
-    gen = {"bos_token_id": eos, "eos_token_id": eos, "max_length": mcfg.seq_len}
+    # no max_length: transformers' generate(..., max_new_tokens=N) would warn that both are set; the context
+    # limit is config.json's positions (and the tokenizer's model_max_length)
+    gen = {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}
     write_file(folder / "generation_config.json", json.dumps(gen, indent=2) + "\n", overwrite=False)
     if tok is None:
         note("note: no tokenizer.json of the run found next to the checkpoint (or under train.out_dir): "

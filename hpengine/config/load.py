@@ -79,7 +79,17 @@ def load_config(path: str | Path | None, overrides: typing.Iterable[str] = ()) -
     except ConfigError as e:  # overrides were checked key by key already: the file is at fault
         raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None
     validate(cfg)
+    cfg.given = frozenset(k for k, _ in _flat(raw))
     return cfg
+
+
+def _flat(d: dict, prefix: str = ""):
+    """(dotted key, value) of nested TOML tables (an array of tables, such as data.sources, is one key)."""
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield prefix + k, v
 
 
 def _read_toml(path: Path) -> dict:
@@ -371,6 +381,15 @@ def to_toml(cfg: Config) -> str:
 
 
 # ---- queries --------------------------------------------------------------------------------------
+
+def given_keys(cfg: Config) -> tuple[list[str], int]:
+    """(`key = value` for each key the user set to other than its default, in the order of config.toml;
+    how many more they set to the default). The keys set are those of the config file and --set, as
+    load_config recorded them; for a Config built in code, every key. Defaults are those of the model kind."""
+    base = {**dict(_flat(to_dict(from_dict({"model": {"kind": cfg.model.kind}})))), "model.kind": Config().model.kind}
+    given = [(k, v) for k, v in _flat(to_dict(cfg)) if cfg.given is None or k in cfg.given]
+    return [f"{k} = {v!r}" for k, v in given if base.get(k) != v], sum(base.get(k) == v for k, v in given)
+
 
 def enabled_strategies(cfg: Config) -> list[str]:
     """Names of the strategy tables with ``enable = true``, in declaration order."""

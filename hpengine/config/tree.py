@@ -210,15 +210,18 @@ class TrainConfig:
     eval_batches: int = _f(4, "validation batches per evaluation", check=_POS)
     log_every: int = _f(10, "log a metrics line every N steps", check=_POS)
     out_dir: str = _f("runs/default", "run folder (refused if it already holds results)")
-    models: int = _f(1, "train this many models in one job, sharing one partition and one set of "
-                        "collectives (CN115114927A claim 6)", check=_POS)
+    models: int = _f(1, "train this many models together in one job (a seed or learning-rate sweep): each rank "
+                        "holds the same share of each, and one set of collectives per step serves them all",
+                     check=_POS)
     model_seeds: list[int] = _f([], "per-model seeds (init and data); empty = seed, seed+1, ...")
     model_lrs: list[float] = _f([], "per-model peak learning rates; empty = optim.lr for every model")
 
 
 @dataclass
 class OptimConfig:
-    """AdamW, learning-rate schedule and gradient clipping."""
+    """The optimizer, learning-rate schedule and gradient clipping."""
+    name: str = _f("adamw", "the optimizer: AdamW (bias correction, decoupled weight decay of decayed tensors)",
+                   choices=("adamw",))
     lr: float = _f(3e-3, "peak learning rate", check=_must(">=", 0))
     betas: list[float] = _f([0.9, 0.95], "Adam (beta1, beta2)", check=_BETAS)
     eps: float = _f(1e-8, "Adam epsilon", check=_must(">", 0))
@@ -426,7 +429,9 @@ class MeshConfig:
 
 @dataclass
 class Config:
-    """A whole training job."""
+    """A whole training job. `given` (not a key) is set by load_config: the dotted keys the config file and
+    --set gave, None for a Config built in code."""
+    given = None
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -18,7 +18,6 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import numpy as np
 
 from hpengine.data import inputs, tokenizer as toks
 from hpengine.data.format import BYTES, DataError, publish, temp_name, write_token_file
+from hpengine.files.bars import bar
 from hpengine.files.safe import probe_writable, write_file
 
 log = logging.getLogger("hpengine.data")
@@ -184,9 +184,7 @@ def _temp_file(beside: Path, suffix: str, temps: list[Path]) -> Path:
 
 
 def _bar(progress: bool, total: int, desc: str):
-    from tqdm import tqdm
-    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr, disable=not progress,
-                dynamic_ncols=True)
+    return bar(total, desc, unit="B", show=progress, scale=True)
 
 
 class _Counted:

@@ -151,12 +151,17 @@ class TokenFile:
         self.tokenizer = str(a["tokenizer"]) if "tokenizer" in a else None
         self.tokenizer_sha256 = str(a["tokenizer_sha256"]) if "tokenizer_sha256" in a else None
         self.attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in a.items() if k != "tokenizer"}
-        self.doc_offsets = None
-        if self.version >= 2:
-            self.doc_offsets = np.asarray(h5["doc_offsets"][()], dtype=np.int64)
-            if self.doc_offsets[0] != 0 or self.doc_offsets[-1] != self.n_tokens:
-                raise DataError(f"data file '{self.path}': doc_offsets run from {self.doc_offsets[0]} to "
-                                f"{self.doc_offsets[-1]}, expected 0 to the {self.n_tokens} tokens")
+        self._offsets, self._offsets_ds = None, None
+        if self.version >= 2:         # its ends checked now, the whole array read when first asked for
+            d = h5["doc_offsets"]
+            if not isinstance(d, h5py.Dataset) or d.ndim != 1 or d.shape[0] < 1:
+                raise DataError(f"data file '{self.path}': doc_offsets is {getattr(d, 'shape', 'not a dataset')}; "
+                                "expected 1-D int64 of n_docs + 1 entries")
+            first, last = int(d[0]), int(d[-1])
+            if first != 0 or last != self.n_tokens:
+                raise DataError(f"data file '{self.path}': doc_offsets run from {first} to {last}, expected 0 "
+                                f"to the {self.n_tokens} tokens")
+            self._offsets_ds = d
         # a contiguous, unfiltered dataset is read with pread at its byte offset; anything else through h5py
         offset = ds.id.get_offset() if ds.chunks is None and not ds.compression else None
         self._ds, self._offset, self._fd = ds, offset, None
@@ -164,8 +169,16 @@ class TokenFile:
             self._fd = os.open(self.path, os.O_RDONLY)
 
     @property
+    def doc_offsets(self) -> np.ndarray | None:
+        """int64 document offsets (n_docs + 1), read on first use (a large file's info needs none); None
+        for a version 1 file."""
+        if self._offsets is None and self._offsets_ds is not None:
+            self._offsets = np.asarray(self._offsets_ds[()], dtype=np.int64)
+        return self._offsets
+
+    @property
     def n_docs(self) -> int:
-        return 1 if self.doc_offsets is None else len(self.doc_offsets) - 1
+        return 1 if self._offsets_ds is None else self._offsets_ds.shape[0] - 1
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """tokens[start:stop] as a new array of the file's dtype."""

@@ -106,8 +106,8 @@ class Mesh:
         if degree < 1 or size % degree:
             raise TopologyError(f"{name} degree {degree}: must divide the {self.group_name(inside)} ranks "
                                 f"({size}); valid degrees: {[d for d in range(1, size + 1) if size % d == 0]}")
-        if self._folds.setdefault(name, degree) != degree:
-            raise TopologyError(f"{name} was folded with degree {self._folds[name]}; it cannot be folded "
+        if self._folds.setdefault(name, (degree, tuple(inside)))[0] != degree:
+            raise TopologyError(f"{name} was folded with degree {self._folds[name][0]}; it cannot be folded "
                                 f"again with degree {degree}")
         if name not in self.comms:
             color, key = self._product_color(tuple(a for a in self.order if a in inside))
@@ -154,9 +154,24 @@ class Mesh:
         return f"[r{self.rank} dp{c['dp']} sh{c['sharding']} pp{c['pp']} tp{c['tp']}{cp}]"
 
     def describe(self) -> str:
-        shown = [a for a in self.order if a != "cp" or self.degrees[a] > 1]     # cp named only when on
-        degs = " x ".join(f"{a}={self.degrees[a]}" for a in reversed(shown))
-        return f"mesh {degs} (order innermost first: {', '.join(shown)}) on {self.size} ranks"
+        return describe(self.degrees, self.order, self.size, self._folds)
+
+
+FOLDED = {"ep": "the routed experts"}      # what a folded axis splits, for the mesh line
+
+
+def describe(degrees: dict, order, size: int, folds: dict | None = None) -> str:
+    """The mesh line of the start-up log: every axis with its degree, outermost first (cp only when on),
+    the order, and each axis folded inside others ({name: (degree, inside axes)}, e.g. expert parallel)."""
+    shown = [a for a in order if a != "cp" or degrees[a] > 1]
+    degs = " x ".join(f"{a}={degrees[a]}" for a in reversed(shown))
+    text = f"mesh {degs} (order innermost first: {', '.join(shown)}) on {size} ranks"
+    for name, (degree, inside) in (folds or {}).items():
+        if degree > 1:
+            within = " x ".join(f"{a}={degrees[a]}" for a in reversed(order) if a in inside)
+            text += (f"; {name}={degree} folded inside {within}: {FOLDED.get(name, 'its share')} split over "
+                     f"each block of {degree} of those ranks (no extra ranks)")
+    return text
 
 
 def node_ranks(world) -> tuple[int, int]:

@@ -3,7 +3,8 @@ jobs it plans): the costs of the primitives a step is made of, never a step itse
 FLOP/s per precision, the overhead and elementwise cost of a transformer block's forward and backward,
 AdamW per element. With every rank taking part: the latency and bandwidths of the collectives the
 engine calls, issued between block passes as the engine issues them. The result is a [cluster] table
-that `--cluster` reads back.
+that `--cluster` reads back. Also the CPU peak the training progress line's MFU is measured against
+(measured_peak: the best GEMM rate this machine has shown).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from mpi4py import MPI
 
 from hpengine.config.load import load_config
 from hpengine.device.backend import cupy_usable, keep_heap
+from hpengine.device.threads import pool_size
 from hpengine.dist.comm import Comm, testall, waitall
 from hpengine.layout.cache import cache_nbytes
 from hpengine.layout.resolve import resolve
@@ -25,9 +27,11 @@ from hpengine.params.buffers import FlatBuffer, Layout as Offsets, ParamSpec, Ra
 from hpengine.planner.calibrate_gpu import calibrate_gpu
 from hpengine.planner.memory import block_activations
 from hpengine.planner.model import matmul_flops
+from hpengine.planner.peaks import best_peak, cached_peak, cpu_bound, peak_key
 
 GB = 1e9
 ROUNDS = 5                        # timed rounds of each primitive; the best (or the median) is kept
+PEAK_REPEATS = 3                  # timings of the GEMM that MFU's peak comes from, a pause between them
 # (rows, seq_len, d_model, heads) of the blocks timed: overhead-bound to compute-bound
 BLOCK_SHAPES = ((1, 16, 32, 2), (2, 32, 64, 2), (4, 64, 128, 4))
 KEYS = ("nodes", "gpus_per_node", "cores_per_node", "mem_gb", "intra_bw_gbs", "inter_bw_gbs", "intra_latency_us",
@@ -103,6 +107,28 @@ def gemm_rate(np, dtype, n: int = 768) -> float:
     """FLOP/s of one n x n x n matmul in dtype on this process (the best of ROUNDS rounds)."""
     a = np.ones((n, n), dtype=dtype)
     return 2 * n**3 / _per_call(lambda: a @ a)
+
+
+def measured_peak(np, dtype, n: int) -> tuple[float, str]:
+    """(peak FLOP/s of an n x n x n matmul in dtype on this process, where the figure comes from): the best
+    of PEAK_REPEATS timings (one where a figure is cached), each the best of its rounds, and never below the
+    best this machine showed before (peaks.best_peak): a start-up timed beside another job's work would
+    put a step above its peak."""
+    threads = pool_size()
+    key = peak_key(np.dtype(dtype).name, n, threads)
+    rate = 0.0
+    for i in range(1 if cached_peak(key) else PEAK_REPEATS):
+        if i:
+            time.sleep(0.02)        # a burst of another process's work may end in the meantime
+        rate = max(rate, gemm_rate(np, dtype, n))
+    return best_peak(key, rate, cpu_bound(threads))
+
+
+def raise_peak(np, dtype, n: int, rate: float) -> None:
+    """File `rate` FLOP/s (a training step's, per rank) as measured_peak's figure when it is higher: the
+    step proved the GEMM's timing low."""
+    threads = pool_size()
+    best_peak(peak_key(np.dtype(dtype).name, n, threads), rate, cpu_bound(threads))
 
 
 def _primitives(np) -> dict:

@@ -1,15 +1,14 @@
-"""How the engine meets its launcher (mpiexec, srun, qsub): the world-size check against what the
-launcher asked for, and SIGTERM/SIGUSR1 (sent before the wall time) and a first SIGINT (Ctrl-C) turned
-into a stop request the training loop polls; a second SIGINT aborts the job at once; under Open MPI's
-mpirun, which turns Ctrl-C and SIGTERM into a kill of every rank, a run's first lines say how to stop it
-resumably and how to continue, and rank 0 says it again when such a signal comes.
-The hang watchdog is dist/watchdog.py.
+"""How the engine meets its launcher (mpiexec, mpirun, srun, qsub): the world-size check; how the run was
+launched, which every continue line repeats; SIGTERM/SIGUSR1 and a first SIGINT (Ctrl-C) turned into a stop
+request the training loop polls (a second SIGINT aborts); under Open MPI's mpirun, which kills every rank on
+Ctrl-C or SIGTERM, the first lines say how to stop resumably and continue. Hang watchdog: dist/watchdog.py.
 """
 from __future__ import annotations
 
 import logging
 import os
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -108,6 +107,71 @@ def check_world(world, env=None) -> None:
         if err:
             raise LaunchError(err)
     agree_or_raise(world, check, LaunchError, (LaunchError,))   # environments may differ by rank
+
+
+# --- how the run was launched: recorded in the run folder, repeated by every continue line -----------
+_TYPED = {"mpiexec": ("mpiexec", "mpiexec.hydra", "mpirun"), "mpirun": ("mpirun", "mpiexec")}
+
+
+def launched_as(env=None, size=None) -> dict:
+    """How this process was started, from what its launcher set in the environment: {"launcher": "mpiexec"
+    (MPICH's Hydra or another PMI mpiexec) | "mpirun" (Open MPI) | "srun" | None (no launcher: one process),
+    "program": the launcher as typed where this process's parents show it (else its bare name), "args":
+    launcher options that matter to a relaunch, "ranks": `size`, else the launcher's count}. With `env`
+    given, a pure function of it (no process is looked at)."""
+    real = env is None
+    env = os.environ if env is None else env
+    found = launcher_size(env)
+    ranks = size or (found[0] if found and found[2] == "launched" else 1)
+    step = "SLURM_STEP_ID" in env
+    hydra = "HYDI_CONTROL_FD" in env or "MPI_LOCALNRANKS" in env       # Hydra's proxy sets these, srun does not
+    if env.get("PRTE_LAUNCHED") == "1" or "OMPI_MCA_orte_hnp_uri" in env or \
+            (_int(env, "OMPI_COMM_WORLD_SIZE") and not step):
+        launcher, args = "mpirun", []
+    elif _int(env, "PMI_SIZE") and (hydra or not step):
+        launcher, args = "mpiexec", []
+    elif step and (_int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "PMI_SIZE") or _int(env, "OMPI_COMM_WORLD_SIZE")):
+        mpi = env.get("SLURM_MPI_TYPE", "")
+        launcher, args = "srun", ([f"--mpi={mpi}"] if mpi and mpi != "none" else [])
+    else:
+        return {"launcher": None, "program": None, "args": [], "ranks": ranks}
+    program = (_typed_launcher(_TYPED[launcher]) if real and launcher in _TYPED else None) or launcher
+    return {"launcher": launcher, "program": program, "args": args, "ranks": ranks}
+
+
+def launch_record(size: int, mesh: dict) -> dict:
+    """What launch.json and summary.json record of this start: launched_as(size=size), the mesh's degrees and
+    "command", the launch to repeat (None for one process started without a launcher)."""
+    found = {**launched_as(size=size), "mesh": dict(mesh)}
+    return {**found, "command": shlex.join(launch_words(found)) or None}
+
+
+def launch_words(launched: dict) -> list[str]:
+    """The launch to repeat, as argv words before `hpengine`: [program, args..., "-n", ranks]; [] for a
+    process started without a launcher."""
+    if not launched or not launched.get("launcher"):
+        return []
+    return [launched.get("program") or launched["launcher"], *launched.get("args", []), "-n", str(launched["ranks"])]
+
+
+def _typed_launcher(names, depth: int = 3) -> str | None:
+    """argv[0] of the nearest of this process's `depth` ancestors whose program is named one of `names`: the
+    rank's parent is its supervisor (run/supervisor.py), whose parent is Open MPI's mpirun, or Hydra's proxy
+    whose parent is mpiexec. None when none is, or /proc cannot say (another node, another OS)."""
+    pid = os.getpid()
+    for _ in range(depth):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv0 = f.read().split(b"\0")[0].decode()
+        except (OSError, ValueError, IndexError, UnicodeDecodeError):
+            return None
+        if pid <= 1:
+            return None
+        if argv0.isprintable() and os.path.basename(argv0) in names:
+            return argv0
+    return None
 
 
 # --- stop on SIGTERM / SIGUSR1 ------------------------------------------------------------------

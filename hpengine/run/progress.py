@@ -5,24 +5,32 @@ device memory in use on a GPU); and whether the line between logged steps may re
 MFU = model FLOPs of a step (trace.model_flops: 6 x Psi x tokens + attention, all models) / the step's
 train time / (peak FLOP/s per rank x ranks). The peak per rank is runtime.peak_tflops when set; else, on
 a GPU, the dense figure of NVIDIA's datasheet for the device (PEAK_TFLOPS) at the precision the GEMMs run
-in; else, on the CPU, a float GEMM on one core timed at start-up (calibrate.gemm_rate, about 0.1 s).
+in; else, on the CPU, the best float GEMM rate this machine has shown (calibrate.measured_peak, cached
+per machine). A step above its peak proves the peak wrong: MFU is null ("n/a") from then on, never > 100 %.
+The ETA is the median step time, the first WARMUP steps of the run left out, times the steps left.
 """
 from __future__ import annotations
 
 import collections
+import functools
+import logging
 import os
 import resource
+import statistics
 import sys
 import time
 
 import numpy as np
 
-from hpengine.planner.calibrate import _alone, gemm_rate
+from hpengine.planner.calibrate import _alone, measured_peak, raise_peak
 from hpengine.planner.peaks import PEAK_TFLOPS, precision_of, table_peak
 from hpengine.run.startguard import under_launcher
 from hpengine.run.trace import model_flops
 
-RECENT = 20          # steps whose mean wall time gives the ETA
+WARMUP = 3           # first steps of a run (start-up, first touches of memory) left out of the ETA
+RECENT = 50          # steps whose median wall time gives the ETA
+
+log = logging.getLogger("hpengine")
 
 
 def device_name(backend) -> str:
@@ -47,9 +55,14 @@ def peak_per_rank(cfg, backend, world, compute_dtype: str) -> tuple[float | None
                           f"{', '.join(k for k, _ in PEAK_TFLOPS)}): set runtime.peak_tflops")
         return peak * 1e12, f"{name}, dense {prec} datasheet figure"
 
-    n = 256 if compute_dtype == "float16" else 512
-    rate = _alone(world, lambda: gemm_rate(np, np.dtype(compute_dtype), n))
-    return rate, f"{compute_dtype} {n}^3 GEMM timed on one core at start-up"
+    n = gemm_size(compute_dtype)
+    rate, where = _alone(world, lambda: measured_peak(np, np.dtype(compute_dtype), n))
+    return rate, f"{compute_dtype} {n}^3 GEMM on one rank's BLAS threads, {where}"
+
+
+def gemm_size(compute_dtype: str) -> int:
+    """n of the n x n x n GEMM whose rate is the CPU's peak."""
+    return 256 if compute_dtype == "float16" else 512
 
 
 def memory_bytes(backend) -> int:
@@ -62,25 +75,49 @@ def memory_bytes(backend) -> int:
 
 class Progress:
     """Counts this run's optimizer steps and adds elapsed_s, eta_s, mfu and mem_bytes to a step's metrics.
-    total: the last step to run (train.steps); start: the optimizer steps done before this run (resume)."""
+    total: the last step to run (train.steps); start: the optimizer steps done before this run (resume);
+    peak_total: FLOP/s of all ranks (None: no MFU); exceeded(rate): told once when a step ran at `rate`
+    FLOP/s, above the peak (which is wrong then: MFU is None from that step on)."""
 
     def __init__(self, total: int, start: int, flops_step: float, peak_total: float | None, mem=lambda: 0,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, exceeded=None):
         self.total, self.done, self.flops_step, self.peak = total, start, flops_step, peak_total
-        self.mem, self.clock = mem, clock
-        self.t0 = clock()
-        self.ends = collections.deque([self.t0], maxlen=RECENT + 1)
+        self.mem, self.clock, self.exceeded = mem, clock, exceeded
+        self.t0 = self.last = clock()
+        self.early = []                                    # the first WARMUP step times of this run
+        self.recent = collections.deque(maxlen=RECENT)     # the step times after them
 
     def update(self, m: dict) -> dict:
         """The new fields of step m (its step_ms is the train step's time); also counts the step."""
         now = self.clock()
         self.done += 1
-        self.ends.append(now)
-        per_step = (self.ends[-1] - self.ends[0]) / (len(self.ends) - 1)
-        step_s = m["step_ms"] / 1e3
-        mfu = self.flops_step / step_s / self.peak if self.peak and step_s > 0 else None
-        return {"mfu": mfu, "elapsed_s": now - self.t0, "eta_s": per_step * max(self.total - self.done, 0),
+        (self.early if len(self.early) < WARMUP else self.recent).append(now - self.last)
+        self.last = now
+        return {"mfu": self._mfu(m["step_ms"] / 1e3), "elapsed_s": now - self.t0, "eta_s": self.eta(),
                 "mem_bytes": self.mem()}
+
+    def _mfu(self, step_s: float) -> float | None:
+        if not self.peak or step_s <= 0:
+            return None
+        rate = self.flops_step / step_s
+        if rate > self.peak:
+            log.info("MFU n/a from step %d on: the step ran at %.4g TFLOP/s, above the peak of %.4g TFLOP/s "
+                     "MFU is measured against, so that peak is too low (timed while other work ran, or set "
+                     "too low: runtime.peak_tflops gives the device's)", self.done, rate / 1e12, self.peak / 1e12)
+            if self.exceeded is not None:
+                self.exceeded(rate)
+            self.peak = None
+            return None
+        return rate / self.peak
+
+    def eta(self) -> float | None:
+        """Seconds to the last step: the median step time after the warm-up (before it is over, of the
+        steps after the first) times the steps left; None while only the first step has run."""
+        left = max(self.total - self.done, 0)
+        times = self.recent or self.early[1:]
+        if not left:
+            return 0.0
+        return statistics.median(times) * left if times else None
 
     def label(self) -> str:
         """"N/total": optimizer steps completed, of the run's total."""
@@ -101,18 +138,25 @@ def redraws(stream=None, env=None) -> bool:
         return False
 
 
-def hms(seconds: float) -> str:
+def hms(seconds: float | None) -> str:
+    """h:mm:ss; "n/a" for an unknown time."""
+    if seconds is None:
+        return "n/a"
     s = int(round(seconds))
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 def suffix(m: dict, gpu: bool = False) -> str:
-    """What the progress line shows after tok/s and ms: MFU, memory, elapsed and ETA."""
-    out = "" if m.get("mfu") is None else f" | MFU {100 * m['mfu']:.1f}%"
+    """What the progress line shows after tok/s and ms: MFU ("n/a" where its peak is unknown or proved
+    wrong; never above 100 %), memory, elapsed and ETA."""
+    out = ""
+    if "mfu" in m:
+        mfu = m["mfu"]
+        out = f" | MFU {100 * mfu:.1f}%" if mfu is not None and 0 <= mfu <= 1 else " | MFU n/a"
     if "mem_bytes" in m:
         out += f" | {'dev mem' if gpu else 'RSS'} {m['mem_bytes'] / 2**20:,.0f} MiB"
     if "elapsed_s" in m:
-        out += f" | {hms(m['elapsed_s'])} elapsed, ETA {hms(m['eta_s'])}"
+        out += f" | {hms(m['elapsed_s'])} elapsed, ETA {hms(m.get('eta_s'))}"
     return out
 
 
@@ -127,4 +171,12 @@ def begin(eng, cfg, world, first: int, compute_dtype: str, log) -> Progress:
     else:
         log.info("MFU against %.4g TFLOP/s per rank x %d rank(s) (%s); %.4g GFLOP per step", peak / 1e12, n, why,
                  flops / 1e9)
-    return Progress(cfg.train.steps, first, flops, None if peak is None else peak * n, mem=lambda: memory_bytes(eng.be))
+    measured = peak is not None and not cfg.runtime.peak_tflops > 0 and not eng.be.is_gpu
+    # a step that proves the measured peak low raises the cached figure (rank 0 keeps it): the next run starts there
+    exceeded = functools.partial(_raise, compute_dtype, n) if measured and world.Get_rank() == 0 else None
+    return Progress(cfg.train.steps, first, flops, None if peak is None else peak * n,
+                    mem=lambda: memory_bytes(eng.be), exceeded=exceeded)
+
+
+def _raise(compute_dtype: str, ranks: int, rate: float) -> None:
+    raise_peak(np, np.dtype(compute_dtype), gemm_size(compute_dtype), rate / ranks)

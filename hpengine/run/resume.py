@@ -1,28 +1,24 @@
-"""`hpengine train --resume auto`: continue from the run folder's latest checkpoint when there is one, start
-fresh when the folder holds no checkpoint yet. A folder with results (metrics.jsonl, config.toml) but no
-checkpoint (a run stopped before its first save) starts over in place: the earlier files are kept beside
-the new ones as metrics.before-<time>.jsonl and config.before-<time>.toml; nothing is deleted. A batch job that always passes it (jobs/slurm_train.sbatch) resumes
-by itself after a requeue or a resubmission into the same run folder.
-
-Refused with one line where it cannot mean either:
-- train.out_dir is empty (there is no run folder to look in);
-- the latest checkpoint is already at train.steps: the run is complete, there is nothing to train.
-
-Rank 0 looks at the file system and every rank gets its answer, so all ranks resume (or not) together.
-"""
+"""`hpengine train --resume auto` (what batch jobs and every continue line pass): the run folder's latest
+checkpoint when there is one, else a fresh start; a folder with results but no checkpoint starts over in
+place, its earlier files kept as <name>.before-<time>. Refused in one line for an empty train.out_dir or a
+complete run. Rank 0 looks and every rank gets its answer; a resume under another world size or mesh than
+the checkpoint's says so in one line (layout_change)."""
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import time
 from pathlib import Path
 
 from hpengine.checkpoint.shards import CheckpointError, resolve
 from hpengine.dist.agree import agree_or_raise
 from hpengine.files import UnsafeFile, read_text
-from hpengine.run.run_dir import RUN_FILES, RunError
+from hpengine.run.launch import launch_words
+from hpengine.run.run_dir import LAUNCH_FILE, RUN_FILES, RunError, resumes_from
 
 AUTO, LATEST = "auto", "latest"
+OUTERMOST_FIRST = ("pp", "dp", "sharding", "cp", "tp")     # how a mesh is named in the layout-change line
 
 
 def resolve_resume(cfg, world, resume, log=None):
@@ -87,8 +83,66 @@ def set_aside(out: Path, names) -> list[str]:
     return kept
 
 
+def _manifest(step_dir: Path) -> dict:
+    try:
+        return json.loads(read_text(step_dir / "manifest.json", "manifest", limit=1 << 30))
+    except (OSError, UnsafeFile, ValueError) as exc:
+        raise CheckpointError(f"manifest '{step_dir / 'manifest.json'}' is unreadable: {exc}") from None
+
+
 def _step(step_dir: Path) -> int:
     try:
-        return int(json.loads(read_text(step_dir / "manifest.json", "manifest", limit=1 << 30))["step"])
-    except (OSError, UnsafeFile, ValueError, KeyError, TypeError) as exc:
+        return int(_manifest(step_dir)["step"])
+    except (KeyError, TypeError) as exc:
         raise CheckpointError(f"manifest '{step_dir / 'manifest.json'}' is unreadable: {exc}") from None
+
+
+def layout_change(cfg, resume, launched: dict) -> str | None:
+    """The line rank 0 logs when the checkpoint that --resume `resume` loads (checked already) was saved by
+    another world size or mesh than `launched` (launch.launch_record()); None when they agree. The
+    earlier launch is named as the run folder's launch.json has it when that launch saved this checkpoint."""
+    root = Path(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints")
+    try:
+        manifest = _manifest(resolve(root if resume == LATEST else resume))
+        world, mesh = int(manifest["world"]), dict(manifest["layout"])
+    except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+        return None                      # a manifest without these facts: nothing to compare
+    if world == launched["ranks"] and _axes(mesh) == _axes(launched["mesh"]):
+        return None
+    was = _launch_phrase(_earlier_launch(cfg, root, resume, world), world, "as")
+    now = _launch_phrase(launched, launched["ranks"], "under")
+    return (f"resuming a run launched {was} ({_mesh_words(mesh)}) {now} ({_mesh_words(launched['mesh'])}): "
+            "the layout changes, the training does not (the same global batches, the same result as one "
+            "process up to rounding)")
+
+
+def _launch_phrase(launched: dict | None, ranks: int, word: str) -> str:
+    """`as mpiexec -n 4` (`word` and the launch), or `on 1 rank` without a launcher."""
+    try:
+        words = shlex.join(launch_words(launched)) if launched else ""
+    except (TypeError, KeyError, AttributeError):           # a launch.json written by something else
+        words = ""
+    return f"{word} {words}" if words else f"on {ranks} rank{'s' if ranks != 1 else ''}"
+
+
+def _earlier_launch(cfg, root: Path, resume, world: int) -> dict | None:
+    """The run folder's launch.json (how its latest launch started) when the checkpoint is the run's own and
+    that launch had the checkpoint's `world` ranks; else None."""
+    if not resumes_from(root, resume):
+        return None
+    try:
+        found = json.loads(read_text(Path(cfg.train.out_dir) / LAUNCH_FILE, "launch record", limit=1 << 16))
+    except (OSError, UnsafeFile, ValueError):
+        return None
+    return found if isinstance(found, dict) and found.get("ranks") == world else None
+
+
+def _axes(mesh: dict) -> dict:
+    return {a: d for a, d in mesh.items() if d != 1}
+
+
+def _mesh_words(mesh: dict) -> str:
+    """`mesh pp=2 x dp=2` (the axes of degree > 1, outermost first), or `no parallel axes`."""
+    axes = _axes(mesh)
+    order = sorted(axes, key=lambda a: OUTERMOST_FIRST.index(a) if a in OUTERMOST_FIRST else len(OUTERMOST_FIRST))
+    return "mesh " + " x ".join(f"{a}={axes[a]}" for a in order) if axes else "no parallel axes"

@@ -1,7 +1,7 @@
 """The run folder of `hpengine train`: locked while a job trains in it, checked and made by rank 0 (agreed
-on every rank), its config.toml (the config the run trains with, rewritten on --resume) and tokenizer.json,
-and metrics.jsonl trimmed to the resumed step on --resume. A fresh run refuses a folder holding any file a run
-writes, and a checkpoint folder holding checkpoints it is not resuming from."""
+on every rank), its config.toml (the config the run trains with, rewritten on --resume), tokenizer.json and
+launch.json (how it was launched), and metrics.jsonl trimmed to the resumed step on --resume. A fresh run
+refuses a folder holding any file a run writes, and a checkpoint folder holding checkpoints it does not resume."""
 from __future__ import annotations
 
 import json
@@ -15,8 +15,9 @@ from hpengine.dist.agree import agree_or_raise
 from hpengine.files import Busy, UnsafeFile, hold_lock, holder_text, read_text, release, write_file
 
 # every file a run writes into its folder (a fresh run refuses a folder holding any of them)
+LAUNCH_FILE = "launch.json"     # how the run's latest launch started: launcher, ranks, mesh, the launch to repeat
 RUN_FILES = ("metrics.jsonl", "config.toml", "tokenizer.json", "summary.json", "trace.json", "breakdown.json",
-             "ranks.jsonl", "failures.jsonl")
+             "ranks.jsonl", "failures.jsonl", LAUNCH_FILE)
 LOCK = ".hpengine.lock"
 
 
@@ -95,7 +96,7 @@ def _checkpoints_in(root: Path) -> str | None:
     return None
 
 
-def _resumes_from(root: Path, resume) -> bool:
+def resumes_from(root: Path, resume) -> bool:
     """Whether --resume (None, 'latest', a path, or True: somewhere) continues the checkpoints in root."""
     if resume is None or resume is False:
         return False
@@ -107,9 +108,10 @@ def _resumes_from(root: Path, resume) -> bool:
         return False
 
 
-def prepare_run_dir(cfg, world, resuming=False, data=None) -> Path:
+def prepare_run_dir(cfg, world, resuming=False, data=None, launched=None) -> Path:
     """The run folder; refused if it already holds results, unless resuming (metrics are appended).
-    `resuming`: the --resume value (a checkpoint folder, 'latest'; True: resuming; None/False: fresh)."""
+    `resuming`: the --resume value (a checkpoint folder, 'latest'; True: resuming; None/False: fresh).
+    `launched` (launch.launch_record()): written to launch.json."""
     out = Path(cfg.train.out_dir)
     if not cfg.train.out_dir.strip():
         raise RunError("train.out_dir = '': empty; name a run folder, e.g. --set train.out_dir=runs/x")
@@ -127,12 +129,14 @@ def prepare_run_dir(cfg, world, resuming=False, data=None) -> Path:
             raise RunError(f"train.out_dir = '{out}' already holds results ({', '.join(held[:3])}); choose a new "
                            f"folder, e.g. --set train.out_dir={out}-2, or continue it with --resume auto")
         marked = _checkpoints_in(root)
-        if marked and not _resumes_from(root, resuming):
+        if marked and not resumes_from(root, resuming):
             raise RunError(f"checkpoint.dir = '{root}' already holds checkpoints ({marked}) that this run does not "
                            f"resume from; continue them with --resume {root}, or choose another checkpoint.dir "
                            "(or train.out_dir)")
         out.mkdir(parents=True, exist_ok=True)
         write_file(out / "config.toml", to_toml(cfg))       # resumed: the config it trains with now (--set)
+        if launched is not None:
+            write_file(out / LAUNCH_FILE, json.dumps(launched, indent=1) + "\n")
         tok = tokenizer_json(data) if data is not None else None
         if tok is not None and not (not fresh and os.path.lexists(out / "tokenizer.json")):
             write_file(out / "tokenizer.json", tok)

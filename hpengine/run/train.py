@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpengine.checkpoint import background, guard as ckpt_guard, hf_import, shards as checkpoint, write as ckpt_write
-from hpengine.config.load import Config, to_dict, to_toml
+from hpengine.config.load import given_keys, to_toml
 from hpengine.device.threads import describe as blas_threads_line
 from hpengine.dist.agree import agree_or_raise
 from hpengine.dist.watchdog import Watchdog, progress as bytes_written
@@ -34,7 +34,7 @@ from hpengine.run.build import (
     data_meta,
     load_together,
 )
-from hpengine.run.resume import resolve_resume
+from hpengine.run.resume import layout_change, resolve_resume
 from hpengine.run.run_dir import RunError, lock_run_dir, prepare_run_dir, trim_metrics, unlock_run_dir
 
 log = logging.getLogger("hpengine")
@@ -77,15 +77,20 @@ def train(cfg, world=None, resume=None) -> dict:
 
 
 def _train(eng, cfg, world, resume) -> dict:
-    note = launch.open_mpi_start_note(continue_command(cfg.train.out_dir))
+    launched = launch.launch_record(world.Get_size(), eng.mesh.degrees)     # launch.json, summary.json
+    note = launch.open_mpi_start_note(continue_command(cfg.train.out_dir, launched))
     if note:          # Ctrl-C to mpirun kills the ranks before anything can say how to go on: said up front
         log.info("%s", note)
     resume = resolve_resume(cfg, world, resume, log)     # --resume auto: a checkpoint, or None
     start = restore(eng, cfg, resume)
+    if resume is not None and world.Get_rank() == 0:      # before prepare_run_dir replaces launch.json
+        change = layout_change(cfg, resume, launched)
+        if change:
+            log.info("%s", change)
     if start >= cfg.train.steps:              # the same step on every rank: every rank refuses together
         raise RunError(f"--resume {resume}: the checkpoint is at step {start} and train.steps = "
                        f"{cfg.train.steps}: nothing to train; raise train.steps (--set train.steps=N) to go on")
-    out = prepare_run_dir(cfg, world, resuming=resume, data=eng.data)
+    out = prepare_run_dir(cfg, world, resuming=resume, data=eng.data, launched=launched)
     failures_before = faults.failures_size(out)     # what an earlier run of a resumed folder recorded
     if cfg.checkpoint.at_end or cfg.checkpoint.every or cfg.checkpoint.every_minutes:   # found now, not at the first save
         ckpt_guard.check_writable(world, checkpoint_root(cfg))
@@ -180,25 +185,29 @@ def _train(eng, cfg, world, resume) -> dict:
         if tbw:
             tbw.close()
     log_pipeline(eng, cfg)
-    summary = summarize(eng, history, time.perf_counter() - t_start, out, stop)
+    summary = summarize(eng, history, time.perf_counter() - t_start, out, stop, launched)
     trace.finish(eng, out, history, summary["wall_s"])   # trace.json, breakdown table + .json
-    log.info("%s", next_steps(cfg, out, stop))              # the last line: where the run is, what to try
+    log.info("%s", next_steps(cfg, out, stop, launched))    # the last line: where the run is, what to try
     return summary
 
 
-def continue_command(out) -> str:
+def continue_command(out, launched=None) -> str:
     """The command that continues the run in folder `out`: from its latest checkpoint, or over again when
-    it has none (--resume auto)."""
-    return f"hpengine train {shlex.quote(str(out))}/config.toml --resume auto"
+    it has none (--resume auto), under the launch that started it (launch.launch_record() or
+    launched_as(); None: this process's), e.g. `mpiexec -n 4 hpengine train RUN/config.toml --resume auto`."""
+    words = launch.launch_words(launch.launched_as() if launched is None else launched)
+    return shlex.join([*words, "hpengine", "train"]) + f" {shlex.quote(str(out))}/config.toml --resume auto"
 
 
-def next_steps(cfg, out, stop=None) -> str:
-    """The run's last line (rank 0): its folder and the commands to try next on it."""
+def next_steps(cfg, out, stop=None, launched=None) -> str:
+    """The run's last line (rank 0): its folder and the commands to try next on it (a stopped run: the one
+    that continues it, under `launched`, see continue_command)."""
     q = shlex.quote(str(out))
     root = checkpoint_root(cfg)
     if stop:         # --resume auto: from the latest checkpoint, or over again in this folder when none
         saved = "" if (root / "latest").exists() else ", no checkpoint yet: it starts over in this folder"
-        return f"run folder {q} (stopped early by {stop}{saved}); continue with: {continue_command(out)}"
+        cont = continue_command(out, launched)
+        return f"run folder {q} (stopped early by {stop}{saved}); continue with: {cont}"
     if not (root / "latest").exists():
         return f"run folder {q} (no checkpoint saved); next: hpengine plot {q}"
     ck = q if not cfg.checkpoint.dir else shlex.quote(str(root))
@@ -326,21 +335,21 @@ def restore(eng, cfg, resume) -> int:
     return start
 
 
-def changed_keys(cfg) -> list[str]:
-    """`key = value` for every key of the resolved config that differs from the default."""
-    def flat(d, prefix=""):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                yield from flat(v, f"{prefix}{k}.")
-            else:
-                yield f"{prefix}{k}", v
-    base = dict(flat(to_dict(Config())))
-    return [f"{k} = {v!r}" for k, v in flat(to_dict(cfg)) if base.get(k) != v]
+def config_line(cfg) -> str:
+    """The start-up line on the config: the keys the config file and --set gave (those at their default
+    counted, not listed); for a Config built in code, the keys off their default."""
+    changed, same = given_keys(cfg)
+    if cfg.given is None:
+        return "config (resolved; written in full to config.toml; keys not at their default): " + (
+            ", ".join(changed) or "none")
+    listed = ", ".join(changed) + (f" (and {same} more set to their default)" if same else "")
+    if not changed:
+        listed = f"{same} key{'s' * (same > 1)}, each set to its default" if same else "none"
+    return f"config (resolved; written in full to config.toml; the keys you set): {listed}"
 
 
 def log_start(eng, cfg) -> None:
-    log.info("config (resolved; written to config.toml; keys not at their default): %s",
-             ", ".join(changed_keys(cfg)) or "all defaults")
+    log.info("%s", config_line(cfg))
     log.info("%s", eng.mesh.describe())
     log.info("%s", blas_threads_line())
     if eng.sync.describe():
@@ -373,13 +382,16 @@ def log_pipeline(eng, cfg) -> None:
              [round(b, 3) for b, _ in stats], theory, [n for _, n in stats])
 
 
-def summarize(eng, history, wall, out, stopped=None) -> dict:
+def summarize(eng, history, wall, out, stopped=None, launched=None) -> dict:
+    """The run's summary (summary.json, written by rank 0): losses, speed, memory, how it was launched
+    (`launched`, as launch.json has it) and, when it stopped early, the command that continues it."""
     toks = [m["tokens_per_s"] for m in history[1:]] or [history[0]["tokens_per_s"]]
     vals = [m["val_loss"] for m in history if "val_loss" in m]
     summary = {"steps": len(history), "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
                "final_val_loss": vals[-1] if vals else None, "wall_s": wall,
                "median_tokens_per_s": sorted(toks)[len(toks) // 2], **eng.memory(), "out_dir": str(out),
-               "tokenizer_sha256": eng.data.tokenizer_sha256, "stopped_early": stopped}
+               "tokenizer_sha256": eng.data.tokenizer_sha256, "stopped_early": stopped, "launch": launched,
+               "continue": continue_command(out, launched) if stopped else None}
     log.info("done: %d steps in %.1f s | loss %.4f -> %.4f | val %s | median %s tok/s | peak RSS %.0f MiB",
              summary["steps"], wall, summary["first_loss"], summary["final_loss"],
              f"{summary['final_val_loss']:.4f}" if vals else "-",

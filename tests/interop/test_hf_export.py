@@ -137,6 +137,31 @@ def test_hf_export_with_the_runs_tokenizer(tmp_path, bpe_corpus):
     np.testing.assert_allclose(stock, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_readme_snippet_generates_without_a_warning(tmp_path, small_corpus):
+    """The README's `model.generate(ids, max_new_tokens=N, do_sample=False)` on an export: its
+    generation_config.json sets no max_length to clash with max_new_tokens and gives the pad id."""
+    import logging
+    import warnings
+    _, hf = train_and_export(tmp_path, small_corpus, "gpt", 256)
+    gen = json.loads((hf / "generation_config.json").read_text())
+    assert "max_length" not in gen and gen["pad_token_id"] == gen["eos_token_id"] == 0
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    hf_log = logging.getLogger("transformers")
+    hf_log.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            out = model.generate(torch.tensor([list("the ".encode())]), max_new_tokens=8, do_sample=False)
+    finally:
+        hf_log.removeHandler(handler)
+    said = [r.getMessage() for r in records] + [str(w.message) for w in caught]
+    assert not [m for m in said if "max_length" in m or "pad_token_id" in m], said
+    assert 4 < out.shape[1] <= 4 + 8
+
+
 def _child_env(tmp_path) -> dict:
     """One thread per rank, a private corpus cache, nothing of an MPI launcher that may have started pytest."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_LOCAL"))}

@@ -5,6 +5,7 @@ MPI's mpirun would kill the ranks on SIGTERM), and the job exits 75 with a check
 the same script resumes. PBS's own early warning: a timer STOP_BEFORE seconds before PBS_WALLTIME."""
 from __future__ import annotations
 
+import shlex
 import signal
 import socket
 import subprocess
@@ -40,8 +41,8 @@ def _job_env(tmp_path, launcher, script, corpus, **extra) -> dict:
     setup.write_text(f'export PATH="{env_for(tmp_path, launcher)["PATH"]}"\n')
     nodefile = tmp_path / "nodefile"                 # PBS: one line per slot, the ranks counted from it
     nodefile.write_text(f"{socket.gethostname()}\n" * 2)
-    sched = ({"LAUNCHER": "mpiexec", "SLURM_NTASKS": "2"} if script == "slurm"
-             else {"PBS_NODEFILE": str(nodefile)})
+    sched = ({"LAUNCHER": "mpiexec", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "my job"}
+             if script == "slurm" else {"PBS_NODEFILE": str(nodefile)})
     return env_for(tmp_path, launcher, HPENGINE_ROOT=str(tmp_path), SETUP_ENV=str(setup),
                    CONFIG=str(tmp_path / "job.toml"), OUT_DIR=str(tmp_path / "run"), **sched, **extra)
 
@@ -69,6 +70,7 @@ def _check_stopped_and_resume(tmp_path, script, env, log_text: str, rc: int, sai
     root = tmp_path / "run" / "checkpoints"
     assert (root / "latest").read_text().strip() == f"step_{k:08d}"
     assert steps_of(tmp_path / "run") == list(range(1, k + 1))
+    _check_continue_lines(tmp_path / "run", script, env, log_text)
 
     again = tmp_path / "again.log"          # the same script again: --resume auto from that checkpoint
     rc = _run_script(tmp_path, script, {**env, "EXTRA_ARGS": f"--set train.steps={k + 2}"}, again)
@@ -76,6 +78,24 @@ def _check_stopped_and_resume(tmp_path, script, env, log_text: str, rc: int, sai
     assert rc == 0, text
     assert f"resuming from the latest checkpoint under {root} (step {k})" in text, text
     assert steps_of(tmp_path / "run") == list(range(1, k + 3)), text
+
+
+def _check_continue_lines(run: Path, script: str, env: dict, log_text: str) -> None:
+    """Rank 0's line repeats the launch the script made (2 ranks); the script's own names the job that
+    continues the run: the same job name, ranks and launcher on the run's config.toml."""
+    lines = [ln.split("continue with: ", 1)[1] for ln in log_text.splitlines() if "continue with: " in ln]
+    assert len(lines) == 2, log_text
+    engine, job = (lines if "hpengine train" in lines[0] else lines[::-1])
+    words = shlex.split(engine)
+    assert words[1:] == ["-n", "2", "hpengine", "train", f"{run}/config.toml", "--resume", "auto"], engine
+    assert Path(words[0]).name in ("mpiexec", "mpirun"), engine
+    if script == "slurm":
+        want = ["sbatch", "--job-name=my job", "--nodes=1", "--ntasks=2",
+                f"--export=ALL,CONFIG={run}/config.toml,OUT_DIR={run},LAUNCHER=mpiexec,SRUN_MPI=pmi2",
+                "jobs/slurm_train.sbatch"]
+    else:
+        want = ["qsub", "-N", "hpengine", "-v", f"CONFIG={run}/config.toml,OUT_DIR={run},NP=2", "jobs/pbs_train.pbs"]
+    assert shlex.split(job) == want, job
 
 
 @pytest.mark.parametrize("script", ["slurm", "pbs"])

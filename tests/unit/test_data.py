@@ -280,6 +280,27 @@ def test_cli_build_summary_and_info(tmp_path, tree, capsys):
     assert "not an HDF5" in cli_error(["data", "info", tree / "LICENSE"], capsys)
 
 
+def test_info_of_a_large_file_reads_only_the_ends_of_its_document_offsets(tmp_path, capsys):
+    """`data info` takes no longer on a corpus of millions of documents: the offsets are read when used."""
+    import h5py
+    n_docs, n = 2_000_000, 4_000_000
+    path = tmp_path / "big.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("tokens", shape=(n,), dtype=np.uint8)
+        f.create_dataset("doc_offsets", data=np.arange(0, n + 1, 2, dtype=np.int64))
+        f.attrs.update(format="hpengine-tokens", version=2, vocab_size=256, eos_id=0, tokenizer="bytes",
+                       tokenizer_sha256=sha256_text("bytes"), n_docs=n_docs, n_tokens=n, source="test")
+    with TokenFile(path) as f:
+        assert f.n_docs == n_docs and f._offsets is None          # nothing but the two ends read yet
+        assert f.doc_offsets[1] == 2 and len(f.doc_offsets) == n_docs + 1
+    code, stdout, err = cli(["data", "info", path], capsys)
+    assert code == 0 and f"{n:,} tokens (uint8) in {n_docs:,} documents" in stdout
+    with h5py.File(path, "r+") as f:
+        f["doc_offsets"][-1] = n - 1                               # the ends are still checked on opening
+    with pytest.raises(DataError, match=f"doc_offsets run from 0 to {n - 1}, expected 0 to the {n} tokens"):
+        TokenFile(path)
+
+
 @pytest.mark.parametrize("args, words", [
     (["--vocab-size", "300"], "--vocab-size 300 only applies with --train-tokenizer"),
     (["--train-tokenizer"], "--train-tokenizer needs --vocab-size"),

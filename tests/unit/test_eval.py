@@ -118,8 +118,10 @@ def test_eval_equals_an_independent_computation(run, evalfile, capsys, tmp_path)
     assert r["bytes"] == n_bytes == n - 3                   # each of the 3 documents ends with eos
     assert r["bits_per_byte"] == pytest.approx(want / n / math.log(2) * n / n_bytes, rel=1e-12)
     line = out.strip().splitlines()[-1]
+    assert r["batches"] == 3 and r["replicas"] == 1 and r["seconds"] > 0    # 8 windows, 2, the partial one
     assert line == (f"eval {ckpt} on {evalfile}: {n:,} tokens, loss {want / n:.6f}, perplexity "
-                    f"{math.exp(want / n):.4f}, bits/byte {r['bits_per_byte']:.6f}")
+                    f"{math.exp(want / n):.4f}, bits/byte {r['bits_per_byte']:.6f}; 3 batches in "
+                    f"{r['seconds']:.1f} s")
 
 
 def test_plan_passes_covers_every_window_once():

@@ -138,6 +138,9 @@ def test_hf_folder(tmp_path, capsys, runs, kind):
     assert (rc, err) == (0, ""), err
     assert "byte-level" in stdout        # the small corpus is bytes: no tokenizer files, said so
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    # no max_length: the README's generate(..., max_new_tokens=N) would warn that both are set
+    assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 0, "eos_token_id": 0,
+                                                                       "pad_token_id": 0}
     conf = json.loads((out / "config.json").read_text())
     assert conf["model_type"] == ("gpt2" if kind == "gpt" else "llama")
     assert conf["vocab_size"] == 256 and conf["eos_token_id"] == 0 and conf["torch_dtype"] == "float32"

@@ -1,5 +1,5 @@
 """The progress line (step N/total, elapsed, ETA, tokens/s, MFU, memory), the metrics.jsonl fields it adds,
-the peak FLOP/s table, and runtime.peak_tflops."""
+the peak FLOP/s table, the measured CPU peak and its cache, and runtime.peak_tflops."""
 from __future__ import annotations
 
 import json
@@ -35,11 +35,11 @@ def rows(out) -> list[dict]:
 
 
 def test_mfu_is_the_closed_form_flops_over_step_time_and_the_set_peak(tmp_path, small_corpus):
-    run(small_corpus, tmp_path / "run", "runtime.peak_tflops=0.002")
+    run(small_corpus, tmp_path / "run", "runtime.peak_tflops=0.05")
     rs = rows(tmp_path / "run")
     assert len(rs) == 5
     for r in rs:
-        want = closed_form_flops() / (r["step_ms"] / 1e3) / 2e9
+        want = closed_form_flops() / (r["step_ms"] / 1e3) / 5e10
         assert r["mfu"] == pytest.approx(want, rel=1e-12)
 
 
@@ -52,16 +52,17 @@ def test_metrics_rows_carry_elapsed_eta_and_memory(tmp_path, small_corpus):
         assert r["mfu"] is None or 0 < r["mfu"]
     elapsed = [r["elapsed_s"] for r in rs]
     assert elapsed == sorted(elapsed) and elapsed[0] > 0
-    assert rs[-1]["eta_s"] == 0 and rs[0]["eta_s"] > 0
+    assert rs[-1]["eta_s"] == 0 and rs[1]["eta_s"] > 0
+    assert rs[0]["eta_s"] is None                    # one step, the slow first one, tells no ETA
     assert isinstance(rs[0]["mfu"], float)           # on the CPU the GEMM rate is timed at start-up
 
 
 def test_progress_line_shows_total_mfu_memory_elapsed_and_eta(tmp_path, small_corpus, capsys):
-    run(small_corpus, tmp_path / "run", "runtime.peak_tflops=0.002")
+    run(small_corpus, tmp_path / "run", "runtime.peak_tflops=0.05")
     out = capsys.readouterr().out
-    assert "MFU against 0.002 TFLOP/s per rank x 1 rank(s) (runtime.peak_tflops)" in out
+    assert "MFU against 0.05 TFLOP/s per rank x 1 rank(s) (runtime.peak_tflops)" in out
     line = re.compile(r"step +(\d+)/5 \| loss [\d.]+ \| lr \S+ \| gnorm [\d.]+ \| [\d,]+ tok/s \| \d+ ms \| "
-                      r"MFU [\d.]+% \| RSS [\d,]+ MiB \| \d+:\d\d:\d\d elapsed, ETA \d+:\d\d:\d\d$")
+                      r"MFU [\d.]+% \| RSS [\d,]+ MiB \| \d+:\d\d:\d\d elapsed, ETA (\d+:\d\d:\d\d|n/a)$")
     shown = [m for m in map(line.search, out.splitlines()) if m]
     assert len(shown) == 3                            # the first step and every log_every = 2
 
@@ -74,21 +75,112 @@ class _Clock:
         return self.t
 
 
-def test_eta_uses_the_mean_of_the_recent_steps():
+def test_eta_is_the_median_step_after_the_warm_up_a_slow_first_step_does_not_count():
     clock = _Clock()
     p = progress.Progress(total=100, start=10, flops_step=1e9, peak_total=None, clock=clock)
     clock.t = 500.0                                   # one slow first step ...
-    p.update({"step_ms": 1.0})
-    for _ in range(progress.RECENT):                   # ... then RECENT steps of 2 s each
-        clock.t += 2.0
+    f = p.update({"step_ms": 1.0})
+    assert f["eta_s"] is None and "ETA n/a" in progress.suffix(f)
+    clock.t += 3.0
+    assert p.update({"step_ms": 1.0})["eta_s"] == pytest.approx(3.0 * (100 - 12))   # the first one left out
+    times = [2.0, 2.0, 9.0, 2.0, 2.5, 1.5, 2.0]       # ... then steps of about 2 s, one slow (an evaluation)
+    for dt in times:
+        clock.t += dt
         f = p.update({"step_ms": 2000.0})
-    done = 10 + 1 + progress.RECENT
+    done = 10 + 2 + len(times)
     assert p.label() == f"{done}/100"
+    after_warmup = times[progress.WARMUP - 2:]
+    assert f["eta_s"] == pytest.approx(sorted(after_warmup)[len(after_warmup) // 2] * (100 - done))
     assert f["eta_s"] == pytest.approx(2.0 * (100 - done))
-    assert f["elapsed_s"] == pytest.approx(500 + 2.0 * progress.RECENT)
-    assert f["mfu"] is None                           # no peak: no MFU, and the line leaves it out
-    assert "MFU" not in progress.suffix(f)
-    assert progress.hms(3725) == "1:02:05"
+    assert f["elapsed_s"] == pytest.approx(500 + 3 + sum(times))
+    assert f["mfu"] is None                           # no peak: no MFU figure
+    assert "MFU n/a" in progress.suffix(f)
+    assert progress.hms(3725) == "1:02:05" and progress.hms(None) == "n/a"
+
+
+def test_eta_from_synthetic_step_times_ignores_a_slow_start():
+    clock = _Clock()
+    p = progress.Progress(total=240, start=0, flops_step=1e9, peak_total=None, clock=clock)
+    etas = []
+    for i in range(30):                               # a 4-minute run: 1 s steps after a 60 s first step
+        clock.t += 60.0 if i == 0 else 1.0
+        etas.append(p.update({"step_ms": 1000.0})["eta_s"])
+    assert etas[0] is None
+    assert all(e == pytest.approx(240 - i - 1) for i, e in enumerate(etas) if i)
+
+
+def test_a_step_above_the_peak_shows_mfu_na_never_over_100_percent():
+    seen = []
+    p = progress.Progress(total=10, start=0, flops_step=1e9, peak_total=1e12, clock=_Clock(), exceeded=seen.append)
+    assert p.update({"step_ms": 2.0})["mfu"] == pytest.approx(0.5)
+    f = p.update({"step_ms": 0.5})                    # 2e12 FLOP/s: the peak was wrong
+    assert f["mfu"] is None and seen == [pytest.approx(2e12)]
+    assert "MFU n/a" in progress.suffix(f)
+    assert p.update({"step_ms": 2.0})["mfu"] is None  # a peak once proved wrong is not trusted again
+    assert seen == [pytest.approx(2e12)]
+    assert "MFU n/a" in progress.suffix({"mfu": 1.23})
+    assert "MFU 50.0%" in progress.suffix({"mfu": 0.5})
+    assert json.loads(json.dumps(f))["mfu"] is None
+
+
+def test_measured_peak_cache_keeps_the_best_and_ignores_a_corrupt_file(tmp_path, caplog):
+    caplog.set_level("INFO", logger="hpengine")
+    path = tmp_path / "cache" / peaks.CACHE_NAME
+    assert peaks.best_peak("k", 5e9, path=path) == (5e9, "measured now")         # no file: measured, and filed
+    assert peaks.best_peak("k", 2e9, path=path)[0] == 5e9                        # timed under load: the best stays
+    peak, where = peaks.best_peak("k", 8e9, path=path)
+    assert peak == 8e9 and "above the 5 GFLOP/s cached" in where
+    assert peaks.best_peak("other", 1e9, path=path)[0] == 1e9                    # keyed: another CPU/kernel/dtype
+    assert json.loads(path.read_text())["peaks"] == {"k": 8e9, "other": 1e9}
+    for junk in (b"\x00\xff not json", b'{"peaks": {"k": 1e30}}', b"[1, 2]",
+                 json.dumps({"format": peaks.CACHE_FORMAT, "peaks": {"k": "fast"}}).encode(),
+                 json.dumps({"format": peaks.CACHE_FORMAT, "peaks": {"k": -1}}).encode()):
+        path.write_bytes(junk)
+        assert peaks.best_peak("k", 3e9, path=path) == (3e9, "measured now"), junk
+        assert json.loads(path.read_text())["peaks"] == {"k": 3e9}           # replaced by a good one
+    assert f"measured GEMM peaks ignored: '{path}'" in caplog.text
+    bound = peaks.cpu_bound(4)
+    path.write_text(json.dumps({"format": peaks.CACHE_FORMAT, "peaks": {"k": 90e9}}))
+    assert peaks.best_peak("k", 3e9, bound, path)[0] == 90e9          # 30 x a timing under load: still the best
+    path.write_text(json.dumps({"format": peaks.CACHE_FORMAT, "peaks": {"k": 1e30}}))
+    assert peaks.best_peak("k", 3e9, bound, path)[0] == 3e9           # no CPU of 4 threads runs that: refused
+    assert "refused" in caplog.text and json.loads(path.read_text())["peaks"] == {"k": 3e9}
+
+
+def test_peak_key_names_the_cpu_the_blas_kernel_threads_and_dtype():
+    key = peaks.peak_key("float32", 512, 4)
+    assert peaks.cpu_model() in key and peaks.blas_kernel() in key and "4 thread(s)" in key and "float32 512^3" in key
+    assert peaks.peak_key("float64", 512, 4) != key and peaks.peak_key("float32", 512, 2) != key
+
+
+def test_mfu_never_exceeds_100_percent_after_a_calibration_under_load(tmp_path, small_corpus, monkeypatch):
+    """Busy processes on every core while the peak is timed, none while training: every MFU is <= 1 or null."""
+    import os
+    import subprocess
+    import sys
+    monkeypatch.setenv("HPENGINE_CACHE", str(tmp_path / "cache"))        # no earlier, unloaded figure
+    real, timed = progress.measured_peak, []
+
+    def under_load(*args):
+        timed.append(args)
+        spin = "import sys; sys.stdout.write('x'); sys.stdout.flush()\nwhile True: pass"
+        busy = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
+                for _ in range(min(16, len(os.sched_getaffinity(0))))]
+        try:
+            for b in busy:
+                assert b.stdout.read(1) == b"x"            # spinning before the peak is timed
+            return real(*args)
+        finally:
+            for b in busy:
+                b.kill()
+                b.wait()
+                b.stdout.close()
+    monkeypatch.setattr(progress, "measured_peak", under_load)
+    run(small_corpus, tmp_path / "run", "train.steps=8")
+    rs = rows(tmp_path / "run")
+    assert len(rs) == 8 and len(timed) == 1                    # the run's peak was timed under load
+    assert all(r["mfu"] is None or 0 < r["mfu"] <= 1.0 for r in rs)
+    assert (tmp_path / "cache" / peaks.CACHE_NAME).is_file()
 
 
 def test_peak_table_knows_the_datacenter_gpus():
@@ -147,3 +239,20 @@ def test_the_line_redraws_only_on_a_terminal_outside_any_launcher(tmp_path):
     finally:
         os.close(master)
         os.close(slave)
+
+
+def test_measured_peak_starts_from_the_cached_best_and_a_fast_step_raises_it(tmp_path, monkeypatch):
+    import numpy as np
+    from hpengine.device.threads import pool_size
+    from hpengine.planner import calibrate
+    monkeypatch.setenv("HPENGINE_CACHE", str(tmp_path))
+    first, where = calibrate.measured_peak(np, np.float32, 64)
+    assert first > 0 and where == "measured now"
+    path, key = peaks.cache_file(), peaks.peak_key("float32", 64, pool_size())
+    assert path == tmp_path / peaks.CACHE_NAME and json.loads(path.read_text())["peaks"] == {key: first}
+    path.write_text(json.dumps({"format": peaks.CACHE_FORMAT, "peaks": {key: 8 * first}}))
+    again, where = calibrate.measured_peak(np, np.float32, 64)
+    assert again == 8 * first and "cached" in where                  # a slower timing now does not lower it
+    progress._raise("float32", 2, 4e12)                              # a step of 2 ranks ran at 4 TFLOP/s
+    key512 = peaks.peak_key("float32", progress.gemm_size("float32"), pool_size())
+    assert json.loads(path.read_text())["peaks"][key512] == 2e12

@@ -71,7 +71,7 @@ def test_auto_starts_over_in_a_folder_without_a_checkpoint_keeping_the_earlier_f
     assert f"'{out}' holds an earlier run but no checkpoint" in said and "starting over from step 0" in said
     # every file the earlier run wrote is kept aside (the new run writes each of them again)
     kept = {p.name.split(".before-")[0]: p for p in out.glob("*.before-*")}
-    assert sorted(kept) == ["breakdown", "config", "metrics", "ranks", "summary", "tokenizer"]
+    assert sorted(kept) == ["breakdown", "config", "launch", "metrics", "ranks", "summary", "tokenizer"]
     assert kept["config"].suffix == ".toml" and kept["metrics"].suffix == ".jsonl"
     assert [kept[k].read_text() for k in ("config", "metrics")] == [before["config.toml"], before["metrics.jsonl"]]
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]

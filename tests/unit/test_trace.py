@@ -180,15 +180,26 @@ def test_plot_writes_the_pngs_of_a_real_run(tmp_path, small_corpus, capsys):
     assert (tmp_path / "elsewhere" / "pipeline_gantt.png").exists()
 
 
-def test_plot_a_run_without_trace_says_which_switch_records_it(tmp_path, small_corpus, capsys):
+def test_plot_a_pipeline_run_without_trace_says_which_switch_records_it(tmp_path, small_corpus, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "run"
-    run(small_corpus, out)
+    run(small_corpus, out, "strategy.pipeline.enable=true", "strategy.pipeline.micro_batches=2")
     capsys.readouterr()
     assert main(["plot", str(out)]) == 0
     err = capsys.readouterr().err
     assert "no trace.json" in err and "runtime.trace=true" in err
     assert (out / "plots" / "loss.png").exists() and not (out / "plots" / "pipeline_gantt.png").exists()
+
+
+def test_plot_a_run_without_pipeline_has_no_gantt_note(tmp_path, small_corpus, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "run"
+    run(small_corpus, out)
+    capsys.readouterr()
+    assert main(["plot", str(out)]) == 0
+    got = capsys.readouterr()
+    assert got.err == "" and "wrote" in got.out
+    assert not (out / "plots" / "pipeline_gantt.png").exists()
 
 
 def test_plot_bad_input_is_one_clear_line(tmp_path, capsys):
