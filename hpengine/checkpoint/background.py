@@ -9,7 +9,7 @@ that ends on an error abandons the save in flight (`abandon`): its writer is let
 left inside h5py when the interpreter exits hangs or crashes the process.
 
 On the CPU the pieces are views of the live buffers: the writer's first act is to copy them, and the engine
-calls `fence()` before it changes the parameters or the optimizer's moments (the next step's update), so the
+calls `fence()` before it changes the parameters or the optimizer's state (the next step's update), so the
 snapshot is taken while the next step's forward and backward run. On a GPU they are pinned host copies
 made at the save step. A thread rather than a process: the data are already in this process, and the copies,
 sha256, the write and fsync run outside the GIL (only the shard image's assembly in h5py holds it).

@@ -13,6 +13,8 @@ import os
 from math import prod
 
 from hpengine.files import UnsafeFile, read_bytes
+from hpengine.optim import optimizer_kind
+from hpengine.optim.base import UNDECLARED
 
 SUM_KEY = "manifest_sha256"
 MAC_KEY = "manifest_hmac_sha256"
@@ -64,7 +66,7 @@ def seal(manifest: dict, key: bytes | None = None) -> dict:
     return out
 
 
-def check_manifest(manifest, mpath, kinds, key: bytes | None = None) -> None:
+def check_manifest(manifest, mpath, key: bytes | None = None) -> None:
     """Refuse a manifest that is not a JSON object, whose checksum (or, with a key, MAC) does not match, or
     whose piece index is impossible."""
     if not isinstance(manifest, dict):
@@ -89,12 +91,24 @@ def check_manifest(manifest, mpath, kinds, key: bytes | None = None) -> None:
         log.warning("manifest '%s' is signed, but no checkpoint key is set (%s): its signature is not checked",
                     mpath, KEY_ENV)
     try:
-        _check_structure(manifest, kinds)
+        _check_structure(manifest)
     except (KeyError, TypeError, ValueError, AssertionError) as exc:
         raise CheckpointError(f"manifest '{mpath}' is malformed: {exc or type(exc).__name__}") from None
 
 
-def _check_structure(m: dict, kinds) -> None:
+def optimizer(m: dict) -> tuple[str, tuple[str, ...]]:
+    """(name, state tensor names) of the optimizer whose state a manifest holds (one that names none was
+    written before optimizers declared their state: optim.base.UNDECLARED's)."""
+    undeclared = optimizer_kind(UNDECLARED)
+    o = m.get("optimizer", {"name": undeclared.name, "state": list(undeclared.state)})
+    if not (isinstance(o, dict) and isinstance(o.get("name"), str) and isinstance(o.get("state"), list)
+            and all(isinstance(k, str) and k.isidentifier() and k != "param" for k in o["state"])):
+        raise ValueError(f"'optimizer' is {o!r}, not {{\"name\": NAME, \"state\": [STATE NAMES]}}")
+    return o["name"], tuple(o["state"])
+
+
+def _check_structure(m: dict) -> None:
+    kinds = ("param", *optimizer(m)[1])
     int(m["step"])
     int(m["state"]["opt_steps"])
     shapes = m["shapes"]

@@ -23,7 +23,6 @@ from hpengine.checkpoint.guard import CheckpointError
 from hpengine.files import UnsafeFile, check_regular, inside, read_text
 
 FORMAT = "hpengine-checkpoint-1"
-KINDS = ("param", "adam_m", "adam_v")
 MANIFEST_LIMIT = 1 << 30          # bytes: far above any manifest (a few hundred bytes a piece)
 
 
@@ -90,7 +89,9 @@ class Reader:
             raise CheckpointError(f"manifest '{mpath}' has format {self.manifest.get('format')!r}, "
                                   f"expected {FORMAT!r}")
         self.key = key if key is not None else seal.load_key()
-        seal.check_manifest(self.manifest, mpath, KINDS, self.key)
+        seal.check_manifest(self.manifest, mpath, self.key)
+        self.optimizer, state = seal.optimizer(self.manifest)
+        self.kinds = ("param", *state)           # what the pieces hold: parameters and the optimizer's state
         self.by_tensor = {}
         for p in self.manifest["pieces"]:
             self.by_tensor.setdefault((p["kind"], p["name"]), []).append(p)
@@ -142,6 +143,10 @@ class Reader:
         true = self.manifest["shapes"].get(name)
         if true is None:
             raise CheckpointError(f"checkpoint '{self.dir}' has no tensor {name!r}")
+        if kind not in self.kinds:
+            raise CheckpointError(f"checkpoint '{self.dir}' holds the state of optimizer {self.optimizer!r} "
+                                  f"({', '.join(self.kinds[1:])}), not {kind!r}: resume with optim.name = "
+                                  f"{self.optimizer!r}, or start from its parameters alone (checkpoint.init_from)")
         out = np.zeros(tuple(s.stop - s.start for s in region))
         need = tuple(slice(s.start, min(s.stop, t)) for s, t in zip(region, true))
         filled = 0
@@ -272,7 +277,7 @@ class ExportReader:
 
 
 def export(path, out, params_only: bool = False) -> dict:
-    """Write one consolidated HDF5 file of global tensors (params and Adam moments, or params only),
+    """Write one consolidated HDF5 file of global tensors (params and optimizer state, or params only),
     plain h5py."""
     r = Reader(path)
     out = Path(out)
@@ -286,7 +291,7 @@ def export(path, out, params_only: bool = False) -> dict:
             f.attrs["state"] = json.dumps(r.manifest["state"])
             for name, shape in r.manifest["shapes"].items():
                 region = tuple(slice(0, n) for n in shape)
-                for kind in (("param",) if params_only else KINDS):
+                for kind in (("param",) if params_only else r.kinds):
                     pieces = r.by_tensor.get((kind, name))
                     if pieces:   # stored in the dtype the checkpoint holds
                         f.create_dataset(f"{kind}/{name}", data=r.read(kind, name, region).astype(pieces[0]["dtype"]))

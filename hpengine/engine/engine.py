@@ -1,5 +1,5 @@
 """The engine: this rank's model stage (one or several models sharing one flat buffer and one partition),
-the gradient-sync strategy, the owned-shard AdamW, and one optimizer step read top to bottom:
+the gradient-sync strategy, the owned-shard optimizer, and one optimizer step read top to bottom:
 passes -> reduced gradients -> global norms -> update -> metrics.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hpengine.layout.reduction import norm_excluded, reductions, summed_over, ti
 from hpengine.layout.stage import build_stage
 from hpengine.nn import run_all
 from hpengine.nn.context_split import split_sequence
-from hpengine.optim import AdamW, clip_coefficient, lr_at, sum_of_squares
+from hpengine.optim import clip_coefficient, lr_at, make_optimizer, optimizer_kind, sum_of_squares
 from hpengine.params.init import init_range
 from hpengine.strategies import make_grad_sync
 from hpengine.strategies.amp import Precision
@@ -98,18 +98,18 @@ class Engine:
         # the first model's figures, as `loss` is (every model's loads when router biases follow them)
         self.moe = MoEFigures(self.slots[0].model, self.xp, len(self.slots))
         self.router_bias = RouterBias([s.model for s in self.slots], cfg.model.moe.bias_update_rate, self.xp)
-        self.opt_steps = 0          # optimizer updates applied (AdamW's bias-correction count)
+        self.opt_steps = 0          # optimizer updates applied (a checkpoint restores each optimizer's count)
         self.unit_lr = dataclasses.replace(cfg.optim, lr=1.0)
         self.pipe = PipelineExecutor(self.pp, self.xp, backend.dtype, res.pp, res.v, res.m, res.schedule,
                                      cfg.model.d_model, res.seq_parts, mesh.comms["tp"] if res.scatter else None,
                                      wire_bits=self.precision.packed)
         self.tracer = Tracer()      # train.py hands in a recording one under runtime.trace
-        self.before_update = None   # called before a step changes parameters or moments (an async save's fence)
+        self.before_update = None   # called before a step changes parameters or optimizer state (async save's fence)
 
     def _optimizer(self, slot):
-        o, seg = self.cfg.optim, self.sync.owned.intersect(slot.range)
+        seg = self.sync.owned.intersect(slot.range)
         dtype = self.precision.master_dtype(self.be.dtype)
-        return None if seg is None else AdamW(self.xp, self.layout, seg, dtype, tuple(o.betas), o.eps, o.weight_decay)
+        return None if seg is None else make_optimizer(self.cfg.optim, self.xp, self.layout, seg, dtype)
 
     # --- forward / backward ---------------------------------------------------------------------
     def _P(self, slot, b, nxt=None):
@@ -310,8 +310,8 @@ class Engine:
         return [float(np.sqrt(v)) for v in self.mesh.comms["tp"].allreduce_(sq)]
 
     def _update(self, g, norms, step: int) -> float:
-        """Clipped AdamW on the owned range of every model (on the float32 masters under amp); returns
-        the schedule's factor."""
+        """The clipped optimizer step on the owned range of every model (on the float32 masters under amp);
+        returns the schedule's factor."""
         own = self.sync.owned
         p = self.sync.owned_params() if self.master is None else self.master
         # amp: the optimizer writes the compute copy (float16, float32 holding bf16 values, or packed their bits)
@@ -398,15 +398,17 @@ class Engine:
 
     def state_pieces(self, copy: bool = True) -> tuple[list, dict]:
         """What this rank saves of the training state, as load() takes it back: the pieces it alone writes
-        (owned parameters, float32 masters under amp, Adam moments) and the layout-independent facts
-        (optimizer steps, loss scaler, router biases, tensor shapes, degrees). The caller adds config and data.
+        (owned parameters, float32 masters under amp, the optimizer's state tensors) and the layout-independent
+        facts (optimizer steps and state names, loss scaler, router biases, tensor shapes, degrees). The caller adds config and data.
         copy=False: the pieces view the live buffers (valid until `before_update` returns)."""
         c, d = self.mesh.coords, self.mesh.degrees
         replica = {"dp": c["dp"], "ndp": d["dp"], "cp": c["cp"], "ncp": d["cp"], "ep": self.stage.layout.ep_size}
         pieces = state.checkpoint_pieces(self.stage, self.sync, self.opts, self.master, replica, self.be,
                                          frozenset(r.tensor for r in self.reductions if not r.counted), copy)
         meta = {"state": {**state.checkpoint_meta(self.opt_steps, self.scaler, len(self.slots)), **self.router_bias.meta()},
-                "shapes": self.true_shapes(), "layout": self.mesh.degrees, "world": self.mesh.size}
+                "shapes": self.true_shapes(), "layout": self.mesh.degrees, "world": self.mesh.size,
+                "optimizer": {"name": self.cfg.optim.name,
+                              "state": list(optimizer_kind(self.cfg.optim.name).state)}}
         return pieces, meta
 
     def load(self, reader, params_only: bool = False) -> None:

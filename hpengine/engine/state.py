@@ -14,40 +14,40 @@ from hpengine.device.bf16_bits import store_values_
 def checkpoint_pieces(stage, sync, opts, master, replica: dict, backend, elsewhere: frozenset,
                       copy: bool = True) -> list:
     """What this rank saves: (name, kind, global_shape, tp box, flat a, b, host array) for the owned
-    parameters (float32 masters under amp) and Adam moments. The ranks holding the same values (`replica`:
-    coordinates and degrees of dp and cp, and the ep degree) split them into equal contiguous shares, so each
-    value is written once and the writing is spread: dense tensors over dp x cp, an expert block over the
-    ranks that hold it (dp ranks e, e + ep, ...). The tensors in `elsewhere` (those this rank does not count:
-    tp replicas of replicated tensors, another stage's copies; layout/reduction.py) are left to the one rank
-    that counts them. copy=False on the CPU gives views of the live buffers (an asynchronous save copies them
-    before the next update), on a GPU views of pinned host copies."""
+    parameters (float32 masters under amp) and each state tensor its optimizer declares. The ranks holding
+    the same values (`replica`: coordinates and degrees of dp and cp, and the ep degree) split them into equal
+    contiguous shares, so each value is written once and the writing is spread: dense tensors over dp x cp,
+    an expert block over the ranks that hold it (dp ranks e, e + ep, ...). The tensors in `elsewhere` (those
+    this rank does not count: tp replicas of replicated tensors, another stage's copies; layout/reduction.py)
+    are left to the one rank that counts them. copy=False on the CPU gives views of the live buffers (an
+    asynchronous save copies them before the next update), on a GPU views of pinned host copies."""
     own, lay = sync.owned, stage.layout
     host = backend.to_host if copy else (lambda a: backend.to_host(a, pinned=True))
     p_own = host(master if master is not None else sync.owned_params())
     dp, ndp, cp, ncp, ep = (replica[k] for k in ("dp", "ndp", "cp", "ncp", "ep"))
-    groups = {False: [], True: []}          # expert tensor? -> (name, spec, a, size, param offset, m, v, m/v offset)
+    groups = {False: [], True: []}  # expert tensor? -> (name, spec, a, size, param offset, state, state offset)
     for s, opt in zip(stage.slots, opts):
         seg = own.intersect(s.range)
         if seg is None:
             continue
-        m, v = host(opt.m), host(opt.v)
+        held = {kind: host(arr) for kind, arr in opt.state().items()}
         for name, part, off in lay.tensors_in(seg):
             spec = lay.by_name[name]
             if name not in elsewhere:
                 groups[spec.ep_dim is not None].append(
-                    (name, spec, off, part.size, part.start - own.start, m, v, part.start - seg.start))
+                    (name, spec, off, part.size, part.start - own.start, held, part.start - seg.start))
     out = []
     for expert, items in groups.items():
         r, n = ((dp // ep) * ncp + cp, (ndp // ep) * ncp) if expert else (dp * ncp + cp, ndp * ncp)
         total = sum(it[3] for it in items)
         mine_lo, mine_hi, at = r * total // n, (r + 1) * total // n, 0
-        for name, spec, off, size, po, m, v, so in items:
+        for name, spec, off, size, po, held, so in items:
             lo, hi = max(at, mine_lo) - at, min(at + size, mine_hi) - at
             at += size
             if hi <= lo:
                 continue
             box = lay.box(name)
-            for kind, arr, o in (("param", p_own, po), ("adam_m", m, so), ("adam_v", v, so)):
+            for kind, arr, o in (("param", p_own, po), *((k, a, so) for k, a in held.items())):
                 data = arr[o + lo:o + hi]
                 out.append((name, kind, spec.global_shape, box, off + lo, off + hi, data.copy() if copy else data))
     return out
@@ -69,7 +69,7 @@ def true_shapes(slots) -> dict:
 
 
 def load_state(stage, sync, opts, master, tp, backend, reader, params_only: bool = False) -> int | None:
-    """Fill this rank's parameters (and Adam moments) from a checkpoint reader, reading only the tensors
+    """Fill this rank's parameters (and optimizer state) from a checkpoint reader, reading only the tensors
     and regions this rank holds. Returns the optimizer step count stored (None with params_only)."""
     lay, own, xp = stage.layout, sync.owned, backend.xp
     full = sync.params is not None          # stages < 3 hold every parameter of the stage
@@ -89,10 +89,10 @@ def load_state(stage, sync, opts, master, tp, backend, reader, params_only: bool
         store_values_(xp, sync.owned_params(), master)
     if params_only:
         return None
-    return _load_moments(stage, sync, opts, tp, xp, reader)
+    return _load_optimizer_state(stage, sync, opts, tp, xp, reader)
 
 
-def _load_moments(stage, sync, opts, tp, xp, reader) -> int:
+def _load_optimizer_state(stage, sync, opts, tp, xp, reader) -> int:
     lay, steps = stage.layout, int(reader.manifest["state"]["opt_steps"])
     for s, opt in zip(stage.slots, opts):
         seg = sync.owned.intersect(s.range)
@@ -100,7 +100,7 @@ def _load_moments(stage, sync, opts, tp, xp, reader) -> int:
             continue
         for name, part, off in lay.tensors_in(seg):
             box = lay.box(name)
-            for kind, arr in (("adam_m", opt.m), ("adam_v", opt.v)):
+            for kind, arr in opt.state().items():
                 vals = reader.read(kind, name, box).reshape(-1)[off:off + part.size]
                 arr[part.start - seg.start:part.stop - seg.start] = xp.asarray(vals, dtype=arr.dtype)
         opt.t = steps

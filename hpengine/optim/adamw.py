@@ -50,6 +50,7 @@ def _aligned_like(xp, a, ref):
 
 class AdamW:
     """State (m, v, step count) for the elements of one owned range."""
+    STATE = ("adam_m", "adam_v")      # the checkpoint's names of m and v
 
     def __init__(self, xp, layout, r: Range, dtype, betas, eps, weight_decay):
         self.xp, self.range = xp, r
@@ -69,6 +70,9 @@ class AdamW:
 
     def nbytes(self) -> int:
         return self.m.nbytes + self.v.nbytes
+
+    def state(self) -> dict:
+        return dict(zip(self.STATE, (self.m, self.v)))
 
     def step(self, p, g, lr: float, grad_coef: float = 1.0, copy=None) -> None:
         """Update p (this range of the parameters, in place) from g (its gradient, scaled by

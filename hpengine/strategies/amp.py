@@ -1,7 +1,7 @@
 """Mixed precision: the run's precision policy (Precision: what amp rounds, where) and dynamic loss scaling.
-Compute runs in float16 or bfloat16; the owner of each range keeps the float32 master weights and AdamW
-moments. An overflow anywhere makes every rank skip the same step and lower the scale; `growth_interval`
-clean steps in a row raise it again; a scale below MIN_SCALE or `max_skipped` skips in a row is a diverged
+Compute runs in float16 or bfloat16; the owner of each range keeps the float32 master weights and the
+optimizer's state. An overflow anywhere makes every rank skip the same step and lower the scale;
+`growth_interval` clean steps in a row raise it again; a scale below MIN_SCALE or `max_skipped` skips in a row is a diverged
 run, which stops. bfloat16 has float32's exponent range, so it trains without loss scaling by default
 (amp.loss_scaling = "auto").
 """
@@ -97,7 +97,7 @@ class Precision:
         self.scaler = LossScaler(acfg) if amp_on and loss_scaling(acfg) else None
 
     def master_dtype(self, compute_dtype):
-        """The dtype of the owned parameters AdamW updates: float32 masters under amp."""
+        """The dtype of the owned parameters the optimizer updates: float32 masters under amp."""
         return np.float32 if self.amp else compute_dtype
 
     @property

@@ -2,7 +2,7 @@
 
 The stage's flat buffer is cut into one Range per sharding rank ("tensor": whole tensors, balanced by
 element count; "flat": equal ranges). Each finished block's gradient is reduced straight to the owners
-of its parts; an owner then averages across dp, runs AdamW on its range and shares the result.
+of its parts; an owner then averages across dp, runs the optimizer on its range and shares the result.
 Stage 1 keeps full gradients and parameters, stage 2 only the owned gradient, stage 3 only the owned
 parameters too (a block's parameters are gathered just in time, the next block's prefetched). Under packed
 bfloat16 storage the parameters held and gathered are bfloat16 bits (uint16): the all-gathers move 2 bytes a

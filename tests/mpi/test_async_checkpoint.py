@@ -54,7 +54,7 @@ def every_tensor(root):
     r = shards.Reader(root)
     try:
         return {(kind, name): r.read(kind, name, tuple(slice(0, n) for n in shape))
-                for name, shape in r.manifest["shapes"].items() for kind in shards.KINDS}
+                for name, shape in r.manifest["shapes"].items() for kind in r.kinds}
     finally:
         r.close()
 
@@ -127,7 +127,7 @@ def test_replicas_share_the_writing(corpus, world, roots):
     mine = {}
     for p in r.manifest["pieces"]:
         mine[p["file"]] = mine.get(p["file"], 0) + p["flat"][1] - p["flat"][0]
-    total = sum(int(np.prod(s)) for s in r.manifest["shapes"].values()) * len(shards.KINDS)
+    total = sum(int(np.prod(s)) for s in r.manifest["shapes"].values()) * len(r.kinds)
     assert len(mine) == n and sum(mine.values()) == total          # every value once
-    assert max(mine.values()) - min(mine.values()) <= len(shards.KINDS), mine   # equal shares
+    assert max(mine.values()) - min(mine.values()) <= len(r.kinds), mine   # equal shares
     r.close()

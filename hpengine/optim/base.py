@@ -1,0 +1,64 @@
+"""What an optimizer is to the engine, the checkpoint and the planner: the state tensors it keeps beside the
+parameters it updates (their names are what a checkpoint stores and reshards), what it needs to see of a
+parameter (element ranges of the flat buffer, or whole tensors), and its state's size per parameter element.
+Callers build one through `make` from `optim.name` and never name an optimizer themselves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from hpengine.optim.adamw import AdamW
+
+RANGES, TENSORS = "ranges", "tensors"
+
+
+class Optimizer(Protocol):
+    """One optimizer's state over the parameters one rank updates (an element range of a flat buffer)."""
+    t: int                                                      # updates applied (a checkpoint restores it)
+
+    def state(self) -> dict[str, Any]:
+        """Each state tensor by its checkpoint name, as an array over the same elements as the parameters."""
+
+    def step(self, p, g, lr: float, grad_coef: float = 1.0, copy=None) -> None:
+        """Update p in place from g x grad_coef; `copy`, when given, receives the new values (amp's copy)."""
+
+    def nbytes(self) -> int:
+        """Bytes of state held."""
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    """An optimizer as the rest of the engine knows it."""
+    name: str
+    state: tuple[str, ...]          # names of the state tensors, one value per parameter element each
+    sees: str                       # RANGES: any element range; TENSORS: whole tensors, on their owner
+    build: Callable[..., Optimizer]  # (xp, layout, range, dtype, optim config) -> Optimizer
+
+    def state_bytes(self, item: int) -> int:
+        """Bytes of optimizer state per parameter element, state held at `item` bytes an element."""
+        return len(self.state) * item
+
+
+def _adamw(xp, layout, r, dtype, o) -> Optimizer:
+    return AdamW(xp, layout, r, dtype, tuple(o.betas), o.eps, o.weight_decay)
+
+
+KINDS: dict[str, OptimizerKind] = {
+    "adamw": OptimizerKind("adamw", AdamW.STATE, RANGES, _adamw),
+}
+UNDECLARED = "adamw"     # the optimizer of a checkpoint whose manifest names none (written before they did)
+
+
+def kind(name: str) -> OptimizerKind:
+    """The optimizer called `name` (optim.name); a ValueError naming the valid ones otherwise."""
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise ValueError(f"optim.name = {name!r} is not an optimizer hpengine has; "
+                         f"valid: {', '.join(sorted(KINDS))}") from None
+
+
+def make(optim_cfg, xp, layout, r, dtype) -> Optimizer:
+    """The optimizer `optim_cfg.name` over range r of a flat buffer, its state in `dtype`."""
+    return kind(optim_cfg.name).build(xp, layout, r, dtype, optim_cfg)
