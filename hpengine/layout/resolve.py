@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from hpengine.config.load import MESH_AXES, ConfigError, mesh_order, model_from_key, model_key, validate
-from hpengine.layout.schedules import chunks_per_stage, placement
+from hpengine.layout.schedules import chunks_per_stage, placement, schedule
 from hpengine.models import build_model
 from hpengine.nn.context_split import check_split
 from hpengine.params.buffers import partition
@@ -275,23 +275,25 @@ def check(cfg, res: Resolved) -> None:
             raise LayoutError(f"strategy.tensor_parallel.sequence_parallel needs model.seq_len = {mc.seq_len}{per} "
                               f"divisible by tensor_parallel.degree = {tp}; use a multiple of {tp * res.cp} or turn it off")
     pc = cfg.strategy.pipeline
-    if pc.enable and pc.schedule == "interleaved":
+    kind = schedule(pc.schedule) if pc.enable else None
+    if kind is not None and kind.chunks is None:
         if pc.virtual_stages < 2:
-            raise LayoutError(f"pipeline.schedule = 'interleaved' needs pipeline.virtual_stages >= 2, got "
+            raise LayoutError(f"pipeline.schedule = '{pc.schedule}' needs pipeline.virtual_stages >= 2, got "
                               f"{pc.virtual_stages}")
-        if m % res.pp:
-            raise LayoutError(f"pipeline.schedule = 'interleaved' needs pipeline.micro_batches ({m}) to be a "
-                              f"multiple of pipeline.degree ({res.pp})")
-    elif pc.enable and pc.schedule == "zbv":
-        if pc.virtual_stages not in (1, 2):
-            raise LayoutError(f"pipeline.schedule = 'zbv' places 2 model chunks per rank (a V); "
-                              f"pipeline.virtual_stages = {pc.virtual_stages} must be 2 (or left at 1)")
-        if m < 2 * res.pp - 1:
-            raise LayoutError(f"pipeline.schedule = 'zbv' needs pipeline.micro_batches >= 2 x degree - 1 = "
-                              f"{2 * res.pp - 1} for degree {res.pp}, got {m}")
+    elif kind is not None and kind.chunks > 1:
+        if pc.virtual_stages not in (1, kind.chunks):
+            raise LayoutError(f"pipeline.schedule = '{pc.schedule}' places {kind.chunks} model chunks per rank"
+                              f"{' (a V)' if kind.vee else ''}; pipeline.virtual_stages = {pc.virtual_stages} must "
+                              f"be {kind.chunks} (or left at 1)")
     elif pc.enable and pc.virtual_stages != 1:
         raise LayoutError(f"pipeline.virtual_stages = {pc.virtual_stages} needs pipeline.schedule = 'interleaved' "
                           f"(zbv always has 2; {pc.schedule} has 1)")
+    if kind is not None and kind.groups_of_p and m % res.pp:
+        raise LayoutError(f"pipeline.schedule = '{pc.schedule}' needs pipeline.micro_batches ({m}) to be a "
+                          f"multiple of pipeline.degree ({res.pp})")
+    if kind is not None and m < kind.min_micro_batches(res.pp):
+        raise LayoutError(f"pipeline.schedule = '{pc.schedule}' needs pipeline.micro_batches >= 2 x degree - 1 = "
+                          f"{kind.min_micro_batches(res.pp)} for degree {res.pp}, got {m}")
 
 
 def _check_expert_parallel(mc, res: Resolved) -> None:

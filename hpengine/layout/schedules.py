@@ -7,11 +7,11 @@ The pipeline executor only walks these lists; nothing here touches MPI.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Callable
 
 from hpengine.layout.actions import Action, Placement, check_args
-from hpengine.layout.zero_bubble import ZERO_BUBBLE, make_zero_bubble, simulate_schedule, zb_rounds
-
-SCHEDULES = ("fthenb", "1f1b", "interleaved", *ZERO_BUBBLE)
+from hpengine.layout.zero_bubble import make_zero_bubble, simulate_schedule, zb_rounds
 
 
 def _check_interleaved(p, m, v):
@@ -70,34 +70,63 @@ def interleaved(p: int, m: int, stage: int, v: int) -> list[Action]:
                                    [unit(k, False) for k in range(total)], warmup)
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule as the rest of the engine knows it: what it fixes and how it is built."""
+    name: str
+    actions: Callable[[int, int, int, int], list[Action]]   # (p, m, stage, v) -> the stage's action list
+    chunks: int | None = 1          # model chunks per stage it fixes; None: a free choice (v >= 2)
+    vee: bool = False               # its chunks sit as a V (stage s holds virtual stages s and 2p - 1 - s)
+    splits_backward: bool = False   # each backward runs as B (input gradient) now and W (weights) later
+    holds_every_microbatch: bool = False   # every forward before any backward: m micro-batches held
+    min_micro_batches: Callable[[int], int] = lambda p: 1      # for p stages
+    groups_of_p: bool = False       # micro-batches go through the chunks in groups of p: m a multiple of p
+
+
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
+    Schedule("fthenb", lambda p, m, stage, v: fthenb(p, m, stage), holds_every_microbatch=True),
+    Schedule("1f1b", lambda p, m, stage, v: one_f_one_b(p, m, stage)),
+    Schedule("interleaved", interleaved, chunks=None, groups_of_p=True),
+    Schedule("zb1p", lambda p, m, stage, v: make_zero_bubble("zb1p", p, m, stage), splits_backward=True),
+    Schedule("zbv", lambda p, m, stage, v: make_zero_bubble("zbv", p, m, stage), chunks=2, vee=True,
+             splits_backward=True, min_micro_batches=lambda p: 2 * p - 1),
+)}
+
+
+def schedule(name: str) -> Schedule:
+    """The schedule called `name`; a ValueError naming the valid ones otherwise."""
+    try:
+        return SCHEDULES[name]
+    except KeyError:
+        raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}") from None
+
+
 def chunks_per_stage(name: str) -> int | None:
-    """The model chunks per stage schedule `name` fixes (zbv: its V of two), None where it is a free choice."""
-    return 2 if name == "zbv" else None
+    """The model chunks per stage schedule `name` fixes beyond one (zbv: its V of two), None where it is a
+    free choice or one."""
+    fixed = schedule(name).chunks
+    return fixed if fixed and fixed > 1 else None
 
 
 def make_schedule(name: str, p: int, m: int, stage: int, v: int = 1) -> list[Action]:
     """The action list of `stage` for schedule `name` (one of SCHEDULES)."""
-    if name == "interleaved":
-        return interleaved(p, m, stage, v)
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
-    want = chunks_per_stage(name) or 1
-    if v != want:
-        raise ValueError(f"schedule {name!r} has {want} model chunk(s) per stage, got v={v}"
-                         + (" (use 'interleaved' for v >= 2)" if want == 1 else ""))
-    if name in ZERO_BUBBLE:
-        return make_zero_bubble(name, p, m, stage)
-    return fthenb(p, m, stage) if name == "fthenb" else one_f_one_b(p, m, stage)
+    kind = schedule(name)
+    if kind.chunks is not None and v != kind.chunks:
+        raise ValueError(f"schedule {name!r} has {kind.chunks} model chunk(s) per stage, got v={v}"
+                         + (" (use 'interleaved' for v >= 2)" if kind.chunks == 1 else ""))
+    return kind.actions(p, m, stage, v)
 
 
-def placement(name: str, p: int, v: int = 1) -> Placement:
-    """Where schedule `name` puts each stage's chunks in the model: the V of zbv, else c * p + stage."""
-    return Placement(p, v, vee=name == "zbv")
+def placement(name: str, p: int, v: int | None = None) -> Placement:
+    """Where schedule `name` puts each stage's v chunks (v: the number it fixes, else given) in the model:
+    a V, or chunk c of stage s at virtual stage c * p + s."""
+    kind = schedule(name)
+    return Placement(p, v or kind.chunks or 1, vee=kind.vee)
 
 
 def splits_backward(name: str) -> bool:
     """Whether schedule `name` runs each backward as B now and W later (the zero-bubble ones)."""
-    return name in ZERO_BUBBLE
+    return schedule(name).splits_backward
 
 
 def bubble_fraction(name: str, p: int, m: int, v: int = 1) -> float:
@@ -105,10 +134,10 @@ def bubble_fraction(name: str, p: int, m: int, v: int = 1) -> float:
     schedules the p - 1 fill/drain slots over the whole step (interleaving shrinks each slot to 1/v of a
     stage's work); for the zero-bubble ones the closed forms derived in zero_bubble.py."""
     make_schedule(name, p, m, 0, v)  # validates all inputs the same way
-    if name in ZERO_BUBBLE:
+    if splits_backward(name):
         work = 3 * m * v
         return 1 - work / zb_rounds(name, p, m)
-    work = v * m if name == "interleaved" else m
+    work = v * m
     return (p - 1) / (work + p - 1)
 
 
@@ -138,7 +167,7 @@ def simulate(p: int, m: int, name: str, v: int = 1, *, actions=None) -> dict:
     `actions` (one list per stage) replaces the named schedule, e.g. to test a broken one.
     Returns {"rounds", "busy", "bubble"}; raises RuntimeError("deadlock ...") if all stages stall.
     A zero-bubble schedule runs in zero_bubble.simulate, which knows W and the V placement."""
-    if actions is None and name in ZERO_BUBBLE:
+    if actions is None and splits_backward(name):
         return simulate_schedule(name, p, m)
     if actions is None:
         actions = [make_schedule(name, p, m, s, v) for s in range(p)]
@@ -169,11 +198,11 @@ def peak_live(schedule: str, p: int, m: int, v: int, stage: int, weights, stash=
     1F1B: min(p - stage, m), interleaved: the worst mix of live chunks along its schedule). A zero-bubble
     schedule also holds, from each B to its W, the W stash of stash[c] bytes, which replaces the chunk's
     caches when B starts (the engine counts the same way: caches out, stash in, after each F and B)."""
-    if schedule in ZERO_BUBBLE:
+    if splits_backward(schedule):
         return max(sum(n * w for n, w in zip(vec[:v], weights)) + sum(n * w for n, w in zip(vec[v:], stash))
                    for vec in _held_counts(schedule, p, m, v, stage))
     if v == 1:
-        n = m if schedule == "fthenb" else min(p - stage, m)
+        n = m if SCHEDULES[schedule].holds_every_microbatch else min(p - stage, m)
         return n * weights[0]
     return max(sum(n * w for n, w in zip(vec, weights)) for vec in _live_counts(schedule, p, m, v, stage))
 

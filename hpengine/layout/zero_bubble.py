@@ -122,10 +122,9 @@ def make_zero_bubble(name: str, p: int, m: int, stage: int) -> list[Action]:
     return zb1p(p, m, stage) if name == "zb1p" else zbv(p, m, stage)
 
 
-def placement(name: str, p: int) -> Placement:
-    """Where schedule `name`'s chunks sit: one per stage for zb1p, the V for zbv."""
-    if name not in ZERO_BUBBLE:
-        raise ValueError(f"unknown zero-bubble schedule {name!r}; valid: {', '.join(ZERO_BUBBLE)}")
+def _placement(name: str, p: int) -> Placement:
+    """Where schedule `name`'s chunks sit: one per stage for zb1p, the V for zbv (schedules.placement says
+    it for every schedule; this module comes first)."""
     return Placement(p, 2, vee=True) if name == "zbv" else Placement(p)
 
 
@@ -221,4 +220,4 @@ def simulate(actions, place: Placement, *, times: Times = UNIT, hop: float = 0, 
 def simulate_schedule(name: str, p: int, m: int, *, times: Times = UNIT, hop: float = 0) -> dict:
     """simulate() on every stage of zero-bubble schedule `name` in its own placement."""
     actions = [make_zero_bubble(name, p, m, s) for s in range(p)]
-    return simulate(actions, placement(name, p), times=times, hop=hop, label=f"{name}, p={p}, m={m}")
+    return simulate(actions, _placement(name, p), times=times, hop=hop, label=f"{name}, p={p}, m={m}")

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from hpengine.layout.schedules import (Action, bubble_fraction, fthenb, interleaved,
-                                           make_schedule, one_f_one_b, peak_in_flight, simulate)
+from hpengine.layout.schedules import (SCHEDULES, Action, bubble_fraction, fthenb, interleaved,
+                                           make_schedule, one_f_one_b, peak_in_flight, placement, simulate)
 
 PS = range(1, 9)
 MS = range(1, 33)
@@ -167,3 +167,20 @@ def test_bad_inputs_elsewhere():
         simulate(4, 6, "interleaved", 2)
     with pytest.raises(ValueError, match="m=0"):
         one_f_one_b(2, 0, 0)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_what_a_schedule_declares_is_what_its_action_lists_do(name):
+    """Each schedule's declared facts against its own action lists at p = 4 (no name tested elsewhere)."""
+    kind, p = SCHEDULES[name], 4
+    v = kind.chunks or 2
+    m = max(kind.min_micro_batches(p), 2 * p)
+    lists = [make_schedule(name, p, m, s, v) for s in range(p)]
+    kinds = {a.kind for acts in lists for a in acts}
+    assert kind.splits_backward == ("W" in kinds)
+    assert kind.holds_every_microbatch == all(peak_in_flight(acts) == m * v for acts in lists)
+    assert {a.chunk for acts in lists for a in acts} == set(range(v))
+    assert placement(name, p).vee == kind.vee and placement(name, p, v).v == v
+    if kind.min_micro_batches(p) > 1:
+        with pytest.raises(ValueError):
+            [make_schedule(name, p, kind.min_micro_batches(p) - 1, s, v) for s in range(p)]

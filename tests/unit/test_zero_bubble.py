@@ -10,9 +10,10 @@ import pytest
 
 from hpengine.config.load import ConfigError, load_config
 from hpengine.layout.resolve import chunks as model_chunks, resolve, stage_chunks
-from hpengine.layout.schedules import SCHEDULES, Action, bubble_fraction, make_schedule, one_f_one_b, peak_in_flight
+from hpengine.layout.schedules import (SCHEDULES, Action, bubble_fraction, make_schedule, one_f_one_b, peak_in_flight,
+                                       placement)
 from hpengine.layout.schedules import simulate as simulate_rounds
-from hpengine.layout.zero_bubble import (ZERO_BUBBLE, Placement, Times, make_zero_bubble, placement,
+from hpengine.layout.zero_bubble import (ZERO_BUBBLE, Placement, Times, make_zero_bubble,
                                          simulate, simulate_schedule, zb1p, zbv)
 
 PS = range(1, 9)
@@ -253,7 +254,7 @@ def test_bad_schedule_inputs(args, words_):
     (lambda: simulate([[Action("X", 0)]], Placement(1)), ["kind='X'", "F/B/W"]),
     (lambda: simulate([[Action("F", 0, 1)]], Placement(1)), ["chunk=1", "0..0"]),
     (lambda: simulate([zb1p(1, 2, 0)], Placement(1), times=Times(W=0)), ["> 0", "W=0"]),
-    (lambda: placement("gpipe", 2), ["'gpipe'", "zbv"]),
+    (lambda: placement("gpipe", 2), ["'gpipe'", "zbv", "interleaved"]),
 ])
 def test_bad_simulation_inputs(call, words_):
     with pytest.raises(ValueError) as e:
