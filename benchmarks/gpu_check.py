@@ -2,7 +2,8 @@
 time limit inside one overall deadline, so a hang or crash costs only that part; prints each part's rows
 as soon as it has finished (and rewrites gpu_check.json/.md/.log in --out, $OUT), so a run cut short still
 reports, and the whole table last. The parts' work lives in gpu_check_hpengine.py, gpu_check_torch.py,
-gpu_check_attention.py and gpu_check_bandwidth.py (benchmarks/README.md describes the parts and targets).
+gpu_check_attention.py and the package's checks (hpengine.doctor: the bandwidth part, and `hpengine doctor` as
+the doctor part); benchmarks/README.md describes the parts and targets.
 """
 from __future__ import annotations
 
@@ -24,12 +25,12 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from gpu_check_attention import worker_attention, worker_attention_torch        # noqa: E402
-from gpu_check_bandwidth import worker_bandwidth                               # noqa: E402
 from gpu_check_hpengine import TRANSPORTS, worker_corpus, worker_hpengine, worker_losses  # noqa: E402
 from gpu_check_models import rows_attention, rows_speed                        # noqa: E402
 from gpu_check_options import PARTS, SPEED_PARTS, attn_shape, model_shape, parse, part_limit, save_result  # noqa: E402
-from gpu_check_report import (Row, cluster_table, format_table, markdown_table, pytest_counts,  # noqa: E402
-                              rows_bandwidth, rows_calibrate, rows_dp2, rows_tests, rows_transports, verdict)
+from gpu_check_report import (Row, cluster_table, doctor_lines, format_table, markdown_table,  # noqa: E402
+                              pytest_counts, rows_bandwidth, rows_calibrate, rows_doctor, rows_dp2, rows_tests,
+                              rows_transports, verdict)
 from gpu_check_torch import worker_torch                                        # noqa: E402
 
 
@@ -112,7 +113,7 @@ class Runner:
         res.update(rc=rc, wall_s=round(wall, 1))
         if timed_out:
             res["error"] = f"timed out after {budget:.0f} s"
-        elif rc != 0 and "error" not in res and not (key == "tests"):
+        elif rc != 0 and "error" not in res and key not in ("tests", "doctor"):   # failures are their rows
             res["error"] = f"exit status {rc}: {_last_line(text)}"
         if res.get("error"):
             tail = "\n".join("    " + s for s in text.rstrip().splitlines()[-15:])
@@ -216,6 +217,12 @@ def orchestrate(a) -> int:
         variants = ",".join(("dp", "sharding") + TRANSPORTS)
         runner.run("dp2:2", [mpiexec, "-n", "2"] + me + common + ["--variants", variants], part_limit(a, "dp2-2"))
 
+    def part_doctor():         # the installation's checks (2 ranks: device buffers through MPI); the earlier parts
+        launcher = [mpiexec, "-n", "2"] if mpiexec else []          # have built every kernel on the device
+        r = runner.run("doctor", launcher + [sys.executable, "-m", "hpengine", "doctor", "--kernels", "none"],
+                       part_limit(a, "doctor"), parse_json=False)
+        r["lines"] = doctor_lines(r.pop("log") or "")
+
     def part_calibrate():      # the planner's GPU figures (plan_gpu.py) for clusters/h200_node.toml; if time is left
         r = runner.run("calibrate", [sys.executable, "-m", "hpengine", "plan", "--calibrate", "--device",
                                      "cpu" if a.cpu_smoke else "gpu"], part_limit(a, "calibrate"), optional=True,
@@ -223,7 +230,8 @@ def orchestrate(a) -> int:
         r["cluster"] = cluster_table(r.pop("log") or "")
 
     run_part = {"tests": part_tests, "llama": lambda: part_speed("llama"), "gpt2": lambda: part_speed("gpt2"),
-                "attention": part_attention, "bandwidth": part_bandwidth, "dp2": part_dp2, "calibrate": part_calibrate}
+                "attention": part_attention, "bandwidth": part_bandwidth, "dp2": part_dp2, "doctor": part_doctor,
+                "calibrate": part_calibrate}
     try:
         if any(p in a.parts for p in SPEED_PARTS + ("dp2",)):
             data = runner.run("corpus", me + ["--worker", "corpus"], part_limit(a, "corpus")).get("path")
@@ -261,6 +269,8 @@ def build_rows(results: dict, a, parts=None) -> list[Row]:
         elif part == "dp2":
             rows += rows_dp2(results.get("dp2:1"), results.get("dp2:2"), smoke, a.loss_rtol, a.gnorm_rtol)
             rows += rows_transports(results.get("dp2:2"), smoke, a.loss_rtol)
+        elif part == "doctor":
+            rows += rows_doctor(results.get("doctor"))
         elif part == "calibrate":
             rows += rows_calibrate(results.get("calibrate"))
     return rows
@@ -288,6 +298,14 @@ def write_outputs(a, rows: list[Row], results: dict, runner: Runner) -> None:
 
 
 # ------------------------------------------------------------------------- inside a part's process
+
+def worker_bandwidth(a) -> dict:
+    """The bandwidth part: hpengine.doctor.bandwidth at the sizes asked (NumPy twins with --cpu-smoke)."""
+    from hpengine.doctor import bandwidth                # noqa: PLC0415 - the torch interpreter never gets here
+    xp, timer, device = bandwidth.device_setup(a.cpu_smoke, "cpu (NumPy twins)")
+    return bandwidth.measure(xp, timer, device, a.bw_params, a.bw_reps, a.bw_inner, a.pack_segments,
+                             warm=2 if a.cpu_smoke else 3)
+
 
 WORKERS = {"corpus": worker_corpus, "bandwidth": worker_bandwidth, "hpengine": worker_hpengine,
            "torch": worker_torch, "losses": worker_losses, "attention": worker_attention,

@@ -3,9 +3,10 @@
 # tests; tokens/s, MFU and peak device memory of a 1.07 B-parameter llama and of GPT-2 small under bf16 amp
 # next to PyTorch (autocast bf16, sdpa attention) eager and under torch.compile; hpengine's flash attention
 # kernels against torch's sdpa flash kernel; the AdamW and pack kernels' bandwidth against a device copy;
-# 2 ranks on the GPU (staged MPI equal to 1 rank, then runtime.collectives mpi against nccl); the planner's
-# GPU calibration if time is left. Each part's rows are printed when it finishes, the whole table last;
-# with $OUT set, gpu_check.json, gpu_check.md and gpu_check.log are (re)written there after every part.
+# 2 ranks on the GPU (staged MPI equal to 1 rank, then runtime.collectives mpi against nccl); hpengine doctor;
+# the planner's GPU calibration if time is left. Each part's rows are printed when it finishes, the whole
+# table last; with $OUT set, gpu_check.json, gpu_check.md and gpu_check.log are (re)written there after every
+# part.
 # Under 10 minutes in all: the parts get what GPU_CHECK_TOTAL_S (570 s) leaves after the setup, less 30 s
 # for the backstop (benchmarks/gpu_check.py keeps that deadline and gives each part its own limit).
 #

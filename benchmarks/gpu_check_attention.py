@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 import statistics
 import sys
+import time
 
-from gpu_check_bandwidth import HostTimer, device_setup
 from gpu_check_options import attn_shape, save_result
 
 TENSORS = ("q", "k", "v", "do", "w")            # w: the pattern every output is dotted with
@@ -69,6 +69,7 @@ def _checks_torch(torch, named: dict, w) -> dict:
 
 def worker_attention(a) -> dict:
     from hpengine.device import kernels                       # noqa: PLC0415
+    from hpengine.doctor.bandwidth import device_setup        # noqa: PLC0415
     from hpengine.device.precision import round_bf16_          # noqa: PLC0415
     from hpengine.nn import bf16_gemm, flash, flash_cuda       # noqa: PLC0415
     B, H, T, hd = attn_shape(a)
@@ -188,7 +189,7 @@ def worker_attention_torch(a) -> dict:
         timer = CudaEvents(torch)
     else:
         torch.set_num_threads(1)
-        timer = HostTimer()
+        timer = host_timer
     fwd_bwd()
     with torch.no_grad():
         checks = _checks_torch(torch, {"o": state["o"], "dq": q.grad, "dk": k.grad, "dv": v.grad}, x["w"])
@@ -211,3 +212,12 @@ class CudaEvents:
         e1.record()
         e1.synchronize()
         return e0.elapsed_time(e1) / 1e3 / inner
+
+
+def host_timer(fn, inner: int) -> float:
+    """Wall seconds per call (the CPU side; hpengine.doctor.bandwidth.HostTimer's twin, which this interpreter,
+    torch's, may not be able to import)."""
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t0) / inner

@@ -1,8 +1,8 @@
-"""gpu_check's judgement: the byte and rate arithmetic behind the bandwidth and tokens/s figures, pytest's
-summary line, the table's rows (each with its target and PASS / FAIL / INFO / SKIP / smoke status) of the
-tests, bandwidth, calibrate and dp2 parts, the table in plain text and Markdown, and the exit status that
-follows from it. The model parts' rows are in gpu_check_models.py. Standard library only: pure functions of
-the results, tested without a GPU.
+"""gpu_check's judgement: the rate arithmetic behind the bandwidth and tokens/s figures (the byte model is
+hpengine.doctor.bandwidth's), pytest's summary line and `hpengine doctor`'s lines, the table's rows (each with
+its target and PASS / FAIL / INFO / SKIP / smoke status) of the tests, bandwidth, doctor, calibrate and dp2
+parts, the table in plain text and Markdown, and the exit status that follows from it. The model parts' rows
+are in gpu_check_models.py. Standard library only: pure functions of the results, tested without a GPU.
 """
 from __future__ import annotations
 
@@ -10,20 +10,10 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from gpu_check_options import ADAMW_BYTES_PER_PARAM, BW_TARGET
+from gpu_check_options import BW_TARGET
 
 
 # ------------------------------------------------------------------------- arithmetic (pure)
-
-def adamw_traffic(n_params: int) -> int:
-    """Bytes the fused AdamW moves for n float32 parameters (read p, g, m, v; write p, m, v)."""
-    return ADAMW_BYTES_PER_PARAM * n_params
-
-
-def copy_nbytes_for(traffic: int) -> int:
-    """Size of the device-to-device copy whose traffic (bytes read + bytes written) equals `traffic`."""
-    return traffic // 2
-
 
 def bandwidth(traffic: int, seconds: float) -> float:
     """Bytes per second, counting bytes read plus bytes written."""
@@ -63,6 +53,15 @@ def pytest_counts(text: str) -> dict | None:
             counts[_PYTEST_WORDS[word]] += int(num)
         return counts
     return None
+
+
+DOCTOR_LINE = re.compile(r"^(\S.*?)\s+(ok|FAILED|skipped)\s{2,}(.*)$")
+DOCTOR_STATUS = {"ok": "PASS", "FAILED": "FAIL", "skipped": "SKIP"}
+
+
+def doctor_lines(text: str) -> list[tuple[str, str, str]]:
+    """(check, status, detail) of each line `hpengine doctor` printed ('NAME  ok|FAILED|skipped  detail')."""
+    return [m.groups() for m in map(DOCTOR_LINE.match, text.splitlines()) if m]
 
 
 def cluster_table(text: str) -> dict:
@@ -154,6 +153,23 @@ def rows_bandwidth(res: dict | None, smoke: bool) -> list[Row]:
         rows.append(Row(what, value, f">= {BW_TARGET:.0%} of copy" if tgt else "-",
                         judged(ratio >= BW_TARGET, smoke) if tgt else "INFO",
                         {"kernel_Bps": bw_k, "copy_Bps": bw_c, "ratio": ratio}))
+    return rows
+
+
+def rows_doctor(res: dict | None) -> list[Row]:
+    """One row per `hpengine doctor` check: ok PASS, FAILED FAIL, skipped SKIP (with its reason)."""
+    lines = (res or {}).get("lines") or []
+    if not lines:
+        if res is None or res.get("error") or res.get("skipped"):
+            why = err_text(res, "doctor")
+        else:
+            why = f"doctor: no check lines (exit status {res.get('rc')})"
+        return [Row("hpengine doctor", why, "none failed",
+                    "SKIP" if res and res.get("skipped") else "FAIL", res or {})]
+    rows = [Row(f"doctor: {name}", detail, "ok", DOCTOR_STATUS[status]) for name, status, detail in lines]
+    if res.get("error") or res.get("rc") not in (0, 1):             # cut short, or a crash after some lines
+        rows.append(Row("hpengine doctor", res.get("error") or f"exit status {res.get('rc')}", "exit status 0 or 1",
+                        "FAIL"))
     return rows
 
 

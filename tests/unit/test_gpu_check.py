@@ -1,7 +1,8 @@
-"""benchmarks/gpu_check.py and its modules without a GPU: argument parsing, the bandwidth, tokens/s,
-parameter, FLOP and MFU arithmetic, pytest's summary, the table and its verdicts, part time limits and
-partial results; and the whole script's control flow end to end in --cpu-smoke mode (NumPy stand-ins, tiny
-sizes) through benchmarks/gpu_check.sh (whose own tests are in test_gpu_check_shell.py)."""
+"""benchmarks/gpu_check.py and its modules without a GPU: argument parsing, the bandwidth arithmetic (of
+hpengine.doctor.bandwidth, which the bandwidth part runs), tokens/s, parameter, FLOP and MFU arithmetic, pytest's
+summary and `hpengine doctor`'s lines, the table and its verdicts, part time limits and partial results; and the
+whole script's control flow end to end in --cpu-smoke mode (NumPy stand-ins, tiny sizes) through
+benchmarks/gpu_check.sh (whose own tests are in test_gpu_check_shell.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from hpengine.doctor import bandwidth as bw
+
 ROOT = Path(__file__).resolve().parents[2]
 SHELL = ROOT / "benchmarks" / "gpu_check.sh"
 sys.path.insert(0, str(ROOT / "benchmarks"))      # the gpu_check modules import each other by name
 
 import gpu_check as gc  # noqa: E402 - the orchestrator
-import gpu_check_bandwidth as bw  # noqa: E402
 import gpu_check_models as gm  # noqa: E402
 import gpu_check_options as opts  # noqa: E402
 import gpu_check_report as rep  # noqa: E402
@@ -69,10 +71,12 @@ def test_save_result_replaces_the_file_whole(tmp_path):
 
 def test_byte_model_and_rates():
     n = 256 << 20
-    assert rep.adamw_traffic(n) == 28 * n                     # read p, g, m, v; write p, m, v
-    assert rep.copy_nbytes_for(rep.adamw_traffic(n)) == 14 * n  # 14 read + 14 written per parameter
-    assert rep.bandwidth(28 * n, 28 * n / 4e12) == pytest.approx(4e12)
-    assert rep.bandwidth(1, 0.0) == float("inf")
+    assert bw.adamw_traffic(n) == 28 * n                      # read p, g, m, v; write p, m, v
+    assert bw.copy_nbytes_for(bw.adamw_traffic(n)) == 14 * n   # 14 read + 14 written per parameter
+    for rate in (rep.bandwidth, bw.bandwidth):                  # the table's and the measurement's
+        assert rate(28 * n, 28 * n / 4e12) == pytest.approx(4e12)
+        assert rate(1, 0.0) == float("inf")
+    assert opts.BW_TARGET == bw.TARGET                          # the table judges as hpengine doctor does
     assert rep.tokens_per_s(8, 1024, 0.5) == pytest.approx(16384)
     assert rep.max_rel_diff([1.0, 2.0], [1.0, 2.0]) == 0.0
     assert rep.max_rel_diff([1.0, 2.002], [1.0, 2.0]) == pytest.approx(1e-3)
@@ -125,6 +129,28 @@ def test_pack_segments_are_aligned_and_inside():
     assert all(a + s < b for a, s, b in zip(offs, sizes, offs[1:]))      # disjoint, in order, with gaps
     assert offs[-1] + sizes[-1] <= n and 0.85 * n < sum(sizes) <= 0.9 * n
     assert bw.pack_segments(n, 64) == (offs, sizes)                      # deterministic
+
+
+def test_pack_segments_refuse_a_buffer_too_small():
+    with pytest.raises(ValueError, match="segments need .* elements; the buffer has 100"):
+        bw.pack_segments(100, 64)
+
+
+def test_doctor_lines_and_rows():
+    text = ("hpengine             ok       hpengine 0.1.0, Python 3.12\n"
+            "CUDA-aware MPI       ok       no (MPIX_Query_cuda_support() = 0): host staging\n"
+            "parity: adamw.cu     FAILED   adamw float32 n 5 offset 0 step 1: p: 4 bytes differ\n"
+            "kernel speed         skipped  no CUDA device: CuPy is not importable\n"
+            "hpengine doctor: 2 ok, 1 failed, 1 skipped\n")
+    lines = rep.doctor_lines(text)
+    assert [n for n, _, _ in lines] == ["hpengine", "CUDA-aware MPI", "parity: adamw.cu", "kernel speed"]
+    rows = rep.rows_doctor({"rc": 1, "lines": lines})
+    assert [r.status for r in rows] == ["PASS", "PASS", "FAIL", "SKIP"] and rows[3].value.startswith("no CUDA")
+    assert rep.verdict(rows) == 1
+    cut = rep.rows_doctor({"rc": None, "error": "timed out after 90 s", "lines": lines[:1]})
+    assert [r.status for r in cut] == ["PASS", "FAIL"] and "timed out" in cut[1].value
+    assert rep.rows_doctor(None)[0].status == "FAIL"
+    assert "exit status 2" in rep.rows_doctor({"rc": 2, "lines": []})[0].value
 
 
 def test_host_timer():
@@ -191,6 +217,8 @@ def _results(adamw_s=1.0, pack_s=1.0, hpe_tps=1200.0, staged=(4096, 4096), dp_lo
         "attention:torch": {"fwd_ms": 0.5, "fwd_bwd_ms": 2.0, "dtype": "bfloat16", "backend": "flash",
                             "checks": checks},
         "bandwidth": bw,
+        "doctor": {"rc": 0, "lines": [("MPI", "ok", "MPICH 5.0.2 (MPI 5.0, mpi4py 4.1.2); 1 rank on 1 node"),
+                                      ("parity: adamw.cu", "ok", "bit for bit")]},
         "dp2:1": {"world": 1, "variants": {"single": ref_run}},
         "dp2:2": {"world": 2, "variants": {"dp": dp, "sharding": dict(dp), "mpi": mpi,
                                            "nccl": dict(mpi, tokens_per_s=1500.0, losses=[nccl_loss, 2.4, 2.3])}},
@@ -227,6 +255,8 @@ def test_rows_and_verdict():
     assert _row(rows, "2 ranks dp, collectives mpi").status == "INFO"
     nccl = _row(rows, "2 ranks dp, collectives nccl")
     assert nccl.status == "PASS" and "1.50x mpi" in nccl.value and "share GPU 0" in nccl.value
+    assert [(r.what, r.status) for r in rows if r.what.startswith("doctor")] == [("doctor: MPI", "PASS"),
+                                                                                 ("doctor: parity: adamw.cu", "PASS")]
     assert gc.verdict(rows) == 1
     ok = [r for r in rows if "GPT-2" not in r.what and "MFU" not in r.what and "float32" not in r.what]
     assert gc.verdict(ok) == 0
@@ -335,6 +365,7 @@ def test_cpu_smoke_end_to_end(tmp_path):
     assert names[0] == "GPU tests (pytest tests/gpu)" and names[1].startswith("tokens/s llama")
     assert sum(n.startswith("tokens/s") for n in names) == 2 and sum(n.startswith("2 ranks") for n in names) == 4
     assert sum(n.startswith("attention") for n in names) == 3 and any(n.startswith("AdamW") for n in names)
+    assert {"doctor: MPI", "doctor: kernel parity", "doctor: kernel speed"} <= set(names)      # hpengine doctor's lines
     assert all(p.stdout.count(n) >= 2 for n in names)          # each row printed after its part, then at the end
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
     assert doc["mode"] == "cpu-smoke" and len(doc["rows"]) == len(names)

@@ -1,7 +1,7 @@
 """The GPU branches of benchmarks/gpu_check's workers, run on the CPU through the CuPy stand-in
 (emulated_cupy.py) at tiny sizes: hpengine's bf16 training worker for both model kinds (its CuPy backend, the
-device name, the memory pool's high-water mark), the AdamW and pack bandwidth worker (CuPy events, device
-copies) and the attention worker (flash kernels in bf16, on bf16 bits and in float32), each giving the
+device name, the memory pool's high-water mark), the AdamW and pack bandwidth measurement of the bandwidth part
+(hpengine.doctor.bandwidth: CuPy events, device copies) and the attention worker (flash kernels in bf16, on bf16 bits and in float32), each giving the
 result the table reads. What a device run would trip over in Python, it trips over here first."""
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import emulated_cupy
 import numpy as np
 import pytest
 
+from hpengine.doctor import bandwidth as bw
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))      # the gpu_check modules import each other by name
 
 import gpu_check_attention as ga  # noqa: E402
-import gpu_check_bandwidth as bw  # noqa: E402
 import gpu_check_hpengine as gh  # noqa: E402
 import gpu_check_options as opts  # noqa: E402
 
@@ -48,7 +49,10 @@ def test_the_training_worker_on_the_device(small_corpus, device, model):
 
 
 def test_the_bandwidth_worker_on_the_device(device):
-    r = bw.worker_bandwidth(_args())
+    a = _args()
+    xp, timer, name = bw.device_setup(False, "cpu")
+    assert xp is device and isinstance(timer, bw.EventTimer)
+    r = bw.measure(xp, timer, name, a.bw_params, a.bw_reps, a.bw_inner, a.pack_segments)
     assert r["device"] == "CuPy stand-in" and r["n_params"] == 4096
     assert {"adamw", "pack", "unpack", "copy", "pack_copy"} <= set(r["timings"])
     assert r["timings"]["copy"]["how"] in ("elementwise", "memcpy") and device.counts["memcpy"] > 0
