@@ -22,7 +22,7 @@ from hpengine.layout.resolve import resolve
 from hpengine.run.train import config_line
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMANDS = ("train", "data", "config", "ckpt", "plan", "plot", "eval", "generate")
+COMMANDS = ("train", "data", "config", "ckpt", "plan", "plot", "eval", "generate", "doctor")
 
 
 # ---- the command line ---------------------------------------------------------------------------------
