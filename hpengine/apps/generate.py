@@ -36,7 +36,7 @@ from hpengine.checkpoint.locate import find_checkpoint
 from hpengine.config.load import ConfigError, from_dict
 from hpengine.data.format import DataError
 from hpengine.device import backend
-from hpengine.engine.moe_bias import saved_bias
+from hpengine.models.moe_bias import saved_bias
 from hpengine.files.bars import bar, watched
 from hpengine.models import LOCAL, build_model
 
@@ -209,7 +209,7 @@ def load(path, note=None, xp=np, model_index=None):
     cfg = from_dict(tomllib.loads(r.manifest["config"]))
     P = select_model(P, cfg, model_index)
     model = build_model(cfg.model, 1)
-    if getattr(model, "moe", None) is not None:     # aux-loss-free balancing: route as the run did
+    if model.moe is not None:     # aux-loss-free balancing: route as the run did
         model.moe.set_bias(xp, saved_bias(r.manifest["state"], model_index or 0))
     for k, v in P.items():      # float16 storage computes in float32, as amp's master weights
         P[k] = xp.asarray(v.astype(np.float32) if v.dtype.itemsize < 4 else v)

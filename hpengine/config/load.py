@@ -236,13 +236,15 @@ def _validate_model(m: ModelConfig) -> None:
     for key in kind_keys(m.kind):
         if getattr(m, key) != getattr(defaults, key):
             raise _kind_error(key, m.kind)
-    if m.kind in ("gpt", "llama") and not m.head_dim and m.d_model % m.n_heads:
+    off = set(kind_keys(m.kind))      # what a kind has is what its keys say: attention, head_dim, moe
+    if "attention" not in off and not m.head_dim and m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}: "
                           "d_model must be a multiple of n_heads" + (
-                              ", or set model.head_dim to the width of a head" if m.kind == "llama" else ""))
-    if m.kind != "llama":
+                              ", or set model.head_dim to the width of a head" if "head_dim" not in off else ""))
+    if "moe" not in off:
+        _validate_moe(m)
+    if "head_dim" in off:             # grouped-query heads and the rotary embedding's pairs
         return
-    _validate_moe(m)
     kv = m.n_kv_heads or m.n_heads
     if m.n_heads % kv:
         raise ConfigError(f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.n_kv_heads}: "

@@ -16,8 +16,8 @@ from mpi4py import MPI
 from hpengine.dist.comm import Comm
 from hpengine.dist.tracer import Tracer
 from hpengine.engine import state
-from hpengine.engine.moe_bias import RouterBias
-from hpengine.engine.moe_figures import MoEFigures
+from hpengine.models.moe_bias import RouterBias
+from hpengine.models.moe_figures import MoEFigures
 from hpengine.layout.cache import Recompute, cache_nbytes
 from hpengine.layout.reduction import norm_excluded, reductions, summed_over, tied_sums
 from hpengine.layout.stage import build_stage

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from hpengine.config.load import MESH_AXES, ConfigError, mesh_order, model_from_key, model_key, validate
 from hpengine.layout.schedules import chunks_per_stage, placement, schedule
-from hpengine.models import build_model
+from hpengine.models import KINDS, build_model, capabilities
 from hpengine.nn.context_split import check_split
 from hpengine.params.buffers import partition
 
@@ -299,7 +299,7 @@ def check(cfg, res: Resolved) -> None:
 def _check_expert_parallel(mc, res: Resolved) -> None:
     """Expert parallel folds inside data parallel: a divisor of dp and of the experts. A sharding group holds
     one ep rank's experts (its ranks share the dp coordinate), so sharding shards them as it shards the rest."""
-    experts = mc.moe.num_experts if mc.kind == "llama" else 0
+    experts = capabilities(mc).experts
     if not experts:
         raise LayoutError(f"strategy.expert_parallel.degree = {res.ep} needs a model with routed experts "
                           "(model.kind = 'llama' and model.moe.num_experts > 0)")
@@ -316,10 +316,12 @@ def _check_expert_parallel(mc, res: Resolved) -> None:
 def _check_context_parallel(mc, res: Resolved) -> None:
     """Context parallel splits every sequence over cp ranks in 2 cp head-tail chunks; the attention of the
     gpt and llama kinds runs over them (the mlp kind mixes no positions: nothing to split for)."""
-    if mc.kind not in ("gpt", "llama"):
-        raise LayoutError(f"strategy.context_parallel needs a model with attention (model.kind = 'gpt' or 'llama'), "
+    caps = capabilities(mc)
+    if not caps.attention:
+        with_attention = ", ".join(repr(k) for k in KINDS if capabilities(dataclasses.replace(mc, kind=k)).attention)
+        raise LayoutError(f"strategy.context_parallel needs a model with attention (model.kind = {with_attention}), "
                           f"got model.kind = '{mc.kind}'")
-    if mc.kind == "llama" and mc.moe.num_experts and mc.moe.capacity_factor > 0:
+    if caps.experts and caps.capacity_factor > 0:
         raise LayoutError(f"strategy.context_parallel with model.moe.capacity_factor = {mc.moe.capacity_factor}: an "
                           "expert's capacity is filled in token order along each sequence, and a cp rank holds only "
                           "part of each; use capacity_factor = 0 (dropless) with context parallelism")

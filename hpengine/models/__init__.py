@@ -1,13 +1,15 @@
 """Models: one file per kind (gpt, llama, mlp) declaring its parameter specs and blocks, with layer pairs
 built from nn/; common.py holds what the kinds share. They never import MPI: parallelism reaches them only
-through the parallel context they are handed (context.py). Exports: the kind registry (KINDS, kind_of, hf_kinds),
-build_model, GPT, Llama, MLP, the one-rank context LOCAL, its Context type and its tp part LocalTP."""
+through the parallel context they are handed (context.py); what a kind declares is interface.py. Exports: the
+kind registry (KINDS, kind_of, hf_kinds), build_model, capabilities, the protocols, GPT, Llama, MLP, the one-rank
+context LOCAL, its Context type and its tp part LocalTP."""
 from dataclasses import dataclass
 from types import ModuleType
 
 from hpengine.models import hf_gpt, hf_llama
 from hpengine.models.context import LOCAL, Context, LocalTP
 from hpengine.models.gpt import GPT
+from hpengine.models.interface import Capabilities, Decoding, Model, Numerics, PlannerFacts
 from hpengine.models.llama import Llama
 from hpengine.models.mlp import MLP
 
@@ -40,9 +42,15 @@ def hf_refused() -> dict:
     return {arch: why for k in KINDS.values() if k.hf is not None for arch, why in getattr(k.hf, "REFUSED", {}).items()}
 
 
+def capabilities(mcfg) -> Capabilities:
+    """What a model of this [model] config can do (attention, head widths, routed experts), without building it."""
+    return kind_of(mcfg.kind).model.capabilities(mcfg)
+
+
 def build_model(mcfg, tp_size: int = 1):
     """The model object for a [model] config section (vocabulary padded to a multiple of tp_size)."""
     return kind_of(mcfg.kind).model(mcfg, tp_size)
 
 
-__all__ = ["GPT", "KINDS", "Kind", "LOCAL", "Context", "Llama", "LocalTP", "MLP", "build_model", "hf_kinds", "hf_refused", "kind_of"]
+__all__ = ["GPT", "KINDS", "Kind", "LOCAL", "Capabilities", "Context", "Decoding", "Llama", "LocalTP", "MLP", "Model",
+           "Numerics", "PlannerFacts", "build_model", "capabilities", "hf_kinds", "hf_refused", "kind_of"]

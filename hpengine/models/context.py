@@ -74,6 +74,7 @@ class LocalAttn:
     kv_forward / kv_backward: a hook on the keys and values a core reads (in its layout; a fused-qkv core hands
     its qkv as k and None as v), the identity here."""
     size = 1
+    local_core = True       # the model's own core runs (on bfloat16 bits where it may); False: a driver replaces it
 
     def rows(self, table):
         """The rows of a per-position table (rotary cos or sin, (T, n)) for the positions this rank's

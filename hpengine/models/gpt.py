@@ -23,8 +23,9 @@ from hpengine.models.common import (
     tok_embed_backward,
     tok_embed_forward,
 )
-from hpengine.models.context import LOCAL, LocalAttn
+from hpengine.models.context import LOCAL
 from hpengine.models.decode import KVCache, output_logits
+from hpengine.models.interface import Capabilities
 from hpengine.models.tp_layers import (
     column_backward,
     column_forward,
@@ -59,6 +60,14 @@ def _position_grad(gw, positions, dx):
 
 
 class GPT:
+    moe = None          # dense: no MoE component
+
+    @staticmethod
+    def capabilities(mcfg) -> Capabilities:
+        """Causal attention over d_model / n_heads wide heads; no experts."""
+        w = mcfg.d_model // mcfg.n_heads
+        return Capabilities(attention=True, qk_width=w, v_width=w)
+
     def __init__(self, mcfg, tp_size: int = 1):
         self.cfg = mcfg
         self.Vp = padded_vocab(mcfg.vocab_size, tp_size)
@@ -187,7 +196,7 @@ class GPT:
 
     def _bf16_attention(self, ctx) -> bool:
         """Whether the attention's input may be bfloat16 bits (bf16 amp): the flash core on this rank."""
-        return self.flash and type(ctx.attn) is LocalAttn      # (context parallelism subclasses it)
+        return self.flash and ctx.attn.local_core
 
     def layer_backward(self, xp, dy, cache, P, G, i, ctx, defer=None):
         # dy: (B, T, C) -> dx: (B, T, C); defer: a list for the weight-gradient products (nn/deferred.py),

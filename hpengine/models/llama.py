@@ -29,8 +29,9 @@ from hpengine.models.common import (
     tok_embed_backward,
     tok_embed_forward,
 )
-from hpengine.models.context import LOCAL, LocalAttn
+from hpengine.models.context import LOCAL
 from hpengine.models.decode import KVCache, output_logits
+from hpengine.models.interface import Capabilities
 from hpengine.models.moe_mlp import MoEMLP
 from hpengine.models.tp_layers import (
     columns_backward,
@@ -65,6 +66,14 @@ from hpengine.params.buffers import ParamSpec
 
 
 class Llama:
+    @staticmethod
+    def capabilities(mcfg) -> Capabilities:
+        """Grouped-query attention over model.head_dim wide heads; routed experts where model.moe has them."""
+        w, e = head_width(mcfg), mcfg.moe
+        return Capabilities(attention=True, qk_width=w, v_width=w, experts=e.num_experts,
+                            capacity_factor=e.capacity_factor if e.num_experts else 0.0,
+                            top_k=e.top_k if e.num_experts else 0)
+
     def __init__(self, mcfg, tp_size: int = 1):
         self.cfg = mcfg
         self.Vp = padded_vocab(mcfg.vocab_size, tp_size)
@@ -242,7 +251,7 @@ class Llama:
     def _bf16_attention(self, ctx) -> bool:
         """Whether the attention's inputs may be bfloat16 bits (bf16 amp): the grouped or flash core on this rank
         (context parallelism's drivers compute on float32)."""
-        return type(ctx.attn) is LocalAttn      # (context parallelism subclasses it)
+        return ctx.attn.local_core
 
     def _tables_at(self, xp, dtype, ctx):
         """cos, sin, and the query's (1/sqrt(hd) folded in) at the positions this rank's attention sees."""

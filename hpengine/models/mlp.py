@@ -23,6 +23,7 @@ from hpengine.models.common import (
 )
 from hpengine.models.context import LOCAL
 from hpengine.models.decode import output_logits
+from hpengine.models.interface import Capabilities
 from hpengine.nn import (
     gelu_cache_elements,
     layernorm_backward,
@@ -33,6 +34,13 @@ from hpengine.params.buffers import ParamSpec
 
 
 class MLP:
+    moe = None          # dense: no MoE component
+
+    @staticmethod
+    def capabilities(mcfg) -> Capabilities:
+        """Per-position MLP blocks: no attention (nothing mixes positions), no experts."""
+        return Capabilities(attention=False, qk_width=0, v_width=0)
+
     def __init__(self, mcfg, tp_size: int = 1):
         self.cfg = mcfg
         self.Vp = padded_vocab(mcfg.vocab_size, tp_size)

@@ -15,7 +15,7 @@ whole on every rank), and so does its weight gradient under sequence parallelism
 tensor's gradient is summed over tp).
 moe.capacity_factor > 0 caps each expert's assignments per sequence in training passes (nn/moe.moe_capacity;
 evaluation and decoding stay dropless); set_bias installs the per-layer selection biases of aux-loss-free
-balancing, which the engine keeps and updates (engine/moe_bias.py).
+balancing, which the engine keeps and updates (models/moe_bias.py).
 """
 from __future__ import annotations
 

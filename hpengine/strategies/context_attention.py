@@ -42,6 +42,7 @@ def _qkv_heads(qkv, H):
 class ContextAttention(LocalAttn):
     """ctx.attn under context parallelism: comm the cp communicator, how ("ring" or "allgather"), T the whole
     sequence length; this rank holds the tokens at head_tail_positions(T, cp, comm.rank)."""
+    local_core = False      # the ring or all-gather drivers compute the attention, on float32
 
     def __init__(self, comm, how: str, T: int, xp=np):
         self.comm, self.how, self.size = comm, how, comm.size

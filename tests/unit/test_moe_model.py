@@ -175,7 +175,7 @@ def test_whole_model_gradient_with_capacity_and_bias():
 
 
 def test_router_bias_update_by_hand():
-    from hpengine.engine.moe_bias import RouterBias, RouterBiasError
+    from hpengine.models.moe_bias import RouterBias, RouterBiasError
     models = [model(**MOE, bias_update_rate=0.25)[0] for _ in range(2)]
     rb = RouterBias(models, 0.25, np)
     assert rb.meta() == {}                                  # all zero: nothing to store

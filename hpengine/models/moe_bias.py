@@ -26,7 +26,7 @@ class RouterBias:
     """The router biases of the models of one stage (each model object gets its own); inert for dense models."""
 
     def __init__(self, models, rate: float, xp):
-        self.moes = [getattr(m, "moe", None) for m in models]
+        self.moes = [m.moe for m in models]
         self.rate, self.xp = float(rate), xp
         self.bias = [np.zeros((m.n_layers, moe.E)) for m, moe in zip(models, self.moes) if moe is not None]
 

@@ -13,7 +13,7 @@ class MoEFigures:
     models (every model's when the router biases need them); empty (no values, no metrics) for a dense model."""
 
     def __init__(self, model, xp, models: int = 1):
-        moe = getattr(model, "moe", None)
+        moe = model.moe
         self.xp = xp
         self.layers = [i for i in range(model.n_layers) if moe is not None and moe.routed(i)]
         self.models = models if moe is not None and moe.cfg.bias_update_rate > 0 else 1
