@@ -28,6 +28,17 @@ def pytest_configure(config):
             config.pluginmanager.unregister(reporter)
 
 
+def pytest_collection_finish(session):
+    """A module that draws its cases (a seeded sample) says how in SAMPLE_NOTE: rank 0 prints it before any test
+    runs (under -q too), so that a failure, which aborts the job, can be drawn again."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:        # ranks above 0
+        return
+    notes = dict.fromkeys(getattr(getattr(item, "module", None), "SAMPLE_NOTE", None) for item in session.items)
+    for note in filter(None, notes):
+        reporter.write_line(note)
+
+
 def pytest_runtest_makereport(item, call):
     if call.excinfo is not None and call.when == "call" and WORLD.Get_size() > 1:
         if call.excinfo.errisinstance(pytest.skip.Exception):

@@ -1,14 +1,20 @@
-"""Every combination of the seven switches, with parallel degrees that fit the world, for the GPT and the
-Llama model kinds, trains like one process: float64 to rtol 1e-10 without amp; with amp (float16 or, in
-every other case, bfloat16 compute) within AMP_RTOL of the float32 one-process run. Every other case with
-tensor parallelism turns sequence parallelism on. At -n 8 a sample of 3-axis meshes runs."""
+"""Every combination of the seven switches, with parallel degrees that fit the world (a sample of 3-axis
+meshes at -n 8), for the gpt and llama kinds, and a seeded sample of those with context parallel, expert
+parallel (a mixture-of-experts llama) or a zero-bubble schedule, train like one process: float64 to rtol
+1e-10; amp within AMP_LOSS_RTOL and AMP_UPDATE_RTOL of the float32 (float16) or bfloat16 one-process run."""
+import collections
 import itertools
+import os
+import random
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import assert_same, assert_same_params, config, run
+from helpers import TINY, assert_same, assert_same_params, config, run
+from hpengine.config.load import ConfigError, load_config
+from hpengine.layout.resolve import PipelineError, TopologyError, resolve
 
 N = MPI.COMM_WORLD.Get_size()
 AXES = {"dp": "data_parallel", "sharding": "sharding", "pp": "pipeline", "tp": "tensor_parallel"}
@@ -29,10 +35,10 @@ def factorizations(n, k):
     return [(d,) + rest for d in range(2, n + 1) if n % d == 0 for rest in factorizations(n // d, k - 1)]
 
 
-def meshes(n):
+def meshes(n, names=AXES):
     out = []
-    for k in range(len(AXES) + 1):
-        for axes in itertools.combinations(AXES, k):
+    for k in range(len(names) + 1):
+        for axes in itertools.combinations(names, k):
             out += [dict(zip(axes, degs)) for degs in factorizations(n, k)]
     return out
 
@@ -82,21 +88,13 @@ def reference(corpus, kind, dtype, steps=STEPS):
     if (kind, dtype, steps) not in _REF:
         prec = ([f"model.dtype={dtype}"] if dtype != "bfloat16" else
                 ["model.dtype=float32", "strategy.amp.enable=true", "strategy.amp.dtype=bfloat16"])
-        _REF[kind, dtype, steps] = run(config(corpus, *BASE, *KINDS[kind], *prec), MPI.COMM_SELF, steps)
+        _REF[kind, dtype, steps] = run(config(corpus, *BASE, *MODELS[kind], *prec), MPI.COMM_SELF, steps)
     return _REF[kind, dtype, steps]
 
 
-CASES = combos(N)
-
-
-@pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("case", range(len(CASES)),
-                         ids=[" ".join(f"{a}{d}" for a, d in c[0].items()) + f" rc{c[1]} gm{c[2]} amp{c[3]}"
-                              for c in CASES])
-def test_combination(corpus, world, case, kind):
-    mesh, rc, gm, amp = CASES[case]
-    losses, params, eng = run(config(corpus, *BASE, *KINDS[kind], *overrides(mesh, rc, gm, amp, case)), world, STEPS)
-    ref_dtype = "bfloat16" if amp and bf16(case) else "float32" if amp else "float64"
+def assert_like_one_process(corpus, kind, amp, losses, params, eng):
+    """STEPS steps of eng (amp: "", "float16" or "bfloat16") against the one-process run of the same model."""
+    ref_dtype = amp if amp == "bfloat16" else "float32" if amp else "float64"
     ref_l, ref_p, ref_eng = reference(corpus, kind, ref_dtype)
     if amp:
         # float16 against the float32 run; bfloat16 against the one-process bfloat16 run, whose only
@@ -114,3 +112,166 @@ def test_combination(corpus, world, case, kind):
         # global-norm clipping counts every parameter once, whatever the layout
         assert_same(eng.grad_norms, ref_eng.grad_norms)
         assert_same_params(params, ref_p)
+
+
+CASES = combos(N)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("case", range(len(CASES)),
+                         ids=[" ".join(f"{a}{d}" for a, d in c[0].items()) + f" rc{c[1]} gm{c[2]} amp{c[3]}"
+                              for c in CASES])
+def test_combination(corpus, world, case, kind):
+    mesh, rc, gm, amp = CASES[case]
+    losses, params, eng = run(config(corpus, *BASE, *KINDS[kind], *overrides(mesh, rc, gm, amp, case)), world, STEPS)
+    assert_like_one_process(corpus, kind, ("bfloat16" if bf16(case) else "float16") if amp else "", losses, params, eng)
+
+
+# The seeded sample. Beside the four axes above: cp (a fifth mesh axis), ep (inside dp, for the moe kind),
+# and the zero-bubble schedules zb1p and zbv beside fthenb, 1f1b and interleaved. The engine accepts 600 such
+# cases at -n 4 and 1680 at -n 8, about a second each at -n 4 on 2 cores: SAMPLE_SIZE of them run.
+# HPENGINE_COMBO_SEED draws another sample, HPENGINE_COMBO_SAMPLE another size ("all": every case).
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=12", "model.moe.shared_hidden=8",
+       "model.moe.dense_layers=1", "model.moe.aux_loss=0.01", "model.moe.z_loss=0.001"]
+MODELS = {**KINDS, "moe": KINDS["llama"] + MOE}
+MESH_AXES = {**AXES, "cp": "context_parallel"}
+SCHEDULES = ("fthenb", "1f1b", "interleaved", "zb1p", "zbv")
+NEW = ("cp", "ep", "zb1p", "zbv", "moe")      # what the enumeration above lacks; a sampled case has one or more
+SAMPLE_SIZE = {1: 8, 2: 32, 4: 64, 8: 32}     # 8 is every case at -n 1
+
+
+def micro_batches(schedule, p):
+    """interleaved: p (a multiple of the degree); zbv: at least 2p - 1, rounded up to a power of 2 so that it
+    divides the batch; the others 2."""
+    return p if schedule == "interleaved" else 1 << (2 * p - 2).bit_length() if schedule == "zbv" else 2
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layout: the model kind, the mesh (axis -> degree), ep inside dp, the schedule, the toggles, and the
+    choices drawn beside them (sharding stage, sequence parallel, cp's ring or all-gather, the amp dtype)."""
+    kind: str
+    mesh: tuple             # ((axis, degree), ...) in MESH_AXES order
+    ep: int
+    schedule: str           # "" without pp
+    rc: int
+    gm: int
+    amp: str                # "", "float16" or "bfloat16"
+    stage: int
+    sp: bool
+    cp_comm: str
+
+    @property
+    def features(self) -> set:
+        return ({"cp"} & set(dict(self.mesh)) | ({"ep"} if self.ep > 1 else set())
+                | ({self.schedule} & {"zb1p", "zbv"}) | ({"moe"} if self.kind == "moe" else set()))
+
+    def overrides(self) -> list:
+        o = []
+        for axis, deg in self.mesh:
+            o += [f"strategy.{MESH_AXES[axis]}.enable=true", f"strategy.{MESH_AXES[axis]}.degree={deg}"]
+        mesh = dict(self.mesh)
+        if self.ep > 1:
+            o += ["strategy.expert_parallel.enable=true", f"strategy.expert_parallel.degree={self.ep}"]
+        if self.stage:
+            o.append(f"strategy.sharding.stage={self.stage}")
+        if self.schedule:
+            o += [f"strategy.pipeline.schedule={self.schedule}",
+                  f"strategy.pipeline.micro_batches={micro_batches(self.schedule, mesh['pp'])}"]
+            o += ["strategy.pipeline.virtual_stages=2"] if self.schedule == "interleaved" else []
+        o += ["strategy.tensor_parallel.sequence_parallel=true"] if self.sp else []
+        o += [f"strategy.context_parallel.comm={self.cp_comm}"] if self.cp_comm else []
+        o += ["strategy.recompute.enable=true", "strategy.recompute.every=2"] if self.rc else []
+        o += ["strategy.gradient_merge.enable=true", "strategy.gradient_merge.k_steps=2"] if self.gm else []
+        if self.amp:
+            o += ["strategy.amp.enable=true", "model.dtype=float32", f"strategy.amp.dtype={self.amp}"]
+        return o
+
+    @property
+    def name(self) -> str:
+        """The whole layout, e.g. "moe dp2 ep2 pp2-zbv-m4 cp2-ring rc1 gm0 amp-bfloat16"."""
+        words = [self.kind]
+        for axis, deg in self.mesh:
+            words.append({"dp": f"dp{deg}" + (f" ep{self.ep}" if self.ep > 1 else ""),
+                          "sharding": f"sh{deg}-stage{self.stage}",
+                          "pp": f"pp{deg}-{self.schedule}-m{micro_batches(self.schedule, deg)}",
+                          "tp": f"tp{deg}" + ("-sp" if self.sp else ""), "cp": f"cp{deg}-{self.cp_comm}"}[axis])
+        return " ".join(words + [f"rc{self.rc}", f"gm{self.gm}", f"amp-{self.amp}" if self.amp else "amp0"])
+
+
+def candidates(n, rng):
+    """Every kind x mesh of the five axes x ep (the moe kind: the divisors of dp and of its 4 experts) x schedule
+    x toggles that has one of NEW; the choices beside them drawn from rng."""
+    for kind, mesh in itertools.product(MODELS, meshes(n, MESH_AXES)):
+        eps = [e for e in (1, 2, 4) if mesh.get("dp", 1) % e == 0 and (e == 1 or kind == "moe")]
+        for ep, sched, rc, gm, amp in itertools.product(eps, SCHEDULES if "pp" in mesh else [""], *[(0, 1)] * 3):
+            # bfloat16 is judged against the one-process bfloat16 run, which differs only in the order of float32
+            # sums; under cp attention runs block by block (online softmax), rounding other bfloat16 products
+            # than one process does, so cp draws float16 (judged against the float32 run)
+            dtype = rng.choice(["float16", "bfloat16"]) if "cp" not in mesh else "float16"
+            case = Case(kind, tuple(mesh.items()), ep, sched, rc, gm, dtype if amp else "",
+                        rng.choice([1, 2, 3]) if "sharding" in mesh else 0, "tp" in mesh and rng.random() < 0.5,
+                        rng.choice(["ring", "allgather"]) if "cp" in mesh else "")
+            if case.features:
+                yield case
+
+
+def accepted(case, n) -> bool:
+    """Whether the engine takes the case on n ranks: its own validation (pure, the same answer on every rank)."""
+    try:
+        resolve(load_config(None, [*TINY, *BASE, *MODELS[case.kind], *case.overrides()]), n)
+    except (ConfigError, TopologyError, PipelineError):
+        return False
+    return True
+
+
+def by_mesh(cases):
+    """cases with the meshes (ep included) taking turns: the first case of each mesh, then the second, ...; so
+    that the five schedules do not make the pipeline meshes five times as likely."""
+    seen, turn = collections.Counter(), []
+    for c in cases:
+        turn.append(seen[c.mesh, c.ep])
+        seen[c.mesh, c.ep] += 1
+    return [c for _, c in sorted(zip(turn, cases), key=lambda t: t[0])]
+
+
+def sample(n, seed, size):
+    """`size` accepted cases (every one when size is None) drawn with random.Random(seed): NEW's features take
+    turns, each taking the next case that has it in a shuffled order (by_mesh), so each appears about equally
+    often."""
+    rng = random.Random(seed)
+    pool = list(candidates(n, rng))
+    rng.shuffle(pool)
+    if size is None:
+        return [c for c in pool if accepted(c, n)]
+    queues = {f: iter(by_mesh([c for c in pool if f in c.features])) for f in NEW}
+    picked = []
+    while queues and len(picked) < size:
+        for f in list(queues):
+            case = next((c for c in queues[f] if c not in picked and accepted(c, n)), None)
+            if case is None:
+                del queues[f]
+            elif len(picked) < size:
+                picked.append(case)
+    return picked
+
+
+def _knob(name, default, world=MPI.COMM_WORLD):
+    """An environment variable as rank 0 reads it, so every rank draws the same sample."""
+    return world.bcast(os.environ.get(name, default) if world.Get_rank() == 0 else None, root=0)
+
+
+SEED = int(_knob("HPENGINE_COMBO_SEED", "0"))
+_size = _knob("HPENGINE_COMBO_SAMPLE", str(SAMPLE_SIZE.get(N, 12)))
+SAMPLED = sample(N, SEED, None if _size == "all" else int(_size))
+SAMPLE_NOTE = (f"test_combinations.py: {len(SAMPLED)} sampled cases with {', '.join(NEW)} at -n {N}, seed {SEED} "
+               f"(HPENGINE_COMBO_SEED={SEED} HPENGINE_COMBO_SAMPLE={_size} draws them again)")
+
+
+@pytest.mark.parametrize("case", SAMPLED, ids=[c.name for c in SAMPLED])
+def test_sampled_combination(corpus, world, case):
+    losses, params, eng = run(config(corpus, *BASE, *MODELS[case.kind], *case.overrides()), world, STEPS)
+    mesh = dict(case.mesh)
+    assert eng.res.degrees == {a: mesh.get(a, 1) for a in ("tp", "cp", "sharding", "dp", "pp")}
+    assert (eng.res.ep, eng.res.schedule if case.schedule else "") == (case.ep, case.schedule)
+    assert_like_one_process(corpus, case.kind, case.amp, losses, params, eng)
