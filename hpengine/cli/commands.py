@@ -15,11 +15,14 @@ import traceback
 
 from mpi4py import MPI
 
+from hpengine import __version__
 from hpengine.apps.plot import PlotError, plot_run
 from hpengine.checkpoint import shards as checkpoint
 from hpengine.checkpoint.export import export
 from hpengine.checkpoint.shards import CheckpointError
 from hpengine.cli.after import cmd_eval, cmd_generate, eval_parser, generate_parser
+from hpengine.cli.plan_progress import PlanProgress
+from hpengine.cli.doctor import cmd_doctor, doctor_parser
 from hpengine.config.load import ConfigError, load_config, to_toml
 from hpengine.config.reference import describe
 from hpengine.data import DataError, build_corpus
@@ -46,7 +49,8 @@ from hpengine.run.train import train
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hpengine", description="MPI training engine with switchable "
                                 "hybrid parallelism. Launch on N ranks with: mpiexec -n N hpengine train CFG")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--version", action="version", version=f"hpengine {__version__}")
+    sub = p.add_subparsers(dest="cmd", title="commands", metavar="COMMAND")
     t = sub.add_parser("train", help="train a model from a TOML config")
     t.add_argument("config", nargs="?", default=None, help="TOML config (default: built-in defaults)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -83,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     _plot_parser(sub)
     eval_parser(sub)
     generate_parser(sub)
+    doctor_parser(sub)
     return p
 
 
@@ -158,6 +163,8 @@ def _plan_parser(sub) -> None:
     pl.add_argument("--out", help="write the best layout as a config TOML")
     pl.add_argument("--force", action="store_true", help="replace an existing --out file")
     pl.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
+    pl.add_argument("--wide", action="store_true", help="every memory and time part in the table (default: at most "
+                    "120 columns, memory and communication totalled)")
     pl.add_argument("--max-micro-batch", type=int, default=8, help="largest micro-batch in sequences (default 8)")
     pl.add_argument("--calibrate", action="store_true", help="measure this machine; print a [cluster] table")
     pl.add_argument("--cluster", help="TOML file with a [cluster] table (keys as the flags below)")
@@ -186,7 +193,13 @@ def _plan_usage_error(message: str):
 
 
 def _cmd_plan(a) -> int:
-    text = plan.run(a)
+    progress = PlanProgress()
+    try:
+        text = plan.run(a, progress)
+    finally:
+        progress.close()
+    if not a.calibrate and not a.check and (progress.searched or progress.pruned):
+        sys.stderr.write(progress.summary() + "\n")     # the bar (a terminal) or nothing before it
     try:
         if text:
             print(text, flush=True)
@@ -314,6 +327,10 @@ def _main(argv) -> int:
     if list(sys.argv[1:] if argv is None else argv)[:1] == ["plan"]:    # unknown plan flags: one line too
         p.error = _plan_usage_error
     a = p.parse_args(argv)
+    if a.cmd is None:               # bare `hpengine`: the commands, not argparse's "required: cmd"
+        sys.stderr.write(p.format_help() + "\nhpengine: error: name a command; hpengine COMMAND --help "
+                         "describes one\n")
+        return 2
     try:
         if a.cmd == "train":
             return _cmd_train(a)
@@ -329,6 +346,8 @@ def _main(argv) -> int:
             return cmd_eval(a)
         if a.cmd == "generate":
             return cmd_generate(a)
+        if a.cmd == "doctor":
+            return cmd_doctor(a)
         return _cmd_plot(a)
     except KeyboardInterrupt:       # first: _known() imports modules an interrupt may have cut short
         return _interrupted()

@@ -5,16 +5,15 @@ dp x cp (Resolved.grad_group). Here: the bytes each pass sends, the rank's posit
 and the ring's time on the critical path."""
 from __future__ import annotations
 
-from hpengine.config.load import head_width
+from hpengine.models import capabilities
 from hpengine.nn.ring_attention import context_positions_bytes
 from hpengine.planner import recompute as rc
 
 
 def heads(mcfg, tp: int) -> tuple:
     """(key/value heads per tp rank, head width): what travels per token."""
-    if mcfg.kind == "llama":
-        return (mcfg.n_kv_heads or mcfg.n_heads) // tp, head_width(mcfg)
-    return mcfg.n_heads // tp, mcfg.d_model // mcfg.n_heads
+    caps = capabilities(mcfg)
+    return caps.kv_heads // tp, caps.v_width
 
 
 def layer_passes(st, lay) -> int:

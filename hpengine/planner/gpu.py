@@ -29,6 +29,7 @@ from hpengine.config.load import head_width, model_from_key, model_key
 from hpengine.layout.stage import owner
 from hpengine.models import build_model
 from hpengine.planner import recompute as rc
+from hpengine.planner.stages import memoised
 
 # element-wise traffic per cached byte: forward writes it and the next operation reads it, backward reads
 # it and writes and reads its gradient (layernorm, softmax, GELU, residual adds, each unfused)
@@ -67,7 +68,8 @@ def gemms(mcfg, st, lay) -> list[tuple]:
     a selectively recomputed layer that drops its probabilities."""
     tp, tokens, T = lay.tp, lay.rows * mcfg.seq_len // lay.cp, mcfg.seq_len
     Tq = T // lay.cp                     # context parallel: this rank's queries over every key
-    model, weights = _model_weights(model_key(mcfg), tp)
+    # a stage belongs to one model at one tp: its weights memoised on it (model_key is slow to build)
+    model, weights = memoised(st, ("model weights",), lambda: _model_weights(model_key(mcfg), tp))
     again, sel = rc.full(st, lay), rc.selective(st, lay)
     drops = bool(model.cache_bytes(lay.rows, tp, 1, lay.amp, lay.share, cp=lay.cp)["scores"])
     att = model.attention_flops(tokens, tp)

@@ -11,7 +11,7 @@ from hpengine.layout.schedules import peak_live
 from hpengine.models import build_model
 from hpengine.params.buffers import partition
 from hpengine.planner import context as plan_cp, moe as plan_moe, recompute as rc, tp as plan_tp
-from hpengine.planner.stages import Stage
+from hpengine.planner.stages import Stage, family_key, memoised
 
 
 def zero_bytes(psi: float, share: float, stage: int, w: int, g: int, k: int) -> tuple:
@@ -40,7 +40,11 @@ def owned(st: Stage, lay: Resolved, models: int, sh_rank=None) -> int:
     """Elements this sharding rank owns (the largest share when sh_rank is None)."""
     if lay.sh == 1:
         return st.psi * models
-    ranges = _partition(tuple(st.sizes(models)), lay.sh, lay.partition)
+    return memoised(st, ("owned", models, lay.sh, lay.partition, sh_rank), lambda: _owned(st, lay, models, sh_rank))
+
+
+def _owned(st: Stage, lay: Resolved, models: int, sh_rank) -> int:
+    ranges = _partition(st.sizes(models), lay.sh, lay.partition)
     return max(r.size for r in ranges) if sh_rank is None else ranges[sh_rank].size
 
 
@@ -49,7 +53,12 @@ def owned_experts(st: Stage, lay: Resolved, models: int, sh_rank=None) -> int:
     sh_rank is None): their gradients are averaged over the ep-dp replicas, the rest over dp."""
     if lay.sh == 1:
         return st.experts * models
-    sizes = tuple(st.sizes(models))
+    return memoised(st, ("owned experts", models, lay.sh, lay.partition, sh_rank),
+                    lambda: _owned_experts(st, lay, models, sh_rank))
+
+
+def _owned_experts(st: Stage, lay: Resolved, models: int, sh_rank) -> int:
+    sizes = st.sizes(models)
     per_rank = plan_tp.flagged_per_rank(sizes, st.expert * models, tuple(_partition(sizes, lay.sh, lay.partition)))
     return max(per_rank) if sh_rank is None else per_rank[sh_rank]
 
@@ -121,6 +130,12 @@ def chunk_activations(mcfg, st: Stage, chunk, lay: Resolved, item: int, packed: 
 
 
 def activations(mcfg, st: Stage, lay: Resolved, stage: int, item: int, packed: bool = False) -> int:
+    """_activations, memoised on the stage: it reads none of the sharding x dp split (stages.family_key)."""
+    return memoised(st, ("activations", family_key(lay), stage, item, packed),
+                    lambda: _activations(mcfg, st, lay, stage, item, packed))
+
+
+def _activations(mcfg, st: Stage, lay: Resolved, stage: int, item: int, packed: bool = False) -> int:
     """Peak cached bytes on this stage: the schedule's live (micro-batch, chunk) caches, weighted by
     chunk (F-then-B holds m, 1F1B min(p - s, m), interleaved per Megatron 2021), and under a zero-bubble
     schedule the W stashes between each B and its W. Several models run

@@ -14,7 +14,7 @@ from hpengine.models import build_model
 from hpengine.planner import context as plan_cp, gpu as plan_gpu, moe as plan_moe, recompute as rc, tp as plan_tp
 from hpengine.planner.memory import (_partition, _read_blocks, activations, block_activations, buffers, model_state,
                                      owned, owned_experts, packed_caches, precision)
-from hpengine.planner.stages import Stage, stages
+from hpengine.planner.stages import Stage, memoised, micro_batch_key, stages
 
 F64 = 8                  # the engine's loss and squared-norm vectors are float64, one entry per model
 _bubble = functools.lru_cache(maxsize=4096)(bubble_fraction)     # the planner asks often; it builds a schedule
@@ -26,6 +26,10 @@ def gathered_per_microbatch(mcfg, st: Stage) -> int:
     """Elements stage 3 gathers per micro-batch and model: every block in forward and again in backward
     (except blocks whose backward reads no parameters, the embedding); a block gathers the blocks whose
     tensors it reads with it both times (a tied head: the embedding)."""
+    return memoised(st, ("gathered",), lambda: _gathered(st))
+
+
+def _gathered(st: Stage) -> int:
     total, bwd = 0, {b.name: b.bwd_params for b in st.kinds}
     for chunk in st.chunks:
         total += sum((1 + bwd[b]) * st.block(b) for b in chunk)
@@ -80,9 +84,14 @@ def _hops(lay: Resolved, stage: int) -> int:
     """Sends per micro-batch of one rank: forward out of every chunk but the last virtual stage,
     backward out of every chunk but the first, except to a chunk on this rank (zbv's turn on the last
     rank, handed over in memory). ZB-V crosses 2p - 2 links per micro-batch each way, 1F1B p - 1."""
-    V, place = lay.pp * lay.v, placement(lay.schedule, lay.pp, lay.v)
+    return _hops_of(lay.schedule, lay.pp, lay.v, stage)
+
+
+@functools.lru_cache(maxsize=65536)
+def _hops_of(schedule: str, pp: int, v: int, stage: int) -> int:
+    V, place = pp * v, placement(schedule, pp, v)
     out = 0
-    for c in range(lay.v):
+    for c in range(v):
         g = place.virtual(stage, c)
         out += (g < V - 1 and place.stage_of(g + 1) != stage) + (g > 0 and place.stage_of(g - 1) != stage)
     return out
@@ -147,6 +156,12 @@ def oversubscription(lay: Resolved, cluster) -> float:
 
 
 def compute_s(mcfg, st: Stage, lay: Resolved, cluster) -> float:
+    """_compute_s, memoised on the stage by what it reads (stages.micro_batch_key)."""
+    return memoised(st, ("compute", micro_batch_key(lay), tuple(vars(cluster).values())),
+                    lambda: _compute_s(mcfg, st, lay, cluster))
+
+
+def _compute_s(mcfg, st: Stage, lay: Resolved, cluster) -> float:
     """Seconds of one micro-batch of one model through the stage on one device (or core): its matmul
     FLOPs at the sustained rate (GPU clusters with gemm_half_dim, mem_bw_gbs or launch_us: each GEMM at
     its shape's rate and the cached bytes' element-wise passes at the memory bandwidth, planner/gpu.py); on
@@ -168,6 +183,41 @@ def compute_s(mcfg, st: Stage, lay: Resolved, cluster) -> float:
     return work + (2 * len(st.names) + again) * cluster.block_us * 1e-6 + cached / 4 * cluster.act_ns * 1e-9
 
 
+# The parts of a micro-batch's critical path (stage_times); planner/bound.py calls them too, with links no
+# better than the layout's, so its floor under a family of layouts is this very arithmetic.
+
+def _compute_total(mcfg, st: Stage, lay: Resolved, models: int, cluster) -> float:
+    return oversubscription(lay, cluster) * models * compute_s(mcfg, st, lay, cluster)
+
+
+def _split_gathered(mcfg, lay: Resolved, stage: int, models: int, cluster) -> int:
+    """Bytes per step the receiving stage all-gathers over tp of sends split across tp."""
+    return plan_tp.pipeline_bytes(mcfg, lay, lay.share * mcfg.seq_len // lay.cp * models,
+                                  wire_item(lay, precision(mcfg, lay.amp)[3], packed_caches(lay, cluster)),
+                                  _hops(lay, stage))[1]
+
+
+def _tp_s(mcfg, st: Stage, lay: Resolved, models: int, tp_bytes: dict, gathered: int, tp_link) -> float:
+    mb = lay.k * lay.m
+    per_mb = {op: (n - (gathered if op == "allgather" else 0)) / mb for op, n in tp_bytes.items()}
+    return plan_tp.tp_seconds(mcfg, st, lay, models, {op: n for op, n in per_mb.items() if n}, tp_link, collective_s)
+
+
+def _pp_s(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster, link_of) -> float:
+    mb, hops = lay.k * lay.m, _hops(lay, stage)
+    packed = packed_caches(lay, cluster)
+    act, gathered = plan_tp.pipeline_bytes(mcfg, lay, lay.share * mcfg.seq_len // lay.cp * models,
+                                           wire_item(lay, precision(mcfg, lay.amp, packed)[3], packed), hops)
+    return (collective_s("send", 2, act / mb, hops * models, *link_of(lay, "pp", cluster))
+            + plan_tp.pipeline_gather_seconds(lay, gathered / mb, hops, models,
+                                              lambda op: link_of(lay, "tp", cluster, op), collective_s))
+
+
+def _cp_s(mcfg, st: Stage, lay: Resolved, models: int, comp: float, cluster, link_of) -> float:
+    return plan_cp.ring_seconds(mcfg, st, lay, precision(mcfg, lay.amp)[3], models, comp / models,
+                                *link_of(lay, "cp", cluster))
+
+
 # small allreduces a step makes on each axis: squared gradient norms (sharding, pp, tp), losses (sharding, dp, pp)
 SCALAR_CALLS = {"sharding": 2, "dp": 1, "pp": 2, "tp": 1}
 
@@ -176,14 +226,15 @@ def _degrees(lay: Resolved) -> dict:
     return lay.degrees
 
 
-def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster, sh_rank=None) -> dict:
+def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster, sh_rank=None, tr=None) -> dict:
     """Seconds per micro-batch (compute, tp, pp: on the critical path) and per step (dp, sharding:
     exposed after overlapping the last backward / the forward prefetch; fixed: the optimizer over the
     owned elements, the scalar allreduces and the per-step overhead). "hidden": {what: (seconds hidden behind
-    compute, bytes per step)} for the gradient and sharding collectives that overlap compute."""
-    tr, M = traffic(mcfg, st, lay, stage, models, packed=packed_caches(lay, cluster)), models
+    compute, bytes per step)} for the gradient and sharding collectives that overlap compute. tr: traffic() of
+    the largest sharding share, when the caller has it."""
+    tr, M = tr or traffic(mcfg, st, lay, stage, models, packed=packed_caches(lay, cluster)), models
     slow = oversubscription(lay, cluster)
-    comp = slow * M * compute_s(mcfg, st, lay, cluster)
+    comp = _compute_total(mcfg, st, lay, M, cluster)
     mb = lay.k * lay.m
     own = owned(st, lay, M, sh_rank) if lay.zstage else st.psi * M
     K = precision(mcfg, lay.amp)[2]                  # optimizer_ns is measured in float32 (K = 8 bytes)
@@ -193,19 +244,12 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
     out = {"compute": comp, "tp": 0.0, "pp": 0.0, "ep": 0.0, "cp": 0.0, "dp": 0.0, "sharding": 0.0, "fixed": fixed,
            "hidden": {}}
     if lay.cp > 1:          # the ring's transfers past the block compute they overlap, on the cp axis's link
-        out["cp"] = plan_cp.ring_seconds(mcfg, st, lay, precision(mcfg, lay.amp)[3], M, comp / M,
-                                         *link(lay, "cp", cluster))
-    tp_link = lambda op: link(lay, "tp", cluster, op)      # noqa: E731
-    _, gathered = plan_tp.pipeline_bytes(mcfg, lay, lay.share * mcfg.seq_len // lay.cp * M,
-                                         wire_item(lay, precision(mcfg, lay.amp)[3], packed_caches(lay, cluster)),
-                                         _hops(lay, stage))
+        out["cp"] = _cp_s(mcfg, st, lay, M, comp, cluster, link)
+    gathered = _split_gathered(mcfg, lay, stage, M, cluster)
     if "tp" in tr:          # the tp regions' collectives; a split pipeline send's gather counts with pp
-        per_mb = {op: (n - (gathered if op == "allgather" else 0)) / mb for op, n in tr["tp"].items()}
-        out["tp"] = plan_tp.tp_seconds(mcfg, st, lay, M, {op: n for op, n in per_mb.items() if n}, tp_link,
-                                       collective_s)
+        out["tp"] = _tp_s(mcfg, st, lay, M, tr["tp"], gathered, lambda op: link(lay, "tp", cluster, op))
     if "pp" in tr:
-        out["pp"] = (collective_s("send", 2, tr["pp"]["send"] / mb, _hops(lay, stage) * M, *link(lay, "pp", cluster))
-                     + plan_tp.pipeline_gather_seconds(lay, gathered / mb, _hops(lay, stage), M, tp_link, collective_s))
+        out["pp"] = _pp_s(mcfg, st, lay, stage, M, cluster, link)
     if "ep" in tr:          # an ep group is consecutive dp ranks: the dp link
         out["ep"] = plan_moe.alltoall_seconds(lay, cluster.moe_imbalance * tr["ep"]["alltoallv"] / mb,
                                               plan_moe.alltoall_calls(mcfg, st, lay) / mb, *link(lay, "dp", cluster))
@@ -242,8 +286,9 @@ def predict_stage(mcfg, st: Stage, lay: Resolved, stage: int, models: int, clust
     mem["buffers"] = buffers(mcfg, st, lay, owned(st, lay, models, sh_rank), packed)
     mem["total"] = sum(mem.values())
     out = {"stage": stage, "memory": mem, "traffic": traffic(mcfg, st, lay, stage, models, sh_rank, packed)}
-    if cluster is not None:
-        out["times"] = stage_times(mcfg, st, lay, stage, models, cluster, sh_rank)
+    if cluster is not None:         # its times read the largest share's traffic, whatever sh_rank
+        out["times"] = stage_times(mcfg, st, lay, stage, models, cluster, sh_rank,
+                                   out["traffic"] if sh_rank is None else None)
     return out
 
 
@@ -276,9 +321,10 @@ def for_rank(cfg, world: int, coords: dict, cluster=None) -> dict:
     return predict_stage(cfg.model, st, lay, coords["pp"], cfg.train.models, cluster, coords["sharding"])
 
 
-def evaluate(cfg, lay: Resolved, cluster, stage_ids=None) -> dict:
-    """Prediction for a layout: per-stage results, the worst stage's memory, the step time."""
-    sts = stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule, lay.ep)
+def evaluate(cfg, lay: Resolved, cluster, stage_ids=None, sts=None) -> dict:
+    """Prediction for a layout: per-stage results, the worst stage's memory, the step time. sts: its stages
+    (stages.stages of the layout's cut), when the caller has them."""
+    sts = sts or stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule, lay.ep)
     ids = range(lay.pp) if stage_ids is None else sorted({s for s in stage_ids if 0 <= s < lay.pp})
     per = [predict_stage(cfg.model, sts[s], lay, s, cfg.train.models, cluster) for s in ids]
     worst = max(per, key=lambda r: r["memory"]["total"])

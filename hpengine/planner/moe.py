@@ -1,10 +1,10 @@
 """The planner's model of mixture-of-experts layers under expert parallelism (strategies/expert_parallel.py):
 the all-to-alls of the routed rows (how many, how many bytes, how long), what a layer keeps of the rows it
-received, and the MoE figures the engine adds to the loss allreduce (engine/moe_figures.py). The experts'
+received, and the MoE figures the engine adds to the loss allreduce (models/moe_figures.py). The experts'
 caches without expert parallelism are the model's own cache_bytes; their split over ep is the layout's."""
 from __future__ import annotations
 
-from hpengine.models import build_model
+from hpengine.models import build_model, capabilities
 from hpengine.planner import recompute as rc
 
 
@@ -38,9 +38,9 @@ def received_cache(mcfg, lay, item: int) -> int:
 def loss_figures(mcfg, models: int = 1) -> int:
     """Values the engine adds to the loss allreduce for an MoE model: the aux and z shares, the selections per
     expert of every layer (of every model when router biases follow them) and, under a capacity, the drops per
-    layer (engine/moe_figures.py: MoEFigures.values)."""
-    e = mcfg.moe if mcfg.kind == "llama" else None
-    if e is None or not e.num_experts:
+    layer (models/moe_figures.py: MoEFigures.values)."""
+    if not capabilities(mcfg).experts:
         return 0
+    e = mcfg.moe
     loads = models if e.bias_update_rate > 0 else 1
     return 2 + loads * mcfg.n_layers * e.num_experts + (mcfg.n_layers if e.capacity_factor > 0 else 0)

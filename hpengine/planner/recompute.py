@@ -7,14 +7,20 @@ from __future__ import annotations
 from hpengine.models import build_model
 
 
-def full(st, lay) -> set:
+def full(st, lay) -> frozenset:
     """Names of the stage's layers that keep only their input."""
-    return {b.name for b in st.kinds if lay.recomputed(b)}
+    key = ("full", lay.recompute, lay.granularity)        # all that Resolved.recomputed reads
+    if key not in st.memo:
+        st.memo[key] = frozenset(b.name for b in st.kinds if lay.recomputed(b))
+    return st.memo[key]
 
 
-def selective(st, lay) -> set:
+def selective(st, lay) -> frozenset:
     """Names of the stage's layers that drop their attention probabilities (when they have any)."""
-    return {b.name for b in st.kinds if lay.drops_scores(b)}
+    key = ("selective", lay.recompute, lay.granularity)
+    if key not in st.memo:
+        st.memo[key] = frozenset(b.name for b in st.kinds if lay.drops_scores(b))
+    return st.memo[key]
 
 
 def of_block(a: dict, b, key: str | None = None) -> int:

@@ -1,15 +1,15 @@
-"""`hpengine plan`: enumerate the legal switch combinations and degrees for a model on a cluster, rank them
-by the predicted step time among those whose predicted memory fits (planner/model.py), print the table and
-write the best as a config; `--check` predicts one config; `--calibrate` measures this machine; and
-train.py calls check_at_start to log the prediction for the job it runs.
+"""`hpengine plan`: rank the legal layouts of a model on a cluster (planner/space.py) by predicted step time
+among those whose predicted memory fits, by branch and bound (planner/prune.py) or exhaustively, print the table
+(planner/report.py) and write the best as a config; `--check` predicts one config; `--calibrate` measures this
+machine; and train.py calls check_at_start to log the prediction for the job it runs.
 """
 from __future__ import annotations
 
 import copy
 import math
 import os
+import textwrap
 import time
-from itertools import product
 
 from hpengine.config.load import (
     Config,
@@ -24,10 +24,13 @@ from hpengine.config.load import (
 from hpengine.files import write_file
 from hpengine.layout.resolve import SWITCH_OF_AXIS, Resolved, resolve
 from hpengine.models import build_model
+from hpengine.planner import prune
 from hpengine.planner.calibrate import GB, calibrate_device
 from hpengine.planner.cluster import Cluster, PlanError, load_cluster  # noqa: F401 - Cluster and PlanError are part of plan's API
 from hpengine.planner.model import evaluate, predict_stage, step_time  # noqa: F401 - evaluate is part of plan's API
-from hpengine.planner.stages import stages
+from hpengine.planner.report import (_bytes, _n_params, _secs, check_text, describe, hidden_line,  # noqa: F401
+                                     table)
+from hpengine.planner.space import candidates, rank_key  # noqa: F401 - candidates is part of plan's API
 from hpengine.planner.presets import ALIASES, PRESETS
 
 
@@ -46,101 +49,51 @@ def with_preset(cfg: Config, name: str) -> Config:
 
 # ---- search -----------------------------------------------------------------------------------------
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _tp_ok(m, tp: int) -> bool:
-    return not build_model(m).tp_divides(tp)
-
-
-def _recompute_modes(m) -> list[tuple]:
-    """(every, granularity) options: off, full, and selective where the model keeps attention probabilities."""
-    scores = build_model(m).cache_bytes(1, 1, 1, False, 1)["scores"]
-    return [(0, "full"), (1, "full")] + ([(1, "selective")] if scores else [])
-
-
-def candidates(cfg: Config, cluster: Cluster, max_rows: int = 8):
-    """Every legal layout (resolve.Resolved) on the cluster: degrees that multiply to the world, tp within a
-    node and dividing heads and widths (with and without sequence parallelism), exact batch arithmetic,
-    each schedule, recompute (full, selective), amp, context parallel degrees (_context_degrees)."""
-    m, W, gb = cfg.model, cluster.world, cfg.train.global_batch
-    tps = [t for t in _divisors(W) if t <= cluster.gpus_per_node and _tp_ok(m, t)]
-    modes, split_sends = _recompute_modes(m), cfg.strategy.pipeline.scatter_gather
-    comm = cfg.strategy.context_parallel.comm
-    for tp, cp, pp in [(t, c, p) for t in tps for c in _context_degrees(m, W // t)
-                       for p in _divisors(W // (t * c)) if p <= m.n_layers]:
-        tensors = min(len(st.sizes(cfg.train.models)) for st in stages(m, tp, pp, 1))
-        sps = (False, True) if tp > 1 and (m.seq_len // cp) % tp == 0 else (False,)
-        rest = W // (tp * cp * pp)           # ranks for sharding x dp (the replicas)
-        for sh in [s for s in _divisors(rest) if gb % rest == 0]:
-            dp, share = rest // sh, gb // rest
-            rows = [r for r in _divisors(share) if r <= max_rows]
-            for zstage, b, (rc, gran), amp, sp in product([0] if sh == 1 else [1, 2, 3], rows, modes, ("", "float16"),
-                                                          sps):
-                if cp > 1 and gran == "selective":      # the cp drivers keep no probabilities to drop
-                    continue
-                n = share // b          # micro-batches: the pipeline's, else gradient-merge passes
-                for (sched, v), ep in product(_schedules(pp, n, m.n_layers), _expert_degrees(m, dp)):
-                    yield Resolved(tp, sh, dp, pp, zstage, "tensor" if sh <= tensors else "flat",
-                                   n if pp > 1 else 1, 1 if pp > 1 else n, v, sched, "uniform", rc, amp,
-                                   tuple(cfg.mesh.order), share, cfg.strategy.data_parallel.bucket_mb, gran, sp,
-                                   tp > 1 and pp > 1 and not sp and split_sends, ep, cp, comm)
-
-
-def _context_degrees(m, ranks: int) -> list[int]:
-    """Context-parallel degrees: divisors of the ranks left by tp whose 2 x degree divides model.seq_len;
-    only 1 for the mlp kind (no attention) and MoE models (per-sequence balancing losses and capacity)."""
-    if m.kind == "mlp" or (m.kind == "llama" and m.moe.num_experts):
-        return [1]
-    return [c for c in _divisors(ranks) if c == 1 or m.seq_len % (2 * c) == 0]
-
-
-def _expert_degrees(m, dp: int) -> list[int]:
-    """Expert-parallel degrees of an MoE model: divisors of dp that divide the experts (a sharding group holds
-    one ep rank's experts and shards them)."""
-    experts = m.moe.num_experts if m.kind == "llama" else 0
-    if not experts:
-        return [1]
-    return [e for e in _divisors(dp) if experts % e == 0]
-
-
-def _schedules(pp: int, m: int, layers: int):
-    if pp == 1:
-        return [("fthenb", 1)]
-    out = [("fthenb", 1), ("1f1b", 1), ("zb1p", 1)]
-    out += [("zbv", 2)] if m >= 2 * pp - 1 and 2 * pp <= layers else []
-    return out + [("interleaved", v) for v in (2, 4) if m % pp == 0 and pp * v <= layers]
-
-
-def search(cfg: Config, cluster: Cluster, max_rows: int = 8) -> tuple[list[dict], int]:
-    """(layouts that fit in the device memory less the reserve, fastest first; how many were evaluated).
+def search(cfg: Config, cluster: Cluster, max_rows: int = 8, top: int | None = None) -> tuple[list[dict], int]:
+    """(layouts that fit in the device memory less the reserve, fastest first; how many were considered).
+    top None: every layout evaluated and ranked (the exhaustive search); else branch and bound
+    (planner/prune.py): the first `top` rows are the exhaustive search's, the rest only those it evaluated.
     Raises PlanError when none fits."""
+    fit, evaluated, pruned = searched(cfg, cluster, max_rows, top)
+    return fit, evaluated + pruned
+
+
+def searched(cfg: Config, cluster: Cluster, max_rows: int = 8, top: int | None = None, progress=None,
+             where=None) -> tuple[list[dict], int, int]:
+    """search's ranking with (layouts evaluated, layouts pruned unevaluated); progress: a prune.Progress;
+    where(tp, cp, pp): only those prefixes (branch and bound only)."""
+    if top is not None:
+        fit, n, pruned, smallest = prune.branch_and_bound(cfg, cluster, max_rows, top, progress, where)
+        if not n and not pruned:
+            _none_legal(cfg, cluster)
+        if not fit:
+            _none_fits(smallest, cluster)
+        return fit, n, pruned
     fit, smallest, n = [], None, 0
-    for lay in candidates(cfg, cluster, max_rows):
-        n += 1
+    for n, lay in enumerate(candidates(cfg, cluster, max_rows), 1):
         r = evaluate(cfg, lay, cluster, (0, 1, lay.pp - 1))
         if r["memory"]["total"] <= cluster.usable_gb * GB:
             fit.append(r)
         elif smallest is None or r["memory"]["total"] < smallest["memory"]["total"]:
             smallest = r
     if not n:
-        raise PlanError(f"no legal layout of this model on {cluster.world} devices: global_batch = "
-                        f"{cfg.train.global_batch} and the model's heads/widths admit no degrees that multiply to it")
+        _none_legal(cfg, cluster)
     if not fit:
-        raise PlanError(f"no layout fits: the smallest needs {smallest['memory']['total'] / GB:.1f} GB per device "
-                        f"({describe(smallest['layout'])}) but devices have {cluster.usable_gb:.4g} GB: "
-                        f"{cluster.mem_gb:g} GB less {cluster.reserve:g} GB kept free (cluster.reserve_gb, "
-                        "--reserve-gb)")
-    # equal step times: the layout that needs less memory first, then the one that sends less
-    fit.sort(key=lambda r: (round(r["time"]["step"], 9), r["memory"]["total"], _sent(r)))
-    return fit, n
+        _none_fits(smallest, cluster)
+    fit.sort(key=rank_key)           # stable: among equals, the order of candidates
+    return fit, n, 0
 
 
-def _sent(r: dict) -> int:
-    """Bytes the worst stage's rank sends per step (ties in time and memory go to the layout that sends less)."""
-    st = next(s for s in r["stages"] if s["stage"] == r["stage"])
-    return sum(b for ops in st["traffic"].values() for op, b in ops.items() if op != "recv")
+def _none_legal(cfg: Config, cluster: Cluster):
+    raise PlanError(f"no legal layout of this model on {cluster.world} devices: global_batch = "
+                    f"{cfg.train.global_batch} and the model's heads/widths admit no degrees that multiply to it")
+
+
+def _none_fits(smallest: dict, cluster: Cluster):
+    raise PlanError(f"no layout fits: the smallest needs {smallest['memory']['total'] / GB:.1f} GB per device "
+                    f"({describe(smallest['layout'])}) but devices have {cluster.usable_gb:.4g} GB: "
+                    f"{cluster.mem_gb:g} GB less {cluster.reserve:g} GB kept free (cluster.reserve_gb, "
+                    "--reserve-gb)")
 
 
 def config_for(cfg: Config, lay: Resolved) -> Config:
@@ -170,109 +123,13 @@ def config_for(cfg: Config, lay: Resolved) -> Config:
 
 # ---- output -----------------------------------------------------------------------------------------
 
-def describe(lay: Resolved) -> str:
-    """The switches of a layout in words: 'tp 8 x cp 2 (ring) x pp 4 (1f1b, 16 micro-batches) x sharding 2 (stage 1)'."""
-    parts = [f"tp {lay.tp}" + (" (sequence parallel)" if lay.sp else "")] if lay.tp > 1 else []
-    parts += [f"cp {lay.cp} ({lay.cp_comm})"] if lay.cp > 1 else []
-    if lay.pp > 1:
-        parts.append(f"pp {lay.pp} ({lay.schedule}{f' v={lay.v}' if lay.v > 1 else ''}, {lay.m} micro-batches)")
-    parts += [f"dp {lay.dp}" + (f" (experts over ep {lay.ep})" if lay.ep > 1 else "")] if lay.dp > 1 else []
-    parts += [f"sharding {lay.sh} (stage {lay.zstage})"] if lay.sh > 1 else []
-    extra = ([f"gradient merge {lay.k}"] if lay.k > 1 else []) + ([f"{'selective ' if lay.granularity == 'selective' else ''}recompute"] if lay.recompute else []) \
-        + (["amp"] if lay.amp else [])
-    return " x ".join(parts or ["1 rank"]) + "".join(f", {e}" for e in extra) + f"; {lay.rows} seq per micro-batch"
-
-
-MEM_COLS = ("params", "grads", "optimizer", "activations", "buffers", "total")
-TIME_COLS = ("compute", "bubble", "tp", "pp", "ep", "cp", "dp", "sharding", "fixed", "step")
-SHORT = {"optimizer": "optim", "activations": "act", "buffers": "buf", "sharding": "shard"}
-
-
-def _unit(largest: float, units) -> tuple:
-    for scale, name in units:
-        if largest >= scale:
-            return scale, name
-    return units[-1]
-
-
-def table(results: list[dict], top: int) -> str:
-    """The ranked table: layout, memory per device (worst stage), step time by part."""
-    rows = results[:top]
-    ms, mn = _unit(max(r["memory"]["total"] for r in rows), [(GB, "GB"), (1e6, "MB"), (1, "B")])
-    ts, tn = _unit(max(r["time"]["step"] for r in rows), [(1, "s"), (1e-3, "ms"), (1e-6, "us")])
-    head = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'ep':>3} {'sh':>4} {'st':>2} {'sched':>11} {'m':>4} {'k':>3} {'mb':>3} "
-            f"{'sp':>2} {'rc':>2} {'amp':>3} | " + " ".join(f"{SHORT.get(c, c):>6}" for c in MEM_COLS) + f" {mn} | "
-            + " ".join(f"{SHORT.get(c, c):>7}" for c in TIME_COLS) + f" {tn} | {'tok/s':>9}")
-    lines = [head, "-" * len(head)]
-    for i, r in enumerate(rows, 1):
-        lay = r["layout"]
-        sched = "-" if lay.pp == 1 else lay.schedule + (f"/{lay.v}" if lay.v > 1 else "")
-        lines.append(f"{i:>3} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>4} {lay.ep:>3} {lay.sh:>4} {lay.zstage or '-':>2} {sched:>11} "
-                     f"{lay.m:>4} {lay.k:>3} {lay.rows:>3} {'y' if lay.sp else '-':>2} "
-                     f"{(lay.granularity[0] if lay.recompute else '-'):>2} "
-                     f"{'y' if lay.amp else '-':>3} | " + " ".join(f"{r['memory'][c] / ms:>6.1f}" for c in MEM_COLS)
-                     + "    | " + " ".join(f"{r['time'][c] / ts:>6.2f}" + ("h" if _hides(r, c) else " ") for c in TIME_COLS)
-                     + f"    | {r['tokens_per_s']:>9,.0f}")
-    return "\n".join(lines)
-
-
-def _hides(r: dict, col: str) -> bool:
-    """Whether some of the column's communication is hidden behind compute (marked h in the table)."""
-    return any(t > 0 for what, (t, _) in r["time"].get("hidden", {}).items() if what.split()[0] == col)
-
-
-def hidden_line(r: dict, legend: str = "") -> str:
-    """Communication the prediction hides behind compute, with its bytes ("" when none)."""
-    parts = [f"{what} {_bytes(b)} ({_secs(t)} hidden)" for what, (t, b) in r["time"].get("hidden", {}).items() if t > 0]
-    return (f"hidden behind compute{legend} (per step, the rank with the most): " + ", ".join(parts)) if parts else ""
-
-
-def _bytes(n: float) -> str:
-    s, u = _unit(n, [(1e12, "TB"), (GB, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B")])
-    return f"{n / s:.3g} {u}" if u != "B" else f"{int(n)} B"
-
-
-def _secs(t: float) -> str:
-    s, u = _unit(t, [(1, "s"), (1e-3, "ms"), (1e-6, "us")])
-    return f"{t / s:.3g} {u}" if t else "0"
-
-
-def _n_params(cfg: Config) -> int:
-    return sum(math.prod(sp.global_shape) for sp in build_model(cfg.model).all_specs()) * cfg.train.models
-
-
-def check_text(cfg: Config, world: int, cluster: Cluster) -> str:
-    """`plan --check`: per-stage memory, the step time and each communicator's bytes per step."""
+def _why_context(cfg: Config, cluster: Cluster, fit: list[dict], max_rows: int) -> str:
+    """Why the best layout splits sequences: no layout with cp 1 fits, or the best one that does is slower (the
+    search again, over cp 1 only: the first search may have pruned those layouts)."""
     try:
-        lay = resolve(cfg, world)
-    except ValueError as e:
-        raise PlanError(f"--world {world}: {e}") from None
-    try:
-        r = evaluate(cfg, lay, cluster)
-    except ValueError as e:
-        raise PlanError(f"--check on {world} ranks ({describe(lay)}): {e}") from None
-    out = [f"{cfg.model.kind} with {_n_params(cfg):,} parameters on {world} ranks: {describe(lay)}",
-           "memory per device (bytes; the sharding rank with the largest share):"]
-    for s in r["stages"]:
-        out.append(f"  pp stage {s['stage']}: " + ", ".join(f"{k} {_bytes(v)}" for k, v in s["memory"].items()))
-    t = r["time"]
-    out.append("step time: " + ", ".join(f"{k} {_secs(t[k])}" for k in TIME_COLS)
-               + f"; {r['tokens_per_s']:,.0f} tokens/s")
-    if hidden_line(r):
-        out.append(hidden_line(r))
-    out.append(f"traffic per step (pp stage {r['stage']}, bytes each rank counts):")
-    for axis, ops in next(s for s in r["stages"] if s["stage"] == r["stage"])["traffic"].items():
-        out.append(f"  {axis}: " + ", ".join(f"{op} {_bytes(b)}" for op, b in ops.items()))
-    total, usable = r["memory"]["total"], cluster.usable_gb * GB
-    room = f"headroom {_bytes(usable - total)}" if total <= usable else f"{_bytes(total - usable)} over"
-    out.append(f"{'fits' if total <= usable else 'does NOT fit'} in {cluster.mem_gb:g} GB per device less "
-               f"{cluster.reserve:g} GB kept free (worst stage {_bytes(total)}, {room})")
-    return "\n".join(out)
-
-
-def _why_context(fit: list[dict], cluster: Cluster) -> str:
-    """Why the best layout splits sequences: no layout with cp 1 fits, or the best one that does is slower."""
-    flat = [r for r in fit if r["layout"].cp == 1]
+        flat = searched(cfg, cluster, max_rows, 1, where=lambda tp, cp, pp: cp == 1)[0]
+    except PlanError:
+        flat = []
     if not flat:
         return (f"context parallel: memory: cp 1 does not fit ({cluster.usable_gb:.4g} GB usable per device); "
                 f"each rank holds seq_len / cp tokens of every sequence")
@@ -348,15 +205,30 @@ def check_args(a) -> None:
                         f"{os.path.join(a.out, 'plan.toml')}")
 
 
-def _cluster_line(a, c: Cluster) -> str:
-    """Which machine the plan assumes: the --cluster file, else the built-in default, with its main figures."""
+def cluster_lines(a, c: Cluster) -> list[str]:
+    """Which machine the plan assumes and where its figures come from: the --cluster file (its device as the
+    file's first comment names it), the built-in default, and the flags that override either."""
+    kind = "a generic device, no particular GPU"
+    if a.cluster:
+        with open(a.cluster, encoding="utf-8", errors="replace") as fh:
+            first = fh.readline()
+        kind = first.lstrip("# ").split(":")[0].split("(")[0].strip() if first.startswith("#") else "unnamed"
     where = f"--cluster {a.cluster}" if a.cluster else "the built-in default (--cluster FILE or the flags set yours)"
-    return (f"cluster: {where}: {c.nodes} x {c.gpus_per_node} devices of {c.mem_gb:g} GB, {c.tflops:g} TFLOP/s "
-            f"16-bit, {c.intra_bw_gbs:g} GB/s inside a node, {c.inter_bw_gbs:g} GB/s between nodes")
+    flags = [f"--{k.replace('_', '-')}" for k in CLUSTER_FLAGS if getattr(a, k, None) is not None]
+    return _wrap(f"cluster: {where}: {c.nodes} x {c.gpus_per_node} devices of {c.mem_gb:g} GB ({kind})"
+                 + (f"; set by {', '.join(flags)}" if flags else "") + f"; {c.tflops:g} TFLOP/s 16-bit, "
+                 f"{c.tflops_fp32:g} float32; links {c.intra_bw_gbs:g} GB/s and {c.intra_latency_us:g} us inside a "
+                 f"node, {c.inter_bw_gbs:g} GB/s and {c.inter_latency_us:g} us between nodes; {c.reserve:g} GB kept "
+                 "free")
 
 
-def run(a) -> str:
-    """The `hpengine plan` command (arguments from cli/commands.py); returns the text to print."""
+def _wrap(line: str) -> list[str]:
+    return textwrap.wrap(line, 120, subsequent_indent="  ", break_on_hyphens=False) or [""]
+
+
+def run(a, progress=None) -> str:
+    """The `hpengine plan` command (arguments from cli/commands.py); returns the text to print. progress: a
+    prune.Progress the search reports to."""
     check_args(a)
     if a.calibrate:
         return calibrate_device(a.gpus_per_node, getattr(a, "device", "auto"))
@@ -364,7 +236,7 @@ def run(a) -> str:
     if a.check:
         cfg = load_config(a.check, a.overrides)
         world = cluster.world if a.world is None else a.world
-        return check_text(cfg, world, cluster)
+        return "\n".join(cluster_lines(a, cluster) + [check_text(cfg, world, cluster)])
     cfg = load_config(a.config, a.overrides)
     cfg = with_preset(cfg, a.model) if a.model else cfg
     if a.global_batch is not None:
@@ -376,21 +248,23 @@ def run(a) -> str:
     if a.out and os.path.lexists(a.out) and not getattr(a, "force", False):      # before a long search
         raise PlanError(f"--out {a.out}: the file already exists (pass --force to replace it)")
     t = time.perf_counter()
-    fit, n = search(cfg, cluster, a.max_micro_batch)
-    out = [f"hpengine plan: {cfg.model.kind} {_n_params(cfg) / 1e9:.3g}B parameters (d_model {cfg.model.d_model}, "
-           f"{cfg.model.n_layers} layers, seq {cfg.model.seq_len}, {cfg.model.dtype}), global batch "
-           f"{cfg.train.global_batch}, on {cluster.nodes} x {cluster.gpus_per_node} devices of {cluster.mem_gb:g} GB",
-           _cluster_line(a, cluster),
-           f"{n:,} layouts evaluated in {time.perf_counter() - t:.1f} s, {len(fit):,} fit; memory per device is the "
-           "worst pipeline stage's; times per optimizer step", "", table(fit, a.top), "",
-           f"best: {describe(fit[0]['layout'])}"] + ([hidden_line(fit[0], ", marked h in the table")]
-                                                     if hidden_line(fit[0]) else [])
+    fit, n, pruned = searched(cfg, cluster, a.max_micro_batch, a.top, progress)
+    m = cfg.model
+    out = cluster_lines(a, cluster) + _wrap(
+        f"hpengine plan: {m.kind} {_n_params(cfg) / 1e9:.3g}B parameters (d_model {m.d_model}, {m.n_layers} layers, "
+        f"seq {m.seq_len}; model.dtype {m.dtype}, amp rows compute in 16 bits), global batch "
+        f"{cfg.train.global_batch}, on {cluster.world} devices") + _wrap(
+        f"searched {n + pruned:,} layouts in {time.perf_counter() - t:.1f} s: {n:,} evaluated, {pruned:,} pruned "
+        f"unevaluated (floors that cannot fit or reach row {a.top}); times per optimizer step")
+    out += ["", table(fit, a.top, getattr(a, "wide", False), m.dtype), ""]
+    out += _wrap(f"best: {describe(fit[0]['layout'])}")
+    out += _wrap(hidden_line(fit[0], ", marked h in the table")) if hidden_line(fit[0]) else []
     if fit[0]["layout"].cp > 1:
-        out.append(_why_context(fit, cluster))
+        out += _wrap(_why_context(cfg, cluster, fit, a.max_micro_batch))
     if a.out:
         try:
             write_best(cfg, fit[0], a.out, cluster)
         except OSError as e:
             raise PlanError(f"--out {a.out}: cannot write the config there ({e.strerror or e})") from None
-        out.append(f"wrote {a.out}: mpiexec -n {cluster.world} hpengine train {a.out}")
+        out += _wrap(f"wrote {a.out}: mpiexec -n {cluster.world} hpengine train {a.out}")
     return "\n".join(out)

@@ -3,12 +3,15 @@ counts, its chunks and the shape facts the memory, traffic and time models read 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import operator
 from dataclasses import dataclass
 
 from hpengine.config.load import model_from_key, model_key
 from hpengine.layout.resolve import AXES, Resolved
+from hpengine.layout.schedules import SCHEDULES
 from hpengine.layout.stage import build_stage, owner
 from hpengine.models import build_model
 
@@ -33,12 +36,23 @@ class Stage:
     partial: tuple = ()    # per tensor: held whole but applied to this tp rank's heads only (ParamSpec.tp_partial)
     unpacked: tuple = ()   # (block, elements of its tensors packed bf16 unpacks: all but the linears' weights)
 
-    def sizes(self, models: int) -> list[int]:
+    def sizes(self, models: int) -> tuple:
         """Tensor element counts in layout order, for `models` models sharing the buffer."""
-        return [n for _ in range(models) for _, sz in self.blocks for n in sz]
+        return memoised(self, ("sizes", models), lambda: tuple(n for _ in range(models) for _, sz in self.blocks
+                                                               for n in sz))
 
     def block(self, name: str) -> int:
-        return sum(dict(self.blocks)[name])
+        return self.block_sizes[name]
+
+    @functools.cached_property
+    def block_sizes(self) -> dict:
+        return {name: sum(sz) for name, sz in self.blocks}
+
+    @functools.cached_property
+    def memo(self) -> dict:
+        """Figures derived from this stage, keyed by what else they read (the search asks for the same ones many
+        times; a Stage is immutable, so they never go stale)."""
+        return {}
 
     @functools.cached_property
     def kind_of(self) -> dict:
@@ -57,11 +71,42 @@ class Stage:
         return [b for b, _ in self.blocks]
 
 
+# what a layout's sharding x dp split sets; every other field of Resolved is the family's (planner/prune.py)
+SPLIT_FIELDS = ("sh", "dp", "zstage", "partition")
+_FAMILY_FIELDS = tuple(f.name for f in dataclasses.fields(Resolved) if f.name not in SPLIT_FIELDS)
+
+
+_family_of = operator.attrgetter(*_FAMILY_FIELDS)
+# what a micro-batch's compute reads of a layout (model.compute_s: its GEMMs, caches and recompute), beside the
+# stage: not the schedule, the number of micro-batches (only their size), the mesh order or the pipeline sends
+_micro_batch_of = operator.attrgetter("tp", "rows", "share", "cp", "cp_comm", "amp", "recompute", "granularity", "sp",
+                                      "ep", "bf16_storage", "bf16_grads")
+
+
+def family_key(lay: Resolved) -> tuple:
+    """Every field of the layout but its sharding x dp split: the key of figures that do not read the split."""
+    key = _family_of(lay)
+    return key if not isinstance(lay.split, list) else tuple(tuple(v) if isinstance(v, list) else v for v in key)
+
+
+def micro_batch_key(lay: Resolved) -> tuple:
+    """The fields of a layout one micro-batch's compute through a stage reads (model.compute_s)."""
+    return _micro_batch_of(lay)
+
+
+def memoised(st: Stage, key: tuple, compute):
+    """st.memo[key], computed once."""
+    if key not in st.memo:
+        st.memo[key] = compute()
+    return st.memo[key]
+
+
 def stages(mcfg, tp: int, p: int, v: int, split="uniform", schedule: str = "fthenb", ep: int = 1) -> list[Stage]:
     """Every pipeline stage of the model, cut as the engine cuts it (schedule: where the chunks sit; only
     zbv's V differs from c * p + stage; ep: the expert blocks a rank holds, 1 / ep of the experts)."""
     key = tuple(split) if isinstance(split, list) else split
-    return _stages(model_key(mcfg), tp, p, v, key, "zbv" if schedule == "zbv" else "fthenb", ep)
+    vee = next(s.name for s in SCHEDULES.values() if s.vee)     # stages depend on the placement alone
+    return _stages(model_key(mcfg), tp, p, v, key, vee if SCHEDULES[schedule].vee else "fthenb", ep)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -70,35 +115,36 @@ def _stages(mkey, tp, p, v, split, schedule, ep=1) -> list[Stage]:
     res = Resolved(tp, 1, 1, p, 0, "tensor", 1, 1, v, schedule, list(split) if isinstance(split, tuple) else split,
                    0, False, AXES, 1, ep=ep)
     model = build_model(mcfg, tp)
-    out = []
-    for s in range(p):
-        st = build_stage(mcfg, res, s, 0, models=[model])
-        slot, lay = st.slots[0], st.layout
-        blocks, matmuls, replicated, expert, partial, expert_mm, unpacked = [], [], [], [], [], 0, []
-        for name in slot.blocks:
-            b = slot.block(name)
-            specs = st.block_specs[name]
-            sizes = [lay.ranges[sp.name].size for sp in specs]
-            mm = 0
-            if b.kind != "embed":   # embedding lookups are no matmul; a copied tensor counts as a read below
-                mm += sum(n for sp, n in zip(specs, sizes) if len(sp.global_shape) == 2 and sp.name not in st.copies)
-                # routed experts (E, in, out): each token meets top_k of the E matrices, wherever they are held
-                moe = getattr(model, "moe", None)
-                routed = sum(n * lay.ep_size * moe.k // moe.E for sp, n in zip(specs, sizes)
-                             if len(sp.global_shape) == 3) if moe else 0
-                mm, expert_mm = mm + routed, expert_mm + routed
-            for t in b.reads:       # a tied head multiplies by wte, held here or by the embedding block
-                mm += next(math.prod(sp.local_shape(0, tp)) for sp in model.specs(owner(model, t)) if sp.name == t)
-            blocks.append((name, tuple(sizes)))
-            replicated += [sp.tp_dim is None for sp in specs]
-            expert += [sp.ep_dim is not None and ep > 1 for sp in specs]
-            partial += [sp.tp_dim is None and sp.tp_partial for sp in specs]
-            matmuls.append((name, mm))
-            unpacked.append((name, sum(n for sp, n in zip(specs, sizes) if not model.gemm_weight(sp.name))))
-        kinds = tuple(slot.block(n) for n in slot.blocks)
-        out.append(Stage(tuple(blocks), slot.chunks, sum(k.kind == "layer" for k in kinds), sum(n for _, n in matmuls),
-                         kinds, tuple(st.deps.items()), tuple(matmuls),
-                         sum(lay.ranges[t].size for t in set(st.tied.values())), tuple(replicated),
-                         sum(lay.ranges[sp.name].size for sp in lay.specs if sp.ep_dim is not None and ep > 1),
-                         tuple(expert), expert_mm=expert_mm, partial=tuple(partial), unpacked=tuple(unpacked)))
-    return out
+    return [_stage(mcfg, res, model, tp, ep, s) for s in range(p)]
+
+
+def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> Stage:
+    st = build_stage(mcfg, res, s, 0, models=[model])
+    slot, lay = st.slots[0], st.layout
+    blocks, matmuls, replicated, expert, partial, expert_mm, unpacked = [], [], [], [], [], 0, []
+    for name in slot.blocks:
+        b = slot.block(name)
+        specs = st.block_specs[name]
+        sizes = [lay.ranges[sp.name].size for sp in specs]
+        mm = 0
+        if b.kind != "embed":   # embedding lookups are no matmul; a copied tensor counts as a read below
+            mm += sum(n for sp, n in zip(specs, sizes) if len(sp.global_shape) == 2 and sp.name not in st.copies)
+            # routed experts (E, in, out): each token meets top_k of the E matrices, wherever they are held
+            moe = model.moe
+            routed = sum(n * lay.ep_size * moe.k // moe.E for sp, n in zip(specs, sizes)
+                         if len(sp.global_shape) == 3) if moe else 0
+            mm, expert_mm = mm + routed, expert_mm + routed
+        for t in b.reads:       # a tied head multiplies by wte, held here or by the embedding block
+            mm += next(math.prod(sp.local_shape(0, tp)) for sp in model.specs(owner(model, t)) if sp.name == t)
+        blocks.append((name, tuple(sizes)))
+        replicated += [sp.tp_dim is None for sp in specs]
+        expert += [sp.ep_dim is not None and ep > 1 for sp in specs]
+        partial += [sp.tp_dim is None and sp.tp_partial for sp in specs]
+        matmuls.append((name, mm))
+        unpacked.append((name, sum(n for sp, n in zip(specs, sizes) if not model.gemm_weight(sp.name))))
+    kinds = tuple(slot.block(n) for n in slot.blocks)
+    return Stage(tuple(blocks), slot.chunks, sum(k.kind == "layer" for k in kinds), sum(n for _, n in matmuls),
+                 kinds, tuple(st.deps.items()), tuple(matmuls),
+                 sum(lay.ranges[t].size for t in set(st.tied.values())), tuple(replicated),
+                 sum(lay.ranges[sp.name].size for sp in lay.specs if sp.ep_dim is not None and ep > 1),
+                 tuple(expert), expert_mm=expert_mm, partial=tuple(partial), unpacked=tuple(unpacked))

@@ -6,9 +6,10 @@ rank sends 1/tp, the receiving stage all-gathers). Bytes as comm.py counts them:
 reduce-scatter count the buffer sent, an all-gather the buffer gathered."""
 from __future__ import annotations
 
+import bisect
 import functools
 
-from hpengine.models import build_model
+from hpengine.models import build_model, capabilities
 from hpengine.planner import recompute as rc
 
 
@@ -45,7 +46,7 @@ def bits_gathers(mcfg, st, lay) -> int:
 
 
 def _routed(mcfg):
-    moe = getattr(build_model(mcfg), "moe", None)
+    moe = build_model(mcfg).moe
     return lambda b: moe is not None and b.kind == "layer" and moe.routed(b.layer)
 
 
@@ -58,10 +59,17 @@ def replicated_owned(st, lay, models: int, partition_of, sh_rank=None) -> int:
     """Elements inside this rank's owned range (the largest over sharding ranks when sh_rank is None) of the
     tensors whose gradients are summed over tp once a step: under sequence parallelism every tensor each tp
     rank holds whole, else those of them applied per head (ParamSpec.tp_partial, the q/k norms)."""
+    key = ("replicated owned", lay.sp, models, lay.sh, lay.partition if lay.sh > 1 else "", sh_rank)
+    if key not in st.memo:
+        st.memo[key] = _replicated_owned(st, lay, models, partition_of, sh_rank)
+    return st.memo[key]
+
+
+def _replicated_owned(st, lay, models: int, partition_of, sh_rank) -> int:
     flags = st.replicated if lay.sp else st.partial
     if not any(flags):
         return 0
-    sizes, flags = tuple(st.sizes(models)), flags * models
+    sizes, flags = st.sizes(models), flags * models
     if lay.sh == 1:
         return sum(n for n, f in zip(sizes, flags) if f)
     per_rank = flagged_per_rank(sizes, flags, tuple(partition_of(sizes, lay.sh, lay.partition)))
@@ -71,12 +79,20 @@ def replicated_owned(st, lay, models: int, partition_of, sh_rank=None) -> int:
 @functools.lru_cache(maxsize=1024)
 def flagged_per_rank(sizes, flags, ranges) -> tuple:
     """Elements of the flagged tensors inside each owned range (ranges: the partition, in flat-buffer order)."""
-    spans, at = [], 0
+    starts, below, at, total = [], [], 0, 0      # below[i]: flagged elements before the i-th flagged span
+    spans = []
     for n, f in zip(sizes, flags):
         if f:
+            starts.append(at)
+            below.append(total)
             spans.append((at, at + n))
+            total += n
         at += n
-    return tuple(sum(max(0, min(b, r.stop) - max(a, r.start)) for a, b in spans) for r in ranges)
+
+    def upto(x: int) -> int:         # flagged elements at offsets < x
+        i = bisect.bisect_right(starts, x) - 1
+        return 0 if i < 0 else below[i] + min(x, spans[i][1]) - spans[i][0]
+    return tuple(upto(r.stop) - upto(r.start) for r in ranges)
 
 
 def traffic(mcfg, st, lay, tokens: int, item: int, g: int, loss_item: int, scalars: int, replicated: int,
@@ -90,7 +106,7 @@ def traffic(mcfg, st, lay, tokens: int, item: int, g: int, loss_item: int, scala
     out = {op: tokens * n * C * item for op, n in activation_calls(mcfg, st, lay).items()}
     if packed and "allgather" in out:
         out["allgather"] -= tokens * bits_gathers(mcfg, st, lay) * C * (item - 2)
-    gates = tokens * mcfg.moe.top_k * item * moe_layers(mcfg, st) if mcfg.kind == "llama" else 0
+    gates = tokens * capabilities(mcfg).top_k * item * moe_layers(mcfg, st)
     out["allreduce"] = out.get("allreduce", 0) + tokens * ce + scalars + replicated * g + gates
     return out
 

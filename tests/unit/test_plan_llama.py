@@ -122,10 +122,12 @@ def test_flops_split_by_tensor_parallel_and_recompute_adds_a_forward():
 
 def test_cli_plans_llama3_8b_on_64_devices(capsys):
     assert main(["plan", "--model", "llama3-8b", "--nodes", "8", "--gpus-per-node", "8", "--mem-gb", "80",
-                 "--max-micro-batch", "1", "--top", "5"]) == 0
+                 "--max-micro-batch", "1", "--top", "5", "--wide"]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("hpengine plan: llama 8.03B parameters (d_model 4096, 32 layers, seq 8192")
-    assert "global batch 512, on 8 x 8 devices of 80 GB" in text
+    flat = " ".join(text.split())
+    assert text.startswith("cluster: ") and "8 x 8 devices of 80 GB" in flat
+    assert "hpengine plan: llama 8.03B parameters (d_model 4096, 32 layers, seq 8192" in flat
+    assert "global batch 512, on 64 devices" in flat
     head = next(ln for ln in text.splitlines() if ln.lstrip().startswith("#"))
     rows = [ln for ln in text.splitlines() if ln[:3].strip().isdigit()]
     assert len(rows) == 5 and "total GB" in head
