@@ -66,7 +66,7 @@ class GPT:
     def capabilities(mcfg) -> Capabilities:
         """Causal attention over d_model / n_heads wide heads; no experts."""
         w = mcfg.d_model // mcfg.n_heads
-        return Capabilities(attention=True, qk_width=w, v_width=w)
+        return Capabilities(attention=True, qk_width=w, v_width=w, kv_heads=mcfg.n_heads)
 
     def __init__(self, mcfg, tp_size: int = 1):
         self.cfg = mcfg

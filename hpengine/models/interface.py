@@ -15,6 +15,7 @@ class Capabilities:
     attention: bool             # mixes positions: context parallelism has a sequence to split
     qk_width: int               # per-head width of queries and keys (0 without attention)
     v_width: int                # per-head width of values (0 without attention)
+    kv_heads: int = 0           # key/value heads (what a key/value exchange carries per token, per head)
     experts: int = 0            # routed experts per MoE layer (0: dense)
     capacity_factor: float = 0.0    # an expert's capacity over its even share (0: dropless)
     top_k: int = 0              # experts each token is routed to

@@ -70,7 +70,8 @@ class Llama:
     def capabilities(mcfg) -> Capabilities:
         """Grouped-query attention over model.head_dim wide heads; routed experts where model.moe has them."""
         w, e = head_width(mcfg), mcfg.moe
-        return Capabilities(attention=True, qk_width=w, v_width=w, experts=e.num_experts,
+        return Capabilities(attention=True, qk_width=w, v_width=w, kv_heads=mcfg.n_kv_heads or mcfg.n_heads,
+                            experts=e.num_experts,
                             capacity_factor=e.capacity_factor if e.num_experts else 0.0,
                             top_k=e.top_k if e.num_experts else 0)
 
