@@ -10,6 +10,7 @@ import pytest
 from hpengine.device import backend
 from hpengine.device import kernels
 from hpengine.dist import comm
+from hpengine.doctor.parity import adamw_inputs     # gradients and moments down to subnormals
 from hpengine.params.buffers import Layout, ParamSpec, Range
 from hpengine.optim import AdamW
 
@@ -27,19 +28,6 @@ def on_device(a, offset: int = 0):
 
 def same_bits(dev, host) -> bool:
     return cp.asnumpy(dev).tobytes() == np.ascontiguousarray(host).tobytes()
-
-
-def adamw_inputs(rng, n, dtype):
-    tiny = np.finfo(dtype).smallest_subnormal
-    g = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 2, n)).astype(dtype)
-    g[::97] = 0.0
-    g[1::89] = tiny * rng.integers(1, 100, g[1::89].size)         # subnormal gradients
-    p = rng.standard_normal(n).astype(dtype)
-    m = (rng.standard_normal(n) * 1e-3).astype(dtype)
-    m[::53] = tiny * 3                                             # subnormal moments (no flush to zero)
-    v = (rng.random(n) * 1e-4).astype(dtype)                       # second moments are >= 0
-    mask = rng.integers(0, 3, n).astype(np.uint8)                  # any nonzero byte means decay
-    return p, g, m, v, mask
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
