@@ -1,10 +1,10 @@
 """hpengine: an MPI training engine with switchable hybrid parallelism (NumPy on CPU, CuPy on GPU).
-
 The Python API: `load_config`, `build` (this rank's Engine for a config), `Engine`, `train` (the whole
-loop, as `hpengine train` runs it) and `__version__`. Under an MPI launcher, before any module starts MPI,
-`hpengine train` forks into the rank and its supervisor (run/supervisor.py), and the start-up guard is
-armed, so a Ctrl-C while the ranks start aborts them all (run/startguard.py).
+loop, as `hpengine train` runs it) and `__version__`.
 """
+# Under an MPI launcher, before any module starts MPI,
+# `hpengine train` forks into the rank and its supervisor (run/supervisor.py), and the start-up guard is
+# armed, so a Ctrl-C while the ranks start aborts them all (run/startguard.py).
 from hpengine.run import startguard as _startguard
 
 if _startguard.under_launcher():

@@ -1,4 +1,5 @@
-"""`python -m hpengine ...` is the same as the `hpengine` command."""
+"""`python -m hpengine ...` is the same as the `hpengine` command: it runs cli.commands.main and exits
+with its status."""
 import sys
 
 from hpengine.cli.commands import main

@@ -1,17 +1,6 @@
 """`hpengine eval CHECKPOINT --data FILE`: the exact mean loss of a checkpoint's model over every token of a
-token file, with perplexity and bits per byte.
-
-The pass is deterministic and covers the file once: window w reads tokens[w*T : w*T + T + 1] (inputs its
-first T, targets the last T), windows step by T = model.seq_len, so every token but the first is predicted
-exactly once; the last, partial window (r < T targets) runs as a sequence of its own length r. The loss is
-the sum of the per-token NLL (float64) divided by the number of predicted tokens.
-
-The model comes from the checkpoint's saved config; the layout from this invocation (strategies off, then
---config's [strategy]/[runtime]/[mesh] tables and --set; on several ranks with no parallel axis switched
-on, data parallel over every rank; context-parallel ranks evaluate as more data-parallel replicas). The windows are cut into contiguous ranges, one per data-parallel
-replica; every replica runs the same number of passes (idle ones repeat a dummy pass whose loss is not
-counted, so stage-3 sharding gathers stay in step) and the NLL sums are added over the world in float64,
-so every rank reports the figures of one process (to rounding).
+token file, with perplexity and bits per byte. Owns the evaluation config, the deterministic pass plan
+over data-parallel replicas, and the report (a line, or JSON).
 """
 from __future__ import annotations
 
@@ -39,6 +28,9 @@ from hpengine.run.build import build, load_together
 
 log = logging.getLogger("hpengine")
 
+# The model comes from the checkpoint's saved config; the layout from this invocation (strategies off, then
+# --config's [strategy]/[runtime]/[mesh] tables and --set; on several ranks with no parallel axis switched
+# on, data parallel over every rank; context-parallel ranks evaluate as more data-parallel replicas).
 AXIS_SWITCHES = ("data_parallel", "sharding", "pipeline", "tensor_parallel", "context_parallel")
 def eval_config(manifest: dict, cfg_path=None, overrides=(), world_size: int = 1):
     """The checkpoint's own config with every strategy off, then --config's layout tables and --set."""
@@ -128,6 +120,10 @@ def _context_as_data_parallel(s: dict) -> None:
     s["context_parallel"] = {**cp, "enable": False}
 
 
+# The windows are cut into contiguous ranges, one per data-parallel
+# replica; every replica runs the same number of passes (idle ones repeat a dummy pass whose loss is not
+# counted, so stage-3 sharding gathers stay in step) and the NLL sums are added over the world in float64,
+# so every rank reports the figures of one process (to rounding).
 def plan_passes(n_tokens: int, T: int, replicas: int, batch: int, m: int) -> list[list[tuple]]:
     """Per replica, its passes as (first window, windows, length, counted): `windows` consecutive windows
     of `length` targets each. A pass of fewer rows than a multiple of the m micro-batches runs as m copies
@@ -165,8 +161,12 @@ def _windows(tf, first: int, count: int, length: int, T: int, copies: int):
     return np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
 
 
+# The pass is deterministic and covers the file once: window w reads tokens[w*T : w*T + T + 1] (inputs its
+# first T, targets the last T), windows step by T = model.seq_len, so every token but the first is predicted
+# exactly once; the last, partial window (r < T targets) runs as a sequence of its own length r. The loss is
+# the sum of the per-token NLL (float64) divided by the number of predicted tokens.
 def evaluate(checkpoint_path, data_path, cfg_path=None, overrides=(), batch: int = 8, world=None) -> dict:
-    """Collective over world: the figures of the module doc (the same dict on every rank)."""
+    """Collective over world: the figures of the comment above (the same dict on every rank)."""
     world = world or MPI.COMM_WORLD
     if batch < 1:
         raise C.ConfigError(f"--batch {batch}: must be >= 1 (windows per pass and replica)")

@@ -1,20 +1,6 @@
 """`hpengine generate RUN_DIR|CHECKPOINT`: text from a checkpoint's model, one process, NumPy or CuPy.
-
-Incremental decoding with a key/value cache, through each model's decode methods (models/decode.py): the
-prompt runs once through every layer, each layer keeping its keys and values; each new token then runs alone
-through the layers, attending to the cached ones: O(context) per token. `cache=False` runs the whole
-context through the models' own training forward for every token instead (for checks and benchmarks).
-Generation stops at the eos token, after max_new tokens, or when the context reaches model.seq_len (with a
-note: positions beyond it were never trained).
-
-device "gpu" keeps the parameters, caches and activations on the current CUDA device (CuPy, the layers' fused
-kernels and cuBLAS); only each step's logits come back to the host for sampling. "auto" is the GPU when CuPy
-finds a usable device, else the CPU.
-
-Sampling: the last position's logits in float64; greedy = argmax; else shifted so the largest is 0 and divided
-by the temperature (any finite temperature > 0: a tiny one underflows to argmax, never to inf - inf), then
-top-k, then top-p (the smallest set of most likely tokens whose probability sums to >= p), drawn with
-numpy.random.Generator(PCG64(seed)), seed an integer >= 0.
+Owns the device choice, the decoders (key/value-cached or full-context), sampling, the prompt's text
+codecs, and the generation loop with its stopping rules.
 """
 from __future__ import annotations
 
@@ -40,6 +26,9 @@ from hpengine.models.moe_bias import saved_bias
 from hpengine.files.bars import bar, watched
 from hpengine.models import LOCAL, build_model
 
+# device "gpu" keeps the parameters, caches and activations on the current CUDA device (CuPy, the layers' fused
+# kernels and cuBLAS); only each step's logits come back to the host for sampling. "auto" is the GPU when CuPy
+# finds a usable device, else the CPU.
 DEVICES = ("auto", "cpu", "gpu")
 
 
@@ -69,6 +58,10 @@ def full_logits(model, P, ids, xp=np):
     return to_host(model.head_logits(xp, P, x)[0])
 
 
+# Incremental decoding with a key/value cache, through each model's decode methods (models/decode.py): the
+# prompt runs once through every layer, each layer keeping its keys and values; each new token then runs alone
+# through the layers, attending to the cached ones: O(context) per token. `cache=False` runs the whole
+# context through the models' own training forward for every token instead (for checks and benchmarks).
 class KVDecoder:
     """A model's forward over new positions only, with the model's per-layer caches of model.seq_len rows."""
 
@@ -137,8 +130,12 @@ def check_prompt(prompt) -> None:
                         f"character {exc.start}); give UTF-8 text") from None
 
 
+# Sampling: the last position's logits in float64; greedy = argmax; else shifted so the largest is 0 and divided
+# by the temperature (any finite temperature > 0: a tiny one underflows to argmax, never to inf - inf), then
+# top-k, then top-p (the smallest set of most likely tokens whose probability sums to >= p), drawn with
+# numpy.random.Generator(PCG64(seed)), seed an integer >= 0.
 def sample(logits, rng, temperature=1.0, top_k=None, top_p=None, greedy=False) -> int:
-    """One token id from a position's logits (see the module doc)."""
+    """One token id from a position's logits (see the comment above)."""
     z = np.asarray(logits, dtype=np.float64)
     if greedy:
         return int(np.argmax(z))
@@ -224,6 +221,8 @@ def load(path, note=None, xp=np, model_index=None):
     return model, P, text
 
 
+# Generation stops at the eos token, after max_new tokens, or when the context reaches model.seq_len (with a
+# note: positions beyond it were never trained).
 def generate(path, prompt="", max_new=100, temperature=1.0, top_k=None, top_p=None, seed=0, greedy=False,
              cache=True, out=None, note=None, device="cpu", model_index=None) -> dict:
     """Generate, streaming the new text to `out` (default stdout); returns the ids and figures."""

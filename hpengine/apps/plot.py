@@ -1,8 +1,6 @@
 """`hpengine plot RUN_DIR`: PNGs of a run folder — loss.png: the training loss (raw, faint, under its
 moving average) and validation loss against step (tokens on the top axis), the learning rate and the
 gradient norm; throughput; the pipeline Gantt chart (stages x time, per micro-batch) from trace.json.
-matplotlib is an optional extra (`pip install 'hpengine[plot]'`). Each PNG is drawn in memory and written by
-write_file (a fresh temporary file renamed onto it): a link where a PNG goes is replaced, never written through.
 """
 from __future__ import annotations
 
@@ -50,6 +48,7 @@ def had_pipeline(run: Path) -> bool:
     return bool(t.get("strategy", {}).get("pipeline", {}).get("enable", False))
 
 
+# matplotlib is an optional extra (`pip install 'hpengine[plot]'`).
 def _pyplot():
     try:
         import matplotlib
@@ -151,6 +150,8 @@ def loss_figure(plt, rows, tokens):
     return fig
 
 
+# Each PNG is drawn in memory and written by
+# write_file (a fresh temporary file renamed onto it): a link where a PNG goes is replaced, never written through.
 def save(plt, fig, path: Path) -> Path:
     """The figure as a PNG at path (drawn in memory, then write_file); closes the figure."""
     buf = io.BytesIO()

@@ -1,18 +1,6 @@
 """Asynchronous checkpoints (`checkpoint.async`): a save returns as soon as its folder is prepared, and a
 background thread of each rank writes that rank's shard while training goes on. The manifest is published
-only once every rank's writer has finished, which the ranks learn from the state they add to the
-step-boundary agreement they make anyway (train.py: launch.step_boundary), so finishing costs no extra
-collective and never waits for a slow disk. At most one save is in flight; the next save, the end of the run
-and a stop wait for it. A writer's failure reaches every rank at the next step boundary as one
-CheckpointError; its half-written folder is removed and `latest` still names the previous checkpoint. A run
-that ends on an error abandons the save in flight (`abandon`): its writer is let finish first, since a thread
-left inside h5py when the interpreter exits hangs or crashes the process.
-
-On the CPU the pieces are views of the live buffers: the writer's first act is to copy them, and the engine
-calls `fence()` before it changes the parameters or the optimizer's state (the next step's update), so the
-snapshot is taken while the next step's forward and backward run. On a GPU they are pinned host copies
-made at the save step. A thread rather than a process: the data are already in this process, and the copies,
-sha256, the write and fsync run outside the GIL (only the shard image's assembly in h5py holds it).
+only once every rank's writer has finished. Owns the Saver and the snapshot of the pieces it writes.
 """
 from __future__ import annotations
 
@@ -30,6 +18,17 @@ IDLE, WRITING, FAILED = 0, 1, 2      # a writer's state as the step-boundary agr
 ABANDON_WAIT_S = 300.0       # how long a run ending on an error waits for its writer (the watchdog's save floor)
 
 
+# The manifest is published
+# only once every rank's writer has finished, which the ranks learn from the state they add to the
+# step-boundary agreement they make anyway (train.py: launch.step_boundary), so finishing costs no extra
+# collective and never waits for a slow disk. At most one save is in flight; the next save, the end of the run
+# and a stop wait for it. A writer's failure reaches every rank at the next step boundary as one
+# CheckpointError; its half-written folder is removed and `latest` still names the previous checkpoint. A run
+# that ends on an error abandons the save in flight (`abandon`): its writer is let finish first, since a thread
+# left inside h5py when the interpreter exits hangs or crashes the process.
+#
+# A thread rather than a process: the data are already in this process, and the copies,
+# sha256, the write and fsync run outside the GIL (only the shard image's assembly in h5py holds it).
 class Saver:
     """The save in flight of one job (collective methods are marked). `tracer` times the visible part."""
 
@@ -156,6 +155,10 @@ class Saver:
             self.copied.set()           # the fence never waits for a writer that has stopped
 
 
+# On the CPU the pieces are views of the live buffers: the writer's first act is to copy them, and the engine
+# calls `fence()` before it changes the parameters or the optimizer's state (the next step's update), so the
+# snapshot is taken while the next step's forward and backward run. On a GPU they are pinned host copies
+# made at the save step.
 def snapshot(pieces: list, buffers: list) -> list:
     """The pieces with their arrays copied (NumPy copies large arrays outside the GIL), into `buffers` (the
     previous snapshot's arrays) where they match, so that only the first save touches fresh memory."""

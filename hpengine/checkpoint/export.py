@@ -1,22 +1,5 @@
-"""`hpengine ckpt export`: a checkpoint folder as one file for other tools.
-
-    hdf5          one HDF5 file of global tensors, parameters and (unless params_only) optimizer state: what
-                  checkpoint.init_from reads (checkpoint.export)
-    safetensors   one .safetensors file of the parameters under hpengine's names, global true-shape
-                  tensors in the checkpoint's dtype; metadata {"format": "hpengine", "config": TOML, "step"}
-    hf            a Hugging Face transformers model folder: config.json, generation_config.json,
-                  model.safetensors and, when the run used a Hugging Face tokenizer, its tokenizer files.
-                  gpt -> GPT2LMHeadModel; llama -> LlamaForCausalLM, or with routed experts
-                  MixtralForCausalLM, with model.qk_norm Qwen3ForCausalLM, with both Qwen3MoeForCausalLM.
-
-Global tensors are read at their true shape (the manifest's `shapes`), so tensor-parallel vocabulary
-padding never reaches an export. Every format is built inside a fresh private folder beside OUT (no link
-there to follow) and renamed onto OUT at the end; an existing OUT is refused unless force, and no export
-writes into a checkpoint folder or replaces one.
-
-What each kind's tensors are called and how they are laid out in Hugging Face is the kind's adapter's
-(models/hf_gpt.py: GPT-2's Conv1D is (in, out) as here, but its c_attn columns are permuted from the
-head-major fused qkv; models/hf_llama.py: every 2-D tensor but the embedding is transposed; docs/models.md).
+"""`hpengine ckpt export`: a checkpoint folder as one file for other tools (hdf5, safetensors, or a
+Hugging Face model folder), built in a private folder beside OUT and renamed onto it at the end.
 """
 from __future__ import annotations
 
@@ -39,6 +22,14 @@ from hpengine.files.bars import bar, following
 from hpengine.files.safe import write_file
 from hpengine.models import hf_kinds, kind_of
 
+#     hdf5          one HDF5 file of global tensors, parameters and (unless params_only) optimizer state: what
+#                   checkpoint.init_from reads (checkpoint.export)
+#     safetensors   one .safetensors file of the parameters under hpengine's names, global true-shape
+#                   tensors in the checkpoint's dtype; metadata {"format": "hpengine", "config": TOML, "step"}
+#     hf            a Hugging Face transformers model folder: config.json, generation_config.json,
+#                   model.safetensors and, when the run used a Hugging Face tokenizer, its tokenizer files.
+#                   gpt -> GPT2LMHeadModel; llama -> LlamaForCausalLM, or with routed experts
+#                   MixtralForCausalLM, with model.qk_norm Qwen3ForCausalLM, with both Qwen3MoeForCausalLM.
 FORMATS = ("hdf5", "safetensors", "hf")
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json")
@@ -247,6 +238,10 @@ def _publish(new: Path, out: Path, stage: Path, force: bool) -> None:
         raise
 
 
+# Global tensors are read at their true shape (the manifest's `shapes`), so tensor-parallel vocabulary
+# padding never reaches an export. Every format is built inside a fresh private folder beside OUT (no link
+# there to follow) and renamed onto OUT at the end; an existing OUT is refused unless force, and no export
+# writes into a checkpoint folder or replaces one.
 def export(path, out, fmt: str = "hdf5", params_only: bool = False, force: bool = False, note=print,
            model: int | None = None) -> dict:
     """Export checkpoint `path` (a step folder or a checkpoints root) to `out` in format fmt; returns
@@ -306,6 +301,9 @@ def export(path, out, fmt: str = "hdf5", params_only: bool = False, force: bool 
     return {"path": str(out), "step": r.step, "tensors": n, "format": fmt}
 
 
+# What each kind's tensors are called and how they are laid out in Hugging Face is the kind's adapter's
+# (models/hf_gpt.py: GPT-2's Conv1D is (in, out) as here, but its c_attn columns are permuted from the
+# head-major fused qkv; models/hf_llama.py: every 2-D tensor but the embedding is transposed; docs/models.md).
 def _write_hf(folder: Path, r: Reader, cfg, P: dict, dtype: str, save_file, note) -> int:
     mcfg = cfg.model
     folder.mkdir(parents=True)

@@ -1,10 +1,6 @@
-"""Checkpoint guards: what keeps a bad checkpoint folder or a failing file system to one clear line.
-
-- Write failures (disk full, quota, file-size limit, a file where a folder should be, no permission)
-  become one CheckpointError naming the checkpoint folder, and for space the bytes needed and free.
-- `check_writable`: the collective start-up check that every rank can create files in the folder.
-- `discard`: a step folder is renamed away before it is deleted, so a kill half-way through never leaves
-  a `step_*` folder with a manifest and missing shards. The manifest's checksum and MAC: seal.py.
+"""Checkpoint guards: what keeps a bad checkpoint folder or a failing file system to one clear line:
+write failures as one CheckpointError, the collective `check_writable`, and `discard`.
+The manifest's checksum and MAC: seal.py.
 """
 from __future__ import annotations
 
@@ -83,6 +79,8 @@ def space_error(root: Path, step: int, need: int, why: str) -> CheckpointError:
         "space or set checkpoint.dir to a larger file system")
 
 
+# Write failures (disk full, quota, file-size limit, a file where a folder should be, no permission)
+# become one CheckpointError naming the checkpoint folder, and for space the bytes needed and free.
 def write_error(exc: BaseException, root: Path, step: int, need: int) -> CheckpointError:
     """One line for an exception raised while saving into root."""
     code = _errno_of(exc)
@@ -146,6 +144,9 @@ def as_created(path) -> None:
     os.chmod(path, 0o666 & ~UMASK)
 
 
+# `discard`: a step folder is renamed away before it is deleted, so a kill half-way through never leaves
+# a `step_*` folder with a manifest and missing shards.
+#
 # --- folders ---------------------------------------------------------------------------------------
 def discard(folder: Path, remove: bool = True) -> Path:
     """Delete a step folder: renamed away first (atomic), so a kill leaves no half-deleted step_* folder;
@@ -158,6 +159,7 @@ def discard(folder: Path, remove: bool = True) -> Path:
     return gone
 
 
+# `check_writable`: the collective start-up check that every rank can create files in the folder.
 def check_writable(comm, root) -> None:
     """Collective over comm (mpi4py or comm.Comm): every rank can create a file in the checkpoint folder
     `root` (rank 0 creates the folder). Fails on every rank together with one line naming the folder."""

@@ -1,19 +1,6 @@
 """`checkpoint.init_from = "hf:DIR"`: start a run from a local Hugging Face model folder.
-
-DIR holds config.json and model.safetensors (or sharded model-*.safetensors with
-model.safetensors.index.json) of a GPT2LMHeadModel (-> model.kind = "gpt") or a LlamaForCausalLM,
-MixtralForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM (-> "llama"). The inverse of `hpengine ckpt export
---format hf` (checkpoint/export.py); the names and layout changes are the kind's adapter's (models/hf_gpt.py:
-GPT-2's c_attn columns [q|k|v][head][d] permuted back to hpengine's head-major qkv; models/hf_llama.py: the
-(out, in) linears transposed, per-expert matrices stacked). HFReader serves hpengine-named global tensors through the same read() as
-checkpoint.ExportReader, so every layout (tensor-parallel slices, sharded ranges, pipeline stages) loads
-it unchanged; each tensor is read lazily (memory-mapped) when a rank asks for it.
-
-Everything that can be checked without reading tensor data is checked when the reader is made, on every
-rank alike: the architecture, config.json against the run's [model], every tensor's presence and shape,
-and tied against untied output heads. The folder is untrusted (hpengine/files): index names must be bare
-names inside DIR, no link is followed, a FIFO is refused, and each safetensors header is checked in full
-(length; every entry's dtype, shape and data_offsets against the file's size) before a tensor is mapped.
+The inverse of `hpengine ckpt export --format hf` (checkpoint/export.py): HFReader serves hpengine-named global
+tensors from DIR's untrusted safetensors, each checked before it is mapped and read lazily.
 """
 from __future__ import annotations
 
@@ -36,6 +23,9 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.u
 _BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16,
          "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "F64": 64, "I64": 64, "U64": 64, "C64": 64,
          "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}     # every safetensors dtype, for the byte counts
+# The folder is untrusted (hpengine/files): index names must be bare
+# names inside DIR, no link is followed, a FIFO is refused, and each safetensors header is checked in full
+# (length; every entry's dtype, shape and data_offsets against the file's size) before a tensor is mapped.
 HEADER_LIMIT = 100_000_000                          # the safetensors library's own cap on a header
 TEXT_LIMIT = 64 << 20                               # config.json, model.safetensors.index.json
 
@@ -177,6 +167,9 @@ class _Safetensors:
         return np.asarray(raw, dtype=np.float64).reshape(shape)
 
 
+# DIR holds config.json and model.safetensors (or sharded model-*.safetensors with
+# model.safetensors.index.json) of a GPT2LMHeadModel (-> model.kind = "gpt") or a LlamaForCausalLM,
+# MixtralForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM (-> "llama").
 def _files(folder: Path, where: str) -> list[Path]:
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if os.path.lexists(single):
@@ -231,6 +224,16 @@ def _sources(hf) -> tuple:
     return hf if isinstance(hf, tuple) else (hf,)
 
 
+# The inverse of `hpengine ckpt export
+# --format hf` (checkpoint/export.py); the names and layout changes are the kind's adapter's (models/hf_gpt.py:
+# GPT-2's c_attn columns [q|k|v][head][d] permuted back to hpengine's head-major qkv; models/hf_llama.py: the
+# (out, in) linears transposed, per-expert matrices stacked). HFReader serves hpengine-named global tensors through the same read() as
+# checkpoint.ExportReader, so every layout (tensor-parallel slices, sharded ranges, pipeline stages) loads
+# it unchanged; each tensor is read lazily (memory-mapped) when a rank asks for it.
+#
+# Everything that can be checked without reading tensor data is checked when the reader is made, on every
+# rank alike: the architecture, config.json against the run's [model], every tensor's presence and shape,
+# and tied against untied output heads.
 class HFReader:
     """checkpoint.ExportReader's read() over a Hugging Face model folder, for checkpoint.init_from = "hf:DIR".
     `shapes` are the run's true (unpadded) global shapes by hpengine name (engine.true_shapes())."""

@@ -1,9 +1,7 @@
 """Checkpoints: a folder of per-rank HDF5 shard files and a JSON manifest. Every stored piece names its
 global tensor and the global region it covers, so any layout loads any checkpoint, each rank reading
 only the pieces that overlap what it holds. This file reads them (Reader; exports, info); write.py writes
-and publishes them atomically; every piece and the manifest itself checksummed (seal.py: the checksum and
-the optional keyed MAC). Every file a manifest or `latest` names stays inside the checkpoint's folder and is
-read only as a regular file, never through a link; no pickle anywhere, so loading can never run code.
+and publishes them atomically.
 """
 from __future__ import annotations
 
@@ -72,6 +70,9 @@ def model_difference(saved_toml: str | None, config_toml: str | None) -> str:
     return ""
 
 
+# Every piece and the manifest itself checksummed (seal.py: the checksum and
+# the optional keyed MAC). Every file a manifest or `latest` names stays inside the checkpoint's folder and is
+# read only as a regular file, never through a link; no pickle anywhere, so loading can never run code.
 class Reader:
     """Reads global regions of tensors from a checkpoint folder, verifying each piece it uses."""
 

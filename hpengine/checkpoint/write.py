@@ -1,7 +1,5 @@
 """Writing a checkpoint (the format: shards.py): each rank's shard file, then rank 0's manifest, published
 atomically (temporary folder, fsync, rename, then the `latest` pointer), and pruning to the newest few.
-A checkpoints folder records its run's id (OWNER) and each manifest the id of the run that wrote it: pruning
-deletes only `step_XXXXXXXX` folders of this run, never the newest, never anything else in the folder.
 `save` is the synchronous whole; background.py runs the same SaveJob with the shard written by a thread.
 """
 from __future__ import annotations
@@ -23,6 +21,8 @@ from hpengine.checkpoint.shards import FORMAT
 from hpengine.dist.agree import agree_or_raise
 from hpengine.files import UnsafeFile, fsync_folder, read_text, write_file
 
+# A checkpoints folder records its run's id (OWNER) and each manifest the id of the run that wrote it: pruning
+# deletes only `step_XXXXXXXX` folders of this run, never the newest, never anything else in the folder.
 OWNER = ".hpengine-checkpoints"      # in a checkpoints folder: {"run": id} of the run whose checkpoints it holds
 
 

@@ -1,9 +1,6 @@
-"""Command line: `hpengine train | data | plan | ckpt | eval | generate | plot`.
-
-Known problems (bad config, data, mesh) end every rank with exit status 2 and one clear line for the job
-(printed once when every rank has the same, else once per rank with the rank named); they are detected
-identically on every rank before any collective. Anything unexpected on any rank prints that
-rank's traceback and aborts the whole MPI job, so nothing hangs.
+"""Command line: `hpengine train | data | plan | ckpt | eval | generate | plot`: the parsers, each
+command's handler, and `main`, which turns known problems into one line and exit status 2 and aborts
+the whole MPI job on anything unexpected.
 """
 from __future__ import annotations
 
@@ -322,6 +319,10 @@ def _closed_pipe() -> int:
     return 141                      # 128 + SIGPIPE, the status a shell reports for `cat BIG | head -1`
 
 
+# Known problems (bad config, data, mesh) end every rank with exit status 2 and one clear line for the job
+# (printed once when every rank has the same, else once per rank with the rank named); they are detected
+# identically on every rank before any collective. Anything unexpected on any rank prints that
+# rank's traceback and aborts the whole MPI job, so nothing hangs.
 def _main(argv) -> int:
     p = _parser()
     if list(sys.argv[1:] if argv is None else argv)[:1] == ["plan"]:    # unknown plan flags: one line too

@@ -1,9 +1,5 @@
 """The configuration: the dataclass tree (tree.py) loaded from TOML, ``--set`` overrides, validation,
 TOML output.
-
-Each TOML section maps 1:1 to a dataclass of tree.py; every field has a default and a one-line doc
-(``metadata["doc"]``, which reference.py turns into docs/configuration.md). No MPI here:
-:func:`validate` runs before any communicator exists, and every error names the dotted key.
 """
 from __future__ import annotations
 
@@ -69,6 +65,8 @@ def _table_item(tp):
 
 # ---- loading --------------------------------------------------------------------------------------
 
+# Each TOML section maps 1:1 to a dataclass of tree.py; every field has a default and a one-line doc
+# (``metadata["doc"]``, which reference.py turns into docs/configuration.md).
 def load_config(path: str | Path | None, overrides: typing.Iterable[str] = ()) -> Config:
     """Read TOML at `path` (None = all defaults), apply ``key=value`` overrides, validate."""
     raw = {} if path is None else _read_toml(Path(path))
@@ -209,6 +207,8 @@ def _unknown(dotted: str, names: list[str]) -> str:
 
 # ---- validation -----------------------------------------------------------------------------------
 
+# No MPI here:
+# :func:`validate` runs before any communicator exists, and every error names the dotted key.
 def validate(cfg: Config) -> None:
     """Check types (ints widen to float in float fields, in place) and values; raise on the first error."""
     _validate_section(cfg, Config, "")

@@ -1,15 +1,6 @@
 """Building a token file from text: read documents one at a time, tokenize them in batches, append the
 tokens to a raw temporary file, then write the token file (format.py) from it. Memory holds one batch,
 the tokenizer and 8 bytes per document, whatever the size of the corpus.
-
-With workers > 1 the batches are encoded by that many processes ('spawn': safe whatever the parent
-has loaded, MPI included), each building the tokenizer once; results are taken in submission order,
-so the file is the same for any number of workers. The bytes tokenizer always encodes in-process.
-
-Every output first lives under a temporary name in its own folder, created exclusively (never through a
-link); the token file and a trained tokenizer.json appear only when the build succeeds, and no temporary
-file outlives the build, whatever stops it (an error, Ctrl-C). With overwrite=False (the command line
-without --force) an existing output is refused before anything is read.
 """
 from __future__ import annotations
 
@@ -145,6 +136,10 @@ def tokenizer_path(out: str | Path, tokenizer_out: str | Path | None) -> Path:
     return Path(tokenizer_out or Path(out).with_suffix(".tokenizer.json"))
 
 
+# Every output first lives under a temporary name in its own folder, created exclusively (never through a
+# link); the token file and a trained tokenizer.json appear only when the build succeeds, and no temporary
+# file outlives the build, whatever stops it (an error, Ctrl-C). With overwrite=False (the command line
+# without --force) an existing output is refused before anything is read.
 def _check_outputs(out: Path, tok_out: Path | None, overwrite: bool) -> None:
     """One DataError line for an output that must not be written: a folder, the same file twice, or (without
     overwrite) a file that exists already."""
@@ -248,6 +243,9 @@ def _encoded(batches: Iterator[tuple[list[str], list[bool]]], spec: toks.Tokeniz
             yield *result.get(), ends
 
 
+# With workers > 1 the batches are encoded by that many processes ('spawn': safe whatever the parent
+# has loaded, MPI included), each building the tokenizer once; results are taken in submission order,
+# so the file is the same for any number of workers. The bytes tokenizer always encodes in-process.
 def _encode_all(sources, counts, spec, text_field, raw: Path, workers: int, progress: bool,
                 out: Path | None = None) -> np.ndarray:
     """Appends the tokens of every document to `raw` (the temporary file of the token file `out`); returns

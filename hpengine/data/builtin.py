@@ -1,4 +1,5 @@
-"""The built-in corpus: the Python standard library's own sources, byte-tokenized once and cached."""
+"""The built-in corpus: the Python standard library's own sources, byte-tokenized once and cached.
+Owns the choice of files (no tests, no site-packages, up to a byte budget) and the cache file's path."""
 from __future__ import annotations
 
 import os

@@ -1,19 +1,5 @@
-"""The token file: the HDF5 file `hpengine data build` writes and training reads.
-
-Version 2 (what this hpengine writes):
-
-  tokens        1-D uint8 (vocab_size <= 256), uint16 (<= 65,536) or uint32; contiguous layout (no
-                chunks, no compression), so a reader takes any window with one pread
-  doc_offsets   1-D int64 of n_docs + 1 entries, 0 first and n_tokens last: document d is
-                tokens[doc_offsets[d]:doc_offsets[d + 1]] and ends with eos_id when there is one
-  attributes    format = "hpengine-tokens", version = 2, vocab_size, eos_id (-1 = none),
-                tokenizer ("bytes", or the text of a Hugging Face tokenizer.json), tokenizer_sha256
-                (of that text, UTF-8), n_docs, n_tokens, source, and the build's counts (n_files,
-                skipped_binary, skipped_undecodable, skipped_records)
-
-Version 1 (older hpengine, or any tool): a 1-D unsigned "tokens" dataset in any layout and at most a
-vocab_size attribute. It reads as one document without a tokenizer.
-
+"""The token file: the HDF5 file `hpengine data build` writes and training reads (version 2; version 1
+read as one document without a tokenizer). Owns writing and publishing it and TokenFile, the reader.
 No MPI here; reading never loads the token array: windows are read where they lie.
 """
 from __future__ import annotations
@@ -50,6 +36,16 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+# Version 2 (what this hpengine writes):
+#
+#   tokens        1-D uint8 (vocab_size <= 256), uint16 (<= 65,536) or uint32; contiguous layout (no
+#                 chunks, no compression), so a reader takes any window with one pread
+#   doc_offsets   1-D int64 of n_docs + 1 entries, 0 first and n_tokens last: document d is
+#                 tokens[doc_offsets[d]:doc_offsets[d + 1]] and ends with eos_id when there is one
+#   attributes    format = "hpengine-tokens", version = 2, vocab_size, eos_id (-1 = none),
+#                 tokenizer ("bytes", or the text of a Hugging Face tokenizer.json), tokenizer_sha256
+#                 (of that text, UTF-8), n_docs, n_tokens, source, and the build's counts (n_files,
+#                 skipped_binary, skipped_undecodable, skipped_records)
 def write_token_file(out: str | Path, raw: str | Path, dtype, doc_offsets: np.ndarray, attrs: dict,
                      overwrite: bool = True) -> Path:
     """Write `out` from `raw` (a flat binary file of tokens of `dtype`) and the document offsets:
@@ -114,6 +110,8 @@ def publish(tmp: Path, out: Path, overwrite: bool, what: str) -> None:
     fsync_folder(out.parent)
 
 
+# Version 1 (older hpengine, or any tool): a 1-D unsigned "tokens" dataset in any layout and at most a
+# vocab_size attribute. It reads as one document without a tokenizer.
 class TokenFile:
     """A token file opened for reading: its metadata, document offsets and windows read on demand."""
 

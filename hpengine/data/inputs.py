@@ -1,21 +1,6 @@
 """The inputs of a build: which files are read, and the documents they hold.
-
-Files and folders are taken in the order given; a folder is walked recursively in name order, hidden
-folders and __pycache__ skipped, symbolic links followed (each real folder walked once, so a link to
-an ancestor cannot loop; each real file read once, first name wins). Every file is a candidate
-whatever its name:
-
-  plain text     one document: the file's content when it is UTF-8 without NUL bytes; a NUL byte marks
-                 the file binary, invalid UTF-8 makes it undecodable (both skipped and counted)
-  .gz .bz2 .xz   decompressed first; the content then follows the same rules
-  .jsonl         (also .jsonl.gz etc.) JSON Lines: every line a JSON object whose `text_field` string is
-                 one document; any other line is a skipped record (the first one is remembered);
-                 blank lines are ignored
-  "-"            standard input: one document, or JSON Lines when asked for
-
---include / --exclude globs (fnmatch, case-sensitive, `*` also crosses `/`) select files found in
-folders: a glob matches a file when it matches the path relative to the given folder or the file
-name. Files named explicitly are always read. Empty documents are skipped and counted.
+Owns the folder walk (order, links, --include / --exclude globs), standard input, and reading plain text,
+compressed files and JSON Lines into documents, counting what is skipped.
 """
 from __future__ import annotations
 
@@ -87,6 +72,9 @@ def _globs(globs: str | Iterable[str]) -> tuple[str, ...]:
     return (globs,) if isinstance(globs, str) else tuple(globs)
 
 
+# --include / --exclude globs (fnmatch, case-sensitive, `*` also crosses `/`) select files found in
+# folders: a glob matches a file when it matches the path relative to the given folder or the file
+# name. Files named explicitly are always read.
 def _matches(globs: Iterable[str], rel: str, name: str) -> bool:
     return any(fnmatch.fnmatchcase(rel, g) or fnmatch.fnmatchcase(name, g) for g in globs)
 
@@ -138,6 +126,10 @@ def _walk(folder: Path, rel: str, include, exclude, skip_dirs, seen_dirs: set, s
             log.info("skipping %s: not a regular file or folder (a broken link?)", path)
 
 
+# Files and folders are taken in the order given; a folder is walked recursively in name order, hidden
+# folders and __pycache__ skipped, symbolic links followed (each real folder walked once, so a link to
+# an ancestor cannot loop; each real file read once, first name wins). Every file is a candidate
+# whatever its name.
 def walk(folder: str | Path, include: Iterable[str] = (), exclude: Iterable[str] = (),
          skip_dirs=SKIP_DIRS) -> Iterator[Path]:
     """The files below `folder` in reading order, each real file once."""
@@ -191,6 +183,14 @@ def spool_stdin(sources: list[Source], folder: Path, prefix: str) -> tuple[list[
     return [Source(Path(tmp), s.name, s.jsonl, size) if s.path is None else s for s in sources], Path(tmp)
 
 
+#   plain text     one document: the file's content when it is UTF-8 without NUL bytes; a NUL byte marks
+#                  the file binary, invalid UTF-8 makes it undecodable (both skipped and counted)
+#   .gz .bz2 .xz   decompressed first; the content then follows the same rules
+#   .jsonl         (also .jsonl.gz etc.) JSON Lines: every line a JSON object whose `text_field` string is
+#                  one document; any other line is a skipped record (the first one is remembered);
+#                  blank lines are ignored
+#   "-"            standard input: one document, or JSON Lines when asked for
+# Empty documents are skipped and counted.
 def documents(sources: Iterable[Source], counts: Counts, text_field: str = "text") -> Iterator[str]:
     """The documents of the sources, in order, one at a time; what is skipped is counted in `counts`."""
     for src in sources:

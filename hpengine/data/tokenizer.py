@@ -1,25 +1,6 @@
 """Tokenizers of a build: bytes, a Hugging Face tokenizer.json, or a byte-level BPE trained here.
-
-  bytes            the UTF-8 bytes are the ids (vocab 256); eos is 0, the NUL byte, which never occurs
-                   in a text document (a NUL byte marks a file binary)
-  tokenizer.json   anything Hugging Face tooling saves (BPE, Unigram, WordPiece, WordLevel); its vocab
-                   is get_vocab_size(with_added_tokens=True) (or one past its largest id, if larger);
-                   eos is the given eos token, else the first of EOS_CANDIDATES the tokenizer knows
-  trained          a byte-level BPE (ByteLevel pre-tokenizer and decoder, the 256 byte symbols as initial
-                   alphabet) with "<|endoftext|>" as its one special token and eos
-
-Documents are encoded without the tokenizer's own special tokens (add_special_tokens=False) and with a
-special token's text inside a document encoded as plain text, so eos_id appears only where the build
-appends it: after every document. The token file stores the tokenizer's JSON text (Tokenizer.to_str()),
-enough to decode it later with tokenizers.Tokenizer.from_str.
-
-A long document is encoded in pieces cut at line starts (after a newline between two non-space
-characters, where pre-tokenizers split anyway), which bounds memory (tokenizers holds ~200 bytes per
-token while encoding) and spreads the document over threads and workers. Only for tokenizers that give
-the ids of the whole text for such pieces, which a probe checks at load time: byte-level BPE and
-whitespace pre-tokenizers do; one that prefixes every input (a Metaspace adding "▁") does not, and its
-documents are encoded whole.
-"""
+Owns the TokenizerSpec a build and its workers share, loading and training, and the Encoder that cuts long
+documents at line starts and appends eos after every document."""
 from __future__ import annotations
 
 import itertools
@@ -34,6 +15,13 @@ import numpy as np
 
 from hpengine.data.format import BYTES, DataError, sha256_text, token_dtype
 
+#   bytes            the UTF-8 bytes are the ids (vocab 256); eos is 0, the NUL byte, which never occurs
+#                    in a text document (a NUL byte marks a file binary)
+#   tokenizer.json   anything Hugging Face tooling saves (BPE, Unigram, WordPiece, WordLevel); its vocab
+#                    is get_vocab_size(with_added_tokens=True) (or one past its largest id, if larger);
+#                    eos is the given eos token, else the first of EOS_CANDIDATES the tokenizer knows
+#   trained          a byte-level BPE (ByteLevel pre-tokenizer and decoder, the 256 byte symbols as initial
+#                    alphabet) with "<|endoftext|>" as its one special token and eos
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
 TRAINED_EOS = "<|endoftext|>"
 BYTES_EOS = 0
@@ -111,6 +99,12 @@ def from_json(text: str, origin: str, eos_token: str | None = None) -> Tokenizer
     return TokenizerSpec(text, int(eos_id), int(vocab_size), kind_of(text), _line_cuts_are_exact(tok))
 
 
+# A long document is encoded in pieces cut at line starts (after a newline between two non-space
+# characters, where pre-tokenizers split anyway), which bounds memory (tokenizers holds ~200 bytes per
+# token while encoding) and spreads the document over threads and workers. Only for tokenizers that give
+# the ids of the whole text for such pieces, which a probe checks at load time: byte-level BPE and
+# whitespace pre-tokenizers do; one that prefixes every input (a Metaspace adding "▁") does not, and its
+# documents are encoded whole.
 LINE_START = re.compile(r"(?<=\S)\n(?=\S)")       # a lone newline between two non-space characters
 _PROBE = ("Hello world, it's 12 o'clock.\nThe quick brown fox\n  jumps over\tthe lazy dog!\nÉtienne a "
           "dit : « ça va » 😀\n\tdef f(x):\nreturn x  \r\nEND\n\n42\n'tis\n")
@@ -216,6 +210,10 @@ def check_sample(how) -> float | int | None:
     return how
 
 
+# Documents are encoded without the tokenizer's own special tokens (add_special_tokens=False) and with a
+# special token's text inside a document encoded as plain text, so eos_id appears only where the build
+# appends it: after every document. The token file stores the tokenizer's JSON text (Tokenizer.to_str()),
+# enough to decode it later with tokenizers.Tokenizer.from_str.
 class Encoder:
     """Encodes batches of documents into one flat array of ids with eos after each document."""
 

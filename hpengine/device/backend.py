@@ -1,5 +1,4 @@
 """Array backend: NumPy on CPU, CuPy on GPU. The only module that imports cupy.
-
 Everything else asks the Backend for `xp` (the array module), the compute dtype and `sync()`;
 host <-> device moves happen only at the edges (data in, metrics and checkpoints out) and, without a
 CUDA-aware MPI, through the pinned host buffers of `HostStaging` around each MPI call.

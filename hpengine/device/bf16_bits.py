@@ -1,14 +1,14 @@
 """bfloat16 bits: float32 arrays to the uint16 bit patterns of their nearest bfloat16 (ties to even) and back,
 one pass each way on CuPy (ElementwiseKernels) and the same integer arithmetic on NumPy. The bf16 GEMMs take
 these bits as operands (nn/bf16_gemm.py) and packed activation caches keep them (strategies/bf16_storage.py).
-
-Bits rather than an array dtype: NumPy has no bfloat16, and CuPy's support for ml_dtypes.bfloat16 arrays is
-recent and partial (docs/gpu.md); uint16 bits work on every CuPy and are what cuBLAS and our kernels read.
 """
 from __future__ import annotations
 
 import numpy as np
 
+# Bits rather than an array dtype: NumPy has no bfloat16, and CuPy's support for ml_dtypes.bfloat16 arrays is
+# recent and partial (docs/gpu.md); uint16 bits work on every CuPy and are what cuBLAS and our kernels read.
+#
 # float32 x -> uint16 y, the bfloat16 nearest x (ties to even); inf stays inf, a NaN stays a NaN (a payload
 # only in the low half would otherwise truncate to inf). The body of cupy.ElementwiseKernel; the CPU tests
 # compile it inside a __global__ function with nvcc.

@@ -1,18 +1,6 @@
 """bfloat16 as a storage format, emulated on float32 arrays: the values are rounded to the nearest
 bfloat16 (ties to even, as ml_dtypes and CUDA's __float2bfloat16_rn do) and kept in float32, so NumPy's
 float32 BLAS and every float32 kernel compute on them unchanged.
-
-Under strategy.amp with dtype = "bfloat16" the engine rounds at the points where a bf16 implementation
-stores a tensor: the compute copy of the parameters (written from the float32 masters by the AdamW pass
-itself, kernels.adamw_numpy and the adamw_f32_bf16 kernel, after initialisation and after a load), every block's output activation and its saved activations
-(caches), every block's input gradient in backward and, with amp.grad_dtype = "bfloat16", the gradients
-after each block's backward and after each sum (strategies/amp.Precision lists them). With
-amp.bf16_storage = "packed" the caches, and bfloat16 gradients, are then held as bfloat16 bits instead
-(strategies/bf16_storage.py, strategies/base.py), the same values in 2 bytes. Every GEMM takes bfloat16
-operands and sums in float32 (nn/bf16_gemm.py, inside the engine's passes); inside a block, what only GEMMs or
-bfloat16-reading kernels take is stored by its producer as bfloat16 (bf16_gemm.store_for_gemm, product_stored:
-rounded here, bits when packed); the rest of a block's arithmetic is float32, as inside a fused kernel that
-reads bf16 and computes in fp32.
 """
 from __future__ import annotations
 
@@ -21,6 +9,17 @@ import numpy as np
 from hpengine.device.backend import on_host
 from hpengine.device.bf16_bits import round_bf16_cupy_
 
+# Under strategy.amp with dtype = "bfloat16" the engine rounds at the points where a bf16 implementation
+# stores a tensor: the compute copy of the parameters (written from the float32 masters by the AdamW pass
+# itself, kernels.adamw_numpy and the adamw_f32_bf16 kernel, after initialisation and after a load), every block's output activation and its saved activations
+# (caches), every block's input gradient in backward and, with amp.grad_dtype = "bfloat16", the gradients
+# after each block's backward and after each sum (strategies/amp.Precision lists them). With
+# amp.bf16_storage = "packed" the caches, and bfloat16 gradients, are then held as bfloat16 bits instead
+# (strategies/bf16_storage.py, strategies/base.py), the same values in 2 bytes. Every GEMM takes bfloat16
+# operands and sums in float32 (nn/bf16_gemm.py, inside the engine's passes); inside a block, what only GEMMs or
+# bfloat16-reading kernels take is stored by its producer as bfloat16 (bf16_gemm.store_for_gemm, product_stored:
+# rounded here, bits when packed); the rest of a block's arithmetic is float32, as inside a fused kernel that
+# reads bf16 and computes in fp32.
 EXP = 0x7F800000
 
 

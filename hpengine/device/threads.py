@@ -1,16 +1,5 @@
-"""The size of each rank's CPU BLAS/OpenMP thread pool.
-
-Every rank's NumPy BLAS starts one thread per core it sees, so N ranks on a node run N x cores threads
-that fight over the same cores (8x slower on a 2-core machine at 2 ranks). At start-up the engine sizes
-the pool itself, through threadpoolctl:
-
-- `runtime.blas_threads = N` (N >= 1): N threads per rank;
-- else, when OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS is set: nothing is changed
-  (the libraries read those variables themselves);
-- else (automatic): the cores this rank is bound to (its CPU affinity) divided by the ranks on its node
-  bound to cores that overlap them (this rank included), at least 1. Ranks bound to disjoint cores
-  (Open MPI's default binding at up to 2 ranks, srun's --cpu-bind) do not share; unbound ranks (MPICH's
-  default) all share the node.
+"""The size of each rank's CPU BLAS/OpenMP thread pool: N ranks on a node each starting one thread per core
+fight over the same cores, so at start-up the engine sizes the pool itself, through threadpoolctl.
 """
 from __future__ import annotations
 
@@ -75,6 +64,17 @@ def idle_note(node_sets, parent) -> str:
             "--map-by slot:PE=N for N cores per rank)")
 
 
+# Every rank's NumPy BLAS starts one thread per core it sees, so N ranks on a node run N x cores threads
+# that fight over the same cores (8x slower on a 2-core machine at 2 ranks). At start-up the engine sizes
+# the pool itself, through threadpoolctl:
+#
+# - `runtime.blas_threads = N` (N >= 1): N threads per rank;
+# - else, when OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS is set: nothing is changed
+#   (the libraries read those variables themselves);
+# - else (automatic): the cores this rank is bound to (its CPU affinity) divided by the ranks on its node
+#   bound to cores that overlap them (this rank included), at least 1. Ranks bound to disjoint cores
+#   (Open MPI's default binding at up to 2 ranks, srun's --cpu-bind) do not share; unbound ranks (MPICH's
+#   default) all share the node.
 def choose(setting: int, mine, others=(), environ=os.environ) -> tuple[int | None, str]:
     """(threads per rank, or None to leave the pools alone; the reason in words). mine: this rank's core
     set; others: the core sets of the other ranks on its node."""

@@ -1,9 +1,6 @@
 """The only module that hands arrays to mpi4py. Wraps one communicator per mesh axis, syncs the
 device before MPI touches a buffer (staging through pinned host memory when the MPI is not CUDA-aware),
 and counts bytes and calls per operation so tests and the planner can compare traffic with formulas.
-With an NCCL twin (runtime.collectives = "nccl", dist/nccl.py) device buffers go to NCCL instead for the
-calls NCCL has, sends and receives on the directed channels a caller opened (dist/nccl_p2p.py); control
-messages and host buffers stay on MPI.
 """
 from __future__ import annotations
 
@@ -44,6 +41,9 @@ class Staged:
         return False
 
 
+# With an NCCL twin (runtime.collectives = "nccl", dist/nccl.py) device buffers go to NCCL instead for the
+# calls NCCL has, sends and receives on the directed channels a caller opened (dist/nccl_p2p.py); control
+# messages and host buffers stay on MPI.
 class Comm:
     """A communicator plus traffic counters: stats[op] = [calls, bytes], whichever library carried them;
     nccl_stats[op] = [calls, bytes] of those NCCL carried. `nccl`: the device adapter of dist/nccl.py

@@ -1,9 +1,6 @@
 """NCCL twins of the mesh's communicators (runtime.collectives = "nccl"): deciding once, on every rank
 together, whether NCCL is usable; making a communicator's twin (rank 0's unique id broadcast over MPI); and
-the NCCL collectives comm.py hands device buffers to, on a stream of their own after what the compute
-stream has queued, with requests that waitall and testall understand (sends and receives go on the
-directed channels of nccl_p2p.py). The device side (pointers, streams, events, the nccl module) comes from
-an adapter: backend.CudaNccl on a GPU, a NumPy stand-in in the CPU tests.
+the NCCL collectives comm.py hands device buffers to, with requests that waitall and testall understand.
 """
 from __future__ import annotations
 
@@ -57,6 +54,9 @@ def choose(setting: str, backend, world, device=None):
     return None
 
 
+# The NCCL collectives run on a stream of their own after what the compute
+# stream has queued, with requests that waitall and testall understand (sends and receives go on the
+# directed channels of nccl_p2p.py).
 class Request:
     """An NCCL call in flight on NCCL's stream: Wait() blocks the host until it is done, Test() asks, join()
     orders the compute stream after it without blocking the host (the blocking calls of comm.py)."""
@@ -89,6 +89,8 @@ class Arrival(Request):
         self.arrays = None
 
 
+# The device side (pointers, streams, events, the nccl module) comes from
+# an adapter: backend.CudaNccl on a GPU, a NumPy stand-in in the CPU tests.
 class Twin:
     """The NCCL communicator beside one MPI communicator (collective over it: every rank builds the twin of
     every communicator it belongs to, in the same order, as the mesh makes them)."""

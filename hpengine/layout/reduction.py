@@ -1,17 +1,6 @@
 """Reduction groups as data: for every tensor of a stage, over which communicators its gradient is summed
 and whether this rank counts it in the global norm. Gradient sync, the tied-copy sum, sequence parallelism's
 replicated tensors and the global norm all read this one description (engine/engine.py).
-
-The rules, from where copies of a tensor live:
-- every tensor: summed over the replicas the gradient-sync strategy owns ("dp", "sharding"), and under context
-  parallelism over "cp" too (each cp rank saw its part of every sequence; the sync sums over dp x cp);
-- a tensor another pipeline stage also holds (a tied head's wte): first summed with that copy ("tied");
-  counted once, on the stage that declares it;
-- a tensor every tp rank holds whole (tp_dim None): counted on tp rank 0 only; under sequence parallelism
-  each tp rank saw only its positions, so its gradient is also summed over "tp";
-- a whole tensor applied to each head separately (ParamSpec.tp_partial: the q/k norms) saw only this tp
-  rank's heads, with or without sequence parallelism: summed over "tp" (once, also under sequence parallelism,
-  where its heads' rows are every position).
 """
 from __future__ import annotations
 
@@ -30,6 +19,16 @@ class Reduction:
     counted: bool              # whether this rank adds it to the global norm
 
 
+# The rules, from where copies of a tensor live:
+# - every tensor: summed over the replicas the gradient-sync strategy owns ("dp", "sharding"), and under context
+#   parallelism over "cp" too (each cp rank saw its part of every sequence; the sync sums over dp x cp);
+# - a tensor another pipeline stage also holds (a tied head's wte): first summed with that copy ("tied");
+#   counted once, on the stage that declares it;
+# - a tensor every tp rank holds whole (tp_dim None): counted on tp rank 0 only; under sequence parallelism
+#   each tp rank saw only its positions, so its gradient is also summed over "tp";
+# - a whole tensor applied to each head separately (ParamSpec.tp_partial: the q/k norms) saw only this tp
+#   rank's heads, with or without sequence parallelism: summed over "tp" (once, also under sequence parallelism,
+#   where its heads' rows are every position).
 def reductions(stage, tp_rank: int, sequence_parallel: bool, context_parallel: bool = False) -> tuple[Reduction, ...]:
     """The Reduction of every tensor of `stage` (layout/stage.Stage), in layout order."""
     tied_in = {t: b for b, t in stage.tied.items()}

@@ -1,5 +1,4 @@
 """The layout a config gets on a world of N ranks, and every check that needs no communicator.
-
 `resolve(cfg, world)` is pure (no MPI): degrees with the -1 filled in, mesh order, batch arithmetic,
 pipeline chunks, the "switch off means neutral value" rule. The engine, the planner, trace.py and
 train.py all read the `Resolved` it returns; nothing else derives a degree.

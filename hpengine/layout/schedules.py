@@ -1,8 +1,7 @@
 """Pipeline schedules as data: per-stage lists of forward/backward actions (GPipe F-then-B, 1F1B,
 Megatron's interleaved 1F1B, and the zero-bubble ZB-H1 and ZB-V of zero_bubble.py, whose backwards are
-split into B and W), their theoretical bubble, the activations they hold, and a dataflow simulation of
-all stages together that proves a schedule free of deadlock and measures its bubble.
-The pipeline executor only walks these lists; nothing here touches MPI.
+split into B and W), their theoretical bubble, the activations they hold, and a dataflow simulation of all
+stages together that proves a schedule free of deadlock and measures its bubble. Nothing here touches MPI.
 """
 from __future__ import annotations
 
@@ -108,6 +107,7 @@ def chunks_per_stage(name: str) -> int | None:
     return fixed if fixed and fixed > 1 else None
 
 
+# The pipeline executor only walks these lists.
 def make_schedule(name: str, p: int, m: int, stage: int, v: int = 1) -> list[Action]:
     """The action list of `stage` for schedule `name` (one of SCHEDULES)."""
     kind = schedule(name)

@@ -1,6 +1,5 @@
 """What models share: the structure they declare (Block), the pieces every model has (token embedding,
 final layernorm + head + loss, and their cache sizes) and the MLP sub-block.
-
 Parallelism reaches a model only through the context its blocks are handed (models/context.py); the
 tensor-parallel linears the pieces here are built from are models/tp_layers.py.
 """

@@ -1,11 +1,5 @@
 """What the models share for incremental decoding (`hpengine generate`): per-layer key/value caches, the
 attention of new query positions over the cached keys, and the head's logits without a loss.
-
-Every model offers the same four methods, so the generator never branches on the model kind:
-  decode_cache(xp, dtype)                 one entry per layer (None where a layer mixes no positions)
-  decode_embed(xp, P, ids, start)         ids (1, n) at positions start .. start+n-1 -> x (1, n, C)
-  decode_layer(xp, P, i, x, cache, start) layer i over the new positions, appending their keys/values
-  head_logits(xp, P, x)                   final norm and output projection -> (..., vocab_size)
 """
 from __future__ import annotations
 
@@ -13,6 +7,11 @@ from hpengine.models.common import head_weight
 from hpengine.nn import linear_forward
 
 
+# Every model offers the same four methods, so the generator never branches on the model kind:
+#   decode_cache(xp, dtype)                 one entry per layer (None where a layer mixes no positions)
+#   decode_embed(xp, P, ids, start)         ids (1, n) at positions start .. start+n-1 -> x (1, n, C)
+#   decode_layer(xp, P, i, x, cache, start) layer i over the new positions, appending their keys/values
+#   head_logits(xp, P, x)                   final norm and output projection -> (..., vocab_size)
 class KVCache:
     """Keys and values of one layer: (heads, seq_len, head_dim) each; rows 0 .. start+n-1 are filled."""
 

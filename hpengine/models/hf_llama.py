@@ -1,13 +1,6 @@
 """The llama kind's Hugging Face adapter, both directions: the config.json and state dict of the transformers
 class a model config is (export), and the name map and config checks to start from such a folder (import).
-
-The class follows from two switches (arch_of): routed experts (model.moe.num_experts) and per-head q/k norms
-(model.qk_norm). Neither: LlamaForCausalLM; experts only: MixtralForCausalLM; q/k norms only: Qwen3ForCausalLM;
-both: Qwen3MoeForCausalLM. On disk (what transformers' save_pretrained writes, and reads back into its fused
-(E, 2F, C) gate_up_proj) an MoE layer holds its router as one (E, C) matrix and each expert e's gate, up and
-down projections as (out, in) matrices: Mixtral's block_sparse_moe.gate and block_sparse_moe.experts.{e}.w1 /
-w3 / w2, Qwen3-MoE's mlp.gate and mlp.experts.{e}.gate_proj / up_proj / down_proj. Qwen3-MoE's dense layers
-(mlp_only_layers, decoder_sparse_step) are hpengine's first model.moe.dense_layers layers."""
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -21,11 +14,18 @@ ARCHS = (ARCH, MOE_ARCH, QWEN3_ARCH, QWEN3_MOE_ARCH)
 # architectures close to these that a folder may be, and why none of them loads
 REFUSED = {"Qwen2MoeForCausalLM": "its shared expert is scaled by a learned sigmoid gate (shared_expert_gate), which "
                                   "hpengine's shared expert (model.moe.shared_hidden) does not have"}
+# On disk (what transformers' save_pretrained writes, and reads back into its fused
+# (E, 2F, C) gate_up_proj) an MoE layer holds its router as one (E, C) matrix and each expert e's gate, up and
+# down projections as (out, in) matrices: Mixtral's block_sparse_moe.gate and block_sparse_moe.experts.{e}.w1 /
+# w3 / w2, Qwen3-MoE's mlp.gate and mlp.experts.{e}.gate_proj / up_proj / down_proj.
 _EXPERT = {MOE_ARCH: {"gate": "w1", "up": "w3", "down": "w2"},
            QWEN3_MOE_ARCH: {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}}
 _MOE_BLOCK = {MOE_ARCH: "block_sparse_moe", QWEN3_MOE_ARCH: "mlp"}
 
 
+# The class follows from two switches (arch_of): routed experts (model.moe.num_experts) and per-head q/k norms
+# (model.qk_norm). Neither: LlamaForCausalLM; experts only: MixtralForCausalLM; q/k norms only: Qwen3ForCausalLM;
+# both: Qwen3MoeForCausalLM.
 def arch_of(mcfg) -> str:
     """The transformers class of a llama-kind model config."""
     if getattr(mcfg, "qk_norm", False):
@@ -148,6 +148,8 @@ def _check_arch(arch: str, mcfg, where: str) -> None:
                      f"{where} is a dense {arch}, but model.moe.num_experts = {mcfg.moe.num_experts}")
 
 
+# Qwen3-MoE's dense layers
+# (mlp_only_layers, decoder_sparse_step) are hpengine's first model.moe.dense_layers layers.
 def _dense_layers(hc: dict, n_layers: int) -> list[int]:
     """The layers of a Qwen3-MoE config that keep the dense MLP (as Qwen3MoeDecoderLayer decides)."""
     only, step = set(hc.get("mlp_only_layers") or []), hc.get("decoder_sparse_step", 1) or 1

@@ -1,16 +1,6 @@
 """Llama-family decoder (the semantics of Hugging Face's LlamaForCausalLM): token embedding, pre-norm
-blocks x + attn(rmsnorm(x)), x + mlp(rmsnorm(x)), a final RMSNorm and the head; no biases.
-
-Attention: n_heads query heads share n_kv_heads key/value heads (grouped-query), rotary embedding on q
-and k ("rotate half"), causal softmax scaled by 1/sqrt(head_dim); head_dim is model.head_dim, or d_model / n_heads
-when it is 0 (q is (C, H*hd), k and v (C, K*hd), o (H*hd, C)). With model.qk_norm (Qwen3) each head's q and k are
-RMS-normalised over head_dim, with learned (head_dim,) weights, before the rotation. MLP: down(silu(gate(x)) * up(x)).
-
-Parameters are stored (in, out) — Hugging Face's `*_proj.weight` transposed; q, k and v are separate
-matrices whose columns are head-major (head h owns columns h*hd .. (h+1)*hd - 1), in Hugging Face's
-rotary convention, so the export is a rename and a transpose. Under tensor parallelism q, k, v, gate and
-up split by columns (whole query and key/value heads per rank), o and down by rows, as Megatron does; the
-q/k norm weights are replicated, and each rank's gradient of them (its heads' part) is summed over tp.
+blocks x + attn(rmsnorm(x)), x + mlp(rmsnorm(x)), a final RMSNorm and the head; no biases. Grouped-query
+attention with rotary embedding (optional Qwen3 q/k norm), a SwiGLU MLP, parameters stored (in, out).
 """
 from __future__ import annotations
 
@@ -65,6 +55,16 @@ from hpengine.nn.flash import flash_cache_bytes, flash_gqa_backward, flash_gqa_f
 from hpengine.params.buffers import ParamSpec
 
 
+# Attention: n_heads query heads share n_kv_heads key/value heads (grouped-query), rotary embedding on q
+# and k ("rotate half"), causal softmax scaled by 1/sqrt(head_dim); head_dim is model.head_dim, or d_model / n_heads
+# when it is 0 (q is (C, H*hd), k and v (C, K*hd), o (H*hd, C)). With model.qk_norm (Qwen3) each head's q and k are
+# RMS-normalised over head_dim, with learned (head_dim,) weights, before the rotation. MLP: down(silu(gate(x)) * up(x)).
+#
+# Parameters are stored (in, out) — Hugging Face's `*_proj.weight` transposed; q, k and v are separate
+# matrices whose columns are head-major (head h owns columns h*hd .. (h+1)*hd - 1), in Hugging Face's
+# rotary convention, so the export is a rename and a transpose. Under tensor parallelism q, k, v, gate and
+# up split by columns (whole query and key/value heads per rank), o and down by rows, as Megatron does; the
+# q/k norm weights are replicated, and each rank's gradient of them (its heads' part) is summed over tp.
 class Llama:
     @staticmethod
     def capabilities(mcfg) -> Capabilities:

@@ -1,9 +1,6 @@
 """Aux-loss-free balancing (DeepSeek-V3): each MoE layer's per-expert router bias, which shifts the top-k
 selection only (models/moe_mlp.MoEMLP.set_bias). It is state, not a parameter: no gradient, no optimizer.
-Every rank holds all of it, (n_layers, E) float64 on the host per model, and after every applied optimizer
-step adds rate * sign(mean load - load) from the global batch's selections (MoEFigures.loads, summed over
-every rank first), so every rank computes the same biases. A checkpoint keeps them in its manifest, whatever
-the layout.
+A checkpoint keeps them in its manifest, whatever the layout.
 """
 from __future__ import annotations
 
@@ -22,6 +19,9 @@ class RouterBiasError(ValueError):
     """A checkpoint's router biases do not fit the config's models."""
 
 
+# Every rank holds all of it, (n_layers, E) float64 on the host per model, and after every applied optimizer
+# step adds rate * sign(mean load - load) from the global batch's selections (MoEFigures.loads, summed over
+# every rank first), so every rank computes the same biases.
 class RouterBias:
     """The router biases of the models of one stage (each model object gets its own); inert for dense models."""
 

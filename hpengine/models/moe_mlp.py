@@ -1,21 +1,6 @@
 """The routed-experts MLP of a llama-kind MoE layer (Mixtral, Qwen3-MoE): a router to num_experts logits, each
 token's top_k SwiGLU experts weighted by their gates (nn/moe.py), and optionally one always-on shared SwiGLU
 expert added to the routed sum. Layers before moe.dense_layers keep the dense MLP.
-
-The balancing losses (aux, z) are part of the training loss: the layer's forward is handed (norm, loss scale)
-and keeps its figures, the weighted share among them, in its cache (MoEStats, which the engine reads through
-the model's layer_stats), and its backward adds their gradients. The experts' weights are one (E, C, F)
-tensor per projection, split over ep ranks along E under expert parallelism (ctx.ep); the router's is (C, E).
-Under tensor parallelism the experts split like the dense MLP (gate and up by columns, down by rows: each tp
-rank holds F / tp of every expert's width, and of the shared expert's): the layer is one tp region, entered
-with every token of the sequence (ctx.tp.copy_to_tp: gathered under sequence parallelism), whose partial
-outputs are summed on the way out. Every tp rank routes the same tokens the same way; the gates' gradient,
-partial over the width, is summed over tp; the router's own input gradient joins on tp rank 0 only (it is
-whole on every rank), and so does its weight gradient under sequence parallelism (where a replicated
-tensor's gradient is summed over tp).
-moe.capacity_factor > 0 caps each expert's assignments per sequence in training passes (nn/moe.moe_capacity;
-evaluation and decoding stay dropless); set_bias installs the per-layer selection biases of aux-loss-free
-balancing, which the engine keeps and updates (models/moe_bias.py).
 """
 from __future__ import annotations
 
@@ -40,6 +25,17 @@ from hpengine.nn.moe import (
 from hpengine.params.buffers import ParamSpec
 
 
+# The balancing losses (aux, z) are part of the training loss: the layer's forward is handed (norm, loss scale)
+# and keeps its figures, the weighted share among them, in its cache (MoEStats, which the engine reads through
+# the model's layer_stats), and its backward adds their gradients. The experts' weights are one (E, C, F)
+# tensor per projection, split over ep ranks along E under expert parallelism (ctx.ep); the router's is (C, E).
+# Under tensor parallelism the experts split like the dense MLP (gate and up by columns, down by rows: each tp
+# rank holds F / tp of every expert's width, and of the shared expert's): the layer is one tp region, entered
+# with every token of the sequence (ctx.tp.copy_to_tp: gathered under sequence parallelism), whose partial
+# outputs are summed on the way out. Every tp rank routes the same tokens the same way; the gates' gradient,
+# partial over the width, is summed over tp; the router's own input gradient joins on tp rank 0 only (it is
+# whole on every rank), and so does its weight gradient under sequence parallelism (where a replicated
+# tensor's gradient is summed over tp).
 class MoEMLP:
     """The MoE sub-block of one model config (moe.num_experts > 0)."""
 
@@ -51,6 +47,9 @@ class MoEMLP:
         self.capacity = math.ceil(e.capacity_factor * self.T * self.k / self.E) if e.capacity_factor > 0 else 0
         self.bias = None        # block prefix -> (E,) selection bias on the device; None = no bias
 
+    # moe.capacity_factor > 0 caps each expert's assignments per sequence in training passes (nn/moe.moe_capacity;
+    # evaluation and decoding stay dropless); set_bias installs the per-layer selection biases of aux-loss-free
+    # balancing, which the engine keeps and updates (models/moe_bias.py).
     def set_bias(self, xp, bias) -> None:
         """The selection biases, (n_layers, E) float64 on the host (rows of dense layers unused); all zeros or
         None removes them, so an unbiased layer runs exactly as without."""

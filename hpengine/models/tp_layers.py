@@ -2,13 +2,6 @@
 enters a tp region, the row-split linear that leaves it, the vocabulary-parallel embedding and the
 vocabulary-parallel output projection with its loss. Under LOCAL each is its nn/ layer; the models
 build their blocks from these rather than calling the conjugate pairs themselves.
-
-Each backward takes `defer`: None runs it fused, as always; a list gets the weight-gradient products queued
-on it (nn/deferred.py) after the input gradient is computed, for a zero-bubble pipeline's W pass.
-The linears' backwards also come as two halves for a zero-bubble pipeline (Qi et al. 2023): `*_input` (B, the
-input gradient the previous stage waits for) and `*_weight` (W, the weight gradients, run later). Together
-they accumulate bit for bit what the fused backward does and run the same collectives, one of them later:
-a column linear's gather of its stashed input (sequence parallelism) moves into W.
 """
 from __future__ import annotations
 
@@ -44,6 +37,8 @@ def columns_forward(xp, ctx, x, ws, bs=None, bf16_out=()):
     return ys, ctx.seq.stash_inputs(x, *caches)
 
 
+# Each backward takes `defer`: None runs it fused, as always; a list gets the weight-gradient products queued
+# on it (nn/deferred.py) after the input gradient is computed, for a zero-bubble pipeline's W pass.
 def columns_backward(xp, ctx, dys, stash, ws, gws, gbs=None, defer=None):
     # dys[i]: (B, T, OC_i / tp) -> dx: (B, T_local, C), the sum over the linears in their order
     if defer is not None:
@@ -62,6 +57,10 @@ def columns_backward(xp, ctx, dys, stash, ws, gws, gbs=None, defer=None):
     return ctx.tp.copy_to_tp_backward(dh)
 
 
+# The linears' backwards also come as two halves for a zero-bubble pipeline (Qi et al. 2023): `*_input` (B, the
+# input gradient the previous stage waits for) and `*_weight` (W, the weight gradients, run later). Together
+# they accumulate bit for bit what the fused backward does and run the same collectives, one of them later:
+# a column linear's gather of its stashed input (sequence parallelism) moves into W.
 def columns_backward_input(xp, ctx, dys, stash, ws):
     # dys[i]: (B, T, OC_i / tp) -> dx: (B, T_local, C), the sum over the linears in their order
     """The input half (B) of columns_backward: dx = copy_to_tp_backward(sum of dys[i] @ ws[i].T), no weight

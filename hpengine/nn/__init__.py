@@ -1,5 +1,4 @@
 """Layer library: pure forward/backward function pairs over an array module `xp`.
-
 Backwards accumulate (+=) into the gradient views they are handed and return
 the input gradient (docs/architecture.md, "Layers"). Each module also says how many elements
 its forward caches, which the planner's memory model reads.

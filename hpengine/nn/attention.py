@@ -1,23 +1,5 @@
-"""Causal multi-head self-attention on a fused, head-major qkv tensor.
-
-qkv's last axis reshapes to (n_heads, 3, hd) so a column split of the qkv
-projection hands each tensor-parallel rank whole heads. All heads and batch
-rows go through one batched matmul per query block. The scaled q is written
-contiguous (B, H, T, hd) by the scaling itself. On the CPU k, v, the output and
-the gradients are strided views of the fused arrays (the GEMMs take a leading
-dimension), except the keys of the forward's q k^T, copied once per pass into
-contiguous (B, H, hd, T): OpenBLAS runs those small per-head products about 1.7x
-faster than on the interleaved, transposed view, which more than pays for the
-copy. On CuPy every head operand is contiguous instead: every
-product is then one strided-batched cuBLAS call over all B*H heads (nn/gemm.py),
-where the interleaved views would take one call per batch row, each too small to
-fill a GPU. Query rows come in two blocks, the
-first attending only to the first half of the keys: a quarter of the scores
-(all masked) is never computed.
-
-Under bf16 amp the probabilities are stored as the GEMMs read them (bf16_gemm.store_for_gemm): packed, as
-bfloat16 bits, which the softmax kernel writes from the float32 scores; the forward's product with the values,
-the cache, the softmax gradient and dv's product read those bits.
+"""Causal multi-head self-attention on a fused, head-major qkv tensor: forward, backward, the score
+blocks that skip the masked quarter, and dropping / restoring the cached scores (bf16-packed under amp).
 """
 import math
 
@@ -25,6 +7,20 @@ from hpengine.device.bf16_bits import as_float32, to_bf16_bits
 from hpengine.nn import bf16_gemm, fused, gemm
 
 
+# qkv's last axis reshapes to (n_heads, 3, hd) so a column split of the qkv
+# projection hands each tensor-parallel rank whole heads. All heads and batch
+# rows go through one batched matmul per query block. The scaled q is written
+# contiguous (B, H, T, hd) by the scaling itself. On the CPU k, v, the output and
+# the gradients are strided views of the fused arrays (the GEMMs take a leading
+# dimension), except the keys of the forward's q k^T, copied once per pass into
+# contiguous (B, H, hd, T): OpenBLAS runs those small per-head products about 1.7x
+# faster than on the interleaved, transposed view, which more than pays for the
+# copy. On CuPy every head operand is contiguous instead: every
+# product is then one strided-batched cuBLAS call over all B*H heads (nn/gemm.py),
+# where the interleaved views would take one call per batch row, each too small to
+# fill a GPU. Query rows come in two blocks, the
+# first attending only to the first half of the keys: a quarter of the scores
+# (all masked) is never computed.
 def _blocks(T):
     # query row ranges [a, b); block (a, b) attends to keys [0, b)
     h = T // 2
@@ -77,6 +73,9 @@ def _rowsum(xp, a):
     return xp.matmul(a, xp.ones(a.shape[-1], dtype=a.dtype))[..., None]
 
 
+# Under bf16 amp the probabilities are stored as the GEMMs read them (bf16_gemm.store_for_gemm): packed, as
+# bfloat16 bits, which the softmax kernel writes from the float32 scores; the forward's product with the values,
+# the cache, the softmax gradient and dv's product read those bits.
 def attention_forward(xp, qkv, n_heads):
     # qkv: (B, T, H*3*hd) head-major -> y: (B, T, H*hd)
     B, T, C3 = qkv.shape
@@ -178,7 +177,7 @@ def attention_backward(xp, dy, cache):
     dqkv = xp.empty((B, T, C3), dtype=dy.dtype)
     gpu = _on_gpu(xp)
     # the values as ds = do @ v^T reads them: a view on the CPU (a transposed copy costs there what it saves),
-    # contiguous heads on CuPy, as every operand there (see the module docstring)
+    # contiguous heads on CuPy, as every operand there (see the comment above _blocks)
     vt = _transposed(xp, v) if gpu else v.swapaxes(-1, -2)
     dq, dk, dv = _heads(dqkv, H, 3)
     if gpu:

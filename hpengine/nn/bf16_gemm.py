@@ -1,27 +1,7 @@
 """Matrix products with bfloat16 operands and float32 accumulation, as a bf16 implementation runs every
 GEMM on tensor cores (cuBLAS with CUDA_R_16BF inputs and CUBLAS_COMPUTE_32F; Megatron's bf16 training).
-
-Under strategy.amp with dtype = "bfloat16" the engine runs its passes inside `operands(True)`; the layers'
-GEMMs (linear forward and both backward products, every attention product) then come here. Arrays stay
-float32 (precision.py's emulated storage) and the operands are rounded to the nearest bfloat16 on the way
-in:
-- NumPy: rounded float32 copies multiplied by float32 BLAS. A product of two bf16 values is exact in
-  float32 (8 + 8 significant bits), so this is the tensor-core GEMM up to the order of the float32 sums.
-- CuPy: each operand converted once to bf16 bits (uint16, contiguous; one pass that reads the strided
-  view: device/bf16_bits.py), then cublasGemmStridedBatchedEx over the calls gemm.plan makes for those
-  contiguous copies and the (possibly strided) float32 output, which it writes or accumulates into.
-A float32 array whose bfloat16 bits are already at hand (a packed parameter, unpacked for one block:
-strategies/bf16_storage.UnpackedParams) is registered with `hold_bits`: an operand that views it goes in as
-the same view of those bits (CuPy: no conversion pass; NumPy: no rounded copy, its values are bfloat16 already).
-`held` converts an array once for all the products inside it (a gradient that two products read).
-An operand may also come as bfloat16 bits already (uint16, any view): a layer whose output only GEMMs read
-writes it so (`gemm_input`), in its own kernel on CuPy when the storage is packed (`operands(True, bits=True)`),
-and the GEMM takes it as it is; NumPy multiplies the float32 values of those bits. `product_stored` gives a GEMM's
-output in bfloat16 too (cuBLAS writes CUDA_R_16BF, the bias added in float32 before the one rounding), for a
-layer whose consumers read bits (SwiGLU's and GELU's kernels, the rotary embedding, attention's products).
-`launch_args` builds the cuBLAS arguments without a GPU, so the CPU tests emulate them in NumPy against
-CuPy's binding order.
-"""
+Owns the `operands` switch, held bits (`hold_bits`, `held`), bits-in/bits-out products (`gemm_input`,
+`product_stored`) and the cuBLAS launch (`launch_args`); NumPy emulates each path."""
 from __future__ import annotations
 
 import contextlib
@@ -33,6 +13,15 @@ from hpengine.device.bf16_bits import from_bf16_bits, to_bf16_bits
 from hpengine.device.precision import round_bf16_
 from hpengine.nn import gemm
 
+# Under strategy.amp with dtype = "bfloat16" the engine runs its passes inside `operands(True)`; the layers'
+# GEMMs (linear forward and both backward products, every attention product) then come here. Arrays stay
+# float32 (precision.py's emulated storage) and the operands are rounded to the nearest bfloat16 on the way
+# in:
+# - NumPy: rounded float32 copies multiplied by float32 BLAS. A product of two bf16 values is exact in
+#   float32 (8 + 8 significant bits), so this is the tensor-core GEMM up to the order of the float32 sums.
+# - CuPy: each operand converted once to bf16 bits (uint16, contiguous; one pass that reads the strided
+#   view: device/bf16_bits.py), then cublasGemmStridedBatchedEx over the calls gemm.plan makes for those
+#   contiguous copies and the (possibly strided) float32 output, which it writes or accumulates into.
 CUDA_R_32F, CUDA_R_16BF = 0, 14            # cudaDataType_t
 CUBLAS_COMPUTE_32F = 68                    # cublasComputeType_t
 CUBLAS_GEMM_DEFAULT = -1                   # cublasGemmAlgo_t: cuBLAS picks (tensor cores for bf16)
@@ -103,6 +92,10 @@ def matmul(xp, a, b, out=None, accumulate=False):
     return out
 
 
+# A float32 array whose bfloat16 bits are already at hand (a packed parameter, unpacked for one block:
+# strategies/bf16_storage.UnpackedParams) is registered with `hold_bits`: an operand that views it goes in as
+# the same view of those bits (CuPy: no conversion pass; NumPy: no rounded copy, its values are bfloat16 already).
+# `held` converts an array once for all the products inside it (a gradient that two products read).
 def hold_bits(values, bits) -> None:
     """Register float32 `values` (C-contiguous) as holding exactly the bfloat16 values of `bits` (uint16, its
     shape): until release_bits, a GEMM operand in values' memory reads the bits (CuPy) or values themselves,
@@ -149,6 +142,11 @@ def _held_view(xp, a):
     return None
 
 
+# An operand may also come as bfloat16 bits already (uint16, any view): a layer whose output only GEMMs read
+# writes it so (`gemm_input`), in its own kernel on CuPy when the storage is packed (`operands(True, bits=True)`),
+# and the GEMM takes it as it is; NumPy multiplies the float32 values of those bits. `product_stored` gives a GEMM's
+# output in bfloat16 too (cuBLAS writes CUDA_R_16BF, the bias added in float32 before the one rounding), for a
+# layer whose consumers read bits (SwiGLU's and GELU's kernels, the rotary embedding, attention's products).
 def product_stored(xp, a, b, bias=None):
     """a @ b (+ bias, a bfloat16 value per column), bfloat16 operands and float32 sums, as bf16 amp stores a
     GEMM output that other layers read: its bfloat16 bits (packed; on CuPy cuBLAS writes them, C = bias bits
@@ -208,6 +206,8 @@ def _bits(xp, a):
 
 
 
+# `launch_args` builds the cuBLAS arguments without a GPU, so the CPU tests emulate them in NumPy against
+# CuPy's binding order.
 def launch_args(calls, a_ptr: int, b_ptr: int, out_ptr: int, alpha_ptr: int, beta_ptr: int, handle: int,
                 c_bits: bool = False) -> list:
     """The arguments of cublas.gemmStridedBatchedEx for each planned call, in CuPy's binding order: (handle,

@@ -1,5 +1,4 @@
 """Weight-gradient work a split backward leaves for later: a zero-bubble pipeline's W (Qi et al. 2023).
-
 A backward handed a queue (a list) computes its input gradient now and appends one Deferred per weight
 product instead of running it; the caller runs the queue later, in order. Handed None it runs each product
 at once, in the fused backward's order, so the fused path is the code it always was.

@@ -1,20 +1,6 @@
-"""Fused causal attention, flash-attention style (model.attention = "flash").
-
-Query positions come in blocks of `bq`, keys in blocks of `bk`. A query block walks the key blocks up to
-the diagonal with an online softmax (a running row max m and row sum l); key blocks wholly above the
-diagonal are never visited. The T x T scores are never stored: forward keeps only its output and the
-row log-sum-exp lse = m + log(l), (B, H, T). Backward recomputes each score tile from lse,
-p = exp(s - lse), and uses D = rowsum(dO * O) in place of rowsum(dP * P), as FlashAttention-2 does.
-
-Both layouts of the models go through one blocked core over grouped rows: the g = H / K query heads of
-a key/value head fold into the row axis, row t * g + j being query head k * g + j at position t, so a
-tile is one batched GEMM per (batch row, key/value head) and dK, dV sum over the group inside it.
-
-This array-module-generic code is what runs on the CPU, and it is the NumPy twin of kernels/attention.cu
-(hpengine/nn/flash_cuda.py launches it when xp is CuPy and the dtype is float32 or float64). Under bf16
-amp its products take bfloat16 operands (attention._mm), P and dS included: the twin of the tensor-core
-kernels/attention_mma.cu, which flash_cuda launches then. Half precision inputs are computed in float32
-here; lse is then float32.
+"""Fused causal attention, flash-attention style (model.attention = "flash"): an online softmax over key
+blocks up to the diagonal, the T x T scores never stored. The array-module-generic code that runs on the
+CPU, the NumPy twin of kernels/attention.cu (which hpengine/nn/flash_cuda.py launches on CuPy).
 """
 from __future__ import annotations
 
@@ -29,6 +15,11 @@ from hpengine.nn.gqa import gqa_shapes
 
 BQ = 64          # query positions per block on the CPU (read at call time when bq is None)
 BK = 64          # keys per block (likewise)
+# This array-module-generic code is what runs on the CPU, and it is the NumPy twin of kernels/attention.cu
+# (hpengine/nn/flash_cuda.py launches it when xp is CuPy and the dtype is float32 or float64). Under bf16
+# amp its products take bfloat16 operands (attention._mm), P and dS included: the twin of the tensor-core
+# kernels/attention_mma.cu, which flash_cuda launches then. Half precision inputs are computed in float32
+# here; lse is then float32.
 CUDA = True      # launch kernels/attention.cu on CuPy (False: run this code on CuPy too)
 
 
@@ -65,6 +56,15 @@ def _use_cuda(xp, *arrays) -> bool:
             and (arrays[0].dtype.kind == "f" and arrays[0].dtype.itemsize in (4, 8) or arrays[0].dtype == np.uint16))
 
 
+# Query positions come in blocks of `bq`, keys in blocks of `bk`. A query block walks the key blocks up to
+# the diagonal with an online softmax (a running row max m and row sum l); key blocks wholly above the
+# diagonal are never visited. The T x T scores are never stored: forward keeps only its output and the
+# row log-sum-exp lse = m + log(l), (B, H, T). Backward recomputes each score tile from lse,
+# p = exp(s - lse), and uses D = rowsum(dO * O) in place of rowsum(dP * P), as FlashAttention-2 does.
+#
+# Both layouts of the models go through one blocked core over grouped rows: the g = H / K query heads of
+# a key/value head fold into the row axis, row t * g + j being query head k * g + j at position t, so a
+# tile is one batched GEMM per (batch row, key/value head) and dK, dV sum over the group inside it.
 def flash_forward_core(xp, qg, k, v, g: int, bq: int | None = None, bk: int | None = None):
     """qg (B, K, T*g, hd) grouped rows (already scaled), k, v (B, K, T, hd) in any strides ->
     og (B, K, T*g, hd) and lse (B, K, T*g), in the compute dtype."""

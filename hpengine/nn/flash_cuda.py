@@ -1,17 +1,6 @@
 """CuPy launcher of kernels/attention.cu and kernels/attention_mma.cu: the fused causal attention of nn/flash.py
-on a GPU.
-
-Tensors are (B, heads, T, hd) views in any strides whose last axis is contiguous (GPT's q, k, v straight
-out of the fused qkv, Llama's v out of its projection, the outputs written straight into (B, T, H*hd)
-arrays): each goes to the kernel as a pointer and three element strides. lse and D are contiguous
-(B, H, T) arrays of the math type (float64 for float64, else float32).
-
-Storage types: float32 ("f32"), float64 ("f64"), and bfloat16 held as uint16 bits ("bf16", float32 math;
-`to_bf16` / `from_bf16` convert, rounding to nearest even as the kernel's stores do).
-
-Under bf16 amp (bf16_gemm.active()) float32 and bfloat16-bits inputs go to the tensor-core entries of
-attention_mma.cu instead: every product with bfloat16 operands and float32 sums, as the twin's GEMMs are
-then; `mma=` on forward and backward overrides the choice.
+on a GPU, over strided (B, heads, T, hd) views, in float32, float64 or bfloat16 bits, on the tensor-core
+entries under bf16 amp.
 """
 from __future__ import annotations
 
@@ -26,6 +15,8 @@ from hpengine.nn import bf16_gemm
 HD_MAX = 128
 # suffix -> (ROWS, TPR, KT), as instantiated by the ENTRIES lines of kernels/attention.cu
 TILES = {"f32": (32, 4, 32), "bf16": (32, 4, 32), "f64": (16, 8, 16)}
+# Storage types: float32 ("f32"), float64 ("f64"), and bfloat16 held as uint16 bits ("bf16", float32 math;
+# `to_bf16` / `from_bf16` convert, rounding to nearest even as the kernel's stores do).
 _SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.uint16): "bf16"}
 # attention_mma.cu: head dim bound HD -> (BN, BNQ, QT), as instantiated by its MMA_ENTRIES lines; each warp
 # owns 16 rows, a block MMA_WARPS warps; shared tiles are bfloat16 rows of HD + MMA_PAD
@@ -87,11 +78,18 @@ def plan_mma(op: str, dtype, B: int, H: int, KH: int, T: int, hd: int) -> Launch
     return Launch(f"flash_mma_{op}_{s}_hd{bound}", (math.ceil(T / rows), B * heads), (32 * MMA_WARPS,), shared)
 
 
+# Under bf16 amp (bf16_gemm.active()) float32 and bfloat16-bits inputs go to the tensor-core entries of
+# attention_mma.cu instead: every product with bfloat16 operands and float32 sums, as the twin's GEMMs are
+# then; `mma=` on forward and backward overrides the choice.
 def use_mma(dtype, mma: bool | None = None) -> bool:
     """Whether the tensor-core entries run: mma when given, else under bf16 amp; never for float64."""
     return (bf16_gemm.active() if mma is None else bool(mma)) and suffix(dtype) != "f64"
 
 
+# Tensors are (B, heads, T, hd) views in any strides whose last axis is contiguous (GPT's q, k, v straight
+# out of the fused qkv, Llama's v out of its projection, the outputs written straight into (B, T, H*hd)
+# arrays): each goes to the kernel as a pointer and three element strides. lse and D are contiguous
+# (B, H, T) arrays of the math type (float64 for float64, else float32).
 def _strided(xp, a, what):
     """(array, sb, sh, st) in elements; a copy when the last axis is not contiguous."""
     if a.ndim != 4:

@@ -1,21 +1,6 @@
 """The CuPy path of the layers' element-wise and row-wise work: one launch of kernels/fused.cu each, in
 place of a chain of CuPy calls that each launch a kernel and make a pass over memory. The NumPy code
 beside each call site in hpengine/nn is the twin: same formulas, used on the CPU and for float16.
-
-Under bfloat16 amp the outputs that only feed bf16 GEMMs can come out as bfloat16 bits (uint16, rounded as
-device/bf16_bits.py's TO_BF16_BODY) from the same launch: `bits=True` on gelu_forward, layernorm_forward,
-rmsnorm_forward, rope_forward, rope_backward, swiglu_forward and swiglu_backward, and causal_softmax_bits
-(the _f32_bf16 entries); these take float32 arrays only. A GEMM's output in bits is read as it is (the
-_f32_bf16i entries): rope_forward's x, gelu's x (and its cache s), swiglu's g and u (and s), and
-gelu_recompute and swiglu_recompute take bits; their outputs are then bits too, but gelu_backward's dx
-(float32).
-The softmax backwards read p as bits when it is uint16. The norms' caches can be bits too: `cache_bits=True`
-on layernorm_forward and rmsnorm_forward writes y and xhat as bits (the _f32_bf16x entries), which their
-backward_dx and colsum_'s b2 read as they are (_f32_bf16i); softmax_backward_bits and
-grouped_softmax_backward_bits write the softmax gradient as bits into a new array (_f32_bf16o). Math is float32
-throughout; dtypes that fit no entry are a ValueError.
-
-`ENABLED` switches the fused path off (benchmarks/gpu_profile.py compares both).
 """
 from __future__ import annotations
 
@@ -23,8 +8,21 @@ import numpy as np
 
 from hpengine.device import backend, kernels
 
+# `ENABLED` switches the fused path off (benchmarks/gpu_profile.py compares both).
 ENABLED = True
 _SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+# Under bfloat16 amp the outputs that only feed bf16 GEMMs can come out as bfloat16 bits (uint16, rounded as
+# device/bf16_bits.py's TO_BF16_BODY) from the same launch: `bits=True` on gelu_forward, layernorm_forward,
+# rmsnorm_forward, rope_forward, rope_backward, swiglu_forward and swiglu_backward, and causal_softmax_bits
+# (the _f32_bf16 entries); these take float32 arrays only. A GEMM's output in bits is read as it is (the
+# _f32_bf16i entries): rope_forward's x, gelu's x (and its cache s), swiglu's g and u (and s), and
+# gelu_recompute and swiglu_recompute take bits; their outputs are then bits too, but gelu_backward's dx
+# (float32).
+# The softmax backwards read p as bits when it is uint16. The norms' caches can be bits too: `cache_bits=True`
+# on layernorm_forward and rmsnorm_forward writes y and xhat as bits (the _f32_bf16x entries), which their
+# backward_dx and colsum_'s b2 read as they are (_f32_bf16i); softmax_backward_bits and
+# grouped_softmax_backward_bits write the softmax gradient as bits into a new array (_f32_bf16o). Math is float32
+# throughout; dtypes that fit no entry are a ValueError.
 BITS = np.dtype(np.uint16)
 
 

@@ -2,9 +2,6 @@
 matrix through its leading dimension and a transpose flag, where cupy.matmul first copies every operand
 that is not C-contiguous (attention's per-head q, k, v views of qkv, the transposed probabilities) and
 writes a non-contiguous `out` through a temporary.
-
-`plan` turns shapes and strides (in elements) into cuBLAS calls and is pure, so the CPU tests check it
-against NumPy by emulating the calls (tests/unit/test_gemm_plan.py); `matmul` launches them on CuPy.
 """
 from __future__ import annotations
 
@@ -75,6 +72,8 @@ def _merge(shape, strides_list):
     return dims[:split], batch, strides
 
 
+# `plan` turns shapes and strides (in elements) into cuBLAS calls and is pure, so the CPU tests check it
+# against NumPy by emulating the calls (tests/unit/test_gemm_plan.py); `matmul` launches them on CuPy.
 @functools.lru_cache(maxsize=1024)      # a step repeats the same few shapes: plan each once
 def plan(a_shape, a_strides, b_shape, b_strides, c_shape, c_strides) -> tuple[Call, ...] | None:
     """cuBLAS calls computing c = a @ b for views given by shapes and element strides (equal leading

@@ -1,19 +1,19 @@
 """Causal grouped-query attention: H query heads share K key/value heads (g = H / K queries per group;
-K = H is multi-head attention, K = 1 multi-query).
-
-Inputs come head-major from the rotary embedding: q (B, H, T, hd), already rotated and scaled by
-1/sqrt(hd); k (B, K, T, hd); v (B, K, T, hd) in any strides (the projection's output seen per head).
-The g query heads of a group and a block of query rows fold into one row axis, so every product is
-one GEMM per (batch row, kv head) whose rows are all the group's queries: the keys and values are
-never repeated per query head, and backward's dk and dv sum over the group inside the GEMM. Query rows
-come in the same two causal blocks as nn/attention.py (the fully masked quarter is never computed), and the
-probabilities are stored as there (bfloat16 bits under bf16 amp, packed).
+K = H is multi-head attention, K = 1 multi-query), the group's queries folded into one GEMM's rows so
+keys and values are never repeated per query head.
 """
 from hpengine.device.bf16_bits import as_float32, to_bf16_bits
 from hpengine.nn import bf16_gemm, fused
 from hpengine.nn.attention import _blocks, _causal_bias, _mm, _rowsum, softmax_grad
 
 
+# Inputs come head-major from the rotary embedding: q (B, H, T, hd), already rotated and scaled by
+# 1/sqrt(hd); k (B, K, T, hd); v (B, K, T, hd) in any strides (the projection's output seen per head).
+# The g query heads of a group and a block of query rows fold into one row axis, so every product is
+# one GEMM per (batch row, kv head) whose rows are all the group's queries: the keys and values are
+# never repeated per query head, and backward's dk and dv sum over the group inside the GEMM. Query rows
+# come in the same two causal blocks as nn/attention.py (the fully masked quarter is never computed), and the
+# probabilities are stored as there (bfloat16 bits under bf16 amp, packed).
 def _grouped(a, K, g, a0, b0):
     # rows a0..b0 of (B, K*g, T, hd) or of a (B, K, g, T, hd) view -> (B, K, g*(b0-a0), hd); copies when g > 1
     B, hd = a.shape[0], a.shape[-1]

@@ -1,14 +1,13 @@
 """Layer normalisation over the last dim, with affine weight and bias.
-
 The cache keeps the normalised input and 1/std so backward needs no recompute.
-Row means are GEMVs / einsums: a reduction over a short last axis is several
-times slower in NumPy and would allocate a temporary for every product. Half
-precision (amp) keeps NumPy's reductions, which accumulate in float32.
 """
 from hpengine.device.bf16_bits import as_float32
 from hpengine.nn import bf16_gemm, fused
 
 
+# Row means are GEMVs / einsums: a reduction over a short last axis is several
+# times slower in NumPy and would allocate a temporary for every product. Half
+# precision (amp) keeps NumPy's reductions, which accumulate in float32.
 def _rowmean(xp, a, b=None):
     # mean over the last axis of a (or of a * b): (N, C) -> (N, 1)
     C = a.shape[-1]

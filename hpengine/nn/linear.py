@@ -1,8 +1,5 @@
 """Dense (affine) layer: y = x @ w + b over any number of leading dims.
-
-Leading dims are folded into one so every product is a single 2-D GEMM. linear_backward is its two
-halves, which a zero-bubble pipeline runs apart (Qi et al. 2023): linear_backward_input (B, dx, which
-the previous stage waits for) and linear_backward_weight (W, dw and db, which can wait).
+Leading dims are folded into one so every product is a single 2-D GEMM.
 """
 from hpengine.device.bf16_bits import as_float32
 from hpengine.nn import bf16_gemm, fused, gemm
@@ -23,6 +20,9 @@ def linear_forward(xp, x, w, b=None, bf16_out=False):
     return y.reshape(*lead, w.shape[1]), (x2, lead)
 
 
+# linear_backward is its two
+# halves, which a zero-bubble pipeline runs apart (Qi et al. 2023): linear_backward_input (B, dx, which
+# the previous stage waits for) and linear_backward_weight (W, dw and db, which can wait).
 def linear_backward(xp, dy, cache, w, dw, db=None):
     # dy: (..., OC), w, dw: (C, OC), db: (OC,) or None -> dx: (..., C)
     with bf16_gemm.held(xp, dy.reshape(-1, dw.shape[1])):     # bf16 amp: dy converted once for both products

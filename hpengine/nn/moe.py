@@ -1,29 +1,6 @@
 """Routed experts of a Mixtral / Qwen3-MoE style layer: dropless, or with a capacity per expert and sequence.
-
-Router: logits l = x @ w_r (N, E); scores p = softmax(l) or sigmoid(l); each token picks the k experts
-with the largest p + bias (the bias only selects: it is in neither the gates nor any gradient) and gets
-gates p[n, idx[n]], divided by their sum when norm_topk. Experts: expert e computes
-y = (silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e] on the tokens that chose it, and the layer's output is
-the gate-weighted sum over a token's k choices. Balancing losses, without their coefficients:
-- aux (Switch / GShard), per sequence b of T = seq_len tokens: f_{b,i} = the share of the sequence's T k
-  selections that chose expert i (a constant), P_{b,i} = the mean over its tokens of p[:, i];
-  aux_b = E sum_i f_{b,i} P_{b,i} (1 under perfectly uniform routing). A call returns its share
-  T / norm * sum_b aux_b, so summing every rank's share gives the mean over the global batch's sequences,
-  and d aux / d p[n, i] = E f_{b(n),i} / norm.
-- z (router z-loss): sum over tokens of logsumexp(l)^2 / norm; d z / d l = 2 logsumexp(l) softmax(l) / norm.
-The router computes in float32 when the activations are narrower (its softmax and top-k are sensitive to
-rounding) and never takes bf16 operands.
-
-Capacity (moe_capacity): within each sequence expert e keeps its first `capacity` (token, slot) assignments in
-the order (token position, then slot, the rank of e among the token's top_k); a later one is dropped: its
-idx becomes -1 and its gate 0 (after the top-k renormalisation, so the kept gates keep their values), and
-its row is never dispatched. Dropping depends only on idx, so it is piecewise constant like the selection.
-
-Dispatch, expert GEMMs and combine are separate steps, so an all-to-all can go between them: moe_permute
-sorts the kept (token, slot) pairs by expert (stable: then by token, then by slot), the grouped SwiGLU runs
-one GEMM per expert and projection on each expert's consecutive rows, and the combine gathers each
-token's kept rows back through the inverse permutation. A token has at most one row per slot, so the
-backward's "scatter-add to tokens" is a gather of its rows slot by slot too: no atomics, a deterministic sum.
+The router (top-k selection, gates, aux and z balancing losses), capacity dropping, the dispatch permutation,
+the grouped SwiGLU expert GEMMs and the combine, as separate steps so an all-to-all can go between them.
 """
 import numpy as np
 
@@ -32,9 +9,22 @@ from hpengine.nn.activation import _no_overflow_warning
 from hpengine.nn.linear import linear_backward_input, linear_backward_weight, linear_forward
 from hpengine.nn.swiglu import swiglu_backward, swiglu_forward, swiglu_recompute
 
+# Router: logits l = x @ w_r (N, E); scores p = softmax(l) or sigmoid(l); each token picks the k experts
+# with the largest p + bias (the bias only selects: it is in neither the gates nor any gradient) and gets
+# gates p[n, idx[n]], divided by their sum when norm_topk. Experts: expert e computes
+# y = (silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e] on the tokens that chose it, and the layer's output is
+# the gate-weighted sum over a token's k choices. Balancing losses, without their coefficients:
+# - aux (Switch / GShard), per sequence b of T = seq_len tokens: f_{b,i} = the share of the sequence's T k
+#   selections that chose expert i (a constant), P_{b,i} = the mean over its tokens of p[:, i];
+#   aux_b = E sum_i f_{b,i} P_{b,i} (1 under perfectly uniform routing). A call returns its share
+#   T / norm * sum_b aux_b, so summing every rank's share gives the mean over the global batch's sequences,
+#   and d aux / d p[n, i] = E f_{b(n),i} / norm.
+# - z (router z-loss): sum over tokens of logsumexp(l)^2 / norm; d z / d l = 2 logsumexp(l) softmax(l) / norm.
 SCORES = ("softmax", "sigmoid")
 
 
+# The router computes in float32 when the activations are narrower (its softmax and top-k are sensitive to
+# rounding) and never takes bf16 operands.
 def _router_dtype(dtype):
     dtype = np.dtype(dtype)
     return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
@@ -150,6 +140,10 @@ def router_backward(xp, dgates, cache, w, dw, aux_coef=0.0, z_coef=0.0, dloss=1.
     return _as(dl @ _as(w, ct).T, x2.dtype)
 
 
+# Capacity (moe_capacity): within each sequence expert e keeps its first `capacity` (token, slot) assignments in
+# the order (token position, then slot, the rank of e among the token's top_k); a later one is dropped: its
+# idx becomes -1 and its gate 0 (after the top-k renormalisation, so the kept gates keep their values), and
+# its row is never dispatched. Dropping depends only on idx, so it is piecewise constant like the selection.
 def moe_capacity(xp, idx, gates, seq_len, E, capacity):
     # idx, gates: (N, k) from router_forward -> (idx with -1, gates with 0, for each dropped slot)
     N, k = idx.shape
@@ -164,6 +158,11 @@ def moe_capacity(xp, idx, gates, seq_len, E, capacity):
     return xp.where(keep, idx, -1), gates * keep
 
 
+# Dispatch, expert GEMMs and combine are separate steps, so an all-to-all can go between them: moe_permute
+# sorts the kept (token, slot) pairs by expert (stable: then by token, then by slot), the grouped SwiGLU runs
+# one GEMM per expert and projection on each expert's consecutive rows, and the combine gathers each
+# token's kept rows back through the inverse permutation. A token has at most one row per slot, so the
+# backward's "scatter-add to tokens" is a gather of its rows slot by slot too: no atomics, a deterministic sum.
 def moe_permute(xp, idx, E, dropping=False):
     # idx: (N, k), -1 for a dropped slot (only when dropping) -> order (S,) int64 into the flattened slots,
     # the S <= N k kept ones sorted by expert; counts (E,) int64

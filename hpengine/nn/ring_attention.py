@@ -1,13 +1,6 @@
 """Causal attention of a rank's queries against one block of keys and values at a time, for context
-parallelism (strategies/context_parallel.py walks the blocks around the ring, or gathers them).
-
-The mask comes from global positions (query at p sees keys at positions <= p), so any split of the
-sequence works; positions are host int arrays. Each block gives a partial output and its row
-log-sum-exp, and partials combine by `merge` (the online softmax). Backward is FlashAttention-2's per
-block: from the final o and lse, p = exp(s - lse), D = rowsum(dO * O), dS = P (dP - D). Grouped-query:
-q (B, H, Tq, hd) over k, v (B, K, Tk, hd), the g = H / K heads of a group folded into the rows of one
-GEMM, so keys and values are never repeated per head. Runs of consecutive positions are tiles; a tile
-whose every key lies after every query is skipped. Half precision computes in float32.
+parallelism (strategies/context_parallel.py walks the blocks around the ring, or gathers them): block
+forward and backward, masked by global positions, and `merge` of the partial outputs.
 """
 from __future__ import annotations
 
@@ -17,12 +10,15 @@ from itertools import pairwise
 import numpy as np
 
 
+# Half precision computes in float32.
 def compute_dtype(dtype):
     """The dtype the block math runs in: the array's, float32 for half precision."""
     dtype = np.dtype(dtype)
     return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
 
 
+# The mask comes from global positions (query at p sees keys at positions <= p), so any split of the
+# sequence works; positions are host int arrays.
 def host_positions(pos) -> np.ndarray:
     """Positions as a host int64 array (a device array is copied down)."""
     if hasattr(pos, "__cuda_array_interface__"):
@@ -36,12 +32,17 @@ def block_visible(q_pos, k_pos) -> bool:
     return bool(q_pos.size and k_pos.size and k_pos.min() <= q_pos.max())
 
 
+# Grouped-query:
+# q (B, H, Tq, hd) over k, v (B, K, Tk, hd), the g = H / K heads of a group folded into the rows of one
+# GEMM, so keys and values are never repeated per head.
 def _groups(H: int, K: int) -> int:
     if H % K:
         raise ValueError(f"{H} query heads do not split into groups of {K} key/value heads")
     return H // K
 
 
+# Runs of consecutive positions are tiles; a tile
+# whose every key lies after every query is skipped.
 def _runs(pos: np.ndarray):
     # index ranges [i, j) of pos holding consecutive ascending positions
     edges = [0, *(np.flatnonzero(np.diff(pos) != 1) + 1).tolist(), len(pos)]
@@ -68,6 +69,8 @@ def _safe(xp, a, bad, fill):
     return xp.where(bad, fill, a)
 
 
+# Each block gives a partial output and its row
+# log-sum-exp, and partials combine by `merge` (the online softmax).
 def merge(xp, o, lse, o2, lse2):
     """Combine two partial attentions over disjoint key sets: o, o2 (..., n, hd) each normalised over
     its own keys, lse, lse2 (..., n) their row log-sum-exps -> (o, lse) over the union. A row that saw
@@ -150,6 +153,8 @@ def softmax_delta(xp, o, do):
     return (do.astype(ct) * o.astype(ct)).sum(axis=-1)
 
 
+# Backward is FlashAttention-2's per
+# block: from the final o and lse, p = exp(s - lse), D = rowsum(dO * O), dS = P (dP - D).
 def block_backward(xp, q, k, v, o, lse, do, q_pos, k_pos, scale=None, delta=None):
     """One block's share of the gradients, given the final o (B, H, Tq, hd), lse (B, H, Tq) over all
     keys and do (B, H, Tq, hd): -> dq (B, H, Tq, hd) this block's contribution, dk, dv (B, K, Tk, hd) the

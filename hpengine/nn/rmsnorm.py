@@ -1,10 +1,5 @@
 """RMS normalisation over the last dim with a learned weight (no bias, no mean subtraction):
 y = w * x / sqrt(mean(x^2) + eps), as Llama defines it.
-
-The statistics are computed in float32 even when x is float16 (amp), like Hugging Face's
-LlamaRMSNorm: the normalised x is rounded back to x's dtype before the weight multiplies it. The
-cache keeps the normalised input (x's dtype) and 1/rms per row (float32 under amp), so backward
-needs no recompute.
 """
 from hpengine.device.bf16_bits import as_float32
 from hpengine.nn import bf16_gemm, fused
@@ -14,6 +9,10 @@ def _compute_dtype(xp, dtype):
     return xp.float32 if dtype.itemsize < 4 else dtype
 
 
+# The statistics are computed in float32 even when x is float16 (amp), like Hugging Face's
+# LlamaRMSNorm: the normalised x is rounded back to x's dtype before the weight multiplies it. The
+# cache keeps the normalised input (x's dtype) and 1/rms per row (float32 under amp), so backward
+# needs no recompute.
 def rmsnorm_forward(xp, x, w, eps=1e-5, gemm_input=False):
     # x: (..., C), w: (C,) -> y: (..., C)
     # gemm_input: only GEMMs read y; under bf16 amp it is stored as they take it (bf16_gemm.store_for_gemm), and

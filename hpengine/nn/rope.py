@@ -1,11 +1,6 @@
 """Rotary position embedding, the "rotate half" convention of Hugging Face's Llama: the head dimension
 splits into halves (x1, x2) and position t rotates each pair (x1[i], x2[i]) by the angle
 t * theta^(-2i/hd):  y1 = x1 cos - x2 sin,  y2 = x2 cos + x1 sin.
-
-The rotation is linear, so backward rotates the gradient by the opposite angle. Forward reads the
-(B, T, H, hd) view of a projection's output and writes head-major (B, H, T, hd) arrays, the layout the
-attention's batched products want; backward turns that around. A scale folded into the tables (the
-query's 1/sqrt(hd)) costs nothing.
 """
 import numpy as np
 
@@ -13,6 +8,8 @@ from hpengine.device.bf16_bits import as_float32
 from hpengine.nn import bf16_gemm, fused
 
 
+# A scale folded into the tables (the
+# query's 1/sqrt(hd)) costs nothing.
 def rope_tables(xp, T: int, hd: int, theta: float, dtype, scale: float = 1.0):
     """cos and sin (T, hd/2) of every position and frequency, times `scale`, computed in float64."""
     if hd % 2:
@@ -22,6 +19,9 @@ def rope_tables(xp, T: int, hd: int, theta: float, dtype, scale: float = 1.0):
     return (xp.asarray((np.cos(ang) * scale).astype(dtype)), xp.asarray((np.sin(ang) * scale).astype(dtype)))
 
 
+# The rotation is linear, so backward rotates the gradient by the opposite angle. Forward reads the
+# (B, T, H, hd) view of a projection's output and writes head-major (B, H, T, hd) arrays, the layout the
+# attention's batched products want; backward turns that around.
 def rope_forward(xp, x, cos, sin, gemm_input=False):
     # x: (B, T, H, hd) (any strides; bfloat16 bits under bf16 amp when a GEMM stored it so) -> y: (B, H, T, hd)
     # contiguous; gemm_input: only GEMMs read y, which bf16 amp then stores as they take it (bits when packed)

@@ -1,14 +1,12 @@
 """SiLU gating, the middle of Llama's SwiGLU MLP: a = silu(g) * u with silu(g) = g * sigmoid(g).
-
-The cache keeps g, u and s = sigmoid(g); the output a (the down projection's input) is rebuilt from
-them in backward (two multiplies), a quarter less MLP activation memory than keeping it.
-d/dg silu(g) = s (1 + g (1 - s)).
 """
 from hpengine.device.bf16_bits import as_float32
 from hpengine.nn import bf16_gemm, fused
 from hpengine.nn.activation import _no_overflow_warning
 
 
+# The cache keeps g, u and s = sigmoid(g); the output a (the down projection's input) is rebuilt from
+# them in backward (two multiplies), a quarter less MLP activation memory than keeping it.
 def swiglu_forward(xp, g, u, bf16=False):
     # g, u: (...) -> a: (...)
     # bf16: under bf16 amp g and u are GEMM outputs stored in bfloat16 (bf16_gemm.product_stored) and only
@@ -51,6 +49,7 @@ def swiglu_recompute(xp, cache, bf16=False):
     return bf16_gemm.store_for_gemm(xp, a, bf16)
 
 
+# d/dg silu(g) = s (1 + g (1 - s)).
 def swiglu_backward(xp, da, cache, bf16=False):
     # da: (...) -> (dg, du)
     g, u, s = cache

@@ -1,4 +1,5 @@
-"""Learning-rate schedules: linear warm-up, then cosine / linear decay to min_lr_ratio·lr, or constant."""
+"""Learning-rate schedules: linear warm-up, then cosine / linear decay to min_lr_ratio·lr, or constant.
+Owns lr_at, the rate for one optimizer step."""
 from __future__ import annotations
 
 import math

@@ -1,8 +1,5 @@
 """Flat parameter buffers: ParamSpec, Layout (offsets), FlatBuffer (one array + named views), Range,
 and the ownership partition (the element-count partition of CN115114927A, or equal flat ranges).
-
-Parameters, gradients and optimizer moments of one model stage each live in one flat array that shares
-a Layout; per-tensor facts (shape, tensor-parallel dim, weight decay) live in the spec.
 """
 from __future__ import annotations
 
@@ -67,6 +64,8 @@ class Range:
         return slice(self.start, self.stop)
 
 
+# Parameters, gradients and optimizer moments of one model stage each live in one flat array that shares
+# a Layout; per-tensor facts (shape, tensor-parallel dim, weight decay) live in the spec.
 class Layout:
     """Assigns each spec (its local, tp- and ep-sliced shape) a contiguous offset, in declaration order."""
 

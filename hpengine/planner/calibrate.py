@@ -1,8 +1,5 @@
 """Measure this machine for the planner (`hpengine plan --calibrate`, run under the `mpiexec -n` of the
-jobs it plans): the costs of the primitives a step is made of, never a step itself. On one core: matmul
-FLOP/s per precision, the overhead and elementwise cost of a transformer block's forward and backward,
-AdamW per element. With every rank taking part: the latency and bandwidths of the collectives the
-engine calls, issued between block passes as the engine issues them. The result is a [cluster] table
+jobs it plans): the costs of the primitives a step is made of, never a step itself, as a [cluster] table
 that `--cluster` reads back. Also the CPU peak the training progress line's MFU is measured against
 (measured_peak: the best GEMM rate this machine has shown).
 """
@@ -46,6 +43,11 @@ def calibrate_device(gpus_per_node: int | None = None, device: str = "auto") -> 
     return calibrate(gpus_per_node)
 
 
+# On one core: matmul
+# FLOP/s per precision, the overhead and elementwise cost of a transformer block's forward and backward,
+# AdamW per element. With every rank taking part: the latency and bandwidths of the collectives the
+# engine calls, issued between block passes as the engine issues them. The result is a [cluster] table
+# that `--cluster` reads back.
 def calibrate(gpus_per_node: int | None = None) -> str:
     """Measure this machine and return a [cluster] table for --cluster (on rank 0; "" elsewhere)."""
 

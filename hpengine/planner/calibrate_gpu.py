@@ -1,16 +1,7 @@
 """`hpengine plan --calibrate` on a GPU (CuPy, through backend.py): measure the figures of the planner's
-GPU compute model (planner/gpu.py) on this device and print them as a [cluster] table: the rate of GEMMs of
-several shapes, fitted to eff(d) = eff_max · d / (d + d_half) of the datasheet peak (peaks.PEAK_TFLOPS);
-the memory bandwidth of large element-wise kernels (a copy and an add, by the bytes they move); and the
-cost of a kernel call, from tiny kernels back to back (what the host spends to launch one, as the engine
-launches them); and, under `mpiexec -n N` with N > 1 (one GPU a rank), the link between them as the
-engine uses it: allreduces of device buffers through comm.Comm (host-staged or CUDA-aware, whichever the
-engine would pick), their latency from a one-element call and their bandwidth from 1 MiB to 64 MiB
-(link_figures). Those are intra-node figures when the ranks share a node; the inter-node ones still come
-from a clusters/*.toml file or the flags.
-
-The measuring needs a GPU; the fitting (fit_device) takes the measured (size, seconds) tuples only, so it
-is tested without one.
+GPU compute model (planner/gpu.py) on this device, and under mpiexec the link between GPUs, and print them
+as a [cluster] table. The measuring needs a GPU; the fitting (fit_device) takes the measured (size, seconds)
+tuples only, so it is tested without one.
 """
 from __future__ import annotations
 
@@ -60,6 +51,11 @@ def table(vals: dict, device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Measures the rate of GEMMs of
+# several shapes, fitted to eff(d) = eff_max · d / (d + d_half) of the datasheet peak (peaks.PEAK_TFLOPS);
+# the memory bandwidth of large element-wise kernels (a copy and an add, by the bytes they move); and the
+# cost of a kernel call, from tiny kernels back to back (what the host spends to launch one, as the engine
+# launches them).
 def calibrate_gpu(gpus_per_node: int | None = None) -> str:
     """Measure rank 0's GPU (the others wait) and, with several ranks, the link between the ranks' GPUs;
     return the [cluster] table (on rank 0; "" elsewhere)."""
@@ -74,6 +70,11 @@ def calibrate_gpu(gpus_per_node: int | None = None) -> str:
     return out
 
 
+# Under `mpiexec -n N` with N > 1 (one GPU a rank), the link between them as the
+# engine uses it: allreduces of device buffers through comm.Comm (host-staged or CUDA-aware, whichever the
+# engine would pick), their latency from a one-element call and their bandwidth from 1 MiB to 64 MiB
+# (link_figures). Those are intra-node figures when the ranks share a node; the inter-node ones still come
+# from a clusters/*.toml file or the flags.
 def link_figures(w, comm, xp, elements=LINK_ELEMENTS, reps: int = 5) -> dict:
     """intra_bw_gbs and intra_latency_us of allreduces through `comm` (a comm.Comm over w) on float32
     arrays of module xp: the slowest rank's best time per call, a one-element call for the latency (per

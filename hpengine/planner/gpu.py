@@ -1,23 +1,7 @@
 """The planner's GPU compute time: each GEMM of a micro-batch at the rate its shape reaches, the
 element-wise passes at the device memory's bandwidth, and a launch cost per GEMM. Used by
 planner/model.py: compute_s when the cluster gives any of gemm_half_dim, mem_bw_gbs, launch_us (all 0 by
-default: one sustained FLOP/s for every GEMM, the CPU model).
-
-A GEMM of (M x K) by (K x N), `batch` times (attention: one per sequence and head), takes
-
-    gemm_s = max(batch · 2MKN / (peak · eff(d)),  batch · item · (MK + KN + MN) / mem_bw) + launch
-    eff(d) = eff_max · d / (d + d_half),     d = 3 / (1/M + 1/K + 1/N)
-
-a roofline whose compute roof rises with the size. d is the harmonic mean of the three dimensions: n
-for an n x n x n GEMM, near the smallest when one is small, and 3/2 of the GEMM's arithmetic intensity
-2MKN / (MK + KN + MN) in FLOPs per element moved. eff(d) is the share of the datasheet peak reached:
-eff_max (cluster.gemm_eff_max) for the largest GEMMs, half of it at d = d_half (cluster.gemm_half_dim),
-where the tiles of the GEMM no longer fill every multiprocessor in whole waves and the operands' loads
-are no longer hidden behind the tensor cores' work. Measured (shape, seconds) pairs fit it by a straight
-line, 1/eff = 1/eff_max + (d_half/eff_max) · 1/d (fit_gemm; calibrate_gpu.py measures them).
-
-Backward multiplies twice by every forward GEMM's operands (the input's gradient and the weight's), of
-the same three dimensions, so a layer's GEMM runs 3 times a micro-batch (4 when the layer is recomputed).
+default: one sustained FLOP/s for every GEMM, the CPU model); fit_gemm fits the model to measurements.
 """
 from __future__ import annotations
 
@@ -41,6 +25,18 @@ def enabled(cluster) -> bool:
     return bool(cluster.gemm_half_dim or cluster.mem_bw_gbs or cluster.launch_us)
 
 
+# A GEMM of (M x K) by (K x N), `batch` times (attention: one per sequence and head), takes
+#
+#     gemm_s = max(batch · 2MKN / (peak · eff(d)),  batch · item · (MK + KN + MN) / mem_bw) + launch
+#     eff(d) = eff_max · d / (d + d_half),     d = 3 / (1/M + 1/K + 1/N)
+#
+# a roofline whose compute roof rises with the size. d is the harmonic mean of the three dimensions: n
+# for an n x n x n GEMM, near the smallest when one is small, and 3/2 of the GEMM's arithmetic intensity
+# 2MKN / (MK + KN + MN) in FLOPs per element moved. eff(d) is the share of the datasheet peak reached:
+# eff_max (cluster.gemm_eff_max) for the largest GEMMs, half of it at d = d_half (cluster.gemm_half_dim),
+# where the tiles of the GEMM no longer fill every multiprocessor in whole waves and the operands' loads
+# are no longer hidden behind the tensor cores' work. Measured (shape, seconds) pairs fit it by a straight
+# line, 1/eff = 1/eff_max + (d_half/eff_max) · 1/d (fit_gemm; calibrate_gpu.py measures them).
 def harmonic_dim(m: float, k: float, n: float) -> float:
     return 3.0 / (1.0 / m + 1.0 / k + 1.0 / n)
 
@@ -60,6 +56,8 @@ def gemm_s(m: int, k: int, n: int, peak: float, item: int, half: float = 0.0, ef
     return t + launch
 
 
+# Backward multiplies twice by every forward GEMM's operands (the input's gradient and the weight's), of
+# the same three dimensions, so a layer's GEMM runs 3 times a micro-batch (4 when the layer is recomputed).
 def gemms(mcfg, st, lay) -> list[tuple]:
     """(calls, M, K, N, batch) of one micro-batch through the stage on one tp rank: every weight matrix a
     block multiplies by (its own 2-D tensors and the tensors it reads, per tp rank) times the tokens, and

@@ -1,9 +1,7 @@
 """The planner's model of tensor-parallel traffic: the activation collectives of the tp regions (allreduces,
 or under sequence parallelism all-gathers and reduce-scatters), the loss statistics, the once-a-step sum of
 the replicated tensors' gradients (under sequence parallelism every whole tensor's, else only those applied
-per head, layout/reduction.py), and pipeline sends split across tp (each tp
-rank sends 1/tp, the receiving stage all-gathers). Bytes as comm.py counts them: an allreduce and a
-reduce-scatter count the buffer sent, an all-gather the buffer gathered."""
+per head, layout/reduction.py), and pipeline sends split across tp."""
 from __future__ import annotations
 
 import bisect
@@ -95,6 +93,8 @@ def flagged_per_rank(sizes, flags, ranges) -> tuple:
     return tuple(upto(r.stop) - upto(r.start) for r in ranges)
 
 
+# Bytes as comm.py counts them: an allreduce and a
+# reduce-scatter count the buffer sent, an all-gather the buffer gathered.
 def traffic(mcfg, st, lay, tokens: int, item: int, g: int, loss_item: int, scalars: int, replicated: int,
             packed: bool = False) -> dict:
     """{op: bytes} on the tp communicator in one step: `tokens` of the step through the stage, activations
@@ -111,6 +111,8 @@ def traffic(mcfg, st, lay, tokens: int, item: int, g: int, loss_item: int, scala
     return out
 
 
+# Pipeline sends split across tp: each tp
+# rank sends 1/tp, the receiving stage all-gathers.
 def pipeline_bytes(mcfg, lay, tokens: int, item: int, hops: int) -> tuple:
     """(bytes sent = received over pp, bytes all-gathered over tp) per step: an activation or its
     gradient per hop, 1/tp of it under sequence parallelism or when sends are split across tp."""

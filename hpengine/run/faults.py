@@ -1,21 +1,6 @@
-"""Knowing which rank runs where, and noticing when a peer rank or the launcher is gone.
-
-- `write_ranks_file`: ranks.jsonl in the run folder, one line per rank: rank, host, pid, parent pid, the
-  supervisor's pid, mesh coordinates and the rank's place on its node, so a PID in a launcher's message can
-  be mapped to a rank.
-- `Monitor`: a daemon thread per rank while the training loop runs. It watches
-  * the peer ranks on the same host (pidfd, or polling where there is none): when one exits while this
-    rank is still training, the lowest surviving rank on that host names it (unless the peer's supervisor,
-    run/supervisor.py, does), and after `peer_grace_s` (a launcher such as Hydra normally ends the job
-    first) the job is aborted;
-  * its own parent process (the launcher's proxy, or the rank's supervisor): when it changes, the launcher
-    is gone and the rank exits at once with EXIT_ORPHANED, saying why, instead of training on as an orphan;
-  * the run folder's failures.jsonl: when it grows (a rank's supervisor, on any node, recorded a death),
-    the job is aborted after `peer_grace_s` unless the launcher ended it first;
-  * an interrupt (SIGINT): when the agreed stop at the next step boundary has not come within
-    `interrupt_grace_s`, the job is aborted with exit status 130.
-- `say`: one stderr line written with one write call (lines of several ranks never glue together).
-The Monitor's lines also go to the run folder's failures.jsonl.
+"""Knowing which rank runs where, and noticing when a peer rank or the launcher is gone:
+`write_ranks_file` (ranks.jsonl), the per-rank `Monitor` thread, the exit codes, and `say`, one stderr line
+written with one write call (lines of several ranks never glue together).
 """
 from __future__ import annotations
 
@@ -64,6 +49,9 @@ def gather_ranks(world, mesh) -> list[dict]:
     return world.allgather(mine) if world.Get_size() > 1 else [mine]
 
 
+# `write_ranks_file`: ranks.jsonl in the run folder, one line per rank: rank, host, pid, parent pid, the
+# supervisor's pid, mesh coordinates and the rank's place on its node, so a PID in a launcher's message can
+# be mapped to a rank.
 def write_ranks_file(records: list[dict], out, rank: int):
     """ranks.jsonl in the run folder (rank 0 writes it); returns its path."""
     path = os.path.join(str(out), "ranks.jsonl")
@@ -114,8 +102,20 @@ def _named_by_supervisor(r: dict, run_dir) -> bool:
     return bool(sup) and (_alive(sup) or (run_dir is not None and supervisor.recorded(run_dir, r["pid"])))
 
 
+# `Monitor`: a daemon thread per rank while the training loop runs. It watches
+#   * the peer ranks on the same host (pidfd, or polling where there is none): when one exits while this
+#     rank is still training, the lowest surviving rank on that host names it (unless the peer's supervisor,
+#     run/supervisor.py, does), and after `peer_grace_s` (a launcher such as Hydra normally ends the job
+#     first) the job is aborted;
+#   * its own parent process (the launcher's proxy, or the rank's supervisor): when it changes, the launcher
+#     is gone and the rank exits at once with EXIT_ORPHANED, saying why, instead of training on as an orphan;
+#   * the run folder's failures.jsonl: when it grows (a rank's supervisor, on any node, recorded a death),
+#     the job is aborted after `peer_grace_s` unless the launcher ended it first;
+#   * an interrupt (SIGINT): when the agreed stop at the next step boundary has not come within
+#     `interrupt_grace_s`, the job is aborted with exit status 130.
+# The Monitor's lines also go to the run folder's failures.jsonl.
 class Monitor:
-    """See the module doc. `records` come from gather_ranks; `run_dir` (optional) is the run folder whose
+    """See the comment above. `records` come from gather_ranks; `run_dir` (optional) is the run folder whose
     failures.jsonl gets the lines too; `abort` and `exit` are replaceable for tests."""
 
     def __init__(self, records: list[dict], rank: int, watch_parent: bool, poll_s: float = 0.5,

@@ -1,8 +1,6 @@
 """Refuse a job whose predicted memory per rank (the planner's model, planner/model.py) exceeds the memory
-this rank can have, before anything large is allocated: on CPU the node's MemAvailable (/proc/meminfo)
-divided by the ranks on the node, counting an asynchronous checkpoint's copy of the state; on a GPU the
-device's free memory divided by the ranks sharing it.
-The ranks agree, so every rank stops with the same line. `runtime.memory_check = false` skips it.
+this rank can have, before anything large is allocated. The ranks agree, so every rank stops with the same
+line. `runtime.memory_check = false` skips it.
 """
 from __future__ import annotations
 
@@ -42,6 +40,9 @@ def device_free(backend) -> int | None:
         return None
 
 
+# The memory this rank can have: on CPU the node's MemAvailable (/proc/meminfo)
+# divided by the ranks on the node, counting an asynchronous checkpoint's copy of the state; on a GPU the
+# device's free memory divided by the ranks sharing it.
 def limit_per_rank(backend, per_node: int, n_devices: int = 1) -> tuple[int, str] | None:
     """(bytes this rank may use, how that was found) or None when unknown."""
     if backend.is_gpu:

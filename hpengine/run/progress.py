@@ -1,13 +1,6 @@
 """The progress line and the fields it adds to every metrics.jsonl row: elapsed time and ETA, model FLOPs
 utilisation (MFU) against a peak the backend knows or the user sets, and memory (peak RSS on the CPU,
 device memory in use on a GPU); and whether the line between logged steps may redraw itself with "\r".
-
-MFU = model FLOPs of a step (trace.model_flops: 6 x Psi x tokens + attention, all models) / the step's
-train time / (peak FLOP/s per rank x ranks). The peak per rank is runtime.peak_tflops when set; else, on
-a GPU, the dense figure of NVIDIA's datasheet for the device (PEAK_TFLOPS) at the precision the GEMMs run
-in; else, on the CPU, the best float GEMM rate this machine has shown (calibrate.measured_peak, cached
-per machine). A step above its peak proves the peak wrong: MFU is null ("n/a") from then on, never > 100 %.
-The ETA is the median step time, the first WARMUP steps of the run left out, times the steps left.
 """
 from __future__ import annotations
 
@@ -27,6 +20,7 @@ from hpengine.planner.peaks import PEAK_TFLOPS, precision_of, table_peak
 from hpengine.run.startguard import under_launcher
 from hpengine.run.trace import model_flops
 
+# The ETA is the median step time, the first WARMUP steps of the run left out, times the steps left.
 WARMUP = 3           # first steps of a run (start-up, first touches of memory) left out of the ETA
 RECENT = 50          # steps whose median wall time gives the ETA
 
@@ -41,6 +35,11 @@ def device_name(backend) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
+# MFU = model FLOPs of a step (trace.model_flops: 6 x Psi x tokens + attention, all models) / the step's
+# train time / (peak FLOP/s per rank x ranks). The peak per rank is runtime.peak_tflops when set; else, on
+# a GPU, the dense figure of NVIDIA's datasheet for the device (PEAK_TFLOPS) at the precision the GEMMs run
+# in; else, on the CPU, the best float GEMM rate this machine has shown (calibrate.measured_peak, cached
+# per machine). A step above its peak proves the peak wrong: MFU is null ("n/a") from then on, never > 100 %.
 def peak_per_rank(cfg, backend, world, compute_dtype: str) -> tuple[float | None, str]:
     """(peak FLOP/s of one rank, where the figure comes from); (None, why) when no peak is known.
     Collective on the CPU path (rank 0 times the GEMM while the others sleep; every rank gets its figure)."""

@@ -1,14 +1,6 @@
-"""A Ctrl-C while the ranks are still starting (importing, inside MPI_Init) must not strand the others.
-
-Python's default SIGINT handler raises KeyboardInterrupt; a rank that gets it before MPI is up exits on its
-own, and its peers then wait inside MPI_Init for it forever (Hydra's proxy does not always end them). Under
-a launcher the command line therefore installs this handler first: until mpi4py has initialised MPI an
-interrupt is only noted, and the rank goes on into MPI_Init with the others; `mpi_ready()`, called once MPI
-is up, raises the KeyboardInterrupt then, and the command line's handler aborts the whole job with 130
-(MPI_Abort reaches every rank). An interrupt after MPI is up but before the command line is ready to catch
-it (the rest of the imports, the argument parser) aborts the job from the handler. After that, SIGINT
-raises at once, as usual, until the training loop takes it over for its agreed stop at the step boundary
-(launch.install_stop_handlers).
+"""A Ctrl-C while the ranks are still starting (importing, inside MPI_Init) must not strand the others:
+under a launcher the command line installs this SIGINT handler first (`arm`), which only notes an
+interrupt until MPI is up (`mpi_ready`).
 """
 from __future__ import annotations
 
@@ -35,6 +27,15 @@ def _mpi_up() -> bool:
         return False
 
 
+# Python's default SIGINT handler raises KeyboardInterrupt; a rank that gets it before MPI is up exits on its
+# own, and its peers then wait inside MPI_Init for it forever (Hydra's proxy does not always end them). Under
+# a launcher the command line therefore installs this handler first: until mpi4py has initialised MPI an
+# interrupt is only noted, and the rank goes on into MPI_Init with the others; `mpi_ready()`, called once MPI
+# is up, raises the KeyboardInterrupt then, and the command line's handler aborts the whole job with 130
+# (MPI_Abort reaches every rank). An interrupt after MPI is up but before the command line is ready to catch
+# it (the rest of the imports, the argument parser) aborts the job from the handler. After that, SIGINT
+# raises at once, as usual, until the training loop takes it over for its agreed stop at the step boundary
+# (launch.install_stop_handlers).
 def _on_sigint(signum, frame):
     if not _mpi_up():
         _state["pending"] = True    # raised by mpi_ready(), when an abort can reach every rank

@@ -1,9 +1,6 @@
 """The rank supervisor: under an MPI launcher `hpengine train` forks before MPI starts; the child is the rank,
-the parent a small process that forwards the launcher's signals to it, waits for it, and, when it dies
-without a message (a signal, or an exit status hpengine never uses), names it on stderr and in the run
-folder's failures.jsonl before exiting with its status, so the launcher cannot learn of the death first; it
-exits once the launcher has read that line (a launcher may drop what an exited process left unread).
-Standard library only: importing mpi4py here would start MPI in the supervisor.
+the parent a small process that forwards the launcher's signals to it, waits for it, and names it when it
+dies without a message. Standard library only: importing mpi4py here would start MPI in the supervisor.
 """
 from __future__ import annotations
 
@@ -257,6 +254,10 @@ def until_read(fd: int = 2, wait_s: float = READ_WAIT_S, poll_s: float = 0.01) -
         time.sleep(poll_s)
 
 
+# The parent forwards the launcher's signals to the rank, waits for it, and, when it dies
+# without a message (a signal, or an exit status hpengine never uses), names it on stderr and in the run
+# folder's failures.jsonl before exiting with its status, so the launcher cannot learn of the death first; it
+# exits once the launcher has read that line (a launcher may drop what an exited process left unread).
 class Supervisor:
     """The parent's loop: read the rank's record, forward signals, notice the child's end and the
     launcher's (the supervisor's parent changes), then say what happened and exit with the status."""

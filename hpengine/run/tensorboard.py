@@ -1,13 +1,6 @@
 """TensorBoard event files without TensorBoard: `runtime.tensorboard = true` makes rank 0 write the run's
 scalars into <run>/tensorboard/events.out.tfevents.<time>.<host>.hpengine, which `tensorboard --logdir`
-reads.
-
-The format is TFRecord framing around serialized `Event` protocol buffers:
-  record = uint64 length | uint32 masked_crc32c(length) | data | uint32 masked_crc32c(data)   (little-endian)
-  masked_crc32c(x) = rotate-right-15(crc32c(x)) + 0xa282ead8 (mod 2^32)
-  Event   { double wall_time = 1; int64 step = 2; string file_version = 3; Summary summary = 5; }
-  Summary { repeated Value value = 1; }    Value { string tag = 1; float simple_value = 2; }
-The first record carries file_version "brain.Event:2"; each later one a step's scalars.
+reads. Owns the TFRecord framing, the CRC-32C, the Event encoding and the writer.
 """
 from __future__ import annotations
 
@@ -16,6 +9,12 @@ import struct
 import time
 from pathlib import Path
 
+# The format is TFRecord framing around serialized `Event` protocol buffers:
+#   record = uint64 length | uint32 masked_crc32c(length) | data | uint32 masked_crc32c(data)   (little-endian)
+#   masked_crc32c(x) = rotate-right-15(crc32c(x)) + 0xa282ead8 (mod 2^32)
+#   Event   { double wall_time = 1; int64 step = 2; string file_version = 3; Summary summary = 5; }
+#   Summary { repeated Value value = 1; }    Value { string tag = 1; float simple_value = 2; }
+# The first record carries file_version "brain.Event:2"; each later one a step's scalars.
 _POLY = 0x82F63B78          # CRC-32C (Castagnoli), reflected
 _TABLE = []
 for _i in range(256):

@@ -1,8 +1,6 @@
-"""Where the run's time goes. A Tracer keeps per-category phase timers (always on: one perf_counter per
-phase) and, with `runtime.trace`, a bounded per-rank timeline of compact event tuples (compute per
-micro-batch, every MPI call with its communicator and bytes). At the end the timelines are merged into
-one Chrome trace JSON (trace.json) and the breakdown (time per category, bytes per communicator, memory
-per rank, achieved FLOP/s) is logged and written to breakdown.json.
+"""Where the run's time goes. A Tracer keeps per-category phase timers (always on) and, with `runtime.trace`,
+a bounded per-rank timeline; at the end the timelines are merged into one Chrome trace JSON (trace.json)
+and the breakdown is logged and written to breakdown.json.
 """
 from __future__ import annotations
 
@@ -42,6 +40,9 @@ def comms_of(eng) -> list:
     return list(seen.values())
 
 
+# A Tracer keeps per-category phase timers (always on: one perf_counter per
+# phase) and, with `runtime.trace`, a bounded per-rank timeline of compact event tuples (compute per
+# micro-batch, every MPI call with its communicator and bytes).
 def attach(eng, cfg) -> Tracer:
     """A fresh tracer for the run (recording when runtime.trace), handed to the engine and its
     communicators; every rank's timeline starts at a barrier. Expert parallel's all-to-alls are timed even
@@ -180,6 +181,8 @@ def local_report(eng, tr: Tracer) -> dict:
                      for c in comms_of(eng)}}
 
 
+# The breakdown: time per category, bytes per communicator, memory
+# per rank, achieved FLOP/s.
 def breakdown(reports: list, wall: float, steps: int, step_s: float, flops_step: float, formula: str,
               comm_labels: dict) -> dict:
     """The breakdown from every rank's local_report (rank 0)."""

@@ -1,9 +1,6 @@
 """Mixed precision: the run's precision policy (Precision: what amp rounds, where) and dynamic loss scaling.
 Compute runs in float16 or bfloat16; the owner of each range keeps the float32 master weights and the
-optimizer's state. An overflow anywhere makes every rank skip the same step and lower the scale;
-`growth_interval` clean steps in a row raise it again; a scale below MIN_SCALE or `max_skipped` skips in a row is a diverged
-run, which stops. bfloat16 has float32's exponent range, so it trains without loss scaling by default
-(amp.loss_scaling = "auto").
+optimizer's state.
 """
 from __future__ import annotations
 
@@ -15,6 +12,8 @@ from hpengine.nn import bf16_gemm
 from hpengine.strategies.bf16_storage import UnpackedParams, pack_cache, unpack_cache
 
 
+# bfloat16 has float32's exponent range, so it trains without loss scaling by default
+# (amp.loss_scaling = "auto").
 def loss_scaling(acfg) -> bool:
     """Whether dynamic loss scaling runs: "auto" = float16 only."""
     if acfg.loss_scaling == "auto":
@@ -27,6 +26,9 @@ def loss_scaling(acfg) -> bool:
 MIN_SCALE = 2.0 ** -24
 
 
+# An overflow anywhere makes every rank skip the same step and lower the scale;
+# `growth_interval` clean steps in a row raise it again; a scale below MIN_SCALE or `max_skipped` skips in a row is a diverged
+# run, which stops.
 class LossScaler:
     def __init__(self, acfg):
         self.scale = float(acfg.init_scale)

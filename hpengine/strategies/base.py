@@ -2,9 +2,6 @@
 and LocalSync, its one-replica form: full parameter and gradient buffers, the whole range owned. Under
 amp.grad_dtype = "bfloat16" a sync rounds the gradients it stores after every sum; packed, it stores their
 bits and hands the layers a float32 scratch per open block (grads_for ... grads_done).
-
-A sync is built from the frozen stage description (stage.Stage), the backend and its communicators;
-it never sees the engine.
 """
 from __future__ import annotations
 
@@ -42,6 +39,8 @@ class Merged:
         return any(name in b for b in self.bufs)
 
 
+# A sync is built from the frozen stage description (stage.Stage), the backend and its communicators;
+# it never sees the engine.
 class GradSync(Protocol):
     """What every gradient/parameter synchronisation offers the engine."""
     owned: Range                 # the flat-buffer range this rank updates

@@ -2,11 +2,6 @@
 (strategy.amp.bf16_storage = "packed"): each float32 array a block keeps for its backward is stored as its
 bfloat16 bits (uint16) once the forward has made it, and is float32 again for that block's backward only (one
 block at a time); the compute copy is a uint16 flat buffer of bits, read through UnpackedParams.
-
-Packing goes by root array: views sharing storage (q, k and v of one qkv product, a linear's 2-D view of its
-input) pack that storage once and come back as views of one float32 array, so a cache takes exactly half
-its float32 bytes. NumPy and CuPy convert alike (device/bf16_bits.py): a packed run on NumPy equals the
-float32 emulation (device/precision.py) bit for bit, and the CPU tests stay the GPU path's oracle.
 """
 from __future__ import annotations
 
@@ -46,6 +41,10 @@ class PackedView:
     nbytes = 0
 
 
+# Packing goes by root array: views sharing storage (q, k and v of one qkv product, a linear's 2-D view of its
+# input) pack that storage once and come back as views of one float32 array, so a cache takes exactly half
+# its float32 bytes. NumPy and CuPy convert alike (device/bf16_bits.py): a packed run on NumPy equals the
+# float32 emulation (device/precision.py) bit for bit, and the CPU tests stay the GPU path's oracle.
 def _root(a):
     """The array a's storage belongs to (the end of its chain of bases that are arrays)."""
     while getattr(a.base, "dtype", None) is not None:

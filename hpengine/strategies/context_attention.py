@@ -1,15 +1,6 @@
 """The context-parallel parts of the parallel context (models/context.py): each cp rank holds the head-tail
-part of every sequence (nn/context_split.py), T / cp tokens at known global positions.
-
-ContextAttention (ctx.attn) replaces a model's whole attention call: q, k, v of this rank's tokens go to the
-ring or all-gather driver of strategies/context_parallel.py, which attends over every rank's keys under the
-causal mask of global positions (only the key/value heads travel), and back. The drivers' block math is
-flash-style (online softmax, row log-sum-exp kept, no T x T probabilities), so it serves the standard and
-the flash path alike; the model's local core is not called. Rotary tables are read at the global positions.
-
-ContextSeq (ctx.seq) wraps the seq part the layout has otherwise (one rank's, plain tp's or sequence
-parallel's): a position table (gpt's wpe) is read, and its gradient scattered, at the global positions of
-this rank's tokens; everything else is the inner part's.
+part of every sequence (nn/context_split.py), T / cp tokens at known global positions. ContextAttention
+(ctx.attn) replaces a model's attention call; ContextSeq (ctx.seq) reads position tables at global positions.
 """
 from __future__ import annotations
 
@@ -39,6 +30,11 @@ def _qkv_heads(qkv, H):
     return [v[:, :, :, i].transpose(0, 2, 1, 3) for i in range(3)]
 
 
+# ContextAttention (ctx.attn) replaces a model's whole attention call: q, k, v of this rank's tokens go to the
+# ring or all-gather driver of strategies/context_parallel.py, which attends over every rank's keys under the
+# causal mask of global positions (only the key/value heads travel), and back. The drivers' block math is
+# flash-style (online softmax, row log-sum-exp kept, no T x T probabilities), so it serves the standard and
+# the flash path alike; the model's local core is not called. Rotary tables are read at the global positions.
 class ContextAttention(LocalAttn):
     """ctx.attn under context parallelism: comm the cp communicator, how ("ring" or "allgather"), T the whole
     sequence length; this rank holds the tokens at head_tail_positions(T, cp, comm.rank)."""
@@ -94,6 +90,9 @@ class ContextAttention(LocalAttn):
         return dqkv
 
 
+# ContextSeq (ctx.seq) wraps the seq part the layout has otherwise (one rank's, plain tp's or sequence
+# parallel's): a position table (gpt's wpe) is read, and its gradient scattered, at the global positions of
+# this rank's tokens; everything else is the inner part's.
 class ContextSeq(LocalSeq):
     """ctx.seq under context parallelism: `inner` the seq part the layout has besides (its positions count
     within this rank's T / cp tokens, e.g. a sequence-parallel piece of them), `positions` this rank's global

@@ -1,8 +1,6 @@
 """Context parallelism's attention over the cp communicator, in its two ways (context_parallel.comm): the
 ring passes each rank's keys and values to the next rank while the current block is attended, and the
-all-gather collects every key once and reduce-scatters dk, dv back. The block math is
-nn/ring_attention.py; the communicator is anything with the CPComm methods (dist.comm.Comm, or a local
-stand-in in the unit tests). Every rank's block has the same shape (the head-tail split's T / cp).
+all-gather collects every key once and reduce-scatters dk, dv back. The block math is nn/ring_attention.py.
 """
 from __future__ import annotations
 
@@ -28,6 +26,8 @@ TAG_KV, TAG_POS, TAG_DKV = 30001, 30002, 30003
 RING_CHANNELS = (TAG_KV, TAG_DKV)
 
 
+# The communicator is anything with the CPComm methods (dist.comm.Comm, or a local
+# stand-in in the unit tests). Every rank's block has the same shape (the head-tail split's T / cp).
 class CPComm(Protocol):
     """What the drivers use of a communicator (dist.comm.Comm has it all)."""
     rank: int

@@ -1,9 +1,5 @@
 """Data parallel: full replicas; gradients summed across the dp group in buckets whose non-blocking
 allreduce starts as soon as backward has finished every block in the bucket.
-
-The loss is normalised by the global token count, so the sum over replicas is already the mean
-gradient of the global batch (the seed's "sum divided by n" with the 1/n folded into the loss). Packed
-bfloat16 gradients are summed as float32 wire copies of each bucket, packed back when their sum completes.
 """
 from __future__ import annotations
 
@@ -54,6 +50,9 @@ def segments(r: Range, experts, dp, ep_dp) -> list:
     return out
 
 
+# The loss is normalised by the global token count, so the sum over replicas is already the mean
+# gradient of the global batch (the seed's "sum divided by n" with the 1/n folded into the loss). Packed
+# bfloat16 gradients are summed as float32 wire copies of each bucket, packed back when their sum completes.
 class DataParallelSync(LocalSync):
     def __init__(self, stage, backend, dp_comm, bucket_mb: float, ep_dp=None):
         super().__init__(stage, backend)

@@ -1,12 +1,6 @@
 """Expert parallel: the context part (models/context.py LocalEP) that sends each routed row to the rank holding
 its expert and the expert's output back, over the `ep` communicator (experts split into ep equal blocks of
 consecutive experts, folded inside the data-parallel ranks: Mesh.fold).
-
-A rank hands over its rows sorted by expert (nn/moe.moe_permute), so the rows for rank d's experts are one
-consecutive block; the counts per (source, local expert) go first (a small all-to-all), then the rows
-(MPI_Alltoallv). A rank receives its rows by source, each source's by local expert, and regroups them by
-local expert, source after source: expert e's GEMM meets the rows of the ep ranks' sequences in rank
-order, which is the order of the global batch. The way back undoes both steps.
 """
 from __future__ import annotations
 
@@ -15,6 +9,11 @@ import numpy as np
 from hpengine.models.context import LocalEP
 
 
+# A rank hands over its rows sorted by expert (nn/moe.moe_permute), so the rows for rank d's experts are one
+# consecutive block; the counts per (source, local expert) go first (a small all-to-all), then the rows
+# (MPI_Alltoallv). A rank receives its rows by source, each source's by local expert, and regroups them by
+# local expert, source after source: expert e's GEMM meets the rows of the ep ranks' sequences in rank
+# order, which is the order of the global batch. The way back undoes both steps.
 class ExpertParallel(LocalEP):
     def __init__(self, comm, xp):
         self.comm, self.xp = comm, xp

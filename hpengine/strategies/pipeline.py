@@ -1,14 +1,6 @@
 """Pipeline parallel: the executor that walks this rank's schedule (schedules.py), moving activations
 forward and their gradients backward with Isend/Irecv tagged by (micro-batch, virtual stage, direction).
 Which blocks each stage holds is decided in resolve.py (split_blocks).
-
-Sends are non-blocking and receives complete in schedule order, so a schedule that simulates without
-deadlock (tests/unit/test_schedules.py, test_zero_bubble.py) runs without one here. Each (global chunk
-received, direction) is one channel of the pp communicator (NCCL's under runtime.collectives = "nccl",
-which matches by issue order): in every schedule both ends take its micro-batches in the same order
-(tests/unit/test_pipeline_channels.py). A zero-bubble schedule splits each backward: B hands the executor
-the chunk's weight-gradient work, W runs it later. Under ZB-V the two chunks that meet on the last rank pass
-activations and gradients to each other in memory.
 """
 from __future__ import annotations
 
@@ -24,6 +16,13 @@ from hpengine.layout.schedules import Action, make_schedule, placement, splits_b
 FWD, BWD = 0, 1
 
 
+# Sends are non-blocking and receives complete in schedule order, so a schedule that simulates without
+# deadlock (tests/unit/test_schedules.py, test_zero_bubble.py) runs without one here. Each (global chunk
+# received, direction) is one channel of the pp communicator (NCCL's under runtime.collectives = "nccl",
+# which matches by issue order): in every schedule both ends take its micro-batches in the same order
+# (tests/unit/test_pipeline_channels.py). A zero-bubble schedule splits each backward: B hands the executor
+# the chunk's weight-gradient work, W runs it later. Under ZB-V the two chunks that meet on the last rank pass
+# activations and gradients to each other in memory.
 class PipelineExecutor:
     """Walks this rank's schedule for one pass (a share of the batch split into micro-batches) of one
     model. It is handed the forward and backward of a chunk as callables, never the engine:

@@ -1,15 +1,6 @@
 """Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models"): between the tensor-parallel regions each tp rank holds 1/t of every sequence, so the norms,
 residuals and what they cache are split t ways instead of repeated on every rank.
-
-Two parts of the context change. The tp part (SequenceParallel) keeps the pairs' names: copy_to_tp (a
-region's entry) all-gathers the sequence forward and reduce-scatters back; reduce_from_tp (its exit)
-reduce-scatters forward and all-gathers back. The seq part (SequenceSplit) names this rank's positions,
-keeps only this rank's piece of a region-entry linear's input (stash_inputs; gathered again in backward,
-as Megatron does) and sums over tp, once a step, the gradients of the tensors every tp rank holds whole
-(norm weights, biases after a reduce, the position table), which now see only this rank's positions.
-
-Activations are (B, T, C) arrays; the sequence is axis 1, cut into t contiguous pieces in rank order.
 """
 from __future__ import annotations
 
@@ -19,6 +10,7 @@ from hpengine.nn.linear import linear_drop_input, linear_restore_input
 from hpengine.strategies.tensor_parallel import TensorParallel, TensorParallelSeq
 
 
+# Activations are (B, T, C) arrays; the sequence is axis 1, cut into t contiguous pieces in rank order.
 def gather_sequence(comm, x):
     """(B, T/t, C) on each rank of comm -> (B, T, C) everywhere."""
     B, n, C = x.shape
@@ -34,6 +26,9 @@ def scatter_sum_sequence(comm, x):
     return comm.reduce_scatter(pieces, out)
 
 
+# Two parts of the context change. The tp part (SequenceParallel) keeps the pairs' names: copy_to_tp (a
+# region's entry) all-gathers the sequence forward and reduce-scatters back; reduce_from_tp (its exit)
+# reduce-scatters forward and all-gathers back.
 class SequenceParallel(TensorParallel):
     """The tp part under sequence parallelism: TensorParallel whose pairs gather and scatter the sequence."""
 
@@ -50,6 +45,10 @@ class SequenceParallel(TensorParallel):
         return gather_sequence(self.comm, dx)
 
 
+# The seq part (SequenceSplit) names this rank's positions,
+# keeps only this rank's piece of a region-entry linear's input (stash_inputs; gathered again in backward,
+# as Megatron does) and sums over tp, once a step, the gradients of the tensors every tp rank holds whole
+# (norm weights, biases after a reduce, the position table), which now see only this rank's positions.
 class SequenceSplit(TensorParallelSeq):
     """The seq part under sequence parallelism: this tp rank holds piece `comm.rank` of `comm.size` of
     every sequence (comm: the tp communicator, which the gathers of stashed inputs and the once-a-step sum of

@@ -1,13 +1,6 @@
-"""Sharding (ZeRO stages 1-3) over the element-count partition of CN115114927A.
-
-The stage's flat buffer is cut into one Range per sharding rank ("tensor": whole tensors, balanced by
-element count; "flat": equal ranges). Each finished block's gradient is reduced straight to the owners
-of its parts; an owner then averages across dp, runs the optimizer on its range and shares the result.
-Stage 1 keeps full gradients and parameters, stage 2 only the owned gradient, stage 3 only the owned
-parameters too (a block's parameters are gathered just in time, the next block's prefetched). Under packed
-bfloat16 storage the parameters held and gathered are bfloat16 bits (uint16): the all-gathers move 2 bytes a
-parameter; packed bfloat16 gradients (the full buffer, the per-block temporaries at rest between passes, the
-owned shard) are bits too, reduced through float32 wire copies.
+"""Sharding (ZeRO stages 1-3) over the element-count partition of CN115114927A: each sharding rank owns
+one Range of the stage's flat buffer, gets its gradient reduced to it, runs the optimizer on it and shares
+the result; stage 2 keeps only the owned gradient, stage 3 only the owned parameters too.
 """
 from __future__ import annotations
 
@@ -25,6 +18,14 @@ from hpengine.strategies.base import LocalSync, Merged, Wires
 from hpengine.strategies.data_parallel import segments
 
 
+# The stage's flat buffer is cut into one Range per sharding rank ("tensor": whole tensors, balanced by
+# element count; "flat": equal ranges). Each finished block's gradient is reduced straight to the owners
+# of its parts; an owner then averages across dp, runs the optimizer on its range and shares the result.
+# Stage 1 keeps full gradients and parameters, stage 2 only the owned gradient, stage 3 only the owned
+# parameters too (a block's parameters are gathered just in time, the next block's prefetched). Under packed
+# bfloat16 storage the parameters held and gathered are bfloat16 bits (uint16): the all-gathers move 2 bytes a
+# parameter; packed bfloat16 gradients (the full buffer, the per-block temporaries at rest between passes, the
+# owned shard) are bits too, reduced through float32 wire copies.
 class ShardedSync(LocalSync):
     def __init__(self, desc, backend, sh_comm, dp_comm, stage: int, mode: str, ep_dp=None):
         lay = desc.layout

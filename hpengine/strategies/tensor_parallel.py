@@ -1,9 +1,5 @@
 """Tensor parallel (Megatron 2019/2021): the conjugate communication pairs a block is handed, and the
 vocabulary-parallel cross-entropy that never gathers the full logits.
-
-copy_to_tp is the identity forward and an allreduce backward; reduce_from_tp the reverse. A column-split
-linear sits after copy_to_tp, a row-split linear before reduce_from_tp, so per layer and micro-batch the
-forward costs two allreduces of B·T·C values and the backward two more.
 """
 from __future__ import annotations
 
@@ -14,6 +10,9 @@ from hpengine.models import LocalTP
 from hpengine.models.context import LocalSeq
 
 
+# copy_to_tp is the identity forward and an allreduce backward; reduce_from_tp the reverse. A column-split
+# linear sits after copy_to_tp, a row-split linear before reduce_from_tp, so per layer and micro-batch the
+# forward costs two allreduces of B·T·C values and the backward two more.
 class TensorParallel(LocalTP):
     """The tp part of a context (models/context.py) on tp rank `comm.rank` of `comm.size`; `vocab` is the
     unpadded vocabulary size. The identity halves of the pairs stay LocalTP's."""

@@ -53,3 +53,27 @@ def test_every_subpackage_says_what_it_owns():
     for init in sorted(PKG.glob("*/__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and 2 <= len(doc.splitlines()) <= 5, f"{init}: a 2-5 line docstring naming what it owns"
+
+
+def _module_docstring_lines(path: Path) -> int:
+    """Lines from the opening to the closing quotes of the module docstring, inclusive; 0 when there is none."""
+    body = ast.parse(path.read_text()).body
+    first = body[0] if body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        return first.end_lineno - first.lineno + 1
+    return 0
+
+
+def test_every_module_docstring_is_two_to_five_lines():
+    """A module docstring says what the file owns; longer reasoning lives next to the code it explains."""
+    bad = [f"{p.relative_to(PKG.parent)}: {n} lines" for p in sorted(PKG.rglob("*.py"))
+           if not 2 <= (n := _module_docstring_lines(p)) <= 5]
+    assert not bad, "module docstrings must be 2-5 lines:\n" + "\n".join(bad)
+
+
+def test_the_docstring_count_includes_the_quote_lines(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('"""One.\nTwo.\n"""\nx = 1\n')
+    assert _module_docstring_lines(f) == 3
+    f.write_text("x = 1\n")
+    assert _module_docstring_lines(f) == 0
