@@ -62,7 +62,8 @@ def _fp_quiet():
 
 # The run folder keeps the data's tokenizer as tokenizer.json: the Hugging Face tokenizer.json text the token
 # files carry (its sha256 is the tokenizer_sha256 that summary.json and every checkpoint record), or
-# {"hpengine": "bytes"} for byte-level files (ids 0-255 are the bytes); none for files that record no tokenizer.
+# {"hpengine": "bytes"} for byte-level files (ids 0-255 are the bytes); none for files that record no tokenizer
+# (version 1).
 def train(cfg, world=None, resume=None) -> dict:
     """Run optimizer steps up to cfg.train.steps (from a checkpoint's step when resuming); returns the
     final summary (same on every rank). The run folder is locked for the whole run."""
