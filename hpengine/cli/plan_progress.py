@@ -8,11 +8,11 @@ import time
 
 from tqdm import tqdm
 
-from hpengine.planner.prune import Progress
+from hpengine.planner.prune import SearchProgress
 
 
-class PlanProgress(Progress):
-    """The search's Progress drawn with tqdm; `summary()` is the line a redirected stderr gets instead."""
+class PlanProgress(SearchProgress):
+    """The search's SearchProgress drawn with tqdm; `summary()` is the line a redirected stderr gets instead."""
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stderr

@@ -91,7 +91,7 @@ def _leaves(fixed: dict, split: tuple, head: tuple, tail: tuple):
             yield head + (hi, zi) + tail, _leaf(fixed, sh, zstage)
 
 
-class Progress:
+class SearchProgress:
     """What the search reports as it goes (the command line draws it): layouts searched and pruned so far."""
     def start(self, total: int) -> None:
         pass
@@ -100,7 +100,7 @@ class Progress:
         pass
 
 
-def branch_and_bound(cfg, cluster, max_rows: int, top: int, progress: Progress | None = None,
+def branch_and_bound(cfg, cluster, max_rows: int, top: int, progress: SearchProgress | None = None,
                      where=None) -> tuple:
     """(layouts that fit, ranked as search ranks them, the first `top` equal to the exhaustive search's; how many
     were evaluated; how many were pruned unevaluated; the smallest layout when none fits).
@@ -110,7 +110,7 @@ def branch_and_bound(cfg, cluster, max_rows: int, top: int, progress: Progress |
     and a time floor of it exceeds the top-th one's step time by more than SLACK (each of its layouts ranks after
     those `top`; a later layout that fits only lowers that bar). Families are visited from the lowest quick
     time floor up, so once that floor is over the bar, so are all after it."""
-    progress = progress or Progress()
+    progress = progress or SearchProgress()
     usable, ids = cluster.usable_gb * GB, lambda lay: (0, 1, lay.pp - 1)
     fams = []
     for fam in families(cfg, cluster, max_rows, where):

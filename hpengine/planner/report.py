@@ -47,7 +47,7 @@ def _unit(largest: float, units) -> tuple:
     return units[-1]
 
 
-def precision_of(lay: Resolved, dtype: str) -> str:
+def row_precision(lay: Resolved, dtype: str) -> str:
     """A row's compute precision: fp16 / bf16 under amp (float32 master weights), else the model's dtype."""
     if lay.amp:
         return "bf16" if lay.amp == "bfloat16" else "fp16"
@@ -59,7 +59,7 @@ def _cells(lay: Resolved, i: int, dtype: str, cols) -> list[str]:
     value = {"#": i, "tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "sh": lay.sh,
              "st": lay.zstage or "-", "sched": sched, "m": lay.m, "k": lay.k, "mb": lay.rows,
              "sp": "y" if lay.sp else "-",
-             "rc": lay.granularity[0] if lay.recompute else "-", "amp": precision_of(lay, dtype)}
+             "rc": lay.granularity[0] if lay.recompute else "-", "amp": row_precision(lay, dtype)}
     return [f"{value[c]:>{w}}" for c, w, _ in cols]
 
 
@@ -89,7 +89,7 @@ def table(results: list[dict], top: int, wide: bool = False, dtype: str = "float
 def legend(cols, wide: bool, dtype: str) -> list[str]:
     """What the table's abbreviations mean, wrapped under 120 columns."""
     items = [f"{c} {what}" for c, _, what in cols[1:]]
-    plain = precision_of(Resolved(1, 1, 1, 1, 0, "tensor", 1, 1, 1, "fthenb", "uniform", 0, "", (), 1), dtype)
+    plain = row_precision(Resolved(1, 1, 1, 1, 0, "tensor", 1, 1, 1, "fthenb", "uniform", 0, "", (), 1), dtype)
     items[-1] += f" (fp16/bf16: amp, float32 master weights; {plain}: model.dtype)"
     items += [("params, grads, optim(izer), act(ivations), buf(fers), total: memory" if wide else "GB memory")
               + " per device, the worst pipeline stage" + ("" if wide else " (--wide: by part)"),

@@ -60,7 +60,7 @@ def search(cfg: Config, cluster: Cluster, max_rows: int = 8, top: int | None = N
 
 def searched(cfg: Config, cluster: Cluster, max_rows: int = 8, top: int | None = None, progress=None,
              where=None) -> tuple[list[dict], int, int]:
-    """search's ranking with (layouts evaluated, layouts pruned unevaluated); progress: a prune.Progress;
+    """search's ranking with (layouts evaluated, layouts pruned unevaluated); progress: a prune.SearchProgress;
     where(tp, cp, pp): only those prefixes (branch and bound only)."""
     if top is not None:
         fit, n, pruned, smallest = prune.branch_and_bound(cfg, cluster, max_rows, top, progress, where)
@@ -228,7 +228,7 @@ def _wrap(line: str) -> list[str]:
 
 def run(a, progress=None) -> str:
     """The `hpengine plan` command (arguments from cli/commands.py); returns the text to print. progress: a
-    prune.Progress the search reports to."""
+    prune.SearchProgress the search reports to."""
     check_args(a)
     if a.calibrate:
         return calibrate_device(a.gpus_per_node, getattr(a, "device", "auto"))
