@@ -151,7 +151,7 @@ def write_trace(eng, tr: Tracer, path: Path) -> None:
 def model_flops(eng) -> tuple[float, str]:
     """Training FLOPs of one optimizer step (all models) and the formula used."""
     mc, tr = eng.cfg.model, eng.cfg.train
-    moe = getattr(eng.slots[0].model, "moe", None)
+    moe = eng.slots[0].model.moe
     # a routed expert's weights multiply only the top_k / num_experts of the tokens that choose it
     active = (lambda name: moe.k / moe.E if ".moe.experts." in name else 1.0) if moe else (lambda name: 1.0)
     psi = sum(int(_prod(sp.true_shape or sp.global_shape)) * active(sp.name) for sp in reference_order_specs(eng.slots))
