@@ -19,15 +19,16 @@ from hpengine.engine import state
 from hpengine.models.moe_bias import RouterBias
 from hpengine.models.moe_figures import MoEFigures
 from hpengine.layout.cache import Recompute, cache_nbytes
-from hpengine.layout.reduction import norm_excluded, reductions, summed_over, tied_sums
+from hpengine.layout.reduction import reductions, summed_over, tied_sums
 from hpengine.layout.stage import build_stage
 from hpengine.nn import run_all
 from hpengine.nn.context_split import split_sequence
-from hpengine.optim import clip_coefficient, lr_at, make_optimizer, optimizer_kind, sum_of_squares
+from hpengine.optim import clip_coefficient, lr_at, make_optimizer, optimizer_kind
 from hpengine.params.init import init_range
 from hpengine.strategies import make_grad_sync
 from hpengine.strategies.amp import Precision
 from hpengine.strategies.context import make_context
+from hpengine.strategies.norm import GlobalNorm
 from hpengine.strategies.pipeline import PipelineExecutor
 
 log = logging.getLogger("hpengine")
@@ -83,15 +84,12 @@ class Engine:
         # per tensor: the sums that make its gradient whole and whether it counts in the norm here
         self.reductions = reductions(self.stage, self.tp.rank, res.sp, res.cp > 1)
         self.tied = tied_sums(self.reductions, self.stage)
-        self.norm_exclude = [self.layout.ranges[n] for n in norm_excluded(self.reductions)]
+        self.norm = GlobalNorm(self.layout, self.reductions, self.sync.owned, mesh.comms, self.xp, res.sh > 1)
         own = self.sync.owned
         self.replicated = [(c.start - own.start, c.stop - own.start) for c in
                            (own.intersect(self.layout.ranges[n]) for n in summed_over(self.reductions, "tp"))
                            if c is not None]
         self.opts = [self._optimizer(s) for s in self.slots]
-        # expert blocks split over ep (data parallel owns the whole buffer: ranges are flat offsets)
-        self.experts = [self.layout.ranges[sp.name] for sp in self.layout.specs
-                        if sp.ep_dim is not None and res.ep > 1]
         self.share = res.share
         self.cache_bytes = self.cache_peak = 0
         self.layer_loss, self._norm = 0.0, 1.0
@@ -250,7 +248,7 @@ class Engine:
                 raise NonFiniteError(f"step {step + 1}: {collapsed}")
             self.sync.share_params()
             return self._metrics(step, t0, self._losses(losses), [float("inf")] * len(self.slots), 0.0, skipped=True)
-        norms = self._global_norms(g)
+        norms = self.norm.norms(g, self.slots)
         if not np.isfinite(norms).all():      # the same reduced values on every rank: a collective decision
             self._report_non_finite(step, losses, g)
         lr_scale = self._update(g, norms, step)
@@ -298,17 +296,6 @@ class Engine:
         self.ctx.seq.sum_replicated_(g, self.replicated)
         return self.precision.ready_grad(self.xp, g, lambda ok: self.world.allreduce_obj(ok, op=MPI.LAND))
 
-    def _global_norms(self, g) -> list[float]:
-        """Gradient norm of every model, each parameter counted once whatever the layout."""
-        own = self.sync.owned
-        sq = [self._sumsq(g, own.intersect(s.range)) for s in self.slots]
-        if self.experts:        # each ep rank holds other experts: their squares are summed over ep
-            ex = [sum(self._sumsq(g, own.intersect(r)) for r in self.experts if s.range.start <= r.start
-                      < s.range.stop) for s in self.slots]
-            sq = [a - b + c for a, b, c in zip(sq, ex, self.mesh.comms["ep"].allreduce_(np.array(ex, dtype=np.float64)))]
-        sq = self.pp.allreduce_(np.array(self.sync.norm_allreduce(sq)))
-        return [float(np.sqrt(v)) for v in self.mesh.comms["tp"].allreduce_(sq)]
-
     def _update(self, g, norms, step: int) -> float:
         """The clipped optimizer step on the owned range of every model (on the float32 masters under amp);
         returns the schedule's factor."""
@@ -353,8 +340,7 @@ class Engine:
         A rank saw it where its loss share, its gradient or its gradient's squares are not finite (finite
         float64 gradients beyond 1e154 square to inf); when every share is finite and only their sum
         overflowed, the ranks with the largest share are named."""
-        own = self.sync.owned
-        squares = float(sum(self._sumsq(g, own.intersect(s.range)) for s in self.slots))
+        squares = self.norm.here(g, self.slots)
         bad = not (np.isfinite(losses).all() and bool(self.xp.isfinite(g).all()) and np.isfinite(squares))
         seen = self.world.allgather_obj((bad, squares))
         ranks = [r for r, (b, _) in enumerate(seen) if b]
@@ -375,18 +361,6 @@ class Engine:
                 x, y = self._rows("val", i, s.seed)
                 totals[s.index] += self.forward_backward(s, x, y, norm, grad=False)
         return self._losses(totals)
-
-    def _sumsq(self, g, r):
-        """Squared norm of the owned gradient in r, counting excluded ranges (copies, tp replicas) zero times."""
-        if r is None:
-            return 0.0
-        own = self.sync.owned
-        total = sum_of_squares(self.xp, g[r.start - own.start:r.stop - own.start])
-        for ex in self.norm_exclude:
-            cut = ex.intersect(r)
-            if cut is not None:
-                total -= sum_of_squares(self.xp, g[cut.start - own.start:cut.stop - own.start])
-        return total
 
     # --- state and accounting -------------------------------------------------------------------
     def named_params(self) -> dict:

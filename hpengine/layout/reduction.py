@@ -17,6 +17,7 @@ class Reduction:
     sum_over: tuple            # communicator names
     copy: bool                 # this rank's is a copy of another stage's tensor
     counted: bool              # whether this rank adds it to the global norm
+    norm_over: tuple = ()      # communicators its square is summed over beyond the owners' ("ep": other experts)
 
 
 # The rules, from where copies of a tensor live:
@@ -28,19 +29,30 @@ class Reduction:
 #   each tp rank saw only its positions, so its gradient is also summed over "tp";
 # - a whole tensor applied to each head separately (ParamSpec.tp_partial: the q/k norms) saw only this tp
 #   rank's heads, with or without sequence parallelism: summed over "tp" (once, also under sequence parallelism,
-#   where its heads' rows are every position).
+#   where its heads' rows are every position);
+# - an expert tensor split over expert-parallel ranks (ParamSpec.ep_dim): each ep rank holds other experts, so
+#   its gradient is summed over that block's replicas only ("ep-dp" in place of "dp"), and its square over "ep"
+#   in the global norm.
 def reductions(stage, tp_rank: int, sequence_parallel: bool, context_parallel: bool = False) -> tuple[Reduction, ...]:
     """The Reduction of every tensor of `stage` (layout/stage.Stage), in layout order."""
     tied_in = {t: b for b, t in stage.tied.items()}
-    replicas = REPLICAS + (("cp",) if context_parallel else ())
+    cp = ("cp",) if context_parallel else ()
+    split = set(stage.layout.expert_tensors)
     out = []
     for b in stage.blocks:
         for sp in stage.block_specs[b]:
-            whole, copy = sp.tp_dim is None, sp.name in stage.copies
+            whole, copy, expert = sp.tp_dim is None, sp.name in stage.copies, sp.name in split
             partial = whole and (sequence_parallel or sp.tp_partial)
+            replicas = (("ep-dp", "sharding") if expert else REPLICAS) + cp
             over = (("tied",) if sp.name in tied_in else ()) + replicas + (("tp",) if partial else ())
-            out.append(Reduction(sp.name, tied_in.get(sp.name, b), over, copy, not copy and not (whole and tp_rank > 0)))
+            out.append(Reduction(sp.name, tied_in.get(sp.name, b), over, copy, not copy and not (whole and tp_rank > 0),
+                                 ("ep",) if expert else ()))
     return tuple(out)
+
+
+def expert_sums(reds) -> list[str]:
+    """Tensors whose squares are summed over expert-parallel ranks in the global norm, in layout order."""
+    return [r.tensor for r in reds if "ep" in r.norm_over]
 
 
 def tied_sums(reds, stage) -> list[Reduction]:

@@ -93,6 +93,14 @@ class Layout:
     def names(self) -> list[str]:
         return [s.name for s in self.specs]
 
+    @property
+    def expert_tensors(self) -> list[str]:
+        """The tensors split over expert-parallel ranks (each rank holds other experts); none on one."""
+        return [s.name for s in self.specs if s.ep_dim is not None and self.ep_size > 1]
+
+    def expert_ranges(self) -> list[Range]:
+        return [self.ranges[n] for n in self.expert_tensors]
+
     def tensors_in(self, r: Range):
         """(name, part of the flat range, offset inside the tensor) for every tensor meeting r."""
         for name in self.names:

@@ -61,7 +61,7 @@ class DataParallelSync(LocalSync):
         self.buckets = make_buckets(stage.done_order, stage.block_ranges, cap, self.dtype.itemsize)
         self.bucket_of = {b: i for i, (_, bs) in enumerate(self.buckets) for b in bs}
         lay = stage.layout
-        experts = [lay.ranges[sp.name] for sp in lay.specs if sp.ep_dim is not None and lay.ep_size > 1]
+        experts = lay.expert_ranges()
         self.ep_dp = ep_dp
         self.pieces = [segments(r, experts, dp_comm, ep_dp) for r, _ in self.buckets]
         self.reqs, self.remaining = [], {}

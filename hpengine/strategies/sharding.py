@@ -35,7 +35,7 @@ class ShardedSync(LocalSync):
         self.owned = own = self.ranges[sh_comm.rank]
         # the owned range's pieces and the replicas each is averaged over: expert blocks split over ep (a
         # sharding group holds one ep rank's experts) over their replicas only, everything else over dp
-        experts = [lay.ranges[sp.name] for sp in lay.specs if sp.ep_dim is not None and lay.ep_size > 1]
+        experts = lay.expert_ranges()
         self.pieces = [(Range(r.start - own.start, r.stop - own.start), c)
                        for r, c in segments(own, experts, dp_comm, ep_dp) if c.size > 1]
         self.imbalance = imbalance(self.ranges)
@@ -165,9 +165,6 @@ class ShardedSync(LocalSync):
         self.wait_s += time.perf_counter() - t0
         self.sync_s += time.perf_counter() - t0
         return g
-
-    def norm_allreduce(self, sq):
-        return list(self.sh.allreduce_(np.array(sq, dtype=np.float64)))
 
     def loss_allreduce(self, losses):
         v = self.sh.allreduce_(np.array(losses, dtype=np.float64))

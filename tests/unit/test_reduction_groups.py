@@ -44,3 +44,22 @@ def test_norm_excludes_copies_then_tp_replicas_in_layout_order():
     ex = norm_excluded(r.values())
     assert ex[0] == "wte" and set(ex[1:]) == {n for n, x in r.items() if x.sum_over[-1] == "tp"}
     assert ex[1:] == [sp.name for sp in st.layout.specs if sp.tp_dim is None]
+
+
+MOE = ["model.kind=llama", "model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.seq_len=8",
+       "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.dense_layers=1", "train.global_batch=8",
+       "strategy.data_parallel.enable=true", "strategy.expert_parallel.enable=true"]
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_experts_split_over_ep_sum_over_their_replicas_and_over_ep_in_the_norm(ep):
+    cfg = load_config(None, MOE + [f"strategy.expert_parallel.degree={ep}"])
+    st = build_stage(cfg.model, resolve(cfg, 2), 0, 0, ep_rank=1 % ep)
+    r = {x.tensor: x for x in reductions(st, 0, False)}
+    experts = ["h.1.moe.experts.gate.w", "h.1.moe.experts.up.w", "h.1.moe.experts.down.w"]
+    for name in experts:      # the router and every dense tensor are held whole by every ep rank
+        assert r[name].sum_over == (("ep-dp", "sharding") if ep > 1 else REPLICAS)
+        assert r[name].norm_over == (("ep",) if ep > 1 else ()) and r[name].counted
+    assert [t for t, x in r.items() if x.norm_over] == (experts if ep > 1 else [])
+    assert r["h.1.moe.router.w"].sum_over == REPLICAS and r["h.1.moe.router.w"].norm_over == ()
+    assert st.layout.expert_ranges() == ([st.layout.ranges[n] for n in experts] if ep > 1 else [])
