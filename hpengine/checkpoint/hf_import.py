@@ -5,7 +5,6 @@ tensors from DIR's untrusted safetensors, each checked before it is mapped and r
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 from pathlib import Path

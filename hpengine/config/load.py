@@ -209,8 +209,21 @@ def _unknown(dotted: str, names: list[str]) -> str:
 
 # No MPI here:
 # :func:`validate` runs before any communicator exists, and every error names the dotted key.
+def ensure_valid(cfg: Config) -> None:
+    """validate(cfg) unless it passed validate with these very values (a loaded config is checked once, a
+    config changed since is checked again)."""
+    if cfg.valid_as is None or cfg.valid_as != repr(dataclasses.asdict(cfg)):
+        validate(cfg)
+
+
 def validate(cfg: Config) -> None:
     """Check types (ints widen to float in float fields, in place) and values; raise on the first error."""
+    cfg.valid_as = None
+    _check(cfg)
+    cfg.valid_as = repr(dataclasses.asdict(cfg))
+
+
+def _check(cfg: Config) -> None:
     _validate_section(cfg, Config, "")
     _validate_model(cfg.model)
     t = cfg.train

@@ -430,8 +430,9 @@ class MeshConfig:
 @dataclass
 class Config:
     """A whole training job. `given` (not a key) is set by load_config: the dotted keys the config file and
-    --set gave, None for a Config built in code."""
+    --set gave, None for a Config built in code; `valid_as` (not a key): the values validate last passed."""
     given = None
+    valid_as = None
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -10,7 +10,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from hpengine.config.load import MESH_AXES, ConfigError, mesh_order, model_from_key, model_key, validate
+from hpengine.config.load import MESH_AXES, ConfigError, ensure_valid, mesh_order, model_from_key, model_key
 from hpengine.layout.schedules import chunks_per_stage, placement, schedule
 from hpengine.models import KINDS, build_model, capabilities
 from hpengine.nn.context_split import check_split
@@ -203,7 +203,7 @@ def requested_degrees(cfg) -> dict:
 def resolve(cfg, world: int) -> Resolved:
     """The layout of cfg on `world` ranks; raises LayoutError (or the topology's/pipeline's error) naming
     the offending values. Everything here is decided identically on every rank."""
-    validate(cfg)
+    ensure_valid(cfg)
     s = cfg.strategy
     d = resolve_degrees(world, requested_degrees(cfg))
     pc, gm, rc = s.pipeline, s.gradient_merge, s.recompute

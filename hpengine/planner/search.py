@@ -1,12 +1,11 @@
 """`hpengine plan`: rank the legal layouts of a model on a cluster (planner/space.py) by predicted step time
 among those whose predicted memory fits, by branch and bound (planner/prune.py) or exhaustively, print the table
 (planner/report.py) and write the best as a config; `--check` predicts one config; `--calibrate` measures this
-machine; and train.py calls check_at_start to log the prediction for the job it runs.
+machine; and a job's start-up makes its one prediction here (predict_at_start) and logs it.
 """
 from __future__ import annotations
 
 import copy
-import math
 import os
 import textwrap
 import time
@@ -23,7 +22,6 @@ from hpengine.config.load import (
 )
 from hpengine.files import write_file
 from hpengine.layout.resolve import SWITCH_OF_AXIS, Resolved, resolve
-from hpengine.models import build_model
 from hpengine.planner import prune
 from hpengine.planner.calibrate import GB, calibrate_device
 from hpengine.planner.cluster import Cluster, PlanError, load_cluster  # noqa: F401 - Cluster and PlanError are part of plan's API
@@ -158,29 +156,43 @@ def write_best(cfg: Config, best: dict, path: str, cluster: Cluster) -> Config:
 
 # ---- at train start, calibration, command line ------------------------------------------------------
 
-def check_at_start(cfg: Config, world: int, log, rank: int = 0, gpu: bool | None = None) -> dict | None:
-    """Log the predicted per-rank memory (and step time with a cluster file in HPENGINE_CLUSTER);
-    warn when it exceeds the device memory (HPENGINE_DEVICE_MEMORY_GB or that file's mem_gb). gpu: whether
-    the job runs on a GPU backend (what amp.bf16_storage = "auto" follows), when known."""
+def predict_at_start(cfg: Config, res: Resolved) -> dict:
+    """The one prediction a job makes at start-up, for its layout decided for its backend (Resolved.on_device):
+    "memory" per rank (the memory check reads it) and, with a cluster file in HPENGINE_CLUSTER, the step
+    "time"; "limit": the device memory it is checked against, if known. memory None: none ("why")."""
     try:
         path, mem = os.environ.get("HPENGINE_CLUSTER"), os.environ.get("HPENGINE_DEVICE_MEMORY_GB")
         cluster = load_cluster(path) if path else None
         limit = float(mem) * GB if mem else (cluster.usable_gb * GB if cluster else None)
-        lay = resolve(cfg, world)
-        r = evaluate(cfg, lay if gpu is None else lay.on_device(gpu), cluster)
-    except (ConfigError, ValueError, OSError) as e:
-        log.warning("plan: no prediction for this job (%s)", e)
-        return None
+        r = evaluate(cfg, res, cluster)
+    except (ConfigError, ValueError, OSError, ArithmeticError) as e:
+        return {"memory": None, "why": str(e)}
+    return {**r, "limit": limit, "cluster_file": path}
+
+
+def log_prediction(r: dict, log, rank: int = 0) -> None:
+    """Log a start-up prediction (predict_at_start); warn when it exceeds the device memory."""
     m = r["memory"]
+    if m is None:
+        log.warning("plan: no prediction for this job (%s)", r["why"])
+        return
     log.info("plan: predicted memory per rank (pp stage %d): %s", r["stage"],
              ", ".join(f"{k} {_bytes(v)}" for k, v in m.items()))
-    if cluster is not None:
+    if "time" in r:
         log.info("plan: predicted step %.3g s (compute %.3g s, bubble %.3g s) on the cluster in %s",
-                 r["time"]["step"], r["time"]["compute"], r["time"]["bubble"], path)
-    if limit is not None and m["total"] > limit and rank == 0:
+                 r["time"]["step"], r["time"]["compute"], r["time"]["bubble"], r["cluster_file"])
+    if r["limit"] is not None and m["total"] > r["limit"] and rank == 0:
         log.warning("plan: predicted %s per rank exceeds the device memory of %s; try `hpengine plan`",
-                    _bytes(m["total"]), _bytes(limit))
-    return r
+                    _bytes(m["total"]), _bytes(r["limit"]))
+
+
+def check_at_start(cfg: Config, world: int, log, rank: int = 0, gpu: bool | None = None) -> dict | None:
+    """predict_at_start and log_prediction for cfg on `world` ranks; gpu: whether the job runs on a GPU backend
+    (what amp.bf16_storage = "auto" follows), when known."""
+    lay = resolve(cfg, world)
+    r = predict_at_start(cfg, lay if gpu is None else lay.on_device(gpu))
+    log_prediction(r, log, rank)
+    return r if r["memory"] is not None else None
 
 
 CLUSTER_FLAGS = ("nodes", "gpus_per_node", "mem_gb", "intra_bw_gbs", "inter_bw_gbs", "intra_latency_us",

@@ -22,6 +22,7 @@ from hpengine.dist.nccl import choose as choose_nccl
 from hpengine.dist.topology import Mesh, node_gather
 from hpengine.engine.engine import Engine
 from hpengine.layout.resolve import resolve
+from hpengine.planner import search as plan
 from hpengine.run import launch, memcheck, startguard
 
 log = logging.getLogger("hpengine")
@@ -125,11 +126,17 @@ def warn_split_groups(mesh, world) -> None:
                     axis, shown, more, d, axis)
 
 
-def build(cfg, world=None, with_data: bool = True, nccl_device=None):
+def build(cfg, world=None, with_data: bool = True, nccl_device=None) -> Engine:
+    """The engine of build_job (its start-up prediction dropped)."""
+    return build_job(cfg, world, with_data, nccl_device)[0]
+
+
+def build_job(cfg, world=None, with_data: bool = True, nccl_device=None) -> tuple[Engine, dict]:
     """Resolved layout, mesh, backend, dataset (unless with_data is False: the caller feeds the engine) and
     engine for this rank. Every check that needs no communicator (resolve) runs before the first
     collective; those that can differ by rank are agreed. nccl_device stands in for the backend's NCCL
-    adapter under runtime.collectives = "nccl" (the CPU tests' NumPy stand-in, dist/nccl.py)."""
+    adapter under runtime.collectives = "nccl" (the CPU tests' NumPy stand-in, dist/nccl.py). Returns the engine
+    and the job's start-up prediction (planner/search.predict_at_start: memory, step time with a cluster file)."""
     startguard.mpi_ready()          # a Ctrl-C during start-up: now MPI can abort every rank
     world = world or MPI.COMM_WORLD
     launch.check_world(world)
@@ -137,7 +144,8 @@ def build(cfg, world=None, with_data: bool = True, nccl_device=None):
     # asked once: the device, BLAS threads and memory check use these (with each node rank's bound cores)
     local, per_node, cores = node_gather(world, sorted(bound_cores()))
     backend = agreed_backend(cfg, world, local, per_node, cores)
-    limit = memcheck.check(cfg, res, world, backend, per_node=per_node)
+    prediction = plan.predict_at_start(cfg, res.on_device(backend.is_gpu))     # the job's one prediction
+    limit = memcheck.check(cfg, res, world, backend, prediction["memory"], per_node=per_node)
     if not backend.is_gpu:
         keep_heap()
     node = {"local_rank": local, "node_ranks": per_node, "blas_threads": blas_pool_size(),
@@ -150,7 +158,7 @@ def build(cfg, world=None, with_data: bool = True, nccl_device=None):
         mesh.fold("ep", res.ep, ("dp",), ("cp",) if res.cp > 1 else ())
     setup_logging(mesh)
     warn_split_groups(mesh, world)
-    return Engine(cfg, res, mesh, backend, build_dataset(cfg, world) if with_data else None)
+    return Engine(cfg, res, mesh, backend, build_dataset(cfg, world) if with_data else None), prediction
 
 
 def load_together(eng, reader, params_only: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""Refuse a job whose predicted memory per rank (the planner's model, planner/model.py) exceeds the memory
+"""Refuse a job whose predicted memory per rank (the planner's model, made once at start-up) exceeds the memory
 this rank can have, before anything large is allocated. The ranks agree, so every rank stops with the same
 line. `runtime.memory_check = false` skips it.
 """
@@ -9,7 +9,6 @@ import math
 from hpengine.config.load import ConfigError
 from hpengine.dist.agree import agree_or_raise
 from hpengine.dist.topology import node_ranks
-from hpengine.planner.model import evaluate as predict_layout
 from hpengine.optim import optimizer_kind
 
 
@@ -83,22 +82,16 @@ def remedies(mem: dict) -> str:
     return "; ".join(out)
 
 
-def predict(cfg, res) -> dict | None:
-    try:
-        return predict_layout(cfg, res, None)["memory"]
-    except (ConfigError, ValueError, ArithmeticError):
-        return None
-
-
-def check(cfg, res, world, backend, limit=None, per_node: int | None = None) -> tuple[int, str] | None:
-    """Raise MemoryCheckError on every rank when a rank's predicted memory exceeds its limit (collective);
-    returns this rank's limit (bytes, how it was found), None when unknown or the check is off. per_node:
-    the ranks on this node (topology.node_ranks, asked here when not given)."""
+def check(cfg, res, world, backend, mem: dict | None, limit=None, per_node: int | None = None) -> tuple[int, str] | None:
+    """Raise MemoryCheckError on every rank when a rank's predicted memory `mem` (the start-up prediction's,
+    planner/search.predict_at_start; None: no check) exceeds its limit (collective); returns this rank's limit
+    (bytes, how it was found), None when unknown or the check is off. per_node: the ranks on this node
+    (topology.node_ranks, asked here when not given)."""
     if not getattr(cfg.runtime, "memory_check", True):
         return None
     if per_node is None:
         _, per_node = node_ranks(world)
-    mem, lim = predict(cfg, res.on_device(backend.is_gpu)), None
+    lim = None
     extra = snapshot_bytes(cfg, res, mem) if mem is not None and not backend.is_gpu else 0   # GPU: host memory
     if extra:
         mem = {**{k: v for k, v in mem.items() if k != "total"}, "checkpoint snapshot": extra,

@@ -24,7 +24,7 @@ from hpengine.layout.schedules import bubble_fraction
 from hpengine.planner import search as plan
 from hpengine.run import faults, launch, progress, supervisor, tensorboard as tboard, trace
 from hpengine.run.build import (
-    build,
+    build_job,
     check_same_tokenizer,
     compute_dtype,
     data_meta,
@@ -68,15 +68,15 @@ def train(cfg, world=None, resume=None) -> dict:
     """Run optimizer steps up to cfg.train.steps (from a checkpoint's step when resuming); returns the
     final summary (same on every rank). The run folder is locked for the whole run."""
     world = world or MPI.COMM_WORLD
-    eng = build(cfg, world)
+    eng, prediction = build_job(cfg, world)
     lock = lock_run_dir(cfg, world)             # before anything reads or renames inside the folder
     try:
-        return _train(eng, cfg, world, resume)
+        return _train(eng, cfg, world, resume, prediction)
     finally:
         unlock_run_dir(lock)
 
 
-def _train(eng, cfg, world, resume) -> dict:
+def _train(eng, cfg, world, resume, prediction) -> dict:
     launched = launch.launch_record(world.Get_size(), eng.mesh.degrees)     # launch.json, summary.json
     note = launch.open_mpi_start_note(continue_command(cfg.train.out_dir, launched))
     if note:          # Ctrl-C to mpirun kills the ranks before anything can say how to go on: said up front
@@ -103,7 +103,7 @@ def _train(eng, cfg, world, resume) -> dict:
     monitor = faults.Monitor(ranks, world.Get_rank(), watch_parent=faults.launched(), run_dir=out,
                              failures_seen=failures_before).start()
     try:
-        plan.check_at_start(cfg, eng.mesh.size, log, rank=eng.mesh.rank, gpu=eng.be.is_gpu)
+        plan.log_prediction(prediction, log, rank=eng.mesh.rank)
         if resume is not None:
             trim_metrics(out, start, world.Get_rank())
         metrics_f = agree_or_raise(world, lambda: _open_metrics(out, resume) if world.Get_rank() == 0 else None,

@@ -19,6 +19,7 @@ from hpengine.dist import watchdog
 from hpengine.run import memcheck
 from hpengine.config.load import load_config
 from hpengine.layout.resolve import resolve
+from hpengine.planner.search import predict_at_start
 from hpengine.run.run_dir import trim_metrics
 
 TINY = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_layers=2", "model.n_heads=2",
@@ -128,11 +129,16 @@ def _cfg(*extra):
     return load_config(None, TINY + list(extra))
 
 
+def _check(cfg, res, be, **kw):
+    """The memory check as a start-up runs it: on the job's one prediction."""
+    return memcheck.check(cfg, res, MPI.COMM_SELF, be, predict_at_start(cfg, res)["memory"], **kw)
+
+
 def test_memory_check_refuses_with_estimate_limit_and_switches():
     cfg = _cfg("model.d_model=4096")
     be = SimpleNamespace(is_gpu=False)
     with pytest.raises(memcheck.MemoryCheckError) as e:
-        memcheck.check(cfg, resolve(cfg, 1), MPI.COMM_SELF, be, limit=(10**9, "a test limit"))
+        _check(cfg, resolve(cfg, 1), be, limit=(10**9, "a test limit"))
     msg = str(e.value)
     assert "per rank" in msg and "1 GB (a test limit)" in msg and "strategy.sharding" in msg
     assert "runtime.memory_check=false" in msg and "\n" not in msg
@@ -144,22 +150,22 @@ def test_memory_check_counts_the_async_checkpoint_snapshot():
     be = SimpleNamespace(is_gpu=False)
     cfg = _cfg("model.d_model=512", "checkpoint.async=false")
     res = resolve(cfg, 1)
-    base = memcheck.predict(cfg, res)
+    base = predict_at_start(cfg, res)["memory"]
     snap = memcheck.snapshot_bytes(_cfg("model.d_model=512"), res, base)
     assert snap == int(1.5 * base["optimizer"])
     limit = (base["total"] + snap // 2, "a test limit")
-    memcheck.check(cfg, res, MPI.COMM_SELF, be, limit=limit)
+    _check(cfg, res, be, limit=limit)
     with pytest.raises(memcheck.MemoryCheckError) as e:
-        memcheck.check(_cfg("model.d_model=512"), res, MPI.COMM_SELF, be, limit=limit)
+        _check(_cfg("model.d_model=512"), res, be, limit=limit)
     assert "checkpoint snapshot" in str(e.value) and "checkpoint.async=false" in str(e.value)
 
 
 def test_memory_check_can_be_switched_off_and_passes_small_jobs():
     be = SimpleNamespace(is_gpu=False)
     cfg = _cfg("model.d_model=4096", "runtime.memory_check=false")
-    memcheck.check(cfg, resolve(cfg, 1), MPI.COMM_SELF, be, limit=(1, "tiny"))
+    _check(cfg, resolve(cfg, 1), be, limit=(1, "tiny"))
     cfg = _cfg()
-    memcheck.check(cfg, resolve(cfg, 1), MPI.COMM_SELF, be)      # the real MemAvailable
+    _check(cfg, resolve(cfg, 1), be)      # the real MemAvailable
 
 
 def test_absurd_batch_is_one_line(tmp_path, capsys):
