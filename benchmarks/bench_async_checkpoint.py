@@ -59,12 +59,12 @@ def visible_times(rounds: int, folder: Path) -> list[tuple[float, float, float]]
             _, _, writer = launch.step_boundary(None, False, saver.state())
             saver.settle(writer)
     for r in range(rounds + 1):              # round 0 warms the page cache and the allocator up
-        eng.before_update = None
+        eng.fence_updates(None)
         t = time.perf_counter()
         save_state(eng, folder / "sync", step, keep=1)
         sync_s = time.perf_counter() - t
         train(2)
-        eng.before_update = saver.fence
+        eng.fence_updates(saver.fence)
         t = time.perf_counter()
         save_state(eng, folder / "async", step, keep=1, saver=saver)
         while saver.job is not None:         # steps until the boundary that publishes it

@@ -101,8 +101,8 @@ class Engine:
         self.pipe = PipelineExecutor(self.pp, self.xp, backend.dtype, res.pp, res.v, res.m, res.schedule,
                                      cfg.model.d_model, res.seq_parts, mesh.comms["tp"] if res.scatter else None,
                                      wire_bits=self.precision.packed)
-        self.tracer = Tracer()      # train.py hands in a recording one under runtime.trace
-        self.before_update = None   # called before a step changes parameters or optimizer state (async save's fence)
+        self.tracer = Tracer()      # the run hands in its own (attach_tracer)
+        self.before_update = None   # fence_updates: called before a step changes parameters or optimizer state
 
     def _optimizer(self, slot):
         seg = self.sync.owned.intersect(slot.range)
@@ -419,3 +419,30 @@ class Engine:
         another stage's tensor, such as the tied head's wte, counts there). Collective on the pp axis."""
         mine = sum(int(np.prod(s.global_shape)) for s in self.layout.specs if s.name not in self.stage.copies)
         return (sum(self.pp.allgather_obj(mine)) if self.res.pp > 1 else mine), mine
+
+    # --- what the training loop asks of it ------------------------------------------------------
+    def fence_updates(self, fn) -> None:
+        """fn() runs before each step changes parameters or optimizer state (an asynchronous save's fence);
+        None: nothing does."""
+        self.before_update = fn
+
+    def attach_tracer(self, tracer) -> None:
+        """The run's phase timers (and timeline under runtime.trace) from now on."""
+        self.tracer = tracer
+
+    def describe(self) -> tuple[str, int]:
+        """(the gradient sync's one log line, "" when it has nothing to say; this rank's blocks)."""
+        return self.sync.describe(), len(self.stage.blocks)
+
+    def comm_names(self) -> dict:
+        """{"grads": [...], "params": [...]}: the communicators gradients and parameters travel over."""
+        names = self.sync.comm_names()
+        return {"grads": names["grads"] + (["tied"] if self.stage.tied else []), "params": names["params"]}
+
+    def pipeline_stats(self) -> list[tuple[float, int]] | None:
+        """Per pipeline stage, (measured bubble: the idle share of the executor's wall time, peak live activation
+        caches); None before the pipeline ran. Collective on the pp axis."""
+        pipe = self.pipe
+        if pipe.wall_s == 0:
+            return None
+        return self.pp.allgather_obj((1.0 - pipe.busy_s / pipe.wall_s, pipe.peak_live))

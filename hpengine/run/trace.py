@@ -49,7 +49,7 @@ def attach(eng, cfg) -> Tracer:
     when not recording (a few calls per MoE layer, inside forward and backward): the breakdown shows them."""
     rt = cfg.runtime
     tr = Tracer(rt.trace, rt.trace_max_events)
-    eng.tracer = tr
+    eng.attach_tracer(tr)
     for c in comms_of(eng):
         c.set_tracer(tr if rt.trace or c.name == "ep" else None)
     eng.world.c.Barrier()
@@ -257,9 +257,8 @@ def table(bd: dict) -> str:
 
 
 def comm_labels(eng) -> dict:
-    names = eng.sync.comm_names()
-    grads = names["grads"] + (["tied"] if eng.stage.tied else [])
-    return {"grads": ", ".join(grads) or "none", "params": ", ".join(names["params"]) or "none"}
+    names = eng.comm_names()
+    return {"grads": ", ".join(names["grads"]) or "none", "params": ", ".join(names["params"]) or "none"}
 
 
 def finish(eng, out, history: list, wall: float) -> dict | None:

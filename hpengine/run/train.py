@@ -120,7 +120,7 @@ def _train(eng, cfg, world, resume, prediction) -> dict:
     restore_signals = launch.install_stop_handlers()
     saved, last_save = None, _clock()      # the last step saved by this run, and when (checkpoint.every_minutes)
     saver = background.Saver(eng.world, eng.tracer, log) if cfg.checkpoint.async_ else None
-    eng.before_update = _fence(saver, watchdog) if saver else None
+    eng.fence_updates(_fence(saver, watchdog) if saver else None)
     held = False           # a periodic save due at a skipped (overflowed) step: made at the next applied step
     if saver and not eng.be.is_gpu and (cfg.checkpoint.every or cfg.checkpoint.every_minutes or cfg.checkpoint.at_end):
         saver.warm(eng.state_pieces(copy=False)[0])       # the snapshot's memory, mapped while the first steps run
@@ -172,7 +172,7 @@ def _train(eng, cfg, world, resume, prediction) -> dict:
         if world.Get_size() > 1:
             world.Barrier()      # nobody exits (ends its process) while a peer still watches it
     finally:
-        eng.before_update = None
+        eng.fence_updates(None)
         if saver:        # an error (a diverged step) left a save in flight: its writer ends before the process
             watchdog.heartbeat(watchdog.step, "checkpoint", bytes_written)
             saver.abandon()
@@ -352,10 +352,11 @@ def log_start(eng, cfg) -> None:
     log.info("%s", config_line(cfg))
     log.info("%s", eng.mesh.describe())
     log.info("%s", blas_threads_line())
-    if eng.sync.describe():
-        log.info("%s", eng.sync.describe())
+    sync_line, blocks = eng.describe()
+    if sync_line:
+        log.info("%s", sync_line)
     whole, mine = eng.param_counts()      # collective on pp: every rank runs log_start
-    share = (f" (pipeline stage {eng.mesh.coords['pp']} of {eng.res.pp}: {mine:,} parameters, {len(eng.stage.blocks)} "
+    share = (f" (pipeline stage {eng.mesh.coords['pp']} of {eng.res.pp}: {mine:,} parameters, {blocks} "
              "blocks)" if eng.res.pp > 1 else "")
     log.info("model %s: %s parameters, %d blocks%s, dtype %s, backend %s", cfg.model.kind, f"{whole:,}",
              sum(len(c) for c in chunks(cfg.model, eng.res)), share, cfg.model.dtype, eng.be.name)
@@ -371,11 +372,10 @@ def log_memory(eng) -> None:
 
 def log_pipeline(eng, cfg) -> None:
     """Measured bubble (idle share of the executor's wall time) per stage next to the theory."""
-    res, pipe = eng.res, eng.pipe
-    if not cfg.strategy.pipeline.enable or pipe.wall_s == 0:
+    res = eng.res
+    stats = eng.pipeline_stats() if cfg.strategy.pipeline.enable else None
+    if stats is None:
         return
-    bubble = 1.0 - pipe.busy_s / pipe.wall_s
-    stats = eng.pp.allgather_obj((bubble, pipe.peak_live))
     theory = bubble_fraction(res.schedule, res.pp, res.m, res.v)
     log.info("pipeline %s p=%d m=%d v=%d: measured bubble per stage %s (theory %.3f); peak live activation "
              "caches per stage %s", res.schedule, res.pp, res.m, res.v,

@@ -75,7 +75,7 @@ def test_a_slow_writer_still_saves_its_own_step(corpus, world, roots, monkeypatc
         return real(pieces, buffers)
     monkeypatch.setattr(background, "snapshot", slow)
     saver = background.Saver(eng.world, eng.tracer, log)
-    eng.before_update = saver.fence
+    eng.fence_updates(saver.fence)
     save_state(eng, root_a, 2, keep=1, saver=saver)
     steps_with_saver(eng, world, saver, 2, 2)               # the buffers change under the writer's feet
     saver.wait()
@@ -92,7 +92,7 @@ def test_a_writer_failing_on_one_rank_fails_every_rank_at_the_next_boundary(corp
     cfg = config(corpus, *layout(world.Get_size()))
     eng = build(cfg, world)
     saver = background.Saver(eng.world, eng.tracer, log)
-    eng.before_update = saver.fence
+    eng.fence_updates(saver.fence)
     eng.train_step(0)
     save_state(eng, root, 1, keep=2, saver=saver)
     steps_with_saver(eng, world, saver, 1, 1)

@@ -24,14 +24,15 @@ def shared_dir():
 
 
 def run(corpus, out, *extra):
-    """train() on every rank; returns this rank's engine (kept by wrapping train.build)."""
-    built, build = {}, train_mod.build
+    """train() on every rank; returns this rank's engine (kept by wrapping train.build_job)."""
+    built, build_job = {}, train_mod.build_job
 
     def keep(cfg, world=None):
-        built["eng"] = build(cfg, world)
-        return built["eng"]
+        job = build_job(cfg, world)
+        built["eng"] = job[0]
+        return job
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train_mod, "build", keep)
+        mp.setattr(train_mod, "build_job", keep)
         train(load_config(None, TINY + [f"data.path={corpus}", f"train.out_dir={out}", "train.steps=3",
                                         "train.eval_every=0", "model.n_layers=4", *extra]), WORLD)
     return built["eng"]

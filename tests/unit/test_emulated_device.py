@@ -375,7 +375,7 @@ def test_a_checkpoint_saved_on_the_device_resumes_on_numpy(small_corpus, device,
     eng = build(cfg("cupy"), MPI.COMM_SELF)
     saver = bg.Saver(eng.world, eng.tracer, logging.getLogger("hpengine")) if background else None
     if saver is not None:
-        eng.before_update = saver.fence
+        eng.fence_updates(saver.fence)
     for s in range(2):
         eng.train_step(s)
     save_state(eng, tmp_path, 2, keep=1, saver=saver)

@@ -14,6 +14,7 @@ from hpengine.dist.comm import TRACED
 from hpengine.config.load import ConfigError, load_config
 from hpengine.apps.plot import PlotError, plot_run
 from hpengine.run.trace import CATEGORIES, OFF, Tracer, merge, model_flops
+from hpengine.run.build import build
 from hpengine.run.train import train
 
 TINY = ["model.kind='gpt'", "model.seq_len=8", "model.d_model=16", "model.n_layers=2", "model.n_heads=2",
@@ -26,11 +27,12 @@ def run(small_corpus, out, *extra, monkeypatch=None):
     built = {}
 
     def keep(cfg, world=None):
-        built["eng"] = eng = build(cfg, world)
-        return eng
-    build = train_mod.build
+        eng, prediction = build_job(cfg, world)
+        built["eng"] = eng
+        return eng, prediction
+    build_job = train_mod.build_job
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train_mod, "build", keep)
+        mp.setattr(train_mod, "build_job", keep)
         summary = train(load_config(None, TINY + [f"data.path={small_corpus}", f"train.out_dir={out}", *extra]))
     return summary, built["eng"]
 
@@ -151,7 +153,7 @@ def test_trace_off_records_nothing_but_still_writes_the_breakdown(tmp_path, smal
 ], ids=["gpt-untied", "gpt-tied", "mlp", "two-models"])
 def test_model_flops_closed_form(small_corpus, extra, psi, flops):
     pinned = ["model.vocab_size=256", "model.ffn_mult=4", "model.tie_head=false"]   # not left to defaults
-    eng = train_mod.build(load_config(None, TINY + pinned + [f"data.path={small_corpus}", *extra]), MPI.COMM_SELF)
+    eng = build(load_config(None, TINY + pinned + [f"data.path={small_corpus}", *extra]), MPI.COMM_SELF)
     assert eng.n_params() == psi
     got, formula = model_flops(eng)
     assert got == flops
