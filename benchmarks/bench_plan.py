@@ -26,7 +26,7 @@ from pathlib import Path
 from bench_all import DP, ROOT, SP, THREADS, TP2, _why, pipeline, sharding
 
 from hpengine.config.load import load_config
-from hpengine.planner.search import evaluate, load_cluster
+from hpengine.planner.search import predict_layout, load_cluster
 from hpengine.layout.resolve import resolve
 
 MODEL = ["model.kind=gpt", "model.d_model=128", "model.seq_len=64", "model.n_layers=4", "model.n_heads=4",
@@ -79,7 +79,7 @@ def one_round(a, n, tmp: Path) -> dict:
     cluster, out = load_cluster(str(path)), {}
     for name, overrides in LAYOUTS[n]:
         cfg = load_config(None, [*MODEL, *a.overrides, *overrides])
-        predicted = evaluate(cfg, resolve(cfg, n), cluster)["time"]["step"]
+        predicted = predict_layout(cfg, resolve(cfg, n), cluster)["time"]["step"]
         out[name] = (predicted, measured_s(a, n, overrides, tmp / f"run-{len(os.listdir(tmp))}"))
     return out
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from hpengine.planner.calibrate import GB  # noqa: E402
 from hpengine.config.load import ConfigError, load_config  # noqa: E402
-from hpengine.planner.search import evaluate, load_cluster  # noqa: E402
+from hpengine.planner.search import predict_layout, load_cluster  # noqa: E402
 from hpengine.layout.resolve import resolve  # noqa: E402
 
 V, S = 51200, 2048
@@ -96,7 +96,7 @@ def best(run, cluster, recompute, rows_choices, chunks=None, sp=False):
             continue
         if chunks is not None and lay.pp > 1 and lay.v != chunks:
             continue
-        r = evaluate(cfg, lay, cluster, (0, 1, lay.pp - 1))
+        r = predict_layout(cfg, lay, cluster, (0, 1, lay.pp - 1))
         out.append((r["memory"]["total"] <= cluster.usable_gb * GB, r, cfg))
     fit = [o for o in out if o[0]]
     if fit:
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
         run = (heads, h, layers, tp, pp, gpus, B)
         ok, r, cfg = best(run, c, "full", (1,))
         pred = narayanan_flops(B, h, layers) / r["time"]["step"] / gpus / 1e12
-        r1 = evaluate(cfg, r["layout"], c1, (0, 1, r["layout"].pp - 1))
+        r1 = predict_layout(cfg, r["layout"], c1, (0, 1, r["layout"].pp - 1))
         one = narayanan_flops(B, h, layers) / r1["time"]["step"] / gpus / 1e12
         print(f"{name:>7} {gpus:>5} {lay_text(r['layout']):<38} {r['memory']['total'] / GB:>5.1f} "
               f"{'y' if ok else 'NO':>4} | {pub:>9.0f} {pred:>9.1f} {pred / pub:>5.2f} | {one:>6.1f} {one / pub:>5.2f}")

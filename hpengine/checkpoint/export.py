@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from hpengine.checkpoint.guard import as_created
-from hpengine.checkpoint.shards import CheckpointError, Reader, export as export_hdf5, resolve as resolve_checkpoint
+from hpengine.checkpoint.shards import CheckpointError, Reader, export_hdf5, step_folder
 from hpengine.config.load import from_dict
 from hpengine.data.format import TokenFile, sha256_text
 from hpengine.data.tokenizer import EOS_CANDIDATES
@@ -151,7 +151,7 @@ def checkpoint_folders(path) -> list[Path]:
             and not os.path.lexists(p / "latest"):          # a run folder, as find_checkpoint reads it
         p = p / "checkpoints"
     try:
-        step = resolve_checkpoint(p).resolve()
+        step = step_folder(p).resolve()
     except (CheckpointError, OSError, ValueError):
         return []
     root = step.parent

@@ -29,7 +29,7 @@ def _sha(arr: np.ndarray) -> str:
 
 
 # --- read ----------------------------------------------------------------------------------------
-def resolve(path) -> Path:
+def step_folder(path) -> Path:
     """A checkpoint folder, or a checkpoints root whose `latest` names one."""
     p = Path(path)
     if not p.exists():
@@ -78,7 +78,7 @@ class Reader:
 
     def __init__(self, path, key: bytes | None = None):
         """key: the signing key (seal.load_key); None takes it from the environment, where one may be set."""
-        self.dir = resolve(path)
+        self.dir = step_folder(path)
         mpath = self.dir / "manifest.json"
         try:
             self.manifest = json.loads(read_text(mpath, "manifest", limit=MANIFEST_LIMIT))
@@ -277,7 +277,7 @@ class ExportReader:
         self.f.close()
 
 
-def export(path, out, params_only: bool = False) -> dict:
+def export_hdf5(path, out, params_only: bool = False) -> dict:
     """Write one consolidated HDF5 file of global tensors (params and optimizer state, or params only),
     plain h5py."""
     r = Reader(path)

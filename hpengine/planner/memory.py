@@ -11,7 +11,7 @@ from hpengine.layout.schedules import peak_live
 from hpengine.models import build_model
 from hpengine.params.buffers import partition
 from hpengine.planner import context as plan_cp, moe as plan_moe, recompute as rc, tp as plan_tp
-from hpengine.planner.stages import Stage, family_key, memoised
+from hpengine.planner.stages import StageFacts, family_key, memoised
 
 
 def zero_bytes(psi: float, share: float, stage: int, w: int, g: int, k: int) -> tuple:
@@ -36,19 +36,19 @@ def precision(mcfg, amp, packed: bool = False) -> tuple:
     return item, item, 2 * item, item
 
 
-def owned(st: Stage, lay: Resolved, models: int, sh_rank=None) -> int:
+def owned(st: StageFacts, lay: Resolved, models: int, sh_rank=None) -> int:
     """Elements this sharding rank owns (the largest share when sh_rank is None)."""
     if lay.sh == 1:
         return st.psi * models
     return memoised(st, ("owned", models, lay.sh, lay.partition, sh_rank), lambda: _owned(st, lay, models, sh_rank))
 
 
-def _owned(st: Stage, lay: Resolved, models: int, sh_rank) -> int:
+def _owned(st: StageFacts, lay: Resolved, models: int, sh_rank) -> int:
     ranges = _partition(st.sizes(models), lay.sh, lay.partition)
     return max(r.size for r in ranges) if sh_rank is None else ranges[sh_rank].size
 
 
-def owned_experts(st: Stage, lay: Resolved, models: int, sh_rank=None) -> int:
+def owned_experts(st: StageFacts, lay: Resolved, models: int, sh_rank=None) -> int:
     """Elements of expert blocks split over ep inside this sharding rank's owned range (the largest share when
     sh_rank is None): their gradients are averaged over the ep-dp replicas, the rest over dp."""
     if lay.sh == 1:
@@ -57,7 +57,7 @@ def owned_experts(st: Stage, lay: Resolved, models: int, sh_rank=None) -> int:
                     lambda: _owned_experts(st, lay, models, sh_rank))
 
 
-def _owned_experts(st: Stage, lay: Resolved, models: int, sh_rank) -> int:
+def _owned_experts(st: StageFacts, lay: Resolved, models: int, sh_rank) -> int:
     sizes = st.sizes(models)
     per_rank = plan_tp.flagged_per_rank(sizes, st.expert * models, tuple(_partition(sizes, lay.sh, lay.partition)))
     return max(per_rank) if sh_rank is None else per_rank[sh_rank]
@@ -74,7 +74,7 @@ def held_grad_bytes(mcfg, lay: Resolved, packed: bool = False) -> int:
     return 2 if packed and lay.bf16_grads else precision(mcfg, lay.amp, packed)[1]
 
 
-def model_state(mcfg, st: Stage, lay: Resolved, models: int, sh_rank=None, packed: bool = False) -> dict:
+def model_state(mcfg, st: StageFacts, lay: Resolved, models: int, sh_rank=None, packed: bool = False) -> dict:
     """ZeRO model states of this sharding rank; packed (packed_caches): the compute copy in bfloat16 bits, and
     bfloat16 gradients too (held_grad_bytes)."""
     w, _, k, _ = precision(mcfg, lay.amp, packed)
@@ -121,7 +121,7 @@ def block_activations(mcfg, lay: Resolved, item: int, packed: bool = False) -> d
     return out
 
 
-def chunk_activations(mcfg, st: Stage, chunk, lay: Resolved, item: int, packed: bool = False) -> int:
+def chunk_activations(mcfg, st: StageFacts, chunk, lay: Resolved, item: int, packed: bool = False) -> int:
     """Cached bytes of one micro-batch through one chunk: a recomputed layer keeps only its input (or,
     selective, all but its probabilities). Caches hold no weights (backward is handed them), so stage 3
     frees gathered blocks after use."""
@@ -129,13 +129,13 @@ def chunk_activations(mcfg, st: Stage, chunk, lay: Resolved, item: int, packed: 
     return sum(rc.cached(a, st, lay, b) for b in chunk) + plan_cp.positions_bytes(mcfg, st, lay, chunk)
 
 
-def activations(mcfg, st: Stage, lay: Resolved, stage: int, item: int, packed: bool = False) -> int:
+def activations(mcfg, st: StageFacts, lay: Resolved, stage: int, item: int, packed: bool = False) -> int:
     """_activations, memoised on the stage: it reads none of the sharding x dp split (stages.family_key)."""
     return memoised(st, ("activations", family_key(lay), stage, item, packed),
                     lambda: _activations(mcfg, st, lay, stage, item, packed))
 
 
-def _activations(mcfg, st: Stage, lay: Resolved, stage: int, item: int, packed: bool = False) -> int:
+def _activations(mcfg, st: StageFacts, lay: Resolved, stage: int, item: int, packed: bool = False) -> int:
     """Peak cached bytes on this stage: the schedule's live (micro-batch, chunk) caches, weighted by
     chunk (F-then-B holds m, 1F1B min(p - s, m), interleaved per Megatron 2021), and under a zero-bubble
     schedule the W stashes between each B and its W. Several models run
@@ -145,14 +145,14 @@ def _activations(mcfg, st: Stage, lay: Resolved, stage: int, item: int, packed: 
                      tuple(chunk_stash(mcfg, st, ch, lay, item, packed) for ch in st.chunks))
 
 
-def chunk_stash(mcfg, st: Stage, chunk, lay: Resolved, item: int, packed: bool = False) -> int:
+def chunk_stash(mcfg, st: StageFacts, chunk, lay: Resolved, item: int, packed: bool = False) -> int:
     """A split backward's W stash of one micro-batch through one chunk: what its blocks' deferred
     weight-gradient work holds from B to W (the same whether or not a layer was recomputed)."""
     a = block_activations(mcfg, lay, item, packed)
     return sum(rc.of_block(a, st.kind_of[b], "w_" + st.kind_of[b].kind) for b in chunk)
 
 
-def buffers(mcfg, st: Stage, lay: Resolved, own: int, packed: bool = False) -> int:
+def buffers(mcfg, st: StageFacts, lay: Resolved, own: int, packed: bool = False) -> int:
     """Transient bytes: stage >= 2 keeps up to MAX_INFLIGHT + 1 blocks of temporary gradients, stage 3
     two gathered blocks (current and prefetched, + the tied embedding); a recomputed layer is rebuilt
     in backward, and packed caches (packed_caches) are unpacked one layer at a time for its backward, as are
@@ -183,6 +183,6 @@ def buffers(mcfg, st: Stage, lay: Resolved, own: int, packed: bool = False) -> i
     return out + (4 * own if lay.amp else 0)
 
 
-def _read_blocks(st: Stage, blocks=None) -> list[str]:
+def _read_blocks(st: StageFacts, blocks=None) -> list[str]:
     """Blocks of this stage whose tensors another block of it (of `blocks`) reads: gathered with it too."""
     return [d for b, ds in st.deps if blocks is None or b in blocks for d in ds]

@@ -14,7 +14,7 @@ from hpengine.models import build_model
 from hpengine.planner import context as plan_cp, gpu as plan_gpu, moe as plan_moe, recompute as rc, tp as plan_tp
 from hpengine.planner.memory import (_partition, _read_blocks, activations, block_activations, buffers, model_state,
                                      owned, owned_experts, packed_caches, precision)
-from hpengine.planner.stages import Stage, memoised, micro_batch_key, stages
+from hpengine.planner.stages import StageFacts, memoised, micro_batch_key, stages
 
 F64 = 8                  # the engine's loss and squared-norm vectors are float64, one entry per model
 _bubble = functools.lru_cache(maxsize=4096)(bubble_fraction)     # the planner asks often; it builds a schedule
@@ -22,14 +22,14 @@ _bubble = functools.lru_cache(maxsize=4096)(bubble_fraction)     # the planner a
 
 # ---- communication ---------------------------------------------------------------------------------
 
-def gathered_per_microbatch(mcfg, st: Stage) -> int:
+def gathered_per_microbatch(mcfg, st: StageFacts) -> int:
     """Elements stage 3 gathers per micro-batch and model: every block in forward and again in backward
     (except blocks whose backward reads no parameters, the embedding); a block gathers the blocks whose
     tensors it reads with it both times (a tied head: the embedding)."""
     return memoised(st, ("gathered",), lambda: _gathered(st))
 
 
-def _gathered(st: Stage) -> int:
+def _gathered(st: StageFacts) -> int:
     total, bwd = 0, {b.name: b.bwd_params for b in st.kinds}
     for chunk in st.chunks:
         total += sum((1 + bwd[b]) * st.block(b) for b in chunk)
@@ -43,7 +43,7 @@ def wire_item(lay: Resolved, item: int, packed: bool) -> int:
     return 2 if packed and lay.amp == "bfloat16" else item
 
 
-def traffic(mcfg, st: Stage, lay: Resolved, stage: int, models: int, sh_rank=None, packed: bool = False) -> dict:
+def traffic(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, sh_rank=None, packed: bool = False) -> dict:
     """{axis: {op: bytes}} one rank sends in one optimizer step, as comm.py counts it (every rank
     counts its own buffer of a collective; "tied" is the first/last-stage wte gradient sum); packed
     (packed_caches): the parameters' all-gathers and the pipeline's sends move bfloat16 bits."""
@@ -97,7 +97,7 @@ def _hops_of(schedule: str, pp: int, v: int, stage: int) -> int:
     return out
 
 
-def stage_facts(cfg, lay: Resolved) -> list[Stage]:
+def stage_facts(cfg, lay: Resolved) -> list[StageFacts]:
     return stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule, lay.ep)
 
 
@@ -134,7 +134,7 @@ def matmul_flops(mcfg, tokens: int, weights: int, layers: int, tp: int, f: int =
     return f * tokens * weights + f // 2 * build_model(mcfg, tp).attention_flops(tokens, tp) * layers
 
 
-def flops_per_microbatch(mcfg, st: Stage, lay: Resolved) -> float:
+def flops_per_microbatch(mcfg, st: StageFacts, lay: Resolved) -> float:
     """6·N·tokens over the weights this rank multiplies by, plus attention scores, plus what the
     recomputed layers rebuild (planner/recompute.py: extra_flops)."""
     tokens = lay.rows * mcfg.seq_len // lay.cp
@@ -155,13 +155,13 @@ def oversubscription(lay: Resolved, cluster) -> float:
     return max(1.0, ranks / cores) if cores else 1.0
 
 
-def compute_s(mcfg, st: Stage, lay: Resolved, cluster) -> float:
+def compute_s(mcfg, st: StageFacts, lay: Resolved, cluster) -> float:
     """_compute_s, memoised on the stage by what it reads (stages.micro_batch_key)."""
     return memoised(st, ("compute", micro_batch_key(lay), tuple(vars(cluster).values())),
                     lambda: _compute_s(mcfg, st, lay, cluster))
 
 
-def _compute_s(mcfg, st: Stage, lay: Resolved, cluster) -> float:
+def _compute_s(mcfg, st: StageFacts, lay: Resolved, cluster) -> float:
     """Seconds of one micro-batch of one model through the stage on one device (or core): its matmul
     FLOPs at the sustained rate (GPU clusters with gemm_half_dim, mem_bw_gbs or launch_us: each GEMM at
     its shape's rate and the cached bytes' element-wise passes at the memory bandwidth, planner/gpu.py); on
@@ -186,7 +186,7 @@ def _compute_s(mcfg, st: Stage, lay: Resolved, cluster) -> float:
 # The parts of a micro-batch's critical path (stage_times); planner/bound.py calls them too, with links no
 # better than the layout's, so its floor under a family of layouts is this very arithmetic.
 
-def _compute_total(mcfg, st: Stage, lay: Resolved, models: int, cluster) -> float:
+def _compute_total(mcfg, st: StageFacts, lay: Resolved, models: int, cluster) -> float:
     return oversubscription(lay, cluster) * models * compute_s(mcfg, st, lay, cluster)
 
 
@@ -197,13 +197,13 @@ def _split_gathered(mcfg, lay: Resolved, stage: int, models: int, cluster) -> in
                                   _hops(lay, stage))[1]
 
 
-def _tp_s(mcfg, st: Stage, lay: Resolved, models: int, tp_bytes: dict, gathered: int, tp_link) -> float:
+def _tp_s(mcfg, st: StageFacts, lay: Resolved, models: int, tp_bytes: dict, gathered: int, tp_link) -> float:
     mb = lay.k * lay.m
     per_mb = {op: (n - (gathered if op == "allgather" else 0)) / mb for op, n in tp_bytes.items()}
     return plan_tp.tp_seconds(mcfg, st, lay, models, {op: n for op, n in per_mb.items() if n}, tp_link, collective_s)
 
 
-def _pp_s(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster, link_of) -> float:
+def _pp_s(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, cluster, link_of) -> float:
     mb, hops = lay.k * lay.m, _hops(lay, stage)
     packed = packed_caches(lay, cluster)
     act, gathered = plan_tp.pipeline_bytes(mcfg, lay, lay.share * mcfg.seq_len // lay.cp * models,
@@ -213,7 +213,7 @@ def _pp_s(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster, link
                                               lambda op: link_of(lay, "tp", cluster, op), collective_s))
 
 
-def _cp_s(mcfg, st: Stage, lay: Resolved, models: int, comp: float, cluster, link_of) -> float:
+def _cp_s(mcfg, st: StageFacts, lay: Resolved, models: int, comp: float, cluster, link_of) -> float:
     return plan_cp.ring_seconds(mcfg, st, lay, precision(mcfg, lay.amp)[3], models, comp / models,
                                 *link_of(lay, "cp", cluster))
 
@@ -226,7 +226,7 @@ def _degrees(lay: Resolved) -> dict:
     return lay.degrees
 
 
-def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster, sh_rank=None, tr=None) -> dict:
+def stage_times(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, cluster, sh_rank=None, tr=None) -> dict:
     """Seconds per micro-batch (compute, tp, pp: on the critical path) and per step (dp, sharding:
     exposed after overlapping the last backward / the forward prefetch; fixed: the optimizer over the
     owned elements, the scalar allreduces and the per-step overhead). "hidden": {what: (seconds hidden behind
@@ -278,7 +278,7 @@ def stage_times(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster
     return out
 
 
-def predict_stage(mcfg, st: Stage, lay: Resolved, stage: int, models: int, cluster=None, sh_rank=None) -> dict:
+def predict_stage(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, cluster=None, sh_rank=None) -> dict:
     """Memory (bytes) and traffic of one rank of `stage`; times when a cluster is given."""
     item, packed = precision(mcfg, lay.amp)[3], packed_caches(lay, cluster)
     mem = model_state(mcfg, st, lay, models, sh_rank, packed)
@@ -321,7 +321,7 @@ def for_rank(cfg, world: int, coords: dict, cluster=None) -> dict:
     return predict_stage(cfg.model, st, lay, coords["pp"], cfg.train.models, cluster, coords["sharding"])
 
 
-def evaluate(cfg, lay: Resolved, cluster, stage_ids=None, sts=None) -> dict:
+def predict_layout(cfg, lay: Resolved, cluster, stage_ids=None, sts=None) -> dict:
     """Prediction for a layout: per-stage results, the worst stage's memory, the step time. sts: its stages
     (stages.stages of the layout's cut), when the caller has them."""
     sts = sts or stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule, lay.ep)

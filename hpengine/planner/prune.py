@@ -15,7 +15,7 @@ from hpengine.layout.resolve import Resolved
 from hpengine.layout.schedules import schedule
 from hpengine.planner.bound import family_floor, leaf_memory_floor, quick_floor
 from hpengine.planner.calibrate import GB
-from hpengine.planner.model import evaluate
+from hpengine.planner.model import predict_layout
 from hpengine.planner import space
 from hpengine.planner.space import rank_key
 from hpengine.planner.stages import stages
@@ -136,7 +136,7 @@ def branch_and_bound(cfg, cluster, max_rows: int, top: int, progress: SearchProg
         for order, lay in fam.leaves():
             if leaf_memory_floor(cfg, lay, cluster, ids(lay), fam.stages) > usable:
                 continue
-            r = evaluate(cfg, lay, cluster, ids(lay), fam.stages)
+            r = predict_layout(cfg, lay, cluster, ids(lay), fam.stages)
             done += 1
             if r["memory"]["total"] <= usable:
                 bisect.insort(fit, (rank_key(r) + (order,), r), key=lambda x: x[0])
@@ -155,7 +155,7 @@ def smallest_layout(cfg, cluster, fams: list) -> dict:
         if best is not None and fam.floor[1] > best[0][0]:
             break
         for order, lay in fam.leaves():
-            r = evaluate(cfg, lay, cluster, (0, 1, lay.pp - 1), fam.stages)
+            r = predict_layout(cfg, lay, cluster, (0, 1, lay.pp - 1), fam.stages)
             if best is None or (r["memory"]["total"], order) < best[0]:
                 best = ((r["memory"]["total"], order), r)
     return best[1]

@@ -10,7 +10,7 @@ from hpengine.layout.resolve import Resolved, resolve
 from hpengine.models import build_model
 from hpengine.planner.calibrate import GB
 from hpengine.planner.cluster import Cluster, PlanError
-from hpengine.planner.model import evaluate
+from hpengine.planner.model import predict_layout
 
 def describe(lay: Resolved) -> str:
     """The switches of a layout in words: 'tp 8 x cp 2 (ring) x pp 4 (1f1b, 16 micro-batches) x sharding 2 (stage 1)'."""
@@ -142,7 +142,7 @@ def check_text(cfg: Config, world: int, cluster: Cluster) -> str:
     except ValueError as e:
         raise PlanError(f"--world {world}: {e}") from None
     try:
-        r = evaluate(cfg, lay, cluster)
+        r = predict_layout(cfg, lay, cluster)
     except ValueError as e:
         raise PlanError(f"--check on {world} ranks ({describe(lay)}): {e}") from None
     out = [f"{cfg.model.kind} with {_n_params(cfg):,} parameters on {world} ranks: {describe(lay)}",

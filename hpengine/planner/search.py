@@ -25,7 +25,7 @@ from hpengine.layout.resolve import SWITCH_OF_AXIS, Resolved, resolve
 from hpengine.planner import prune
 from hpengine.planner.calibrate import GB, calibrate_device
 from hpengine.planner.cluster import Cluster, PlanError, load_cluster  # noqa: F401 - Cluster and PlanError are part of plan's API
-from hpengine.planner.model import evaluate, predict_stage, step_time  # noqa: F401 - evaluate is part of plan's API
+from hpengine.planner.model import predict_layout, predict_stage, step_time  # noqa: F401 - predict_layout is part of plan's API
 from hpengine.planner.report import (_bytes, _n_params, _secs, check_text, describe, hidden_line,  # noqa: F401
                                      table)
 from hpengine.planner.space import candidates, rank_key  # noqa: F401 - candidates is part of plan's API
@@ -69,7 +69,7 @@ def searched(cfg: Config, cluster: Cluster, max_rows: int = 8, top: int | None =
         return fit, n, pruned
     fit, smallest, n = [], None, 0
     for n, lay in enumerate(candidates(cfg, cluster, max_rows), 1):
-        r = evaluate(cfg, lay, cluster, (0, 1, lay.pp - 1))
+        r = predict_layout(cfg, lay, cluster, (0, 1, lay.pp - 1))
         if r["memory"]["total"] <= cluster.usable_gb * GB:
             fit.append(r)
         elif smallest is None or r["memory"]["total"] < smallest["memory"]["total"]:
@@ -164,7 +164,7 @@ def predict_at_start(cfg: Config, res: Resolved) -> dict:
         path, mem = os.environ.get("HPENGINE_CLUSTER"), os.environ.get("HPENGINE_DEVICE_MEMORY_GB")
         cluster = load_cluster(path) if path else None
         limit = float(mem) * GB if mem else (cluster.usable_gb * GB if cluster else None)
-        r = evaluate(cfg, res, cluster)
+        r = predict_layout(cfg, res, cluster)
     except (ConfigError, ValueError, OSError, ArithmeticError) as e:
         return {"memory": None, "why": str(e)}
     return {**r, "limit": limit, "cluster_file": path}

@@ -17,7 +17,7 @@ from hpengine.models import build_model
 
 
 @dataclass(frozen=True)
-class Stage:
+class StageFacts:
     """One pipeline stage of one model, per tp rank (stage.build_stage's description reduced to counts):
     its blocks in layout order with their element counts (including another stage's tensors it keeps a
     copy of), its chunks, and shape facts."""
@@ -51,7 +51,7 @@ class Stage:
     @functools.cached_property
     def memo(self) -> dict:
         """Figures derived from this stage, keyed by what else they read (the search asks for the same ones many
-        times; a Stage is immutable, so they never go stale)."""
+        times; a StageFacts is immutable, so they never go stale)."""
         return {}
 
     @functools.cached_property
@@ -94,14 +94,14 @@ def micro_batch_key(lay: Resolved) -> tuple:
     return _micro_batch_of(lay)
 
 
-def memoised(st: Stage, key: tuple, compute):
+def memoised(st: StageFacts, key: tuple, compute):
     """st.memo[key], computed once."""
     if key not in st.memo:
         st.memo[key] = compute()
     return st.memo[key]
 
 
-def stages(mcfg, tp: int, p: int, v: int, split="uniform", schedule: str = "fthenb", ep: int = 1) -> list[Stage]:
+def stages(mcfg, tp: int, p: int, v: int, split="uniform", schedule: str = "fthenb", ep: int = 1) -> list[StageFacts]:
     """Every pipeline stage of the model, cut as the engine cuts it (schedule: where the chunks sit; only
     zbv's V differs from c * p + stage; ep: the expert blocks a rank holds, 1 / ep of the experts)."""
     key = tuple(split) if isinstance(split, list) else split
@@ -110,7 +110,7 @@ def stages(mcfg, tp: int, p: int, v: int, split="uniform", schedule: str = "fthe
 
 
 @functools.lru_cache(maxsize=4096)
-def _stages(mkey, tp, p, v, split, schedule, ep=1) -> list[Stage]:
+def _stages(mkey, tp, p, v, split, schedule, ep=1) -> list[StageFacts]:
     mcfg = model_from_key(mkey)
     res = Resolved(tp, 1, 1, p, 0, "tensor", 1, 1, v, schedule, list(split) if isinstance(split, tuple) else split,
                    0, False, AXES, 1, ep=ep)
@@ -118,7 +118,7 @@ def _stages(mkey, tp, p, v, split, schedule, ep=1) -> list[Stage]:
     return [_stage(mcfg, res, model, tp, ep, s) for s in range(p)]
 
 
-def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> Stage:
+def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> StageFacts:
     st = build_stage(mcfg, res, s, 0, models=[model])
     slot, lay = st.slots[0], st.layout
     blocks, matmuls, replicated, expert, partial, expert_mm, unpacked = [], [], [], [], [], 0, []
@@ -143,7 +143,7 @@ def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> Stage:
         matmuls.append((name, mm))
         unpacked.append((name, sum(n for sp, n in zip(specs, sizes) if not model.gemm_weight(sp.name))))
     kinds = tuple(slot.block(n) for n in slot.blocks)
-    return Stage(tuple(blocks), slot.chunks, sum(k.kind == "layer" for k in kinds), sum(n for _, n in matmuls),
+    return StageFacts(tuple(blocks), slot.chunks, sum(k.kind == "layer" for k in kinds), sum(n for _, n in matmuls),
                  kinds, tuple(st.deps.items()), tuple(matmuls),
                  sum(lay.ranges[t].size for t in set(st.tied.values())), tuple(replicated),
                  sum(lay.ranges[sp.name].size for sp in lay.specs if sp.ep_dim is not None and ep > 1),

@@ -145,7 +145,7 @@ def build_job(cfg, world=None, with_data: bool = True, nccl_device=None) -> tupl
     local, per_node, cores = node_gather(world, sorted(bound_cores()))
     backend = agreed_backend(cfg, world, local, per_node, cores)
     prediction = plan.predict_at_start(cfg, res.on_device(backend.is_gpu))     # the job's one prediction
-    limit = memcheck.check(cfg, res, world, backend, prediction["memory"], per_node=per_node)
+    limit = memcheck.check_fits(cfg, res, world, backend, prediction["memory"], per_node=per_node)
     if not backend.is_gpu:
         keep_heap()
     node = {"local_rank": local, "node_ranks": per_node, "blas_threads": blas_pool_size(),

@@ -82,7 +82,7 @@ def remedies(mem: dict) -> str:
     return "; ".join(out)
 
 
-def check(cfg, res, world, backend, mem: dict | None, limit=None, per_node: int | None = None) -> tuple[int, str] | None:
+def check_fits(cfg, res, world, backend, mem: dict | None, limit=None, per_node: int | None = None) -> tuple[int, str] | None:
     """Raise MemoryCheckError on every rank when a rank's predicted memory `mem` (the start-up prediction's,
     planner/search.predict_at_start; None: no check) exceeds its limit (collective); returns this rank's limit
     (bytes, how it was found), None when unknown or the check is off. per_node: the ranks on this node

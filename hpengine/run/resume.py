@@ -11,7 +11,7 @@ import shlex
 import time
 from pathlib import Path
 
-from hpengine.checkpoint.shards import CheckpointError, resolve
+from hpengine.checkpoint.shards import CheckpointError, step_folder
 from hpengine.dist.agree import agree_or_raise
 from hpengine.files import UnsafeFile, read_text
 from hpengine.run.launch import launch_words
@@ -51,7 +51,7 @@ def _look(cfg) -> tuple[str | None, str]:
     out = Path(cfg.train.out_dir)
     root = Path(cfg.checkpoint.dir or out / "checkpoints")
     if os.path.lexists(root / "latest"):
-        step_dir = resolve(root)                        # a `latest` naming a missing step: CheckpointError
+        step_dir = step_folder(root)                        # a `latest` naming a missing step: CheckpointError
         step = _step(step_dir)
         if step >= cfg.train.steps:
             raise RunError(f"--resume auto: the run in '{out}' is already complete: its latest checkpoint "
@@ -103,7 +103,7 @@ def layout_change(cfg, resume, launched: dict) -> str | None:
     earlier launch is named as the run folder's launch.json has it when that launch saved this checkpoint."""
     root = Path(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints")
     try:
-        manifest = _manifest(resolve(root if resume == LATEST else resume))
+        manifest = _manifest(step_folder(root if resume == LATEST else resume))
         world, mesh = int(manifest["world"]), dict(manifest["layout"])
     except (CheckpointError, OSError, KeyError, TypeError, ValueError):
         return None                      # a manifest without these facts: nothing to compare

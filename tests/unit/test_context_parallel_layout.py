@@ -8,7 +8,7 @@ from hpengine.config.load import load_config, mesh_order
 from hpengine.layout.reduction import reductions
 from hpengine.layout.resolve import LayoutError, describe, resolve
 from hpengine.layout.stage import build_stage
-from hpengine.planner.model import evaluate
+from hpengine.planner.model import predict_layout
 
 BASE = ["model.kind=gpt", "model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.seq_len=8",
         "train.global_batch=8"]
@@ -78,7 +78,7 @@ def test_every_gradient_is_summed_over_cp():
 
 def test_planner_models_context_parallel():
     c = cfg(*cp(2))
-    one, two = evaluate(cfg(), resolve(cfg(), 1), None), evaluate(c, resolve(c, 2), None)
+    one, two = predict_layout(cfg(), resolve(cfg(), 1), None), predict_layout(c, resolve(c, 2), None)
     assert 0 < two["memory"]["activations"] < one["memory"]["activations"]
     assert set(two["stages"][0]["traffic"]["cp"]) == {"send", "recv", "allreduce"}
 

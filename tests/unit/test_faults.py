@@ -131,7 +131,7 @@ def _cfg(*extra):
 
 def _check(cfg, res, be, **kw):
     """The memory check as a start-up runs it: on the job's one prediction."""
-    return memcheck.check(cfg, res, MPI.COMM_SELF, be, predict_at_start(cfg, res)["memory"], **kw)
+    return memcheck.check_fits(cfg, res, MPI.COMM_SELF, be, predict_at_start(cfg, res)["memory"], **kw)
 
 
 def test_memory_check_refuses_with_estimate_limit_and_switches():

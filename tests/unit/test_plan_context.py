@@ -6,7 +6,7 @@ counts in tests/mpi/test_plan_vs_engine.py."""
 from hpengine.cli import main
 from hpengine.config.load import load_config
 from hpengine.layout.resolve import resolve
-from hpengine.planner.model import evaluate
+from hpengine.planner.model import predict_layout
 from hpengine.planner.search import Cluster, candidates, config_for, describe
 
 LLAMA = ["model.kind=llama", "model.d_model=32", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
@@ -42,7 +42,7 @@ def test_activations_shrink_with_cp():
     for cp in (1, 2, 4):
         c = load_config(None, LLAMA + ["model.seq_len=64", "strategy.context_parallel.enable=true",
                                        f"strategy.context_parallel.degree={cp}"]) if cp > 1 else cfg
-        r = evaluate(c, resolve(c, cp), Cluster(nodes=1, gpus_per_node=4))
+        r = predict_layout(c, resolve(c, cp), Cluster(nodes=1, gpus_per_node=4))
         acts.append(r["memory"]["activations"])
         if cp > 1:
             assert set(r["stages"][0]["traffic"]["cp"]) == {"send", "recv", "allreduce"}

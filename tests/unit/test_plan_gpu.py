@@ -19,7 +19,7 @@ from hpengine.planner.calibrate_gpu import fit_device, table
 from hpengine.cli.commands import main
 from hpengine.config.load import load_config
 from hpengine.models import build_model
-from hpengine.planner.search import Cluster, PlanError, evaluate, load_cluster, search, with_preset
+from hpengine.planner.search import Cluster, PlanError, predict_layout, load_cluster, search, with_preset
 from hpengine.planner.gpu import gemm_flops, gemm_s, gemms, matmul_s
 from hpengine.planner.model import compute_s, flops_per_microbatch
 from hpengine.planner.stages import stages
@@ -58,7 +58,7 @@ RUNS = {"1.7B": (gpt(24, 2304, 24, 512, *degrees(1, 1, 32, k=16)), 32),
 def tflops_per_gpu(cfg, world, cluster) -> float:
     """Model FLOPs (6 N tokens + attention, the recomputed forward left out) per second and device."""
     lay = resolve(cfg, world)
-    r = evaluate(cfg, lay, cluster, (0, 1, lay.pp - 1))
+    r = predict_layout(cfg, lay, cluster, (0, 1, lay.pp - 1))
     n, m = sum(math.prod(sp.global_shape) for sp in build_model(cfg.model).all_specs()), cfg.model
     flops = cfg.train.global_batch * m.seq_len * (6 * n + 12 * m.n_layers * m.d_model * m.seq_len)
     return flops / r["time"]["step"] / world / 1e12

@@ -7,7 +7,7 @@ import pytest
 from hpengine.config.load import load_config
 from hpengine.planner import bound, prune
 from hpengine.planner.calibrate import GB
-from hpengine.planner.model import evaluate
+from hpengine.planner.model import predict_layout
 from hpengine.planner.search import Cluster, PlanError, load_cluster, searched, with_preset
 
 from pathlib import Path
@@ -87,7 +87,7 @@ def test_floors_never_exceed_a_layout_of_their_family(name, cluster, rows):
         exact = bound.family_floor(cfg, fam.rep, cluster, ids, fam.stages)
         assert quick[0] <= exact[0] * (1 + 1e-12) and quick[1] <= exact[1]
         for _, lay in fam.leaves():
-            r = evaluate(cfg, lay, cluster, ids)
+            r = predict_layout(cfg, lay, cluster, ids)
             assert exact[0] <= r["time"]["step"] * (1 + 1e-12) + prune.SLACK / 10
             assert exact[1] <= r["memory"]["total"]
             assert bound.leaf_memory_floor(cfg, lay, cluster, ids, fam.stages) <= r["memory"]["total"]
