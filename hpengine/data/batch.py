@@ -69,7 +69,8 @@ class Batch:
         return self._with(lambda a: a[start:stop], (stop - start, self.seq_len))
 
     def split_sequence(self, cp: int, rank: int) -> Batch:
-        """This context-parallel rank's head-tail part of every row of every field (nn/context_split.py)."""
+        """This context-parallel rank's head-tail part of every row of every field (nn/context_split.py), on
+        host arrays: the split comes before the move to the device."""
         if cp == 1:
             return self
         n = 2 * chunk_size(self.seq_len, cp)         # refuses, in one line, a T the 2 cp chunks do not divide

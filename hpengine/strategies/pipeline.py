@@ -26,11 +26,11 @@ FWD, BWD = 0, 1
 class PipelineExecutor:
     """Walks this rank's schedule for one pass (a share of the batch split into micro-batches) of one
     model. It is handed the forward and backward of a chunk as callables, never the engine:
-    forward(chunk, x, batch, grad) -> (out, cache), x the micro-batch's tokens (first chunk) or the activations
-    received, batch its data.Batch (the last chunk reads its targets); backward(chunk, dout, cache, defer) -> din, with
-    defer None (fused) or a list the chunk's weight-gradient work goes on; weight(chunk, defer) runs that
-    list (a zero-bubble W); begin_pass(last) tells the gradient sync whether the backward (or W) that
-    follows finishes the step's gradients."""
+    forward(chunk, x, batch, grad) -> (out, cache), x the micro-batch's tokens (first chunk) or the
+    activations received, batch its data.Batch (the last chunk reads its targets); backward(chunk, dout,
+    cache, defer) -> din, with defer None (fused) or a list the chunk's weight-gradient work goes on;
+    weight(chunk, defer) runs that list (a zero-bubble W); begin_pass(last) tells the gradient sync whether
+    the backward (or W) that follows finishes the step's gradients."""
 
     def __init__(self, pp_comm, xp, dtype, p: int, v: int, m: int, schedule: str, width: int, seq_parts: int = 1,
                  split_comm=None, wire_bits: bool = False):
