@@ -10,6 +10,7 @@ import math
 import os
 import time
 import tomllib
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from hpengine.checkpoint import shards as checkpoint
 from hpengine.checkpoint.export import refuse_checkpoint_target
 from hpengine.checkpoint.locate import find_checkpoint
 from hpengine.config import load as C
+from hpengine.data.batch import Batch
 from hpengine.data.dataset import check_vocab
 from hpengine.data.format import BYTES, DataError, TokenFile
 from hpengine.dist.agree import agree_or_raise
@@ -158,7 +160,7 @@ def _windows(tf, first: int, count: int, length: int, T: int, copies: int):
         rows[j] = tf.read(s, s + length + 1)
     if copies > 1:
         rows = np.repeat(rows, copies, axis=0)
-    return np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
+    return Batch(np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:]))
 
 
 # The pass is deterministic and covers the file once: window w reads tokens[w*T : w*T + T + 1] (inputs its
@@ -199,10 +201,10 @@ def _run(eng, cfg, reader, tf, batch, checkpoint_path, data_path) -> dict:
     with bar(len(passes), "evaluating", unit="batch", rank=eng.mesh.rank) as shown:    # rank 0's replica
         for first, count, length, counted in passes:
             copies = m if count % m else 1
-            x, y = _windows(tf, first, count, length, T, copies)
-            x, y = eng.be.to_device(x), eng.be.to_device(y)
+            # read by the stages that compute on rows, once per tp group (engine/rows.py)
+            b = eng.rows.shared(partial(_windows, tf, first, count, length, T, copies), count * copies, length)
             for k, slot in enumerate(eng.slots):     # every model of a train.models > 1 checkpoint, same windows
-                out = eng.forward_backward(slot, x, y, float(copies), grad=False)
+                out = eng.forward_backward(slot, b, float(copies), grad=False)
                 if counted and count_here:
                     nll[k] += float(out)
             if counted and count_here and eng.mesh.coords["pp"] == res.pp - 1:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpengine.data.batch import Batch
 from hpengine.data.format import BYTES, DataError, TokenFile
 
 log = logging.getLogger("hpengine.data")
@@ -130,6 +131,7 @@ class TokenDataset:
                 raise DataError("data.path is empty and data.sources has no entries: expected a token file")
             blend = [(str(path), 1.0)]
         self.seq_len, self.model_vocab = seq_len, vocab_size
+        self.rows_read = 0          # windows read from the files so far (which ranks read is the engine's choice)
         self._files: list[TokenFile] = []
         try:
             self._open(blend, str(val_path), val_fraction)
@@ -215,8 +217,9 @@ class TokenDataset:
         return self.rows(split, step, seed, global_batch)[1]
 
     def batch(self, split: str, step: int, seed: int, global_batch: int, start: int = 0,
-              count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Rows [start, start + count) of the global batch of `step`: x, y of (count, seq_len) int64."""
+              count: int | None = None) -> Batch:
+        """Rows [start, start + count) of the global batch of `step`: a Batch of tokens and targets, (count, seq_len)
+        int64 each (positions, segments and the loss mask their defaults: these files hold no packing)."""
         src, offs = self.rows(split, step, seed, global_batch)
         start = operator.index(start)
         count = global_batch - start if count is None else operator.index(count)
@@ -225,12 +228,13 @@ class TokenDataset:
                              f"{global_batch}: expected 0 <= start <= start + count <= {global_batch}")
         parts, n = self._split(split)[0], self.seq_len + 1
         windows = np.empty((count, n), dtype=np.int64)
+        self.rows_read += count
         for i in range(count):
             p, o = parts[src[start + i]], int(offs[start + i])
             windows[i] = p.file.read(p.lo + o, p.lo + o + n)
         # copies whatever the row count (one row of windows would already be contiguous, and a view keeps
         # the whole window buffer alive in the caches that hold the targets)
-        return windows[:, :-1].copy(), windows[:, 1:].copy()
+        return Batch(windows[:, :-1].copy(), windows[:, 1:].copy())
 
     def close(self) -> None:
         for tf in self._files:

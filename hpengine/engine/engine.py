@@ -16,13 +16,13 @@ from mpi4py import MPI
 from hpengine.dist.comm import Comm
 from hpengine.dist.tracer import Tracer
 from hpengine.engine import state
+from hpengine.engine.rows import RowReader
 from hpengine.models.moe_bias import RouterBias
 from hpengine.models.moe_figures import MoEFigures
 from hpengine.layout.cache import Recompute, cache_nbytes
 from hpengine.layout.reduction import reductions, summed_over, tied_sums
 from hpengine.layout.stage import build_stage
 from hpengine.nn import run_all
-from hpengine.nn.context_split import split_sequence
 from hpengine.optim import clip_coefficient, lr_at, make_optimizer, optimizer_kind
 from hpengine.params.init import init_range
 from hpengine.strategies import make_grad_sync
@@ -101,6 +101,9 @@ class Engine:
         self.pipe = PipelineExecutor(self.pp, self.xp, backend.dtype, res.pp, res.v, res.m, res.schedule,
                                      cfg.model.d_model, res.seq_parts, mesh.comms["tp"] if res.scatter else None,
                                      wire_bits=self.precision.packed)
+        self.rows = RowReader(dataset, backend, t.global_batch, cfg.model.seq_len, res.share,
+                              res.replica(mesh.coords) * res.share, self.pipe.reads_rows(), mesh.comms["tp"],
+                              res.cp, mesh.coords["cp"])
         self.tracer = Tracer()      # the run hands in its own (attach_tracer)
         self.before_update = None   # fence_updates: called before a step changes parameters or optimizer state
 
@@ -119,8 +122,9 @@ class Engine:
         buf = self.sync.grads_for(slot.prefix + b)
         return Prefixed(buf, slot.prefix) if slot.prefix else buf
 
-    def chunk_forward(self, slot, chunk, h, y, norm: float, grad: bool = True):
-        """Forward of one chunk (consecutive block names) of one model; the head returns the loss.
+    def chunk_forward(self, slot, chunk, h, batch, norm: float, grad: bool = True):
+        """Forward of one chunk (consecutive block names) of one model on h (the first chunk: the micro-batch's
+        tokens) and the micro-batch's Batch; the head returns the loss of its targets.
         A recomputed block keeps only its input (or, selective, all but its attention probabilities);
         backward rebuilds the rest."""
         xp, m, ctx, caches = self.xp, slot.model, self.ctx, []
@@ -130,7 +134,7 @@ class Engine:
             if b.kind == "embed":
                 h, c = m.embed_forward(xp, self._P(slot, name, nxt), h, ctx)
             elif b.kind == "head":
-                h, c = m.head_forward(xp, self._P(slot, name), h, y, norm, ctx)
+                h, c = m.head_forward(xp, self._P(slot, name), h, batch.targets, norm, ctx)
             else:
                 h, c = m.layer_forward(xp, self._P(slot, name, nxt), b.layer, h, ctx,
                                        keep_scores=not self.res.drops_scores(b), loss=self._loss_args(norm, grad))
@@ -207,26 +211,19 @@ class Engine:
         self.cache_bytes += sign * cache_nbytes([w.held for _, ws in defer for w in ws], self.sync.param_roots())
         self.cache_peak = max(self.cache_peak, self.cache_bytes)
 
-    def forward_backward(self, slot, x, y, norm: float, grad: bool = True, last_pass: bool = True) -> float:
-        """One pass of one model over rows x, y (split into micro-batches, through the pipeline when it
+    def forward_backward(self, slot, batch, norm: float, grad: bool = True, last_pass: bool = True) -> float:
+        """One pass of one model over a Batch of rows (split into micro-batches, through the pipeline when it
         is on); returns this rank's share of the global-mean loss."""
+        if not batch.defaults_only():       # positions from 0, one document a row, every target counted
+            raise ValueError("a batch with its own positions, document segments or loss mask: the models "
+                             "compute only the defaults (positions 0..T-1, one document per row, every target)")
         fwd = lambda chunk, h, t, g: self.chunk_forward(slot, chunk, h, t, norm, g)  # noqa: E731
         bwd = lambda chunk, d, c, defer: self.chunk_backward(slot, chunk, d, c, defer)  # noqa: E731
         wgt = lambda chunk, defer: self.chunk_weights(slot, defer)  # noqa: E731
         self._norm, self.layer_loss = norm, 0.0
         with self.precision.gemm_operands():     # bf16 amp: every GEMM takes bfloat16 operands
-            ce = self.pipe.run(slot.chunks, fwd, bwd, self.sync.begin_pass, x, y, last_pass, grad, self.tracer, wgt)
+            ce = self.pipe.run(slot.chunks, fwd, bwd, self.sync.begin_pass, batch, last_pass, grad, self.tracer, wgt)
         return ce + self.layer_loss
-
-    def _rows(self, split, step, seed):
-        """This rank's rows of the global batch (ids, targets); under context parallelism its head-tail part
-        of every sequence (the cp ranks of a replica take the same rows)."""
-        x, y = self.data.batch(split, step, seed, self.cfg.train.global_batch,
-                               start=self.res.replica(self.mesh.coords) * self.share, count=self.share)
-        if self.res.cp > 1:
-            cp, r = self.res.cp, self.mesh.coords["cp"]
-            x, y = split_sequence(np, x, cp, r), split_sequence(np, y, cp, r)
-        return self.be.to_device(x), self.be.to_device(y)
 
     # --- one optimizer step ---------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
@@ -271,7 +268,7 @@ class Engine:
         """Forward and backward of the step's k passes of every model; this rank's loss shares."""
         tr, t = self.tracer, self.tracer.now()
         norm = float(self.cfg.train.global_batch * self.cfg.model.seq_len)
-        batches = [self._rows("train", step, s.seed) for s in self.slots]
+        batches = [self.rows.read("train", step, s.seed) for s in self.slots]
         tr.lap("data", t)
         self.sync.begin_step()
         losses, k = [0.0] * len(self.slots), self.res.k
@@ -280,9 +277,9 @@ class Engine:
         # under amp an overflow is expected and handled (the step is skipped): no NumPy warnings for it
         with np.errstate(over="ignore", invalid="ignore") if self.scaler else contextlib.nullcontext():
             for j in range(k):
-                part = slice(j * rows, (j + 1) * rows)
-                for s, (x, y) in zip(self.slots, batches):
-                    losses[s.index] += self.forward_backward(s, x[part], y[part], norm, last_pass=(j == k - 1))
+                for s, b in zip(self.slots, batches):
+                    losses[s.index] += self.forward_backward(s, b.row_slice(j * rows, (j + 1) * rows), norm,
+                                                             last_pass=(j == k - 1))
         return losses
 
     def _reduced_grads(self):
@@ -358,8 +355,7 @@ class Engine:
         totals = [0.0] * len(self.slots)
         for s in self.slots:
             for i in range(cfg.train.eval_batches):
-                x, y = self._rows("val", i, s.seed)
-                totals[s.index] += self.forward_backward(s, x, y, norm, grad=False)
+                totals[s.index] += self.forward_backward(s, self.rows.read("val", i, s.seed), norm, grad=False)
         return self._losses(totals)
 
     # --- state and accounting -------------------------------------------------------------------

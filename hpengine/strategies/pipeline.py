@@ -26,10 +26,11 @@ FWD, BWD = 0, 1
 class PipelineExecutor:
     """Walks this rank's schedule for one pass (a share of the batch split into micro-batches) of one
     model. It is handed the forward and backward of a chunk as callables, never the engine:
-    forward(chunk, x, targets, grad) -> (out, cache); backward(chunk, dout, cache, defer) -> din, with
-    defer None (fused) or a list the chunk's weight-gradient work goes on; weight(chunk, defer) runs that
-    list (a zero-bubble W); begin_pass(last) tells the gradient sync whether the backward (or W) that
-    follows finishes the step's gradients."""
+    forward(chunk, x, batch, grad) -> (out, cache), x the micro-batch's tokens (first chunk) or the
+    activations received, batch its data.Batch (the last chunk reads its targets); backward(chunk, dout,
+    cache, defer) -> din, with defer None (fused) or a list the chunk's weight-gradient work goes on;
+    weight(chunk, defer) runs that list (a zero-bubble W); begin_pass(last) tells the gradient sync whether
+    the backward (or W) that follows finishes the step's gradients."""
 
     def __init__(self, pp_comm, xp, dtype, p: int, v: int, m: int, schedule: str, width: int, seq_parts: int = 1,
                  split_comm=None, wire_bits: bool = False):
@@ -126,24 +127,30 @@ class PipelineExecutor:
         return self.pp.isend(self._piece(arr), dest=dest, tag=self._tag(mb, g_dst, direction),
                              channel=(g_dst, direction))
 
-    def run(self, chunks, forward, backward, begin_pass, x, y, last_pass: bool, grad: bool = True,
+    def reads_rows(self) -> bool:
+        """Whether this stage computes on rows: it holds the first chunk (tokens) or the last (targets). The
+        stages in between never read them: their inputs arrive from the stage before."""
+        return self.stage in (self.place.stage_of(0), self.place.stage_of(self.V - 1))
+
+    def run(self, chunks, forward, backward, begin_pass, batch, last_pass: bool, grad: bool = True,
             tracer=OFF, weight=None) -> float:
-        """Forward (and backward) of every micro-batch of rows x, y through `chunks` (this rank's, local
-        index c, computing virtual stage Placement.virtual(stage, c)); returns the loss share (last stage)."""
+        """Forward (and backward) of every micro-batch of a data.Batch through `chunks` (this rank's, local
+        index c, computing virtual stage Placement.virtual(stage, c)); returns the loss share (last stage).
+        The wire shape is the batch's shape, which a stage that reads no rows holds too (Batch.empty)."""
         m, V = self.m, self.V
-        rows = x.shape[0] // m
-        act_shape = (rows, x.shape[1] // self.seq_parts, self.width)
+        rows = batch.rows // m
+        act_shape = (rows, batch.seq_len // self.seq_parts, self.width)
         actions = self.actions if grad else self._forward_only()
         caches, sends, losses, live, work = {}, [], [], 0, {}
         self.tr = tr = tracer if grad else OFF     # evaluation is one span in train.py
         t_start, busy_before = time.perf_counter(), self.busy_s
         for a in actions:
             g, chunk, mb = self._g(a.chunk), chunks[a.chunk], a.mb
-            sl = slice(mb * rows, (mb + 1) * rows)
             if a.kind == "F":
-                inp = x[sl] if g == 0 else self.recv_forward(mb, g, act_shape)
+                part = batch.row_slice(mb * rows, (mb + 1) * rows)
+                inp = part.tokens if g == 0 else self.recv_forward(mb, g, act_shape)
                 t0, t = time.perf_counter(), tr.now()
-                out, cache = forward(chunk, inp, y[sl] if g == V - 1 else None, grad)
+                out, cache = forward(chunk, inp, part, grad)
                 tr.lap("forward", t, "F", (mb, g))
                 self.busy_s += time.perf_counter() - t0
                 if grad:

@@ -65,9 +65,9 @@ def test_packed_run_on_cupy_equals_float32_storage(small_corpus, attention):
     same_training(la, pa, lb, pb)
     assert kb < ka
     slot = eng.slots[0]
-    x, y = eng._rows("train", 0, slot.seed)
+    b = eng.rows.read("train", 0, slot.seed).row_slice(0, 2)
     with eng.precision.gemm_operands():         # as the engine's passes run
-        _, caches = eng.chunk_forward(slot, slot.chunks[0], x[:2], y[:2], 1.0)
+        _, caches = eng.chunk_forward(slot, slot.chunks[0], b.tokens, b, 1.0)
         held = [a for a in cache_arrays(caches[1:-1]) if isinstance(a, Packed)]
         cp = backend.cupy_module()
         assert held and all(isinstance(a.bits, cp.ndarray) and a.bits.dtype == np.uint16 for a in held)

@@ -49,3 +49,36 @@ def test_pipeline_with_data_parallel_and_tied_head(corpus, world, kind):
     ref_l, ref_p, _ = reference(corpus, *LAYERS, *MODELS[kind], "model.tie_head=true")
     assert_same(losses, ref_l)
     assert_same_params(params, ref_p)
+
+
+# (overrides, which world sizes it fits); each rank's expected reads follow from its stage and tp rank
+READS = {
+    "pp_fthenb": (["strategy.pipeline.enable=true", "strategy.pipeline.degree=-1", "strategy.pipeline.micro_batches=2"],
+                  lambda n: n in (2, 4)),
+    "pp_zbv": (["strategy.pipeline.enable=true", "strategy.pipeline.degree=-1", "strategy.pipeline.schedule=zbv",
+                "strategy.pipeline.micro_batches=8"], lambda n: n in (2, 4)),
+    "tp2_pp2": (["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2",
+                 "strategy.pipeline.enable=true", "strategy.pipeline.degree=2", "strategy.pipeline.micro_batches=2"],
+                lambda n: n == 4),
+}
+
+
+@pytest.mark.parametrize("layout", list(READS))
+def test_rows_are_read_by_the_edge_stages_once_per_tp_group(corpus, world, layout):
+    """Only the stages holding the first or the last chunk read rows, tp rank 0 of each group alone, and the
+    training is still the one-process run's."""
+    extra, fits = READS[layout]
+    need(fits(world.Get_size()), f"{layout} does not fit {world.Get_size()} ranks")
+    steps = 5           # reference() trains 5
+    losses, params, eng = run(config(corpus, *LAYERS, *extra), world, steps=steps)
+    pipe, tp = eng.pipe, eng.mesh.comms["tp"]
+    edge = pipe.stage in (pipe.place.stage_of(0), pipe.place.stage_of(pipe.V - 1))
+    want = steps * eng.res.share if edge and tp.rank == 0 else 0
+    assert eng.data.rows_read == want, (eng.mesh.prefix(), eng.data.rows_read, want)
+    assert sum(world.allgather(eng.data.rows_read)) == steps * eng.res.share * len(
+        {pipe.place.stage_of(0), pipe.place.stage_of(pipe.V - 1)})
+    if layout == "pp_zbv":          # the V shape puts both ends on stage 0: every other stage reads nothing
+        assert edge == (pipe.stage == 0)
+    ref_l, ref_p, _ = reference(corpus, *LAYERS)
+    assert_same(losses, ref_l)
+    assert_same_params(params, ref_p)

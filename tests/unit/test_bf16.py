@@ -68,10 +68,10 @@ def test_bf16_run_stores_bf16_and_tracks_float32(small_corpus, kind):
     assert all(is_bf16(v) for v in params.values())
     assert not is_bf16(bf.master)                                       # the masters keep float32 precision
     # a forward pass: every block output and every saved activation (head excepted) is a bf16 value
-    x, y = bf._rows("train", 0, bf.slots[0].seed)
+    b = bf.rows.read("train", 0, bf.slots[0].seed).row_slice(0, 2)
     slot = bf.slots[0]
     chunk = slot.chunks[0]
-    _, caches = bf.chunk_forward(slot, chunk, x[:2], y[:2], 1.0)
+    _, caches = bf.chunk_forward(slot, chunk, b.tokens, b, 1.0)
     arrays = []
 
     def walk(o):
@@ -92,8 +92,8 @@ def test_loss_scaling_and_bf16_gradients(small_corpus):
     assert "loss_scale" in eng.train_step(0)
     eng = engine(small_corpus, *BF16, "strategy.amp.grad_dtype=bfloat16")
     eng.sync.begin_step()
-    x, y = eng._rows("train", 0, eng.slots[0].seed)
-    eng.forward_backward(eng.slots[0], x, y, float(x.size))
+    b = eng.rows.read("train", 0, eng.slots[0].seed)
+    eng.forward_backward(eng.slots[0], b, float(b.tokens.size))
     g = eng._reduced_grads()
     assert np.abs(g).max() > 0 and is_bf16(g)
     f16 = engine(small_corpus, "strategy.amp.enable=true", "model.dtype=float32")

@@ -61,8 +61,8 @@ def test_float32_storage_rounds_each_stage_and_only_under_bf16_grads(small_corpu
     for grads, want in ((GRADS, True), ([], False)):
         eng = engine(small_corpus, *KINDS["llama"], *TIED, *grads, "strategy.amp.bf16_storage=float32")
         eng.sync.begin_step()
-        x, y = eng._rows("train", 0, eng.slots[0].seed)
-        eng.forward_backward(eng.slots[0], x, y, float(x.size))
+        b = eng.rows.read("train", 0, eng.slots[0].seed)
+        eng.forward_backward(eng.slots[0], b, float(b.tokens.size))
         stored = np.array(eng.sync.grads.data)
         assert np.abs(stored).max() > 0 and is_bf16(stored) == want
         assert is_bf16(eng._reduced_grads()) == want

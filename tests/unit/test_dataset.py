@@ -26,6 +26,12 @@ from hpengine.run.build import check_same_tokenizer
 from hpengine.run.run_dir import tokenizer_json
 from hpengine.run.train import train
 
+def xy(batch):
+    """A Batch's (tokens, targets), the pair batches were before they carried their metadata."""
+    assert batch.defaults_only()
+    return batch.tokens, batch.targets
+
+
 HF = json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}}})
 
 
@@ -85,7 +91,7 @@ def test_document_split_starts_at_the_first_boundary_at_or_after_the_cut(tmp_pat
         assert (ds.n_tokens("train"), ds.n_tokens("val")) == (boundary, 1000 - boundary)
         for split, lo, hi in (("train", 0, boundary), ("val", boundary, 1000)):
             for step in range(5):
-                x, y = ds.batch(split, step, 3, 64)
+                x, y = xy(ds.batch(split, step, 3, 64))
                 assert x[:, 0].min() >= lo and y[:, -1].max() < hi          # windows stay on their side
                 assert np.array_equal(x, x[:, :1] + np.arange(8)) and np.array_equal(y, x + 1)
 
@@ -123,7 +129,7 @@ def test_val_path_is_the_whole_validation_split(tmp_path):
     train_file = v2(tmp_path / "t.h5", [300, 300], tokens=np.arange(600) % 100, vocab=120)
     with TokenDataset(train_file, seq_len=8, vocab_size=128, val_fraction=0.5, val_path=val_file) as ds:
         assert (ds.n_tokens("train"), ds.n_tokens("val")) == (600, 80)
-        assert ds.batch("train", 0, 1, 32)[0].max() < 100 and ds.batch("val", 0, 1, 32)[0].min() >= 100
+        assert ds.batch("train", 0, 1, 32).tokens.max() < 100 and ds.batch("val", 0, 1, 32).tokens.min() >= 100
 
 
 def test_version1_file_keeps_the_token_split_and_says_so(v1_corpus, caplog):
@@ -147,20 +153,20 @@ def test_single_file_offsets_are_the_philox_formula(tmp_path, v1_corpus):
     doc = v2(tmp_path / "d.h5", [100, 200, 300, 400])
     with TokenDataset(doc, seq_len=8, vocab_size=1000, val_fraction=0.5) as ds2:
         assert np.array_equal(ds2.offsets("val", 3, 9, 10), old_offsets(400 - 8, 1, 3, 9, 10))
-        x, _ = ds2.batch("val", 3, 9, 10)
+        x, _ = xy(ds2.batch("val", 3, 9, 10))
         assert np.array_equal(x[:, 0], 600 + old_offsets(400 - 8, 1, 3, 9, 10))
 
 
 def test_batch_is_a_function_of_seed_step_split(v1_corpus):
     ds = TokenDataset(v1_corpus, seq_len=16, vocab_size=256, val_fraction=0.1)
-    x1, y1 = ds.batch("train", step=3, seed=7, global_batch=8)
+    x1, y1 = xy(ds.batch("train", step=3, seed=7, global_batch=8))
     ds.batch("train", step=9, seed=7, global_batch=8)            # unrelated draws in between
     again = TokenDataset(v1_corpus, seq_len=16, vocab_size=256, val_fraction=0.1)
-    x2, y2 = again.batch("train", step=3, seed=7, global_batch=8)
+    x2, y2 = xy(again.batch("train", step=3, seed=7, global_batch=8))
     assert x1.shape == y1.shape == (8, 16) and x1.dtype == np.int64
     assert np.array_equal(x1, x2) and np.array_equal(y1, y2)
     for other in ({"step": 4, "seed": 7}, {"step": 3, "seed": 8}):
-        assert not np.array_equal(x1, ds.batch("train", global_batch=8, **other)[0])
+        assert not np.array_equal(x1, ds.batch("train", global_batch=8, **other).tokens)
     halves = TokenDataset(v1_corpus, seq_len=16, vocab_size=256, val_fraction=0.5)  # equal lengths
     assert halves.n_tokens("train") == halves.n_tokens("val")
     assert not np.array_equal(halves.offsets("train", 3, 7, 8), halves.offsets("val", 3, 7, 8))
@@ -176,7 +182,7 @@ def test_offsets_cover_the_whole_valid_range(v1_corpus):
 
 def test_y_is_x_shifted_and_matches_the_tokens(v1_corpus):
     ds = TokenDataset(v1_corpus, seq_len=16, vocab_size=256, val_fraction=0.1)
-    x, y = ds.batch("val", step=0, seed=1, global_batch=5)
+    x, y = xy(ds.batch("val", step=0, seed=1, global_batch=5))
     assert np.array_equal(x[:, 1:], y[:, :-1])
     with h5py.File(v1_corpus) as h5:
         val = h5["tokens"][18_000:]
@@ -201,7 +207,7 @@ def test_blend_rows_follow_the_weights(blend):
             src, offs = ds.rows("train", step, 11, 64)
             want_src, want_offs = blend_rows([1.0, 2.0, 5.0], n_windows, 0, step, 11, 64)
             assert np.array_equal(src, want_src) and np.array_equal(offs, want_offs)
-            x, _ = ds.batch("train", step, 11, 64)
+            x, _ = xy(ds.batch("train", step, 11, 64))
             assert np.array_equal(x[:, 0] // 10, src)                  # each row read from its own file
             counts += np.bincount(src, minlength=3)
     expected = counts.sum() * np.array([1, 2, 5]) / 8
@@ -218,18 +224,18 @@ def test_blend_validation_uses_each_files_own_split_by_the_same_weights(blend, t
     val = v2(tmp_path / "val.h5", [100, 100], tokens=np.full(200, 99), vocab=256, eos=0, dtype=np.uint8)
     with TokenDataset("", 8, 256, 0.3, sources=sources, val_path=val) as ds:
         assert ds.n_tokens("train") == sum(500 + 100 * i for i in range(3)) and ds.n_tokens("val") == 200
-        assert (ds.batch("val", 0, 1, 16)[0] == 99).all()
+        assert (ds.batch("val", 0, 1, 16).tokens == 99).all()
 
 
 def test_slices_are_rows_of_the_global_batch_and_instances_agree(blend):
     _, sources = blend
     ds, other = TokenDataset("", 8, 256, 0.3, sources=sources), TokenDataset("", 8, 256, 0.3, sources=sources)
-    x, y = ds.batch("train", step=11, seed=3, global_batch=12)
+    x, y = xy(ds.batch("train", step=11, seed=3, global_batch=12))
     for start, count in [(0, 12), (0, 3), (3, 3), (8, 4), (11, 1), (5, 0)]:
-        xs, ys = other.batch("train", step=11, seed=3, global_batch=12, start=start, count=count)
+        xs, ys = xy(other.batch("train", step=11, seed=3, global_batch=12, start=start, count=count))
         assert xs.shape == (count, 8)
         assert np.array_equal(xs, x[start:start + count]) and np.array_equal(ys, y[start:start + count])
-    xs, _ = ds.batch("train", step=11, seed=3, global_batch=12, start=7)   # count None: the rest
+    xs, _ = xy(ds.batch("train", step=11, seed=3, global_batch=12, start=7))   # count None: the rest
     assert np.array_equal(xs, x[7:])
     ds.close()
     other.close()

@@ -10,6 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from hpengine.config.load import ConfigError, load_config
+from hpengine.data.batch import Batch
 from hpengine.nn import flash, score_elements
 from hpengine.planner.model import for_rank
 from hpengine.run.build import build
@@ -47,7 +48,7 @@ def loss_and_grads(eng):
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, V, (B, T)), rng.integers(0, V, (B, T))
     eng.sync.begin_step()
-    loss = float(eng.forward_backward(eng.slots[0], x, y, float(B * T)))
+    loss = float(eng.forward_backward(eng.slots[0], Batch(x, y), float(B * T)))
     return loss, np.array(eng.sync.grads.data)
 
 

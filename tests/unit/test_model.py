@@ -13,6 +13,7 @@ import pytest
 from mpi4py import MPI
 
 from hpengine.config.load import load_config
+from hpengine.data.batch import Batch
 from hpengine.run.build import build
 
 B, T, V = 4, 8, 32
@@ -59,7 +60,7 @@ def batch(seed: int = 0, rows: int = B):
 
 def loss_of(eng, x, y, norm) -> float:
     """The engine's loss share of one forward pass (no gradient)."""
-    return float(eng.forward_backward(eng.slots[0], x, y, norm, grad=False))
+    return float(eng.forward_backward(eng.slots[0], Batch(x, y), norm, grad=False))
 
 
 def gradient(eng, passes, norm) -> tuple[float, np.ndarray]:
@@ -68,7 +69,7 @@ def gradient(eng, passes, norm) -> tuple[float, np.ndarray]:
     eng.sync.begin_step()
     loss = 0.0
     for j, (x, y) in enumerate(passes):
-        loss += float(eng.forward_backward(eng.slots[0], x, y, norm, last_pass=j == len(passes) - 1))
+        loss += float(eng.forward_backward(eng.slots[0], Batch(x, y), norm, last_pass=j == len(passes) - 1))
     return loss, np.array(eng.sync.grads.data)
 
 

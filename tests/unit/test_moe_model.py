@@ -234,7 +234,7 @@ def test_engine_step_updates_the_biases_from_the_batch_loads(tmp_path):
                              "model.dtype=float64", "train.global_batch=4", f"data.path={path}", *moe])
     eng = build(cfg, MPI.COMM_SELF)
     slot = eng.slots[0]
-    x, _ = eng._rows("train", 0, slot.seed)
+    x = eng.rows.read("train", 0, slot.seed).tokens
     h, _ = slot.model.embed_forward(np, eng.sync.params, x, LOCAL)
     loads, dropped = {}, 0
     for i in range(3):

@@ -34,6 +34,7 @@ import pytest
 from mpi4py import MPI
 
 from hpengine.config.load import load_config
+from hpengine.data.batch import Batch
 from hpengine.run.build import build
 
 V, T, C, L, H, FFN = 64, 8, 16, 2, 2, 4
@@ -327,7 +328,7 @@ def test_forward_backward_matches_the_oracle(corpus64, kind, tied):
     x, y = random_batch(2)
     norm = 11.5 * T                           # not the pass's own token count: the division is by `norm`
     eng.sync.begin_step()
-    got_loss = eng.forward_backward(eng.slots[0], x, y, norm)
+    got_loss = eng.forward_backward(eng.slots[0], Batch(x, y), norm)
     got = engine_tensors(eng, eng.sync.grads.data)
     want_loss, want = oracle(P, x, y, norm, kind, tied)
     assert got_loss == pytest.approx(want_loss, rel=1e-12, abs=0)
@@ -356,9 +357,9 @@ def test_train_steps_match_the_oracle(corpus64, kind, tied, max_norm):
     seen = []                                 # the rows each step trains on (sampling is not under test)
     plain = eng.forward_backward
 
-    def spy(slot, x, y, norm, *a, **k):
-        seen.append((np.array(x), np.array(y), norm))
-        return plain(slot, x, y, norm, *a, **k)
+    def spy(slot, batch, norm, *a, **k):
+        seen.append((np.array(batch.tokens), np.array(batch.targets), norm))
+        return plain(slot, batch, norm, *a, **k)
     eng.forward_backward = spy
     metrics = []
     for s in range(STEPS):

@@ -20,6 +20,7 @@ import pytest
 from mpi4py import MPI
 
 from hpengine.config.load import load_config
+from hpengine.data.batch import Batch
 from hpengine.run.build import build
 
 B, T, V, C = 3, 8, 32, 16
@@ -87,7 +88,7 @@ def test_llama_loss_equals_the_oracle(corpus, H, K, tied):
     rng = np.random.default_rng(0)
     ids, targets = rng.integers(0, V, size=(B, T)), rng.integers(0, V, size=(B, T))
     norm = float(B * T)
-    got = eng.forward_backward(eng.slots[0], ids, targets, norm, grad=False)
+    got = eng.forward_backward(eng.slots[0], Batch(ids, targets), norm, grad=False)
     want = oracle_loss(P, ids, targets, H, K, L, theta, eps, tied, norm)
     assert got == pytest.approx(want, rel=1e-12)
     # the oracle is sensitive to the conventions it pins: the other rotary pairing gives another loss

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from hpengine.data.batch import Batch
 from hpengine.strategies.pipeline import PipelineExecutor
 
 
@@ -28,7 +29,7 @@ def test_losses_are_read_after_every_action(schedule, m):
     ex = PipelineExecutor(SimpleNamespace(rank=0, size=1), np, np.float64, 1, 1, m, schedule, 4)
     rows = iter(range(m))
 
-    def forward(chunk, x, targets, grad):
+    def forward(chunk, x, batch, grad):
         mb = next(rows)
         events.append(("F", mb))
         return Loss(values[mb], mb, events), mb
@@ -37,7 +38,7 @@ def test_losses_are_read_after_every_action(schedule, m):
         events.append(("B", cache))
 
     x = np.zeros((m, 2))
-    loss = ex.run([("h.0",)], forward, backward, lambda last: None, x, x, True)
+    loss = ex.run([("h.0",)], forward, backward, lambda last: None, Batch(x, x), True)
     kinds = [k for k, _ in events]
     assert kinds.count("F") == kinds.count("B") == kinds.count("read") == m
     assert kinds[-m:] == ["read"] * m and [mb for k, mb in events if k == "read"] == list(range(m))

@@ -299,8 +299,8 @@ def test_data_build_writes_a_loadable_file(tmp_path, capsys):
         assert f.read(0, f.n_tokens).tobytes() == b"first file " * 20 + b"\0" + b"x = 1\n" * 30 + b"\0"
         assert list(f.doc_offsets) == [0, 221, 402]
     ds = TokenDataset(out, seq_len=8, vocab_size=256, val_fraction=0.1)
-    x, y = ds.batch("train", 0, 1, 4)
-    assert x.shape == y.shape == (4, 8)
+    b = ds.batch("train", 0, 1, 4)
+    assert b.tokens.shape == b.targets.shape == (4, 8)
 
 
 def test_data_build_missing_source(tmp_path, capsys):
