@@ -236,7 +236,8 @@ class Llama:
         o, c_o = row_forward(xp, ctx, a, P[f"{p}.attn.o.w"])
         o += x                  # o is ours: the residual sum needs no new array
         routed = self._routed(i)       # the router's logits are no bf16 GEMM: it reads float32
-        h2s, c_n2 = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps, num=ctx.num.float32_out if routed else ctx.num)
+        h2s, c_n2 = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps,
+                                    num=ctx.num.float32_out if routed else ctx.num)
         if routed:
             d, c_moe = self.moe.forward(xp, P, p, h2s, ctx, loss)
             o += d

@@ -158,7 +158,7 @@ def flash_attention_forward(xp, qkv, n_heads: int, bq: int | None = None, bk: in
     y = xp.empty((B, T, n_heads * hd), dtype=np.float32 if bits_twin else qkv.dtype)
     (o,) = _heads(y, n_heads, 1)
     if cuda:
-        lse = flash_cuda.forward(xp, q, k, v, o, scale, mma=num.bf16)
+        lse = flash_cuda.forward(xp, q, k, v, o, scale, mma=flash_cuda.use_mma(q.dtype, num.bf16))
     else:
         q, k, v = (as_float32(xp, t) for t in (q, k, v))
         og, lse = flash_forward_core(xp, q * scale, k, v, 1, bq, bk, num)
@@ -181,7 +181,8 @@ def flash_attention_backward(xp, dy, cache, num=OFF):
     (do,), (o,) = _heads(dy, H, 1), _heads(y, H, 1)
     if _use_cuda(xp, qkv, dy, y):
         dqkv = xp.empty((B, T, C3), dtype=dy.dtype)
-        flash_cuda.backward(xp, q, k, v, o, do, lse, *_heads(dqkv, H, 3), scale, mma=num.bf16)
+        flash_cuda.backward(xp, q, k, v, o, do, lse, *_heads(dqkv, H, 3), scale,
+                            mma=flash_cuda.use_mma(q.dtype, num.bf16))
         return num.store_for_gemm(xp, dqkv, bf16)            # (bits already: as they are)
     q, k, v, o, do = (as_float32(xp, t) for t in (q, k, v, o, do))
     dqkv = xp.empty((B, T, C3), dtype=do.dtype)
@@ -214,7 +215,8 @@ def flash_gqa_forward(xp, q, k, v, bq: int | None = None, bk: int | None = None,
         q, k, v = (t if t.dtype == np.uint16 else to_bf16_bits(xp, t) for t in (q, k, v))
     (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k)
     if _use_cuda(xp, q, k, v):
-        lse = flash_cuda.forward(xp, q, k, v, y.reshape(B, T, H, hd).transpose(0, 2, 1, 3), 1.0, mma=num.bf16)
+        lse = flash_cuda.forward(xp, q, k, v, y.reshape(B, T, H, hd).transpose(0, 2, 1, 3), 1.0,
+                                 mma=flash_cuda.use_mma(q.dtype, num.bf16))
     else:
         if y.dtype == np.uint16:
             y = xp.empty(y.shape, dtype=np.float32)
@@ -238,7 +240,8 @@ def flash_gqa_backward(xp, dy, cache, num=OFF):
     if _use_cuda(xp, q, k, v, dy):
         dq, dk, dv = (xp.empty(a.shape, dtype=dy.dtype) for a in (q, k, k))
         per_head = lambda a: a.reshape(B, T, H, hd).transpose(0, 2, 1, 3)     # noqa: E731
-        flash_cuda.backward(xp, q, k, v, per_head(y), per_head(dy), lse, dq, dk, dv, 1.0, mma=num.bf16)
+        flash_cuda.backward(xp, q, k, v, per_head(y), per_head(dy), lse, dq, dk, dv, 1.0,
+                            mma=flash_cuda.use_mma(q.dtype, num.bf16))
         return tuple(num.store_for_gemm(xp, t, bf16) for t in (dq, dk, dv))   # (bits already: as they are)
     q, k, v, y, dy = (as_float32(xp, t) for t in (q, k, v, y, dy))
     lseg = lse.reshape(B, K, g, T).swapaxes(2, 3).reshape(B, K, T * g)

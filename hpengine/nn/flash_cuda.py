@@ -77,11 +77,11 @@ def plan_mma(op: str, dtype, B: int, H: int, KH: int, T: int, hd: int) -> Launch
     return Launch(f"flash_mma_{op}_{s}_hd{bound}", (math.ceil(T / rows), B * heads), (32 * MMA_WARPS,), shared)
 
 
-# Under bf16 amp (the caller's num.bf16, passed as `mma=`) float32 and bfloat16-bits inputs go to the
-# tensor-core entries of attention_mma.cu instead: every product with bfloat16 operands and float32 sums, as
-# the twin's GEMMs are then.
+# Under bf16 amp (nn/flash.py passes use_mma(dtype, num.bf16) as `mma=`) float32 and bfloat16-bits inputs go
+# to the tensor-core entries of attention_mma.cu instead: every product with bfloat16 operands and float32
+# sums, as the twin's GEMMs are then. An explicit mma=True on float64 is refused (plan_mma).
 def use_mma(dtype, mma: bool = False) -> bool:
-    """Whether the tensor-core entries run: when mma is asked for (bf16 amp); never for float64."""
+    """Whether the tensor-core entries run for mma asked (bf16 amp): never for float64."""
     return bool(mma) and suffix(dtype) != "f64"
 
 
