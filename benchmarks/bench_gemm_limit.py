@@ -1,8 +1,9 @@
 """How close one process's optimizer step comes to its GEMM limit: the step's own matrix products, timed alone.
 
 Records every GEMM one optimizer step issues (shapes, strides, accumulate or write), by routing the engine's
-passes through the one place all its products meet (nn/bf16_gemm.matmul, switched on, with a recorder that multiplies in
-plain float32, so the values and the calls are those of the float32 step). It then times the step as
+passes through the one place all its products meet (nn/bf16_gemm.matmul, the layers handed a bfloat16-operand policy
+that stores nothing in bfloat16, with a recorder that multiplies in plain float32, so the values and the calls are
+those of the float32 step). It then times the step as
 bench_core.py does, and the recorded products replayed back to back on operands of the same layouts with the
 same BLAS. The limit is the step's tokens over the replay's time: what the step would reach if everything that
 is not a GEMM took no time. A second, stricter limit runs the step's GEMM FLOPs at the BLAS's peak rate (a
@@ -47,7 +48,7 @@ same calls as attention's and linear's float32 branches), each call's layout not
     def __init__(self):
         self.calls = []
 
-    def matmul(self, xp, a, b, out=None, accumulate=False):
+    def matmul(self, xp, a, b, out=None, accumulate=False, held=None):
         self.calls.append((_layout(a), _layout(b), None if out is None else _layout(out), bool(accumulate)))
         if out is None:
             return a @ b
@@ -104,15 +105,18 @@ def replay(np, plan) -> float:
 
 
 @contextlib.contextmanager
-def recording(rec):
-    from hpengine.nn import bf16_gemm  # noqa: PLC0415 - after the thread variables are set
+def recording(rec, eng):
+    import dataclasses  # noqa: PLC0415
 
-    saved = bf16_gemm.matmul, bf16_gemm.active
-    bf16_gemm.matmul, bf16_gemm.active = rec.matmul, lambda: True
+    from hpengine.nn import Numerics, bf16_gemm  # noqa: PLC0415 - after the thread variables are set
+
+    saved = bf16_gemm.matmul, eng.ctx
+    # every GEMM through bf16_gemm.matmul (the recorder), no output stored in bfloat16: the float32 step's values
+    bf16_gemm.matmul, eng.ctx = rec.matmul, dataclasses.replace(eng.ctx, num=Numerics(bf16=True).float32_out)
     try:
         yield
     finally:
-        bf16_gemm.matmul, bf16_gemm.active = saved
+        bf16_gemm.matmul, eng.ctx = saved
 
 
 def run(a) -> dict:
@@ -121,7 +125,7 @@ def run(a) -> dict:
 
     cfg, eng, toks, step = warm_engine(a.overrides, a.warmup_s)
     rec = Recorder()
-    with recording(rec):
+    with recording(rec, eng):
         eng.train_step(step)
     step += 1
     plan = replay_plan(np, rec.calls)

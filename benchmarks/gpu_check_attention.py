@@ -71,7 +71,7 @@ def worker_attention(a) -> dict:
     from hpengine.device import kernels                       # noqa: PLC0415
     from hpengine.doctor.bandwidth import device_setup        # noqa: PLC0415
     from hpengine.device.precision import round_bf16_          # noqa: PLC0415
-    from hpengine.nn import bf16_gemm, flash, flash_cuda       # noqa: PLC0415
+    from hpengine.nn import flash, flash_cuda                  # noqa: PLC0415
     B, H, T, hd = attn_shape(a)
     n, scale = B * H * T * hd, 1.0 / math.sqrt(hd)
     xp, timer, device = device_setup(a.cpu_smoke, "cpu")
@@ -87,14 +87,14 @@ def worker_attention(a) -> dict:
         o, dq, dk, dv = (xp.empty_like(q) for _ in range(4))
         state = {}
 
+        mma = flash_cuda.use_mma(q.dtype, key == "bf16")      # as nn/flash.py asks under bf16 amp
+
         def fwd():
-            with bf16_gemm.operands(key == "bf16"):
-                state["lse"] = flash_cuda.forward(xp, q, k, v, o, scale)
+            state["lse"] = flash_cuda.forward(xp, q, k, v, o, scale, mma=mma)
 
         def fwd_bwd():
             fwd()
-            with bf16_gemm.operands(key == "bf16"):
-                flash_cuda.backward(xp, q, k, v, o, do, state["lse"], dq, dk, dv, scale)
+            flash_cuda.backward(xp, q, k, v, o, do, state["lse"], dq, dk, dv, scale, mma=mma)
 
         def outputs():
             conv = (lambda t: flash_cuda.from_bf16(xp, t)) if key == "bits" else (lambda t: t)

@@ -16,9 +16,9 @@ from hpengine.device.bf16_bits import round_bf16_cupy_
 # after each block's backward and after each sum (strategies/amp.Precision lists them). With
 # amp.bf16_storage = "packed" the caches, and bfloat16 gradients, are then held as bfloat16 bits instead
 # (strategies/bf16_storage.py, strategies/base.py), the same values in 2 bytes. Every GEMM takes bfloat16
-# operands and sums in float32 (nn/bf16_gemm.py, inside the engine's passes); inside a block, what only GEMMs or
-# bfloat16-reading kernels take is stored by its producer as bfloat16 (bf16_gemm.store_for_gemm, product_stored:
-# rounded here, bits when packed); the rest of a block's arithmetic is float32, as inside a fused kernel that
+# operands and sums in float32 (nn/bf16_gemm.py, under the policy the layers are handed: nn/numerics.py); inside
+# a block, what only GEMMs or bfloat16-reading kernels take is stored by its producer as bfloat16 (store_for_gemm,
+# product_stored: rounded here, bits when packed); the rest of a block's arithmetic is float32, as inside a fused kernel that
 # reads bf16 and computes in fp32.
 EXP = 0x7F800000
 

@@ -55,7 +55,12 @@ class Engine:
     def __init__(self, cfg, res, mesh, backend, dataset):
         self.cfg, self.res, self.mesh, self.be, self.data = cfg, res, mesh, backend, dataset
         self.xp = backend.xp
-        self.ctx = make_context(res, mesh.comms, cfg.model.vocab_size, backend.xp, cfg.model.seq_len)
+        amp = cfg.strategy.amp
+        # what amp rounds, where (bf16 caches packed in 2 bytes: amp.bf16_storage); the loss scaler; the
+        # precision policy the context hands the layers
+        self.precision = Precision(amp, res.amp, res.packs_activations(backend.is_gpu))
+        self.ctx = make_context(res, mesh.comms, cfg.model.vocab_size, backend.xp, cfg.model.seq_len,
+                                self.precision.numerics)
         self.tp = self.ctx.tp
         t = cfg.train
         seeds = tuple(t.model_seeds or [t.seed + i for i in range(t.models)])
@@ -66,9 +71,6 @@ class Engine:
         self.sync = make_grad_sync(res, self.stage, backend, mesh.comms)
         self.world = Comm(mesh.world, "world", backend)
         self.pp = mesh.comms["pp"]
-        amp = cfg.strategy.amp
-        # what amp rounds, where (bf16 caches packed in 2 bytes: amp.bf16_storage); the loss scaler
-        self.precision = Precision(amp, res.amp, res.packs_activations(backend.is_gpu))
         self.amp, self.scaler = res.amp, self.precision.scaler
         # amp: float32 master weights of the owned range, from the exact (unrounded) initial values: a copy of
         # the held ones while they are still float32 or wider (bf16 rounds them only below), else hashed again
@@ -221,8 +223,7 @@ class Engine:
         bwd = lambda chunk, d, c, defer: self.chunk_backward(slot, chunk, d, c, defer)  # noqa: E731
         wgt = lambda chunk, defer: self.chunk_weights(slot, defer)  # noqa: E731
         self._norm, self.layer_loss = norm, 0.0
-        with self.precision.gemm_operands():     # bf16 amp: every GEMM takes bfloat16 operands
-            ce = self.pipe.run(slot.chunks, fwd, bwd, self.sync.begin_pass, batch, last_pass, grad, self.tracer, wgt)
+        ce = self.pipe.run(slot.chunks, fwd, bwd, self.sync.begin_pass, batch, last_pass, grad, self.tracer, wgt)
         return ce + self.layer_loss
 
     # --- one optimizer step ---------------------------------------------------------------------

@@ -5,6 +5,7 @@ tensor-parallel linears the pieces here are built from are models/tp_layers.py.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from hpengine.models.tp_layers import (
@@ -18,6 +19,7 @@ from hpengine.models.tp_layers import (
     vocab_loss_forward,
 )
 from hpengine.nn import (
+    OFF,
     embedding_cache_bytes,
     gelu_backward,
     gelu_forward,
@@ -127,7 +129,7 @@ def head_weight(P, G, tied):
 
 def head_forward(xp, P, x, targets, norm, ctx, tied):
     # x: (B, T, C) -> loss (this rank's share of the global-mean loss)
-    h, c_ln = layernorm_forward(xp, x, P["ln_f.w"], P["ln_f.b"], gemm_input=True)
+    h, c_ln = layernorm_forward(xp, x, P["ln_f.w"], P["ln_f.b"], num=ctx.num)
     loss, c = logits_loss_forward(xp, P, h, targets, norm, ctx, tied)
     return loss, (c_ln, c)
 
@@ -153,8 +155,8 @@ def logits_loss_backward(xp, cache, G, ctx, tied, P, dloss=1.0, defer=None):
 
 def mlp_forward(xp, P, p, x, ctx):
     # x: (B, T, C) -> (B, T, C), the residual branch only
-    h, c1 = column_forward(xp, ctx, x, P[f"{p}.fc.w"], P[f"{p}.fc.b"], bf16_out=True)    # bf16 amp: GELU reads bf16
-    g, c2 = gelu_forward(xp, h, bf16=True)
+    h, c1 = column_forward(xp, ctx, x, P[f"{p}.fc.w"], P[f"{p}.fc.b"], ctx.num)    # bf16 amp: GELU reads bf16
+    g, c2 = gelu_forward(xp, h, ctx.num)
     o, c3 = row_forward(xp, ctx, g, P[f"{p}.proj.w"], P[f"{p}.proj.b"])
     # g is rebuilt in backward from the GELU cache (one multiply): a third less MLP activation memory
     return o, (c1, c2, linear_drop_input(c3))
@@ -163,25 +165,25 @@ def mlp_forward(xp, P, p, x, ctx):
 def mlp_backward(xp, do, cache, P, G, p, ctx, defer=None):
     # do: (B, T, C) -> dx: (B, T, C); `do` must stay unmodified until a deferred W runs
     stash, c2, c3 = cache
-    c3 = linear_restore_input(c3, gelu_recompute(xp, c2, bf16=True))
+    c3 = linear_restore_input(c3, gelu_recompute(xp, c2, ctx.num))
     dg = row_backward(xp, ctx, do, c3, P[f"{p}.proj.w"], G[f"{p}.proj.w"], G[f"{p}.proj.b"], defer)
     del c3
-    dh = gelu_backward(xp, dg, c2, bf16=True)     # bf16 amp: only the fc's GEMMs and bias gradient read it
+    dh = gelu_backward(xp, dg, c2, ctx.num)       # bf16 amp: only the fc's GEMMs and bias gradient read it
     return column_backward(xp, ctx, dh, stash, P[f"{p}.fc.w"], G[f"{p}.fc.w"], G[f"{p}.fc.b"], defer)
 
 
-def attention_cores(forward, backward, drop, restore, keep_scores: bool):
+def attention_cores(forward, backward, drop, restore, keep_scores: bool, num=OFF):
     """A local attention core pair as the context's attention part takes it: forward(xp, *inputs) -> (y,
-    cache), backward(xp, dy, cache). With keep_scores False (selective recompute) forward's cache drops the
-    probabilities (drop) and backward rebuilds them first (restore, a no-op on a whole cache); None for drop
-    and restore when the core keeps none (flash)."""
+    cache), backward(xp, dy, cache), each handed the precision policy num. With keep_scores False (selective
+    recompute) forward's cache drops the probabilities (drop) and backward rebuilds them first (restore, a
+    no-op on a whole cache); None for drop and restore when the core keeps none (flash)."""
     if restore is None:
-        return forward, backward
-    bwd = lambda xp, dy, cache: backward(xp, dy, restore(xp, cache))  # noqa: E731
+        return functools.partial(forward, num=num), functools.partial(backward, num=num)
+    bwd = lambda xp, dy, cache: backward(xp, dy, restore(xp, cache, num=num), num=num)  # noqa: E731
     if keep_scores:
-        return forward, bwd
+        return functools.partial(forward, num=num), bwd
 
     def fwd(xp, *inputs):
-        y, cache = forward(xp, *inputs)
+        y, cache = forward(xp, *inputs, num=num)
         return y, drop(cache)
     return fwd, bwd

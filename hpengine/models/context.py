@@ -1,13 +1,13 @@
 """The parallel context a model's blocks are handed: one named part per kind of communication. `tp` the
 tensor-parallel conjugate pairs and loss, `seq` this rank's piece of each sequence, `attn` the keys and
-values an attention sees, `ep` tokens sent to experts. LOCAL is one rank's, every part the identity;
-strategies/context.py builds the communicating parts.
+values an attention sees, `ep` tokens sent to experts; `num` the precision policy its layers are handed.
+LOCAL is one rank's without bf16 amp, every part the identity; strategies/context.py builds the others.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpengine.nn import cross_entropy_backward, cross_entropy_forward
+from hpengine.nn import OFF, Numerics, cross_entropy_backward, cross_entropy_forward
 
 __all__ = ["LOCAL", "Context", "LocalAttn", "LocalEP", "LocalSeq", "LocalTP", "local_context"]
 
@@ -138,11 +138,14 @@ class LocalEP:
 
 @dataclass(frozen=True)
 class Context:
-    """What a block may communicate through, by concern; every block function takes one."""
+    """What a block may communicate through, by concern, and the precision its layers compute in (num: every
+    layer call takes it, or its float32_out for an output a float32 reader takes); every block function
+    takes one."""
     tp: LocalTP
     seq: LocalSeq
     attn: LocalAttn
     ep: LocalEP
+    num: Numerics = OFF
 
 
 LOCAL = Context(LocalTP(), LocalSeq(), LocalAttn(), LocalEP())

@@ -154,12 +154,12 @@ class GPT:
     def all_specs(self) -> list[ParamSpec]:
         return [s for b in self.blocks() for s in self.specs(b.name)]
 
-    def _cores(self, keep_scores=True):
-        """The local attention core pair (fused qkv, or flash), dropping the probabilities when asked."""
+    def _cores(self, num, keep_scores=True):
+        """The local attention core pair (fused qkv, or flash) handed num, dropping the probabilities when asked."""
         if self.flash:
-            return flash_attention_forward, flash_attention_backward
+            return attention_cores(flash_attention_forward, flash_attention_backward, None, None, keep_scores, num)
         return attention_cores(attention_forward, attention_backward, attention_drop_scores, attention_restore_scores,
-                               keep_scores)
+                               keep_scores, num)
 
     # --- blocks -------------------------------------------------------------------------------
     def embed_forward(self, xp, P, idx, ctx):
@@ -179,24 +179,23 @@ class GPT:
         # keep_scores=False (selective recompute): the cache drops the attention probabilities, which
         # layer_backward rebuilds; flash attention keeps none anyway
         p = f"h.{i}"
-        h, c_ln1 = layernorm_forward(xp, x, P[f"{p}.ln1.w"], P[f"{p}.ln1.b"], gemm_input=True)
-        # under bf16 amp flash attention on this rank reads qkv as bfloat16 (bits when packed), as the
-        # tensor-core kernels take it; the fused standard core and context parallelism's drivers read float32
-        qkv, c_qkv = column_forward(xp, ctx, h, P[f"{p}.attn.qkv.w"], P[f"{p}.attn.qkv.b"],
-                                    bf16_out=self._bf16_attention(ctx))
+        h, c_ln1 = layernorm_forward(xp, x, P[f"{p}.ln1.w"], P[f"{p}.ln1.b"], num=ctx.num)
+        qkv, c_qkv = column_forward(xp, ctx, h, P[f"{p}.attn.qkv.w"], P[f"{p}.attn.qkv.b"], self._attention_num(ctx))
         qkv, _ = ctx.attn.kv_forward(qkv, None)          # the fused core reads its keys and values from qkv
-        a, c_att = ctx.attn.fused_forward(xp, self._cores(keep_scores)[0], qkv, self.H // ctx.tp.size)
+        a, c_att = ctx.attn.fused_forward(xp, self._cores(ctx.num, keep_scores)[0], qkv, self.H // ctx.tp.size)
         o, c_proj = row_forward(xp, ctx, a, P[f"{p}.attn.proj.w"], P[f"{p}.attn.proj.b"])
         o += x                  # o is ours: the residual sum needs no new array
         x1 = o
-        h2, c_ln2 = layernorm_forward(xp, x1, P[f"{p}.ln2.w"], P[f"{p}.ln2.b"], gemm_input=True)
+        h2, c_ln2 = layernorm_forward(xp, x1, P[f"{p}.ln2.w"], P[f"{p}.ln2.b"], num=ctx.num)
         m, c_mlp = mlp_forward(xp, P, f"{p}.mlp", h2, ctx)
         x1 += m
         return x1, (c_ln1, c_qkv, c_att, c_proj, c_ln2, c_mlp)
 
-    def _bf16_attention(self, ctx) -> bool:
-        """Whether the attention's input may be bfloat16 bits (bf16 amp): the flash core on this rank."""
-        return self.flash and ctx.attn.local_core
+    def _attention_num(self, ctx):
+        """The policy of the attention's input: under bf16 amp flash attention on this rank reads qkv as bfloat16
+        (bits when packed), as the tensor-core kernels take it; the fused standard core and context
+        parallelism's drivers read float32."""
+        return ctx.num if self.flash and ctx.attn.local_core else ctx.num.float32_out
 
     def layer_backward(self, xp, dy, cache, P, G, i, ctx, defer=None):
         # dy: (B, T, C) -> dx: (B, T, C); defer: a list for the weight-gradient products (nn/deferred.py),
@@ -208,7 +207,7 @@ class GPT:
         dx1 += dy
         da = row_backward(xp, ctx, dx1, c_proj, P[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.b"],
                           defer)
-        dqkv = ctx.attn.fused_backward(xp, self._cores()[1], da, c_att)
+        dqkv = ctx.attn.fused_backward(xp, self._cores(ctx.num)[1], da, c_att)
         dqkv, _ = ctx.attn.kv_backward(dqkv, None)
         dh = column_backward(xp, ctx, dqkv, c_qkv, P[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.b"],
                              defer)

@@ -220,51 +220,53 @@ class Llama:
         p, (B, T) = f"h.{i}", (x.shape[0], x.shape[1] * ctx.seq.parts)   # T: the whole sequence
         H, K, hd = P[f"{p}.attn.q.w"].shape[1] // self.hd, P[f"{p}.attn.k.w"].shape[1] // self.hd, self.hd
         cos, sin, qcos, qsin = self._tables_at(xp, x.dtype, ctx)
-        hs, c_n1 = rmsnorm_forward(xp, x, P[f"{p}.attn_norm.w"], self.eps, gemm_input=True)
+        hs, c_n1 = rmsnorm_forward(xp, x, P[f"{p}.attn_norm.w"], self.eps, num=ctx.num)
         # under bf16 amp the projections' outputs are stored in bfloat16 where bits-reading kernels or the
-        # attention's products take them (bf16_attention): v, and q and k unless the q/k norms read them
-        att_bits = self._bf16_attention(ctx)
-        qk_bits = att_bits and not self.qk
+        # attention's products take them (_attention_num): v, and q and k unless the q/k norms read them
+        att = self._attention_num(ctx)
+        qk = ctx.num.float32_out if self.qk else att
         (q, k, v), c_qkv = columns_forward(xp, ctx, hs, (P[f"{p}.attn.q.w"], P[f"{p}.attn.k.w"], P[f"{p}.attn.v.w"]),
-                                           bf16_out=(qk_bits, qk_bits, att_bits))
+                                           nums=(qk, qk, att))
         del hs
         q, k, c_qk = self._qk_forward(xp, P, p, q.reshape(B, T, H, hd), k.reshape(B, T, K, hd))
-        q = rope_forward(xp, q, qcos, qsin, gemm_input=att_bits)
-        k = rope_forward(xp, k, cos, sin, gemm_input=att_bits)
+        q = rope_forward(xp, q, qcos, qsin, att)
+        k = rope_forward(xp, k, cos, sin, att)
         k, v = ctx.attn.kv_forward(k, v.reshape(B, T, K, hd).transpose(0, 2, 1, 3))
-        a, c_att = ctx.attn.grouped_forward(xp, self._cores(keep_scores)[0], q, k, v, scale=1.0)   # q is scaled
+        a, c_att = ctx.attn.grouped_forward(xp, self._cores(ctx.num, keep_scores)[0], q, k, v, scale=1.0)  # q is scaled
         o, c_o = row_forward(xp, ctx, a, P[f"{p}.attn.o.w"])
         o += x                  # o is ours: the residual sum needs no new array
         routed = self._routed(i)       # the router's logits are no bf16 GEMM: it reads float32
-        h2s, c_n2 = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps, gemm_input=not routed)
+        h2s, c_n2 = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps,
+                                    num=ctx.num.float32_out if routed else ctx.num)
         if routed:
             d, c_moe = self.moe.forward(xp, P, p, h2s, ctx, loss)
             o += d
             return o, (c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_moe)
-        (g, u), c_gu = columns_forward(xp, ctx, h2s, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]), bf16_out=(True, True))
+        (g, u), c_gu = columns_forward(xp, ctx, h2s, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]), nums=(ctx.num,) * 2)
         del h2s
-        m, c_sw = swiglu_forward(xp, g, u, bf16=True)
+        m, c_sw = swiglu_forward(xp, g, u, ctx.num)
         d, c_d = row_forward(xp, ctx, m, P[f"{p}.mlp.down.w"])
         del m
         o += d
         return o, (c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_gu, c_sw, linear_drop_input(c_d))
 
-    def _bf16_attention(self, ctx) -> bool:
-        """Whether the attention's inputs may be bfloat16 bits (bf16 amp): the grouped or flash core on this rank
-        (context parallelism's drivers compute on float32)."""
-        return ctx.attn.local_core
+    def _attention_num(self, ctx):
+        """The policy of the attention's inputs: bfloat16 (bits when packed) under bf16 amp for the grouped or
+        flash core on this rank; float32 for context parallelism's drivers."""
+        return ctx.num if ctx.attn.local_core else ctx.num.float32_out
 
     def _tables_at(self, xp, dtype, ctx):
         """cos, sin, and the query's (1/sqrt(hd) folded in) at the positions this rank's attention sees."""
         (cos, sin), (qcos, qsin) = self.rope(xp, dtype)
         return tuple(ctx.attn.rows(t) for t in (cos, sin, qcos, qsin))
 
-    def _cores(self, keep_scores=True):
-        """The local attention core pair (grouped-query, or flash), dropping the probabilities when asked."""
+    def _cores(self, num, keep_scores=True):
+        """The local attention core pair (grouped-query, or flash) handed num, dropping the probabilities when
+        asked."""
         if self.flash:
-            return flash_gqa_forward, flash_gqa_backward
+            return attention_cores(flash_gqa_forward, flash_gqa_backward, None, None, keep_scores, num)
         return attention_cores(gqa_attention_forward, gqa_attention_backward, gqa_drop_scores, gqa_restore_scores,
-                               keep_scores)
+                               keep_scores, num)
 
     def _qk_forward(self, xp, P, p, q, k):
         # q: (B, T, H, hd), k: (B, T, K, hd) -> the same, each head RMS-normalised (qk_norm; else as they are)
@@ -294,21 +296,21 @@ class Llama:
         else:
             c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_gu, c_sw, c_d = cache
             # MLP branch
-            c_d = linear_restore_input(c_d, swiglu_recompute(xp, c_sw, bf16=True))
+            c_d = linear_restore_input(c_d, swiglu_recompute(xp, c_sw, ctx.num))
             dm = row_backward(xp, ctx, dy, c_d, P[f"{p}.mlp.down.w"], G[f"{p}.mlp.down.w"], defer=defer)
             del c_d
-            dg, du = swiglu_backward(xp, dm, c_sw, bf16=True)
+            dg, du = swiglu_backward(xp, dm, c_sw, ctx.num)
             dh2 = columns_backward(xp, ctx, (dg, du), c_gu, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]),
                                    (G[f"{p}.mlp.gate.w"], G[f"{p}.mlp.up.w"]), defer=defer)
         dx = rmsnorm_backward(xp, dh2, c_n2, P[f"{p}.mlp_norm.w"], G[f"{p}.mlp_norm.w"])
         dx += dy
         # attention branch
         da = row_backward(xp, ctx, dx, c_o, P[f"{p}.attn.o.w"], G[f"{p}.attn.o.w"], defer=defer)
-        dq, dk, dv = ctx.attn.grouped_backward(xp, self._cores()[1], da, c_att)
+        dq, dk, dv = ctx.attn.grouped_backward(xp, self._cores(ctx.num)[1], da, c_att)
         dk, dv = ctx.attn.kv_backward(dk, dv)
         # without q/k norms only the projections' GEMMs read the rotated-back gradients
-        dq, dk = (rope_backward(xp, dq, qcos, qsin, gemm_input=not self.qk),
-                  rope_backward(xp, dk, cos, sin, gemm_input=not self.qk))
+        dnum = ctx.num.float32_out if self.qk else ctx.num
+        dq, dk = rope_backward(xp, dq, qcos, qsin, dnum), rope_backward(xp, dk, cos, sin, dnum)
         dq, dk = self._qk_backward(xp, dq, dk, c_qk, P, G, p)
         dys = (dq, dk, dv.transpose(0, 2, 1, 3))
         dh = columns_backward(xp, ctx, dys, c_qkv, (P[f"{p}.attn.q.w"], P[f"{p}.attn.k.w"], P[f"{p}.attn.v.w"]),
@@ -323,7 +325,7 @@ class Llama:
 
     def head_forward(self, xp, P, x, targets, norm, ctx):
         # x: (B, T, C) -> loss
-        h, c_n = rmsnorm_forward(xp, x, P["norm.w"], self.eps, gemm_input=True)
+        h, c_n = rmsnorm_forward(xp, x, P["norm.w"], self.eps, num=ctx.num)
         loss, c = logits_loss_forward(xp, P, h, targets, norm, ctx, self.tied)
         return loss, (c_n, c)
 

@@ -110,7 +110,7 @@ class MLP:
         # loss (norm, loss scale) is what an MoE layer of the llama kind reads; a dense layer adds no loss
         # no attention, so no scores to drop: selective recompute keeps this layer's cache whole
         p = f"h.{i}"
-        h, c_ln = layernorm_forward(xp, x, P[f"{p}.ln.w"], P[f"{p}.ln.b"], gemm_input=True)
+        h, c_ln = layernorm_forward(xp, x, P[f"{p}.ln.w"], P[f"{p}.ln.b"], num=ctx.num)
         m, c_mlp = mlp_forward(xp, P, f"{p}.mlp", h, ctx)
         return x + m, (c_ln, c_mlp)
 

@@ -97,19 +97,20 @@ class MoEMLP:
             dropped = (idx < 0).sum()
         W = (P[f"{p}.moe.experts.gate.w"], P[f"{p}.moe.experts.up.w"], P[f"{p}.moe.experts.down.w"])
         if ctx.ep.size == 1:
-            y, c_e = experts_forward(xp, h2, idx, gates, *W, dropping=dropping)
+            y, c_e = experts_forward(xp, h2, idx, gates, *W, dropping=dropping, num=ctx.num)
         else:       # this rank's rows to the ranks of their experts, this rank's experts on what arrives, back
             order, counts = moe_permute(xp, idx, self.E, dropping)
             xl, cl, plan = ctx.ep.dispatch(h2[order // self.k], counts)
-            yl, c_g = grouped_swiglu_forward(xp, xl, cl, *W)
+            yl, c_g = grouped_swiglu_forward(xp, xl, cl, *W, num=ctx.num)
             y, c_c = moe_combine_forward(xp, ctx.ep.combine(yl, plan), order, gates, h2.shape[0])
             c_e = (order, c_g, plan, c_c)
         c_s = None
-        if self.Fs:
-            g, c_sg = linear_forward(xp, h2, P[f"{p}.moe.shared.gate.w"])
-            u, _ = linear_forward(xp, h2, P[f"{p}.moe.shared.up.w"])
-            a, c_sw = swiglu_forward(xp, g, u)
-            s, _ = linear_forward(xp, a, P[f"{p}.moe.shared.down.w"])
+        if self.Fs:         # bfloat16 operands under bf16 amp; outputs as computed, as the routed experts' are
+            f32 = ctx.num.float32_out
+            g, c_sg = linear_forward(xp, h2, P[f"{p}.moe.shared.gate.w"], num=f32)
+            u, _ = linear_forward(xp, h2, P[f"{p}.moe.shared.up.w"], num=f32)
+            a, c_sw = swiglu_forward(xp, g, u, f32)
+            s, _ = linear_forward(xp, a, P[f"{p}.moe.shared.down.w"], num=f32)
             y += s
             c_s = (c_sg, c_sw)
         share = (e.aux_loss * aux + e.z_loss * z) if loss else 0.0
@@ -125,20 +126,22 @@ class MoEMLP:
         W = (P[f"{p}.moe.experts.gate.w"], P[f"{p}.moe.experts.up.w"], P[f"{p}.moe.experts.down.w"])
         GW = (G[f"{p}.moe.experts.gate.w"], G[f"{p}.moe.experts.up.w"], G[f"{p}.moe.experts.down.w"])
         if ctx.ep.size == 1:
-            dh2, dgates = experts_backward(xp, dy2, c_e, *W, *GW)
+            dh2, dgates = experts_backward(xp, dy2, c_e, *W, *GW, num=ctx.num)
         else:
             order, c_g, plan, c_c = c_e
             dys, dgates = moe_combine_backward(xp, dy2, c_c)
-            dxl = grouped_swiglu_backward(xp, ctx.ep.combine_backward(dys, plan), c_g, *W, *GW)
+            dxl = grouped_swiglu_backward(xp, ctx.ep.combine_backward(dys, plan), c_g, *W, *GW, num=ctx.num)
             dh2 = tokens_sum(xp, ctx.ep.dispatch_backward(dxl, plan), order, dy2.shape[0], self.k)
         if c_s is not None:
             c_g, c_sw = c_s
-            a = swiglu_recompute(xp, c_sw)
-            da = linear_backward(xp, dy2, (a, (dy2.shape[0],)), P[f"{p}.moe.shared.down.w"], G[f"{p}.moe.shared.down.w"])
+            f32 = ctx.num.float32_out
+            a = swiglu_recompute(xp, c_sw, f32)
+            da = linear_backward(xp, dy2, (a, (dy2.shape[0],)), P[f"{p}.moe.shared.down.w"], G[f"{p}.moe.shared.down.w"],
+                                 num=f32)
             del a
-            dg, du = swiglu_backward(xp, da, c_sw)
-            dh2 += linear_backward(xp, dg, c_g, P[f"{p}.moe.shared.gate.w"], G[f"{p}.moe.shared.gate.w"])
-            dh2 += linear_backward(xp, du, c_g, P[f"{p}.moe.shared.up.w"], G[f"{p}.moe.shared.up.w"])
+            dg, du = swiglu_backward(xp, da, c_sw, f32)
+            dh2 += linear_backward(xp, dg, c_g, P[f"{p}.moe.shared.gate.w"], G[f"{p}.moe.shared.gate.w"], num=f32)
+            dh2 += linear_backward(xp, du, c_g, P[f"{p}.moe.shared.up.w"], G[f"{p}.moe.shared.up.w"], num=f32)
         e, tp = self.cfg, ctx.tp
         if tp.size > 1:     # each rank's gates' gradient saw its share of the width
             dgates = tp.sum_partial(dgates)

@@ -5,7 +5,6 @@ build their blocks from these rather than calling the conjugate pairs themselves
 """
 from __future__ import annotations
 
-from hpengine.nn import bf16_gemm
 from hpengine.nn import (
     embedding_backward,
     embedding_forward,
@@ -22,15 +21,16 @@ __all__ = ["column_backward", "column_backward_input", "column_backward_weight",
            "vocab_embed_forward", "vocab_loss_backward", "vocab_loss_forward"]
 
 
-def columns_forward(xp, ctx, x, ws, bs=None, bf16_out=()):
+def columns_forward(xp, ctx, x, ws, bs=None, nums=()):
     # x: (B, T_local, C), ws[i]: (C, OC_i / tp) -> ([(B, T, OC_i / tp)], stash): linears sharing one input;
-    # bf16_out[i]: linear i's output stored as bfloat16 under bf16 amp (nn/linear.linear_forward)
+    # nums[i]: the policy linear i is handed, ctx.num where its output is stored as bf16 amp stores what GEMMs
+    # and bits-reading kernels take (nn/linear.linear_forward); ctx.num.float32_out, the default, otherwise
     h = ctx.tp.copy_to_tp(x)
     ys, caches = [], []
-    outs = tuple(bf16_out) + (False,) * (len(ws) - len(bf16_out))
-    with bf16_gemm.held(xp, h):             # bf16 amp: the shared input converted once for all the linears
-        for w, b, o in zip(ws, bs or (None,) * len(ws), outs):
-            y, c = linear_forward(xp, h, w, b, o)
+    nums = tuple(nums) + (ctx.num.float32_out,) * (len(ws) - len(nums))
+    with ctx.num.converted(xp, h):          # bf16 amp: the shared input converted once for all the linears
+        for w, b, num in zip(ws, bs or (None,) * len(ws), nums):
+            y, c = linear_forward(xp, h, w, b, num)
             ys.append(y)
             caches.append(c)
     # sequence parallel: the caches keep this rank's piece x, not the gathered h
@@ -47,9 +47,9 @@ def columns_backward(xp, ctx, dys, stash, ws, gws, gbs=None, defer=None):
         return dx
     caches = ctx.seq.unstash_inputs(stash)
     dh = None
-    with bf16_gemm.held(xp, caches[0][0]):  # the linears' one input (their caches view it), converted once
+    with ctx.num.converted(xp, caches[0][0]):   # the linears' one input (their caches view it), converted once
         for dy, c, w, gw, gb in zip(dys, caches, ws, gws, gbs or (None,) * len(ws)):
-            d = linear_backward(xp, dy, c, w, gw, gb)
+            d = linear_backward(xp, dy, c, w, gw, gb, ctx.num)
             if dh is None:
                 dh = d
             else:
@@ -68,7 +68,7 @@ def columns_backward_input(xp, ctx, dys, stash, ws):
     caches = ctx.seq.stashed_caches(stash)
     dh = None
     for dy, c, w in zip(dys, caches, ws):
-        d = linear_backward_input(xp, dy, c, w)
+        d = linear_backward_input(xp, dy, c, w, ctx.num)
         if dh is None:
             dh = d
         else:
@@ -85,14 +85,14 @@ def columns_backward_weight(xp, ctx, dys, stash, gws, gbs=None):
     collective: every tp rank runs its W halves in the same order (the ranks of a stage run one schedule).
     dys must reach W as B was handed them (unmodified)."""
     caches = ctx.seq.unstash_inputs(stash)
-    with bf16_gemm.held(xp, caches[0][0]):
+    with ctx.num.converted(xp, caches[0][0]):
         for dy, c, gw, gb in zip(dys, caches, gws, gbs or (None,) * len(gws)):
-            linear_backward_weight(xp, dy, c, gw, gb)
+            linear_backward_weight(xp, dy, c, gw, gb, ctx.num)
 
 
-def column_forward(xp, ctx, x, w, b=None, bf16_out=False):
-    # x: (B, T_local, C), w: (C, OC / tp) -> y: (B, T, OC / tp), stash
-    (y,), stash = columns_forward(xp, ctx, x, (w,), None if b is None else (b,), (bf16_out,))
+def column_forward(xp, ctx, x, w, b=None, num=None):
+    # x: (B, T_local, C), w: (C, OC / tp) -> y: (B, T, OC / tp), stash; num as columns_forward's nums
+    (y,), stash = columns_forward(xp, ctx, x, (w,), None if b is None else (b,), () if num is None else (num,))
     return y, stash
 
 
@@ -113,7 +113,7 @@ def column_backward_weight(xp, ctx, dy, stash, gw, gb=None):
 
 def row_forward(xp, ctx, x, w, b=None):
     # x: (B, T, IC / tp), w: (IC / tp, C) -> y: (B, T_local, C), the linear's cache
-    y, c = linear_forward(xp, x, w)
+    y, c = linear_forward(xp, x, w, num=ctx.num.float32_out)   # a partial sum: reduced and added in float32
     y = ctx.tp.reduce_from_tp(y)
     if b is not None:       # added once, after the partial sums are reduced
         y += b
@@ -128,7 +128,7 @@ def row_backward(xp, ctx, dy, cache, w, gw, gb=None, defer=None):
         return dx
     if gb is not None:      # from this rank's positions: sequence parallelism sums it over tp later
         gb += dy.reshape(-1, dy.shape[-1]).sum(axis=0)
-    return linear_backward(xp, ctx.tp.reduce_from_tp_backward(dy), cache, w, gw)
+    return linear_backward(xp, ctx.tp.reduce_from_tp_backward(dy), cache, w, gw, num=ctx.num)
 
 
 def row_backward_input(xp, ctx, dy, cache, w, gb=None):
@@ -145,14 +145,14 @@ def row_backward_input(xp, ctx, dy, cache, w, gb=None):
     if gb is not None:      # from this rank's positions: sequence parallelism sums it over tp later
         gb += dy.reshape(-1, dy.shape[-1]).sum(axis=0)
     dy_full = ctx.tp.reduce_from_tp_backward(dy)
-    return linear_backward_input(xp, dy_full, cache, w), dy_full
+    return linear_backward_input(xp, dy_full, cache, w, ctx.num), dy_full
 
 
 def row_backward_weight(xp, ctx, dy_full, cache, gw):
     # dy_full: (B, T, C) from row_backward_input -> None; gw (IC / tp, C) += x.T @ dy_full
     """The weight half (W) of row_backward; the cache must hold its input again (linear_restore_input).
-    ctx is not read (the gather ran in B) and is taken so every tp W half is called alike."""
-    linear_backward_weight(xp, dy_full, cache, gw)
+    Of ctx only the precision is read (the gather ran in B)."""
+    linear_backward_weight(xp, dy_full, cache, gw, num=ctx.num)
 
 
 def vocab_embed_forward(xp, ctx, idx, w):

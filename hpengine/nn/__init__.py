@@ -50,6 +50,7 @@ from hpengine.nn.linear import (
                          linear_restore_input,
 )
 from hpengine.nn.loss import cross_entropy_backward, cross_entropy_forward
+from hpengine.nn.numerics import OFF, Numerics
 from hpengine.nn.rmsnorm import (
                          rmsnorm_backward,
                          rmsnorm_backward_input,
@@ -82,4 +83,6 @@ __all__ = [
     "linear_backward_input", "linear_backward_weight", "layernorm_backward_input", "layernorm_backward_weight",
     "rmsnorm_backward_input", "rmsnorm_backward_weight", "embedding_backward_input", "embedding_backward_weight",
     "Deferred", "run_all", "weight_grad",
+    # the bf16 storage and GEMM-operand policy a layer is handed (num=)
+    "Numerics", "OFF",
 ]

@@ -8,7 +8,8 @@ import math
 import numpy as np
 
 from hpengine.device.bf16_bits import as_float32
-from hpengine.nn import bf16_gemm, fused
+from hpengine.nn import fused
+from hpengine.nn.numerics import OFF
 
 
 def _no_overflow_warning(xp):
@@ -21,21 +22,21 @@ _A = 0.044715
 _SAT = 30.0
 
 
-def gelu_forward(xp, x, bf16=False):
+def gelu_forward(xp, x, num=OFF):
     # x: (...) -> y: (...); y = 0.5 x (1 + tanh(u)), u = K (x + A x^3)
-    # bf16: under bf16 amp x is a GEMM's output stored in bfloat16 (bf16_gemm.product_stored) and only GEMMs
+    # num.stores (nn/numerics.py): x is a GEMM's output stored in bfloat16 (num.product_stored) and only GEMMs
     # read y: s and y are stored as the GEMMs take them (bits when packed), y made from the s stored, so
     # gelu_recompute rebuilds it bit for bit
     # 0.5 (1 + tanh(u)) == sigmoid(2u) = 1 / (1 + exp(-2u)): it avoids the cancellation in 1 + tanh(u) for
     # negative x. Where exp(-2u) overflows to inf the sigmoid is 1 / inf = 0, its value to the dtype's
     # precision (below the smallest normal number); the overflow is expected there and not reported.
     # 1 / s is np.divide(1.0, s): the same IEEE quotient as np.reciprocal, twice as fast in NumPy 2.
-    if bf16 and bf16_gemm.active():
+    if num.stores:
         if fused.bits_usable(xp, x):
             y, s = fused.gelu_forward(xp, x)            # bits in, bits out
             return y, (x, s)
-        s = bf16_gemm.store_for_gemm(xp, _sigmoid2u(xp, as_float32(xp, x)))
-        return gelu_recompute(xp, (x, s), bf16), (x, s)
+        s = num.store_for_gemm(xp, _sigmoid2u(xp, as_float32(xp, x)))
+        return gelu_recompute(xp, (x, s), num), (x, s)
     if fused.usable(xp, x):
         y, s = fused.gelu_forward(xp, x)
         return y, (x, s)
@@ -75,18 +76,18 @@ def _gelu_forward_half(xp, x):
     return x * r, (x, r)
 
 
-def gelu_backward(xp, dy, cache, bf16=False):
+def gelu_backward(xp, dy, cache, num=OFF):
     # dy: (...) -> dx: (...)
-    # bf16: under bf16 amp only GEMMs (and a bias gradient) read dx: stored as they take it (bf16_gemm.store_for_gemm;
-    # from gelu_forward's bits cache the kernel writes the bits itself)
+    # num.stores: only GEMMs (and a bias gradient) read dx: stored as they take it (num.store_for_gemm; from
+    # gelu_forward's bits cache the kernel writes the bits itself)
     x, s = cache
     # with s = sigmoid(2u): dy/dx = s + 2 x s (1 - s) K (1 + 3 A x^2)
-    if bf16 and bf16_gemm.active() and fused.bits_usable(xp, x, s) and dy.dtype == xp.float32:  # the bits cache
+    if num.stores and fused.bits_usable(xp, x, s) and dy.dtype == xp.float32:  # the bits cache
         return fused.gelu_backward(xp, x, s, dy)
     x, s = as_float32(xp, x), as_float32(xp, s)
     if fused.usable(xp, x, s, dy):
-        return bf16_gemm.store_for_gemm(xp, fused.gelu_backward(xp, x, s, dy), bf16)
-    return bf16_gemm.store_for_gemm(xp, _gelu_backward(xp, x, s, dy), bf16)
+        return num.store_for_gemm(xp, fused.gelu_backward(xp, x, s, dy))
+    return num.store_for_gemm(xp, _gelu_backward(xp, x, s, dy))
 
 
 def _gelu_backward(xp, x, s, dy):
@@ -102,13 +103,13 @@ def _gelu_backward(xp, x, s, dy):
     return d
 
 
-def gelu_recompute(xp, cache, bf16=False):
+def gelu_recompute(xp, cache, num=OFF):
     # -> y: exactly the array gelu_forward returned (same ops, same order)
     x, s = cache
-    if bf16 and bf16_gemm.active():
+    if num.stores:
         if fused.bits_usable(xp, x, s):
             return fused.gelu_recompute(xp, x, s)
-        return bf16_gemm.store_for_gemm(xp, as_float32(xp, x) * as_float32(xp, s))
+        return num.store_for_gemm(xp, as_float32(xp, x) * as_float32(xp, s))
     return x * s
 
 

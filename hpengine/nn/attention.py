@@ -4,7 +4,8 @@ blocks that skip the masked quarter, and dropping / restoring the cached scores 
 import math
 
 from hpengine.device.bf16_bits import as_float32, to_bf16_bits
-from hpengine.nn import bf16_gemm, fused, gemm
+from hpengine.nn import fused, gemm
+from hpengine.nn.numerics import OFF
 
 
 # qkv's last axis reshapes to (n_heads, 3, hd) so a column split of the qkv
@@ -51,11 +52,11 @@ def _heads(a, n_heads, parts):
     return [v[:, :, :, i].transpose(0, 2, 1, 3) for i in range(parts)]
 
 
-def _mm(xp, a, b, out=None, accumulate=False):
+def _mm(xp, a, b, out=None, accumulate=False, num=OFF):
     # a @ b, into out or added to it; on CuPy through strided cuBLAS calls that copy no operand; bf16
-    # operands under bf16 amp (bf16_gemm.py)
-    if bf16_gemm.active():
-        return bf16_gemm.matmul(xp, a, b, out, accumulate)
+    # operands under bf16 amp (num.bf16: bf16_gemm.py)
+    if num.bf16:
+        return num.matmul(xp, a, b, out, accumulate)
     if _on_gpu(xp):
         return gemm.matmul(xp, a, b, out, accumulate)
     if accumulate:
@@ -73,10 +74,10 @@ def _rowsum(xp, a):
     return xp.matmul(a, xp.ones(a.shape[-1], dtype=a.dtype))[..., None]
 
 
-# Under bf16 amp the probabilities are stored as the GEMMs read them (bf16_gemm.store_for_gemm): packed, as
+# Under bf16 amp the probabilities are stored as the GEMMs read them (num.store_for_gemm): packed, as
 # bfloat16 bits, which the softmax kernel writes from the float32 scores; the forward's product with the values,
 # the cache, the softmax gradient and dv's product read those bits.
-def attention_forward(xp, qkv, n_heads):
+def attention_forward(xp, qkv, n_heads, num=OFF):
     # qkv: (B, T, H*3*hd) head-major -> y: (B, T, H*hd)
     B, T, C3 = qkv.shape
     if C3 % (3 * n_heads):
@@ -95,16 +96,16 @@ def attention_forward(xp, qkv, n_heads):
         y = xp.empty((B, T, n_heads * hd), dtype=q.dtype)
         (o,) = _heads(y, n_heads, 1)
     ps = []
-    with bf16_gemm.held(xp, q, kt if kt.flags.c_contiguous else kt.base, v):   # bf16: converted once, not per block
+    with num.converted(xp, q, kt if kt.flags.c_contiguous else kt.base, v):   # bf16: converted once, not per block
         for a, b in _blocks(T):
-            p = _scores(xp, q, kt, a, b)
-            _mm(xp, p, v[:, :, :b], o[:, :, a:b])
+            p = _scores(xp, q, kt, a, b, num)
+            _mm(xp, p, v[:, :, :b], o[:, :, a:b], num=num)
             ps.append(p)
-    if gpu and bf16_gemm.writes_bits():         # only the projection and this cache read y: its bfloat16 bits
+    if gpu and num.writes_bits:                 # only the projection and this cache read y: its bfloat16 bits
         y = to_bf16_bits(xp, o.transpose(0, 2, 1, 3)).reshape(B, T, n_heads * hd)
     elif gpu:
         y = o.transpose(0, 2, 1, 3).reshape(B, T, n_heads * hd)     # one copy back to (B, T, H*hd)
-    y = bf16_gemm.store_for_gemm(xp, y)
+    y = num.store_for_gemm(xp, y)
     return y, (qkv, q, ps, y)
 
 
@@ -117,11 +118,11 @@ def _transposed(xp, a):
     return a.swapaxes(-1, -2) if _on_gpu(xp) else xp.ascontiguousarray(a.swapaxes(-1, -2))
 
 
-def _scores(xp, q, kt, a, b):
+def _scores(xp, q, kt, a, b, num):
     # the probabilities of query rows a..b-1 over keys 0..b-1 (kt: the keys _transposed): the forward's exact operations
-    p = _mm(xp, q[:, :, a:b], kt[..., :b])
+    p = _mm(xp, q[:, :, a:b], kt[..., :b], num=num)
     if fused.usable(xp, p) and p.flags.c_contiguous:
-        if bf16_gemm.writes_bits() and p.dtype == xp.float32:
+        if num.writes_bits and p.dtype == xp.float32:
             return fused.causal_softmax_bits(xp, p, a)     # the probabilities' bfloat16 bits from the scores
         fused.causal_softmax_(p, a)         # mask, max, exp, sum and scale in one pass
     else:
@@ -132,23 +133,23 @@ def _scores(xp, q, kt, a, b):
         s = _rowsum(xp, p)
         xp.reciprocal(s, out=s)
         p *= s
-    return bf16_gemm.store_for_gemm(xp, p)
+    return num.store_for_gemm(xp, p)
 
 
-def softmax_grad(xp, ds, p, rs, fuse, fuse_bits, rs_rows=None):
+def softmax_grad(xp, ds, p, rs, fuse, fuse_bits, rs_rows=None, num=OFF):
     """(ds - rs) * p (ds: dP on entry, float32 or float64; p the probabilities as stored: bfloat16 bits under bf16
     amp, packed) as the two GEMMs after it take it: bits from the kernel (a new array; fuse_bits(ds, p, rs)),
     else in ds's place (fuse(ds, p, rs) when the arrays suit the kernel; rs_rows: the rows of rs the NumPy form
-    subtracts, default rs) and stored by bf16_gemm.store_for_gemm."""
+    subtracts, default rs) and stored by num.store_for_gemm."""
     if fused.usable(xp, ds, rs) and p.dtype in (ds.dtype, xp.uint16) and ds.flags.c_contiguous and \
             p.flags.c_contiguous:
-        if bf16_gemm.writes_bits() and p.dtype == xp.uint16:
+        if num.writes_bits and p.dtype == xp.uint16:
             return fuse_bits(ds, p, rs)
         fuse(ds, p, rs)
-        return bf16_gemm.store_for_gemm(xp, ds)
+        return num.store_for_gemm(xp, ds)
     ds -= rs if rs_rows is None else rs_rows
     ds *= as_float32(xp, p)
-    return bf16_gemm.store_for_gemm(xp, ds)
+    return num.store_for_gemm(xp, ds)
 
 
 def attention_drop_scores(cache):
@@ -157,17 +158,17 @@ def attention_drop_scores(cache):
     return qkv, q, None, y
 
 
-def attention_restore_scores(xp, cache):
+def attention_restore_scores(xp, cache, num=OFF):
     """A cache from attention_drop_scores with its probabilities rebuilt from the cached q and k, bit for
     bit those of the forward (the same operations on the same arrays); a whole cache comes back as is."""
     qkv, q, ps, y = cache
     if ps is not None:
         return cache
     kt = _transposed(xp, _heads(qkv, q.shape[1], 3)[1])      # the forward's copy of the keys
-    return qkv, q, [_scores(xp, q, kt, a, b) for a, b in _blocks(qkv.shape[1])], y
+    return qkv, q, [_scores(xp, q, kt, a, b, num) for a, b in _blocks(qkv.shape[1])], y
 
 
-def attention_backward(xp, dy, cache):
+def attention_backward(xp, dy, cache, num=OFF):
     # dy: (B, T, H*hd) -> dqkv: (B, T, H*3*hd) head-major
     qkv, q, ps, y = cache  # q is already scaled
     B, T, C3 = qkv.shape
@@ -192,15 +193,16 @@ def attention_backward(xp, dy, cache):
         rs = xp.ascontiguousarray(xp.einsum("bhtd,bhtd->bht", do, o)[..., None])
     # the last block covers every key: it writes dk, dv whole, earlier blocks add to a prefix
     keys = vt if vt.flags.c_contiguous else vt.base
-    with bf16_gemm.held(xp, dob_all, keys, k, q):         # bf16: each converted once for every block's products
+    with num.converted(xp, dob_all, keys, k, q):          # bf16: each converted once for every block's products
         for (a, b), p in reversed(list(zip(_blocks(T), ps))):
             dob = dob_all[:, :, a:b]
-            ds = softmax_grad(xp, _mm(xp, dob, vt[..., :b]), p, rs, lambda d, p_, r: fused.softmax_backward_(d, p_, r, a),
-                              lambda d, p_, r: fused.softmax_backward_bits(d, p_, r, a), rs[:, :, a:b])
-            with bf16_gemm.held(xp, ds):
-                _mm(xp, ds, k[:, :, :b], dq[:, :, a:b])
-                _mm(xp, p.swapaxes(-1, -2), dob, dv[:, :, :b], accumulate=b < T)
-                _mm(xp, ds.swapaxes(-1, -2), q[:, :, a:b], dk[:, :, :b], accumulate=b < T)
+            ds = softmax_grad(xp, _mm(xp, dob, vt[..., :b], num=num), p, rs,
+                              lambda d, p_, r: fused.softmax_backward_(d, p_, r, a),
+                              lambda d, p_, r: fused.softmax_backward_bits(d, p_, r, a), rs[:, :, a:b], num)
+            with num.converted(xp, ds):
+                _mm(xp, ds, k[:, :, :b], dq[:, :, a:b], num=num)
+                _mm(xp, p.swapaxes(-1, -2), dob, dv[:, :, :b], accumulate=b < T, num=num)
+                _mm(xp, ds.swapaxes(-1, -2), q[:, :, a:b], dk[:, :, :b], accumulate=b < T, num=num)
     dq *= 1.0 / math.sqrt(C3 // (3 * H))
     if gpu:
         for dst, src in zip(_heads(dqkv, H, 3), (dq, dk, dv)):

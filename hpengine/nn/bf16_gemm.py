@@ -1,10 +1,8 @@
 """Matrix products with bfloat16 operands and float32 accumulation, as a bf16 implementation runs every
 GEMM on tensor cores (cuBLAS with CUDA_R_16BF inputs and CUBLAS_COMPUTE_32F; Megatron's bf16 training).
-Owns the `operands` switch, held bits (`hold_bits`, `held`), bits-in/bits-out products (`gemm_input`,
-`product_stored`) and the cuBLAS launch (`launch_args`); NumPy emulates each path."""
+Stateless: the products (`matmul`, `product_bits`), operands read through a held registry the caller owns
+(nn/numerics.py) and the cuBLAS launch (`launch_args`); NumPy emulates each path."""
 from __future__ import annotations
-
-import contextlib
 
 import numpy as np
 
@@ -13,7 +11,7 @@ from hpengine.device.bf16_bits import from_bf16_bits, to_bf16_bits
 from hpengine.device.precision import round_bf16_
 from hpengine.nn import gemm
 
-# Under strategy.amp with dtype = "bfloat16" the engine runs its passes inside `operands(True)`; the layers'
+# Under strategy.amp with dtype = "bfloat16" the layers are handed a bf16 policy (nn/numerics.Numerics); their
 # GEMMs (linear forward and both backward products, every attention product) then come here. Arrays stay
 # float32 (precision.py's emulated storage) and the operands are rounded to the nearest bfloat16 on the way
 # in:
@@ -25,49 +23,16 @@ from hpengine.nn import gemm
 CUDA_R_32F, CUDA_R_16BF = 0, 14            # cudaDataType_t
 CUBLAS_COMPUTE_32F = 68                    # cublasComputeType_t
 CUBLAS_GEMM_DEFAULT = -1                   # cublasGemmAlgo_t: cuBLAS picks (tensor cores for bf16)
-_STATE = {"on": False, "bits": False}
-_HELD: dict = {}                           # data pointer of a float32 array -> (that array, its bfloat16 bits)
 
 
-@contextlib.contextmanager
-def operands(bf16: bool, bits: bool = False):
-    """GEMMs inside take bfloat16 operands when bf16 is true (the engine's passes under bf16 amp); with bits
-    (packed storage) the layers that produce a GEMM's input write it as bfloat16 bits (gemm_input)."""
-    prev = dict(_STATE)
-    _STATE.update(on=bool(bf16), bits=bool(bf16) and bool(bits))
-    try:
-        yield
-    finally:
-        _STATE.update(prev)
-
-
-def active() -> bool:
-    return _STATE["on"]
-
-
-def writes_bits() -> bool:
-    """Whether a layer's output that only GEMMs read is written as bfloat16 bits (uint16) here."""
-    return _STATE["bits"]
-
-
-def store_for_gemm(xp, y, on: bool = True):
-    """y (float32), what only GEMMs, bfloat16-reading kernels and caches read of a layer (its output, or a
-    cache the next kernel takes as bits), as bf16 amp stores it: its bfloat16 bits (packed storage), else
-    rounded to bfloat16 values in place; y itself outside bf16 amp. Both storages hold the same values then;
-    the bits take 2 bytes an element. For a layer without a kernel that writes the bits itself. on=False (a
-    caller whose output other layers read in float32): y as it is."""
-    if not on or not _STATE["on"] or y.dtype != np.float32:
-        return y
-    return to_bf16_bits(xp, y) if _STATE["bits"] else round_bf16_(xp, y)
-
-
-def matmul(xp, a, b, out=None, accumulate=False):
+def matmul(xp, a, b, out=None, accumulate=False, held=None):
     """out = a @ b (or out += a @ b) with a and b rounded to bfloat16 (or given as their bits, uint16), float32
-    products and sums; float32 out (equal leading dims, as gemm.plan takes them). Returns out."""
+    products and sums; float32 out (equal leading dims, as gemm.plan takes them). Returns out. held: the
+    registry of arrays whose bfloat16 operands are at hand (nn/numerics.Numerics.held), or None."""
     if any(x.dtype not in (np.float32, np.uint16) for x in (a, b)):
         raise TypeError(f"bf16 operands are float32 values or uint16 bits, got {a.dtype} @ {b.dtype}")
     if xp.__name__ != "cupy":
-        r = _values(xp, a) @ _values(xp, b)
+        r = _values(xp, a, held) @ _values(xp, b, held)
         if out is None:
             return r
         if accumulate:
@@ -78,7 +43,7 @@ def matmul(xp, a, b, out=None, accumulate=False):
     if out is None:
         out = xp.empty(a.shape[:-1] + b.shape[-1:], dtype=np.float32)
         accumulate = False
-    a16, b16 = (_bits(xp, x) for x in (a, b))
+    a16, b16 = (_bits(xp, x, held) for x in (a, b))
     target = out
     if _plan(a16, b16, out) is None:     # an output cuBLAS cannot write in place: a contiguous one first
         target = xp.empty(out.shape, dtype=np.float32)
@@ -92,47 +57,20 @@ def matmul(xp, a, b, out=None, accumulate=False):
     return out
 
 
-# A float32 array whose bfloat16 bits are already at hand (a packed parameter, unpacked for one block:
-# strategies/bf16_storage.UnpackedParams) is registered with `hold_bits`: an operand that views it goes in as
-# the same view of those bits (CuPy: no conversion pass; NumPy: no rounded copy, its values are bfloat16 already).
-# `held` converts an array once for all the products inside it (a gradient that two products read).
-def hold_bits(values, bits) -> None:
-    """Register float32 `values` (C-contiguous) as holding exactly the bfloat16 values of `bits` (uint16, its
-    shape): until release_bits, a GEMM operand in values' memory reads the bits (CuPy) or values themselves,
-    already bfloat16 (NumPy). Neither may change while registered (parameters during one block's pass)."""
-    if values.dtype != np.float32 or bits.dtype != np.uint16 or values.shape != bits.shape or \
-            not values.flags.c_contiguous:
-        raise ValueError(f"hold_bits: C-contiguous float32 values and uint16 bits of one shape, got "
-                         f"{values.dtype} {values.shape} and {bits.dtype} {bits.shape}")
-    _HELD[backend.data_ptr(values)] = (values, values if backend.on_host(values) else bits)
+# The held registry (nn/numerics.Numerics.held) maps the data pointer of a float32 array to (that array, the
+# operand a GEMM takes for it): its bfloat16 bits (CuPy) or its values rounded to bfloat16 (NumPy).
+def operand_copy(xp, a):
+    """What the registry keeps for float32 array a converted once: its bits (CuPy), its rounded values (NumPy)."""
+    return to_bf16_bits(xp, a) if xp.__name__ == "cupy" else _rounded(xp, a)
 
 
-def release_bits(values) -> None:
-    _HELD.pop(backend.data_ptr(values), None)
-
-
-@contextlib.contextmanager
-def held(xp, *arrays):
-    """Inside, the GEMMs take each of these float32 arrays (C-contiguous ones; others as before) as bfloat16
-    operands converted once here, however many products read them or their views: none may change inside."""
-    mine = [a for a in arrays if active() and a is not None and a.dtype == np.float32 and a.size
-            and a.flags.c_contiguous and backend.data_ptr(a) not in _HELD]
-    for a in mine:
-        _HELD[backend.data_ptr(a)] = (a, to_bf16_bits(xp, a) if xp.__name__ == "cupy" else _rounded(xp, a))
-    try:
-        yield
-    finally:
-        for a in mine:
-            _HELD.pop(backend.data_ptr(a), None)
-
-
-def _held_view(xp, a):
+def _held_view(xp, a, held):
     """What a GEMM takes for float32 view a when its memory lies inside a held array: the same view of that
     array's bits (CuPy) or of its bfloat16 values (NumPy); None otherwise."""
-    if not _HELD or a.dtype != np.float32:
+    if not held or a.dtype != np.float32:
         return None
     lo, hi = gemm.span(a)
-    for start, (values, operand) in _HELD.items():
+    for start, (values, operand) in held.items():
         if start <= lo and hi <= start + values.nbytes:
             off, rest = divmod(backend.data_ptr(a) - start, 4)
             if rest or any(st % 4 for st in a.strides):
@@ -143,23 +81,17 @@ def _held_view(xp, a):
 
 
 # An operand may also come as bfloat16 bits already (uint16, any view): a layer whose output only GEMMs read
-# writes it so (`gemm_input`), in its own kernel on CuPy when the storage is packed (`operands(True, bits=True)`),
-# and the GEMM takes it as it is; NumPy multiplies the float32 values of those bits. `product_stored` gives a GEMM's
-# output in bfloat16 too (cuBLAS writes CUDA_R_16BF, the bias added in float32 before the one rounding), for a
+# writes it so when the storage is packed (nn/numerics.Numerics.writes_bits), in its own kernel on CuPy, and the
+# GEMM takes it as it is; NumPy multiplies the float32 values of those bits. `product_bits` gives a GEMM's output
+# in bfloat16 bits too (cuBLAS writes CUDA_R_16BF, the bias added in float32 before the one rounding), for a
 # layer whose consumers read bits (SwiGLU's and GELU's kernels, the rotary embedding, attention's products).
-def product_stored(xp, a, b, bias=None):
-    """a @ b (+ bias, a bfloat16 value per column), bfloat16 operands and float32 sums, as bf16 amp stores a
-    GEMM output that other layers read: its bfloat16 bits (packed; on CuPy cuBLAS writes them, C = bias bits
-    with beta 1 when there is a bias), else rounded to bfloat16 values (float32). Outside bf16 amp, float32."""
-    if xp.__name__ != "cupy" or not _STATE["bits"]:
-        y = matmul(xp, a, b) if active() else a @ b
-        if bias is not None:
-            y += bias
-        return store_for_gemm(xp, y)
+def product_bits(xp, a, b, bias=None, held=None):
+    """CuPy: a @ b (+ bias, a bfloat16 value per column) as bfloat16 bits, bfloat16 operands and float32 sums
+    (C = bias bits with beta 1 when there is a bias)."""
     out = xp.empty(a.shape[:-1] + b.shape[-1:], dtype=np.uint16)
     if bias is not None:
-        out[...] = _bits(xp, bias)       # bias bits under every row: cuBLAS adds them (beta 1) before rounding
-    calls, a16, b16 = _planned(xp, *(_bits(xp, x) for x in (a, b)), out)
+        out[...] = _bits(xp, bias, held)  # bias bits under every row: cuBLAS adds them (beta 1) before rounding
+    calls, a16, b16 = _planned(xp, *(_bits(xp, x, held) for x in (a, b)), out)
     _launch(xp, calls, a16, b16, out, bias is not None)
     return out
 
@@ -182,24 +114,24 @@ def _rounded(xp, a):
     return round_bf16_(xp, np.array(a, dtype=np.float32, copy=True))
 
 
-def _values(xp, a):
+def _values(xp, a, held):
     """NumPy: the bfloat16 values operand a stands for, as float32 (bits converted, held, or rounded)."""
     if a.dtype == np.uint16:
         return from_bf16_bits(xp, a)
-    held = _held_view(xp, a)
-    return _rounded(xp, a) if held is None else held
+    view = _held_view(xp, a, held)
+    return _rounded(xp, a) if view is None else view
 
 
-def _bits(xp, a):
+def _bits(xp, a, held):
     """CuPy: operand a as bfloat16 bits (bits as they are, held, or converted in one pass). A transposed view of
     contiguous storage (a weight's .T, the probabilities' swapaxes) is converted as that storage and seen
     transposed again, as the bits of a packed run are: a product takes the same cuBLAS call whichever storage,
     bits or float32 values, its operands come from."""
     if a.dtype == np.uint16:
         return a
-    held = _held_view(xp, a)
-    if held is not None:
-        return held
+    view = _held_view(xp, a, held)
+    if view is not None:
+        return view
     if a.ndim >= 2 and not a.flags.c_contiguous and a.swapaxes(-1, -2).flags.c_contiguous:
         return to_bf16_bits(xp, a.swapaxes(-1, -2)).swapaxes(-1, -2)
     return to_bf16_bits(xp, a)

@@ -9,9 +9,10 @@ import math
 import numpy as np
 
 from hpengine.device.bf16_bits import as_float32, to_bf16_bits
-from hpengine.nn import bf16_gemm, flash_cuda
+from hpengine.nn import flash_cuda
 from hpengine.nn.attention import _heads, _mm
 from hpengine.nn.gqa import gqa_shapes
+from hpengine.nn.numerics import OFF
 
 BQ = 64          # query positions per block on the CPU (read at call time when bq is None)
 BK = 64          # keys per block (likewise)
@@ -65,7 +66,7 @@ def _use_cuda(xp, *arrays) -> bool:
 # Both layouts of the models go through one blocked core over grouped rows: the g = H / K query heads of
 # a key/value head fold into the row axis, row t * g + j being query head k * g + j at position t, so a
 # tile is one batched GEMM per (batch row, key/value head) and dK, dV sum over the group inside it.
-def flash_forward_core(xp, qg, k, v, g: int, bq: int | None = None, bk: int | None = None):
+def flash_forward_core(xp, qg, k, v, g: int, bq: int | None = None, bk: int | None = None, num=OFF):
     """qg (B, K, T*g, hd) grouped rows (already scaled), k, v (B, K, T, hd) in any strides ->
     og (B, K, T*g, hd) and lse (B, K, T*g), in the compute dtype."""
     B, K, R, hd = qg.shape
@@ -85,7 +86,7 @@ def flash_forward_core(xp, qg, k, v, g: int, bq: int | None = None, bk: int | No
         for c, d in _tiles(T, bk):
             if c > b - 1:               # every key after every query of the block: skipped
                 break
-            s = _mm(xp, qb, k[:, :, c:d].swapaxes(-1, -2))
+            s = _mm(xp, qb, k[:, :, c:d].swapaxes(-1, -2), num=num)
             if d - 1 > a:               # the tile crosses the diagonal
                 s += _bias(xp, a, b, c, d, g, ct)
             # the first key block holds key 0, which every query sees: m is finite from then on
@@ -96,14 +97,15 @@ def flash_forward_core(xp, qg, k, v, g: int, bq: int | None = None, bk: int | No
             s_l *= alpha
             s_l += s.sum(axis=-1, keepdims=True)
             acc *= alpha
-            _mm(xp, s, v[:, :, c:d], acc, accumulate=True)
+            _mm(xp, s, v[:, :, c:d], acc, accumulate=True, num=num)
             m = mn
         og[:, :, rows] = acc / s_l
         lse[:, :, rows] = (m + xp.log(s_l))[..., 0]
     return og, lse
 
 
-def flash_backward_core(xp, qg, k, v, og, dog, lse, g: int, bq: int | None = None, bk: int | None = None):
+def flash_backward_core(xp, qg, k, v, og, dog, lse, g: int, bq: int | None = None, bk: int | None = None,
+                        num=OFF):
     """Gradients of the blocked attention from its saved output og and lse (grouped rows, as in
     flash_forward_core): -> dqg (B, K, T*g, hd), dk, dv (B, K, T, hd), in the compute dtype."""
     B, K, R, hd = qg.shape
@@ -123,17 +125,17 @@ def flash_backward_core(xp, qg, k, v, og, dog, lse, g: int, bq: int | None = Non
                 continue
             rows = slice(a * g, b * g)
             qb, dob = qg[:, :, rows], dog[:, :, rows]
-            s = _mm(xp, qb, kb.swapaxes(-1, -2))
+            s = _mm(xp, qb, kb.swapaxes(-1, -2), num=num)
             if d - 1 > a:
                 s += _bias(xp, a, b, c, d, g, ct)
             s -= lse[:, :, rows]
             p = xp.exp(s, out=s)
-            _mm(xp, p.swapaxes(-1, -2), dob, dvb, accumulate=True)
-            ds = _mm(xp, dob, vb.swapaxes(-1, -2))
+            _mm(xp, p.swapaxes(-1, -2), dob, dvb, accumulate=True, num=num)
+            ds = _mm(xp, dob, vb.swapaxes(-1, -2), num=num)
             ds -= dd[:, :, rows]
             ds *= p
-            _mm(xp, ds.swapaxes(-1, -2), qb, dkb, accumulate=True)
-            dqg[:, :, rows] += _mm(xp, ds, kb)
+            _mm(xp, ds.swapaxes(-1, -2), qb, dkb, accumulate=True, num=num)
+            dqg[:, :, rows] += _mm(xp, ds, kb, num=num)
         dk[:, :, c:d] = dkb
         dv[:, :, c:d] = dvb
     return dqg, dk, dv
@@ -141,10 +143,10 @@ def flash_backward_core(xp, qg, k, v, og, dog, lse, g: int, bq: int | None = Non
 
 # ---- GPT: fused head-major qkv (B, T, H*3*hd) -> (B, T, H*hd) ------------------------------------------
 
-def flash_attention_forward(xp, qkv, n_heads: int, bq: int | None = None, bk: int | None = None):
+def flash_attention_forward(xp, qkv, n_heads: int, bq: int | None = None, bk: int | None = None, num=OFF):
     """Twin of attention_forward: returns y (B, T, H*hd) and the cache (qkv, y, lse, bq, bk). Under bf16 amp qkv
     may be bfloat16 bits (packed: the kernels' bf16 storage, y then bits too) and y, which only the projection
-    and this cache read, is stored as bf16 amp stores it (bf16_gemm.store_for_gemm)."""
+    and this cache read, is stored as bf16 amp stores it (num.store_for_gemm)."""
     B, T, C3 = qkv.shape
     if C3 % (3 * n_heads):
         raise ValueError(f"qkv last dim {C3} is not a multiple of 3 * n_heads = {3 * n_heads}")
@@ -156,38 +158,39 @@ def flash_attention_forward(xp, qkv, n_heads: int, bq: int | None = None, bk: in
     y = xp.empty((B, T, n_heads * hd), dtype=np.float32 if bits_twin else qkv.dtype)
     (o,) = _heads(y, n_heads, 1)
     if cuda:
-        lse = flash_cuda.forward(xp, q, k, v, o, scale)
+        lse = flash_cuda.forward(xp, q, k, v, o, scale, mma=flash_cuda.use_mma(q.dtype, num.bf16))
     else:
         q, k, v = (as_float32(xp, t) for t in (q, k, v))
-        og, lse = flash_forward_core(xp, q * scale, k, v, 1, bq, bk)
+        og, lse = flash_forward_core(xp, q * scale, k, v, 1, bq, bk, num)
         o[...] = og
-    y = bf16_gemm.store_for_gemm(xp, y)
+    y = num.store_for_gemm(xp, y)
     return y, (qkv, y, lse, bq, bk)
 
 
-def flash_attention_backward(xp, dy, cache):
+def flash_attention_backward(xp, dy, cache, num=OFF):
     """Twin of attention_backward: dy (B, T, H*hd) -> dqkv (B, T, H*3*hd). Under bf16 amp dO and dqkv are stored
     as bf16 amp stores them (bits when packed: the kernels' bf16 storage; only the qkv projection reads dqkv)."""
     qkv, y, lse, bq, bk = cache
     B, T, C3 = qkv.shape
     H = lse.shape[1]
     scale = 1.0 / math.sqrt(C3 // (3 * H))
-    bf16 = bf16_gemm.active() and dy.dtype == np.float32
+    bf16 = num.stores and dy.dtype == np.float32
     if bf16:
-        dy = bf16_gemm.store_for_gemm(xp, dy)               # (rounded in place: dy is this backward's own)
+        dy = num.store_for_gemm(xp, dy)                     # (rounded in place: dy is this backward's own)
     q, k, v = _heads(qkv, H, 3)
     (do,), (o,) = _heads(dy, H, 1), _heads(y, H, 1)
     if _use_cuda(xp, qkv, dy, y):
         dqkv = xp.empty((B, T, C3), dtype=dy.dtype)
-        flash_cuda.backward(xp, q, k, v, o, do, lse, *_heads(dqkv, H, 3), scale)
-        return bf16_gemm.store_for_gemm(xp, dqkv, bf16)      # (bits already: as they are)
+        flash_cuda.backward(xp, q, k, v, o, do, lse, *_heads(dqkv, H, 3), scale,
+                            mma=flash_cuda.use_mma(q.dtype, num.bf16))
+        return num.store_for_gemm(xp, dqkv, bf16)            # (bits already: as they are)
     q, k, v, o, do = (as_float32(xp, t) for t in (q, k, v, o, do))
     dqkv = xp.empty((B, T, C3), dtype=do.dtype)
     dq, dk, dv = _heads(dqkv, H, 3)
-    dqg, dkg, dvg = flash_backward_core(xp, q * scale, k, v, o, do, lse, 1, bq, bk)
+    dqg, dkg, dvg = flash_backward_core(xp, q * scale, k, v, o, do, lse, 1, bq, bk, num)
     dqg *= scale
     dq[...], dk[...], dv[...] = dqg, dkg, dvg
-    return bf16_gemm.store_for_gemm(xp, dqkv, bf16)
+    return num.store_for_gemm(xp, dqkv, bf16)
 
 
 # ---- Llama: grouped-query q (B, H, T, hd) rotated and scaled, k, v (B, K, T, hd) -------------------------
@@ -204,44 +207,46 @@ def _token_rows(a, K, g):
     return a.reshape(B, T, K, g, -1).transpose(0, 2, 1, 3, 4).reshape(B, K, T * g, -1)
 
 
-def flash_gqa_forward(xp, q, k, v, bq: int | None = None, bk: int | None = None):
+def flash_gqa_forward(xp, q, k, v, bq: int | None = None, bk: int | None = None, num=OFF):
     """Twin of gqa_attention_forward: returns y (B, T, H*hd) and the cache (q, k, v, y, lse, bq, bk). Under bf16
     amp q, k, v may be bfloat16 bits (packed: the kernels' bf16 storage, y then bits too) and y, which only the o
-    projection and this cache read, is stored as bf16 amp stores it (bf16_gemm.store_for_gemm)."""
-    if bf16_gemm.writes_bits() and xp.__name__ == "cupy":     # one storage type for the kernels: bits
+    projection and this cache read, is stored as bf16 amp stores it (num.store_for_gemm)."""
+    if num.writes_bits and xp.__name__ == "cupy":            # one storage type for the kernels: bits
         q, k, v = (t if t.dtype == np.uint16 else to_bf16_bits(xp, t) for t in (q, k, v))
     (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k)
     if _use_cuda(xp, q, k, v):
-        lse = flash_cuda.forward(xp, q, k, v, y.reshape(B, T, H, hd).transpose(0, 2, 1, 3), 1.0)
+        lse = flash_cuda.forward(xp, q, k, v, y.reshape(B, T, H, hd).transpose(0, 2, 1, 3), 1.0,
+                                 mma=flash_cuda.use_mma(q.dtype, num.bf16))
     else:
         if y.dtype == np.uint16:
             y = xp.empty(y.shape, dtype=np.float32)
         og, lseg = flash_forward_core(xp, _group_rows(as_float32(xp, q), K, g), as_float32(xp, k), as_float32(xp, v),
-                                      g, bq, bk)
+                                      g, bq, bk, num)
         y.reshape(B, T, K, g, hd).transpose(0, 2, 1, 3, 4)[...] = og.reshape(B, K, T, g, hd)
         lse = xp.ascontiguousarray(lseg.reshape(B, K, T, g).swapaxes(2, 3).reshape(B, H, T))
-    y = bf16_gemm.store_for_gemm(xp, y)
+    y = num.store_for_gemm(xp, y)
     return y, (q, k, v, y, lse, bq, bk)
 
 
-def flash_gqa_backward(xp, dy, cache):
+def flash_gqa_backward(xp, dy, cache, num=OFF):
     """Twin of gqa_attention_backward: dy (B, T, H*hd) -> dq (B, H, T, hd), dk, dv (B, K, T, hd)."""
     q, k, v, y, lse, bq, bk = cache
     B, H, T, hd = q.shape
     K = k.shape[1]
     g = H // K
-    bf16 = bf16_gemm.active() and dy.dtype == np.float32    # dO and the gradients stored as bf16 amp stores them
+    bf16 = num.stores and dy.dtype == np.float32            # dO and the gradients stored as bf16 amp stores them
     if bf16:
-        dy = bf16_gemm.store_for_gemm(xp, dy)               # (rounded in place: dy is this backward's own)
+        dy = num.store_for_gemm(xp, dy)                     # (rounded in place: dy is this backward's own)
     if _use_cuda(xp, q, k, v, dy):
         dq, dk, dv = (xp.empty(a.shape, dtype=dy.dtype) for a in (q, k, k))
         per_head = lambda a: a.reshape(B, T, H, hd).transpose(0, 2, 1, 3)     # noqa: E731
-        flash_cuda.backward(xp, q, k, v, per_head(y), per_head(dy), lse, dq, dk, dv, 1.0)
-        return tuple(bf16_gemm.store_for_gemm(xp, t, bf16) for t in (dq, dk, dv))   # (bits already: as they are)
+        flash_cuda.backward(xp, q, k, v, per_head(y), per_head(dy), lse, dq, dk, dv, 1.0,
+                            mma=flash_cuda.use_mma(q.dtype, num.bf16))
+        return tuple(num.store_for_gemm(xp, t, bf16) for t in (dq, dk, dv))   # (bits already: as they are)
     q, k, v, y, dy = (as_float32(xp, t) for t in (q, k, v, y, dy))
     lseg = lse.reshape(B, K, g, T).swapaxes(2, 3).reshape(B, K, T * g)
     dqg, dk, dv = flash_backward_core(xp, _group_rows(q, K, g), k, v, _token_rows(y, K, g),
-                                      _token_rows(dy, K, g), lseg, g, bq, bk)
+                                      _token_rows(dy, K, g), lseg, g, bq, bk, num)
     dq = xp.ascontiguousarray(dqg.reshape(B, K, T, g, hd).transpose(0, 1, 3, 2, 4).reshape(B, H, T, hd))
     dt = dy.dtype
-    return tuple(bf16_gemm.store_for_gemm(xp, t.astype(dt, copy=False), bf16) for t in (dq, dk, dv))
+    return tuple(num.store_for_gemm(xp, t.astype(dt, copy=False), bf16) for t in (dq, dk, dv))

@@ -10,7 +10,6 @@ from typing import NamedTuple
 import numpy as np
 
 from hpengine.device import kernels
-from hpengine.nn import bf16_gemm
 
 HD_MAX = 128
 # suffix -> (ROWS, TPR, KT), as instantiated by the ENTRIES lines of kernels/attention.cu
@@ -78,12 +77,12 @@ def plan_mma(op: str, dtype, B: int, H: int, KH: int, T: int, hd: int) -> Launch
     return Launch(f"flash_mma_{op}_{s}_hd{bound}", (math.ceil(T / rows), B * heads), (32 * MMA_WARPS,), shared)
 
 
-# Under bf16 amp (bf16_gemm.active()) float32 and bfloat16-bits inputs go to the tensor-core entries of
-# attention_mma.cu instead: every product with bfloat16 operands and float32 sums, as the twin's GEMMs are
-# then; `mma=` on forward and backward overrides the choice.
-def use_mma(dtype, mma: bool | None = None) -> bool:
-    """Whether the tensor-core entries run: mma when given, else under bf16 amp; never for float64."""
-    return (bf16_gemm.active() if mma is None else bool(mma)) and suffix(dtype) != "f64"
+# Under bf16 amp (nn/flash.py passes use_mma(dtype, num.bf16) as `mma=`) float32 and bfloat16-bits inputs go
+# to the tensor-core entries of attention_mma.cu instead: every product with bfloat16 operands and float32
+# sums, as the twin's GEMMs are then. An explicit mma=True on float64 is refused (plan_mma).
+def use_mma(dtype, mma: bool = False) -> bool:
+    """Whether the tensor-core entries run for mma asked (bf16 amp): never for float64."""
+    return bool(mma) and suffix(dtype) != "f64"
 
 
 # Tensors are (B, heads, T, hd) views in any strides whose last axis is contiguous (GPT's q, k, v straight
@@ -124,9 +123,9 @@ def _planner(dtype, mma):
     return plan_mma if mma or use_mma(dtype, mma) else plan
 
 
-def forward(xp, q, k, v, o, scale: float, mma: bool | None = None):
+def forward(xp, q, k, v, o, scale: float, mma: bool = False):
     """o[...] = causal softmax(scale q k^T) v, grouped-query; returns lse (B, H, T). mma: tensor-core
-    kernels (default: under bf16 amp)."""
+    kernels (bf16 amp)."""
     B, H, KH, T, hd = _check(q, k, v)
     plan_of = _planner(q.dtype, mma)
     at = math_dtype(q.dtype)
@@ -137,7 +136,7 @@ def forward(xp, q, k, v, o, scale: float, mma: bool | None = None):
     return lse
 
 
-def backward(xp, q, k, v, o, do, lse, dq, dk, dv, scale: float, mma: bool | None = None):
+def backward(xp, q, k, v, o, do, lse, dq, dk, dv, scale: float, mma: bool = False):
     """Writes dq, dk, dv (views as forward's o) from forward's o and lse; dq first (it writes D). mma as
     in forward (the lse of either kernel family serves both)."""
     B, H, KH, T, hd = _check(q, k, v)

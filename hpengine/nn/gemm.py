@@ -18,7 +18,6 @@ from hpengine.device import backend
 N, T = 0, 1                       # cuBLAS operation codes (CUBLAS_OP_N, CUBLAS_OP_T)
 MAX_LOOPED_CALLS = 4              # more calls than this only when copies are worth saving ...
 COPY_WORTH_BYTES = 8 << 20        # ... i.e. cupy.matmul would copy at least this much
-_WORKS: dict = {}                 # dtype -> whether the cuBLAS binding gave cupy.matmul's result once
 
 
 class Call(NamedTuple):
@@ -146,23 +145,25 @@ def matmul(xp, a, b, out=None, accumulate=False):
 def _works(xp, dtype) -> bool:
     """Once per dtype: a small strided product against cupy.matmul, so a CuPy whose cuBLAS binding differs
     (say, scalars by value rather than by pointer) falls back to cupy.matmul with a warning."""
-    key = np.dtype(dtype)
-    if key not in _WORKS:
-        _WORKS[key] = True
-        try:
-            a = (xp.arange(2 * 3 * 4, dtype=dtype).reshape(2, 4, 3) / 7).swapaxes(-1, -2)   # transposed
-            b = xp.arange(2 * 4 * 5, dtype=dtype).reshape(2, 4, 5) / 5
-            out = xp.zeros((2, 3, 5), dtype=dtype)
-            _launch(xp, plan(a.shape, elements(a), b.shape, elements(b), out.shape, elements(out)), a, b, out, False)
-            ok = bool(xp.allclose(out, xp.matmul(a, b)))
-        except Exception as e:  # noqa: BLE001 - any failure means: use cupy.matmul
-            ok, why = False, f"{type(e).__name__}: {e}"
-        else:
-            why = "results differ from cupy.matmul"
-        _WORKS[key] = ok
-        if not ok:
-            warnings.warn(f"strided cuBLAS GEMM disabled for {key} ({why}); using cupy.matmul", stacklevel=2)
-    return _WORKS[key]
+    return _probe(xp, np.dtype(dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(xp, key) -> bool:
+    # memo of the probe's answer for (array module, dtype): the binding does not change within a process
+    try:
+        a = (xp.arange(2 * 3 * 4, dtype=key).reshape(2, 4, 3) / 7).swapaxes(-1, -2)   # transposed
+        b = xp.arange(2 * 4 * 5, dtype=key).reshape(2, 4, 5) / 5
+        out = xp.zeros((2, 3, 5), dtype=key)
+        _launch(xp, plan(a.shape, elements(a), b.shape, elements(b), out.shape, elements(out)), a, b, out, False)
+        ok = bool(xp.allclose(out, xp.matmul(a, b)))
+    except Exception as e:  # noqa: BLE001 - any failure means: use cupy.matmul
+        ok, why = False, f"{type(e).__name__}: {e}"
+    else:
+        why = "results differ from cupy.matmul"
+    if not ok:
+        warnings.warn(f"strided cuBLAS GEMM disabled for {key} ({why}); using cupy.matmul", stacklevel=2)
+    return ok
 
 
 def _launch(xp, calls, a, b, out, accumulate):

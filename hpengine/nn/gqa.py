@@ -3,8 +3,9 @@ K = H is multi-head attention, K = 1 multi-query), the group's queries folded in
 keys and values are never repeated per query head.
 """
 from hpengine.device.bf16_bits import as_float32, to_bf16_bits
-from hpengine.nn import bf16_gemm, fused
+from hpengine.nn import fused
 from hpengine.nn.attention import _blocks, _causal_bias, _mm, _rowsum, softmax_grad
+from hpengine.nn.numerics import OFF
 
 
 # Inputs come head-major from the rotary embedding: q (B, H, T, hd), already rotated and scaled by
@@ -26,24 +27,24 @@ def _per_head(a, K, g):
     return a.reshape(B, T, K, g, -1).transpose(0, 2, 3, 1, 4)
 
 
-def _softmax(xp, p, a):
+def _softmax(xp, p, a, num):
     # the probabilities of grouped scores p (B, K, g*n, b) of query rows a .. a+n-1 (repeated per head), as
-    # they are stored (bf16_gemm.store_for_gemm): computed in place in p
+    # they are stored (num.store_for_gemm): computed in place in p
     B, K, gn, b = p.shape
     n = b - a
     p5 = p.reshape(B, K, gn // n, n, b)
     if fused.usable(xp, p5) and p5.flags.c_contiguous:
-        if bf16_gemm.writes_bits() and p.dtype == xp.float32:
+        if num.writes_bits and p.dtype == xp.float32:
             return fused.causal_softmax_bits(xp, p5, a).reshape(p.shape)
         fused.causal_softmax_(p5, a)
-        return bf16_gemm.store_for_gemm(xp, p)
+        return num.store_for_gemm(xp, p)
     p5 += _causal_bias(xp, a, b, p.dtype)
     p5 -= p5.max(axis=-1, keepdims=True)        # the diagonal is never masked: the max is finite
     xp.exp(p5, out=p5)
     s = _rowsum(xp, p5)
     xp.reciprocal(s, out=s)
     p5 *= s
-    return bf16_gemm.store_for_gemm(xp, p)
+    return num.store_for_gemm(xp, p)
 
 
 def gqa_shapes(xp, q, k):
@@ -56,28 +57,28 @@ def gqa_shapes(xp, q, k):
     return (B, H, T, hd, K, H // K), xp.empty((B, T, H * hd), dtype=q.dtype)
 
 
-def gqa_attention_forward(xp, q, k, v):
+def gqa_attention_forward(xp, q, k, v, num=OFF):
     # q: (B, H, T, hd), k, v: (B, K, T, hd) -> y: (B, T, H*hd)
     (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k)
     if v.dtype == xp.uint16 and xp.__name__ == "cupy":
         v = xp.ascontiguousarray(v)         # bf16 bits (B, K, T, hd): one strided-batched GEMM over every head
-    bits = bf16_gemm.writes_bits() and y.dtype in (xp.float32, xp.uint16)
+    bits = num.writes_bits and y.dtype in (xp.float32, xp.uint16)
     if bits or y.dtype == xp.uint16:        # only the o projection and this cache read y: its bfloat16 bits
         y = xp.empty(y.shape, dtype=xp.uint16 if bits else xp.float32)
     y5 = _per_head(y, K, g)
     qs, ps = [], []
-    with bf16_gemm.held(xp, k, v):          # bf16: converted once for every block's products
+    with num.converted(xp, k, v):           # bf16: converted once for every block's products
         for a, b in _blocks(T):
             qb = _grouped(q, K, g, a, b)
-            p = _softmax(xp, _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2)), a)
-            o = _mm(xp, p, v[:, :, :b]).reshape(B, K, g, b - a, hd)
+            p = _softmax(xp, _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2), num=num), a, num)
+            o = _mm(xp, p, v[:, :, :b], num=num).reshape(B, K, g, b - a, hd)
             if bits:
                 to_bf16_bits(xp, o, out=y5[:, :, :, a:b])
             else:
                 y5[:, :, :, a:b] = o
             qs.append(qb)
             ps.append(p)
-    return bf16_gemm.store_for_gemm(xp, y), (qs, k, v, ps, y)
+    return num.store_for_gemm(xp, y), (qs, k, v, ps, y)
 
 
 def gqa_drop_scores(cache):
@@ -86,7 +87,7 @@ def gqa_drop_scores(cache):
     return qs, k, v, None, y
 
 
-def gqa_restore_scores(xp, cache):
+def gqa_restore_scores(xp, cache, num=OFF):
     """A cache from gqa_drop_scores with its probabilities rebuilt from the cached queries and keys, bit
     for bit those of the forward (the same operations on the same arrays); a whole cache comes back as is."""
     qs, k, v, ps, y = cache
@@ -94,11 +95,11 @@ def gqa_restore_scores(xp, cache):
         return cache
     ps = []
     for (a, b), qb in zip(_blocks(k.shape[2]), qs):
-        ps.append(_softmax(xp, _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2)), a))
+        ps.append(_softmax(xp, _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2), num=num), a, num))
     return qs, k, v, ps, y
 
 
-def gqa_attention_backward(xp, dy, cache):
+def gqa_attention_backward(xp, dy, cache, num=OFF):
     # dy: (B, T, H*hd) -> dq (B, H, T, hd), dk, dv (B, K, T, hd)
     qs, k, v, ps, y = cache
     B, K, T, hd = k.shape
@@ -108,18 +109,18 @@ def gqa_attention_backward(xp, dy, cache):
     dq5 = dq.reshape(B, K, g, T, hd)
     dk, dv = xp.empty(k.shape, dtype=dy.dtype), xp.empty(k.shape, dtype=dy.dtype)
     # the last block covers every key: it writes dk, dv whole, the earlier block adds to a prefix
-    with bf16_gemm.held(xp, dy, k, v):      # bf16: converted once for every block's products
+    with num.converted(xp, dy, k, v):       # bf16: converted once for every block's products
         for (a, b), qb, p in reversed(list(zip(_blocks(T), qs, ps))):
             dob, ob = _grouped(dy5, K, g, a, b), _grouped(y5, K, g, a, b)
             # softmax backward: ds = p * (dp - rowsum(dp * p)), and rowsum(dp * p) = rowsum(do * o)
             rs = ((dob * ob).sum(axis=-1, keepdims=True) if dy.dtype.itemsize < 4
                   else xp.einsum("bkrd,bkrd->bkr", dob, ob)[..., None])
-            ds = softmax_grad(xp, _mm(xp, dob, v[:, :, :b].swapaxes(-1, -2)), p, rs, fused.grouped_softmax_backward_,
-                              fused.grouped_softmax_backward_bits)
-            with bf16_gemm.held(xp, ds):
-                dq5[:, :, :, a:b] = _mm(xp, ds, k[:, :, :b]).reshape(B, K, g, b - a, hd)
-                _mm(xp, p.swapaxes(-1, -2), dob, dv[:, :, :b], accumulate=b < T)
-                _mm(xp, ds.swapaxes(-1, -2), qb, dk[:, :, :b], accumulate=b < T)
+            ds = softmax_grad(xp, _mm(xp, dob, v[:, :, :b].swapaxes(-1, -2), num=num), p, rs,
+                              fused.grouped_softmax_backward_, fused.grouped_softmax_backward_bits, num=num)
+            with num.converted(xp, ds):
+                dq5[:, :, :, a:b] = _mm(xp, ds, k[:, :, :b], num=num).reshape(B, K, g, b - a, hd)
+                _mm(xp, p.swapaxes(-1, -2), dob, dv[:, :, :b], accumulate=b < T, num=num)
+                _mm(xp, ds.swapaxes(-1, -2), qb, dk[:, :, :b], accumulate=b < T, num=num)
     return dq, dk, dv
 
 

@@ -2,7 +2,8 @@
 The cache keeps the normalised input and 1/std so backward needs no recompute.
 """
 from hpengine.device.bf16_bits import as_float32
-from hpengine.nn import bf16_gemm, fused
+from hpengine.nn import fused
+from hpengine.nn.numerics import OFF
 
 
 # Row means are GEMVs / einsums: a reduction over a short last axis is several
@@ -20,17 +21,17 @@ def _rowmean(xp, a, b=None):
     return m
 
 
-def layernorm_forward(xp, x, w, b, eps=1e-5, gemm_input=False):
+def layernorm_forward(xp, x, w, b, eps=1e-5, num=OFF):
     # x: (..., C), w: (C,), b: (C,) -> y: (..., C)
-    # gemm_input: only GEMMs read y; under bf16 amp it is stored as they take it (bf16_gemm.store_for_gemm), and
-    # the cached xhat as bf16 amp stores a cache (y made from the float32 xhat)
+    # num (nn/numerics.py): how y, which only GEMMs read, is stored (num.store_for_gemm; num.float32_out for a
+    # float32 reader), and the cached xhat with it (y made from the float32 xhat)
     C = x.shape[-1]
     x2 = x.reshape(-1, C)
     if fused.usable(xp, x2, w, b):
-        bits = gemm_input and bf16_gemm.writes_bits() and x2.dtype == xp.float32
+        bits = num.writes_bits and x2.dtype == xp.float32
         y, xhat, rstd = fused.layernorm_forward(xp, x2, w, b, eps, bits=bits, cache_bits=bits)
-        store = bf16_gemm.store_for_gemm
-        return store(xp, y, gemm_input).reshape(x.shape), (store(xp, xhat, gemm_input), rstd)
+        store = num.store_for_gemm
+        return store(xp, y).reshape(x.shape), (store(xp, xhat), rstd)
     xhat = x2 - _rowmean(xp, x2)
     var = _rowmean(xp, xhat, xhat)
     var += eps
@@ -39,8 +40,8 @@ def layernorm_forward(xp, x, w, b, eps=1e-5, gemm_input=False):
     xhat *= rstd
     y = xhat * w
     y += b
-    store = bf16_gemm.store_for_gemm
-    return store(xp, y, gemm_input).reshape(x.shape), (store(xp, xhat, gemm_input), rstd)
+    store = num.store_for_gemm
+    return store(xp, y).reshape(x.shape), (store(xp, xhat), rstd)
 
 
 def layernorm_backward(xp, dy, cache, w, dw, db):

@@ -2,18 +2,19 @@
 Leading dims are folded into one so every product is a single 2-D GEMM.
 """
 from hpengine.device.bf16_bits import as_float32
-from hpengine.nn import bf16_gemm, fused, gemm
+from hpengine.nn import fused, gemm
+from hpengine.nn.numerics import OFF
 
 
-def linear_forward(xp, x, w, b=None, bf16_out=False):
+def linear_forward(xp, x, w, b=None, num=OFF):
     # x: (..., C), w: (C, OC), b: (OC,) or None -> y: (..., OC)
-    # bf16_out: under bf16 amp y is stored as bfloat16 (bits when packed: bf16_gemm.product_stored), for
-    # consumers that read it so
+    # num (nn/numerics.py): the GEMM's operands, and whether y is stored as bfloat16 (bits when packed:
+    # num.product_stored), for consumers that read it so (num.float32_out: y as the GEMM sums it)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if bf16_out and bf16_gemm.active():
-        return bf16_gemm.product_stored(xp, x2, w, b).reshape(*lead, w.shape[1]), (x2, lead)
-    y = bf16_gemm.matmul(xp, x2, w) if bf16_gemm.active() else x2 @ w
+    if num.stores:
+        return num.product_stored(xp, x2, w, b).reshape(*lead, w.shape[1]), (x2, lead)
+    y = num.matmul(xp, x2, w) if num.bf16 else x2 @ w
     if b is not None:
         y += b
     # the cache keeps no weight: under stage-3 sharding the gathered weights are freed after forward
@@ -23,14 +24,14 @@ def linear_forward(xp, x, w, b=None, bf16_out=False):
 # linear_backward is its two
 # halves, which a zero-bubble pipeline runs apart (Qi et al. 2023): linear_backward_input (B, dx, which
 # the previous stage waits for) and linear_backward_weight (W, dw and db, which can wait).
-def linear_backward(xp, dy, cache, w, dw, db=None):
+def linear_backward(xp, dy, cache, w, dw, db=None, num=OFF):
     # dy: (..., OC), w, dw: (C, OC), db: (OC,) or None -> dx: (..., C)
-    with bf16_gemm.held(xp, dy.reshape(-1, dw.shape[1])):     # bf16 amp: dy converted once for both products
-        linear_backward_weight(xp, dy, cache, dw, db)
-        return linear_backward_input(xp, dy, cache, w)
+    with num.converted(xp, dy.reshape(-1, dw.shape[1])):     # bf16 amp: dy converted once for both products
+        linear_backward_weight(xp, dy, cache, dw, db, num)
+        return linear_backward_input(xp, dy, cache, w, num)
 
 
-def linear_backward_input(xp, dy, cache, w):
+def linear_backward_input(xp, dy, cache, w, num=OFF):
     # dy: (..., OC), w: (C, OC) -> dx: (..., C)
     """The input half (B) of linear_backward: dx = dy @ w.T, no weight gradient.
 
@@ -40,24 +41,23 @@ def linear_backward_input(xp, dy, cache, w):
     """
     lead = cache[1]
     dy2 = dy.reshape(-1, w.shape[1])
-    dx = bf16_gemm.matmul(xp, dy2, w.T) if bf16_gemm.active() else dy2 @ w.T
+    dx = num.matmul(xp, dy2, w.T) if num.bf16 else dy2 @ w.T
     return dx.reshape(*lead, w.shape[0])
 
 
-def linear_backward_weight(xp, dy, cache, dw, db=None):
+def linear_backward_weight(xp, dy, cache, dw, db=None, num=OFF):
     # dy: (..., OC), dw: (C, OC), db: (OC,) or None -> None
     """The weight half (W) of linear_backward: dw += x.T @ dy, db += the column sums of dy.
 
     Run after linear_backward_input, it needs the same dy, unmodified: a fused caller sometimes writes
     into dy right after backward (`dx1 += ...` in models/gpt.py); one that defers W must stop doing so
     or hand W a copy. The cache's input must be there (linear_restore_input puts back one that was
-    dropped). The path is chosen when W runs: a deferred W of a bf16 amp pass goes inside the same
-    bf16_gemm.operands(True) as its B.
+    dropped). A deferred W of a bf16 amp pass takes the same num as its B.
     """
     x2 = cache[0]
     dy2 = dy.reshape(-1, dw.shape[1])
-    if bf16_gemm.active():                                   # bf16 amp: bfloat16 operands, float32 sums
-        bf16_gemm.matmul(xp, x2.T, dy2, dw, accumulate=True)
+    if num.bf16:                                             # bf16 amp: bfloat16 operands, float32 sums
+        num.matmul(xp, x2.T, dy2, dw, accumulate=True)
     elif fused.usable(xp, x2, dy2, dw):
         gemm.matmul(xp, x2.T, dy2, dw, accumulate=True)     # cuBLAS adds into dw: no temporary
     else:

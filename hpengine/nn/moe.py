@@ -7,6 +7,7 @@ import numpy as np
 from hpengine.nn import fused, gemm
 from hpengine.nn.activation import _no_overflow_warning
 from hpengine.nn.linear import linear_backward_input, linear_backward_weight, linear_forward
+from hpengine.nn.numerics import OFF
 from hpengine.nn.swiglu import swiglu_backward, swiglu_forward, swiglu_recompute
 
 # Router: logits l = x @ w_r (N, E); scores p = softmax(l) or sigmoid(l); each token picks the k experts
@@ -211,8 +212,10 @@ def _sizes(counts, E, S):
     return sizes
 
 
-def grouped_swiglu_forward(xp, xs, counts, w_gate, w_up, w_down):
+def grouped_swiglu_forward(xp, xs, counts, w_gate, w_up, w_down, num=OFF):
     # xs: (S, C) grouped by expert, counts: (E,), w_gate, w_up: (E, C, F), w_down: (E, F, C) -> ys: (S, C)
+    # num (nn/numerics.py): the products' operands; every output here stays as computed (float32_out)
+    num = num.float32_out
     S, C = xs.shape
     sizes = _sizes(counts, w_gate.shape[0], S)
     ys = xp.empty((S, C), dtype=xs.dtype)
@@ -223,39 +226,40 @@ def grouped_swiglu_forward(xp, xs, counts, w_gate, w_up, w_down):
             sw.append(None)
             continue
         x = xs[o:o + c]
-        g, _ = linear_forward(xp, x, w_gate[e])
-        u, _ = linear_forward(xp, x, w_up[e])
-        a, swc = swiglu_forward(xp, g, u)
-        ys[o:o + c] = linear_forward(xp, a, w_down[e])[0]
+        g, _ = linear_forward(xp, x, w_gate[e], num=num)
+        u, _ = linear_forward(xp, x, w_up[e], num=num)
+        a, swc = swiglu_forward(xp, g, u, num)
+        ys[o:o + c] = linear_forward(xp, a, w_down[e], num=num)[0]
         sw.append(swc)       # a is rebuilt from g, u, sigmoid(g) in backward, as nn/swiglu.py does
         o += c
     return ys, (xs, sizes, sw)
 
 
-def _grouped_backward(xp, dys, xs, sizes, sw, w_gate, w_up, w_down, dw_gate, dw_up, dw_down):
+def _grouped_backward(xp, dys, xs, sizes, sw, w_gate, w_up, w_down, dw_gate, dw_up, dw_down, num):
+    num = num.float32_out
     dxs = xp.empty(xs.shape, dtype=xs.dtype)
     o = 0
     for e, c in enumerate(sizes):
         if c == 0:
             continue
         x, dy, lead = xs[o:o + c], dys[o:o + c], (c,)
-        a = swiglu_recompute(xp, sw[e])
-        linear_backward_weight(xp, dy, (a, lead), dw_down[e])
+        a = swiglu_recompute(xp, sw[e], num)
+        linear_backward_weight(xp, dy, (a, lead), dw_down[e], num=num)
         del a
-        dg, du = swiglu_backward(xp, linear_backward_input(xp, dy, (None, lead), w_down[e]), sw[e])
-        linear_backward_weight(xp, dg, (x, lead), dw_gate[e])
-        linear_backward_weight(xp, du, (x, lead), dw_up[e])
-        dx = linear_backward_input(xp, dg, (None, lead), w_gate[e])
-        dx += linear_backward_input(xp, du, (None, lead), w_up[e])
+        dg, du = swiglu_backward(xp, linear_backward_input(xp, dy, (None, lead), w_down[e], num), sw[e], num)
+        linear_backward_weight(xp, dg, (x, lead), dw_gate[e], num=num)
+        linear_backward_weight(xp, du, (x, lead), dw_up[e], num=num)
+        dx = linear_backward_input(xp, dg, (None, lead), w_gate[e], num)
+        dx += linear_backward_input(xp, du, (None, lead), w_up[e], num)
         dxs[o:o + c] = dx
         o += c
     return dxs
 
 
-def grouped_swiglu_backward(xp, dys, cache, w_gate, w_up, w_down, dw_gate, dw_up, dw_down):
+def grouped_swiglu_backward(xp, dys, cache, w_gate, w_up, w_down, dw_gate, dw_up, dw_down, num=OFF):
     # dys: (S, C) -> dxs: (S, C); accumulates into dw_gate, dw_up (E, C, F) and dw_down (E, F, C)
     xs, sizes, sw = cache
-    return _grouped_backward(xp, dys, xs, sizes, sw, w_gate, w_up, w_down, dw_gate, dw_up, dw_down)
+    return _grouped_backward(xp, dys, xs, sizes, sw, w_gate, w_up, w_down, dw_gate, dw_up, dw_down, num)
 
 
 def moe_combine_forward(xp, ys, order, gates, N):
@@ -276,25 +280,25 @@ def moe_combine_backward(xp, dy, cache):
     return dys, dgates.reshape(N, k)
 
 
-def experts_forward(xp, x2, idx, gates, w_gate, w_up, w_down, dropping=False):
+def experts_forward(xp, x2, idx, gates, w_gate, w_up, w_down, dropping=False, num=OFF):
     # x2: (N, C), idx, gates: (N, k) from router_forward (or moe_capacity: dropping) -> y: (N, C)
     N, k = idx.shape
     order, counts = moe_permute(xp, idx, w_gate.shape[0], dropping)
-    ys, (_, sizes, sw) = grouped_swiglu_forward(xp, x2[order // k], counts, w_gate, w_up, w_down)
+    ys, (_, sizes, sw) = grouped_swiglu_forward(xp, x2[order // k], counts, w_gate, w_up, w_down, num)
     y, ccache = moe_combine_forward(xp, ys, order, gates, N)
     # the permuted input (k copies of every token) is gathered again from x2 in backward, not kept:
     # the router keeps x2 anyway
     return y, (x2, sizes, sw, ccache)
 
 
-def experts_backward(xp, dy, cache, w_gate, w_up, w_down, dw_gate, dw_up, dw_down):
+def experts_backward(xp, dy, cache, w_gate, w_up, w_down, dw_gate, dw_up, dw_down, num=OFF):
     # dy: (N, C) -> dx2: (N, C), dgates: (N, k); accumulates the three weight gradients
     x2, sizes, sw, ccache = cache
     order = ccache[1]
     N, k = ccache[2].shape
     dys, dgates = moe_combine_backward(xp, dy, ccache)
     dxs = _grouped_backward(xp, dys, x2[order // k], sizes, sw, w_gate, w_up, w_down,
-                            dw_gate, dw_up, dw_down)
+                            dw_gate, dw_up, dw_down, num)
     del dys
     return tokens_sum(xp, dxs, order, N, k), dgates
 

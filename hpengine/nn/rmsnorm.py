@@ -2,7 +2,8 @@
 y = w * x / sqrt(mean(x^2) + eps), as Llama defines it.
 """
 from hpengine.device.bf16_bits import as_float32
-from hpengine.nn import bf16_gemm, fused
+from hpengine.nn import fused
+from hpengine.nn.numerics import OFF
 
 
 def _compute_dtype(xp, dtype):
@@ -13,17 +14,17 @@ def _compute_dtype(xp, dtype):
 # LlamaRMSNorm: the normalised x is rounded back to x's dtype before the weight multiplies it. The
 # cache keeps the normalised input (x's dtype) and 1/rms per row (float32 under amp), so backward
 # needs no recompute.
-def rmsnorm_forward(xp, x, w, eps=1e-5, gemm_input=False):
+def rmsnorm_forward(xp, x, w, eps=1e-5, num=OFF):
     # x: (..., C), w: (C,) -> y: (..., C)
-    # gemm_input: only GEMMs read y; under bf16 amp it is stored as they take it (bf16_gemm.store_for_gemm), and
-    # the cached xhat as bf16 amp stores a cache (y made from the float32 xhat)
+    # num (nn/numerics.py): how y, which only GEMMs read, is stored (num.store_for_gemm; num.float32_out for a
+    # float32 reader), and the cached xhat with it (y made from the float32 xhat)
     C = x.shape[-1]
     x2 = x.reshape(-1, C)
     if fused.usable(xp, x2, w):
-        bits = gemm_input and bf16_gemm.writes_bits() and x2.dtype == xp.float32
+        bits = num.writes_bits and x2.dtype == xp.float32
         y, xhat, rstd = fused.rmsnorm_forward(xp, x2, w, eps, bits=bits, cache_bits=bits)
-        store = bf16_gemm.store_for_gemm
-        return store(xp, y, gemm_input).reshape(x.shape), (store(xp, xhat, gemm_input), rstd)
+        store = num.store_for_gemm
+        return store(xp, y).reshape(x.shape), (store(xp, xhat), rstd)
     xc = x2.astype(_compute_dtype(xp, x.dtype), copy=False)
     # mean(x^2) as a dot product per row with 1/C folded in: one pass, no (N, C) temporary
     ms = xp.einsum("ij,ij->i", xc, xc)[:, None]
@@ -35,8 +36,8 @@ def rmsnorm_forward(xp, x, w, eps=1e-5, gemm_input=False):
     if xhat.dtype != x.dtype:
         xhat = xhat.astype(x.dtype)
     y = xhat * w
-    store = bf16_gemm.store_for_gemm
-    return store(xp, y, gemm_input).reshape(x.shape), (store(xp, xhat, gemm_input), rstd)
+    store = num.store_for_gemm
+    return store(xp, y).reshape(x.shape), (store(xp, xhat), rstd)
 
 
 def rmsnorm_backward(xp, dy, cache, w, dw):

@@ -5,7 +5,8 @@ t * theta^(-2i/hd):  y1 = x1 cos - x2 sin,  y2 = x2 cos + x1 sin.
 import numpy as np
 
 from hpengine.device.bf16_bits import as_float32
-from hpengine.nn import bf16_gemm, fused
+from hpengine.nn import fused
+from hpengine.nn.numerics import OFF
 
 
 # A scale folded into the tables (the
@@ -22,32 +23,32 @@ def rope_tables(xp, T: int, hd: int, theta: float, dtype, scale: float = 1.0):
 # The rotation is linear, so backward rotates the gradient by the opposite angle. Forward reads the
 # (B, T, H, hd) view of a projection's output and writes head-major (B, H, T, hd) arrays, the layout the
 # attention's batched products want; backward turns that around.
-def rope_forward(xp, x, cos, sin, gemm_input=False):
+def rope_forward(xp, x, cos, sin, num=OFF):
     # x: (B, T, H, hd) (any strides; bfloat16 bits under bf16 amp when a GEMM stored it so) -> y: (B, H, T, hd)
-    # contiguous; gemm_input: only GEMMs read y, which bf16 amp then stores as they take it (bits when packed)
+    # contiguous; num (nn/numerics.py): how y is stored for the GEMMs that read it (bits when packed;
+    # num.float32_out: as computed)
     B, T, H, hd = x.shape
-    bits = gemm_input and bf16_gemm.writes_bits()
+    bits = num.writes_bits
     if fused.usable(xp, cos, sin) and x.dtype in (cos.dtype, xp.uint16):
         y = fused.rope_forward(xp, x, cos[:T], sin[:T], bits=bits and x.dtype == xp.float32)
-        return bf16_gemm.store_for_gemm(xp, y, gemm_input)
+        return num.store_for_gemm(xp, y)
     x = as_float32(xp, x)
     y = xp.empty((B, H, T, hd), dtype=x.dtype)
     _rotate(xp, x, y.transpose(0, 2, 1, 3), cos[:T, None, :], sin[:T, None, :], +1)
-    return bf16_gemm.store_for_gemm(xp, y, gemm_input)
+    return num.store_for_gemm(xp, y)
 
 
-def rope_backward(xp, dy, cos, sin, gemm_input=False):
-    # dy: (B, H, T, hd) -> dx: (B, T, H, hd) contiguous (reshapes to the projection's (B, T, H*hd)); gemm_input:
-    # only GEMMs read dx, which bf16 amp then stores as they take it (bits when packed)
+def rope_backward(xp, dy, cos, sin, num=OFF):
+    # dy: (B, H, T, hd) -> dx: (B, T, H, hd) contiguous (reshapes to the projection's (B, T, H*hd)); num: how dx
+    # is stored for the GEMMs that read it (bits when packed; num.float32_out: as computed)
     B, H, T, hd = dy.shape
     dy = as_float32(xp, dy)             # bf16 amp: flash attention's dq, dk may come as bits
     if fused.usable(xp, dy, cos, sin):
-        dx = fused.rope_backward(xp, dy, cos[:T], sin[:T], bits=gemm_input and bf16_gemm.writes_bits()
-                                 and dy.dtype == xp.float32)
-        return bf16_gemm.store_for_gemm(xp, dx, gemm_input)
+        dx = fused.rope_backward(xp, dy, cos[:T], sin[:T], bits=num.writes_bits and dy.dtype == xp.float32)
+        return num.store_for_gemm(xp, dx)
     dx = xp.empty((B, T, H, hd), dtype=dy.dtype)
     _rotate(xp, dy.transpose(0, 2, 1, 3), dx, cos[:T, None, :], sin[:T, None, :], -1)
-    return bf16_gemm.store_for_gemm(xp, dx, gemm_input)
+    return num.store_for_gemm(xp, dx)
 
 
 def _rotate(xp, x, out, c, s, sign):

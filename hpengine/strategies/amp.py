@@ -8,7 +8,7 @@ import numpy as np
 
 from hpengine.device.precision import round_bf16_
 from hpengine.layout.cache import cache_arrays
-from hpengine.nn import bf16_gemm
+from hpengine.nn import OFF, Numerics
 from hpengine.strategies.bf16_storage import UnpackedParams, pack_cache, unpack_cache
 
 
@@ -97,6 +97,9 @@ class Precision:
         self.packed = self.bf16 and packed
         self.bf16_grads = self.bf16 and acfg.grad_dtype == "bfloat16"
         self.scaler = LossScaler(acfg) if amp_on and loss_scaling(acfg) else None
+        # what the layers are handed (the context's num part): bfloat16 GEMM operands under bf16 amp, and,
+        # packed, what only GEMMs read written as bfloat16 bits; its held registry is this run's
+        self.numerics = Numerics(bf16=True, bits=self.packed) if self.bf16 else OFF
 
     def master_dtype(self, compute_dtype):
         """The dtype of the owned parameters the optimizer updates: float32 masters under amp."""
@@ -105,11 +108,6 @@ class Precision:
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
-
-    def gemm_operands(self):
-        """The context inside which every GEMM takes bfloat16 operands (bf16 amp only), and, packed, the
-        layers write what only GEMMs read as bfloat16 bits (bf16_gemm.store_for_gemm)."""
-        return bf16_gemm.operands(self.bf16, bits=self.packed)
 
     def stored_activations_(self, xp, kind: str, h, cache, param_roots: set = frozenset()):
         """A block's output and what it keeps for backward, as bf16 would store them; returns the cache as
@@ -152,7 +150,8 @@ class Precision:
         if not self.packed:
             return buf
         gemm_weight = gemm_weight or (lambda name: False)
-        return UnpackedParams(xp, buf, gemm_weight, tuple(sp.name for sp in specs if not gemm_weight(sp.name)))
+        return UnpackedParams(xp, buf, gemm_weight, tuple(sp.name for sp in specs if not gemm_weight(sp.name)),
+                              self.numerics)
 
     def ready_grad(self, xp, g, all_finite):
         """The reduced owned gradient for the update: float32 and unscaled under amp; None when the loss

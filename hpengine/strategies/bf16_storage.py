@@ -13,7 +13,6 @@ from hpengine.device import kernels
 from hpengine.device.backend import data_ptr
 from hpengine.device.bf16_bits import from_bf16_bits, to_bf16_bits
 from hpengine.layout.cache import map_cache
-from hpengine.nn import bf16_gemm
 
 F32 = np.dtype(np.float32)
 
@@ -105,14 +104,14 @@ class UnpackedParams:
     """A block's parameters as its layers read them when the compute copy is bfloat16 bits: `[name]` is the
     float32 array of that tensor's values (from_bf16_bits, exact), converted on first access and kept for the
     life of this object, which the engine makes for one block's forward or backward: one block's float32
-    weights at a time, as a gathered block under ZeRO-3. The GEMMs take the bits themselves
-    (bf16_gemm.hold_bits) for as long as this object lives. A tensor that only GEMMs read (gemm_weight(name):
+    weights at a time, as a gathered block under ZeRO-3. The GEMMs take the bits themselves (registered with
+    num.hold_bits, num the run's nn/numerics.Numerics) for as long as this object lives. A tensor that only GEMMs read (gemm_weight(name):
     the linear layers' weights) is handed out as its bits (uint16), never converted. `together`: the block's
     other tensors (its norms' weights, biases, embeddings), converted all at once on the first access of any of
     them, in one launch (device/kernels.pack_bf16) for those that share one flat buffer."""
 
-    def __init__(self, xp, buf, gemm_weight=None, together=()):
-        self.xp, self.buf, self.values = xp, buf, {}
+    def __init__(self, xp, buf, gemm_weight=None, together=(), num=None):
+        self.xp, self.buf, self.values, self.num = xp, buf, {}, num
         self.gemm_weight = gemm_weight or (lambda name: False)
         self.together = together
 
@@ -141,11 +140,13 @@ class UnpackedParams:
 
     def _hold(self, name, values, bits):
         self.values[name] = values
-        bf16_gemm.hold_bits(values, bits)      # the GEMMs read these bits, not the values converted back
+        if self.num is not None:
+            self.num.hold_bits(values, bits)   # the GEMMs read these bits, not the values converted back
 
     def __del__(self):
-        for v in self.values.values():
-            bf16_gemm.release_bits(v)
+        if self.num is not None:
+            for v in self.values.values():
+                self.num.release_bits(v)
 
     def __contains__(self, name):
         return name in self.buf

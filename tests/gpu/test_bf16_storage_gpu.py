@@ -66,15 +66,14 @@ def test_packed_run_on_cupy_equals_float32_storage(small_corpus, attention):
     assert kb < ka
     slot = eng.slots[0]
     b = eng.rows.read("train", 0, slot.seed).row_slice(0, 2)
-    with eng.precision.gemm_operands():         # as the engine's passes run
-        _, caches = eng.chunk_forward(slot, slot.chunks[0], b.tokens, b, 1.0)
-        held = [a for a in cache_arrays(caches[1:-1]) if isinstance(a, Packed)]
-        cp = backend.cupy_module()
-        assert held and all(isinstance(a.bits, cp.ndarray) and a.bits.dtype == np.uint16 for a in held)
-        if attention == "flash":                # the attention's qkv and output were bits already: kept as they are
-            qkv, y = caches[1][2][:2]
-            assert isinstance(qkv, cp.ndarray) and qkv.dtype == np.uint16 and y.dtype == np.uint16
-        eng.chunk_backward(slot, slot.chunks[0], None, caches)
+    _, caches = eng.chunk_forward(slot, slot.chunks[0], b.tokens, b, 1.0)   # the context hands the layers bf16
+    held = [a for a in cache_arrays(caches[1:-1]) if isinstance(a, Packed)]
+    cp = backend.cupy_module()
+    assert held and all(isinstance(a.bits, cp.ndarray) and a.bits.dtype == np.uint16 for a in held)
+    if attention == "flash":                # the attention's qkv and output were bits already: kept as they are
+        qkv, y = caches[1][2][:2]
+        assert isinstance(qkv, cp.ndarray) and qkv.dtype == np.uint16 and y.dtype == np.uint16
+    eng.chunk_backward(slot, slot.chunks[0], None, caches)
 
 
 def test_packed_gradients_on_cupy_equal_float32_storage(small_corpus):

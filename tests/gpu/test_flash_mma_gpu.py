@@ -1,5 +1,5 @@
 """kernels/attention_mma.cu (flash attention on tensor cores, chosen by nn/flash_cuda.py under bf16 amp)
-against its twin, nn/flash.py's blocked code run on the host under bf16_gemm.operands(True), on
+against its twin, nn/flash.py's blocked code run on the host with a bf16 policy (num=BF16), on
 bf16-rounded inputs: outputs, lse and gradients for GPT's fused qkv and grouped-query heads (groups 1, 2, 4
 and multi-query), head dims at and below the 64 and 128 bounds, T not a multiple of the 64-row tiles; the
 bfloat16-bits entries likewise. Skips cleanly without CuPy and a device.
@@ -24,7 +24,9 @@ import pytest
 
 from hpengine.device import backend, kernels
 from hpengine.device.precision import round_bf16_
-from hpengine.nn import bf16_gemm, flash, flash_cuda
+from hpengine.nn import Numerics, flash, flash_cuda
+
+BF16 = Numerics(bf16=True)     # the layers' policy under bf16 amp (float32 storage)
 
 pytestmark = pytest.mark.skipif(not backend.cupy_usable(), reason="needs CuPy and a usable CUDA device")
 cp = backend.cupy_module() if backend.cupy_usable() else None
@@ -66,11 +68,10 @@ def test_gpt_layout_under_bf16_amp(entries, T, hd):
     rng = np.random.default_rng(1)
     qkv = r16(rng.standard_normal((B, T, 3 * H * hd)) * 1.5)
     dy = r16(rng.standard_normal((B, T, H * hd)))
-    with bf16_gemm.operands(True):
-        y, c = flash.flash_attention_forward(np, qkv, H, 16, KEYS)
-        dqkv = flash.flash_attention_backward(np, dy, c)
-        yd, cd = flash.flash_attention_forward(cp, cp.asarray(qkv), H)
-        dqkvd = flash.flash_attention_backward(cp, cp.asarray(dy), cd)
+    y, c = flash.flash_attention_forward(np, qkv, H, 16, KEYS, num=BF16)
+    dqkv = flash.flash_attention_backward(np, dy, c, BF16)
+    yd, cd = flash.flash_attention_forward(cp, cp.asarray(qkv), H, num=BF16)
+    dqkvd = flash.flash_attention_backward(cp, cp.asarray(dy), cd, BF16)
     assert entries == [f"flash_mma_{op}_f32_hd{_bound(hd)}" for op in ("fwd", "bwd_dq", "bwd_dkdv")]
     close(yd, y, TOL_O)
     close(cd[2], c[2], TOL_LSE)
@@ -90,11 +91,10 @@ def test_gqa_layout_under_bf16_amp(entries, H, K, T, hd):
     v = vbase.reshape(B, T, K, hd).transpose(0, 2, 1, 3)
     dy = r16(rng.standard_normal((B, T, H * hd)))
     vd = cp.asarray(vbase).reshape(B, T, K, hd).transpose(0, 2, 1, 3)       # strided, as in the model
-    with bf16_gemm.operands(True):
-        y, c = flash.flash_gqa_forward(np, q, k, v, 16, KEYS)
-        grads = flash.flash_gqa_backward(np, dy, c)
-        yd, cd = flash.flash_gqa_forward(cp, cp.asarray(q), cp.asarray(k), vd)
-        gradsd = flash.flash_gqa_backward(cp, cp.asarray(dy), cd)
+    y, c = flash.flash_gqa_forward(np, q, k, v, 16, KEYS, num=BF16)
+    grads = flash.flash_gqa_backward(np, dy, c, BF16)
+    yd, cd = flash.flash_gqa_forward(cp, cp.asarray(q), cp.asarray(k), vd, num=BF16)
+    gradsd = flash.flash_gqa_backward(cp, cp.asarray(dy), cd, BF16)
     assert entries == [f"flash_mma_{op}_f32_hd{_bound(hd)}" for op in ("fwd", "bwd_dq", "bwd_dkdv")]
     close(yd, y, TOL_O)
     close(cd[4], c[4], TOL_LSE)
@@ -113,9 +113,8 @@ def test_bf16_bits_entries_read_two_byte_inputs(entries, H, K, T, hd):
     q = r16(rng.standard_normal((B, H, T, hd)) / math.sqrt(hd))
     k, v = r16(rng.standard_normal((B, K, T, hd))), r16(rng.standard_normal((B, K, T, hd)))
     dy = r16(rng.standard_normal((B, T, H * hd)))
-    with bf16_gemm.operands(True):
-        y, c = flash.flash_gqa_forward(np, q, k, v, 16, KEYS)
-        dq, dk, dv = flash.flash_gqa_backward(np, dy, c)
+    y, c = flash.flash_gqa_forward(np, q, k, v, 16, KEYS, num=BF16)
+    dq, dk, dv = flash.flash_gqa_backward(np, dy, c, BF16)
     per_head = lambda a: a.reshape(B, T, H, hd).transpose(0, 2, 1, 3)        # noqa: E731
     bits = lambda a: flash_cuda.to_bf16(cp, cp.asarray(a))                    # noqa: E731
     qd, kd, vd, dyd = bits(q), bits(k), bits(v), bits(np.ascontiguousarray(per_head(dy)))

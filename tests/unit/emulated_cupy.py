@@ -186,5 +186,5 @@ def install(monkeypatch) -> types.ModuleType:
     for name in ("_MODULES", "_FUNCS", "_TABLES", "_SMS"):
         monkeypatch.setattr(kernels, name, {})
     monkeypatch.setattr(bf16_bits, "_KERNELS", {})
-    monkeypatch.setattr(gemm, "_WORKS", {})
+    gemm._probe.cache_clear()
     return mod

@@ -22,7 +22,7 @@ def test_recorded_flops_are_the_closed_form_of_the_step():
                                         f"model.n_layers={L}", f"model.n_heads={H}"], 0.0)
     assert toks == B * T and cfg.model.vocab_size == V and not cfg.model.tie_head
     rec = bgl.Recorder()
-    with bgl.recording(rec):
+    with bgl.recording(rec, eng):
         eng.train_step(step)
     weights = L * 12 * D * D + D * V                      # qkv 3d², proj d², fc 4d², fc2 4d² per layer; the head
     hd = D // H

@@ -2,7 +2,7 @@
 conversion to bf16 bits against ml_dtypes, the NumPy product against a float64 oracle on ml_dtypes-rounded
 operands, the cuBLAS GemmStridedBatchedEx arguments emulated in NumPy (column-major, through the pointers
 they carry) for the views attention multiplies, the conversion kernel's body compiled by nvcc, and the
-engine routing every GEMM through it under bf16 amp only."""
+engine routing every GEMM through it under bf16 amp only; the policy the layers are handed (nn/numerics.py)."""
 from __future__ import annotations
 
 import ctypes
@@ -17,12 +17,17 @@ from mpi4py import MPI
 
 from hpengine.device import bf16_bits, kernels
 from hpengine.config.load import load_config
-from hpengine.nn import bf16_gemm, gemm
+from hpengine.nn import OFF, Numerics, bf16_gemm, gemm
 from hpengine.run.build import build
 
 
 def bf16(a) -> np.ndarray:
     return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _caller():
+    """The frame that asked for a GEMM: the first outside nn/numerics.py (whose methods forward to bf16_gemm)."""
+    return next(f for f in inspect.stack()[2:] if not f.filename.endswith("numerics.py"))
 
 
 def test_bits_equal_ml_dtypes():
@@ -136,14 +141,15 @@ def test_conversion_body_compiles(tmp_path):
     assert re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", log) == [("0", "0")], log
 
 
-def test_operands_scope_restores():
-    assert not bf16_gemm.active()
-    with bf16_gemm.operands(True):
-        assert bf16_gemm.active()
-        with bf16_gemm.operands(False):
-            assert not bf16_gemm.active()
-        assert bf16_gemm.active()
-    assert not bf16_gemm.active()
+def test_policies_are_values():
+    # OFF stores nothing and holds nothing; each bf16 policy made owns its registry, which its float32_out
+    # twin shares
+    assert not OFF.bf16 and not OFF.stores and not OFF.writes_bits and OFF.held is None and OFF.float32_out is OFF
+    a, b = Numerics(bf16=True, bits=True), Numerics(bf16=True, bits=True)
+    assert a.held is not b.held and a.writes_bits and a.stores
+    f = a.float32_out
+    assert f.bf16 and not f.stores and not f.writes_bits and f.held is a.held and f.float32_out is f
+    assert not Numerics(bf16=False, bits=True).writes_bits
 
 
 @pytest.mark.parametrize("amp", [[], ["strategy.amp.enable=true", "strategy.amp.dtype=float16"],
@@ -151,18 +157,18 @@ def test_operands_scope_restores():
 def test_engine_routes_gemms_only_under_bf16(monkeypatch, amp):
     calls = []
     real = bf16_gemm.matmul
-    monkeypatch.setattr(bf16_gemm, "matmul", lambda *a, **k: calls.append(inspect.stack()[1].filename) or real(*a, **k))
+    monkeypatch.setattr(bf16_gemm, "matmul", lambda *a, **k: calls.append(_caller().filename) or real(*a, **k))
     cfg = load_config(None, ["model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.seq_len=8",
                              "train.global_batch=4", "runtime.backend=numpy", "model.dtype=float32", *amp])
     eng = build(cfg, MPI.COMM_SELF)
     eng.train_step(0)
     bf = "strategy.amp.dtype=bfloat16" in amp
     # the linears: 4 a layer and the head's, 3 GEMMs each; attention: 2 forward and 4 backward per query block
-    linear = sum(f.endswith(("linear.py", "bf16_gemm.py")) for f in calls)     # (a stored output: product_stored)
+    linear = sum(f.endswith("linear.py") for f in calls)     # (a stored output too: num.product_stored)
     attention = sum(f.endswith("attention.py") for f in calls)
     assert (linear, len(calls) - linear - attention) == ((2 * 4 + 1) * 3 if bf else 0, 0)
     assert (attention > 0 and attention % (2 * 6) == 0) if bf else attention == 0
-    assert not bf16_gemm.active()
+    assert eng.ctx.num is eng.precision.numerics and eng.ctx.num.bf16 == bf
 
 
 def test_held_operands_give_the_products_of_unheld_ones():
@@ -170,16 +176,16 @@ def test_held_operands_give_the_products_of_unheld_ones():
     # the same bits as each product rounding it itself; a view of a held array (a slice, a transpose) too
     rng = np.random.default_rng(5)
     dy, x, w = (rng.normal(size=s).astype(np.float32) for s in ((12, 6), (12, 4), (4, 6)))
-    with bf16_gemm.operands(True):
-        want = (bf16_gemm.matmul(np, x.T, dy), bf16_gemm.matmul(np, dy, w.T), bf16_gemm.matmul(np, dy[3:9].T, x[3:9]))
-        with bf16_gemm.held(np, dy):
-            assert bf16_gemm._held_view(np, dy[3:9].T) is not None
-            got = (bf16_gemm.matmul(np, x.T, dy), bf16_gemm.matmul(np, dy, w.T), bf16_gemm.matmul(np, dy[3:9].T, x[3:9]))
-        assert not bf16_gemm._HELD
+    num = Numerics(bf16=True)
+    want = (num.matmul(np, x.T, dy), num.matmul(np, dy, w.T), num.matmul(np, dy[3:9].T, x[3:9]))
+    with num.converted(np, dy):
+        assert bf16_gemm._held_view(np, dy[3:9].T, num.held) is not None
+        got = (num.matmul(np, x.T, dy), num.matmul(np, dy, w.T), num.matmul(np, dy[3:9].T, x[3:9]))
+    assert not num.held
     for g, w_ in zip(got, want):
         np.testing.assert_array_equal(g, w_)
-    with bf16_gemm.held(np, dy):                      # outside bf16 amp nothing is held
-        assert not bf16_gemm._HELD
+    with OFF.converted(np, dy):                       # outside bf16 amp nothing is held
+        assert OFF.held is None
 
 
 @pytest.mark.parametrize("view", ["plain", "transposed", "sliced"])
@@ -191,9 +197,8 @@ def test_bits_operands_are_their_values(view):
     bits = bf16_bits.bf16_bits_numpy(a)
     a_op, bits_op = {"plain": (a, bits), "transposed": (a.T.copy().T, bits.T.copy().T),
                      "sliced": (a[::2], bits[::2])}[view]
-    with bf16_gemm.operands(True, bits=True):
-        got = bf16_gemm.matmul(np, bits_op, b)
-        np.testing.assert_array_equal(got, bf16_gemm.matmul(np, a_op, b))
+    got = bf16_gemm.matmul(np, bits_op, b)
+    np.testing.assert_array_equal(got, bf16_gemm.matmul(np, a_op, b))
     np.testing.assert_allclose(got, bf16(a_op).astype(np.float64) @ bf16(b), rtol=2e-6, atol=2e-6)
     with pytest.raises(TypeError, match="float32 values or uint16 bits"):
         bf16_gemm.matmul(np, a.astype(np.float64), b)
@@ -202,21 +207,20 @@ def test_bits_operands_are_their_values(view):
 def test_store_for_gemm_follows_the_storage():
     x = np.float32([1.0 + 2.0**-9, 1.0 + 3 * 2.0**-9, -3.0e38, np.inf])    # two ties (to even), a large, inf
     want = np.float32([1.0, 1.0 + 2.0**-7, -3.0e38, np.inf]).astype(ml_dtypes.bfloat16)
-    assert bf16_gemm.store_for_gemm(np, x) is x                             # outside bf16 amp: as it is
-    with bf16_gemm.operands(True, bits=True):
-        assert bf16_gemm.writes_bits()
-        got = bf16_gemm.store_for_gemm(np, x.copy())
-        assert got.dtype == np.uint16
-        np.testing.assert_array_equal(got, want.view(np.uint16))
-        assert bf16_gemm.store_for_gemm(np, got) is got                     # bits already
-    with bf16_gemm.operands(True):                                          # float32 storage: rounded in place
-        assert not bf16_gemm.writes_bits()
-        y = x.copy()
-        assert bf16_gemm.store_for_gemm(np, y) is y
-        np.testing.assert_array_equal(y, want.astype(np.float32))
-    with bf16_gemm.operands(False, bits=True):
-        assert not bf16_gemm.writes_bits()
-    assert not bf16_gemm.writes_bits() and not bf16_gemm.active()
+    assert OFF.store_for_gemm(np, x) is x                                   # outside bf16 amp: as it is
+    packed = Numerics(bf16=True, bits=True)
+    assert packed.writes_bits
+    got = packed.store_for_gemm(np, x.copy())
+    assert got.dtype == np.uint16
+    np.testing.assert_array_equal(got, want.view(np.uint16))
+    assert packed.store_for_gemm(np, got) is got                            # bits already
+    assert packed.float32_out.store_for_gemm(np, x) is x                    # a float32 reader: as it is
+    rounded = Numerics(bf16=True)                                           # float32 storage: rounded in place
+    assert not rounded.writes_bits
+    y = x.copy()
+    assert rounded.store_for_gemm(np, y) is y
+    np.testing.assert_array_equal(y, want.astype(np.float32))
+    assert not Numerics(bf16=False, bits=True).writes_bits
 
 
 @pytest.mark.parametrize("storage,kind", [("packed", "llama"), ("packed", "gpt"), ("float32", "llama")])
@@ -226,14 +230,14 @@ def test_linears_read_their_inputs_as_bits_when_packed(monkeypatch, storage, kin
     seen = []
     real = bf16_gemm.matmul
     monkeypatch.setattr(bf16_gemm, "matmul", lambda xp, a, b, *r, **k: (
-        seen.append((inspect.stack()[1].function, a.dtype)) or real(xp, a, b, *r, **k)))
+        seen.append((_caller().function, a.dtype)) or real(xp, a, b, *r, **k)))
     L = 2
     cfg = load_config(None, ["model.d_model=16", f"model.n_layers={L}", "model.n_heads=2", "model.seq_len=8",
                              f"model.kind={kind}", "train.global_batch=4", "runtime.backend=numpy",
                              "model.dtype=float32", "strategy.amp.enable=true", "strategy.amp.dtype=bfloat16",
                              f"strategy.amp.bf16_storage={storage}"])
     build(cfg, MPI.COMM_SELF).train_step(0)
-    fwd = [dt for fn, dt in seen if fn in ("linear_forward", "product_stored")]
+    fwd = [dt for fn, dt in seen if fn == "linear_forward"]
     bits = sum(dt == np.uint16 for dt in fwd)
     # a layer's linears, all reading bits (the o and attn.proj projections the attention's output): llama q, k,
     # v, o, gate, up and down; gpt qkv, attn.proj, fc and proj; the head's one
@@ -254,15 +258,16 @@ def test_product_stored_rounds_once_with_its_bias(monkeypatch, bias):
     c = bf16(rng.normal(size=40)) if bias else None
     exact = bf16(a).astype(np.float64) @ bf16(b) + (0 if c is None else c)
     gemms = emulated_cupy.LAUNCHES["cublas:gemmStridedBatchedEx"]
-    with bf16_gemm.operands(True, bits=True):
-        host = bf16_gemm.product_stored(np, a, b, c)
-        got = bf16_gemm.product_stored(dev, dev.asarray(a), dev.asarray(b), None if c is None else dev.asarray(c))
-        assert isinstance(got, dev.ndarray) and got.dtype == host.dtype == np.uint16
+    packed = Numerics(bf16=True, bits=True)
+    host = packed.product_stored(np, a, b, c)
+    got = packed.product_stored(dev, dev.asarray(a), dev.asarray(b), None if c is None else dev.asarray(c))
+    assert isinstance(got, dev.ndarray) and got.dtype == host.dtype == np.uint16
     got = got.get()
     assert emulated_cupy.LAUNCHES["cublas:gemmStridedBatchedEx"] == gemms + 1
     # within one bfloat16 step of the exact sum's rounding (float32 sums in either order), equal in most places
     values = (got.astype(np.uint32) << 16).view(np.float32)
     np.testing.assert_allclose(values, exact, rtol=2**-7, atol=1e-6)
     assert np.mean(got == host) > 0.95 and np.mean(got == bf16_bits.bf16_bits_numpy(exact)) > 0.95
-    with bf16_gemm.operands(True):              # float32 storage: the same values, rounded in float32
-        np.testing.assert_array_equal(bf16_gemm.product_stored(np, a, b, c), (host.astype(np.uint32) << 16).view(np.float32))
+    # float32 storage: the same values, rounded in float32
+    np.testing.assert_array_equal(Numerics(bf16=True).product_stored(np, a, b, c),
+                                  (host.astype(np.uint32) << 16).view(np.float32))

@@ -204,15 +204,13 @@ def test_storage_follows_the_backend_and_rules(small_corpus):
 @pytest.mark.parametrize("which", ["q", "k", "v", "qkv"])
 def test_grouped_attention_takes_bits_inputs(which):
     # the projections' outputs stored as bfloat16 bits (packed) give the attention the float32 storage's values
-    from hpengine.nn import bf16_gemm
+    from hpengine.nn import Numerics
     from hpengine.nn.gqa import gqa_attention_forward
     rng = np.random.default_rng(3)
     B, H, K, T, hd = 2, 4, 2, 16, 8
     q, k, v = (round_bf16_(np, rng.normal(size=(B, n, T, hd)).astype(np.float32)) for n in (H, K, K))
-    with bf16_gemm.operands(True):
-        want, _ = gqa_attention_forward(np, q.copy(), k.copy(), v.copy())
+    want, _ = gqa_attention_forward(np, q.copy(), k.copy(), v.copy(), num=Numerics(bf16=True))
     args = [bf16_bits.to_bf16_bits(np, t) if name in which else t.copy() for name, t in zip("qkv", (q, k, v))]
-    with bf16_gemm.operands(True, bits=True):
-        got, _ = gqa_attention_forward(np, *args)
+    got, _ = gqa_attention_forward(np, *args, num=Numerics(bf16=True, bits=True))
     assert got.dtype == np.uint16
     np.testing.assert_array_equal(bf16_bits.from_bf16_bits(np, got), want)

@@ -195,43 +195,45 @@ def test_cublas_outside_an_allocation_is_refused(device):
 
 def test_held_bits_go_to_the_gemm_as_they_are(device):
     from hpengine.device.bf16_bits import from_bf16_bits, to_bf16_bits
-    from hpengine.nn import bf16_gemm
+    from hpengine.nn import Numerics
     rng = np.random.default_rng(0)
     x = device.asarray(rng.normal(size=(6, 5)).astype(np.float32))
     bits = to_bf16_bits(device, device.asarray(rng.normal(size=(7, 5)).astype(np.float32)))
     w = from_bf16_bits(device, bits)
-    with bf16_gemm.operands(True):
-        want = bf16_gemm.matmul(device, x, w.T).get()          # w converted back to bits by a kernel
-        before = device.counts["ew:hpengine_to_bf16"]
-        bf16_gemm.hold_bits(w, bits)
-        try:
-            got = bf16_gemm.matmul(device, x, w.T).get()       # the bits themselves, transposed
-            part = bf16_gemm.matmul(device, x, w[2:5].T).get()
-        finally:
-            bf16_gemm.release_bits(w)
+    num = Numerics(bf16=True)
+    want = num.matmul(device, x, w.T).get()          # w converted back to bits by a kernel
+    before = device.counts["ew:hpengine_to_bf16"]
+    num.hold_bits(w, bits)
+    try:
+        got = num.matmul(device, x, w.T).get()       # the bits themselves, transposed
+        part = num.matmul(device, x, w[2:5].T).get()
+    finally:
+        num.release_bits(w)
+    assert not num.held
     assert device.counts["ew:hpengine_to_bf16"] - before == 2  # x only, twice
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(part, want[:, 2:5])
     with pytest.raises(ValueError, match="one shape"):
-        bf16_gemm.hold_bits(w, bits[:3])
+        num.hold_bits(w, bits[:3])
 
 
 def _conversions(corpus, monkeypatch, mode: str, together: bool = False, kind: str = "llama") -> tuple:
     """(to_bf16, from_bf16, pack_bf16) launches of the second bf16 step: "none" converts every weight for each
-    GEMM, "hold" unpacks the weights and the GEMMs read their bits (bf16_gemm.hold_bits), "bits" (the engine's way)
+    GEMM, "hold" unpacks the weights and the GEMMs read their bits (Numerics.hold_bits), "bits" (the engine's way)
     hands the linears' weights to the GEMMs as bits, unconverted. together=False: every other tensor of a block
     converted on its own (the engine converts them together, one pack_bf16 a block access); also the losses and
     parameters."""
     from hpengine.models.llama import Llama
-    from hpengine.nn import bf16_gemm
+    from hpengine.nn import Numerics
     from hpengine.strategies.bf16_storage import UnpackedParams
     if mode != "bits":
         monkeypatch.setattr(Llama, "gemm_weight", lambda self, name: False)
     if mode == "none":
-        monkeypatch.setattr(bf16_gemm, "hold_bits", lambda values, bits: None)
+        monkeypatch.setattr(Numerics, "hold_bits", lambda self, values, bits: None)
     if not together:
         init = UnpackedParams.__init__
-        monkeypatch.setattr(UnpackedParams, "__init__", lambda self, xp, buf, gw=None, _=(): init(self, xp, buf, gw))
+        monkeypatch.setattr(UnpackedParams, "__init__",
+                            lambda self, xp, buf, gw=None, _=(), num=None: init(self, xp, buf, gw, (), num))
     mod = emulated_cupy.install(monkeypatch)
     eng = build(load_config(None, [*TINY, f"data.path={corpus}", "runtime.backend=cupy", *KINDS[kind], *BF16]),
                 MPI.COMM_SELF)

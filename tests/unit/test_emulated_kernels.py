@@ -14,7 +14,7 @@ import pytest
 
 from hpengine.device import kernels
 from hpengine.device.precision import round_bf16_
-from hpengine.nn import bf16_gemm, flash, flash_cuda, fused
+from hpengine.nn import Numerics, flash, flash_cuda, fused
 
 F64 = {"rtol": 1e-12, "atol": 1e-13}
 RNG = np.random.default_rng(7)
@@ -298,8 +298,7 @@ def test_flash_mma_against_attention_of_bf16_operands(device, hd, storage):
     f64 = [a.astype(np.float64) for a in (q, k, v, dout)]
     want = _attention(*f64[:3], float(scale), f64[3], rnd=lambda a: _bf16(a).astype(np.float64))
     plain = _attention(*f64[:3], float(scale), f64[3])
-    with bf16_gemm.operands(True):
-        got = _flash(device, q, k, v, dout, scale, None, storage=storage)
+    got = _flash(device, q, k, v, dout, scale, True, storage=storage)      # as bf16 amp asks (nn/flash.py)
     for name, g, w, p in zip(("o", "lse", "dq", "dk", "dv"), got, want, plain):
         big = np.abs(w).max()
         err = np.abs(g - w)
@@ -337,11 +336,11 @@ def test_flash_mma_over_several_key_tiles_follows_the_numpy_twin(device):
     q, k, v, dout = (a.astype(np.float32) for a in _inputs(B, H, K, T, hd))
     q *= np.float32(1 / math.sqrt(hd))
     dy = dout.transpose(0, 2, 1, 3).reshape(B, T, H * hd)
-    with bf16_gemm.operands(True):
-        y, cache = flash.flash_gqa_forward(np, q, k, v)          # key blocks of flash.BK = 64, the kernel's BN
-        want = (y, cache[4], *flash.flash_gqa_backward(np, dy, cache))
-        yd, cache = flash.flash_gqa_forward(device, *(_dev(device, a) for a in (q, k, v)))
-        got = (yd, cache[4], *flash.flash_gqa_backward(device, _dev(device, dy), cache))
+    num = Numerics(bf16=True)
+    y, cache = flash.flash_gqa_forward(np, q, k, v, num=num)     # key blocks of flash.BK = 64, the kernel's BN
+    want = (y, cache[4], *flash.flash_gqa_backward(np, dy, cache, num))
+    yd, cache = flash.flash_gqa_forward(device, *(_dev(device, a) for a in (q, k, v)), num=num)
+    got = (yd, cache[4], *flash.flash_gqa_backward(device, _dev(device, dy), cache, num))
     assert {f"flash_mma_{op}_f32_hd64" for op in ("fwd", "bwd_dq", "bwd_dkdv")} <= set(device.launches)
     for name, g, w in zip(("y", "lse", "dq", "dk", "dv"), got, want):
         g, big = _host(g), np.abs(w).max()

@@ -13,7 +13,7 @@ import pytest
 from launch_args import check_args
 
 from hpengine.device import kernels
-from hpengine.nn import bf16_gemm, flash_cuda
+from hpengine.nn import flash_cuda
 
 PATH = kernels.source_path("attention_mma")
 SRC = PATH.read_text()
@@ -215,11 +215,11 @@ def test_bf16_amp_launches_the_tensor_core_entries(launches, dtype, hd):
     q, k, v = (qkv.reshape(B, T, H, 3, hd)[:, :, :, i].transpose(0, 2, 1, 3) for i in range(3))
     y = np.zeros((B, T, H * hd), dtype)
     o = y.reshape(B, T, H, hd).transpose(0, 2, 1, 3)
-    with bf16_gemm.operands(True):
-        lse = flash_cuda.forward(np, q, k, v, o, 0.25)
-        dqkv = np.zeros_like(qkv)
-        dq, dk, dv = (dqkv.reshape(B, T, H, 3, hd)[:, :, :, i].transpose(0, 2, 1, 3) for i in range(3))
-        flash_cuda.backward(np, q, k, v, o, o, lse, dq, dk, dv, 0.25)
+    mma = flash_cuda.use_mma(dtype, True)       # as nn/flash.py asks under bf16 amp
+    lse = flash_cuda.forward(np, q, k, v, o, 0.25, mma=mma)
+    dqkv = np.zeros_like(qkv)
+    dq, dk, dv = (dqkv.reshape(B, T, H, 3, hd)[:, :, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    flash_cuda.backward(np, q, k, v, o, o, lse, dq, dk, dv, 0.25, mma=mma)
     sfx = f"{flash_cuda.suffix(dtype)}_hd{64 if hd <= 64 else 128}"
     assert [c[0] for c in launches] == [f"flash_mma_{op}_{sfx}" for op in ("fwd", "bwd_dq", "bwd_dkdv")]
     fwd, dq_call, dkdv = launches
@@ -249,10 +249,10 @@ def test_mma_launches_use_key_value_heads(launches, H, K):
 def test_dispatch_follows_bf16_amp_and_refuses_float64(launches):
     z = np.zeros((1, 2, 4, 8), np.float32)
     flash_cuda.forward(np, z, z, z, z.copy(), 1.0)
-    with bf16_gemm.operands(True):
-        flash_cuda.forward(np, z, z, z, z.copy(), 1.0, mma=False)
-        d = z.astype(np.float64)
-        flash_cuda.forward(np, d, d, d, d.copy(), 1.0)           # float64 keeps its own kernel
+    flash_cuda.forward(np, z, z, z, z.copy(), 1.0, mma=False)
+    d = z.astype(np.float64)
+    assert not flash_cuda.use_mma(d.dtype, True)
+    flash_cuda.forward(np, d, d, d, d.copy(), 1.0, mma=flash_cuda.use_mma(d.dtype, True))   # float64: its own kernel
     assert [c[0] for c in launches] == ["flash_fwd_f32", "flash_fwd_f32", "flash_fwd_f64"]
     with pytest.raises(ValueError, match="tensor-core kernels take float32 or bfloat16 bits"):
         flash_cuda.forward(np, d, d, d, d.copy(), 1.0, mma=True)

@@ -10,12 +10,12 @@ from test_layers import assert_close_grad, numgrad  # central differences (tests
 from hpengine import nn
 from hpengine.models import LOCAL, Context
 from hpengine.models import tp_layers as tp
-from hpengine.nn import bf16_gemm
+from hpengine.nn import OFF, Numerics
 from hpengine.strategies.sequence_parallel import SequenceParallel, SequenceSplit
 
 B, T, C, OC, V = 2, 5, 8, 6, 11
 SHAPES = {"2d": (B * T,), "3d": (B, T)}          # leading dims of a layer's input
-DTYPES = ["float64", "float32", "bf16"]          # bf16: float32 storage inside bf16_gemm.operands(True)
+DTYPES = ["float64", "float32", "bf16"]          # bf16: float32 storage, the layers handed a bf16 policy
 
 
 def rng(seed):
@@ -28,6 +28,11 @@ def rand(r, *shape, dtype=np.float64):
 
 def storage(dtype):
     return np.float32 if dtype == "bf16" else np.dtype(dtype).type
+
+
+def _num(dtype):
+    """The precision policy the layers are handed: bfloat16 GEMM operands for "bf16"."""
+    return Numerics(bf16=True) if dtype == "bf16" else OFF
 
 
 def same(a, b):
@@ -62,19 +67,19 @@ def test_linear_b_then_w_is_fused_bitwise(dtype, lead, bias):
     r, dt = rng(2), storage(dtype)
     x, w, dy = rand(r, *SHAPES[lead], C, dtype=dt), rand(r, C, OC, dtype=dt), rand(r, *SHAPES[lead], OC, dtype=dt)
     g0w, g0b = rand(r, C, OC, dtype=dt), rand(r, OC, dtype=dt)            # accumulated into, not overwritten
-    with bf16_gemm.operands(dtype == "bf16"):
-        _, cache = nn.linear_forward(np, x, w, rand(r, OC, dtype=dt) if bias else None)
-        dy_before = dy.copy()
-        outs = {}
-        for how in ("split", "fused"):
-            dw, db = g0w.copy(), (g0b.copy() if bias else None)
-            if how == "split":
-                dx = nn.linear_backward_input(np, dy, cache, w)
-                assert same(dy, dy_before)                                  # B leaves W's dy as it was
-                nn.linear_backward_weight(np, dy, cache, dw, db)
-            else:
-                dx = nn.linear_backward(np, dy, cache, w, dw, db)
-            outs[how] = (dx, dw, db)
+    num = _num(dtype)
+    _, cache = nn.linear_forward(np, x, w, rand(r, OC, dtype=dt) if bias else None, num=num.float32_out)
+    dy_before = dy.copy()
+    outs = {}
+    for how in ("split", "fused"):
+        dw, db = g0w.copy(), (g0b.copy() if bias else None)
+        if how == "split":
+            dx = nn.linear_backward_input(np, dy, cache, w, num)
+            assert same(dy, dy_before)                                  # B leaves W's dy as it was
+            nn.linear_backward_weight(np, dy, cache, dw, db, num)
+        else:
+            dx = nn.linear_backward(np, dy, cache, w, dw, db, num)
+        outs[how] = (dx, dw, db)
     for got, want in zip(outs["split"], outs["fused"]):
         assert (got is None and want is None) or same(got, want)
     dx, dw, _ = outs["split"]
@@ -181,9 +186,9 @@ class CountingComm:
         return arr
 
 
-def sp_context():
+def sp_context(num=OFF):
     comm = CountingComm()
-    return Context(SequenceParallel(comm, V), SequenceSplit(comm), LOCAL.attn, LOCAL.ep), comm
+    return Context(SequenceParallel(comm, V), SequenceSplit(comm), LOCAL.attn, LOCAL.ep, num), comm
 
 
 def _columns(r, dt, n, bias):
@@ -203,29 +208,30 @@ def test_columns_b_then_w_is_fused_bitwise(dtype, n, bias, where):
     dys = tuple(rand(r, B, T, w.shape[1], dtype=dt) for w in ws)
     g0w, g0b = tuple(rand(r, *w.shape, dtype=dt) for w in ws), tuple(rand(r, w.shape[1], dtype=dt) for w in ws)
     outs = {}
-    with bf16_gemm.operands(dtype == "bf16"):
-        for how in ("split", "fused"):
-            ctx, comm = (LOCAL, None) if where == "local" else sp_context()
-            _, stash = tp.columns_forward(np, ctx, x, ws, bs)
-            gws, gbs = tuple(g.copy() for g in g0w), (tuple(g.copy() for g in g0b) if bias else None)
-            if how == "split":
-                if n == 1:
-                    dx = tp.column_backward_input(np, ctx, dys[0], stash, ws[0])
-                else:
-                    dx = tp.columns_backward_input(np, ctx, dys, stash, ws)
-                if comm is not None:                   # B: the reduce-scatter of dx, and no gather of x
-                    assert comm.calls == ["allgather", "reduce_scatter"]    # (the forward's gather first)
-                if n == 1:
-                    tp.column_backward_weight(np, ctx, dys[0], stash, gws[0], gbs and gbs[0])
-                else:
-                    tp.columns_backward_weight(np, ctx, dys, stash, gws, gbs)
-                if comm is not None:                   # W gathers the stashed piece of x
-                    assert comm.calls == ["allgather", "reduce_scatter", "allgather"]
-            elif n == 1:
-                dx = tp.column_backward(np, ctx, dys[0], stash, ws[0], gws[0], gbs and gbs[0])
+    num = _num(dtype)
+    for how in ("split", "fused"):
+        ctx, comm = (Context(LOCAL.tp, LOCAL.seq, LOCAL.attn, LOCAL.ep, num), None) if where == "local" \
+            else sp_context(num)
+        _, stash = tp.columns_forward(np, ctx, x, ws, bs)
+        gws, gbs = tuple(g.copy() for g in g0w), (tuple(g.copy() for g in g0b) if bias else None)
+        if how == "split":
+            if n == 1:
+                dx = tp.column_backward_input(np, ctx, dys[0], stash, ws[0])
             else:
-                dx = tp.columns_backward(np, ctx, dys, stash, ws, gws, gbs)
-            outs[how] = (dx,) + gws + (gbs or ())
+                dx = tp.columns_backward_input(np, ctx, dys, stash, ws)
+            if comm is not None:                   # B: the reduce-scatter of dx, and no gather of x
+                assert comm.calls == ["allgather", "reduce_scatter"]    # (the forward's gather first)
+            if n == 1:
+                tp.column_backward_weight(np, ctx, dys[0], stash, gws[0], gbs and gbs[0])
+            else:
+                tp.columns_backward_weight(np, ctx, dys, stash, gws, gbs)
+            if comm is not None:                   # W gathers the stashed piece of x
+                assert comm.calls == ["allgather", "reduce_scatter", "allgather"]
+        elif n == 1:
+            dx = tp.column_backward(np, ctx, dys[0], stash, ws[0], gws[0], gbs and gbs[0])
+        else:
+            dx = tp.columns_backward(np, ctx, dys, stash, ws, gws, gbs)
+        outs[how] = (dx,) + gws + (gbs or ())
     assert len(outs["split"]) == len(outs["fused"])
     assert all(same(a, b) for a, b in zip(outs["split"], outs["fused"]))
 
@@ -239,21 +245,22 @@ def test_row_b_then_w_is_fused_bitwise(dtype, bias, where):
     dy = rand(r, B, T, C, dtype=dt)
     g0w, g0b = rand(r, OC, C, dtype=dt), rand(r, C, dtype=dt)
     outs = {}
-    with bf16_gemm.operands(dtype == "bf16"):
-        for how in ("split", "fused"):
-            ctx, comm = (LOCAL, None) if where == "local" else sp_context()
-            _, cache = tp.row_forward(np, ctx, x, w, rand(rng(8), C, dtype=dt) if bias else None)
-            gw, gb = g0w.copy(), (g0b.copy() if bias else None)
-            dy_before = dy.copy()
-            if how == "split":
-                dx, dy_full = tp.row_backward_input(np, ctx, dy, nn.linear_drop_input(cache), w, gb)
-                assert same(dy, dy_before) and same(dy_full, dy)
-                tp.row_backward_weight(np, ctx, dy_full, cache, gw)
-                if comm is not None:                   # the forward's reduce-scatter, B's gather of dy: W none
-                    assert comm.calls == ["reduce_scatter", "allgather"]
-            else:
-                dx = tp.row_backward(np, ctx, dy, cache, w, gw, gb)
-            outs[how] = (dx, gw) + ((gb,) if bias else ())
+    num = _num(dtype)
+    for how in ("split", "fused"):
+        ctx, comm = (Context(LOCAL.tp, LOCAL.seq, LOCAL.attn, LOCAL.ep, num), None) if where == "local" \
+            else sp_context(num)
+        _, cache = tp.row_forward(np, ctx, x, w, rand(rng(8), C, dtype=dt) if bias else None)
+        gw, gb = g0w.copy(), (g0b.copy() if bias else None)
+        dy_before = dy.copy()
+        if how == "split":
+            dx, dy_full = tp.row_backward_input(np, ctx, dy, nn.linear_drop_input(cache), w, gb)
+            assert same(dy, dy_before) and same(dy_full, dy)
+            tp.row_backward_weight(np, ctx, dy_full, cache, gw)
+            if comm is not None:                   # the forward's reduce-scatter, B's gather of dy: W none
+                assert comm.calls == ["reduce_scatter", "allgather"]
+        else:
+            dx = tp.row_backward(np, ctx, dy, cache, w, gw, gb)
+        outs[how] = (dx, gw) + ((gb,) if bias else ())
     assert all(same(a, b) for a, b in zip(outs["split"], outs["fused"]))
 
 
