@@ -8,9 +8,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from dataclasses import dataclass
 
-from hpengine.config.load import MESH_AXES, ConfigError, ensure_valid, mesh_order, model_from_key, model_key
+from hpengine.config.load import MESH_AXES, ConfigError, ensure_valid, model_from_key, model_key
+from hpengine.layout.degrees import AmpPolicy, BatchSplit, Degrees, PipelinePlan, TopologyError
 from hpengine.layout.schedules import chunks_per_stage, placement, schedule
 from hpengine.models import KINDS, build_model, capabilities
 from hpengine.nn.context_split import check_split
@@ -25,10 +27,6 @@ MAX_INFLIGHT = 2   # blocks whose gradient reduction may be in flight at once (s
 
 class LayoutError(ConfigError):
     """A config whose switches cannot run on this world size (one line naming the values)."""
-
-
-class TopologyError(ValueError):
-    pass
 
 
 class PipelineError(ValueError):
@@ -97,46 +95,30 @@ def resolve_degrees(world: int, requested: dict) -> dict:
 
 @dataclass(frozen=True)
 class Resolved:
-    """The switches and degrees of one job, resolved for a world size (switched-off means neutral)."""
-    tp: int
-    sh: int
-    dp: int
-    pp: int
-    zstage: int            # sharding stage, 0 when the sharding axis has one rank
-    partition: str
-    m: int                 # micro-batches per pass
-    k: int                 # passes per step (gradient merge)
-    v: int                 # model chunks per pipeline rank
-    schedule: str
-    split: object
-    recompute: int         # 0 = off, else every N-th layer
-    amp: bool | str        # False / "" off, else the amp dtype ("float16", "bfloat16"; True means float16)
-    order: tuple
-    share: int             # sequences per replica per step
-    bucket_mb: float = 4.0
+    """One job's layout on a world size (switched-off means neutral), made of its parts: the parallel degrees,
+    the pipeline's plan, the amp policy and the batch split (layout/degrees.py), and the settings of the
+    gradient sync and of recompute. The part's names (tp, m, amp, share, ...) read through to the part."""
+    degrees: Degrees
+    pipeline: PipelinePlan = PipelinePlan()
+    precision: AmpPolicy = AmpPolicy()
+    batch: BatchSplit = BatchSplit()
+    zstage: int = 0               # sharding stage, 0 when the sharding axis has one rank
+    partition: str = "tensor"     # sharding.partition: "tensor" or "flat"
+    bucket_mb: float = 4.0        # data_parallel.bucket_mb
+    recompute: int = 0            # 0 = off, else every N-th layer
     granularity: str = "full"     # recompute.granularity: "full" or "selective"
     sp: bool = False              # sequence parallelism (tp > 1 only)
-    scatter: bool = False         # pipeline sends split across tp (pp > 1, tp > 1, no sp)
-    ep: int = 1                   # expert parallel: ranks the routed experts are split over, inside dp
-    cp: int = 1                   # context parallel: ranks each sequence is split over (head-tail chunks)
     cp_comm: str = "ring"         # context_parallel.comm: "ring" or "allgather"
-    # bf16 amp: how activation caches are stored, "packed" (2 bytes) or "float32"; "auto" while the backend is
-    # (runtime.backend = "auto": packed on a GPU); "" without bf16 amp
-    bf16_storage: str = ""
-    bf16_grads: bool = False      # bf16 amp with amp.grad_dtype = "bfloat16" (packed storage: gradients as bits)
-
-    def __post_init__(self):
-        object.__setattr__(self, "order", mesh_order(self.order))
-
-    def packs_activations(self, gpu: bool) -> bool:
-        """Whether activation caches are kept as bfloat16 bits (2 bytes), on a GPU backend (gpu) or not."""
-        return self.bf16_storage == "packed" or (self.bf16_storage == "auto" and gpu)
 
     def on_device(self, gpu: bool) -> Resolved:
         """This layout with bf16_storage's "auto" decided for the backend: a GPU (gpu) or NumPy."""
         if self.bf16_storage != "auto":
             return self
-        return dataclasses.replace(self, bf16_storage="packed" if gpu else "float32")
+        return dataclasses.replace(self, precision=dataclasses.replace(
+            self.precision, bf16_storage="packed" if gpu else "float32"))
+
+    def packs_activations(self, gpu: bool) -> bool:
+        return self.precision.packs_activations(gpu)
 
     @property
     def seq_parts(self) -> int:
@@ -149,34 +131,12 @@ class Resolved:
         return self.share // (self.k * self.m)
 
     @property
-    def degrees(self) -> dict:
-        return {"tp": self.tp, "cp": self.cp, "sharding": self.sh, "dp": self.dp, "pp": self.pp}
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.cp * self.sh * self.dp * self.pp
-
-    @property
-    def grad_axes(self) -> tuple:
-        """The axes over which every gradient (and loss) is summed beyond the sharding owners, in mesh order:
-        dp, and cp under context parallelism (each cp rank saw its part of every sequence)."""
-        if self.cp == 1:
-            return ("dp",)
-        return tuple(a for a in self.order if a == "cp" or (a == "dp" and self.dp > 1))
-
-    @property
     def grad_group(self) -> str:
         """The name of grad_axes' communicator (dist.topology.Mesh.group_name)."""
         return "*".join(self.grad_axes)
 
-    @property
-    def replicas(self) -> int:
-        """Ranks that each take a different slice of the global batch (dp x sharding)."""
-        return self.dp * self.sh
-
     def replica(self, coords: dict) -> int:
-        """Which slice of the global batch the rank at `coords` takes."""
-        return coords["dp"] * self.sh + coords["sharding"]
+        return self.degrees.replica(coords)
 
     def selected(self, block) -> bool:
         """Whether recompute.every picks a block (models.Block): every N-th layer, never the embedding or head."""
@@ -189,6 +149,16 @@ class Resolved:
     def drops_scores(self, block) -> bool:
         """Whether a block keeps all but its attention probabilities in forward (granularity "selective")."""
         return self.selected(block) and self.granularity == "selective"
+
+
+# the parts' names, read through on the layout: the planner's and the engine's arithmetic reads them by name
+READ_THROUGH = {"degrees": ("tp", "cp", "sh", "dp", "pp", "ep", "order", "world", "grad_axes", "replicas"),
+                "pipeline": ("m", "v", "schedule", "split", "scatter"),
+                "precision": ("amp", "bf16_storage", "bf16_grads"),
+                "batch": ("share", "k")}
+for _part, _names in READ_THROUGH.items():
+    for _name in _names:
+        setattr(Resolved, _name, property(operator.attrgetter(f"{_part}.{_name}"), doc=f"{_part}.{_name}"))
 
 
 def requested_degrees(cfg) -> dict:
@@ -207,20 +177,18 @@ def resolve(cfg, world: int) -> Resolved:
     s = cfg.strategy
     d = resolve_degrees(world, requested_degrees(cfg))
     pc, gm, rc = s.pipeline, s.gradient_merge, s.recompute
-    res = Resolved(d["tp"], d["sharding"], d["dp"], d["pp"], s.sharding.stage if d["sharding"] > 1 else 0,
-                   s.sharding.partition, pc.micro_batches if pc.enable else 1, gm.k_steps if gm.enable else 1,
-                   (chunks_per_stage(pc.schedule) or pc.virtual_stages) if pc.enable else 1,
-                   pc.schedule if pc.enable else "fthenb",
-                   pc.split if pc.enable else "uniform", rc.every if rc.enable else 0,
-                   s.amp.dtype if s.amp.enable else "",
-                   tuple(cfg.mesh.order), cfg.train.global_batch // (d["dp"] * d["sharding"]),
-                   s.data_parallel.bucket_mb, rc.granularity if rc.enable else "full")
     sp = d["tp"] > 1 and s.tensor_parallel.sequence_parallel
     ep = s.expert_parallel.degree if s.expert_parallel.enable else 1
-    res = dataclasses.replace(res, sp=sp, scatter=d["tp"] > 1 and d["pp"] > 1 and not sp and pc.scatter_gather,
-                              ep=d["dp"] if ep == -1 else ep, cp=d["cp"], cp_comm=s.context_parallel.comm,
-                              bf16_storage=_bf16_storage(cfg),
-                              bf16_grads=s.amp.enable and s.amp.dtype == "bfloat16" and s.amp.grad_dtype == "bfloat16")
+    res = Resolved(
+        Degrees(d["tp"], d["cp"], d["sharding"], d["dp"], d["pp"], d["dp"] if ep == -1 else ep, tuple(cfg.mesh.order)),
+        PipelinePlan(pc.micro_batches, chunks_per_stage(pc.schedule) or pc.virtual_stages, pc.schedule, pc.split,
+                     d["tp"] > 1 and d["pp"] > 1 and not sp and pc.scatter_gather) if pc.enable else PipelinePlan(),
+        AmpPolicy(s.amp.dtype if s.amp.enable else "", _bf16_storage(cfg),
+                  s.amp.enable and s.amp.dtype == "bfloat16" and s.amp.grad_dtype == "bfloat16"),
+        BatchSplit(cfg.train.global_batch // (d["dp"] * d["sharding"]), gm.k_steps if gm.enable else 1),
+        zstage=s.sharding.stage if d["sharding"] > 1 else 0, partition=s.sharding.partition,
+        bucket_mb=s.data_parallel.bucket_mb, recompute=rc.every if rc.enable else 0,
+        granularity=rc.granularity if rc.enable else "full", sp=sp, cp_comm=s.context_parallel.comm)
     check(cfg, res)
     chunks(cfg.model, res)          # the pipeline split must be possible
     return res
@@ -358,7 +326,7 @@ def _chunks(mkey, p, v, split) -> list[tuple[str, ...]]:
 def describe(cfg, res: Resolved) -> str:
     """The resolved layout in words and numbers (`hpengine config CFG --world N`)."""
     shown = [a for a in reversed(res.order) if a != "cp" or res.cp > 1]
-    lines = [f"world {res.world}: " + " x ".join(f"{a} {res.degrees[a]}" for a in shown)
+    lines = [f"world {res.world}: " + " x ".join(f"{a} {res.degrees.by_axis[a]}" for a in shown)
              + f" (mesh order innermost first: {', '.join(a for a in res.order if a in shown)})",
              f"batch: global {cfg.train.global_batch} = {res.replicas} replica(s) x {res.share} sequences; "
              f"{res.k} pass(es) x {res.m} micro-batch(es) x {res.rows} sequences of {cfg.model.seq_len} tokens",

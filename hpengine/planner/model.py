@@ -223,7 +223,7 @@ SCALAR_CALLS = {"sharding": 2, "dp": 1, "pp": 2, "tp": 1}
 
 
 def _degrees(lay: Resolved) -> dict:
-    return lay.degrees
+    return lay.degrees.by_axis
 
 
 def stage_times(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, cluster, sh_rank=None, tr=None) -> dict:

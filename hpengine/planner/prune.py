@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from itertools import product
 
+from hpengine.layout.degrees import AmpPolicy, BatchSplit, Degrees, PipelinePlan
 from hpengine.layout.resolve import Resolved
 from hpengine.layout.schedules import schedule
 from hpengine.planner.bound import family_floor, leaf_memory_floor, quick_floor
@@ -78,9 +79,11 @@ def families(cfg, cluster, max_rows: int, where=None):
 
 
 def _leaf(f: dict, sh: int, zstage: int) -> Resolved:
-    return Resolved(f["tp"], sh, f["rest"] // sh, f["pp"], zstage, "tensor" if sh <= f["tensors"] else "flat", f["m"],
-                    f["k"], f["v"], f["schedule"], "uniform", f["recompute"], f["amp"], f["order"], f["share"],
-                    f["bucket_mb"], f["granularity"], f["sp"], f["scatter"], f["ep"], f["cp"], f["cp_comm"])
+    return Resolved(Degrees(f["tp"], f["cp"], sh, f["rest"] // sh, f["pp"], f["ep"], f["order"]),
+                    PipelinePlan(f["m"], f["v"], f["schedule"], "uniform", f["scatter"]), AmpPolicy(f["amp"]),
+                    BatchSplit(f["share"], f["k"]), zstage=zstage,
+                    partition="tensor" if sh <= f["tensors"] else "flat", bucket_mb=f["bucket_mb"],
+                    recompute=f["recompute"], granularity=f["granularity"], sp=f["sp"], cp_comm=f["cp_comm"])
 
 
 def _leaves(fixed: dict, split: tuple, head: tuple, tail: tuple):

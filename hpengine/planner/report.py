@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from hpengine.config.load import Config
+from hpengine.layout.degrees import Degrees
 from hpengine.layout.resolve import Resolved, resolve
 from hpengine.models import build_model
 from hpengine.planner.calibrate import GB
@@ -89,7 +90,7 @@ def table(results: list[dict], top: int, wide: bool = False, dtype: str = "float
 def legend(cols, wide: bool, dtype: str) -> list[str]:
     """What the table's abbreviations mean, wrapped under 120 columns."""
     items = [f"{c} {what}" for c, _, what in cols[1:]]
-    plain = row_precision(Resolved(1, 1, 1, 1, 0, "tensor", 1, 1, 1, "fthenb", "uniform", 0, "", (), 1), dtype)
+    plain = row_precision(Resolved(Degrees()), dtype)
     items[-1] += f" (fp16/bf16: amp, float32 master weights; {plain}: model.dtype)"
     items += [("params, grads, optim(izer), act(ivations), buf(fers), total: memory" if wide else "GB memory")
               + " per device, the worst pipeline stage" + ("" if wide else " (--wide: by part)"),

@@ -138,7 +138,7 @@ def _why_context(cfg: Config, cluster: Cluster, fit: list[dict], max_rows: int) 
 def write_best(cfg: Config, best: dict, path: str, cluster: Cluster) -> Config:
     """Write the best layout as a runnable config TOML (a header names the strategies and prediction)."""
     c = config_for(cfg, best["layout"])
-    degree = {SWITCH_OF_AXIS[a]: d for a, d in resolve(c, cluster.world).degrees.items()}
+    degree = {SWITCH_OF_AXIS[a]: d for a, d in resolve(c, cluster.world).degrees.by_axis.items()}
     names = [f"{n}({degree[n]})" if n in degree else n for n in enabled_strategies(c)]
     head = [f"# hpengine plan for {cluster.world} devices ({cluster.nodes} x {cluster.gpus_per_node}, "
             f"{cluster.mem_gb:g} GB, {cluster.reserve:g} GB kept free): mpiexec -n {cluster.world} hpengine train "

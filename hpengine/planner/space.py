@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from itertools import product
 
+from hpengine.layout.degrees import AmpPolicy, BatchSplit, Degrees, PipelinePlan
 from hpengine.layout.resolve import Resolved
 from hpengine.layout.schedules import SCHEDULES
 from hpengine.models import build_model, capabilities
@@ -48,10 +49,13 @@ def candidates(cfg, cluster, max_rows: int = 8):
                     continue
                 n = share // b          # micro-batches: the pipeline's, else gradient-merge passes
                 for (sched, v), ep in product(schedules(pp, n, m.n_layers), expert_degrees(m, dp)):
-                    yield Resolved(tp, sh, dp, pp, zstage, "tensor" if sh <= tensors else "flat",
-                                   n if pp > 1 else 1, 1 if pp > 1 else n, v, sched, "uniform", rc, amp,
-                                   tuple(cfg.mesh.order), share, cfg.strategy.data_parallel.bucket_mb, gran, sp,
-                                   tp > 1 and pp > 1 and not sp and split_sends, ep, cp, comm)
+                    yield Resolved(Degrees(tp, cp, sh, dp, pp, ep, tuple(cfg.mesh.order)),
+                                   PipelinePlan(n if pp > 1 else 1, v, sched, "uniform",
+                                                tp > 1 and pp > 1 and not sp and split_sends),
+                                   AmpPolicy(amp), BatchSplit(share, 1 if pp > 1 else n), zstage=zstage,
+                                   partition="tensor" if sh <= tensors else "flat",
+                                   bucket_mb=cfg.strategy.data_parallel.bucket_mb, recompute=rc, granularity=gran,
+                                   sp=sp, cp_comm=comm)
 
 
 def context_degrees(m, ranks: int) -> list[int]:

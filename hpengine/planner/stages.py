@@ -10,6 +10,7 @@ import operator
 from dataclasses import dataclass
 
 from hpengine.config.load import model_from_key, model_key
+from hpengine.layout.degrees import Degrees, PipelinePlan
 from hpengine.layout.resolve import AXES, Resolved
 from hpengine.layout.schedules import SCHEDULES
 from hpengine.layout.stage import build_stage, owner
@@ -112,8 +113,8 @@ def stages(mcfg, tp: int, p: int, v: int, split="uniform", schedule: str = "fthe
 @functools.lru_cache(maxsize=4096)
 def _stages(mkey, tp, p, v, split, schedule, ep=1) -> list[StageFacts]:
     mcfg = model_from_key(mkey)
-    res = Resolved(tp, 1, 1, p, 0, "tensor", 1, 1, v, schedule, list(split) if isinstance(split, tuple) else split,
-                   0, False, AXES, 1, ep=ep)
+    res = Resolved(Degrees(tp, 1, 1, 1, p, ep, AXES),
+                   PipelinePlan(1, v, schedule, list(split) if isinstance(split, tuple) else split))
     model = build_model(mcfg, tp)
     return [_stage(mcfg, res, model, tp, ep, s) for s in range(p)]
 

@@ -151,11 +151,12 @@ def build_job(cfg, world=None, with_data: bool = True, nccl_device=None) -> tupl
     node = {"local_rank": local, "node_ranks": per_node, "blas_threads": blas_pool_size(),
             "device": backend.device, "memory_limit": limit[1] if limit else None}
     nccl = choose_nccl(cfg.runtime.collectives, backend, world, nccl_device)     # None: MPI carries all
-    mesh = Mesh(world, res.degrees, res.order, wrap=lambda c, a: Comm(c, a, backend, nccl), node=node)
-    if len(res.grad_axes) > 1:  # context parallel with data parallel: gradients summed over dp x cp
-        mesh.group(*res.grad_axes)
-    if res.ep > 1:              # the expert blocks, inside the data-parallel ranks, and their replicas
-        mesh.fold("ep", res.ep, ("dp",), ("cp",) if res.cp > 1 else ())
+    deg = res.degrees
+    mesh = Mesh(world, deg.by_axis, deg.order, wrap=lambda c, a: Comm(c, a, backend, nccl), node=node)
+    if len(deg.grad_axes) > 1:  # context parallel with data parallel: gradients summed over dp x cp
+        mesh.group(*deg.grad_axes)
+    for axis, (d, inside, across) in deg.folds.items():    # the expert blocks, inside dp, and their replicas
+        mesh.fold(axis, d, inside, across)
     setup_logging(mesh)
     warn_split_groups(mesh, world)
     return Engine(cfg, res, mesh, backend, build_dataset(cfg, world) if with_data else None), prediction

@@ -272,6 +272,6 @@ SAMPLE_NOTE = (f"test_combinations.py: {len(SAMPLED)} sampled cases with {', '.j
 def test_sampled_combination(corpus, world, case):
     losses, params, eng = run(config(corpus, *BASE, *MODELS[case.kind], *case.overrides()), world, STEPS)
     mesh = dict(case.mesh)
-    assert eng.res.degrees == {a: mesh.get(a, 1) for a in ("tp", "cp", "sharding", "dp", "pp")}
+    assert eng.res.degrees.by_axis == {a: mesh.get(a, 1) for a in ("tp", "cp", "sharding", "dp", "pp")}
     assert (eng.res.ep, eng.res.schedule if case.schedule else "") == (case.ep, case.schedule)
     assert_like_one_process(corpus, case.kind, case.amp, losses, params, eng)

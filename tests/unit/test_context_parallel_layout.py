@@ -25,7 +25,7 @@ def cfg(*extra):
 def test_degree_order_and_groups():
     res = resolve(cfg(*cp(2), "strategy.data_parallel.enable=true", "strategy.data_parallel.degree=2"), 4)
     assert (res.cp, res.dp, res.cp_comm, res.world) == (2, 2, "ring", 4)
-    assert res.order == ("tp", "cp", "sharding", "dp", "pp") and res.degrees["cp"] == 2
+    assert res.order == ("tp", "cp", "sharding", "dp", "pp") and res.degrees.cp == 2
     assert res.grad_axes == ("cp", "dp") and res.grad_group == "cp*dp"
     assert res.replicas == 2 and res.share == 4          # the cp ranks of a replica take the same rows
     alone = resolve(cfg(*cp(-1, "strategy.context_parallel.comm=allgather")), 4)

@@ -70,18 +70,18 @@ def _moe(*sets):
 def test_mesh_line_of_an_expert_parallel_run_names_ep_and_how_it_folds():
     res = resolve(_moe("strategy.expert_parallel.degree=2"), 4)
     assert (res.dp, res.ep) == (4, 2)
-    mesh = Mesh(_World(4), res.degrees, res.order)
+    mesh = Mesh(_World(4), res.degrees.by_axis, res.order)
     mesh.fold("ep", res.ep, ("dp",))           # as run/build.py folds it
     line = mesh.describe()
     assert line.startswith("mesh pp=1 x dp=4 x sharding=1 x tp=1 (order innermost first: tp, sharding, dp, pp) "
                            "on 4 ranks; ep=2 folded inside dp=4: the routed experts split over each block of 2")
     assert "(no extra ranks)" in line
-    assert line == describe(res.degrees, res.order, 4, {"ep": (2, ("dp",))})
+    assert line == describe(res.degrees.by_axis, res.order, 4, {"ep": (2, ("dp",))})
 
 
 def test_mesh_line_names_cp_when_on_and_ep_only_where_experts_are_split():
     res = resolve(_moe("strategy.expert_parallel.degree=1"), 4)
-    mesh = Mesh(_World(4), res.degrees, res.order)
+    mesh = Mesh(_World(4), res.degrees.by_axis, res.order)
     mesh.fold("ep", res.ep, ("dp",))
     assert "ep" not in mesh.describe()
     line = describe({"tp": 1, "cp": 2, "sharding": 2, "dp": 2, "pp": 1}, ("tp", "cp", "sharding", "dp", "pp"), 8,
