@@ -68,20 +68,18 @@ class Engine:
         self.stage = build_stage(cfg.model, res, mesh.coords["pp"], self.tp.rank, seeds, lrs,
                                  ep_rank=mesh.coords["dp"] % res.ep)
         self.layout, self.slots = self.stage.layout, self.stage.slots
-        self.sync = make_grad_sync(res, self.stage, backend, mesh.comms)
+        self.sync = make_grad_sync(res, self.stage, backend, mesh.comms, self.precision.storage)
         self.world = Comm(mesh.world, "world", backend)
         self.pp = mesh.comms["pp"]
         self.amp, self.scaler = res.amp, self.precision.scaler
         # amp: float32 master weights of the owned range, from the exact (unrounded) initial values: a copy of
-        # the held ones while they are still float32 or wider (bf16 rounds them only below), else hashed again
-        # (float16's compute copy has lost them); a second hashing pass costs ~30 s for 1 B parameters
+        # the held ones while they are still float32 or wider (the storage converts them, and bf16 rounds them,
+        # only below), else hashed again (float16's compute copy has lost them); a second hashing pass costs
+        # ~30 s for 1 B parameters
         held = self.sync.owned_params() if self.amp else None
         self.master = (None if held is None else held.astype(np.float32) if held.dtype.itemsize >= 4
                        else init_range(self.layout, t.seed, self.sync.owned, self.xp, np.float32))
-        if self.precision.packed:       # the compute copy in 2 bytes: bfloat16 bits of the values init wrote
-            self.sync.hold_bf16_bits()
-        if self.precision.bf16_grads:   # gradients rounded after every sum; packed: held as bfloat16 bits
-            self.sync.hold_bf16_grads(self.precision.packed)
+        self.sync.store_params()        # packed: the compute copy in 2 bytes, bfloat16 bits of the values init wrote
         self._round_held_params()
         # per tensor: the sums that make its gradient whole and whether it counts in the norm here
         self.reductions = reductions(self.stage, self.tp.rank, res.sp, res.cp > 1)

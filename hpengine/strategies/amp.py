@@ -10,6 +10,7 @@ from hpengine.device.precision import round_bf16_
 from hpengine.layout.cache import cache_arrays
 from hpengine.nn import OFF, Numerics
 from hpengine.strategies.bf16_storage import UnpackedParams, pack_cache, unpack_cache
+from hpengine.strategies.grad_storage import PLAIN, Bf16Storage
 
 
 # bfloat16 has float32's exponent range, so it trains without loss scaling by default
@@ -87,9 +88,10 @@ class Precision:
     after a block's backward (its own tensors and those it reads of other blocks: a tied head's wte), after the
     tied copies' allreduce, after the replicas' (or sharding owners') reduction of each piece, after each dp or
     ep-dp piece's allreduce of the owned range under sharding, and after sequence parallel's sum over tp of the
-    replicated tensors (ready_grad). The gradient sync rounds all but the last (GradSync.hold_bf16_grads, its
-    grads_done and reductions), since it alone knows where the gradients are stored; packed, it stores them as
-    bfloat16 bits and sums float32 wire copies of them (MPI has no bfloat16 sum), packing being the rounding."""
+    replicated tensors (ready_grad). The gradient sync rounds all but the last (its grads_done and reductions,
+    through `storage`, the grad_storage policy it is built with), since it alone knows where the gradients are
+    stored; packed, they are stored as bfloat16 bits and summed as float32 wire copies (MPI has no bfloat16 sum),
+    packing being the rounding."""
 
     def __init__(self, acfg, amp_on: bool, packed: bool = False):
         self.amp = amp_on
@@ -100,6 +102,9 @@ class Precision:
         # what the layers are handed (the context's num part): bfloat16 GEMM operands under bf16 amp, and,
         # packed, what only GEMMs read written as bfloat16 bits; its held registry is this run's
         self.numerics = Numerics(bf16=True, bits=self.packed) if self.bf16 else OFF
+        # how the gradient sync stores the compute copy and the gradients between sums
+        grads = ("bits" if self.packed else "rounded") if self.bf16_grads else "float32"
+        self.storage = Bf16Storage(self.packed, grads) if self.bf16 else PLAIN
 
     def master_dtype(self, compute_dtype):
         """The dtype of the owned parameters the optimizer updates: float32 masters under amp."""
@@ -137,7 +142,7 @@ class Precision:
 
     def held_params_(self, xp, arrays) -> None:
         """The compute copy of the parameters a rank holds, as bfloat16 values (after init and loads); bits
-        (packed: uint16) are bfloat16 already, written so at init (GradSync.hold_bf16_bits) and by loads."""
+        (packed: uint16) are bfloat16 already, written so at init (GradSync.store_params) and by loads."""
         if self.bf16:
             for a in arrays:
                 if a is not None and a.dtype == np.float32:

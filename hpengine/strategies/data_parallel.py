@@ -7,11 +7,10 @@ import time
 
 import numpy as np
 
-from hpengine.device.bf16_bits import from_bf16_bits, to_bf16_bits
-from hpengine.device.precision import round_bf16_
 from hpengine.dist.comm import testall, waitall
 from hpengine.params.buffers import Range
 from hpengine.strategies.base import LocalSync, Wires
+from hpengine.strategies.grad_storage import PLAIN
 
 
 def make_buckets(done_order, block_ranges, cap_bytes, itemsize):
@@ -51,11 +50,12 @@ def segments(r: Range, experts, dp, ep_dp) -> list:
 
 
 # The loss is normalised by the global token count, so the sum over replicas is already the mean
-# gradient of the global batch (the seed's "sum divided by n" with the 1/n folded into the loss). Packed
-# bfloat16 gradients are summed as float32 wire copies of each bucket, packed back when their sum completes.
+# gradient of the global batch (the seed's "sum divided by n" with the 1/n folded into the loss). Encoded
+# gradients (grad_storage.py) are summed as float32 wire copies of each bucket, encoded back when their sum
+# completes.
 class DataParallelSync(LocalSync):
-    def __init__(self, stage, backend, dp_comm, bucket_mb: float, ep_dp=None):
-        super().__init__(stage, backend)
+    def __init__(self, stage, backend, dp_comm, bucket_mb: float, ep_dp=None, storage=PLAIN):
+        super().__init__(stage, backend, storage)
         self.dp = dp_comm
         cap = int(bucket_mb * 2**20)
         self.buckets = make_buckets(stage.done_order, stage.block_ranges, cap, self.dtype.itemsize)
@@ -81,20 +81,21 @@ class DataParallelSync(LocalSync):
         self.remaining[i] -= 1
         if self.remaining[i] == 0:
             t = time.perf_counter()
-            if self.packed_grads:
+            if self.storage.encoded:
                 self._closed(self.buckets[i][1])
             for r, comm in self.pieces[i]:
-                if self.packed_grads:
-                    self._reduce_packed(r, comm)
+                if self.storage.encoded:
+                    self._reduce_on_wire(r, comm)
                 else:
                     self.reqs.append(comm.iallreduce_(self.grads.data[r.slice]))
             self.sync_s += time.perf_counter() - t
         testall(self.reqs)
         self.wires.progress()
 
-    def _reduce_packed(self, r, comm):
-        wire, bits = from_bf16_bits(self.xp, self.grads.data[r.slice]), self.grads.data[r.slice]
-        self.wires.add([comm.iallreduce_(wire)], [wire], lambda: to_bf16_bits(self.xp, wire, out=bits))
+    def _reduce_on_wire(self, r, comm):
+        stored = self.grads.data[r.slice]
+        wire = self.storage.decode(self.xp, stored)
+        self.wires.add([comm.iallreduce_(wire)], [wire], lambda: self.storage.encode(self.xp, wire, stored))
 
     def reduce_grads(self):
         t = time.perf_counter()
@@ -104,10 +105,10 @@ class DataParallelSync(LocalSync):
         self.wait_s += dt
         self.sync_s += dt
         self.reqs = []
-        if self.packed_grads:
+        if self.storage.encoded:
             return self._update_grad(self.grads.data)
-        if self.round_grads:        # every piece's sum, rounded (a piece not summed is bfloat16 already)
-            round_bf16_(self.xp, self.grads.data)
+        # every piece's sum, stored (a piece not summed was stored so already)
+        self.storage.round_(self.xp, self.grads.data)
         return self.grads.data
 
     def loss_allreduce(self, losses):

@@ -8,30 +8,29 @@ import time
 
 import numpy as np
 
-from hpengine.device.bf16_bits import as_float32, from_bf16_bits, to_bf16_bits
-from hpengine.device.precision import round_bf16_
 from hpengine.dist.comm import testall, waitall
 from hpengine.layout.resolve import MAX_INFLIGHT
 from hpengine.params.buffers import FlatBuffer, Range, imbalance, partition
 from hpengine.params.init import init_range
 from hpengine.strategies.base import LocalSync, Merged, Wires
 from hpengine.strategies.data_parallel import segments
+from hpengine.strategies.grad_storage import PLAIN
 
 
 # The stage's flat buffer is cut into one Range per sharding rank ("tensor": whole tensors, balanced by
 # element count; "flat": equal ranges). Each finished block's gradient is reduced straight to the owners
 # of its parts; an owner then averages across dp, runs the optimizer on its range and shares the result.
 # Stage 1 keeps full gradients and parameters, stage 2 only the owned gradient, stage 3 only the owned
-# parameters too (a block's parameters are gathered just in time, the next block's prefetched). Under packed
-# bfloat16 storage the parameters held and gathered are bfloat16 bits (uint16): the all-gathers move 2 bytes a
-# parameter; packed bfloat16 gradients (the full buffer, the per-block temporaries at rest between passes, the
-# owned shard) are bits too, reduced through float32 wire copies.
+# parameters too (a block's parameters are gathered just in time, the next block's prefetched). The parameters
+# held and gathered are in the storage's form (grad_storage.py; bfloat16 bits: the all-gathers move 2 bytes a
+# parameter); encoded gradients (the full buffer, the per-block temporaries at rest between passes, the owned
+# shard) are reduced through float32 wire copies.
 class ShardedSync(LocalSync):
-    def __init__(self, desc, backend, sh_comm, dp_comm, stage: int, mode: str, ep_dp=None):
+    def __init__(self, desc, backend, sh_comm, dp_comm, stage: int, mode: str, ep_dp=None, storage=PLAIN):
         lay = desc.layout
         self.sh, self.dp, self.stage, self.mode, self.ep_dp = sh_comm, dp_comm, stage, mode, ep_dp
         self.ranges = partition([lay.ranges[n].size for n in lay.names], sh_comm.size, mode)
-        super().__init__(desc, backend, full_grads=stage == 1, full_params=stage < 3)
+        super().__init__(desc, backend, storage, full_grads=stage == 1, full_params=stage < 3)
         self.owned = own = self.ranges[sh_comm.rank]
         # the owned range's pieces and the replicas each is averaged over: expert blocks split over ep (a
         # sharding group holds one ep rank's experts) over their replicas only, everything else over dp
@@ -42,7 +41,7 @@ class ShardedSync(LocalSync):
         self.parts = {b: [(r, p) for r, R in enumerate(self.ranges) if (p := br.intersect(R))]
                       for b, br in desc.block_ranges.items()}
         if stage >= 2:
-            self.gshard = self.xp.zeros(own.size, dtype=self.dtype)
+            self.gshard = self.xp.zeros(own.size, dtype=self.grad_dtype)
         if stage == 3:
             self.pshard = init_range(lay, desc.seed, own, self.xp, self.dtype)
         self.gtemp, self.inflight, self.gathered = {}, [], {}
@@ -58,7 +57,7 @@ class ShardedSync(LocalSync):
 
     @property
     def grad_dtype(self):
-        return np.dtype(np.uint16) if self.packed_grads else np.dtype(self.dtype)
+        return self.storage.grad_dtype(self.dtype)
 
     def _grads_view(self, block):
         if self.stage == 1:
@@ -68,11 +67,6 @@ class ShardedSync(LocalSync):
 
     def _stored(self, b):
         return super()._stored(b) if self.stage == 1 else self._gtemp(b).data
-
-    def _hold_grad_bits(self) -> None:
-        super()._hold_grad_bits()
-        if self.stage >= 2:
-            self.gshard = self.xp.zeros(self.owned.size, dtype=np.uint16)
 
     def begin_step(self):
         self._finish_gathers()
@@ -85,24 +79,24 @@ class ShardedSync(LocalSync):
         if not self.last or block not in self.parts:
             return
         t0 = time.perf_counter()
-        if self.packed_grads:
-            self._reduce_packed(block)
+        if self.storage.encoded:
+            self._reduce_on_wire(block)
         else:
             self._reduce_f32(block)
         self.sync_s += time.perf_counter() - t0
 
-    def _reduce_packed(self, block):
-        """Each part of the block's bits to its owner through float32 wires; the owner packs the sum into its
-        stored gradient (the full buffer's owned range, or gshard) when it completes."""
-        own, br, xp = self.owned, self.block_ranges[block], self.xp
+    def _reduce_on_wire(self, block):
+        """Each part of the block's encoded gradients to its owner through float32 wires; the owner encodes the
+        sum into its stored gradient (the full buffer's owned range, or gshard) when it completes."""
+        own, br, xp, st = self.owned, self.block_ranges[block], self.xp, self.storage
         self._closed([block])
         if self.stage == 1:
-            bits = self.grads.data[br.slice]
+            stored = self.grads.data[br.slice]
         else:
-            buf = self.gtemp.pop(block)      # its last pass is over: the wire replaces the bits
+            buf = self.gtemp.pop(block)      # its last pass is over: the wire replaces the stored form
             self.transient -= buf.data.nbytes
-            bits = buf.data
-        wire = from_bf16_bits(xp, bits)
+            stored = buf.data
+        wire = st.decode(xp, stored)
         reqs, mine = [], None
         for r, p in self.parts[block]:
             src = wire[p.start - br.start:p.stop - br.start]
@@ -110,7 +104,7 @@ class ShardedSync(LocalSync):
             if r == self.sh.rank:
                 dst = self.grads.data[p.slice] if self.stage == 1 else self.gshard[p.start - own.start:p.stop - own.start]
                 mine = (src, dst)
-        done = (lambda: to_bf16_bits(xp, mine[0], out=mine[1])) if mine else (lambda: None)
+        done = (lambda: st.encode(xp, mine[0], mine[1])) if mine else (lambda: None)
         self.wires.add(reqs, [wire], done)
 
     def _reduce_f32(self, block):
@@ -154,14 +148,13 @@ class ShardedSync(LocalSync):
         self.inflight = []
         self.wires.wait()
         g = self.grads.data[self.owned.slice] if self.stage == 1 else self.gshard
-        if self.packed_grads:       # each owner sum is packed already (rounded)
+        if self.storage.encoded:    # each owner sum is encoded already (rounded)
             g = self._update_grad(g)
-        elif self.round_grads:      # the owners' sums, rounded
-            round_bf16_(self.xp, g)
+        else:                       # the owners' sums, stored
+            self.storage.round_(self.xp, g)
         for r, comm in self.pieces:     # owners of the same range in different replicas average it
             comm.allreduce_(g[r.slice])
-            if self.round_grads:
-                round_bf16_(self.xp, g[r.slice])
+            self.storage.round_(self.xp, g[r.slice])
         self.wait_s += time.perf_counter() - t0
         self.sync_s += time.perf_counter() - t0
         return g
@@ -182,10 +175,11 @@ class ShardedSync(LocalSync):
             displs = [r.start for r in self.ranges]
             self.sh.allgatherv_(self.params.data, counts, displs)
 
-    def hold_bf16_bits(self) -> None:
-        super().hold_bf16_bits()
-        if self.stage == 3:
-            self.pshard = to_bf16_bits(self.xp, self.pshard)
+    def store_params(self) -> None:
+        changes = self.storage.param_dtype(self.dtype) != self.param_dtype
+        super().store_params()
+        if changes and self.stage == 3:
+            self.pshard = self.storage.params(self.xp, self.pshard)
 
     def _start_gather(self, b):
         br, own = self.block_ranges[b], self.owned
@@ -239,7 +233,7 @@ class ShardedSync(LocalSync):
         full = self.xp.zeros(self.layout.total, dtype=self.param_dtype)
         full[self.owned.slice] = self.pshard
         self.sh.allgatherv_(full, [r.size for r in self.ranges], [r.start for r in self.ranges])
-        return as_float32(np, self.be.to_host(full))
+        return self.storage.param_values(np, self.be.to_host(full))
 
     def param_bytes(self) -> int:
         return int(self.pshard.nbytes if self.stage == 3 else self.params.data.nbytes)

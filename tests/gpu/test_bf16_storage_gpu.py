@@ -87,7 +87,7 @@ def test_packed_gradients_on_cupy_equal_float32_storage(small_corpus):
     out = {}
     for mode in ("float32", "auto"):
         eng = build(load_config(None, base + [f"strategy.amp.bf16_storage={mode}"]), MPI.COMM_SELF)
-        assert eng.be.is_gpu and eng.sync.packed_grads == (mode == "auto")
+        assert eng.be.is_gpu and eng.sync.storage.encoded == (mode == "auto")
         losses = [eng.train_step(s)["loss"] for s in range(3)]
         out[mode] = (losses, eng.named_params(), eng)
     (la, pa, ea), (lb, pb, eb) = out["float32"], out["auto"]

@@ -59,7 +59,7 @@ def test_packed_grads_equal_float32_storage(corpus, world, name):
     need(world.Get_size() == LAYOUTS[name][0], f"{name} runs at -n {LAYOUTS[name][0]}")
     out = {mode: run(grads_config(corpus, name, mode), world, steps=2) for mode in ("float32", "packed")}
     (la, pa, ea), (lb, pb, eb) = out["float32"], out["packed"]
-    assert eb.sync.packed_grads and not ea.sync.packed_grads and ea.sync.round_grads
+    assert eb.sync.storage.encoded and not ea.sync.storage.encoded and ea.sync.storage.rounds
     assert np.array_equal(la, lb), name
     assert all(pa[n].dtype == pb[n].dtype == np.float32 and np.array_equal(pa[n], pb[n]) for n in pa), name
     assert 2 * eb.memory()["grad_bytes"] == ea.memory()["grad_bytes"], name
