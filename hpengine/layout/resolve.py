@@ -109,6 +109,7 @@ class Resolved:
     granularity: str = "full"     # recompute.granularity: "full" or "selective"
     sp: bool = False              # sequence parallelism (tp > 1 only)
     cp_comm: str = "ring"         # context_parallel.comm: "ring" or "allgather"
+    optimizer: str = "adamw"      # optim.name: what the planner counts of the optimizer's state
 
     def on_device(self, gpu: bool) -> Resolved:
         """This layout with bf16_storage's "auto" decided for the backend: a GPU (gpu) or NumPy."""
@@ -188,7 +189,8 @@ def resolve(cfg, world: int) -> Resolved:
         BatchSplit(cfg.train.global_batch // (d["dp"] * d["sharding"]), gm.k_steps if gm.enable else 1),
         zstage=s.sharding.stage if d["sharding"] > 1 else 0, partition=s.sharding.partition,
         bucket_mb=s.data_parallel.bucket_mb, recompute=rc.every if rc.enable else 0,
-        granularity=rc.granularity if rc.enable else "full", sp=sp, cp_comm=s.context_parallel.comm)
+        granularity=rc.granularity if rc.enable else "full", sp=sp, cp_comm=s.context_parallel.comm,
+        optimizer=cfg.optim.name)
     check(cfg, res)
     chunks(cfg.model, res)          # the pipeline split must be possible
     return res

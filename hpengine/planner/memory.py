@@ -9,6 +9,7 @@ import functools
 from hpengine.layout.resolve import MAX_INFLIGHT, Resolved
 from hpengine.layout.schedules import peak_live
 from hpengine.models import build_model
+from hpengine.optim.base import UNDECLARED, kind as optimizer_kind
 from hpengine.params.buffers import partition
 from hpengine.planner import context as plan_cp, moe as plan_moe, recompute as rc, tp as plan_tp
 from hpengine.planner.stages import StageFacts, family_key, memoised
@@ -21,19 +22,21 @@ def zero_bytes(psi: float, share: float, stage: int, w: int, g: int, k: int) -> 
             k * (share if stage >= 1 else psi))
 
 
-def precision(mcfg, amp, packed: bool = False) -> tuple:
-    """(w, g, K, compute bytes): 16-bit copies and fp32 master + Adam under float16 amp (K = 12); bfloat16
-    values are kept in float32 storage (precision.py), so its gradients on the wire (MPI has no bfloat16 sum)
-    and activations on the wire take 4 bytes, as do its compute copy, cached activations and held gradients
-    unless they are packed (packed_caches: the copy as bfloat16 bits, w = 2, the caches block_activations,
-    bfloat16 gradients held_grad_bytes); else the dtype for parameters and gradients and two Adam moments
-    (K = 8 in float32)."""
+def precision(mcfg, amp, packed: bool = False, optimizer: str = UNDECLARED) -> tuple:
+    """(w, g, K, compute bytes): 16-bit copies, and an fp32 master plus the optimizer's state in float32 under
+    amp (K = 12 for AdamW's two moments); bfloat16 values are kept in float32 storage (precision.py), so its
+    gradients on the wire (MPI has no bfloat16 sum) and activations on the wire take 4 bytes, as do its compute
+    copy, cached activations and held gradients unless they are packed (packed_caches: the copy as bfloat16
+    bits, w = 2, the caches block_activations, bfloat16 gradients held_grad_bytes); else the dtype for
+    parameters, gradients and the optimizer's state (K = 8 for AdamW in float32). K: what `optimizer`
+    (optim.name) declares (optim/base.py: OptimizerKind.state_bytes)."""
+    state = optimizer_kind(optimizer).state_bytes
     if amp == "bfloat16":
-        return 2 if packed else 4, 4, 12, 4
+        return 2 if packed else 4, 4, 4 + state(4), 4
     if amp:
-        return 2, 2, 12, 2
+        return 2, 2, 4 + state(4), 2
     item = 8 if mcfg.dtype == "float64" else 4
-    return item, item, 2 * item, item
+    return item, item, state(item), item
 
 
 def owned(st: StageFacts, lay: Resolved, models: int, sh_rank=None) -> int:
@@ -77,7 +80,7 @@ def held_grad_bytes(mcfg, lay: Resolved, packed: bool = False) -> int:
 def model_state(mcfg, st: StageFacts, lay: Resolved, models: int, sh_rank=None, packed: bool = False) -> dict:
     """ZeRO model states of this sharding rank; packed (packed_caches): the compute copy in bfloat16 bits, and
     bfloat16 gradients too (held_grad_bytes)."""
-    w, _, k, _ = precision(mcfg, lay.amp, packed)
+    w, _, k, _ = precision(mcfg, lay.amp, packed, lay.optimizer)
     g = held_grad_bytes(mcfg, lay, packed)
     p, gr, o = zero_bytes(st.psi * models, owned(st, lay, models, sh_rank), lay.zstage, w, g, k)
     return {"params": p, "grads": gr, "optimizer": o}

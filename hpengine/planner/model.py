@@ -237,7 +237,7 @@ def stage_times(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, cl
     comp = _compute_total(mcfg, st, lay, M, cluster)
     mb = lay.k * lay.m
     own = owned(st, lay, M, sh_rank) if lay.zstage else st.psi * M
-    K = precision(mcfg, lay.amp)[2]                  # optimizer_ns is measured in float32 (K = 8 bytes)
+    K = precision(mcfg, lay.amp, optimizer=lay.optimizer)[2]   # optimizer_ns is measured in float32 (K = 8 bytes)
     fixed = slow * (cluster.optimizer_ns * 1e-9 * own * K / 8 + cluster.step_overhead_us * 1e-6)
     deg = _degrees(lay)
     fixed += sum(collective_s("allreduce", deg[a], 0, c, *link(lay, a, cluster)) for a, c in SCALAR_CALLS.items())

@@ -16,7 +16,9 @@ from hpengine.checkpoint.shards import Reader
 from hpengine.config import tree
 from hpengine.config.load import load_config
 from hpengine.optim import optimizer_kind
-from hpengine.optim.base import KINDS
+from hpengine.layout.resolve import resolve
+from hpengine.optim.base import KINDS, RANGES, OptimizerKind
+from hpengine.planner.memory import precision
 from hpengine.run.build import build
 from hpengine.run.train import train
 
@@ -107,3 +109,15 @@ def test_the_engine_and_the_checkpoint_name_no_optimizer():
              for room in ("engine", "checkpoint") for p in sorted((ROOT / "hpengine" / room).glob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if names.search(line)]
     assert not found, "\n".join(found)
+
+
+def test_the_planner_counts_the_state_the_optimizer_declares(monkeypatch):
+    """K, the optimizer's bytes per parameter element, is what the kind declares: AdamW's two moments (8 bytes
+    in float32, 16 in float64, 4 + 8 with amp's float32 master), and one state tensor's 4 for a kind with one."""
+    cfg = load_config(None, [])
+    assert resolve(cfg, 1).optimizer == "adamw"
+    assert precision(cfg.model, "", optimizer="adamw")[2] == 8
+    assert precision(load_config(None, ["model.dtype=float64"]).model, "", optimizer="adamw")[2] == 16
+    assert precision(cfg.model, "float16", optimizer="adamw")[2] == 12
+    monkeypatch.setitem(KINDS, "one", OptimizerKind("one", ("momentum",), RANGES, None))
+    assert precision(cfg.model, "", optimizer="one")[2] == 4 and precision(cfg.model, "bfloat16", optimizer="one")[2] == 8
