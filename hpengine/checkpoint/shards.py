@@ -147,7 +147,8 @@ class Reader:
         if kind not in self.kinds:
             raise CheckpointError(f"checkpoint '{self.dir}' holds the state of optimizer {self.optimizer!r} "
                                   f"({', '.join(self.kinds[1:])}), not {kind!r}: resume with optim.name = "
-                                  f"{self.optimizer!r}, or start from its parameters alone (checkpoint.init_from)")
+                                  f"{self.optimizer!r}, or start from its parameters alone (hpengine ckpt export "
+                                  f"{self.dir} FILE --params-only, then checkpoint.init_from = FILE)")
         out = np.zeros(tuple(s.stop - s.start for s in region))
         need = tuple(slice(s.start, min(s.stop, t)) for s, t in zip(region, true))
         filled = 0

@@ -58,6 +58,8 @@ _POS = _must(">=", 1)
 _DEGREE = (lambda v: v == -1 or v >= 1, "must be -1 (the ranks left over) or >= 1")
 _BETAS = (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
           "must be a list of exactly two numbers, each >= 0 and < 1")
+_THREE = (lambda v: len(v) == 3, "must be a list of exactly three numbers")
+_NO_CLIP = (lambda v: v == 0, "must be 0 (off): MuonClip is not implemented yet")
 _SPLIT = (lambda v: v in ("uniform", "params") if isinstance(v, str) else len(v) > 0 and min(v) >= 1,
           'must be "uniform", "params" or a non-empty list of blocks per stage, each >= 1')
 _ORDER = (lambda v: sorted(mesh_order(v)) == sorted(MESH_AXES),
@@ -220,8 +222,9 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     """The optimizer, learning-rate schedule and gradient clipping."""
-    name: str = _f("adamw", "the optimizer: AdamW (bias correction, decoupled weight decay of decayed tensors)",
-                   choices=("adamw",))
+    name: str = _f("adamw", "the optimizer: AdamW (bias correction, decoupled weight decay of decayed tensors), or "
+                   "Muon for the blocks' weight matrices (routers excepted) with AdamW for the other tensors",
+                   choices=("adamw", "muon"))
     lr: float = _f(3e-3, "peak learning rate", check=_must(">=", 0))
     betas: list[float] = _f([0.9, 0.95], "Adam (beta1, beta2)", check=_BETAS)
     eps: float = _f(1e-8, "Adam epsilon", check=_must(">", 0))
@@ -233,6 +236,17 @@ class OptimConfig:
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr",
                              check=_must(">=", 0, "<=", 1))
     clip_grad_norm: float = _f(1.0, "clip the global gradient norm to this; 0 = off", check=_must(">=", 0))
+    muon_momentum: float = _f(0.95, "muon: momentum of the buffer the update is orthogonalised from",
+                              check=_must(">=", 0, "<", 1))
+    muon_nesterov: bool = _f(True, "muon: Nesterov momentum (orthogonalise the gradient lerped toward the buffer)")
+    muon_ns_steps: int = _f(5, "muon: Newton-Schulz iterations", check=_must(">=", 1, "<", 100))
+    muon_ns_coefficients: list[float] = _f([3.4445, -4.775, 2.0315], "muon: Newton-Schulz (a, b, c) of "
+                                           "X <- a X + (b A + c A^2) X, A = X X^T", check=_THREE)
+    muon_lr_adjust: str = _f("match_rms_adamw", "muon: lr of an out x in matrix: lr x 0.2 sqrt(max(out, in)) "
+                             "(AdamW's update RMS), lr x sqrt(max(1, out/in)) (original) or lr (none)",
+                             choices=("match_rms_adamw", "original", "none"))
+    muon_qk_clip: float = _f(0.0, "muon: MuonClip threshold on the largest attention logit per head; 0 = off "
+                             "(MuonClip is not built yet)", check=_NO_CLIP)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from hpengine.layout.degrees import AmpPolicy, BatchSplit, Degrees, PipelinePlan
 from hpengine.layout.schedules import chunks_per_stage, placement, schedule
 from hpengine.models import KINDS, build_model, capabilities
 from hpengine.nn.context_split import check_split
+from hpengine.optim.base import TENSORS, kind as optimizer_kind
 from hpengine.params.buffers import partition
 
 AXES = MESH_AXES          # innermost first by default
@@ -230,6 +231,7 @@ def check(cfg, res: Resolved) -> None:
     if rc.enable and rc.every > mc.n_layers:
         raise LayoutError(f"strategy.recompute.every = {rc.every} is larger than the block count "
                           f"model.n_layers = {mc.n_layers}; use 1..{mc.n_layers}")
+    _check_whole_tensors(cfg.optim.name, res)
     if res.ep > 1:
         _check_expert_parallel(mc, res)
     if res.cp > 1:
@@ -263,6 +265,22 @@ def check(cfg, res: Resolved) -> None:
     if kind is not None and m < kind.min_micro_batches(res.pp):
         raise LayoutError(f"pipeline.schedule = '{pc.schedule}' needs pipeline.micro_batches >= 2 x degree - 1 = "
                           f"{kind.min_micro_batches(res.pp)} for degree {res.pp}, got {m}")
+
+
+def _check_whole_tensors(name: str, res: Resolved) -> None:
+    """An optimizer that updates whole tensors runs where each owner holds its tensors whole and alone: no tensor,
+    expert or context split, and sharding by whole tensors."""
+    if optimizer_kind(name).sees != TENSORS:
+        return
+    for key, got, valid in (("strategy.tensor_parallel.degree", res.tp, 1),
+                            ("strategy.expert_parallel.degree", res.ep, 1),
+                            ("strategy.context_parallel.degree", res.cp, 1),
+                            ("strategy.sharding.partition", repr(res.partition) if res.sh > 1 else "'tensor'",
+                             "'tensor'")):
+        if got != valid:
+            raise LayoutError(f"optim.name = {name!r} updates whole tensors on their owner and runs so far with "
+                              f"{key} = {valid} only, got {got}; data parallel, sharding (partition 'tensor') and "
+                              "the pipeline are supported")
 
 
 def _check_expert_parallel(mc, res: Resolved) -> None:

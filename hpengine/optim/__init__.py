@@ -1,5 +1,6 @@
 """Optimizers behind one seam (base.py: what the engine, checkpoint and planner know of an optimizer; AdamW,
-adamw.py, the one implementation), learning-rate schedules (schedule.py), global-norm clipping (clip.py).
+adamw.py; Muon with AdamW for the non-matrix tensors, muon.py), learning-rate schedules (schedule.py),
+global-norm clipping (clip.py).
 Exports: Optimizer, OptimizerKind, optimizer_kind, make_optimizer, AdamW, decay_mask, clip_coefficient, ..."""
 from hpengine.optim.adamw import AdamW, decay_mask
 from hpengine.optim.base import Optimizer, OptimizerKind, kind as optimizer_kind, make as make_optimizer

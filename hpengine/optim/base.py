@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from hpengine.optim.adamw import AdamW
+from hpengine.optim.muon import Muon
 
 RANGES, TENSORS = "ranges", "tensors"
 
@@ -44,8 +45,14 @@ def _adamw(xp, layout, r, dtype, o) -> Optimizer:
     return AdamW(xp, layout, r, dtype, tuple(o.betas), o.eps, o.weight_decay)
 
 
+def _muon(xp, layout, r, dtype, o) -> Optimizer:
+    return Muon(xp, layout, r, dtype, o)
+
+
 KINDS: dict[str, OptimizerKind] = {
     "adamw": OptimizerKind("adamw", AdamW.STATE, RANGES, _adamw),
+    # Muon's matrices keep one momentum, the rest Adam's two moments; both arrays span the range (2 per element)
+    "muon": OptimizerKind("muon", Muon.STATE, TENSORS, _muon),
 }
 UNDECLARED = "adamw"     # the optimizer of a checkpoint whose manifest names none (written before they did)
 

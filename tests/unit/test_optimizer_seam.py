@@ -3,6 +3,7 @@ manifest from before it did loads as AdamW's; another optimizer's state is refus
 the checkpoint code name no optimizer."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -87,6 +88,19 @@ def test_another_optimizers_state_is_refused_naming_it(saved, tmp_path):
         build(cfg).load(Reader(foreign))
 
 
+def test_resuming_adamw_state_under_muon_is_refused_pointing_at_init_from(saved):
+    cfg, ckpt = saved
+    muon = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name="muon"))
+    with pytest.raises(CheckpointError) as e:
+        build(muon).load(Reader(ckpt))
+    assert str(e.value) == (f"checkpoint '{ckpt}' holds the state of optimizer 'adamw' (adam_m, adam_v), not 'muon_m': "
+                            f"resume with optim.name = 'adamw', or start from its parameters alone (hpengine ckpt "
+                            f"export {ckpt} FILE --params-only, then checkpoint.init_from = FILE)")
+    eng = build(muon)
+    eng.load(Reader(ckpt), params_only=True)        # what checkpoint.init_from does: the weights, fresh state
+    assert eng.opt_steps == 0 and all(not np.any(a) for a in _state(eng))
+
+
 @pytest.mark.parametrize("bad", [{"name": "adamw"}, {"name": "adamw", "state": ["param"]},
                                  {"name": 3, "state": []}, ["adam_m"]])
 def test_a_malformed_optimizer_record_is_refused(saved, tmp_path, bad):
@@ -99,7 +113,7 @@ def test_a_malformed_optimizer_record_is_refused(saved, tmp_path, bad):
 def test_the_config_offers_the_optimizers_there_are():
     choices = next(f for f in tree.OptimConfig.__dataclass_fields__.values() if f.name == "name").metadata
     assert tuple(choices["choices"]) == tuple(KINDS)
-    with pytest.raises(ValueError, match=r"optim.name = 'sgd' is not an optimizer hpengine has; valid: adamw"):
+    with pytest.raises(ValueError, match=r"optim.name = 'sgd' is not an optimizer hpengine has; valid: adamw, muon$"):
         optimizer_kind("sgd")
 
 
