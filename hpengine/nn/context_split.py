@@ -57,7 +57,7 @@ def split_sequence(xp, x, cp: int, rank: int):
     return xp.concatenate([x[:, head * c:(head + 1) * c], x[:, tail * c:(tail + 1) * c]], axis=1)
 
 
-def gather_sequence(xp, parts):
+def gather_head_tail(xp, parts):
     # parts: every rank's (B, T / cp, ...) in rank order -> (B, T, ...), the sequence whole again
     cp = len(parts)
     B, n = parts[0].shape[:2]

@@ -50,7 +50,7 @@ def _dims(H: int, KH: int, hd: int) -> None:
         raise ValueError(f"{H} query heads do not split into groups of {KH} key/value heads")
 
 
-def plan(op: str, dtype, B: int, H: int, KH: int, T: int, hd: int) -> Launch:
+def launch_plan(op: str, dtype, B: int, H: int, KH: int, T: int, hd: int) -> Launch:
     """Grid, block and dynamic shared memory of op 'fwd', 'bwd_dq' or 'bwd_dkdv'."""
     _dims(H, KH, hd)
     s = suffix(dtype)
@@ -62,7 +62,7 @@ def plan(op: str, dtype, B: int, H: int, KH: int, T: int, hd: int) -> Launch:
 
 
 def plan_mma(op: str, dtype, B: int, H: int, KH: int, T: int, hd: int) -> Launch:
-    """plan for the tensor-core entries of attention_mma.cu (float32 or bfloat16-bits storage)."""
+    """launch_plan for the tensor-core entries of attention_mma.cu (float32 or bfloat16-bits storage)."""
     _dims(H, KH, hd)
     s = suffix(dtype)
     if s == "f64":
@@ -120,7 +120,7 @@ def _launch(launch: Launch, args):
 
 def _planner(dtype, mma):
     # an explicit mma=True on float64 reaches plan_mma, which refuses it
-    return plan_mma if mma or use_mma(dtype, mma) else plan
+    return plan_mma if mma or use_mma(dtype, mma) else launch_plan
 
 
 def forward(xp, q, k, v, o, scale: float, mma: bool = False):

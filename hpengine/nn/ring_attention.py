@@ -1,6 +1,6 @@
 """Causal attention of a rank's queries against one block of keys and values at a time, for context
 parallelism (strategies/context_parallel.py walks the blocks around the ring, or gathers them): block
-forward and backward, masked by global positions, and `merge` of the partial outputs.
+forward and backward, masked by global positions, and `merge_partials` of the partial outputs.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 
 
 # Half precision computes in float32.
-def compute_dtype(dtype):
+def accumulate_dtype(dtype):
     """The dtype the block math runs in: the array's, float32 for half precision."""
     dtype = np.dtype(dtype)
     return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
@@ -71,7 +71,7 @@ def _safe(xp, a, bad, fill):
 
 # Each block gives a partial output and its row
 # log-sum-exp, and partials combine by `merge` (the online softmax).
-def merge(xp, o, lse, o2, lse2):
+def merge_partials(xp, o, lse, o2, lse2):
     """Combine two partial attentions over disjoint key sets: o, o2 (..., n, hd) each normalised over
     its own keys, lse, lse2 (..., n) their row log-sum-exps -> (o, lse) over the union. A row that saw
     no key has lse -inf and weighs nothing; two such rows stay o = 0, lse = -inf (no NaN)."""
@@ -117,13 +117,13 @@ def _block_facts(q, k, q_pos, k_pos, scale):
     qp, kp = host_positions(q_pos), host_positions(k_pos)
     if qp.size != Tq or kp.size != Tk:
         raise ValueError(f"{qp.size} query positions for {Tq} queries, {kp.size} key positions for {Tk} keys")
-    return B, H, Tq, hd, K, Tk, _groups(H, K), compute_dtype(q.dtype), _scale(hd, scale), qp, kp
+    return B, H, Tq, hd, K, Tk, _groups(H, K), accumulate_dtype(q.dtype), _scale(hd, scale), qp, kp
 
 
 def block_forward(xp, q, k, v, q_pos, k_pos, scale=None):
     """Attention of the queries over one block of keys: q (B, H, Tq, hd), k, v (B, K, Tk, hd), q_pos
     (Tq,), k_pos (Tk,) global positions -> o (B, H, Tq, hd) normalised over this block's visible keys and
-    lse (B, H, Tq), in compute_dtype; a row that sees none of the block has o = 0, lse = -inf. The scores
+    lse (B, H, Tq), in accumulate_dtype; a row that sees none of the block has o = 0, lse = -inf. The scores
     are scale * q k^T, scale 1/sqrt(hd) unless given (1.0 for a q already scaled)."""
     B, H, Tq, hd, K, Tk, g, ct, sc, qp, kp = _block_facts(q, k, q_pos, k_pos, scale)
     o5 = xp.zeros((B, K, g, Tq, hd), dtype=ct)
@@ -139,7 +139,7 @@ def block_forward(xp, q, k, v, q_pos, k_pos, scale=None):
                 qt = _rows(q5, a, b, ct) * sc
             part = _tile_forward(xp, qt, k[:, :, c:d].astype(ct), v[:, :, c:d].astype(ct),
                                  _mask(xp, qp[a:b], kp[c:d]), b - a)
-            acc = part if acc is None else merge(xp, *acc, *part)
+            acc = part if acc is None else merge_partials(xp, *acc, *part)
         if acc is not None:
             o5[:, :, :, a:b] = acc[0].reshape(B, K, g, b - a, hd)
             lse5[:, :, :, a:b] = acc[1].reshape(B, K, g, b - a)
@@ -147,9 +147,9 @@ def block_forward(xp, q, k, v, q_pos, k_pos, scale=None):
 
 
 def softmax_delta(xp, o, do):
-    """D = rowsum(dO * O) (B, H, Tq) of the final output, in compute_dtype: it stands for rowsum(dP * P)
+    """D = rowsum(dO * O) (B, H, Tq) of the final output, in accumulate_dtype: it stands for rowsum(dP * P)
     in every block's softmax backward."""
-    ct = compute_dtype(o.dtype)
+    ct = accumulate_dtype(o.dtype)
     return (do.astype(ct) * o.astype(ct)).sum(axis=-1)
 
 
@@ -158,7 +158,7 @@ def softmax_delta(xp, o, do):
 def block_backward(xp, q, k, v, o, lse, do, q_pos, k_pos, scale=None, delta=None):
     """One block's share of the gradients, given the final o (B, H, Tq, hd), lse (B, H, Tq) over all
     keys and do (B, H, Tq, hd): -> dq (B, H, Tq, hd) this block's contribution, dk, dv (B, K, Tk, hd) the
-    gradients of this block's keys and values from these queries, in compute_dtype. delta is
+    gradients of this block's keys and values from these queries, in accumulate_dtype. delta is
     softmax_delta(xp, o, do), computed here when not given (once per query set is enough)."""
     B, H, Tq, hd, K, Tk, g, ct, sc, qp, kp = _block_facts(q, k, q_pos, k_pos, scale)
     if delta is None:

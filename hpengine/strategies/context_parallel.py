@@ -9,12 +9,12 @@ from typing import Protocol
 import numpy as np
 
 from hpengine.nn.ring_attention import (
+    accumulate_dtype,
     block_backward,
     block_forward,
     block_visible,
-    compute_dtype,
     host_positions,
-    merge,
+    merge_partials,
     softmax_delta,
 )
 
@@ -84,11 +84,11 @@ def ring_attention_forward(xp, comm: CPComm, q, k, v, q_pos, k_pos, scale=None):
         # a block wholly after every query is skipped; the messages above go the same on every rank
         if block_visible(qp, pos):
             part = block_forward(xp, q, blk[0], blk[1], qp, pos, scale)
-            o, lse = part if o is None else merge(xp, o, lse, *part)
+            o, lse = part if o is None else merge_partials(xp, o, lse, *part)
         _wait(reqs)
         blk, pos = nblk, npos
     if o is None:
-        ct = compute_dtype(q.dtype)
+        ct = accumulate_dtype(q.dtype)
         o, lse = xp.zeros(q.shape, dtype=ct), xp.full(q.shape[:3], -xp.inf, dtype=ct)
     out = o.astype(q.dtype, copy=False)
     return out, (q, k, v, out, lse, qp, seen, scale)
@@ -101,7 +101,7 @@ def ring_attention_backward(xp, comm: CPComm, do, cache):
     q, k, v, o, lse, qp, seen, scale = cache
     cp, r = comm.size, comm.rank
     nxt, prv = (r + 1) % cp, (r - 1) % cp
-    ct = compute_dtype(q.dtype)
+    ct = accumulate_dtype(q.dtype)
     delta = softmax_delta(xp, o, do)
     dq = xp.zeros(q.shape, dtype=ct)
     blk = _pack(xp, k, v)

@@ -8,7 +8,7 @@ from hpengine.nn.context_split import (
     check_split,
     chunk_size,
     contiguous_positions,
-    gather_sequence,
+    gather_head_tail,
     head_tail_positions,
     split_sequence,
 )
@@ -53,7 +53,7 @@ def test_round_trip(T, cp):
     assert all(p.shape == (2, T // cp, 3, 4) for p in parts)
     for r, p in enumerate(parts):
         np.testing.assert_array_equal(p, x[:, head_tail_positions(T, cp, r)])
-    np.testing.assert_array_equal(gather_sequence(np, parts), x)
+    np.testing.assert_array_equal(gather_head_tail(np, parts), x)
 
 
 def test_refusal_line():

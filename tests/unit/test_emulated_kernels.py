@@ -313,7 +313,7 @@ def test_flash_mma_against_attention_of_bf16_operands(device, hd, storage):
 
 def test_flash_launch_outside_the_kernel_contract_is_refused(device):
     q, k, v, _ = (_dev(device, a.astype(np.float32)) for a in _inputs(1, 2, 2, 8, 8))
-    launch = flash_cuda.plan("fwd", np.float32, 1, 2, 2, 8, 8)
+    launch = flash_cuda.launch_plan("fwd", np.float32, 1, 2, 2, 8, 8)
     lse = device.empty((1, 2, 8), dtype=np.float32)
     o = device.empty(q.shape, dtype=np.float32)
     args = [*flash_cuda._strided(device, q, "q"), *flash_cuda._strided(device, k, "k"),

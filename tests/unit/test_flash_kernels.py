@@ -91,7 +91,7 @@ def _check(call, B, heads, T, hd):
     item = 8 if entry.endswith("f64") else 4
     assert block == (rows * tpr,) and grid == (-(-T // rows), B * heads)
     assert shared == (2 * kt * (hd + 1) if "dkdv" in entry else 2 * kt * hd) * item
-    assert flash_cuda.plan("bwd_dkdv", np.float32, 1, 1, 1, 1, flash_cuda.HD_MAX).shared_mem <= 48 * 1024
+    assert flash_cuda.launch_plan("bwd_dkdv", np.float32, 1, 1, 1, 1, flash_cuda.HD_MAX).shared_mem <= 48 * 1024
     return args
 
 

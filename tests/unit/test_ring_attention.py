@@ -12,7 +12,7 @@ from hpengine.nn.ring_attention import (
     block_backward,
     block_forward,
     block_visible,
-    merge,
+    merge_partials,
 )
 from hpengine.strategies.context_parallel import CONTEXT_ATTENTION
 
@@ -292,11 +292,11 @@ def test_fully_masked_rows():
     # merged with a block every row sees, the empty rows take that block alone
     k2, v2 = rng.standard_normal((B, K, 2, hd)), rng.standard_normal((B, K, 2, hd))
     o2, lse2 = block_forward(np, q, k2, v2, qp, np.arange(-2, 0))
-    mo, _ = merge(np, o, lse, o2, lse2)
+    mo, _ = merge_partials(np, o, lse, o2, lse2)
     kk, vv, kpp = np.concatenate([k, k2], axis=2), np.concatenate([v, v2], axis=2), np.concatenate([kp, [-2, -1]])
     np.testing.assert_allclose(mo, oracle(q, kk, vv, qp, kpp, 0.5)[0], rtol=0, atol=1e-12)
     # two empty rows merge to an empty row, no NaN
-    eo, else_ = merge(np, o[:, :, :2], lse[:, :, :2], o[:, :, :2], lse[:, :, :2])
+    eo, else_ = merge_partials(np, o[:, :, :2], lse[:, :, :2], o[:, :, :2], lse[:, :, :2])
     assert np.isneginf(else_).all() and (eo == 0).all()
     # backward from a final lse of -inf (rows that saw no key anywhere): zero gradients, finite
     do = rng.standard_normal(o.shape)
@@ -319,7 +319,7 @@ def test_blocks_in_any_order_and_scale():
     o = lse = None
     for b in reversed(blocks):
         part = block_forward(np, q, k[:, :, b], v[:, :, b], qp, b, scale=1.0)
-        o, lse = part if o is None else merge(np, o, lse, *part)
+        o, lse = part if o is None else merge_partials(np, o, lse, *part)
     np.testing.assert_allclose(o, oracle(q, k, v, qp, ar, 1.0)[0], rtol=0, atol=1e-12)
     dq = np.zeros_like(q)
     dk, dv = np.zeros_like(k), np.zeros_like(v)
