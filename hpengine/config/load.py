@@ -1,20 +1,19 @@
-"""The configuration: the dataclass tree (tree.py) loaded from TOML, ``--set`` overrides, validation,
-TOML output.
+"""Loading a config: the dataclass tree (tree.py) from TOML and ``--set`` overrides (unknown keys named with the
+nearest valid one), validated by rules.py; and back out as dicts and TOML.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import difflib
-import functools
-import math
 import tomllib
-import types
 import typing
 from pathlib import Path
 from typing import Any
 
-from hpengine.config.toml_out import emit_table, toml_value
+from hpengine.config.fields import is_section, show, table_item, toml_key, type_hints
+from hpengine.config.toml_out import emit_table
+from hpengine.config.rules import ensure_valid, validate  # noqa: F401 - part of the config API
 from hpengine.config.tree import (  # noqa: F401 - the tree, re-exported
     MESH_AXES,
     AmpConfig,
@@ -46,21 +45,6 @@ from hpengine.config.tree import (  # noqa: F401 - the tree, re-exported
     model_from_key,
     model_key,
 )
-
-
-@functools.cache
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _is_section(tp) -> bool:
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
-
-
-def _table_item(tp):
-    """The dataclass of an array-of-tables field (list[DataSource] -> DataSource), else None."""
-    args = typing.get_args(tp)
-    return args[0] if typing.get_origin(tp) is list and _is_section(args[0]) else None
 
 
 # ---- loading --------------------------------------------------------------------------------------
@@ -104,15 +88,9 @@ def _read_toml(path: Path) -> dict:
         raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-def _key(f) -> str:
-    """A field's TOML key: its name, or the `key` of its metadata where the name stands in for a Python
-    keyword (checkpoint.async is the field `async_`)."""
-    return f.metadata.get("key", f.name)
-
-
 def _by_key(cls) -> dict:
     """TOML key -> field name, in declaration order."""
-    return {_key(f): f.name for f in dataclasses.fields(cls)}
+    return {toml_key(f): f.name for f in dataclasses.fields(cls)}
 
 
 def _apply_override(raw: dict, item: str) -> None:
@@ -127,8 +105,8 @@ def _apply_override(raw: dict, item: str) -> None:
         names = _by_key(cls)
         if part not in names:
             raise ConfigError(f"--set {item}: {_unknown(dotted, list(names))}")
-        tp = _hints(cls)[names[part]]
-        if not _is_section(tp):
+        tp = type_hints(cls)[names[part]]
+        if not is_section(tp):
             if not last:
                 raise ConfigError(f"--set {item}: '{dotted}' is a value, not a section")
             node[part] = _parse_value(text, tp)
@@ -168,16 +146,16 @@ def from_dict(d: dict) -> Config:
 
 def _build(cls, d: Any, prefix: str):
     if not isinstance(d, dict):
-        raise ConfigError(f"{prefix[:-1]} = {_show(d)}: expected a table [{prefix[:-1]}]")
+        raise ConfigError(f"{prefix[:-1]} = {show(d)}: expected a table [{prefix[:-1]}]")
     names = _by_key(cls)
-    hints = _hints(cls)
+    hints = type_hints(cls)
     kwargs = {}
     for key, value in d.items():
         if key not in names:
             raise ConfigError(_unknown(prefix + key, list(names)))
         name = names[key]
-        tp, item = hints[name], _table_item(hints[name])
-        if _is_section(tp):
+        tp, item = hints[name], table_item(hints[name])
+        if is_section(tp):
             kwargs[name] = _build(tp, value, f"{prefix}{key}.")
         elif item is not None:
             kwargs[name] = _build_tables(item, value, prefix + key)
@@ -190,10 +168,10 @@ def _build_tables(cls, value: Any, key: str) -> list:
     """An array of tables ([[key]] in TOML, or a list of inline tables {k = v, ...})."""
     keys = ", ".join(_by_key(cls))
     if not isinstance(value, list):
-        raise ConfigError(f"{key} = {_show(value)}: expected an array of tables [[{key}]] with keys {keys}")
+        raise ConfigError(f"{key} = {show(value)}: expected an array of tables [[{key}]] with keys {keys}")
     for i, v in enumerate(value):
         if not isinstance(v, dict):
-            raise ConfigError(f"{key}[{i}] = {_show(v)}: expected a table with keys {keys}")
+            raise ConfigError(f"{key}[{i}] = {show(v)}: expected a table with keys {keys}")
     return [_build(cls, v, f"{key}[{i}].") for i, v in enumerate(value)]
 
 
@@ -203,165 +181,6 @@ def _unknown(dotted: str, names: list[str]) -> str:
     close = difflib.get_close_matches(key, names, n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return f"unknown key '{dotted}'{hint}; valid keys in {where}: {', '.join(names)}"
-
-
-# ---- validation -----------------------------------------------------------------------------------
-
-# No MPI here:
-# :func:`validate` runs before any communicator exists, and every error names the dotted key.
-def ensure_valid(cfg: Config) -> None:
-    """validate(cfg) unless it passed validate with these very values (a loaded config is checked once, a
-    config changed since is checked again)."""
-    if cfg.valid_as is None or cfg.valid_as != repr(dataclasses.asdict(cfg)):
-        validate(cfg)
-
-
-def validate(cfg: Config) -> None:
-    """Check types (ints widen to float in float fields, in place) and values; raise on the first error."""
-    cfg.valid_as = None
-    _check(cfg)
-    cfg.valid_as = repr(dataclasses.asdict(cfg))
-
-
-def _check(cfg: Config) -> None:
-    _validate_section(cfg, Config, "")
-    _validate_model(cfg.model)
-    t = cfg.train
-    for key in ("model_seeds", "model_lrs"):
-        got = getattr(t, key)
-        if got and len(got) != t.models:
-            raise ConfigError(f"train.{key} has {len(got)} entries but train.models = {t.models}: "
-                              f"give one per model or leave it empty")
-    if any(lr < 0 for lr in t.model_lrs):
-        raise ConfigError(f"train.model_lrs = {t.model_lrs}: every learning rate must be >= 0")
-    rt = cfg.runtime
-    if rt.collectives == "nccl" and rt.backend == "numpy":
-        raise ConfigError("runtime.collectives = 'nccl' needs device buffers but runtime.backend = 'numpy': use "
-                          "collectives = 'mpi', or backend = 'cupy' / 'auto' (NCCL where a GPU is found, else MPI)")
-    d = cfg.data
-    if d.path and d.sources:
-        raise ConfigError(f"data.path = {_show(d.path)} and data.sources ({len(d.sources)} files) are both set: "
-                          "set data.path for one file, or leave it empty and blend files with [[data.sources]]")
-
-
-def _validate_model(m: ModelConfig) -> None:
-    defaults = ModelConfig()
-    for key in kind_keys(m.kind):
-        if getattr(m, key) != getattr(defaults, key):
-            raise _kind_error(key, m.kind)
-    off = set(kind_keys(m.kind))      # what a kind has is what its keys say: attention, head_dim, moe
-    if "attention" not in off and not m.head_dim and m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}: "
-                          "d_model must be a multiple of n_heads" + (
-                              ", or set model.head_dim to the width of a head" if "head_dim" not in off else ""))
-    if "moe" not in off:
-        _validate_moe(m)
-    if "head_dim" in off:             # grouped-query heads and the rotary embedding's pairs
-        return
-    kv = m.n_kv_heads or m.n_heads
-    if m.n_heads % kv:
-        raise ConfigError(f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.n_kv_heads}: "
-                          f"n_kv_heads must divide n_heads (1 = multi-query, {m.n_heads} = multi-head)")
-    if m.head_dim % 2:
-        raise ConfigError(f"model.head_dim = {m.head_dim} is odd: the rotary embedding rotates pairs, so the head "
-                          "dimension must be even (0 = d_model / n_heads)")
-    hd = head_width(m)
-    if hd % 2:
-        raise ConfigError(f"model.d_model / model.n_heads = {m.d_model} / {m.n_heads} = {hd} is odd: the rotary "
-                          "embedding rotates pairs, so the head dimension must be even (or set an even "
-                          "model.head_dim)")
-
-
-def _validate_moe(m: ModelConfig) -> None:
-    e = m.moe
-    if not e.num_experts:
-        if e != MoEConfig():
-            raise ConfigError("model.moe keys are set but model.moe.num_experts = 0 (a dense model): set "
-                              "num_experts to the routed experts per layer, or remove the [model.moe] keys")
-        return
-    if e.top_k > e.num_experts:
-        raise ConfigError(f"model.moe.top_k = {e.top_k} is more than model.moe.num_experts = {e.num_experts}: "
-                          f"use 1..{e.num_experts}")
-    if e.dense_layers >= m.n_layers:
-        raise ConfigError(f"model.moe.dense_layers = {e.dense_layers} leaves no MoE layer in model.n_layers = "
-                          f"{m.n_layers}: use 0..{m.n_layers - 1}")
-
-
-def _validate_section(obj: Any, cls, prefix: str) -> None:
-    if not isinstance(obj, cls):
-        raise ConfigError(f"{prefix[:-1] or 'config'} = {_show(obj)}: expected a {cls.__name__}")
-    for f in dataclasses.fields(cls):
-        tp, key = _hints(cls)[f.name], prefix + _key(f)
-        raw = getattr(obj, f.name)
-        if _is_section(tp):
-            _validate_section(raw, tp, key + ".")
-            continue
-        item = _table_item(tp)
-        if item is not None:
-            if not isinstance(raw, list):
-                raise ConfigError(f"{key} = {_show(raw)}: expected a list of {item.__name__} tables")
-            for i, x in enumerate(raw):
-                _validate_section(x, item, f"{key}[{i}].")
-            continue
-        ok, value = _match(raw, tp)
-        if not ok:
-            raise ConfigError(f"{key} = {_show(raw)}: expected {_type_name(tp)}, got {type(raw).__name__}")
-        setattr(obj, f.name, value)
-        _check_value(key, value, f.metadata)
-
-
-def _match(value: Any, tp) -> tuple[bool, Any]:
-    """(does `value` fit annotation `tp`, value converted) — bool is not an int, int widens to float."""
-    if tp is bool or tp is str:
-        return isinstance(value, tp), value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return False, value
-        try:
-            return True, float(value)
-        except OverflowError:
-            return False, value
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is list:
-        if not isinstance(value, list):
-            return False, value
-        items = [_match(v, args[0]) for v in value]
-        return all(ok for ok, _ in items), [v for _, v in items]
-    if origin in (typing.Union, types.UnionType):
-        for alt in args:
-            ok, out = _match(value, alt)
-            if ok:
-                return True, out
-        return False, value
-    raise TypeError(f"unsupported config annotation {tp!r}")
-
-
-def _type_name(tp) -> str:
-    if typing.get_origin(tp) is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    return tp.__name__
-
-
-def _check_value(key: str, value: Any, meta) -> None:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{key} = {_show(value)}: must be a finite number")
-    choices = meta.get("choices")
-    if choices is not None and value not in choices:
-        raise ConfigError(f"{key} = {_show(value)}: must be one of {', '.join(map(_show, choices))}")
-    check = meta.get("check")
-    if check is not None and not check[0](value):
-        raise ConfigError(f"{key} = {_show(value)}: {check[1]}")
-
-
-def _show(value: Any) -> str:
-    try:
-        return toml_value(value)
-    except TypeError:
-        return repr(value)
 
 
 # ---- output ---------------------------------------------------------------------------------------
@@ -379,12 +198,12 @@ def _keyed(d: dict, cls) -> dict:
     """asdict's field names turned into TOML keys (checkpoint.async_ -> async)."""
     out = {}
     for f in dataclasses.fields(cls):
-        tp, v = _hints(cls)[f.name], d[f.name]
-        if _is_section(tp):
+        tp, v = type_hints(cls)[f.name], d[f.name]
+        if is_section(tp):
             v = _keyed(v, tp)
-        elif _table_item(tp) is not None:
-            v = [_keyed(x, _table_item(tp)) for x in v]
-        out[_key(f)] = v
+        elif table_item(tp) is not None:
+            v = [_keyed(x, table_item(tp)) for x in v]
+        out[toml_key(f)] = v
     return out
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from hpengine.config.load import Config, _hints, _is_section, _key, _show, _table_item
+from hpengine.config.fields import is_section, show, table_item, toml_key, type_hints
+from hpengine.config.load import Config
 
 REFERENCE_FILE = "docs/configuration.md"
 
@@ -27,19 +28,19 @@ def describe() -> str:
                   "| key | default | doc |", "|---|---|---|"]
         defaults = cls()
         for f in dataclasses.fields(cls):
-            if _is_section(_hints(cls)[f.name]):      # a table inside a section ([model.moe]) has its own
+            if is_section(type_hints(cls)[f.name]):      # a table inside a section ([model.moe]) has its own
                 continue
             doc = f.metadata["doc"]
             if "choices" in f.metadata:
-                doc += "; one of " + ", ".join(f"`{_show(c)}`" for c in f.metadata["choices"])
+                doc += "; one of " + ", ".join(f"`{show(c)}`" for c in f.metadata["choices"])
             doc = doc.replace("|", "\\|")
-            lines.append(f"| `{_key(f)}` | `{_show(getattr(defaults, f.name))}` | {doc} |")
+            lines.append(f"| `{toml_key(f)}` | `{show(getattr(defaults, f.name))}` | {doc} |")
     return "\n".join(lines) + "\n"
 
 
 def _is_array(path: list[str]) -> bool:
-    cls = functools.reduce(lambda c, part: _hints(c)[part], path[:-1], Config)
-    return _table_item(_hints(cls)[path[-1]]) is not None
+    cls = functools.reduce(lambda c, part: type_hints(c)[part], path[:-1], Config)
+    return table_item(type_hints(cls)[path[-1]]) is not None
 
 
 def _sections(cls, path: list[str]) -> list[tuple[list[str], type]]:
@@ -47,11 +48,11 @@ def _sections(cls, path: list[str]) -> list[tuple[list[str], type]]:
     ([[data.sources]]) follows the section that holds it."""
     out = []
     for f in dataclasses.fields(cls):
-        tp = _hints(cls)[f.name]
-        if _table_item(tp) is not None:
-            out.append((path + [f.name], _table_item(tp)))
-        elif _is_section(tp):
+        tp = type_hints(cls)[f.name]
+        if table_item(tp) is not None:
+            out.append((path + [f.name], table_item(tp)))
+        elif is_section(tp):
             sub = path + [f.name]
-            holds_values = any(not _is_section(t) for t in _hints(tp).values())
+            holds_values = any(not is_section(t) for t in type_hints(tp).values())
             out += ([(sub, tp)] if holds_values else []) + _sections(tp, sub)
     return out

@@ -14,13 +14,10 @@ import numpy as np
 from mpi4py import MPI
 
 from hpengine.checkpoint import background, guard as ckpt_guard, hf_import, shards as checkpoint, write as ckpt_write
-from hpengine.config.load import given_keys, to_toml
-from hpengine.device.threads import describe as blas_threads_line
+from hpengine.config.load import to_toml
 from hpengine.dist.agree import agree_or_raise
 from hpengine.dist.watchdog import Watchdog, progress as bytes_written
 from hpengine.files import UnsafeFile, open_append, write_file
-from hpengine.layout.resolve import chunks
-from hpengine.layout.schedules import bubble_fraction
 from hpengine.planner import search as plan
 from hpengine.run import faults, launch, progress, supervisor, tensorboard as tboard, trace
 from hpengine.run.build import (
@@ -31,6 +28,7 @@ from hpengine.run.build import (
     load_together,
 )
 from hpengine.run.resume import layout_change, resolve_resume
+from hpengine.run.runlog import log_memory, log_pipeline, log_start
 from hpengine.run.run_dir import RunError, lock_run_dir, prepare_run_dir, trim_metrics, unlock_run_dir
 
 log = logging.getLogger("hpengine")
@@ -333,53 +331,6 @@ def restore(eng, cfg, resume) -> int:
     reader.close()
     log.info("%s (%.2f s)", what, time.perf_counter() - t0)
     return start
-
-
-def config_line(cfg) -> str:
-    """The start-up line on the config: the keys the config file and --set gave (those at their default
-    counted, not listed); for a Config built in code, the keys off their default."""
-    changed, same = given_keys(cfg)
-    if cfg.given is None:
-        return "config (resolved; written in full to config.toml; keys not at their default): " + (
-            ", ".join(changed) or "none")
-    listed = ", ".join(changed) + (f" (and {same} more set to their default)" if same else "")
-    if not changed:
-        listed = f"{same} key{'s' * (same > 1)}, each set to its default" if same else "none"
-    return f"config (resolved; written in full to config.toml; the keys you set): {listed}"
-
-
-def log_start(eng, cfg) -> None:
-    log.info("%s", config_line(cfg))
-    log.info("%s", eng.mesh.describe())
-    log.info("%s", blas_threads_line())
-    sync_line, blocks = eng.describe()
-    if sync_line:
-        log.info("%s", sync_line)
-    whole, mine = eng.param_counts()      # collective on pp: every rank runs log_start
-    share = (f" (pipeline stage {eng.mesh.coords['pp']} of {eng.res.pp}: {mine:,} parameters, {blocks} "
-             "blocks)" if eng.res.pp > 1 else "")
-    log.info("model %s: %s parameters, %d blocks%s, dtype %s, backend %s", cfg.model.kind, f"{whole:,}",
-             sum(len(c) for c in chunks(cfg.model, eng.res)), share, cfg.model.dtype, eng.be.name)
-
-
-def log_memory(eng) -> None:
-    mem = eng.memory()
-    mib = lambda k: mem[k] / 2**20  # noqa: E731
-    log.info("memory per rank: params %.2f MiB, grads %.2f MiB, optimizer %.2f MiB, transient peak "
-             "%.2f MiB, peak RSS %.0f MiB", mib("param_bytes"), mib("grad_bytes"), mib("optim_bytes"),
-             mib("transient_peak_bytes"), mib("peak_rss_bytes"))
-
-
-def log_pipeline(eng, cfg) -> None:
-    """Measured bubble (idle share of the executor's wall time) per stage next to the theory."""
-    res = eng.res
-    stats = eng.pipeline_stats() if cfg.strategy.pipeline.enable else None
-    if stats is None:
-        return
-    theory = bubble_fraction(res.schedule, res.pp, res.m, res.v)
-    log.info("pipeline %s p=%d m=%d v=%d: measured bubble per stage %s (theory %.3f); peak live activation "
-             "caches per stage %s", res.schedule, res.pp, res.m, res.v,
-             [round(b, 3) for b, _ in stats], theory, [n for _, n in stats])
 
 
 def summarize(eng, history, wall, out, stopped=None, launched=None) -> dict:

@@ -19,7 +19,7 @@ from hpengine.cli.commands import main
 from hpengine.config.load import Config, load_config
 from hpengine.dist.topology import Mesh, describe
 from hpengine.layout.resolve import resolve
-from hpengine.run.train import config_line
+from hpengine.run.runlog import config_line
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = ("train", "data", "config", "ckpt", "plan", "plot", "eval", "generate", "doctor")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hpengine.config import fields as F
 from hpengine.config import load as C
 from hpengine.config import reference as R
 
@@ -97,7 +98,7 @@ def test_every_config_key_is_in_its_own_section():
         name = ".".join(path)
         assert name in sections, f"[{name}] has no section in {R.REFERENCE_FILE}"
         keys = re.findall(r"^\| `(\w+)` \|", sections[name], flags=re.M)
-        assert keys == [C._key(f) for f in dataclasses.fields(cls) if not C._is_section(C._hints(cls)[f.name])], name
+        assert keys == [F.toml_key(f) for f in dataclasses.fields(cls) if not F.is_section(F.type_hints(cls)[f.name])], name
 
 
 def test_python_api_example_runs():

@@ -4,7 +4,7 @@ config changed after loading is checked again."""
 import pytest
 from mpi4py import MPI
 
-from hpengine.config import load as config_load
+from hpengine.config import rules as config_rules
 from hpengine.config.load import ConfigError, load_config
 from hpengine.layout.resolve import resolve
 from hpengine.planner import search
@@ -20,10 +20,10 @@ def _count(monkeypatch, module, name):
 
 
 def test_one_validation_and_one_prediction_per_start(monkeypatch, small_corpus):
-    checks = _count(monkeypatch, config_load, "_check")
+    checks = _count(monkeypatch, config_rules, "_check")
     cfg = load_config(None, [*TINY, f"data.path={small_corpus}"])
     assert len(checks) == 1
-    evaluations = _count(monkeypatch, search, "evaluate")
+    evaluations = _count(monkeypatch, search, "predict_layout")
     eng, prediction = build_job(cfg, MPI.COMM_SELF)
     assert len(checks) == 1 and len(evaluations) == 1
     assert prediction["memory"]["total"] > 0 and eng.train_step(0)["loss"] > 0

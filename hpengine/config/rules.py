@@ -1,0 +1,162 @@
+"""Validation of a config: types (ints widen to floats in place), values, the rules between keys and of each model
+kind; `ensure_valid` skips a config that passed with these very values, so a job's start-up checks it once. No
+MPI here: it runs before any communicator exists, and every error names the dotted key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any
+
+from hpengine.config.fields import is_section, show, table_item, toml_key, type_hints
+from hpengine.config.tree import Config, ConfigError, ModelConfig, MoEConfig, _kind_error, head_width, kind_keys
+
+
+def ensure_valid(cfg: Config) -> None:
+    """validate(cfg) unless it passed validate with these very values (a loaded config is checked once, a
+    config changed since is checked again)."""
+    if cfg.valid_as is None or cfg.valid_as != repr(dataclasses.asdict(cfg)):
+        validate(cfg)
+
+
+def validate(cfg: Config) -> None:
+    """Check types (ints widen to float in float fields, in place) and values; raise on the first error."""
+    cfg.valid_as = None
+    _check(cfg)
+    cfg.valid_as = repr(dataclasses.asdict(cfg))
+
+
+def _check(cfg: Config) -> None:
+    _validate_section(cfg, Config, "")
+    _validate_model(cfg.model)
+    t = cfg.train
+    for key in ("model_seeds", "model_lrs"):
+        got = getattr(t, key)
+        if got and len(got) != t.models:
+            raise ConfigError(f"train.{key} has {len(got)} entries but train.models = {t.models}: "
+                              f"give one per model or leave it empty")
+    if any(lr < 0 for lr in t.model_lrs):
+        raise ConfigError(f"train.model_lrs = {t.model_lrs}: every learning rate must be >= 0")
+    rt = cfg.runtime
+    if rt.collectives == "nccl" and rt.backend == "numpy":
+        raise ConfigError("runtime.collectives = 'nccl' needs device buffers but runtime.backend = 'numpy': use "
+                          "collectives = 'mpi', or backend = 'cupy' / 'auto' (NCCL where a GPU is found, else MPI)")
+    d = cfg.data
+    if d.path and d.sources:
+        raise ConfigError(f"data.path = {show(d.path)} and data.sources ({len(d.sources)} files) are both set: "
+                          "set data.path for one file, or leave it empty and blend files with [[data.sources]]")
+
+
+def _validate_model(m: ModelConfig) -> None:
+    defaults = ModelConfig()
+    for key in kind_keys(m.kind):
+        if getattr(m, key) != getattr(defaults, key):
+            raise _kind_error(key, m.kind)
+    off = set(kind_keys(m.kind))      # what a kind has is what its keys say: attention, head_dim, moe
+    if "attention" not in off and not m.head_dim and m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model = {m.d_model} is not divisible by model.n_heads = {m.n_heads}: "
+                          "d_model must be a multiple of n_heads" + (
+                              ", or set model.head_dim to the width of a head" if "head_dim" not in off else ""))
+    if "moe" not in off:
+        _validate_moe(m)
+    if "head_dim" in off:             # grouped-query heads and the rotary embedding's pairs
+        return
+    kv = m.n_kv_heads or m.n_heads
+    if m.n_heads % kv:
+        raise ConfigError(f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.n_kv_heads}: "
+                          f"n_kv_heads must divide n_heads (1 = multi-query, {m.n_heads} = multi-head)")
+    if m.head_dim % 2:
+        raise ConfigError(f"model.head_dim = {m.head_dim} is odd: the rotary embedding rotates pairs, so the head "
+                          "dimension must be even (0 = d_model / n_heads)")
+    hd = head_width(m)
+    if hd % 2:
+        raise ConfigError(f"model.d_model / model.n_heads = {m.d_model} / {m.n_heads} = {hd} is odd: the rotary "
+                          "embedding rotates pairs, so the head dimension must be even (or set an even "
+                          "model.head_dim)")
+
+
+def _validate_moe(m: ModelConfig) -> None:
+    e = m.moe
+    if not e.num_experts:
+        if e != MoEConfig():
+            raise ConfigError("model.moe keys are set but model.moe.num_experts = 0 (a dense model): set "
+                              "num_experts to the routed experts per layer, or remove the [model.moe] keys")
+        return
+    if e.top_k > e.num_experts:
+        raise ConfigError(f"model.moe.top_k = {e.top_k} is more than model.moe.num_experts = {e.num_experts}: "
+                          f"use 1..{e.num_experts}")
+    if e.dense_layers >= m.n_layers:
+        raise ConfigError(f"model.moe.dense_layers = {e.dense_layers} leaves no MoE layer in model.n_layers = "
+                          f"{m.n_layers}: use 0..{m.n_layers - 1}")
+
+
+def _validate_section(obj: Any, cls, prefix: str) -> None:
+    if not isinstance(obj, cls):
+        raise ConfigError(f"{prefix[:-1] or 'config'} = {show(obj)}: expected a {cls.__name__}")
+    for f in dataclasses.fields(cls):
+        tp, key = type_hints(cls)[f.name], prefix + toml_key(f)
+        raw = getattr(obj, f.name)
+        if is_section(tp):
+            _validate_section(raw, tp, key + ".")
+            continue
+        item = table_item(tp)
+        if item is not None:
+            if not isinstance(raw, list):
+                raise ConfigError(f"{key} = {show(raw)}: expected a list of {item.__name__} tables")
+            for i, x in enumerate(raw):
+                _validate_section(x, item, f"{key}[{i}].")
+            continue
+        ok, value = _match(raw, tp)
+        if not ok:
+            raise ConfigError(f"{key} = {show(raw)}: expected {_type_name(tp)}, got {type(raw).__name__}")
+        setattr(obj, f.name, value)
+        _check_value(key, value, f.metadata)
+
+
+def _match(value: Any, tp) -> tuple[bool, Any]:
+    """(does `value` fit annotation `tp`, value converted) — bool is not an int, int widens to float."""
+    if tp is bool or tp is str:
+        return isinstance(value, tp), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False, value
+        try:
+            return True, float(value)
+        except OverflowError:
+            return False, value
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is list:
+        if not isinstance(value, list):
+            return False, value
+        items = [_match(v, args[0]) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if origin in (typing.Union, types.UnionType):
+        for alt in args:
+            ok, out = _match(value, alt)
+            if ok:
+                return True, out
+        return False, value
+    raise TypeError(f"unsupported config annotation {tp!r}")
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return tp.__name__
+
+
+def _check_value(key: str, value: Any, meta) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} = {show(value)}: must be a finite number")
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{key} = {show(value)}: must be one of {', '.join(map(show, choices))}")
+    check = meta.get("check")
+    if check is not None and not check[0](value):
+        raise ConfigError(f"{key} = {show(value)}: {check[1]}")

@@ -1,0 +1,60 @@
+"""The lines a run logs about itself: the config keys it was given, the mesh, BLAS threads, sync and model at
+start-up, memory per rank, and the pipeline's measured bubble beside the schedule's theory.
+"""
+from __future__ import annotations
+
+import logging
+
+from hpengine.config.load import given_keys
+from hpengine.device.threads import describe as blas_threads_line
+from hpengine.layout.resolve import chunks
+from hpengine.layout.schedules import bubble_fraction
+
+log = logging.getLogger("hpengine")
+
+
+def config_line(cfg) -> str:
+    """The start-up line on the config: the keys the config file and --set gave (those at their default
+    counted, not listed); for a Config built in code, the keys off their default."""
+    changed, same = given_keys(cfg)
+    if cfg.given is None:
+        return "config (resolved; written in full to config.toml; keys not at their default): " + (
+            ", ".join(changed) or "none")
+    listed = ", ".join(changed) + (f" (and {same} more set to their default)" if same else "")
+    if not changed:
+        listed = f"{same} key{'s' * (same > 1)}, each set to its default" if same else "none"
+    return f"config (resolved; written in full to config.toml; the keys you set): {listed}"
+
+
+def log_start(eng, cfg) -> None:
+    log.info("%s", config_line(cfg))
+    log.info("%s", eng.mesh.describe())
+    log.info("%s", blas_threads_line())
+    sync_line, blocks = eng.describe()
+    if sync_line:
+        log.info("%s", sync_line)
+    whole, mine = eng.param_counts()      # collective on pp: every rank runs log_start
+    share = (f" (pipeline stage {eng.mesh.coords['pp']} of {eng.res.pp}: {mine:,} parameters, {blocks} "
+             "blocks)" if eng.res.pp > 1 else "")
+    log.info("model %s: %s parameters, %d blocks%s, dtype %s, backend %s", cfg.model.kind, f"{whole:,}",
+             sum(len(c) for c in chunks(cfg.model, eng.res)), share, cfg.model.dtype, eng.be.name)
+
+
+def log_memory(eng) -> None:
+    mem = eng.memory()
+    mib = lambda k: mem[k] / 2**20  # noqa: E731
+    log.info("memory per rank: params %.2f MiB, grads %.2f MiB, optimizer %.2f MiB, transient peak "
+             "%.2f MiB, peak RSS %.0f MiB", mib("param_bytes"), mib("grad_bytes"), mib("optim_bytes"),
+             mib("transient_peak_bytes"), mib("peak_rss_bytes"))
+
+
+def log_pipeline(eng, cfg) -> None:
+    """Measured bubble (idle share of the executor's wall time) per stage next to the theory."""
+    res = eng.res
+    stats = eng.pipeline_stats() if cfg.strategy.pipeline.enable else None
+    if stats is None:
+        return
+    theory = bubble_fraction(res.schedule, res.pp, res.m, res.v)
+    log.info("pipeline %s p=%d m=%d v=%d: measured bubble per stage %s (theory %.3f); peak live activation "
+             "caches per stage %s", res.schedule, res.pp, res.m, res.v,
+             [round(b, 3) for b, _ in stats], theory, [n for _, n in stats])
