@@ -110,7 +110,7 @@ class Engine:
     def _optimizer(self, slot):
         seg = self.sync.owned.intersect(slot.range)
         dtype = self.precision.master_dtype(self.be.dtype)
-        return None if seg is None else make_optimizer(self.cfg.optim, self.xp, self.layout, seg, dtype)
+        return None if seg is None else make_optimizer(self.cfg.optim, self.xp, self.layout, seg, dtype, self.sync.whole)
 
     # --- forward / backward ---------------------------------------------------------------------
     def _P(self, slot, b, nxt=None):

@@ -268,19 +268,11 @@ def check(cfg, res: Resolved) -> None:
 
 
 def _check_whole_tensors(name: str, res: Resolved) -> None:
-    """An optimizer that updates whole tensors runs where each owner holds its tensors whole and alone: no tensor,
-    expert or context split, and sharding by whole tensors."""
-    if optimizer_kind(name).sees != TENSORS:
-        return
-    for key, got, valid in (("strategy.tensor_parallel.degree", res.tp, 1),
-                            ("strategy.expert_parallel.degree", res.ep, 1),
-                            ("strategy.context_parallel.degree", res.cp, 1),
-                            ("strategy.sharding.partition", repr(res.partition) if res.sh > 1 else "'tensor'",
-                             "'tensor'")):
-        if got != valid:
-            raise LayoutError(f"optim.name = {name!r} updates whole tensors on their owner and runs so far with "
-                              f"{key} = {valid} only, got {got}; data parallel, sharding (partition 'tensor') and "
-                              "the pipeline are supported")
+    """An optimizer that updates whole tensors needs each owner's range to hold them whole: sharding by whole
+    tensors (tensor-parallel slices and replicas are joined by strategies/whole_tensors.py)."""
+    if optimizer_kind(name).sees == TENSORS and res.sh > 1 and res.partition != "tensor":
+        raise LayoutError(f"optim.name = {name!r} updates whole tensors on their owner; strategy.sharding.partition "
+                          f"= {res.partition!r} cuts them: use partition = 'tensor'")
 
 
 def _check_expert_parallel(mc, res: Resolved) -> None:

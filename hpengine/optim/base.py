@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from hpengine.optim.adamw import AdamW
-from hpengine.optim.muon import Muon
+from hpengine.optim.muon import Muon, is_muon_matrix, ns_work
 
 RANGES, TENSORS = "ranges", "tensors"
 
@@ -28,31 +28,48 @@ class Optimizer(Protocol):
         """Bytes of state held."""
 
 
+class Whole(Protocol):
+    """How an optimizer that sees TENSORS gets its per-tensor work done whole (strategies/ builds one from the
+    communicators: tensor-parallel slices gathered to one rank, replicated tensors' work divided among replicas)."""
+
+    def apply(self, names: list, parts: list, fn: Callable) -> list:
+        """fn (a whole tensor -> an array of its shape) of each tensor `names[i]`, of which this rank holds
+        parts[i] (its layout shape, stacks of matrices as (count, in, out)); returns this rank's part of each
+        result. Collective over the ranks that hold these tensors, in the same order on each."""
+
+
 @dataclass(frozen=True)
 class OptimizerKind:
     """An optimizer as the rest of the engine knows it."""
     name: str
     state: tuple[str, ...]          # names of the state tensors, one value per parameter element each
     sees: str                       # RANGES: any element range; TENSORS: whole tensors, on their owner
-    build: Callable[..., Optimizer]  # (xp, layout, range, dtype, optim config) -> Optimizer
+    build: Callable[..., Optimizer]  # (xp, layout, range, dtype, optim config, whole) -> Optimizer
+    # TENSORS: the work of the update on a whole tensor (its spec, its whole shape; 0: none done whole), by
+    # which the tensors' work is divided among the ranks that hold them
+    work: Callable[[Any, tuple], int] | None = None
 
     def state_bytes(self, item: int) -> int:
         """Bytes of optimizer state per parameter element, state held at `item` bytes an element."""
         return len(self.state) * item
 
 
-def _adamw(xp, layout, r, dtype, o) -> Optimizer:
+def _adamw(xp, layout, r, dtype, o, whole=None) -> Optimizer:
     return AdamW(xp, layout, r, dtype, tuple(o.betas), o.eps, o.weight_decay)
 
 
-def _muon(xp, layout, r, dtype, o) -> Optimizer:
-    return Muon(xp, layout, r, dtype, o)
+def _muon(xp, layout, r, dtype, o, whole=None) -> Optimizer:
+    return Muon(xp, layout, r, dtype, o, whole)
+
+
+def _muon_work(spec, shape) -> int:
+    return ns_work(shape) if is_muon_matrix(spec) else 0
 
 
 KINDS: dict[str, OptimizerKind] = {
     "adamw": OptimizerKind("adamw", AdamW.STATE, RANGES, _adamw),
     # Muon's matrices keep one momentum, the rest Adam's two moments; both arrays span the range (2 per element)
-    "muon": OptimizerKind("muon", Muon.STATE, TENSORS, _muon),
+    "muon": OptimizerKind("muon", Muon.STATE, TENSORS, _muon, _muon_work),
 }
 UNDECLARED = "adamw"     # the optimizer of a checkpoint whose manifest names none (written before they did)
 
@@ -66,6 +83,7 @@ def kind(name: str) -> OptimizerKind:
                          f"valid: {', '.join(sorted(KINDS))}") from None
 
 
-def make(optim_cfg, xp, layout, r, dtype) -> Optimizer:
-    """The optimizer `optim_cfg.name` over range r of a flat buffer, its state in `dtype`."""
-    return kind(optim_cfg.name).build(xp, layout, r, dtype, optim_cfg)
+def make(optim_cfg, xp, layout, r, dtype, whole: Whole | None = None) -> Optimizer:
+    """The optimizer `optim_cfg.name` over range r of a flat buffer, its state in `dtype`; `whole` (TENSORS
+    kinds): how its whole-tensor work is divided (None: every tensor is whole here and done here)."""
+    return kind(optim_cfg.name).build(xp, layout, r, dtype, optim_cfg, whole)

@@ -1,6 +1,7 @@
 """Muon (momentum orthogonalised by a Newton-Schulz iteration, torch.optim.Muon's semantics) for the 2-D weight
 matrices inside the blocks, each routed expert's matrix on its own; AdamW, with plain AdamW's arithmetic, for every
-other tensor. Runs over one owned Range of a flat buffer that holds its tensors whole; NumPy or CuPy through xp.
+other tensor. Runs over one owned Range of a flat buffer; a matrix split over ranks (tensor parallel) or replicated
+(data parallel) is orthogonalised whole by the `whole` exchange the caller hands in. NumPy or CuPy through xp.
 """
 from __future__ import annotations
 
@@ -25,6 +26,13 @@ def is_muon_matrix(spec) -> bool:
     if block in ("embed", "head") or spec.name.endswith("router.w"):
         return False
     return len(spec.global_shape) == 2 or (len(spec.global_shape) == 3 and spec.ep_dim == 0)
+
+
+def ns_work(shape) -> int:
+    """Multiply-adds of one Newton-Schulz iteration on a whole tensor of `shape` ((in, out), or a stack
+    (count, in, out)): m n min(m, n) per matrix, which is how its owners are balanced."""
+    *count, m, n = shape
+    return math.prod(count) * m * n * min(m, n)
 
 
 def newton_schulz(xp, g, coefficients, steps: int, eps: float = NS_EPS):
@@ -77,7 +85,7 @@ class Muon:
     one value per element per state tensor."""
     STATE = ("muon_m", "muon_v")
 
-    def __init__(self, xp, layout, r: Range, dtype, o):
+    def __init__(self, xp, layout, r: Range, dtype, o, whole=None):
         self.xp, self.range, self.t = xp, r, 0
         self.m = xp.zeros(r.size, dtype=dtype)
         self.v = xp.zeros(r.size, dtype=dtype)
@@ -87,17 +95,20 @@ class Muon:
         self.coefs, self.steps = tuple(o.muon_ns_coefficients), o.muon_ns_steps
         self.rule = o.muon_lr_adjust
         adjusted_lr(1.0, self.rule, 1, 1)          # refuses an unknown rule here, not at the first step
-        self.matrices = []      # (start, stop relative to r, (count, in, out), decay)
+        self.whole = whole
+        self.matrices = []      # (start, stop relative to r, name, local (count, in, out), whole (in, out), decay)
         adam = []               # [start, stop) relative to r, of elements AdamW updates, with their decay runs
         for name, part, off in layout.tensors_in(r):
-            whole = layout.ranges[name]
-            if part != whole:
+            if part != layout.ranges[name]:
                 raise ValueError(f"muon: tensor {name!r} is cut by the owned range [{r.start}, {r.stop}); Muon "
-                                 "needs whole matrices (sharding.partition = 'tensor', no tensor parallelism)")
+                                 "needs whole matrices (sharding.partition = 'tensor')")
             spec, shape = layout.by_name[name], layout.shapes[name]
             a, b = part.start - r.start, part.stop - r.start
             if is_muon_matrix(spec):
-                self.matrices.append((a, b, (1, *shape) if len(shape) == 2 else tuple(shape), spec.decay))
+                if spec.true_shape is not None:      # padding would enter the orthogonalisation
+                    raise ValueError(f"muon: matrix {name!r} is padded to {spec.global_shape}; Muon needs it unpadded")
+                self.matrices.append((a, b, name, (1, *shape) if len(shape) == 2 else tuple(shape),
+                                      tuple(spec.global_shape[-2:]), spec.decay))
             elif adam and adam[-1][1] == a and adam[-1][2] == spec.decay:
                 adam[-1][1] = b
             else:
@@ -122,7 +133,8 @@ class Muon:
         for a, b, plan in self.adam:
             adamw_numpy(p[a:b], g[a:b], self.m[a:b], self.v[a:b], None, c, None if copy is None else copy[a:b],
                         plan=plan, scratch=self._scratch)
-        for a, b, shape, decay in self.matrices:
+        upds = []
+        for a, b, _, shape, _, _ in self.matrices:
             grad = g[a:b] if grad_coef == 1.0 else g[a:b] * grad_coef
             buf = self.m[a:b]
             _lerp_(xp, buf, grad, 1.0 - self.momentum)
@@ -131,14 +143,22 @@ class Muon:
                 _lerp_(xp, upd, buf, self.momentum)
             else:
                 upd = buf
-            n, fan_in, fan_out = shape
-            # hpengine stores x @ W weights as (in, out); torch's (out, in) weight is the transpose, on which the
-            # iteration commutes with transposition and the lr rule reads A = out, B = in
-            ortho = xp.swapaxes(newton_schulz(xp, xp.swapaxes(upd.reshape(shape), -1, -2), self.coefs,
-                                              self.steps), -1, -2)
+            upds.append(upd.reshape(shape))
+        if self.whole is None:
+            orthos = [self._orthogonalise(u) for u in upds]
+        else:       # each matrix whole on one rank, this rank's part of every result back
+            orthos = self.whole.apply([m[2] for m in self.matrices], upds, self._orthogonalise)
+        for (a, b, _, _, (fan_in, fan_out), decay), ortho in zip(self.matrices, orthos):
             w = p[a:b]
             if decay:
                 w *= 1.0 - lr * self.wd          # torch decays with the unadjusted lr
             w -= adjusted_lr(lr, self.rule, fan_out, fan_in) * ortho.reshape(-1)
             if copy is not None:
                 _write_copy(xp, copy[a:b], w)
+
+    def _orthogonalise(self, upd):
+        """The orthogonalised update of whole matrices upd (count, in, out).
+        hpengine stores x @ W weights as (in, out); torch's (out, in) weight is the transpose, on which the
+        iteration commutes with transposition and the lr rule reads A = out, B = in (of the whole matrix)."""
+        xp = self.xp
+        return xp.swapaxes(newton_schulz(xp, xp.swapaxes(upd, -1, -2), self.coefs, self.steps), -1, -2)

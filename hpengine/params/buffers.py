@@ -188,3 +188,21 @@ def imbalance(ranges: list[Range]) -> float:
     sizes = [r.size for r in ranges]
     mean = sum(sizes) / len(sizes)
     return max(sizes) / mean if mean else 1.0
+
+
+def assign_owners(work: list[int], n: int) -> list[int]:
+    """An owner in 0..n-1 for each item of `work` (whole tensors, each done on one owner), balancing the
+    largest load: the heaviest item first to the least loaded owner, ties to the lower index (the same on
+    every rank, whatever the order the items came in is)."""
+    loads, out = [0] * n, [0] * len(work)
+    for i in sorted(range(len(work)), key=lambda i: (-work[i], i)):
+        o = min(range(n), key=lambda k: (loads[k], k))
+        out[i] = o
+        loads[o] += work[i]
+    return out
+
+
+def load_imbalance(loads: list) -> float:
+    """Largest load over mean load (1.0 = perfectly balanced)."""
+    mean = sum(loads) / len(loads) if loads else 0
+    return max(loads) / mean if mean else 1.0

@@ -46,6 +46,7 @@ class GradSync(Protocol):
     params: FlatBuffer | None    # every parameter of the stage (None under stage 3)
     param_dtype: object          # the compute copy's dtype, as the storage holds it (from store_params on)
     transient_peak: int          # most bytes of temporary buffers held at once
+    whole: object                # an optimizer's whole-tensor work division (whole_tensors.py), or None
 
     # parameters and gradients a block reads and writes during a pass
     def params_for(self, block: str, nxt: str | None = None): ...
@@ -98,6 +99,7 @@ class LocalSync:
         # not yet done
         self.scratch, self.opens = {}, {}
         self.update_grad = 0       # bytes of the float32 owned gradient reduce_grads decoded for the update
+        self.whole = None          # make_grad_sync sets it for an optimizer that sees whole tensors
 
     def _track(self, nbytes: int) -> None:
         self.transient += nbytes
@@ -239,7 +241,7 @@ class LocalSync:
         return {"grads": [], "params": []}
 
     def describe(self) -> str:
-        return ""
+        return self.whole.describe() if self.whole is not None and self.whole.owners() > 1 else ""
 
 
 class Wires:

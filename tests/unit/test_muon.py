@@ -206,26 +206,19 @@ def test_bad_muon_keys_are_refused_in_one_line(override, message):
     assert str(e.value) == message
 
 
-@pytest.mark.parametrize("extra, key, valid, got", [
-    (["strategy.tensor_parallel.enable=true"], "strategy.tensor_parallel.degree", "1", "2"),
-    (["strategy.sharding.enable=true", "strategy.sharding.partition=flat"], "strategy.sharding.partition",
-     "'tensor'", "'flat'"),
-    (["strategy.data_parallel.enable=true", "strategy.expert_parallel.enable=true", *MOE],
-     "strategy.expert_parallel.degree", "1", "2"),
-    (["strategy.context_parallel.enable=true"], "strategy.context_parallel.degree", "1", "2"),
-])
-def test_layouts_that_split_a_tensor_are_refused_in_one_line(extra, key, valid, got):
-    cfg = _cfg(*extra)
+def test_a_partition_that_cuts_tensors_is_refused_in_one_line():
+    cfg = _cfg("strategy.sharding.enable=true", "strategy.sharding.partition=flat")
     with pytest.raises(LayoutError) as e:
         check(cfg, resolve(cfg, 2))
-    assert str(e.value) == (f"optim.name = 'muon' updates whole tensors on their owner and runs so far with {key} = "
-                            f"{valid} only, got {got}; data parallel, sharding (partition 'tensor') and the pipeline "
-                            "are supported")
+    assert str(e.value) == ("optim.name = 'muon' updates whole tensors on their owner; strategy.sharding.partition "
+                            "= 'flat' cuts them: use partition = 'tensor'")
 
 
 @pytest.mark.parametrize("extra", [[], ["strategy.data_parallel.enable=true"], ["strategy.sharding.enable=true"],
-                                   ["strategy.pipeline.enable=true"]])
-def test_layouts_with_whole_tensors_pass(extra):
+                                   ["strategy.pipeline.enable=true"], ["strategy.tensor_parallel.enable=true"],
+                                   ["strategy.data_parallel.enable=true", "strategy.expert_parallel.enable=true",
+                                    *MOE], ["strategy.context_parallel.enable=true"]])
+def test_layouts_pass(extra):
     cfg = _cfg(*extra)
     world = 1 if not extra else 2
     check(cfg, resolve(cfg, world))
