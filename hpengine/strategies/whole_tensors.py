@@ -119,12 +119,12 @@ class WholeTensors:
                 at += parts[i].size
 
     def describe(self) -> str:
-        """One line: owners per group and the imbalances (largest share / mean) of work and elements."""
+        """One line: owners per group and the imbalances (largest share / mean) of work and bytes."""
         out = []
         for comm, work, elems in self.loads:
             what = f"{_size(comm)} replicas x {self.tp.size} tp" if self.tp.size > 1 else f"{_size(comm)} replicas"
             out.append(f"{len(work)} owners ({what}): work imbalance {load_imbalance(work):.3f}, "
-                       f"elements imbalance {load_imbalance(elems):.3f}")
+                       f"bytes imbalance {load_imbalance(elems):.3f}")
         return "whole-tensor work divided over " + "; ".join(out) if out else ""
 
     def range_loads(self, ranges) -> list[int]:
