@@ -56,7 +56,7 @@ def _validate_qk_clip(cfg: Config) -> None:
     if cfg.optim.muon_qk_clip == 0:
         return
     for bad, why in ((cfg.optim.name != "muon", f"optim.name = 'muon' (got {cfg.optim.name!r}): MuonClip is Muon's"),
-                     (getattr(cfg.model, "qk_norm", False), "model.qk_norm = false: the q/k norms would undo a "
+                     (cfg.model.qk_norm, "model.qk_norm = false: the q/k norms would undo a "
                       "per-head scale of the q and k weights, and their weights are shared by every head"),
                      (cfg.train.models > 1, f"train.models = 1 (got {cfg.train.models})")):
         if bad:

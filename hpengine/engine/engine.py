@@ -90,7 +90,7 @@ class Engine:
                            (own.intersect(self.layout.ranges[n]) for n in summed_over(self.reductions, "tp"))
                            if c is not None]
         self.opts = [self._optimizer(s) for s in self.slots]
-        # what runs after each update (MuonClip: the layers report their largest logits through the context)
+        # what runs after each update (the qk clip: the layers report their largest logits through the context)
         self.post = post_update(cfg.optim, self.slots[0].model, self.layout, own, self.xp, backend.to_host,
                                 lambda a: self.world.allreduce_(a, op=MPI.MAX), self.tp.rank, self.tp.size)
         self.ctx = self.post.context(self.ctx)

@@ -1,7 +1,6 @@
 """The parallel context a model's blocks are handed: one named part per kind of communication. `tp` the
-tensor-parallel conjugate pairs and loss, `seq` this rank's piece of each sequence, `attn` the keys and
-values an attention sees, `ep` tokens sent to experts, `logits` what collects the largest attention logits (MuonClip);
-`num` the precision policy its layers are handed.
+tensor-parallel conjugate pairs and loss, `seq` this rank's piece of each sequence, `attn` the keys and values an
+attention sees, `ep` tokens sent to experts, `logits` where MuonClip's largest logits go; `num` the precision policy.
 LOCAL is one rank's without bf16 amp, every part the identity; strategies/context.py builds the others.
 """
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """What an optimizer is to the engine, the checkpoint and the planner: the state tensors it keeps beside the
-parameters it updates (their names are what a checkpoint stores and reshards), what it needs to see of a
-parameter (element ranges of the flat buffer, or whole tensors), its state's size per parameter element, and
-the step it runs after each update (post_update: MuonClip's). Callers build them through `make` and `post_update`
-from `optim` and never name an optimizer themselves.
+parameters it updates (their names are what a checkpoint stores and reshards), what it needs to see of a parameter
+(element ranges of the flat buffer, or whole tensors), its state's size per parameter element, and the step after
+each update (MuonClip's). Callers build them through `make` and `post_update` and never name an optimizer.
 """
 from __future__ import annotations
 

@@ -1,13 +1,14 @@
 """MuonClip trains exactly like the one-process MuonClip run (float64, 5 steps, rtol 1e-10 on losses, gradient norms
 and every parameter) under data parallel, sharding stages 1-3 and the pipeline: the largest logits are the max over
 every rank's rows and micro-batches, and every rank holding a layer's weights scales them alike. tau is set low
-enough that every head is clipped every step, so a missed reduction or a scale on one holder only shows."""
+enough that the first step clips every head, so a missed reduction or a scale on one holder shows."""
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 from helpers import LLAMA, assert_same, assert_same_params, config, need, reference, run
 
-CLIP = ["optim.name=muon", "optim.muon_qk_clip=0.05"]
+CLIP = ["optim.name=muon", "optim.muon_qk_clip=0.002"]
 MODELS = {"gpt": CLIP, "llama": [*LLAMA, *CLIP]}
 
 
@@ -17,16 +18,16 @@ def _same_as_one_process(corpus, world, *extra, model, ref_extra=()):
     assert_same(losses, ref_l)
     assert_same(np.array(eng.grad_norms), np.array(ref.grad_norms))
     assert_same_params(params, ref_p)
-    return ref
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_data_parallel(corpus, world, kind):
     n = world.Get_size()
     need(n > 1, "data parallel needs >= 2 ranks")
-    ref = _same_as_one_process(corpus, world, "strategy.data_parallel.enable=true",
-                               f"strategy.data_parallel.degree={n}", model=MODELS[kind])
-    assert (ref.post.logits.table(np.asarray) > 0.05).all()        # every head was clipped at the last step
+    _same_as_one_process(corpus, world, "strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n}",
+                         model=MODELS[kind])
+    _, _, first = run(config(corpus, *MODELS[kind]), MPI.COMM_SELF, steps=1)
+    assert (first.post.logits.table(np.asarray) > 0.002).all()      # the first step clipped every head
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
