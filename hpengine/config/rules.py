@@ -31,6 +31,7 @@ def validate(cfg: Config) -> None:
 def _check(cfg: Config) -> None:
     _validate_section(cfg, Config, "")
     _validate_model(cfg.model)
+    _validate_qk_clip(cfg)
     t = cfg.train
     for key in ("model_seeds", "model_lrs"):
         got = getattr(t, key)
@@ -47,6 +48,19 @@ def _check(cfg: Config) -> None:
     if d.path and d.sources:
         raise ConfigError(f"data.path = {show(d.path)} and data.sources ({len(d.sources)} files) are both set: "
                           "set data.path for one file, or leave it empty and blend files with [[data.sources]]")
+
+
+def _validate_qk_clip(cfg: Config) -> None:
+    """MuonClip scales Muon's attention weights: it needs Muon, per-head q and k weights a norm does not undo, and
+    one model (its figures are the first model's)."""
+    if cfg.optim.muon_qk_clip == 0:
+        return
+    for bad, why in ((cfg.optim.name != "muon", f"optim.name = 'muon' (got {cfg.optim.name!r}): MuonClip is Muon's"),
+                     (cfg.model.qk_norm, "model.qk_norm = false: the q/k norms would undo a "
+                      "per-head scale of the q and k weights, and their weights are shared by every head"),
+                     (cfg.train.models > 1, f"train.models = 1 (got {cfg.train.models})")):
+        if bad:
+            raise ConfigError(f"optim.muon_qk_clip = {cfg.optim.muon_qk_clip} needs {why}; or set it to 0")
 
 
 def _validate_model(m: ModelConfig) -> None:

@@ -59,7 +59,6 @@ _DEGREE = (lambda v: v == -1 or v >= 1, "must be -1 (the ranks left over) or >= 
 _BETAS = (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
           "must be a list of exactly two numbers, each >= 0 and < 1")
 _THREE = (lambda v: len(v) == 3, "must be a list of exactly three numbers")
-_NO_CLIP = (lambda v: v == 0, "must be 0 (off): MuonClip is not implemented yet")
 _SPLIT = (lambda v: v in ("uniform", "params") if isinstance(v, str) else len(v) > 0 and min(v) >= 1,
           'must be "uniform", "params" or a non-empty list of blocks per stage, each >= 1')
 _ORDER = (lambda v: sorted(mesh_order(v)) == sorted(MESH_AXES),
@@ -245,8 +244,9 @@ class OptimConfig:
     muon_lr_adjust: str = _f("match_rms_adamw", "muon: lr of an out x in matrix: lr x 0.2 sqrt(max(out, in)) "
                              "(AdamW's update RMS), lr x sqrt(max(1, out/in)) (original) or lr (none)",
                              choices=("match_rms_adamw", "original", "none"))
-    muon_qk_clip: float = _f(0.0, "muon: MuonClip threshold on the largest attention logit per head; 0 = off "
-                             "(MuonClip is not built yet)", check=_NO_CLIP)
+    muon_qk_clip: float = _f(0.0, "muon: MuonClip threshold tau on the largest attention logit (the scaled q.k the "
+                             "softmax reads) per head; after each update a head above it has its q and k weights "
+                             "scaled down to tau; 0 = off", check=_must(">=", 0))
 
 
 @dataclass

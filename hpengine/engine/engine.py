@@ -23,7 +23,7 @@ from hpengine.layout.cache import Recompute, cache_nbytes
 from hpengine.layout.reduction import reductions, summed_over, tied_sums
 from hpengine.layout.stage import build_stage
 from hpengine.nn import run_all
-from hpengine.optim import clip_coefficient, lr_at, make_optimizer, optimizer_kind
+from hpengine.optim import clip_coefficient, lr_at, make_optimizer, optimizer_kind, post_update
 from hpengine.params.init import init_range
 from hpengine.strategies import make_grad_sync
 from hpengine.strategies.amp import Precision
@@ -90,6 +90,10 @@ class Engine:
                            (own.intersect(self.layout.ranges[n]) for n in summed_over(self.reductions, "tp"))
                            if c is not None]
         self.opts = [self._optimizer(s) for s in self.slots]
+        # what runs after each update (the qk clip: the layers report their largest logits through the context)
+        self.post = post_update(cfg.optim, self.slots[0].model, self.layout, own, self.xp, backend.to_host,
+                                lambda a: self.world.allreduce_(a, op=MPI.MAX), self.tp.rank, self.tp.size)
+        self.ctx = self.post.context(self.ctx)
         self.share = res.share
         self.cache_bytes = self.cache_peak = 0
         self.layer_loss, self._norm = 0.0, 1.0
@@ -272,6 +276,7 @@ class Engine:
         self.sync.begin_step()
         losses, k = [0.0] * len(self.slots), self.res.k
         self.moe.reset()
+        self.post.begin_step()
         rows = self.share // k
         # under amp an overflow is expected and handled (the step is skipped): no NumPy warnings for it
         with np.errstate(over="ignore", invalid="ignore") if self.scaler else contextlib.nullcontext():
@@ -307,6 +312,7 @@ class Engine:
                 sl = slice(r.start - own.start, r.stop - own.start)
                 opt.step(p[sl], g[sl], s.lr * lr_scale, clip_coefficient(norms[s.index], self.cfg.optim.clip_grad_norm),
                          None if copy is None else copy[sl])
+        self.post.apply(p, copy)
         if self.scaler is not None:
             self.scaler.update(True)
         self.opt_steps += 1

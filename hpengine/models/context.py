@@ -1,6 +1,6 @@
 """The parallel context a model's blocks are handed: one named part per kind of communication. `tp` the
-tensor-parallel conjugate pairs and loss, `seq` this rank's piece of each sequence, `attn` the keys and
-values an attention sees, `ep` tokens sent to experts; `num` the precision policy its layers are handed.
+tensor-parallel conjugate pairs and loss, `seq` this rank's piece of each sequence, `attn` the keys and values an
+attention sees, `ep` tokens sent to experts, `logits` where MuonClip's largest logits go; `num` the precision policy.
 LOCAL is one rank's without bf16 amp, every part the identity; strategies/context.py builds the others.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from hpengine.nn import OFF, Numerics, cross_entropy_backward, cross_entropy_forward
 
-__all__ = ["LOCAL", "Context", "LocalAttn", "LocalEP", "LocalSeq", "LocalTP", "local_context"]
+__all__ = ["LOCAL", "Context", "LocalAttn", "LocalEP", "LocalLogits", "LocalSeq", "LocalTP", "local_context"]
 
 
 class LocalTP:
@@ -136,6 +136,15 @@ class LocalEP:
         return dys
 
 
+class LocalLogits:
+    """Where an attention layer reports its heads' largest logits: nowhere (models/attention_logits.py collects
+    them while MuonClip is on). A layer measures only when `on`, so the off path computes nothing."""
+    on = False
+
+    def record(self, layer: int, maxima) -> None:
+        """maxima: (this rank's query heads,) the largest logit of layer `layer`'s heads in one forward."""
+
+
 @dataclass(frozen=True)
 class Context:
     """What a block may communicate through, by concern, and the precision its layers compute in (num: every
@@ -146,6 +155,7 @@ class Context:
     attn: LocalAttn
     ep: LocalEP
     num: Numerics = OFF
+    logits: LocalLogits = LocalLogits()
 
 
 LOCAL = Context(LocalTP(), LocalSeq(), LocalAttn(), LocalEP())

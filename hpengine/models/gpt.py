@@ -23,6 +23,7 @@ from hpengine.models.common import (
     tok_embed_backward,
     tok_embed_forward,
 )
+from hpengine.models.attention_logits import QKColumns
 from hpengine.models.context import LOCAL
 from hpengine.models.decode import KVCache, output_logits
 from hpengine.models.interface import Capabilities
@@ -46,6 +47,7 @@ from hpengine.nn import (
     score_elements,
     weight_grad,
 )
+from hpengine.nn.logit_max import fused_max_logits
 from hpengine.nn.ring_attention import context_cache_bytes
 from hpengine.nn.flash import (
     flash_attention_backward,
@@ -182,6 +184,8 @@ class GPT:
         h, c_ln1 = layernorm_forward(xp, x, P[f"{p}.ln1.w"], P[f"{p}.ln1.b"], num=ctx.num)
         qkv, c_qkv = column_forward(xp, ctx, h, P[f"{p}.attn.qkv.w"], P[f"{p}.attn.qkv.b"], self._attention_num(ctx))
         qkv, _ = ctx.attn.kv_forward(qkv, None)          # the fused core reads its keys and values from qkv
+        if ctx.logits.on and loss is not None:          # MuonClip: the training forwards' largest logits
+            ctx.logits.record(i, fused_max_logits(xp, qkv, self.H // ctx.tp.size))
         a, c_att = ctx.attn.fused_forward(xp, self._cores(ctx.num, keep_scores)[0], qkv, self.H // ctx.tp.size)
         o, c_proj = row_forward(xp, ctx, a, P[f"{p}.attn.proj.w"], P[f"{p}.attn.proj.b"])
         o += x                  # o is ours: the residual sum needs no new array
@@ -214,6 +218,12 @@ class GPT:
         dx = layernorm_backward(xp, dh, c_ln1, P[f"{p}.ln1.w"], G[f"{p}.ln1.w"], G[f"{p}.ln1.b"])
         dx += dx1           # into the new array: a deferred W still reads dx1 (a + b is b + a, bit for bit)
         return dx
+
+    def qk_columns(self, i: int, tp: int) -> tuple[tuple[QKColumns, ...], int]:
+        """Where layer i's query and key columns of each of a tp rank's heads sit (weight and bias of the fused,
+        head-major qkv: [h][q, k, v][d]), and the query heads per key head (1)."""
+        hd, p = self.C // self.H, f"h.{i}.attn.qkv"
+        return tuple(QKColumns(f"{p}.{t}", r, o, 3 * hd, hd) for t in "wb" for r, o in (("q", 0), ("k", hd))), 1
 
     def layer_stats(self, i, cache):
         """A dense layer adds nothing to the loss (the llama kind's MoE layers do: models/moe_mlp.py)."""

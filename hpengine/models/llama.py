@@ -19,6 +19,7 @@ from hpengine.models.common import (
     tok_embed_backward,
     tok_embed_forward,
 )
+from hpengine.models.attention_logits import QKColumns
 from hpengine.models.context import LOCAL
 from hpengine.models.decode import KVCache, output_logits
 from hpengine.models.interface import Capabilities
@@ -50,6 +51,7 @@ from hpengine.nn import (
     swiglu_forward,
     swiglu_recompute,
 )
+from hpengine.nn.logit_max import causal_max_logits
 from hpengine.nn.ring_attention import context_cache_bytes
 from hpengine.nn.flash import flash_cache_bytes, flash_gqa_backward, flash_gqa_forward
 from hpengine.params.buffers import ParamSpec
@@ -231,6 +233,8 @@ class Llama:
         q, k, c_qk = self._qk_forward(xp, P, p, q.reshape(B, T, H, hd), k.reshape(B, T, K, hd))
         q = rope_forward(xp, q, qcos, qsin, att)
         k = rope_forward(xp, k, cos, sin, att)
+        if ctx.logits.on and loss is not None:          # MuonClip: the training forwards' largest logits
+            ctx.logits.record(i, causal_max_logits(xp, q, k))
         k, v = ctx.attn.kv_forward(k, v.reshape(B, T, K, hd).transpose(0, 2, 1, 3))
         a, c_att = ctx.attn.grouped_forward(xp, self._cores(ctx.num, keep_scores)[0], q, k, v, scale=1.0)  # q is scaled
         o, c_o = row_forward(xp, ctx, a, P[f"{p}.attn.o.w"])
@@ -318,6 +322,12 @@ class Llama:
         dn = rmsnorm_backward(xp, dh, c_n1, P[f"{p}.attn_norm.w"], G[f"{p}.attn_norm.w"])
         dn += dx            # into the new array: a deferred W still reads dx (a + b is b + a, bit for bit)
         return dn
+
+    def qk_columns(self, i: int, tp: int) -> tuple[tuple[QKColumns, ...], int]:
+        """Where layer i's query and key columns of each of a tp rank's heads sit (q and k are head-major), and the
+        query heads per key/value head."""
+        p, hd = f"h.{i}.attn", self.hd
+        return (QKColumns(f"{p}.q.w", "q", 0, hd, hd), QKColumns(f"{p}.k.w", "k", 0, hd, hd)), self.H // self.K
 
     def layer_stats(self, i, cache):
         """The MoE statistics of layer i's forward (models/moe_mlp.MoEStats), None for a dense layer."""

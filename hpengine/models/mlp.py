@@ -121,6 +121,10 @@ class MLP:
         dh = mlp_backward(xp, dy, c_mlp, P, G, f"{p}.mlp", ctx, defer)
         return dy + layernorm_backward(xp, dh, c_ln, P[f"{p}.ln.w"], G[f"{p}.ln.w"], G[f"{p}.ln.b"])
 
+    def qk_columns(self, i: int, tp: int) -> tuple[tuple, int]:
+        """No attention: no query or key weights for MuonClip to scale."""
+        return (), 1
+
     def layer_stats(self, i, cache):
         """A dense layer adds nothing to the loss (the llama kind's MoE layers do: models/moe_mlp.py)."""
         return None

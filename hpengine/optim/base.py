@@ -1,7 +1,7 @@
 """What an optimizer is to the engine, the checkpoint and the planner: the state tensors it keeps beside the
-parameters it updates (their names are what a checkpoint stores and reshards), what it needs to see of a
-parameter (element ranges of the flat buffer, or whole tensors), and its state's size per parameter element.
-Callers build one through `make` from `optim.name` and never name an optimizer themselves.
+parameters it updates (their names are what a checkpoint stores and reshards), what it needs to see of a parameter
+(element ranges of the flat buffer, or whole tensors), its state's size per parameter element, and the step after
+each update (MuonClip's). Callers build them through `make` and `post_update` and never name an optimizer.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, Callable, Protocol
 
 from hpengine.optim.adamw import AdamW
 from hpengine.optim.muon import Muon, is_muon_matrix, ns_work
+from hpengine.optim.qk_clip import NoPostUpdate, QKClip
 
 RANGES, TENSORS = "ranges", "tensors"
 
@@ -87,3 +88,14 @@ def make(optim_cfg, xp, layout, r, dtype, whole: Whole | None = None) -> Optimiz
     """The optimizer `optim_cfg.name` over range r of a flat buffer, its state in `dtype`; `whole` (TENSORS
     kinds): how its whole-tensor work is divided (None: every tensor is whole here and done here)."""
     return kind(optim_cfg.name).build(xp, layout, r, dtype, optim_cfg, whole)
+
+
+def post_update(optim_cfg, model, layout, own, xp, to_host, max_all, tp_rank: int = 0, tp_size: int = 1,
+                prefix: str = ""):
+    """What runs after each update over the owned range `own` of a stage's layout: Muon's QK-Clip when
+    optim.muon_qk_clip > 0 (max_all: an elementwise max of a host array over every rank), else nothing. Its
+    context(ctx) is the context the layers must be handed, begin_step() starts a step's collection and
+    apply(p, copy) runs after the update."""
+    if optim_cfg.name == "muon" and optim_cfg.muon_qk_clip > 0:
+        return QKClip(optim_cfg.muon_qk_clip, model, layout, own, xp, to_host, max_all, tp_rank, tp_size, prefix)
+    return NoPostUpdate()

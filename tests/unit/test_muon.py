@@ -192,7 +192,7 @@ def test_a_trained_step_is_orthogonalised_and_not_adamws(small_corpus):
 # ---- what the config refuses ------------------------------------------------------------------
 
 @pytest.mark.parametrize("override, message", [
-    ("optim.muon_qk_clip=0.5", "optim.muon_qk_clip = 0.5: must be 0 (off): MuonClip is not implemented yet"),
+    ("optim.muon_qk_clip=-0.5", "optim.muon_qk_clip = -0.5: must be >= 0"),
     ("optim.muon_lr_adjust='sqrt'", 'optim.muon_lr_adjust = "sqrt": must be one of "match_rms_adamw", "original", '
                                     '"none"'),
     ("optim.muon_ns_coefficients=[1.0, 2.0]", "optim.muon_ns_coefficients = [1.0, 2.0]: must be a list of "
