@@ -1,7 +1,7 @@
 """MuonClip trains exactly like the one-process MuonClip run (float64, 5 steps, rtol 1e-10 on losses, gradient norms
-and every parameter) under data parallel, sharding stages 1-3 and the pipeline: the largest logits are the max over
-every rank's rows and micro-batches, and every rank holding a layer's weights scales them alike. tau is set low
-enough that the first step clips every head, so a missed reduction or a scale on one holder shows."""
+and every parameter) under data parallel, sharding stages 1-3, the pipeline and tensor parallel: the largest logits
+are the max over every rank's rows and micro-batches, and every rank holding a layer's weights scales them alike.
+tau is set low enough that the first step clips every head, so a missed reduction or a scale on one holder shows."""
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -49,3 +49,12 @@ def test_pipeline_with_gradient_merge(corpus, world, kind):
                          "strategy.data_parallel.degree=-1", "strategy.gradient_merge.enable=true",
                          "strategy.gradient_merge.k_steps=2", model=MODELS[kind],
                          ref_extra=["model.tie_head=true"])
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_tensor_parallel(corpus, world, kind):
+    """tp ranks hold other heads: each fills its heads' rows of the table and scales its own q/k columns."""
+    n = world.Get_size()
+    need(n in (2, 4), "tp 2 (x dp 2) needs 2 or 4 ranks")
+    _same_as_one_process(corpus, world, "strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2",
+                         "strategy.data_parallel.enable=true", "strategy.data_parallel.degree=-1", model=MODELS[kind])
