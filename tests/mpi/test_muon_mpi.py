@@ -1,6 +1,6 @@
 """Muon trains exactly like the one-process Muon run (float64, 5 steps, rtol 1e-10 on losses, gradient norms and
 every parameter) under every layout whose owners hold whole tensors: data parallel, sharding stages 1-3 (tensor
-partition), the pipeline; a checkpoint written under sharding loads at one process (and back) and continues exactly."""
+partition), the pipeline; a checkpoint written under sharding or tp 2 loads under another layout and continues exactly."""
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -52,12 +52,21 @@ def test_pipeline(corpus, world, schedule):
                          "strategy.data_parallel.degree=-1", ref_extra=["model.tie_head=true"])
 
 
-@pytest.mark.parametrize("direction", ["sharded to one", "one to sharded"])
+def _layouts(n: int) -> dict:
+    return {"one": [],
+            "sharded": ["strategy.sharding.enable=true", f"strategy.sharding.degree={n}", "strategy.sharding.stage=2"],
+            "tp 2": ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2",
+                     "strategy.data_parallel.enable=true", "strategy.data_parallel.degree=-1"]}
+
+
+@pytest.mark.parametrize("direction", [("sharded", "one"), ("one", "sharded"), ("tp 2", "one"), ("one", "tp 2"),
+                                       ("tp 2", "sharded")])
 def test_a_checkpoint_changes_layout_and_continues_exactly(corpus, world, root, direction):
+    """The momentum buffers (and AdamW's moments of the other tensors) are saved by layout box and load under
+    another layout: the run goes on exactly as the one-process run does."""
     n = world.Get_size()
-    need(n > 1, "a sharded checkpoint needs >= 2 ranks")
-    sharded = ["strategy.sharding.enable=true", f"strategy.sharding.degree={n}", "strategy.sharding.stage=2"]
-    a, b = (sharded, []) if direction == "sharded to one" else ([], sharded)
+    need(n > 1 and n % 2 == 0, "a sharded or tp 2 checkpoint needs an even number of ranks >= 2")
+    a, b = (_layouts(n)[d] for d in direction)
     comm_a = MPI.COMM_SELF if not a and world.Get_rank() == 0 else (world if a else None)
     if comm_a is not None:
         _, _, eng_a = run(config(corpus, *MUON, *a), comm_a, steps=2)
