@@ -25,6 +25,7 @@ from hpengine.config.reference import describe
 from hpengine.data import DataError, build_corpus
 from hpengine.data.build import summary_line
 from hpengine.data.builtin import DEFAULT_MAX_BYTES, stdlib_files, stdlib_source
+from hpengine.data.documents import length_summary, offsets_of
 from hpengine.data.format import TokenFile, sha256_text
 from hpengine.data.tokenizer import kind_of
 from hpengine.device.backend import BackendError
@@ -246,6 +247,7 @@ def _data_info(path) -> str:
         lines = [f"{f.path}: " + (f"{at['format']} version {f.version}" if f.version >= 2 else
                                   "version 1 (one document, no tokenizer recorded)"),
                  f"  {_n(f.n_tokens, 'token')} ({f.dtype}) in {_n(f.n_docs, 'document')}",
+                 f"  document lengths: {length_summary(offsets_of(f))}",
                  f"  vocab {'unknown' if f.vocab_size is None else f.vocab_size}, "
                  f"eos {f.eos_id if f.eos_id >= 0 else 'none'}, tokenizer {kind_of(f.tokenizer)}"]
         if f.tokenizer is not None:

@@ -198,6 +198,8 @@ class DataConfig:
                              check=_must(">", 0, "<", 1))
     sources: list[DataSource] = _f([], "token files blended by weight, as `[[data.sources]]` tables (path, weight); "
                                    "each batch row picks its file by weight; data.path must then be empty")
+    document_mask: bool = _f(False, "packed documents: attention never crosses a document boundary, positions restart "
+                             "at each document, no loss on a prediction across a boundary")
 
 
 @dataclass

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from hpengine.data.batch import Batch
+from hpengine.data.documents import counted_targets, offsets_of, window_documents
 from hpengine.data.format import BYTES, DataError, TokenFile
 
 log = logging.getLogger("hpengine.data")
@@ -114,10 +115,11 @@ class TokenDataset:
     optional separate validation file (data.val_path).
 
     `vocab_size`, `eos_id`, `tokenizer` ("bytes", a tokenizer.json text, or None for version-1 files) and
-    `tokenizer_sha256` describe the data, shared by every file."""
+    `tokenizer_sha256` describe the data, shared by every file. document_mask: batches carry their rows'
+    documents (segments, positions, loss mask: data/documents.py)."""
 
     def __init__(self, path: str | Path, seq_len: int, vocab_size: int, val_fraction: float, *,
-                 val_path: str | Path = "", sources=()):
+                 val_path: str | Path = "", sources=(), document_mask: bool = False):
         if not 0.0 < val_fraction < 1.0:
             raise DataError(f"data.val_fraction={val_fraction} is invalid: expected 0 < value < 1")
         if seq_len < 1 or vocab_size < 1:
@@ -130,7 +132,7 @@ class TokenDataset:
             if not str(path):
                 raise DataError("data.path is empty and data.sources has no entries: expected a token file")
             blend = [(str(path), 1.0)]
-        self.seq_len, self.model_vocab = seq_len, vocab_size
+        self.seq_len, self.model_vocab, self.document_mask = seq_len, vocab_size, bool(document_mask)
         self.rows_read = 0          # windows read from the files so far (which ranks read is the engine's choice)
         self._files: list[TokenFile] = []
         try:
@@ -217,9 +219,10 @@ class TokenDataset:
         return self.rows(split, step, seed, global_batch)[1]
 
     def batch(self, split: str, step: int, seed: int, global_batch: int, start: int = 0,
-              count: int | None = None) -> Batch:
+              count: int | None = None, tokens: bool = True) -> Batch:
         """Rows [start, start + count) of the global batch of `step`: a Batch of tokens and targets, (count, seq_len)
-        int64 each (positions, segments and the loss mask their defaults: these files hold no packing)."""
+        int64 each; under document_mask also their segments, positions and loss mask (else those are their
+        defaults). tokens=False: only the documents, from the offsets (no token is read)."""
         src, offs = self.rows(split, step, seed, global_batch)
         start = operator.index(start)
         count = global_batch - start if count is None else operator.index(count)
@@ -227,14 +230,40 @@ class TokenDataset:
             raise ValueError(f"start={start}, count={count} select rows outside the global batch of "
                              f"{global_batch}: expected 0 <= start <= start + count <= {global_batch}")
         parts, n = self._split(split)[0], self.seq_len + 1
+        src, offs = src[start:start + count], offs[start:start + count]
+        docs = self._documents(parts, src, offs) if self.document_mask else {}
+        if not tokens:
+            return Batch(**docs, shape=(count, self.seq_len))
         windows = np.empty((count, n), dtype=np.int64)
         self.rows_read += count
         for i in range(count):
-            p, o = parts[src[start + i]], int(offs[start + i])
+            p, o = parts[src[i]], int(offs[i])
             windows[i] = p.file.read(p.lo + o, p.lo + o + n)
         # copies whatever the row count (one row of windows would already be contiguous, and a view keeps
         # the whole window buffer alive in the caches that hold the targets)
-        return Batch(windows[:, :-1].copy(), windows[:, 1:].copy())
+        return Batch(windows[:, :-1].copy(), windows[:, 1:].copy(), **docs)
+
+    def _documents(self, parts, src, offs) -> dict:
+        """segments, positions and loss_mask of the rows (source, offset), by source file."""
+        T = self.seq_len
+        out = {f: np.empty((len(src), T), dtype=np.int64) for f in ("segments", "positions", "loss_mask")}
+        for s in np.unique(src):
+            rows = np.flatnonzero(src == s)
+            p = parts[s]
+            got = window_documents(offsets_of(p.file), p.lo + offs[rows], T)
+            for f, a in zip(("segments", "positions", "loss_mask"), got):
+                out[f][rows] = a
+        return out
+
+    def counted(self, split: str, step: int, seed: int, global_batch: int) -> int:
+        """Targets the loss counts in the global batch of `step`: global_batch x seq_len, less (document_mask)
+        the predictions across a document boundary. A pure function of (seed, step, split), as the rows are."""
+        if not self.document_mask:
+            return global_batch * self.seq_len
+        src, offs = self.rows(split, step, seed, global_batch)
+        parts = self._split(split)[0]
+        return sum(counted_targets(offsets_of(parts[s].file), parts[s].lo + offs[src == s], self.seq_len)
+                   for s in np.unique(src))
 
     def close(self) -> None:
         for tf in self._files:

@@ -17,9 +17,10 @@ from hpengine.dist.comm import Comm
 from hpengine.dist.tracer import Tracer
 from hpengine.engine import state
 from hpengine.engine.rows import RowReader
+from hpengine.models.context import with_documents
 from hpengine.models.moe_bias import RouterBias
 from hpengine.models.moe_figures import MoEFigures
-from hpengine.layout.cache import Recompute, cache_nbytes
+from hpengine.layout.cache import ChunkCaches, Recompute, cache_nbytes
 from hpengine.layout.reduction import reductions, summed_over, tied_sums
 from hpengine.layout.stage import build_stage
 from hpengine.nn import run_all
@@ -131,7 +132,8 @@ class Engine:
         tokens) and the micro-batch's Batch; the head returns the loss of its targets.
         A recomputed block keeps only its input (or, selective, all but its attention probabilities);
         backward rebuilds the rest."""
-        xp, m, ctx, caches = self.xp, slot.model, self.ctx, []
+        xp, m, ctx = self.xp, slot.model, with_documents(self.ctx, batch)
+        caches = ChunkCaches(ctx)
         for n, name in enumerate(chunk):
             b, nxt = slot.block(name), chunk[n + 1] if n + 1 < len(chunk) else None
             h_in = h
@@ -159,7 +161,7 @@ class Engine:
         """Backward of one chunk; returns the gradient of its input (None for the embedding). With `defer` (a
         list) it is the input half B of a split backward: each block's weight-gradient work goes on defer as
         (block, works), for chunk_weights to run, and the block's gradients are finished there."""
-        xp, m, ctx = self.xp, slot.model, self.ctx
+        xp, m, ctx = self.xp, slot.model, caches.ctx
         self._count_caches(caches, -1)
         for n in reversed(range(len(chunk))):
             b, c = slot.block(chunk[n]), self.precision.unpacked(xp, caches[n])    # float32 for this block only
@@ -218,9 +220,6 @@ class Engine:
     def forward_backward(self, slot, batch, norm: float, grad: bool = True, last_pass: bool = True) -> float:
         """One pass of one model over a Batch of rows (split into micro-batches, through the pipeline when it
         is on); returns this rank's share of the global-mean loss."""
-        if not batch.defaults_only():       # positions from 0, one document a row, every target counted
-            raise ValueError("a batch with its own positions, document segments or loss mask: the models "
-                             "compute only the defaults (positions 0..T-1, one document per row, every target)")
         fwd = lambda chunk, h, t, g: self.chunk_forward(slot, chunk, h, t, norm, g)  # noqa: E731
         bwd = lambda chunk, d, c, defer: self.chunk_backward(slot, chunk, d, c, defer)  # noqa: E731
         wgt = lambda chunk, defer: self.chunk_weights(slot, defer)  # noqa: E731
@@ -270,7 +269,7 @@ class Engine:
     def _passes(self, step: int) -> list[float]:
         """Forward and backward of the step's k passes of every model; this rank's loss shares."""
         tr, t = self.tracer, self.tracer.now()
-        norm = float(self.cfg.train.global_batch * self.cfg.model.seq_len)
+        norms = [self.rows.norm("train", step, s.seed) for s in self.slots]     # the targets each model counts
         batches = [self.rows.read("train", step, s.seed) for s in self.slots]
         tr.lap("data", t)
         self.sync.begin_step()
@@ -282,7 +281,7 @@ class Engine:
         with np.errstate(over="ignore", invalid="ignore") if self.scaler else contextlib.nullcontext():
             for j in range(k):
                 for s, b in zip(self.slots, batches):
-                    losses[s.index] += self.forward_backward(s, b.row_slice(j * rows, (j + 1) * rows), norm,
+                    losses[s.index] += self.forward_backward(s, b.row_slice(j * rows, (j + 1) * rows), norms[s.index],
                                                              last_pass=(j == k - 1))
         return losses
 
@@ -356,9 +355,9 @@ class Engine:
     def evaluate(self) -> list[float]:
         """Validation loss of every model on the first eval_batches validation batches."""
         cfg = self.cfg
-        norm = float(cfg.train.global_batch * cfg.model.seq_len * cfg.train.eval_batches)
         totals = [0.0] * len(self.slots)
         for s in self.slots:
+            norm = sum(self.rows.norm("val", i, s.seed) for i in range(cfg.train.eval_batches))
             for i in range(cfg.train.eval_batches):
                 totals[s.index] += self.forward_backward(s, self.rows.read("val", i, s.seed), norm, grad=False)
         return self._losses(totals)

@@ -1,7 +1,7 @@
 """Which ranks read a step's rows and how the others get them: only the pipeline stages that compute on rows
 (the first chunk's tokens, the last chunk's targets) read, one rank of each tensor-parallel group, which
-broadcasts the Batch over the group; a stage in between holds a Batch of only its shape. Each context-parallel
-rank then keeps its head-tail part of every field.
+broadcasts the Batch; a stage in between holds a Batch of only its shape, or (document_mask) its rows'
+documents, from the offsets every rank holds. Each cp rank then keeps its head-tail part of every field.
 """
 from __future__ import annotations
 
@@ -23,15 +23,21 @@ class RowReader:
     def read(self, split: str, step: int, seed: int) -> Batch:
         """This rank's rows of the global batch of `step` (the cp ranks of a replica take the same rows), on
         the device; under context parallelism its head-tail part of every sequence."""
-        return self.shared(lambda: self.data.batch(split, step, seed, self.global_batch, start=self.start,
-                                                   count=self.share), self.share, self.seq_len)
+        read = lambda tokens=True: self.data.batch(split, step, seed, self.global_batch, start=self.start,  # noqa: E731
+                                                   count=self.share, tokens=tokens)
+        return self.shared(read, self.share, self.seq_len, lambda: read(tokens=False))
 
-    def shared(self, read, rows: int, T: int) -> Batch:
+    def norm(self, split: str, step: int, seed: int) -> float:
+        """The loss divisor of the global batch of `step`: its counted targets (the same on every rank)."""
+        return float(self.data.counted(split, step, seed, self.global_batch))
+
+    def shared(self, read, rows: int, T: int, documents=None) -> Batch:
         """The Batch `read()` returns, read by tp rank 0 of a stage that computes on rows and broadcast to the
-        rest of its tp group; Batch.empty(rows, T) on a stage that does not (whose wire shapes still come from
-        it); split for context parallelism and moved to the device."""
+        rest of its tp group; on a stage that does not, `documents()` (the rows' documents only, no tokens)
+        or Batch.empty(rows, T) (whose wire shapes still come from it); split for context parallelism and
+        moved to the device."""
         if not self.reads:
-            batch = Batch.empty(rows, T)
+            batch = Batch.empty(rows, T) if documents is None else documents()
         elif self.tp.size == 1:
             batch = read()
         else:

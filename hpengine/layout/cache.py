@@ -14,6 +14,15 @@ class Recompute:
     x: object
 
 
+class ChunkCaches(list):
+    """A chunk's block caches in block order, and the context its forward ran in (the micro-batch's packed
+    documents), which its backward and any recomputed forward run in too."""
+
+    def __init__(self, ctx):
+        super().__init__()
+        self.ctx = ctx
+
+
 def _is_leaf(obj) -> bool:
     return hasattr(obj, "nbytes") and hasattr(obj, "base")
 

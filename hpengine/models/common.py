@@ -172,6 +172,21 @@ def mlp_backward(xp, do, cache, P, G, p, ctx, defer=None):
     return column_backward(xp, ctx, dh, stash, P[f"{p}.fc.w"], G[f"{p}.fc.w"], G[f"{p}.fc.b"], defer)
 
 
+def document_positions(ctx):
+    """Each token's position within its document, (B, T), when the micro-batch packs documents; else None."""
+    return None if ctx.docs is None else ctx.docs.positions
+
+
+def document_cores(forward, backward, drop, restore, keep_scores: bool, ctx):
+    """attention_cores handed ctx's precision and, when the micro-batch packs documents, their segments (every
+    core and the probabilities' restore take them: a query sees only its own document)."""
+    seg = None if ctx.docs is None else ctx.docs.segments
+    if seg is not None:
+        forward, backward = (functools.partial(f, segments=seg) for f in (forward, backward))
+        restore = None if restore is None else functools.partial(restore, segments=seg)
+    return attention_cores(forward, backward, drop, restore, keep_scores, ctx.num)
+
+
 def attention_cores(forward, backward, drop, restore, keep_scores: bool, num=OFF):
     """A local attention core pair as the context's attention part takes it: forward(xp, *inputs) -> (y,
     cache), backward(xp, dy, cache), each handed the precision policy num. With keep_scores False (selective

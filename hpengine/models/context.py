@@ -1,15 +1,16 @@
 """The parallel context a model's blocks are handed: one named part per kind of communication. `tp` the
 tensor-parallel conjugate pairs and loss, `seq` this rank's piece of each sequence, `attn` the keys and values an
-attention sees, `ep` tokens sent to experts, `logits` where MuonClip's largest logits go; `num` the precision policy.
-LOCAL is one rank's without bf16 amp, every part the identity; strategies/context.py builds the others.
+attention sees, `ep` tokens sent to experts, `logits` where MuonClip's largest logits go; `num` the precision policy;
+`docs` the micro-batch's packed documents. LOCAL is one rank's without bf16 amp, every part the identity.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hpengine.nn import OFF, Numerics, cross_entropy_backward, cross_entropy_forward
 
-__all__ = ["LOCAL", "Context", "LocalAttn", "LocalEP", "LocalLogits", "LocalSeq", "LocalTP", "local_context"]
+__all__ = ["LOCAL", "Context", "Documents", "LocalAttn", "LocalEP", "LocalLogits", "LocalSeq", "LocalTP",
+           "local_context", "with_documents"]
 
 
 class LocalTP:
@@ -32,8 +33,8 @@ class LocalTP:
     def sum_partial(self, x):                # every rank's share of a small replicated value, summed
         return x
 
-    def cross_entropy_forward(self, xp, logits, targets, norm):
-        return cross_entropy_forward(xp, logits, targets, norm)
+    def cross_entropy_forward(self, xp, logits, targets, norm, mask=None):
+        return cross_entropy_forward(xp, logits, targets, norm, mask)
 
     def cross_entropy_backward(self, xp, cache, dloss=1.0):
         return cross_entropy_backward(xp, cache, dloss)
@@ -146,6 +147,16 @@ class LocalLogits:
 
 
 @dataclass(frozen=True)
+class Documents:
+    """A micro-batch's packed documents, (rows, T) device arrays of the whole sequence, any of them None (its
+    default): segments (each token's document within its row: attention stays inside it), positions (within
+    its document: rotary angles, position embeddings), loss_mask (1 where a target counts)."""
+    segments: object = None
+    positions: object = None
+    loss_mask: object = None
+
+
+@dataclass(frozen=True)
 class Context:
     """What a block may communicate through, by concern, and the precision its layers compute in (num: every
     layer call takes it, or its float32_out for an output a float32 reader takes); every block function
@@ -156,9 +167,17 @@ class Context:
     ep: LocalEP
     num: Numerics = OFF
     logits: LocalLogits = LocalLogits()
+    docs: Documents | None = None
 
 
 LOCAL = Context(LocalTP(), LocalSeq(), LocalAttn(), LocalEP())
+
+
+def with_documents(ctx: Context, batch) -> Context:
+    """ctx handing the layers a data.Batch's documents; ctx itself when the batch holds only their defaults."""
+    if batch.defaults_only():
+        return ctx
+    return replace(ctx, docs=Documents(batch.segments, batch.positions, batch.loss_mask))
 
 
 def local_context() -> Context:

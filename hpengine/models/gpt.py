@@ -5,11 +5,13 @@ Blocks are "embed" (token + position embedding), "h.0" .. "h.{L-1}" (attention +
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from hpengine.models.common import (
     Block,
-    attention_cores,
+    document_cores,
+    document_positions,
     embed_specs,
     end_cache_bytes,
     head_backward,
@@ -59,6 +61,11 @@ from hpengine.params.buffers import ParamSpec
 
 def _position_grad(gw, positions, dx):
     gw[positions] += dx.sum(axis=0)
+
+
+def _row_position_grad(xp, gw, positions, dx):
+    # positions (B, n), each row's own (packed documents): a position repeats, so its rows add up one by one
+    xp.add.at(gw, positions.reshape(-1), dx.reshape(-1, dx.shape[-1]))
 
 
 class GPT:
@@ -156,23 +163,33 @@ class GPT:
     def all_specs(self) -> list[ParamSpec]:
         return [s for b in self.blocks() for s in self.specs(b.name)]
 
-    def _cores(self, num, keep_scores=True):
-        """The local attention core pair (fused qkv, or flash) handed num, dropping the probabilities when asked."""
+    def _cores(self, ctx, keep_scores=True):
+        """The local attention core pair (fused qkv, or flash) handed ctx's precision and documents, dropping the
+        probabilities when asked."""
         if self.flash:
-            return attention_cores(flash_attention_forward, flash_attention_backward, None, None, keep_scores, num)
-        return attention_cores(attention_forward, attention_backward, attention_drop_scores, attention_restore_scores,
-                               keep_scores, num)
+            return document_cores(flash_attention_forward, flash_attention_backward, None, None, keep_scores, ctx)
+        return document_cores(attention_forward, attention_backward, attention_drop_scores, attention_restore_scores,
+                              keep_scores, ctx)
 
     # --- blocks -------------------------------------------------------------------------------
     def embed_forward(self, xp, P, idx, ctx):
         # idx: (B, T) -> x: (B, T, C)
         x, cache = tok_embed_forward(xp, P, idx, ctx)
-        x += P["wpe"][ctx.seq.local_positions(x.shape[1])]     # this rank's positions under sequence parallelism
+        x += P["wpe"][self._positions(ctx, x.shape[1])]     # this rank's positions under sequence parallelism
         return x, cache
+
+    def _positions(self, ctx, n):
+        """The positions of this rank's n tokens of each sequence: a slice, or (packed documents) each row's own."""
+        local, pos = ctx.seq.local_positions(n), document_positions(ctx)
+        return local if pos is None else pos[:, local]
 
     def embed_backward(self, xp, dx, cache, G, ctx, defer=None):
         # dx: (B, T, C) -> None: all weight gradient
-        weight_grad(defer, _position_grad, G["wpe"], ctx.seq.local_positions(dx.shape[1]), dx, held=(dx,))
+        pos = self._positions(ctx, dx.shape[1])
+        if document_positions(ctx) is None:
+            weight_grad(defer, _position_grad, G["wpe"], pos, dx, held=(dx,))
+        else:
+            weight_grad(defer, functools.partial(_row_position_grad, xp), G["wpe"], pos, dx, held=(dx,))
         tok_embed_backward(xp, dx, cache, G, ctx, defer)
 
     def layer_forward(self, xp, P, i, x, ctx, keep_scores=True, loss=None):
@@ -186,7 +203,7 @@ class GPT:
         qkv, _ = ctx.attn.kv_forward(qkv, None)          # the fused core reads its keys and values from qkv
         if ctx.logits.on and loss is not None:          # MuonClip: the training forwards' largest logits
             ctx.logits.record(i, fused_max_logits(xp, qkv, self.H // ctx.tp.size))
-        a, c_att = ctx.attn.fused_forward(xp, self._cores(ctx.num, keep_scores)[0], qkv, self.H // ctx.tp.size)
+        a, c_att = ctx.attn.fused_forward(xp, self._cores(ctx, keep_scores)[0], qkv, self.H // ctx.tp.size)
         o, c_proj = row_forward(xp, ctx, a, P[f"{p}.attn.proj.w"], P[f"{p}.attn.proj.b"])
         o += x                  # o is ours: the residual sum needs no new array
         x1 = o
@@ -211,7 +228,7 @@ class GPT:
         dx1 += dy
         da = row_backward(xp, ctx, dx1, c_proj, P[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.w"], G[f"{p}.attn.proj.b"],
                           defer)
-        dqkv = ctx.attn.fused_backward(xp, self._cores(ctx.num)[1], da, c_att)
+        dqkv = ctx.attn.fused_backward(xp, self._cores(ctx)[1], da, c_att)
         dqkv, _ = ctx.attn.kv_backward(dqkv, None)
         dh = column_backward(xp, ctx, dqkv, c_qkv, P[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.w"], G[f"{p}.attn.qkv.b"],
                              defer)

@@ -9,7 +9,8 @@ import math
 from hpengine.config.load import ffn_width, head_width
 from hpengine.models.common import (
     Block,
-    attention_cores,
+    document_cores,
+    document_positions,
     embed_specs,
     end_cache_bytes,
     logits_loss_backward,
@@ -236,7 +237,7 @@ class Llama:
         if ctx.logits.on and loss is not None:          # MuonClip: the training forwards' largest logits
             ctx.logits.record(i, causal_max_logits(xp, q, k))
         k, v = ctx.attn.kv_forward(k, v.reshape(B, T, K, hd).transpose(0, 2, 1, 3))
-        a, c_att = ctx.attn.grouped_forward(xp, self._cores(ctx.num, keep_scores)[0], q, k, v, scale=1.0)  # q is scaled
+        a, c_att = ctx.attn.grouped_forward(xp, self._cores(ctx, keep_scores)[0], q, k, v, scale=1.0)  # q is scaled
         o, c_o = row_forward(xp, ctx, a, P[f"{p}.attn.o.w"])
         o += x                  # o is ours: the residual sum needs no new array
         routed = self._routed(i)       # the router's logits are no bf16 GEMM: it reads float32
@@ -260,17 +261,21 @@ class Llama:
         return ctx.num if ctx.attn.local_core else ctx.num.float32_out
 
     def _tables_at(self, xp, dtype, ctx):
-        """cos, sin, and the query's (1/sqrt(hd) folded in) at the positions this rank's attention sees."""
+        """cos, sin, and the query's (1/sqrt(hd) folded in) at the positions this rank's attention sees (packed
+        documents: each row's, (B, T, hd/2))."""
         (cos, sin), (qcos, qsin) = self.rope(xp, dtype)
+        pos = document_positions(ctx)
+        if pos is not None:
+            return tuple(t[pos] for t in (cos, sin, qcos, qsin))
         return tuple(ctx.attn.rows(t) for t in (cos, sin, qcos, qsin))
 
-    def _cores(self, num, keep_scores=True):
-        """The local attention core pair (grouped-query, or flash) handed num, dropping the probabilities when
-        asked."""
+    def _cores(self, ctx, keep_scores=True):
+        """The local attention core pair (grouped-query, or flash) handed ctx's precision and documents, dropping
+        the probabilities when asked."""
         if self.flash:
-            return attention_cores(flash_gqa_forward, flash_gqa_backward, None, None, keep_scores, num)
-        return attention_cores(gqa_attention_forward, gqa_attention_backward, gqa_drop_scores, gqa_restore_scores,
-                               keep_scores, num)
+            return document_cores(flash_gqa_forward, flash_gqa_backward, None, None, keep_scores, ctx)
+        return document_cores(gqa_attention_forward, gqa_attention_backward, gqa_drop_scores, gqa_restore_scores,
+                              keep_scores, ctx)
 
     def _qk_forward(self, xp, P, p, q, k):
         # q: (B, T, H, hd), k: (B, T, K, hd) -> the same, each head RMS-normalised (qk_norm; else as they are)
@@ -310,7 +315,7 @@ class Llama:
         dx += dy
         # attention branch
         da = row_backward(xp, ctx, dx, c_o, P[f"{p}.attn.o.w"], G[f"{p}.attn.o.w"], defer=defer)
-        dq, dk, dv = ctx.attn.grouped_backward(xp, self._cores(ctx.num)[1], da, c_att)
+        dq, dk, dv = ctx.attn.grouped_backward(xp, self._cores(ctx)[1], da, c_att)
         dk, dv = ctx.attn.kv_backward(dk, dv)
         # without q/k norms only the projections' GEMMs read the rotated-back gradients
         dnum = ctx.num.float32_out if self.qk else ctx.num

@@ -175,7 +175,8 @@ def vocab_loss_forward(xp, ctx, h, w, targets, norm):
     logits, c_lin = column_forward(xp, ctx, h, w)
     if logits.dtype.itemsize < 4:      # amp: the softmax and loss in float32, as Megatron does
         logits = logits.astype(xp.float32)
-    loss, c_ce = ctx.tp.cross_entropy_forward(xp, logits, targets, norm)
+    mask = None if ctx.docs is None else ctx.docs.loss_mask      # packed documents: no loss across a boundary
+    loss, c_ce = ctx.tp.cross_entropy_forward(xp, logits, targets, norm, mask)
     return loss, (c_lin, c_ce)
 
 

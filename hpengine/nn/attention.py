@@ -1,5 +1,6 @@
 """Causal multi-head self-attention on a fused, head-major qkv tensor: forward, backward, the score
 blocks that skip the masked quarter, and dropping / restoring the cached scores (bf16-packed under amp).
+Packed documents (segments): a query sees only the keys of its own document, the rest exactly zero.
 """
 import math
 
@@ -45,6 +46,11 @@ def _causal_bias(xp, a, b, dtype):
     return xp.triu(xp.full((b - a, b), -xp.inf, dtype=dtype), a + 1)
 
 
+def same_document(xp, segments, a, b, c, d):
+    """(B, 1, b-a, d-c) True where query a+i and key c+j lie in one document of their row (segments (B, T))."""
+    return segments[:, None, a:b, None] == segments[:, None, None, c:d]
+
+
 def _heads(a, n_heads, parts):
     # a: (B, T, H*parts*hd) -> `parts` views (B, H, T, hd) of it, no copy
     B, T, _ = a.shape
@@ -77,8 +83,8 @@ def _rowsum(xp, a):
 # Under bf16 amp the probabilities are stored as the GEMMs read them (num.store_for_gemm): packed, as
 # bfloat16 bits, which the softmax kernel writes from the float32 scores; the forward's product with the values,
 # the cache, the softmax gradient and dv's product read those bits.
-def attention_forward(xp, qkv, n_heads, num=OFF):
-    # qkv: (B, T, H*3*hd) head-major -> y: (B, T, H*hd)
+def attention_forward(xp, qkv, n_heads, num=OFF, segments=None):
+    # qkv: (B, T, H*3*hd) head-major -> y: (B, T, H*hd); segments: (B, T) document ids (None: one per row)
     B, T, C3 = qkv.shape
     if C3 % (3 * n_heads):
         raise ValueError(f"qkv last dim {C3} is not a multiple of 3 * n_heads = {3 * n_heads}")
@@ -98,7 +104,7 @@ def attention_forward(xp, qkv, n_heads, num=OFF):
     ps = []
     with num.converted(xp, q, kt if kt.flags.c_contiguous else kt.base, v):   # bf16: converted once, not per block
         for a, b in _blocks(T):
-            p = _scores(xp, q, kt, a, b, num)
+            p = _scores(xp, q, kt, a, b, num, segments)
             _mm(xp, p, v[:, :, :b], o[:, :, a:b], num=num)
             ps.append(p)
     if gpu and num.writes_bits:                 # only the projection and this cache read y: its bfloat16 bits
@@ -118,10 +124,13 @@ def _transposed(xp, a):
     return a.swapaxes(-1, -2) if _on_gpu(xp) else xp.ascontiguousarray(a.swapaxes(-1, -2))
 
 
-def _scores(xp, q, kt, a, b, num):
+def _scores(xp, q, kt, a, b, num, segments=None):
     # the probabilities of query rows a..b-1 over keys 0..b-1 (kt: the keys _transposed): the forward's exact operations
     p = _mm(xp, q[:, :, a:b], kt[..., :b], num=num)
-    if fused.usable(xp, p) and p.flags.c_contiguous:
+    if segments is not None:
+        # -inf outside the query's document: exp gives exact zeros, so another document changes no bit here
+        p = xp.where(same_document(xp, segments, a, b, 0, b), p, -xp.inf)
+    if segments is None and fused.usable(xp, p) and p.flags.c_contiguous:
         if num.writes_bits and p.dtype == xp.float32:
             return fused.causal_softmax_bits(xp, p, a)     # the probabilities' bfloat16 bits from the scores
         fused.causal_softmax_(p, a)         # mask, max, exp, sum and scale in one pass
@@ -158,18 +167,19 @@ def attention_drop_scores(cache):
     return qkv, q, None, y
 
 
-def attention_restore_scores(xp, cache, num=OFF):
+def attention_restore_scores(xp, cache, num=OFF, segments=None):
     """A cache from attention_drop_scores with its probabilities rebuilt from the cached q and k, bit for
     bit those of the forward (the same operations on the same arrays); a whole cache comes back as is."""
     qkv, q, ps, y = cache
     if ps is not None:
         return cache
     kt = _transposed(xp, _heads(qkv, q.shape[1], 3)[1])      # the forward's copy of the keys
-    return qkv, q, [_scores(xp, q, kt, a, b, num) for a, b in _blocks(qkv.shape[1])], y
+    return qkv, q, [_scores(xp, q, kt, a, b, num, segments) for a, b in _blocks(qkv.shape[1])], y
 
 
-def attention_backward(xp, dy, cache, num=OFF):
-    # dy: (B, T, H*hd) -> dqkv: (B, T, H*3*hd) head-major
+def attention_backward(xp, dy, cache, num=OFF, segments=None):
+    # dy: (B, T, H*hd) -> dqkv: (B, T, H*3*hd) head-major; segments: unread (the cached probabilities are exact
+    # zeros outside each query's document, so the gradients are too)
     qkv, q, ps, y = cache  # q is already scaled
     B, T, C3 = qkv.shape
     H = q.shape[1]

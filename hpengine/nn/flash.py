@@ -1,6 +1,7 @@
 """Fused causal attention, flash-attention style (model.attention = "flash"): an online softmax over key
 blocks up to the diagonal, the T x T scores never stored. The array-module-generic code that runs on the
-CPU, the NumPy twin of kernels/attention.cu (which hpengine/nn/flash_cuda.py launches on CuPy).
+CPU, the NumPy twin of kernels/attention.cu (which hpengine/nn/flash_cuda.py launches on CuPy). Packed
+documents (segments): a query sees only its own document's keys; a tile that no document spans is skipped.
 """
 from __future__ import annotations
 
@@ -51,6 +52,18 @@ def _bias(xp, a, b, c, d, g, dtype):
     return xp.where(kpos[None, :] > qpos[:, None], -xp.inf, 0.0).astype(dtype)
 
 
+def _shared_tile(segments, a, b, c, d) -> bool:
+    """Whether some row's queries a..b-1 and keys c..d-1 hold a document in common (segments rise along a row,
+    so the ranges of ids meet)."""
+    return bool(((segments[:, c] <= segments[:, b - 1]) & (segments[:, a] <= segments[:, d - 1])).any())
+
+
+def _document_bias(xp, segments, a, b, c, d, g):
+    # (B, 1, g*(b-a), d-c): True where grouped query row i (position a + i // g) and key c+j share a document
+    qseg = segments[:, a + xp.arange(g * (b - a)) // g]
+    return qseg[:, None, :, None] == segments[:, None, None, c:d]
+
+
 def _use_cuda(xp, *arrays) -> bool:
     # one storage type: float32, float64, or bfloat16 bits (uint16, the tensor-core entries' bf16 storage)
     return (CUDA and xp.__name__ == "cupy" and all(a.dtype == arrays[0].dtype for a in arrays)
@@ -66,9 +79,11 @@ def _use_cuda(xp, *arrays) -> bool:
 # Both layouts of the models go through one blocked core over grouped rows: the g = H / K query heads of
 # a key/value head fold into the row axis, row t * g + j being query head k * g + j at position t, so a
 # tile is one batched GEMM per (batch row, key/value head) and dK, dV sum over the group inside it.
-def flash_forward_core(xp, qg, k, v, g: int, bq: int | None = None, bk: int | None = None, num=OFF):
+def flash_forward_core(xp, qg, k, v, g: int, bq: int | None = None, bk: int | None = None, num=OFF,
+                       segments=None):
     """qg (B, K, T*g, hd) grouped rows (already scaled), k, v (B, K, T, hd) in any strides ->
-    og (B, K, T*g, hd) and lse (B, K, T*g), in the compute dtype."""
+    og (B, K, T*g, hd) and lse (B, K, T*g), in the compute dtype. segments: (B, T) document ids (None: one
+    document a row)."""
     B, K, R, hd = qg.shape
     T = k.shape[2]
     bq, bk = bq or BQ, bk or BK
@@ -86,13 +101,24 @@ def flash_forward_core(xp, qg, k, v, g: int, bq: int | None = None, bk: int | No
         for c, d in _tiles(T, bk):
             if c > b - 1:               # every key after every query of the block: skipped
                 break
+            if segments is not None and not _shared_tile(segments, a, b, c, d):
+                continue                # no document in common: every score masked, nothing to add
             s = _mm(xp, qb, k[:, :, c:d].swapaxes(-1, -2), num=num)
             if d - 1 > a:               # the tile crosses the diagonal
                 s += _bias(xp, a, b, c, d, g, ct)
-            # the first key block holds key 0, which every query sees: m is finite from then on
-            mn = xp.maximum(m, s.max(axis=-1, keepdims=True))
-            alpha = xp.exp(m - mn)
-            s -= mn
+            if segments is None:
+                # the first key block holds key 0, which every query sees: m is finite from then on
+                mn = xp.maximum(m, s.max(axis=-1, keepdims=True))
+                alpha = xp.exp(m - mn)
+                s -= mn
+            else:
+                # a row may have seen no key of its document yet (m and the tile's max -inf): shift by 0 there,
+                # so exp gives exact zeros and no NaN
+                s = xp.where(_document_bias(xp, segments, a, b, c, d, g), s, -xp.inf)
+                mn = xp.maximum(m, s.max(axis=-1, keepdims=True))
+                shift = xp.where(xp.isneginf(mn), 0.0, mn)
+                alpha = xp.exp(m - shift)
+                s -= shift
             xp.exp(s, out=s)
             s_l *= alpha
             s_l += s.sum(axis=-1, keepdims=True)
@@ -105,7 +131,7 @@ def flash_forward_core(xp, qg, k, v, g: int, bq: int | None = None, bk: int | No
 
 
 def flash_backward_core(xp, qg, k, v, og, dog, lse, g: int, bq: int | None = None, bk: int | None = None,
-                        num=OFF):
+                        num=OFF, segments=None):
     """Gradients of the blocked attention from its saved output og and lse (grouped rows, as in
     flash_forward_core): -> dqg (B, K, T*g, hd), dk, dv (B, K, T, hd), in the compute dtype."""
     B, K, R, hd = qg.shape
@@ -123,11 +149,15 @@ def flash_backward_core(xp, qg, k, v, og, dog, lse, g: int, bq: int | None = Non
         for a, b in _tiles(T, bq):
             if b - 1 < c:               # every query of the block before the first key: skipped
                 continue
+            if segments is not None and not _shared_tile(segments, a, b, c, d):
+                continue
             rows = slice(a * g, b * g)
             qb, dob = qg[:, :, rows], dog[:, :, rows]
             s = _mm(xp, qb, kb.swapaxes(-1, -2), num=num)
             if d - 1 > a:
                 s += _bias(xp, a, b, c, d, g, ct)
+            if segments is not None:
+                s = xp.where(_document_bias(xp, segments, a, b, c, d, g), s, -xp.inf)
             s -= lse[:, :, rows]
             p = xp.exp(s, out=s)
             _mm(xp, p.swapaxes(-1, -2), dob, dvb, accumulate=True, num=num)
@@ -143,17 +173,19 @@ def flash_backward_core(xp, qg, k, v, og, dog, lse, g: int, bq: int | None = Non
 
 # ---- GPT: fused head-major qkv (B, T, H*3*hd) -> (B, T, H*hd) ------------------------------------------
 
-def flash_attention_forward(xp, qkv, n_heads: int, bq: int | None = None, bk: int | None = None, num=OFF):
+def flash_attention_forward(xp, qkv, n_heads: int, bq: int | None = None, bk: int | None = None, num=OFF,
+                            segments=None):
     """Twin of attention_forward: returns y (B, T, H*hd) and the cache (qkv, y, lse, bq, bk). Under bf16 amp qkv
     may be bfloat16 bits (packed: the kernels' bf16 storage, y then bits too) and y, which only the projection
-    and this cache read, is stored as bf16 amp stores it (num.store_for_gemm)."""
+    and this cache read, is stored as bf16 amp stores it (num.store_for_gemm). segments (packed documents)
+    run this code, also on CuPy (the kernels take none)."""
     B, T, C3 = qkv.shape
     if C3 % (3 * n_heads):
         raise ValueError(f"qkv last dim {C3} is not a multiple of 3 * n_heads = {3 * n_heads}")
     hd = C3 // (3 * n_heads)
     scale = 1.0 / math.sqrt(hd)
     q, k, v = _heads(qkv, n_heads, 3)
-    cuda = _use_cuda(xp, qkv)
+    cuda = segments is None and _use_cuda(xp, qkv)
     bits_twin = qkv.dtype == np.uint16 and not cuda       # the twin computes on the bits' values
     y = xp.empty((B, T, n_heads * hd), dtype=np.float32 if bits_twin else qkv.dtype)
     (o,) = _heads(y, n_heads, 1)
@@ -161,13 +193,13 @@ def flash_attention_forward(xp, qkv, n_heads: int, bq: int | None = None, bk: in
         lse = flash_cuda.forward(xp, q, k, v, o, scale, mma=flash_cuda.use_mma(q.dtype, num.bf16))
     else:
         q, k, v = (as_float32(xp, t) for t in (q, k, v))
-        og, lse = flash_forward_core(xp, q * scale, k, v, 1, bq, bk, num)
+        og, lse = flash_forward_core(xp, q * scale, k, v, 1, bq, bk, num, segments)
         o[...] = og
     y = num.store_for_gemm(xp, y)
     return y, (qkv, y, lse, bq, bk)
 
 
-def flash_attention_backward(xp, dy, cache, num=OFF):
+def flash_attention_backward(xp, dy, cache, num=OFF, segments=None):
     """Twin of attention_backward: dy (B, T, H*hd) -> dqkv (B, T, H*3*hd). Under bf16 amp dO and dqkv are stored
     as bf16 amp stores them (bits when packed: the kernels' bf16 storage; only the qkv projection reads dqkv)."""
     qkv, y, lse, bq, bk = cache
@@ -179,7 +211,7 @@ def flash_attention_backward(xp, dy, cache, num=OFF):
         dy = num.store_for_gemm(xp, dy)                     # (rounded in place: dy is this backward's own)
     q, k, v = _heads(qkv, H, 3)
     (do,), (o,) = _heads(dy, H, 1), _heads(y, H, 1)
-    if _use_cuda(xp, qkv, dy, y):
+    if segments is None and _use_cuda(xp, qkv, dy, y):
         dqkv = xp.empty((B, T, C3), dtype=dy.dtype)
         flash_cuda.backward(xp, q, k, v, o, do, lse, *_heads(dqkv, H, 3), scale,
                             mma=flash_cuda.use_mma(q.dtype, num.bf16))
@@ -187,7 +219,7 @@ def flash_attention_backward(xp, dy, cache, num=OFF):
     q, k, v, o, do = (as_float32(xp, t) for t in (q, k, v, o, do))
     dqkv = xp.empty((B, T, C3), dtype=do.dtype)
     dq, dk, dv = _heads(dqkv, H, 3)
-    dqg, dkg, dvg = flash_backward_core(xp, q * scale, k, v, o, do, lse, 1, bq, bk, num)
+    dqg, dkg, dvg = flash_backward_core(xp, q * scale, k, v, o, do, lse, 1, bq, bk, num, segments)
     dqg *= scale
     dq[...], dk[...], dv[...] = dqg, dkg, dvg
     return num.store_for_gemm(xp, dqkv, bf16)
@@ -207,28 +239,28 @@ def _token_rows(a, K, g):
     return a.reshape(B, T, K, g, -1).transpose(0, 2, 1, 3, 4).reshape(B, K, T * g, -1)
 
 
-def flash_gqa_forward(xp, q, k, v, bq: int | None = None, bk: int | None = None, num=OFF):
+def flash_gqa_forward(xp, q, k, v, bq: int | None = None, bk: int | None = None, num=OFF, segments=None):
     """Twin of gqa_attention_forward: returns y (B, T, H*hd) and the cache (q, k, v, y, lse, bq, bk). Under bf16
     amp q, k, v may be bfloat16 bits (packed: the kernels' bf16 storage, y then bits too) and y, which only the o
     projection and this cache read, is stored as bf16 amp stores it (num.store_for_gemm)."""
-    if num.writes_bits and xp.__name__ == "cupy":            # one storage type for the kernels: bits
+    if num.writes_bits and xp.__name__ == "cupy" and segments is None:     # one storage type for the kernels: bits
         q, k, v = (t if t.dtype == np.uint16 else to_bf16_bits(xp, t) for t in (q, k, v))
     (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k)
-    if _use_cuda(xp, q, k, v):
+    if segments is None and _use_cuda(xp, q, k, v):
         lse = flash_cuda.forward(xp, q, k, v, y.reshape(B, T, H, hd).transpose(0, 2, 1, 3), 1.0,
                                  mma=flash_cuda.use_mma(q.dtype, num.bf16))
     else:
         if y.dtype == np.uint16:
             y = xp.empty(y.shape, dtype=np.float32)
         og, lseg = flash_forward_core(xp, _group_rows(as_float32(xp, q), K, g), as_float32(xp, k), as_float32(xp, v),
-                                      g, bq, bk, num)
+                                      g, bq, bk, num, segments)
         y.reshape(B, T, K, g, hd).transpose(0, 2, 1, 3, 4)[...] = og.reshape(B, K, T, g, hd)
         lse = xp.ascontiguousarray(lseg.reshape(B, K, T, g).swapaxes(2, 3).reshape(B, H, T))
     y = num.store_for_gemm(xp, y)
     return y, (q, k, v, y, lse, bq, bk)
 
 
-def flash_gqa_backward(xp, dy, cache, num=OFF):
+def flash_gqa_backward(xp, dy, cache, num=OFF, segments=None):
     """Twin of gqa_attention_backward: dy (B, T, H*hd) -> dq (B, H, T, hd), dk, dv (B, K, T, hd)."""
     q, k, v, y, lse, bq, bk = cache
     B, H, T, hd = q.shape
@@ -237,7 +269,7 @@ def flash_gqa_backward(xp, dy, cache, num=OFF):
     bf16 = num.stores and dy.dtype == np.float32            # dO and the gradients stored as bf16 amp stores them
     if bf16:
         dy = num.store_for_gemm(xp, dy)                     # (rounded in place: dy is this backward's own)
-    if _use_cuda(xp, q, k, v, dy):
+    if segments is None and _use_cuda(xp, q, k, v, dy):
         dq, dk, dv = (xp.empty(a.shape, dtype=dy.dtype) for a in (q, k, k))
         per_head = lambda a: a.reshape(B, T, H, hd).transpose(0, 2, 1, 3)     # noqa: E731
         flash_cuda.backward(xp, q, k, v, per_head(y), per_head(dy), lse, dq, dk, dv, 1.0,
@@ -246,7 +278,7 @@ def flash_gqa_backward(xp, dy, cache, num=OFF):
     q, k, v, y, dy = (as_float32(xp, t) for t in (q, k, v, y, dy))
     lseg = lse.reshape(B, K, g, T).swapaxes(2, 3).reshape(B, K, T * g)
     dqg, dk, dv = flash_backward_core(xp, _group_rows(q, K, g), k, v, _token_rows(y, K, g),
-                                      _token_rows(dy, K, g), lseg, g, bq, bk, num)
+                                      _token_rows(dy, K, g), lseg, g, bq, bk, num, segments)
     dq = xp.ascontiguousarray(dqg.reshape(B, K, T, g, hd).transpose(0, 1, 3, 2, 4).reshape(B, H, T, hd))
     dt = dy.dtype
     return tuple(num.store_for_gemm(xp, t.astype(dt, copy=False), bf16) for t in (dq, dk, dv))

@@ -1,10 +1,11 @@
 """Causal grouped-query attention: H query heads share K key/value heads (g = H / K queries per group;
 K = H is multi-head attention, K = 1 multi-query), the group's queries folded into one GEMM's rows so
-keys and values are never repeated per query head.
+keys and values are never repeated per query head. Packed documents (segments): a query sees only the keys
+of its own document.
 """
 from hpengine.device.bf16_bits import as_float32, to_bf16_bits
 from hpengine.nn import fused
-from hpengine.nn.attention import _blocks, _causal_bias, _mm, _rowsum, softmax_grad
+from hpengine.nn.attention import _blocks, _causal_bias, _mm, _rowsum, same_document, softmax_grad
 from hpengine.nn.numerics import OFF
 
 
@@ -27,13 +28,16 @@ def _per_head(a, K, g):
     return a.reshape(B, T, K, g, -1).transpose(0, 2, 3, 1, 4)
 
 
-def _softmax(xp, p, a, num):
+def _softmax(xp, p, a, num, segments=None):
     # the probabilities of grouped scores p (B, K, g*n, b) of query rows a .. a+n-1 (repeated per head), as
-    # they are stored (num.store_for_gemm): computed in place in p
+    # they are stored (num.store_for_gemm): computed in place in p (a new array under segments)
     B, K, gn, b = p.shape
     n = b - a
     p5 = p.reshape(B, K, gn // n, n, b)
-    if fused.usable(xp, p5) and p5.flags.c_contiguous:
+    if segments is not None:        # -inf outside the query's document: exact zeros after exp
+        p5 = xp.where(same_document(xp, segments, a, b, 0, b)[:, None], p5, -xp.inf)
+        p = p5.reshape(p.shape)
+    if segments is None and fused.usable(xp, p5) and p5.flags.c_contiguous:
         if num.writes_bits and p.dtype == xp.float32:
             return fused.causal_softmax_bits(xp, p5, a).reshape(p.shape)
         fused.causal_softmax_(p5, a)
@@ -57,8 +61,8 @@ def gqa_shapes(xp, q, k):
     return (B, H, T, hd, K, H // K), xp.empty((B, T, H * hd), dtype=q.dtype)
 
 
-def gqa_attention_forward(xp, q, k, v, num=OFF):
-    # q: (B, H, T, hd), k, v: (B, K, T, hd) -> y: (B, T, H*hd)
+def gqa_attention_forward(xp, q, k, v, num=OFF, segments=None):
+    # q: (B, H, T, hd), k, v: (B, K, T, hd) -> y: (B, T, H*hd); segments: (B, T) document ids (None: one per row)
     (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k)
     if v.dtype == xp.uint16 and xp.__name__ == "cupy":
         v = xp.ascontiguousarray(v)         # bf16 bits (B, K, T, hd): one strided-batched GEMM over every head
@@ -70,7 +74,7 @@ def gqa_attention_forward(xp, q, k, v, num=OFF):
     with num.converted(xp, k, v):           # bf16: converted once for every block's products
         for a, b in _blocks(T):
             qb = _grouped(q, K, g, a, b)
-            p = _softmax(xp, _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2), num=num), a, num)
+            p = _softmax(xp, _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2), num=num), a, num, segments)
             o = _mm(xp, p, v[:, :, :b], num=num).reshape(B, K, g, b - a, hd)
             if bits:
                 to_bf16_bits(xp, o, out=y5[:, :, :, a:b])
@@ -87,7 +91,7 @@ def gqa_drop_scores(cache):
     return qs, k, v, None, y
 
 
-def gqa_restore_scores(xp, cache, num=OFF):
+def gqa_restore_scores(xp, cache, num=OFF, segments=None):
     """A cache from gqa_drop_scores with its probabilities rebuilt from the cached queries and keys, bit
     for bit those of the forward (the same operations on the same arrays); a whole cache comes back as is."""
     qs, k, v, ps, y = cache
@@ -95,12 +99,13 @@ def gqa_restore_scores(xp, cache, num=OFF):
         return cache
     ps = []
     for (a, b), qb in zip(_blocks(k.shape[2]), qs):
-        ps.append(_softmax(xp, _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2), num=num), a, num))
+        ps.append(_softmax(xp, _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2), num=num), a, num, segments))
     return qs, k, v, ps, y
 
 
-def gqa_attention_backward(xp, dy, cache, num=OFF):
-    # dy: (B, T, H*hd) -> dq (B, H, T, hd), dk, dv (B, K, T, hd)
+def gqa_attention_backward(xp, dy, cache, num=OFF, segments=None):
+    # dy: (B, T, H*hd) -> dq (B, H, T, hd), dk, dv (B, K, T, hd); segments: unread (the cached probabilities are
+    # exact zeros outside each query's document)
     qs, k, v, ps, y = cache
     B, K, T, hd = k.shape
     g = y.shape[-1] // (hd * K)

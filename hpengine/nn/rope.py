@@ -1,6 +1,7 @@
 """Rotary position embedding, the "rotate half" convention of Hugging Face's Llama: the head dimension
 splits into halves (x1, x2) and position t rotates each pair (x1[i], x2[i]) by the angle
-t * theta^(-2i/hd):  y1 = x1 cos - x2 sin,  y2 = x2 cos + x1 sin.
+t * theta^(-2i/hd):  y1 = x1 cos - x2 sin,  y2 = x2 cos + x1 sin. Tables are (T, hd/2), or (B, T, hd/2)
+read at each row's own positions (packed documents).
 """
 import numpy as np
 
@@ -29,12 +30,12 @@ def rope_forward(xp, x, cos, sin, num=OFF):
     # num.float32_out: as computed)
     B, T, H, hd = x.shape
     bits = num.writes_bits
-    if fused.usable(xp, cos, sin) and x.dtype in (cos.dtype, xp.uint16):
+    if cos.ndim == 2 and fused.usable(xp, cos, sin) and x.dtype in (cos.dtype, xp.uint16):
         y = fused.rope_forward(xp, x, cos[:T], sin[:T], bits=bits and x.dtype == xp.float32)
         return num.store_for_gemm(xp, y)
     x = as_float32(xp, x)
     y = xp.empty((B, H, T, hd), dtype=x.dtype)
-    _rotate(xp, x, y.transpose(0, 2, 1, 3), cos[:T, None, :], sin[:T, None, :], +1)
+    _rotate(xp, x, y.transpose(0, 2, 1, 3), _at(cos, T), _at(sin, T), +1)
     return num.store_for_gemm(xp, y)
 
 
@@ -43,12 +44,18 @@ def rope_backward(xp, dy, cos, sin, num=OFF):
     # is stored for the GEMMs that read it (bits when packed; num.float32_out: as computed)
     B, H, T, hd = dy.shape
     dy = as_float32(xp, dy)             # bf16 amp: flash attention's dq, dk may come as bits
-    if fused.usable(xp, dy, cos, sin):
+    if cos.ndim == 2 and fused.usable(xp, dy, cos, sin):
         dx = fused.rope_backward(xp, dy, cos[:T], sin[:T], bits=num.writes_bits and dy.dtype == xp.float32)
         return num.store_for_gemm(xp, dx)
     dx = xp.empty((B, T, H, hd), dtype=dy.dtype)
-    _rotate(xp, dy.transpose(0, 2, 1, 3), dx, cos[:T, None, :], sin[:T, None, :], -1)
+    _rotate(xp, dy.transpose(0, 2, 1, 3), dx, _at(cos, T), _at(sin, T), -1)
     return num.store_for_gemm(xp, dx)
+
+
+def _at(table, T):
+    # a table's first T positions as _rotate broadcasts them over (B, T, H, hd/2): (T, 1, hd/2), or per row
+    # (B, T, 1, hd/2)
+    return table[:T, None, :] if table.ndim == 2 else table[:, :T, None, :]
 
 
 def _rotate(xp, x, out, c, s, sign):

@@ -54,7 +54,8 @@ def build_dataset(cfg, world):
     d, m = cfg.data, cfg.model
     path = resolve_data_path(cfg, world)
     return agree_or_raise(world, lambda: TokenDataset(path, m.seq_len, m.vocab_size, d.val_fraction,
-                                                      val_path=d.val_path, sources=d.sources),
+                                                      val_path=d.val_path, sources=d.sources,
+                                                      document_mask=d.document_mask),
                           DataError, (DataError,))
 
 

@@ -8,6 +8,7 @@ from mpi4py import MPI
 
 from hpengine.models import LocalTP
 from hpengine.models.context import LocalSeq
+from hpengine.nn.loss import masked, masks
 
 
 # copy_to_tp is the identity forward and an allreduce backward; reduce_from_tp the reverse. A column-split
@@ -32,7 +33,7 @@ class TensorParallel(LocalTP):
         return self.comm.allreduce_(x if x.flags.c_contiguous else x.copy())
 
     # --- vocabulary-parallel cross-entropy ------------------------------------------------------
-    def cross_entropy_forward(self, xp, logits, targets, norm):
+    def cross_entropy_forward(self, xp, logits, targets, norm, mask=None):
         # logits: (B, T, V/tp) this rank's vocabulary slice; targets: (B, T) global ids
         Vl = logits.shape[-1]
         start = self.rank * Vl
@@ -51,18 +52,18 @@ class TensorParallel(LocalTP):
         both = xp.stack([s, zt])                 # one allreduce for the sum of exps and the target logit
         self.comm.allreduce_(both)
         s, zt = both[0], both[1]
-        loss = (xp.log(s) - zt).sum() * (1.0 / float(norm))
+        loss = masked(xp, xp.log(s) - zt, mask).sum() * (1.0 / float(norm))
         p /= s[..., None]
-        return loss, (p, local, inside, float(norm))
+        return loss, (p, local, inside, float(norm), *masks(mask))
 
     def cross_entropy_backward(self, xp, cache, dloss=1.0):
-        p, local, inside, norm = cache
+        p, local, inside, norm, *mask = cache
         scale = float(dloss) / norm
         d = p * scale
         d2 = d.reshape(-1, d.shape[-1])
         rows = xp.nonzero(inside.reshape(-1))[0]
         d2[rows, local.reshape(-1)[rows]] -= scale
-        return d
+        return masked(xp, d, mask[0]) if mask else d
 
 
 def sum_over_tp_(comm, g, ranges) -> None:

@@ -149,7 +149,8 @@ def test_amp_scales_the_masters_and_writes_the_compute_copy(small_corpus):
 
 @pytest.mark.parametrize("extra, needs", [(["optim.name=adamw"], "optim.name = 'muon'"),
                                           ([*LLAMA, "model.qk_norm=true"], "model.qk_norm = false"),
-                                          (["train.models=2"], "train.models = 1")])
+                                          (["train.models=2"], "train.models = 1"),
+                                          (["data.document_mask=true"], "data.document_mask = false")])
 def test_the_clip_is_refused_where_it_cannot_hold(extra, needs):
     with pytest.raises(ConfigError, match=needs):
         load_config(None, [*GPT, *extra, "optim.muon_qk_clip=50"])
