@@ -176,6 +176,10 @@ def evaluate(checkpoint_path, data_path, cfg_path=None, overrides=(), batch: int
                             (checkpoint.CheckpointError, OSError, ValueError, KeyError))
     try:
         cfg = eval_config(reader.manifest, cfg_path, overrides, world.Get_size())
+        if cfg.data.document_mask:      # the same on every rank: the checkpoint's config and the same overrides
+            raise C.ConfigError("this checkpoint trained with data.document_mask = true, which hpengine eval does not "
+                                "follow yet (it would score across document boundaries): pass --set "
+                                "data.document_mask=false to score the file as one stream")
         tf = agree_or_raise(world, lambda: open_data(data_path, cfg, reader.manifest), DataError, (DataError,))
         try:
             eng = build_engine(cfg, world)

@@ -180,3 +180,12 @@ def test_json_dash_writes_the_json_alone_to_stdout(run, evalfile, capsys, tmp_pa
     assert r["tokens"] == n and r["loss"] == pytest.approx(want / n, rel=1e-12)
     assert err.startswith(f"eval {ckpt} on {evalfile}: {n:,} tokens") and len(err.splitlines()) == 1
     assert list(tmp_path.iterdir()) == []                  # no file named '-'
+
+
+def test_a_document_masked_checkpoint_is_refused_in_one_line_until_eval_follows_it(run, evalfile, capsys):
+    """eval does not mask documents yet: a checkpoint trained with data.document_mask stops with one line that
+    says how to score the file as one stream instead of silently scoring across documents."""
+    rc, _, err = cli(capsys, "eval", run, "--data", evalfile, *sets("data.document_mask=true"))
+    assert rc == 2 and err.count("\n") == 1 and "data.document_mask" in err
+    rc, out, _ = cli(capsys, "eval", run, "--data", evalfile, *sets("data.document_mask=false"))
+    assert rc == 0 and out
