@@ -1,7 +1,8 @@
 """Packed documents (data.document_mask = true) train exactly like one process (float64, 5 steps, losses and
-parameters, rtol 1e-10) under data parallel, sharding stage 3, tensor parallel with sequence parallelism,
-pipelines under 1f1b and zbv (whose middle and last stages read the rows' documents themselves), gradient
-merge and recompute, on a file of many short documents so most rows cross several boundaries."""
+parameters, rtol 1e-10) under data parallel, sharding stage 3, tensor parallel with and without sequence
+parallelism, pipelines under 1f1b and zbv and a pp 4 whose middle stages read the rows' documents themselves,
+expert parallel, gradient merge and recompute, on a file of many short documents so most rows cross several
+boundaries."""
 import os
 import shutil
 import tempfile
@@ -54,6 +55,7 @@ LAYOUTS = {
     "sharding3": [S + "sharding.enable=true", S + "sharding.degree=2", S + "sharding.stage=3"],
     "tp_sp": [S + "tensor_parallel.enable=true", S + "tensor_parallel.degree=2",
               S + "tensor_parallel.sequence_parallel=true"],
+    "tp": [S + "tensor_parallel.enable=true", S + "tensor_parallel.degree=2"],
     "pp_1f1b": ["model.n_layers=4", S + "pipeline.enable=true", S + "pipeline.degree=2",
                 S + "pipeline.schedule=1f1b", S + "pipeline.micro_batches=4"],
     "pp_zbv": ["model.n_layers=4", S + "pipeline.enable=true", S + "pipeline.degree=2",
@@ -90,3 +92,28 @@ def test_mask_changes_training(short_docs, world):
     assert eng.data.document_mask
     plain, _, _ = run(config(short_docs, "data.val_fraction=0.2"), MPI.COMM_SELF)
     assert not np.allclose(losses, plain)
+
+
+def test_middle_pipeline_stages_read_the_documents_themselves(short_docs, world):
+    """pp 4: the two middle stages read no tokens, only the rows' documents, and train as one process does."""
+    need(world.Get_size() == 4, "pp 4 takes 4 ranks")
+    deep = ["model.n_layers=4", S + "pipeline.enable=true", S + "pipeline.degree=4", S + "pipeline.schedule=1f1b",
+            S + "pipeline.micro_batches=4"]
+    for kind in MODELS:
+        losses, params, _ = run(config(short_docs, *MASK, *MODELS[kind], *deep), world)
+        ref_l, ref_p, _ = reference(short_docs, *MODELS[kind], "model.n_layers=4")
+        assert_same(losses, ref_l)
+        assert_same_params(params, ref_p)
+
+
+def test_expert_parallel_moe(short_docs, world):
+    """ep 2 on a dropless MoE llama: the experts' tokens travel with their documents' masks."""
+    need(world.Get_size() == 2, "ep 2 takes 2 ranks")
+    moe = [*LLAMA, "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=12",
+           "model.moe.dense_layers=1", "model.moe.capacity_factor=0"]
+    ep = [S + "data_parallel.enable=true", S + "data_parallel.degree=2", S + "expert_parallel.enable=true",
+          S + "expert_parallel.degree=2"]
+    losses, params, _ = run(config(short_docs, *MASK, *moe, *ep), world)
+    ref_l, ref_p, _ = reference(short_docs, *moe)
+    assert_same(losses, ref_l)
+    assert_same_params(params, ref_p)
