@@ -1,7 +1,8 @@
 """Packed documents (data.document_mask = true) under context parallelism: cp 2 and cp 4, ring and all-gather,
 gpt and llama, cp 2 with data parallel and with tensor parallel train exactly like one process (float64, 5
 steps, rtol 1e-10); the leak test through the engine's forward at cp 2 (changing every token of one document
-changes no logit of another, bit for bit, and the logits are one process's)."""
+changes no logit of another, bit for bit, and the logits are one process's) and the start-up line on the cp
+ranks' attention work."""
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -12,6 +13,7 @@ from hpengine.data.batch import Batch
 from hpengine.models.context import with_documents
 from hpengine.nn.context_split import head_tail_positions
 from hpengine.run.build import build
+from hpengine.run.runlog import cp_balance_line
 from test_packed_mpi import MASK, reference, short_docs  # noqa: F401 - the fixture, used by name
 
 S = "strategy."
@@ -108,3 +110,14 @@ def test_no_document_leaks_under_cp2(short_docs, world, kind, how):
     assert moved > 0                                                   # the changed document's logits moved
     whole = logits(make(short_docs, kind, MPI.COMM_SELF), packed(tokens))
     np.testing.assert_allclose(a, whole[:, mine], rtol=1e-10, atol=1e-12)
+
+
+def test_start_up_reports_the_cp_balance(short_docs, world):
+    """The start-up line's per-rank work adds up to every visible query-key pair of the first batch."""
+    need(world.Get_size() == 2, "cp 2 takes 2 ranks")
+    eng = build(config(short_docs, *MASK, *cp(2, "ring")), world)
+    line = cp_balance_line(eng, eng.cfg)
+    whole = eng.data.batch("train", 0, eng.slots[0].seed, eng.cfg.train.global_batch, tokens=False)
+    work = [int(w) for w in line.split("per rank [")[1].rstrip("]").split(", ")]
+    assert sum(work) == int((whole.positions + 1).sum())
+    assert f"busiest / mean = {max(work) / np.mean(work):.3f}" in line
