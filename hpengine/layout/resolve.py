@@ -239,9 +239,6 @@ def check(cfg, res: Resolved) -> None:
         _check_expert_parallel(mc, res)
     if res.cp > 1:
         _check_context_parallel(mc, res)
-        if cfg.data.document_mask:
-            raise LayoutError(f"data.document_mask = true runs without context parallelism so far: set "
-                              f"strategy.context_parallel.degree = 1 (got {res.cp}) or data.document_mask = false")
     tp = res.tp
     if tp > 1:
         bad = build_model(mc).tp_divides(tp)

@@ -49,6 +49,11 @@ class LocalSeq:
         """Positions of this rank's n tokens of each sequence."""
         return slice(0, n)
 
+    def local_columns(self, n: int):
+        """Where this rank's n tokens sit among the columns of its micro-batch's fields (a Batch already cut
+        for context parallelism): its per-token documents and positions are read there."""
+        return self.local_positions(n)
+
     def stash_inputs(self, x, *caches):
         """The linear caches of a region's entry, whose input is copy_to_tp(x), as the forward keeps them."""
         return caches
@@ -103,6 +108,11 @@ class LocalAttn:
     def fused_backward(self, xp, core_backward, dy, cache):
         # dy: (B, T, H*hd) -> dqkv: (B, T, H*3*hd) head-major
         return core_backward(xp, dy, cache)
+
+    def for_documents(self, segments):
+        """This part for a micro-batch that packs documents (segments (B, T) device ints): the local cores take
+        them from ctx.docs themselves."""
+        return self
 
     def kv_forward(self, k, v):
         # k, v: this rank's keys and values -> the keys and values its queries attend to
@@ -177,7 +187,8 @@ def with_documents(ctx: Context, batch) -> Context:
     """ctx handing the layers a data.Batch's documents; ctx itself when the batch holds only their defaults."""
     if batch.defaults_only():
         return ctx
-    return replace(ctx, docs=Documents(batch.segments, batch.positions, batch.loss_mask))
+    attn = ctx.attn if batch.segments is None else ctx.attn.for_documents(batch.segments)
+    return replace(ctx, docs=Documents(batch.segments, batch.positions, batch.loss_mask), attn=attn)
 
 
 def local_context() -> Context:

@@ -180,8 +180,8 @@ class GPT:
 
     def _positions(self, ctx, n):
         """The positions of this rank's n tokens of each sequence: a slice, or (packed documents) each row's own."""
-        local, pos = ctx.seq.local_positions(n), document_positions(ctx)
-        return local if pos is None else pos[:, local]
+        pos = document_positions(ctx)
+        return ctx.seq.local_positions(n) if pos is None else pos[:, ctx.seq.local_columns(n)]
 
     def embed_backward(self, xp, dx, cache, G, ctx, defer=None):
         # dx: (B, T, C) -> None: all weight gradient

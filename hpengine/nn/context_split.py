@@ -79,3 +79,13 @@ def causal_products(positions) -> int:
     position p sees keys 0..p, p + 1 of them."""
     p = np.asarray(positions, dtype=np.int64)
     return int((p + 1).sum())
+
+
+def document_work(positions, cp: int) -> np.ndarray:
+    """Query-key pairs each cp rank's queries see under a document mask when every packed row is split
+    head-tail: positions (rows, T) each token's position within its document (a query at p sees p + 1 keys)
+    -> (cp,) int64. The causal balance of the head-tail split does not hold per document: a row's long
+    documents dominate, wherever their chunks fall."""
+    p = np.asarray(positions, dtype=np.int64)
+    return np.array([int((p[:, head_tail_positions(p.shape[1], cp, r)] + 1).sum()) for r in range(cp)],
+                    dtype=np.int64)

@@ -1,6 +1,7 @@
 """Causal attention of a rank's queries against one block of keys and values at a time, for context
 parallelism (strategies/context_parallel.py walks the blocks around the ring, or gathers them): block
-forward and backward, masked by global positions, and `merge_partials` of the partial outputs.
+forward and backward, masked by global positions (and, for packed documents, by each row's document
+segments), and `merge_partials` of the partial outputs.
 """
 from __future__ import annotations
 
@@ -26,10 +27,35 @@ def host_positions(pos) -> np.ndarray:
     return np.asarray(pos, dtype=np.int64).reshape(-1)
 
 
-def block_visible(q_pos, k_pos) -> bool:
-    """Whether any query at q_pos sees any key at k_pos (some key position <= some query position)."""
+def host_segments(seg):
+    """Document segments (B, T) as a host int64 array, or None (one document per row)."""
+    if seg is None:
+        return None
+    if hasattr(seg, "__cuda_array_interface__"):
+        seg = seg.get()
+    return np.asarray(seg, dtype=np.int64)
+
+
+# A row's documents are contiguous runs of its packed sequence, so a key at position kp of document d is
+# seen by some query iff kp <= the last query position of document d; per row, from one scatter-max.
+def _reach(qp, kp, qs, ks) -> np.ndarray:
+    # (B, Tk) True where some query of the key's own document sits at or after it
+    B = qs.shape[0]
+    n = int(max(qs.max(), ks.max())) + 1
+    last = np.full((B, n), np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(last, (np.arange(B)[:, None], qs), np.broadcast_to(qp, qs.shape))
+    return kp[None, :] <= np.take_along_axis(last, ks, axis=1)
+
+
+def block_visible(q_pos, k_pos, q_seg=None, k_seg=None) -> bool:
+    """Whether any query at q_pos sees any key at k_pos (some key position <= some query position); with
+    segments (B, Tq), (B, Tk), only a key of the query's own document in its row counts."""
     q_pos, k_pos = host_positions(q_pos), host_positions(k_pos)
-    return bool(q_pos.size and k_pos.size and k_pos.min() <= q_pos.max())
+    if not (q_pos.size and k_pos.size and k_pos.min() <= q_pos.max()):
+        return False
+    if q_seg is None:
+        return True
+    return bool(_reach(q_pos, k_pos, host_segments(q_seg), host_segments(k_seg)).any())
 
 
 # Grouped-query:
@@ -49,11 +75,31 @@ def _runs(pos: np.ndarray):
     return [(a, b) for a, b in pairwise(edges) if b > a]
 
 
-def _mask(xp, qp, kp):
-    # (n, m) True where the key comes after the query; None when every key is visible
+def _mask(xp, qp, kp, qs=None, ks=None):
+    # (n, m) True where the key comes after the query; None when every key is visible. With segments (host
+    # (B, n), (B, m)): (B, 1, 1, n, m), also True where the key lies in another document of the row
+    if qs is not None and not ((qs == qs[:, :1]).all() and (ks == qs[:, :1]).all()):
+        other = qs[:, :, None] != ks[:, None, :]
+        if kp.max() > qp.min():
+            other |= kp[None, None, :] > qp[None, :, None]
+        return xp.asarray(other[:, None, None])
     if kp.max() <= qp.min():
         return None
     return xp.asarray(kp)[None, :] > xp.asarray(qp)[:, None]
+
+
+def _tile_mask(xp, qp, kp, qs, ks, a, b, c, d):
+    if qs is None:
+        return _mask(xp, qp[a:b], kp[c:d])
+    return _mask(xp, qp[a:b], kp[c:d], qs[:, a:b], ks[:, c:d])
+
+
+def _tile_seen(qp, kp, qs, ks, a, b, c, d) -> bool:
+    # whether tile (queries a..b-1, keys c..d-1) has a visible pair; a skipped tile is one whose every pair
+    # is masked, so skipping it changes nothing (its merge would add o = 0 at lse = -inf)
+    if kp[c] > qp[b - 1]:
+        return False
+    return qs is None or bool(_reach(qp[a:b], kp[c:d], qs[:, a:b], ks[:, c:d]).any())
 
 
 def _masked_scores(xp, qt, kt, mask, n):
@@ -120,12 +166,25 @@ def _block_facts(q, k, q_pos, k_pos, scale):
     return B, H, Tq, hd, K, Tk, _groups(H, K), accumulate_dtype(q.dtype), _scale(hd, scale), qp, kp
 
 
-def block_forward(xp, q, k, v, q_pos, k_pos, scale=None):
+def _block_segments(q_seg, k_seg, B, Tq, Tk):
+    # host (B, Tq), (B, Tk) segments, or (None, None); both or neither
+    if (q_seg is None) != (k_seg is None):
+        raise ValueError("segments for the queries and the keys go together: give both or neither")
+    qs, ks = host_segments(q_seg), host_segments(k_seg)
+    if qs is not None and (qs.shape != (B, Tq) or ks.shape != (B, Tk)):
+        raise ValueError(f"segments {qs.shape} and {ks.shape} for {B} rows of {Tq} queries and {Tk} keys")
+    return qs, ks
+
+
+def block_forward(xp, q, k, v, q_pos, k_pos, scale=None, q_seg=None, k_seg=None):
     """Attention of the queries over one block of keys: q (B, H, Tq, hd), k, v (B, K, Tk, hd), q_pos
     (Tq,), k_pos (Tk,) global positions -> o (B, H, Tq, hd) normalised over this block's visible keys and
     lse (B, H, Tq), in accumulate_dtype; a row that sees none of the block has o = 0, lse = -inf. The scores
-    are scale * q k^T, scale 1/sqrt(hd) unless given (1.0 for a q already scaled)."""
+    are scale * q k^T, scale 1/sqrt(hd) unless given (1.0 for a q already scaled). q_seg (B, Tq), k_seg
+    (B, Tk): each token's document in its row (packed documents; None: one per row), a query sees only keys
+    of its own; a tile no query-key pair of one document spans is skipped."""
     B, H, Tq, hd, K, Tk, g, ct, sc, qp, kp = _block_facts(q, k, q_pos, k_pos, scale)
+    qs, ks = _block_segments(q_seg, k_seg, B, Tq, Tk)
     o5 = xp.zeros((B, K, g, Tq, hd), dtype=ct)
     lse5 = xp.full((B, K, g, Tq), -xp.inf, dtype=ct)
     q5 = q.reshape(B, K, g, Tq, hd)
@@ -133,12 +192,12 @@ def block_forward(xp, q, k, v, q_pos, k_pos, scale=None):
     for a, b in _runs(qp):
         qt, acc = None, None
         for c, d in kruns:
-            if kp[c] > qp[b - 1]:               # every key of the tile after every query: skipped
+            if not _tile_seen(qp, kp, qs, ks, a, b, c, d):      # e.g. every key after every query
                 continue
             if qt is None:
                 qt = _rows(q5, a, b, ct) * sc
             part = _tile_forward(xp, qt, k[:, :, c:d].astype(ct), v[:, :, c:d].astype(ct),
-                                 _mask(xp, qp[a:b], kp[c:d]), b - a)
+                                 _tile_mask(xp, qp, kp, qs, ks, a, b, c, d), b - a)
             acc = part if acc is None else merge_partials(xp, *acc, *part)
         if acc is not None:
             o5[:, :, :, a:b] = acc[0].reshape(B, K, g, b - a, hd)
@@ -155,12 +214,14 @@ def softmax_delta(xp, o, do):
 
 # Backward is FlashAttention-2's per
 # block: from the final o and lse, p = exp(s - lse), D = rowsum(dO * O), dS = P (dP - D).
-def block_backward(xp, q, k, v, o, lse, do, q_pos, k_pos, scale=None, delta=None):
+def block_backward(xp, q, k, v, o, lse, do, q_pos, k_pos, scale=None, delta=None, q_seg=None, k_seg=None):
     """One block's share of the gradients, given the final o (B, H, Tq, hd), lse (B, H, Tq) over all
     keys and do (B, H, Tq, hd): -> dq (B, H, Tq, hd) this block's contribution, dk, dv (B, K, Tk, hd) the
     gradients of this block's keys and values from these queries, in accumulate_dtype. delta is
-    softmax_delta(xp, o, do), computed here when not given (once per query set is enough)."""
+    softmax_delta(xp, o, do), computed here when not given (once per query set is enough); q_seg, k_seg
+    the documents as block_forward's."""
     B, H, Tq, hd, K, Tk, g, ct, sc, qp, kp = _block_facts(q, k, q_pos, k_pos, scale)
+    qs, ks = _block_segments(q_seg, k_seg, B, Tq, Tk)
     if delta is None:
         delta = softmax_delta(xp, o, do)
     lse = lse.astype(ct)
@@ -171,7 +232,7 @@ def block_backward(xp, q, k, v, o, lse, do, q_pos, k_pos, scale=None, delta=None
     dk, dv = xp.zeros((B, K, Tk, hd), dtype=ct), xp.zeros((B, K, Tk, hd), dtype=ct)
     kruns = _runs(kp)
     for a, b in _runs(qp):
-        tiles = [(c, d) for c, d in kruns if kp[c] <= qp[b - 1]]
+        tiles = [(c, d) for c, d in kruns if _tile_seen(qp, kp, qs, ks, a, b, c, d)]
         if not tiles:
             continue
         qt, dot = _rows(q5, a, b, ct) * sc, _rows(do5, a, b, ct)
@@ -179,7 +240,7 @@ def block_backward(xp, q, k, v, o, lse, do, q_pos, k_pos, scale=None, delta=None
         dqt = xp.zeros_like(qt)
         for c, d in tiles:
             kt, vt = k[:, :, c:d].astype(ct), v[:, :, c:d].astype(ct)
-            s = _masked_scores(xp, qt, kt, _mask(xp, qp[a:b], kp[c:d]), b - a)
+            s = _masked_scores(xp, qt, kt, _tile_mask(xp, qp, kp, qs, ks, a, b, c, d), b - a)
             s -= lt
             p = xp.exp(s, out=s)
             dv[:, :, c:d] += xp.matmul(p.swapaxes(-1, -2), dot)

@@ -1,5 +1,6 @@
 """The lines a run logs about itself: the config keys it was given, the mesh, BLAS threads, sync and model at
-start-up, memory per rank, and the pipeline's measured bubble beside the schedule's theory.
+start-up (and, packed documents under context parallelism, the cp ranks' attention work), memory per rank, and
+the pipeline's measured bubble beside the schedule's theory.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from hpengine.config.load import given_keys
 from hpengine.device.threads import describe as blas_threads_line
 from hpengine.layout.resolve import chunks
 from hpengine.layout.schedules import bubble_fraction
+from hpengine.nn.context_split import document_work
 
 log = logging.getLogger("hpengine")
 
@@ -38,6 +40,21 @@ def log_start(eng, cfg) -> None:
              "blocks)" if eng.res.pp > 1 else "")
     log.info("model %s: %s parameters, %d blocks%s, dtype %s, backend %s", cfg.model.kind, f"{whole:,}",
              sum(len(c) for c in chunks(cfg.model, eng.res)), share, cfg.model.dtype, eng.be.name)
+    if eng.res.cp > 1 and cfg.data.document_mask:
+        log.info("%s", cp_balance_line(eng, cfg))
+
+
+def cp_balance_line(eng, cfg) -> str:
+    """The cp ranks' attention work (query-key pairs their queries see under the document mask) on the first
+    step's rows, from the documents alone (no token is read): the head-tail split of a packed row balances a
+    causal row, not its documents."""
+    batch = eng.data.batch("train", 0, eng.slots[0].seed, cfg.train.global_batch, tokens=False)
+    work = document_work(batch.positions, eng.res.cp)
+    mean = work.mean()
+    ratio = work.max() / mean if mean else 1.0
+    return (f"context parallel over packed documents: attention work per cp rank on the first batch (query-key "
+            f"pairs under the document mask, each row split head-tail) busiest / mean = {ratio:.3f}; per rank "
+            f"{work.tolist()}")
 
 
 def log_memory(eng) -> None:

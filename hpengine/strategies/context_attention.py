@@ -4,10 +4,13 @@ part of every sequence (nn/context_split.py), T / cp tokens at known global posi
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from hpengine.models.context import LocalAttn, LocalSeq
 from hpengine.nn.context_split import head_tail_positions
+from hpengine.nn.ring_attention import host_segments
 from hpengine.strategies.context_parallel import CONTEXT_ATTENTION, ring_channels
 
 
@@ -35,10 +38,13 @@ def _qkv_heads(qkv, H):
 # causal mask of global positions (only the key/value heads travel), and back. The drivers' block math is
 # flash-style (online softmax, row log-sum-exp kept, no T x T probabilities), so it serves the standard and
 # the flash path alike; the model's local core is not called. Rotary tables are read at the global positions.
+# Packed documents: for_documents hands a micro-batch's segments (this rank's part of each row) to a copy of
+# the part, and the drivers mask by them too (keys carry theirs round the ring or in the all-gather).
 class ContextAttention(LocalAttn):
     """ctx.attn under context parallelism: comm the cp communicator, how ("ring" or "allgather"), T the whole
     sequence length; this rank holds the tokens at head_tail_positions(T, cp, comm.rank)."""
     local_core = False      # the ring or all-gather drivers compute the attention, on float32
+    segments = None         # host (B, T / cp) document ids of this rank's tokens (packed documents), or None
 
     def __init__(self, comm, how: str, T: int, xp=np):
         self.comm, self.how, self.size = comm, how, comm.size
@@ -55,6 +61,11 @@ class ContextAttention(LocalAttn):
             hit = self._rows[id(table)] = (table, table[self._index])
         return hit[1]
 
+    def for_documents(self, segments):
+        part = copy.copy(self)              # shares the communicator and the table rows
+        part.segments = host_segments(segments)
+        return part
+
     def sequence_sum(self, x):
         return self.comm.allreduce_(x)
 
@@ -65,8 +76,8 @@ class ContextAttention(LocalAttn):
 
     def grouped_forward(self, xp, core, q, k, v, scale=None):
         self._check(q.shape[2])
-        pos = self.positions
-        o, cache = self.forward(xp, self.comm, q, k, v, pos, pos, scale)
+        pos, seg = self.positions, self.segments
+        o, cache = self.forward(xp, self.comm, q, k, v, pos, pos, scale, seg, seg)
         return _merge_heads(xp, o), cache
 
     def grouped_backward(self, xp, core_backward, dy, cache):
@@ -76,8 +87,8 @@ class ContextAttention(LocalAttn):
     def fused_forward(self, xp, core, qkv, n_heads):
         q, k, v = _qkv_heads(qkv, n_heads)
         self._check(q.shape[2])
-        pos = self.positions
-        o, cache = self.forward(xp, self.comm, q, k, v, pos, pos, None)
+        pos, seg = self.positions, self.segments
+        o, cache = self.forward(xp, self.comm, q, k, v, pos, pos, None, seg, seg)
         return _merge_heads(xp, o), (cache, qkv.shape)
 
     def fused_backward(self, xp, core_backward, dy, cache):
@@ -104,6 +115,9 @@ class ContextSeq(LocalSeq):
 
     def local_positions(self, n: int):
         return self._index[self.inner.local_positions(n)]
+
+    def local_columns(self, n: int):
+        return self.inner.local_columns(n)       # the Batch is already this rank's T / cp columns
 
     def stash_inputs(self, x, *caches):
         return self.inner.stash_inputs(x, *caches)

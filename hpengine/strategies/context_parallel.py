@@ -1,6 +1,7 @@
 """Context parallelism's attention over the cp communicator, in its two ways (context_parallel.comm): the
 ring passes each rank's keys and values to the next rank while the current block is attended, and the
-all-gather collects every key once and reduce-scatters dk, dv back. The block math is nn/ring_attention.py.
+all-gather collects every key once and reduce-scatters dk, dv back. Packed documents' segments travel with
+the keys (host int arrays) and mask by document too. The block math is nn/ring_attention.py.
 """
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from hpengine.nn.ring_attention import (
     block_forward,
     block_visible,
     host_positions,
+    host_segments,
     merge_partials,
     softmax_delta,
 )
 
-# message tags on the cp communicator: keys and values, their positions, their accumulating gradients
-TAG_KV, TAG_POS, TAG_DKV = 30001, 30002, 30003
+# message tags on the cp communicator: keys and values, their positions, their accumulating gradients, their
+# documents' segments
+TAG_KV, TAG_POS, TAG_DKV, TAG_SEG = 30001, 30002, 30003, 30004
 # the tags that are also channels (NCCL's under runtime.collectives = "nccl", matched by issue order): every
 # rank walks the same layers, steps and passes, so each rank sends a tag's messages to the next in the order
 # that one receives them; the positions are host arrays, which stay on MPI
@@ -63,42 +66,55 @@ def _wait(reqs) -> None:
 
 # ---- ring ---------------------------------------------------------------------------------------------
 
-def ring_attention_forward(xp, comm: CPComm, q, k, v, q_pos, k_pos, scale=None):
+def _segment_pair(q_seg, k_seg):
+    # host (B, Tq), (B, Tk) int64 segments, or (None, None): both or neither
+    if (q_seg is None) != (k_seg is None):
+        raise ValueError("segments for the queries and the keys go together: give both or neither")
+    return host_segments(q_seg), (None if k_seg is None else np.ascontiguousarray(host_segments(k_seg)))
+
+
+def ring_attention_forward(xp, comm: CPComm, q, k, v, q_pos, k_pos, scale=None, q_seg=None, k_seg=None):
     """Causal attention of this rank's q (B, H, Tq, hd) over every rank's keys: k, v (B, K, Tk, hd) and
     k_pos (Tk,) are this rank's, q_pos (Tq,) its queries' global positions (host ints). cp steps; at each
     the block held goes on to the next rank (Isend/Irecv posted before it is attended, so the transfer
-    overlaps the compute) -> o (B, H, Tq, hd) in q's dtype, cache."""
+    overlaps the compute) -> o (B, H, Tq, hd) in q's dtype, cache. q_seg (B, Tq), k_seg (B, Tk): packed
+    documents' segments (None: one document per row), which go round with the keys; a block with no
+    visible key of a query's own document is skipped."""
     cp, r = comm.size, comm.rank
     nxt, prv = (r + 1) % cp, (r - 1) % cp
     qp = host_positions(q_pos)
+    qs, seg = _segment_pair(q_seg, k_seg)
     blk, pos = _pack(xp, k, v), host_positions(k_pos)      # one contiguous message per step
     o = lse = None
-    seen = []                                               # positions of the block held at each step
+    seen = []                                               # (positions, segments) of the block held at each step
     for step in range(cp):
-        reqs, nblk, npos = [], None, None
+        reqs, nblk, npos, nseg = [], None, None, None
         if step < cp - 1:
             nblk, npos = xp.empty(blk.shape, dtype=blk.dtype), np.empty(pos.shape, dtype=pos.dtype)
             reqs = [comm.irecv(nblk, prv, TAG_KV, channel=TAG_KV), comm.irecv(npos, prv, TAG_POS),
                     comm.isend(blk, nxt, TAG_KV, channel=TAG_KV), comm.isend(pos, nxt, TAG_POS)]
-        seen.append(pos)
+            if seg is not None:
+                nseg = np.empty(seg.shape, dtype=seg.dtype)
+                reqs += [comm.irecv(nseg, prv, TAG_SEG), comm.isend(seg, nxt, TAG_SEG)]
+        seen.append((pos, seg))
         # a block wholly after every query is skipped; the messages above go the same on every rank
-        if block_visible(qp, pos):
-            part = block_forward(xp, q, blk[0], blk[1], qp, pos, scale)
+        if block_visible(qp, pos, qs, seg):
+            part = block_forward(xp, q, blk[0], blk[1], qp, pos, scale, qs, seg)
             o, lse = part if o is None else merge_partials(xp, o, lse, *part)
         _wait(reqs)
-        blk, pos = nblk, npos
+        blk, pos, seg = nblk, npos, nseg
     if o is None:
         ct = accumulate_dtype(q.dtype)
         o, lse = xp.zeros(q.shape, dtype=ct), xp.full(q.shape[:3], -xp.inf, dtype=ct)
     out = o.astype(q.dtype, copy=False)
-    return out, (q, k, v, out, lse, qp, seen, scale)
+    return out, (q, k, v, out, lse, qp, seen, scale, qs)
 
 
 def ring_attention_backward(xp, comm: CPComm, do, cache):
     """do (B, H, Tq, hd) -> dq (B, H, Tq, hd), dk, dv (B, K, Tk, hd) of this rank's q, k, v. The blocks go
     around the ring again in the forward's order; each carries its dk, dv, to which every rank adds its
     queries' share before passing it on, and after cp steps the sums arrive back at their owner."""
-    q, k, v, o, lse, qp, seen, scale = cache
+    q, k, v, o, lse, qp, seen, scale, qs = cache
     cp, r = comm.size, comm.rank
     nxt, prv = (r + 1) % cp, (r - 1) % cp
     ct = accumulate_dtype(q.dtype)
@@ -118,8 +134,9 @@ def ring_attention_backward(xp, comm: CPComm, do, cache):
             gnext = xp.empty(gshape, dtype=ct)
             greq = comm.irecv(gnext, prv, TAG_DKV, channel=TAG_DKV)
         grads = None
-        if block_visible(qp, seen[step]):
-            dqb, *grads = block_backward(xp, q, blk[0], blk[1], o, lse, do, qp, seen[step], scale, delta)
+        pos, seg = seen[step]
+        if block_visible(qp, pos, qs, seg):
+            dqb, *grads = block_backward(xp, q, blk[0], blk[1], o, lse, do, qp, pos, scale, delta, qs, seg)
             dq += dqb
         _wait(arriving)                     # the block's sums from the ranks it visited before
         if grads is not None:
@@ -137,29 +154,36 @@ def ring_attention_backward(xp, comm: CPComm, do, cache):
 
 # ---- all-gather ---------------------------------------------------------------------------------------
 
-def allgather_attention_forward(xp, comm: CPComm, q, k, v, q_pos, k_pos, scale=None):
+def allgather_attention_forward(xp, comm: CPComm, q, k, v, q_pos, k_pos, scale=None, q_seg=None, k_seg=None):
     """As ring_attention_forward, with every rank's k, v gathered at once (one all-gather, their
-    positions as a small control message) and attended locally -> o (B, H, Tq, hd), cache."""
+    positions, and segments when given, as a small control message) and attended locally -> o (B, H, Tq,
+    hd), cache."""
     cp = comm.size
     B, K, Tk, hd = k.shape
     send = _pack(xp, k, v).reshape(2 * B * K, Tk, hd)
     recv = xp.empty((2 * B * K, cp * Tk, hd), dtype=send.dtype)
     comm.allgather_axis1(send, recv)
     kv = recv.reshape(2, B, K, cp * Tk, hd)
-    pos = np.concatenate([host_positions(p) for p in comm.allgather_obj(host_positions(k_pos).tolist())])
+    qs, ks = _segment_pair(q_seg, k_seg)
+    if ks is None:
+        pos = np.concatenate([host_positions(p) for p in comm.allgather_obj(host_positions(k_pos).tolist())])
+    else:
+        got = comm.allgather_obj((host_positions(k_pos).tolist(), ks.tolist()))
+        pos = np.concatenate([host_positions(p) for p, _ in got])
+        ks = np.concatenate([host_segments(s).reshape(ks.shape) for _, s in got], axis=1)
     qp = host_positions(q_pos)
-    o, lse = block_forward(xp, q, kv[0], kv[1], qp, pos, scale)
+    o, lse = block_forward(xp, q, kv[0], kv[1], qp, pos, scale, qs, ks)
     out = o.astype(q.dtype, copy=False)
-    return out, (q, kv, out, lse, qp, pos, scale)
+    return out, (q, kv, out, lse, qp, pos, scale, qs, ks)
 
 
 def allgather_attention_backward(xp, comm: CPComm, do, cache):
     """do (B, H, Tq, hd) -> dq, dk, dv of this rank's q, k, v: this rank's queries give gradients for
     every key, which a reduce-scatter sums onto each key's owner."""
-    q, kv, o, lse, qp, pos, scale = cache
+    q, kv, o, lse, qp, pos, scale, qs, ks = cache
     cp = comm.size
     _, B, K, T, hd = kv.shape
-    dq, dk, dv = block_backward(xp, q, kv[0], kv[1], o, lse, do, qp, pos, scale)
+    dq, dk, dv = block_backward(xp, q, kv[0], kv[1], o, lse, do, qp, pos, scale, q_seg=qs, k_seg=ks)
     # (2, B, K, cp, Tk, hd) -> (cp, 2, B, K, Tk, hd): owner r's keys are block r of the reduce-scatter
     send = xp.ascontiguousarray(xp.stack([dk, dv]).reshape(2, B, K, cp, T // cp, hd).transpose(3, 0, 1, 2, 4, 5))
     recv = xp.empty((2, B, K, T // cp, hd), dtype=send.dtype)

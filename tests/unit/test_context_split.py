@@ -1,5 +1,6 @@
 """The head-tail split of a sequence over context-parallel ranks: which tokens each rank holds, the causal
-work it gets, reassembly, and the refusal of a length the chunks do not divide."""
+work it gets (causal, and per packed document), reassembly, and the refusal of a length the chunks do not
+divide."""
 import numpy as np
 import pytest
 
@@ -8,6 +9,7 @@ from hpengine.nn.context_split import (
     check_split,
     chunk_size,
     contiguous_positions,
+    document_work,
     gather_head_tail,
     head_tail_positions,
     split_sequence,
@@ -67,3 +69,13 @@ def test_refusal_line():
     with pytest.raises(ValueError, match="rank 2 is outside"):
         head_tail_positions(8, 2, 2)
     check_split(8, 2)
+
+
+def test_document_work_by_hand():
+    """T 8 over cp 2 (rank 0: tokens 0, 1, 6, 7; rank 1: 2..5): one document balances, [2, 6] does not."""
+    one = np.arange(8)[None]
+    assert document_work(one, 2).tolist() == [18, 18] == [causal_products(head_tail_positions(8, 2, r))
+                                                          for r in range(2)]
+    two = np.array([[0, 1, 0, 1, 2, 3, 4, 5]])
+    assert document_work(two, 2).tolist() == [1 + 2 + 5 + 6, 1 + 2 + 3 + 4]
+    assert document_work(np.concatenate([one, two]), 2).tolist() == [32, 28]
