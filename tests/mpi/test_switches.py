@@ -55,9 +55,9 @@ def run_counting_passes(cfg, world, steps):
     eng = build(cfg, world)
     passes, plain = [], eng.forward_backward
 
-    def spy(slot, x, y, *args, **kwargs):
-        passes.append(len(x))
-        return plain(slot, x, y, *args, **kwargs)
+    def spy(slot, batch, *args, **kwargs):
+        passes.append(batch.rows)
+        return plain(slot, batch, *args, **kwargs)
     eng.forward_backward = spy
     metrics = [eng.train_step(s) for s in range(steps)]
     return (np.array([m["loss"] for m in metrics]), np.array([m["grad_norm"] for m in metrics]),
