@@ -36,6 +36,7 @@ from hpengine.engine.engine import NonFiniteError
 from hpengine.files.safe import UnsafeFile
 from hpengine.layout import resolve
 from hpengine.layout.resolve import PipelineError
+from hpengine.optim.base import KINDS as OPTIMIZERS
 from hpengine.planner import search as plan
 from hpengine.run import startguard
 from hpengine.run.faults import EXIT_INTERRUPTED, EXIT_STOPPED, say
@@ -157,6 +158,8 @@ def _plan_parser(sub) -> None:
     pl.add_argument("--seq", type=int, help="tokens per sequence for the plan (sets model.seq_len; long sequences "
                     "bring context parallel layouts into the search)")
     pl.add_argument("--check", metavar="CFG", help="predict memory and step time of this config instead")
+    pl.add_argument("--optimizer", choices=sorted(OPTIMIZERS), help="the optimizer to plan for (sets optim.name; "
+                    "default: the config's): its state bytes, and Muon's Newton-Schulz GEMMs in the step time")
     pl.add_argument("--world", type=int, help="ranks for --check (default: nodes x gpus-per-node)")
     pl.add_argument("--out", help="write the best layout as a config TOML")
     pl.add_argument("--force", action="store_true", help="replace an existing --out file")

@@ -111,6 +111,7 @@ class Resolved:
     sp: bool = False              # sequence parallelism (tp > 1 only)
     cp_comm: str = "ring"         # context_parallel.comm: "ring" or "allgather"
     optimizer: str = "adamw"      # optim.name: what the planner counts of the optimizer's state
+    muon_ns_steps: int = 5        # optim.muon_ns_steps: Newton-Schulz iterations the planner times (muon only)
 
     def on_device(self, gpu: bool) -> Resolved:
         """This layout with bf16_storage's "auto" decided for the backend: a GPU (gpu) or NumPy."""
@@ -191,7 +192,7 @@ def resolve(cfg, world: int) -> Resolved:
         zstage=s.sharding.stage if d["sharding"] > 1 else 0, partition=s.sharding.partition,
         bucket_mb=s.data_parallel.bucket_mb, recompute=rc.every if rc.enable else 0,
         granularity=rc.granularity if rc.enable else "full", sp=sp, cp_comm=s.context_parallel.comm,
-        optimizer=cfg.optim.name)
+        optimizer=cfg.optim.name, muon_ns_steps=cfg.optim.muon_ns_steps)
     check(cfg, res)
     chunks(cfg.model, res)          # the pipeline split must be possible
     return res

@@ -11,7 +11,8 @@ import math
 from hpengine.layout.resolve import Resolved, resolve
 from hpengine.layout.schedules import bubble_fraction, placement
 from hpengine.models import build_model
-from hpengine.planner import context as plan_cp, gpu as plan_gpu, moe as plan_moe, recompute as rc, tp as plan_tp
+from hpengine.planner import context as plan_cp, gpu as plan_gpu, moe as plan_moe, muon as plan_muon, recompute as rc
+from hpengine.planner import tp as plan_tp
 from hpengine.planner.memory import (_partition, _read_blocks, activations, block_activations, buffers, model_state,
                                      owned, owned_experts, packed_caches, precision)
 from hpengine.planner.stages import StageFacts, memoised, micro_batch_key, stages
@@ -229,7 +230,7 @@ def _degrees(lay: Resolved) -> dict:
 def stage_times(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, cluster, sh_rank=None, tr=None) -> dict:
     """Seconds per micro-batch (compute, tp, pp: on the critical path) and per step (dp, sharding:
     exposed after overlapping the last backward / the forward prefetch; fixed: the optimizer over the
-    owned elements, the scalar allreduces and the per-step overhead). "hidden": {what: (seconds hidden behind
+    owned elements (Muon: and its Newton-Schulz GEMMs, planner/muon.py), the scalar allreduces and the per-step overhead). "hidden": {what: (seconds hidden behind
     compute, bytes per step)} for the gradient and sharding collectives that overlap compute. tr: traffic() of
     the largest sharding share, when the caller has it."""
     tr, M = tr or traffic(mcfg, st, lay, stage, models, packed=packed_caches(lay, cluster)), models
@@ -238,7 +239,10 @@ def stage_times(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, cl
     mb = lay.k * lay.m
     own = owned(st, lay, M, sh_rank) if lay.zstage else st.psi * M
     K = precision(mcfg, lay.amp, optimizer=lay.optimizer)[2]   # optimizer_ns is measured in float32 (K = 8 bytes)
-    fixed = slow * (cluster.optimizer_ns * 1e-9 * own * K / 8 + cluster.step_overhead_us * 1e-6)
+    opt = cluster.optimizer_ns * 1e-9 * own * K / 8
+    if plan_muon.runs(lay):     # and the Newton-Schulz GEMMs, on the owner with the most of both
+        opt = plan_muon.optimizer_seconds(mcfg, st, lay, M, cluster, K, sh_rank)
+    fixed = slow * (opt + cluster.step_overhead_us * 1e-6)
     deg = _degrees(lay)
     fixed += sum(collective_s("allreduce", deg[a], 0, c, *link(lay, a, cluster)) for a, c in SCALAR_CALLS.items())
     out = {"compute": comp, "tp": 0.0, "pp": 0.0, "ep": 0.0, "cp": 0.0, "dp": 0.0, "sharding": 0.0, "fixed": fixed,

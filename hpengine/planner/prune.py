@@ -69,7 +69,8 @@ def families(cfg, cluster, max_rows: int, where=None):
                 fixed = dict(tp=tp, pp=pp, rest=rest, tensors=tensors, m=n if pp > 1 else 1, k=1 if pp > 1 else n,
                              v=v, schedule=sched, recompute=rc, amp=amp, order=order, share=share, bucket_mb=bucket,
                              granularity=gran, sp=sp, scatter=tp > 1 and pp > 1 and not sp and split_sends, ep=ep,
-                             cp=cp, cp_comm=comm, optimizer=cfg.optim.name)
+                             cp=cp, cp_comm=comm, optimizer=cfg.optim.name,
+                             muon_ns_steps=cfg.optim.muon_ns_steps)
                 split = tuple((hi, sh) for hi, sh in enumerate(shs) if ep in space.expert_degrees(m, rest // sh))
                 cut = (v, schedule(sched).vee, ep)
                 if cut not in cuts:
@@ -84,7 +85,7 @@ def _leaf(f: dict, sh: int, zstage: int) -> Resolved:
                     BatchSplit(f["share"], f["k"]), zstage=zstage,
                     partition="tensor" if sh <= f["tensors"] else "flat", bucket_mb=f["bucket_mb"],
                     recompute=f["recompute"], granularity=f["granularity"], sp=f["sp"], cp_comm=f["cp_comm"],
-                    optimizer=f["optimizer"])
+                    optimizer=f["optimizer"], muon_ns_steps=f["muon_ns_steps"])
 
 
 def _leaves(fixed: dict, split: tuple, head: tuple, tail: tuple):

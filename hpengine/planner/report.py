@@ -146,7 +146,8 @@ def check_text(cfg: Config, world: int, cluster: Cluster) -> str:
         r = predict_layout(cfg, lay, cluster)
     except ValueError as e:
         raise PlanError(f"--check on {world} ranks ({describe(lay)}): {e}") from None
-    out = [f"{cfg.model.kind} with {_n_params(cfg):,} parameters on {world} ranks: {describe(lay)}",
+    out = [f"{cfg.model.kind} with {_n_params(cfg):,} parameters on {world} ranks: {describe(lay)}; optimizer "
+           f"{cfg.optim.name}",
            "memory per device (bytes; the sharding rank with the largest share):"]
     for s in r["stages"]:
         out.append(f"  pp stage {s['stage']}: " + ", ".join(f"{k} {_bytes(v)}" for k, v in s["memory"].items()))

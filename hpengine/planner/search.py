@@ -45,6 +45,16 @@ def with_preset(cfg: Config, name: str) -> Config:
     return cfg
 
 
+def with_optimizer(cfg: Config, name: str | None) -> Config:
+    """cfg planned for the optimizer `name` (`--optimizer`; None: the config's optim.name)."""
+    if name is None:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    cfg.optim.name = name
+    validate(cfg)
+    return cfg
+
+
 # ---- search -----------------------------------------------------------------------------------------
 
 def search(cfg: Config, cluster: Cluster, max_rows: int = 8, top: int | None = None) -> tuple[list[dict], int]:
@@ -246,11 +256,12 @@ def run(a, progress=None) -> str:
         return calibrate_device(a.gpus_per_node, getattr(a, "device", "auto"))
     cluster = load_cluster(a.cluster, **{k: getattr(a, k) for k in CLUSTER_FLAGS})
     if a.check:
-        cfg = load_config(a.check, a.overrides)
+        cfg = with_optimizer(load_config(a.check, a.overrides), getattr(a, "optimizer", None))
         world = cluster.world if a.world is None else a.world
         return "\n".join(cluster_lines(a, cluster) + [check_text(cfg, world, cluster)])
     cfg = load_config(a.config, a.overrides)
     cfg = with_preset(cfg, a.model) if a.model else cfg
+    cfg = with_optimizer(cfg, getattr(a, "optimizer", None))
     if a.global_batch is not None:
         cfg.train.global_batch = a.global_batch
         validate(cfg)
@@ -265,7 +276,7 @@ def run(a, progress=None) -> str:
     out = cluster_lines(a, cluster) + _wrap(
         f"hpengine plan: {m.kind} {_n_params(cfg) / 1e9:.3g}B parameters (d_model {m.d_model}, {m.n_layers} layers, "
         f"seq {m.seq_len}; model.dtype {m.dtype}, amp rows compute in 16 bits), global batch "
-        f"{cfg.train.global_batch}, on {cluster.world} devices") + _wrap(
+        f"{cfg.train.global_batch}, on {cluster.world} devices, optimizer {cfg.optim.name}") + _wrap(
         f"searched {n + pruned:,} layouts in {time.perf_counter() - t:.1f} s: {n:,} evaluated, {pruned:,} pruned "
         f"unevaluated (floors that cannot fit or reach row {a.top}); times per optimizer step")
     out += ["", table(fit, a.top, getattr(a, "wide", False), m.dtype), ""]

@@ -55,7 +55,8 @@ def candidates(cfg, cluster, max_rows: int = 8):
                                    AmpPolicy(amp), BatchSplit(share, 1 if pp > 1 else n), zstage=zstage,
                                    partition="tensor" if sh <= tensors else "flat",
                                    bucket_mb=cfg.strategy.data_parallel.bucket_mb, recompute=rc, granularity=gran,
-                                   sp=sp, cp_comm=comm, optimizer=cfg.optim.name)
+                                   sp=sp, cp_comm=comm, optimizer=cfg.optim.name,
+                                   muon_ns_steps=cfg.optim.muon_ns_steps)
 
 
 def context_degrees(m, ranks: int) -> list[int]:

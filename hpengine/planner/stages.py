@@ -15,6 +15,7 @@ from hpengine.layout.resolve import AXES, Resolved
 from hpengine.layout.schedules import SCHEDULES
 from hpengine.layout.stage import build_stage, owner
 from hpengine.models import build_model
+from hpengine.optim.muon import is_muon_matrix
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class StageFacts:
     expert_mm: int = 0     # of `matmul`, the routed experts' share (top_k of them per token)
     partial: tuple = ()    # per tensor: held whole but applied to this tp rank's heads only (ParamSpec.tp_partial)
     unpacked: tuple = ()   # (block, elements of its tensors packed bf16 unpacks: all but the linears' weights)
+    muon: tuple = ()       # per tensor (sizes' order, one model): (count, rows, cols, expert) of a Muon matrix whole
+    #                        (over tp), count: the routed experts this rank holds; None: not one (optim.muon)
 
     def sizes(self, models: int) -> tuple:
         """Tensor element counts in layout order, for `models` models sharing the buffer."""
@@ -122,7 +125,7 @@ def _stages(mkey, tp, p, v, split, schedule, ep=1) -> list[StageFacts]:
 def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> StageFacts:
     st = build_stage(mcfg, res, s, 0, models=[model])
     slot, lay = st.slots[0], st.layout
-    blocks, matmuls, replicated, expert, partial, expert_mm, unpacked = [], [], [], [], [], 0, []
+    blocks, matmuls, replicated, expert, partial, expert_mm, unpacked, muon = [], [], [], [], [], 0, [], []
     for name in slot.blocks:
         b = slot.block(name)
         specs = st.block_specs[name]
@@ -141,6 +144,7 @@ def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> StageFacts:
         replicated += [sp.tp_dim is None for sp in specs]
         expert += [sp.ep_dim is not None and ep > 1 for sp in specs]
         partial += [sp.tp_dim is None and sp.tp_partial for sp in specs]
+        muon += [_muon_shape(sp, lay.shapes[sp.name]) if is_muon_matrix(sp) else None for sp in specs]
         matmuls.append((name, mm))
         unpacked.append((name, sum(n for sp, n in zip(specs, sizes) if not model.gemm_weight(sp.name))))
     kinds = tuple(slot.block(n) for n in slot.blocks)
@@ -148,4 +152,12 @@ def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> StageFacts:
                  kinds, tuple(st.deps.items()), tuple(matmuls),
                  sum(lay.ranges[t].size for t in set(st.tied.values())), tuple(replicated),
                  sum(lay.ranges[sp.name].size for sp in lay.specs if sp.ep_dim is not None and ep > 1),
-                 tuple(expert), expert_mm=expert_mm, partial=tuple(partial), unpacked=tuple(unpacked))
+                 tuple(expert), expert_mm=expert_mm, partial=tuple(partial), unpacked=tuple(unpacked),
+                 muon=tuple(muon))
+
+
+def _muon_shape(spec, local) -> tuple:
+    """(count, rows, cols, expert) of a Muon matrix whole, or of each of the routed experts of a stack this rank
+    holds (expert: True, their work divided over their own replicas)."""
+    whole = tuple(spec.global_shape[-2:])
+    return (1, *whole, False) if len(whole) == len(local) else (local[0], *whole, True)

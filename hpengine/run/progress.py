@@ -1,6 +1,6 @@
 """The progress line and the fields it adds to every metrics.jsonl row: elapsed time and ETA, model FLOPs
-utilisation (MFU) against a peak the backend knows or the user sets, and memory (peak RSS on the CPU,
-device memory in use on a GPU); and whether the line between logged steps may redraw itself with "\r".
+utilisation (MFU) against a peak the backend knows or the user sets, memory (peak RSS on the CPU, device memory
+in use on a GPU) and an optimizer other than the default; and whether the line may redraw itself with "\r".
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from hpengine.config.tree import OptimConfig
 from hpengine.planner.calibrate import _alone, measured_peak, raise_peak
 from hpengine.planner.peaks import PEAK_TFLOPS, precision_of, table_peak
 from hpengine.run.startguard import under_launcher
@@ -72,16 +73,23 @@ def memory_bytes(backend) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+# Rows and the progress line name the optimizer where it is not the default (AdamW), as they name the model only
+# where several train and the MoE figures only for MoE models: a default run's rows stay as they were.
+DEFAULT_OPTIMIZER = OptimConfig().name
+
+
 class Progress:
-    """Counts this run's optimizer steps and adds elapsed_s, eta_s, mfu and mem_bytes to a step's metrics.
-    total: the last step to run (train.steps); start: the optimizer steps done before this run (resume);
-    peak_total: FLOP/s of all ranks (None: no MFU); exceeded(rate): told once when a step ran at `rate`
-    FLOP/s, above the peak (which is wrong then: MFU is None from that step on)."""
+    """Counts this run's optimizer steps and adds elapsed_s, eta_s, mfu and mem_bytes to a step's metrics, and
+    `optimizer` (optim.name) where it is not DEFAULT_OPTIMIZER. total: the last step to run (train.steps); start:
+    the optimizer steps done before this run (resume); peak_total: FLOP/s of all ranks (None: no MFU);
+    exceeded(rate): told once when a step ran at `rate` FLOP/s, above the peak (which is wrong then: MFU is None
+    from that step on)."""
 
     def __init__(self, total: int, start: int, flops_step: float, peak_total: float | None, mem=lambda: 0,
-                 clock=time.perf_counter, exceeded=None):
+                 clock=time.perf_counter, exceeded=None, optimizer: str = DEFAULT_OPTIMIZER):
         self.total, self.done, self.flops_step, self.peak = total, start, flops_step, peak_total
         self.mem, self.clock, self.exceeded = mem, clock, exceeded
+        self.named = {} if optimizer == DEFAULT_OPTIMIZER else {"optimizer": optimizer}
         self.t0 = self.last = clock()
         self.early = []                                    # the first WARMUP step times of this run
         self.recent = collections.deque(maxlen=RECENT)     # the step times after them
@@ -93,7 +101,7 @@ class Progress:
         (self.early if len(self.early) < WARMUP else self.recent).append(now - self.last)
         self.last = now
         return {"mfu": self._mfu(m["step_ms"] / 1e3), "elapsed_s": now - self.t0, "eta_s": self.eta(),
-                "mem_bytes": self.mem()}
+                "mem_bytes": self.mem(), **self.named}
 
     def _mfu(self, step_s: float) -> float | None:
         if not self.peak or step_s <= 0:
@@ -174,7 +182,7 @@ def begin(eng, cfg, world, first: int, compute_dtype: str, log) -> Progress:
     # a step that proves the measured peak low raises the cached figure (rank 0 keeps it): the next run starts there
     exceeded = functools.partial(_raise, compute_dtype, n) if measured and world.Get_rank() == 0 else None
     return Progress(cfg.train.steps, first, flops, None if peak is None else peak * n,
-                    mem=lambda: memory_bytes(eng.be), exceeded=exceeded)
+                    mem=lambda: memory_bytes(eng.be), exceeded=exceeded, optimizer=cfg.optim.name)
 
 
 def _raise(compute_dtype: str, ranks: int, rate: float) -> None:

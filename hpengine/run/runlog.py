@@ -1,16 +1,19 @@
-"""The lines a run logs about itself: the config keys it was given, the mesh, BLAS threads, sync and model at
-start-up (and, packed documents under context parallelism, the cp ranks' attention work), memory per rank, and
-the pipeline's measured bubble beside the schedule's theory.
+"""The lines a run logs about itself: the config keys it was given, the mesh, BLAS threads, sync, model and
+optimizer at start-up (and, packed documents under context parallelism, the cp ranks' attention work), memory
+per rank, and the pipeline's measured bubble beside the schedule's theory.
 """
 from __future__ import annotations
 
 import logging
+import math
 
 from hpengine.config.load import given_keys
 from hpengine.device.threads import describe as blas_threads_line
 from hpengine.layout.resolve import chunks
 from hpengine.layout.schedules import bubble_fraction
+from hpengine.models import build_model
 from hpengine.nn.context_split import document_work
+from hpengine.optim.muon import is_muon_matrix
 
 log = logging.getLogger("hpengine")
 
@@ -40,8 +43,24 @@ def log_start(eng, cfg) -> None:
              "blocks)" if eng.res.pp > 1 else "")
     log.info("model %s: %s parameters, %d blocks%s, dtype %s, backend %s", cfg.model.kind, f"{whole:,}",
              sum(len(c) for c in chunks(cfg.model, eng.res)), share, cfg.model.dtype, eng.be.name)
+    log.info("%s", optimizer_line(cfg))
     if eng.res.cp > 1 and cfg.data.document_mask:
         log.info("%s", cp_balance_line(eng, cfg))
+
+
+def optimizer_line(cfg) -> str:
+    """The start-up line on the optimizer: its name, and under Muon which tensors it orthogonalises (whole model)."""
+    o = cfg.optim
+    if o.name != "muon":
+        return f"optimizer {o.name}: lr {o.lr:g}, betas {tuple(o.betas)}, weight decay {o.weight_decay:g}"
+    model = build_model(cfg.model)
+    specs = [sp for b in model.blocks() for sp in model.specs(b.name)]
+    mats = [sp for sp in specs if is_muon_matrix(sp)]
+    count = sum(sp.global_shape[0] if len(sp.global_shape) == 3 else 1 for sp in mats)
+    size = lambda group: sum(math.prod(sp.global_shape) for sp in group)  # noqa: E731
+    return (f"optimizer muon: Newton-Schulz ({o.muon_ns_steps} iterations) on {count} weight matrices of the blocks "
+            f"({size(mats):,} parameters; lr rule {o.muon_lr_adjust}, momentum {o.muon_momentum:g}), AdamW on the "
+            f"other {len(specs) - len(mats)} tensors ({size(specs) - size(mats):,} parameters)")
 
 
 def cp_balance_line(eng, cfg) -> str:

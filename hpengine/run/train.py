@@ -43,8 +43,10 @@ def _lines(m: dict) -> list[dict]:
 
 
 def _fmt(m: dict, total: int | str = "?") -> str:
-    s = ("" if "model" not in m else f"model {m['model']} | ") + (f"step {m['step']:>5}/{total} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f}"
-         f" | {m['tokens_per_s']:,.0f} tok/s | {m['step_ms']:.0f} ms")
+    s = ("" if "model" not in m else f"model {m['model']} | ") + f"step {m['step']:>5}/{total} | " + (
+        f"{m['optimizer']} | " if "optimizer" in m else "") + (
+        f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f}"
+        f" | {m['tokens_per_s']:,.0f} tok/s | {m['step_ms']:.0f} ms")
     if "moe_aux_loss" in m:      # the MoE layers' balancing losses, mean per layer (aux: 1 under uniform routing)
         s += f" | moe aux {m['moe_aux_loss']:.3f} z {m['moe_z_loss']:.3g} load max/mean {m['moe_load_max']:.2f}"
     if "moe_dropped" in m:       # under a capacity: the share of (token, slot) assignments dropped
@@ -341,7 +343,8 @@ def summarize(eng, history, wall, out, stopped=None, launched=None) -> dict:
     summary = {"steps": len(history), "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
                "final_val_loss": vals[-1] if vals else None, "wall_s": wall,
                "median_tokens_per_s": sorted(toks)[len(toks) // 2], **eng.memory(), "out_dir": str(out),
-               "tokenizer_sha256": eng.data.tokenizer_sha256, "stopped_early": stopped, "launch": launched,
+               "tokenizer_sha256": eng.data.tokenizer_sha256, "optimizer": eng.cfg.optim.name,
+               "stopped_early": stopped, "launch": launched,
                "continue": continue_command(out, launched) if stopped else None}
     log.info("done: %d steps in %.1f s | loss %.4f -> %.4f | val %s | median %s tok/s | peak RSS %.0f MiB",
              summary["steps"], wall, summary["first_loss"], summary["final_loss"],

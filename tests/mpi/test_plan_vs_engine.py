@@ -156,6 +156,10 @@ LAYOUTS = [
      + BF16_PACKED),
     ("bf16_packed_grads_pp2_dp_tied", EVEN, PP2 + DP + [S + "pipeline.micro_batches=2", "model.tie_head=true",
                                                         S + "amp.grad_dtype=bfloat16"] + BF16_PACKED),
+    # Muon: its two state arrays span every owned element (momentum, and Adam's second moment off its matrices)
+    ("muon_sharding2", ANY, SH + [S + "sharding.stage=2", "optim.name=muon"]),
+    ("muon_pp2_dp_amp", EVEN, PP2 + DP + [S + "pipeline.micro_batches=2", "optim.name=muon", S + "amp.enable=true",
+                                          "model.dtype=float32"]),
     ("zb_pp4_zbv", lambda n: n == 4, [S + "pipeline.enable=true", S + "pipeline.degree=4", S + "pipeline.micro_batches=8",
                                       S + "pipeline.schedule=zbv", "model.n_layers=8"]),
 ]

@@ -67,6 +67,20 @@ def test_progress_line_shows_total_mfu_memory_elapsed_and_eta(tmp_path, small_co
     assert len(shown) == 3                            # the first step and every log_every = 2
 
 
+def test_a_muon_run_names_its_optimizer_in_rows_progress_line_start_up_and_summary(tmp_path, small_corpus, capsys):
+    """Muon (not the default): every row and progress line name it; AdamW runs' rows stay as they were; the
+    start-up line and summary.json name the optimizer either way."""
+    summary = run(small_corpus, tmp_path / "muon", "optim.name='muon'")
+    assert all(r["optimizer"] == "muon" for r in rows(tmp_path / "muon")) and summary["optimizer"] == "muon"
+    out = capsys.readouterr().out
+    assert len(re.findall(r"step +\d+/5 \| muon \| loss ", out)) == 3
+    assert "optimizer muon: Newton-Schulz (5 iterations) on 8 weight matrices of the blocks" in out
+    summary = run(small_corpus, tmp_path / "adamw")
+    assert not any("optimizer" in r for r in rows(tmp_path / "adamw")) and summary["optimizer"] == "adamw"
+    assert json.loads((tmp_path / "adamw" / "summary.json").read_text())["optimizer"] == "adamw"
+    assert "optimizer adamw: lr " in capsys.readouterr().out
+
+
 class _Clock:
     def __init__(self):
         self.t = 0.0

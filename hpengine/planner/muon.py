@@ -1,0 +1,103 @@
+"""Muon's Newton-Schulz work in the planner's step time: the GEMMs optim/muon.py's newton_schulz runs per matrix,
+which matrices each owner orthogonalises (`owner_matrices`, the one place that says how the work is divided) and
+the seconds of the busiest owner's optimizer step, element-wise and Newton-Schulz together.
+"""
+from __future__ import annotations
+
+import collections
+
+from hpengine.optim.muon import ns_work
+from hpengine.params.buffers import assign_owners
+from hpengine.planner import gpu as plan_gpu
+from hpengine.planner.memory import _partition, owned
+from hpengine.planner.stages import StageFacts, memoised
+
+NEWTON_SCHULZ = ("muon",)      # optimizers (optim.name) that orthogonalise their matrices by the iteration
+
+
+def runs(lay) -> bool:
+    """Whether the layout's optimizer runs the Newton-Schulz iteration."""
+    return lay.optimizer in NEWTON_SCHULZ
+
+
+# newton_schulz works on the wide orientation X (s x l, s = min(rows, cols), l = max): each iteration is
+# A = X X^T (s x l x s), A A (s x s x s) and (b A + c A A) X (s x s x l), 2 m k n FLOPs each, so
+# 4 s^2 l + 2 s^3 FLOPs; the element-wise terms (b A, c A A, their sum, a X and the add: 3 s^2 + 2 s l) and the
+# Frobenius normalisation before the loop (3 s l) are memory passes, left to the element-wise figure.
+def gemms(rows: int, cols: int, steps: int, count: int = 1) -> list[tuple]:
+    """(calls, M, K, N, batch) of the GEMMs of `steps` iterations on `count` rows x cols matrices."""
+    s, l = min(rows, cols), max(rows, cols)
+    return [(steps, s, l, s, count), (steps, s, s, s, count), (steps, s, s, l, count)]
+
+
+def flops(rows: int, cols: int, steps: int, count: int = 1) -> float:
+    """FLOPs of the iteration's GEMMs: count x steps x (4 s^2 l + 2 s^3)."""
+    return plan_gpu.gemm_flops(gemms(rows, cols, steps, count))
+
+
+def owner_matrices(st: StageFacts, lay, models: int, sh_rank: int = 0) -> tuple:
+    """((rows, cols), matrices) the busiest owner orthogonalises each step, as strategies/whole_tensors.py divides
+    the work: the Muon matrices of the owned range (the sharding owner's, those whose first element lies in its
+    range; else every one of the stage) get one owner each among its replicas (dp x cp; a routed expert stack:
+    its ep-dp replicas) times the tp ranks, heaviest first to the least loaded (params.buffers.assign_owners).
+    The busiest dense and the busiest expert share are added: an upper bound where they fall on two ranks."""
+    sharded = lay.sh > 1 and lay.zstage >= 1
+    key = ("muon owner", models, lay.sh if sharded else 1, lay.partition, sh_rank if sharded else 0, lay.dp, lay.cp,
+           lay.ep, lay.tp)
+    return memoised(st, key, lambda: _owner_matrices(st, lay, models, sh_rank if sharded else None))
+
+
+def _owner_matrices(st: StageFacts, lay, models: int, sh_rank) -> tuple:
+    shapes = [m for _ in range(models) for m in st.muon]
+    mine = [True] * len(shapes)
+    if sh_rank is not None:
+        r, at = _partition(st.sizes(models), lay.sh, lay.partition)[sh_rank], 0
+        for i, n in enumerate(st.sizes(models)):
+            mine[i] = r.start <= at < r.stop
+            at += n
+    out = collections.Counter()
+    for expert, replicas in ((False, lay.dp * lay.cp), (True, max(1, lay.dp // lay.ep))):
+        items = [m for m, held in zip(shapes, mine) if m is not None and held and m[3] == expert]
+        if not items:
+            continue
+        work = [ns_work((count, rows, cols)) for count, rows, cols, _ in items]
+        owners = assign_owners(work, replicas * lay.tp)
+        loads = collections.Counter()
+        for o, w in zip(owners, work):
+            loads[o] += w
+        busiest = max(sorted(loads), key=lambda o: loads[o])
+        for m, o in zip(items, owners):
+            if o == busiest:
+                out[m[1:3]] += m[0]
+    return tuple(sorted(out.items()))
+
+
+def ns_seconds(mcfg, st: StageFacts, lay, models: int, cluster, sh_rank: int = 0) -> float:
+    """Seconds of this rank's Newton-Schulz GEMMs per step, in the dtype of the optimizer's master weights
+    (float64 runs in float64, the rest in float32), at the cluster's GEMM rates (planner/gpu.py's shape model
+    on a GPU cluster, else the sustained rate)."""
+    f64 = not lay.amp and mcfg.dtype == "float64"
+    peak = (cluster.tflops_fp64 if f64 else cluster.tflops_fp32) * 1e12
+    calls = [g for (rows, cols), n in owner_matrices(st, lay, models, sh_rank)
+             for g in gemms(rows, cols, lay.muon_ns_steps, n)]
+    if not plan_gpu.enabled(cluster):
+        return plan_gpu.gemm_flops(calls) / peak
+    bw = cluster.mem_bw_gbs * 1e9
+    return sum(c * plan_gpu.gemm_s(m, k, n, peak, 8 if f64 else 4, cluster.gemm_half_dim, cluster.gemm_eff_max, bw,
+                                   cluster.launch_us * 1e-6, b) for c, m, k, n, b in calls)
+
+
+def optimizer_seconds(mcfg, st: StageFacts, lay, models: int, cluster, k_bytes: int, sh_rank=None) -> float:
+    """Seconds of the optimizer step on this rank (the busiest owner when sh_rank is None): its element-wise work
+    over the owned elements (cluster.optimizer_ns, measured in float32: k_bytes / 8 of it) and its Newton-Schulz
+    GEMMs."""
+    sharded = lay.sh > 1 and lay.zstage >= 1
+    ranks = [sh_rank or 0] if sh_rank is not None or not sharded else range(lay.sh)
+
+    def one(r) -> float:
+        own = owned(st, lay, models, r) if sharded else st.psi * models
+        return cluster.optimizer_ns * 1e-9 * own * k_bytes / 8 + ns_seconds(mcfg, st, lay, models, cluster, r)
+    # the search asks for the same figure for many layouts (every schedule, micro-batch size, recompute mode)
+    key = ("muon seconds", models, lay.sh if sharded else 1, lay.partition, sh_rank if sharded else 0, k_bytes,
+           lay.muon_ns_steps, lay.amp, mcfg.dtype, tuple(vars(cluster).values()))
+    return memoised(st, key, lambda: max(one(r) for r in ranks))
