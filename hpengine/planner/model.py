@@ -59,6 +59,13 @@ def traffic(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, sh_ran
         out[lay.grad_group] = {"allreduce": (owned(st, lay, M, sh_rank) - experts) * g + losses}
         if lay.dp // lay.ep > 1 and experts:
             out["ep-dp"] = {"allreduce": experts * g}
+    if plan_muon.runs(lay):     # each Newton-Schulz owner's results, shared over the replicas (in the masters' dtype)
+        dense, expert = plan_muon.owned_elements(st, lay, M, sh_rank)
+        master = 4 if lay.amp else item
+        if lay.dp * lay.cp > 1 and dense:
+            out[lay.grad_group]["allgather"] = dense * master
+        if lay.dp // lay.ep > 1 and expert:
+            out["ep-dp"]["allgather"] = expert * master
     if lay.ep > 1:
         out["ep"] = {"allreduce": F64 * M, "alltoallv": plan_moe.alltoall_bytes(mcfg, st, lay, item)}
     if lay.cp > 1:          # the ring's (or all-gather's) k, v on the cp communicator, beside the gradient sum

@@ -72,6 +72,25 @@ def _owner_matrices(st: StageFacts, lay, models: int, sh_rank) -> tuple:
     return tuple(sorted(out.items()))
 
 
+def owned_elements(st: StageFacts, lay, models: int, sh_rank=None) -> tuple[int, int]:
+    """(dense, expert) elements of the Muon tensors of the owned range as this rank holds them (tp and ep slices):
+    what the owners' results share over the replicas (dp x cp; experts: ep-dp) each step. sh_rank None: the
+    sharding owner with the most."""
+    sharded = lay.sh > 1 and lay.zstage >= 1
+    ranks = [sh_rank or 0] if sh_rank is not None or not sharded else range(lay.sh)
+    sizes = st.sizes(models)
+    shapes = [m for _ in range(models) for m in st.muon]
+    best = (0, 0)
+    for r in ranks:
+        rng, at, dense, expert = (_partition(sizes, lay.sh, lay.partition)[r] if sharded else None), 0, 0, 0
+        for n, m in zip(sizes, shapes):
+            if m is not None and (rng is None or rng.start <= at < rng.stop):
+                dense, expert = (dense, expert + n) if m[3] else (dense + n, expert)
+            at += n
+        best = max(best, (dense, expert), key=sum)
+    return best
+
+
 def ns_seconds(mcfg, st: StageFacts, lay, models: int, cluster, sh_rank: int = 0) -> float:
     """Seconds of this rank's Newton-Schulz GEMMs per step, in the dtype of the optimizer's master weights
     (float64 runs in float64, the rest in float32), at the cluster's GEMM rates (planner/gpu.py's shape model

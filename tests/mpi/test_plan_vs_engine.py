@@ -160,6 +160,10 @@ LAYOUTS = [
     ("muon_sharding2", ANY, SH + [S + "sharding.stage=2", "optim.name=muon"]),
     ("muon_pp2_dp_amp", EVEN, PP2 + DP + [S + "pipeline.micro_batches=2", "optim.name=muon", S + "amp.enable=true",
                                           "model.dtype=float32"]),
+    # ... and each owner's Newton-Schulz results shared over the replicas: dp, and the experts' ep-dp
+    ("muon_dp", ANY, DP + ["optim.name=muon"]),
+    ("muon_ep_dp4_ep2", lambda n: n == 4, MOE + DP + ["optim.name=muon", S + "expert_parallel.enable=true",
+                                                     S + "expert_parallel.degree=2"]),
     ("zb_pp4_zbv", lambda n: n == 4, [S + "pipeline.enable=true", S + "pipeline.degree=4", S + "pipeline.micro_batches=8",
                                       S + "pipeline.schedule=zbv", "model.n_layers=8"]),
 ]
