@@ -57,7 +57,7 @@ def _owner_matrices(st: StageFacts, lay, models: int, sh_rank) -> tuple:
             at += n
     out = collections.Counter()
     for expert, replicas in ((False, lay.dp * lay.cp), (True, max(1, lay.dp // lay.ep))):
-        items = [m for m, held in zip(shapes, mine) if m is not None and held and m[3] == expert]
+        items = [m for m, held in zip(shapes, mine) if m is not None and held and _split(m, lay) == expert]
         if not items:
             continue
         work = [ns_work((count, rows, cols)) for count, rows, cols, _ in items]
@@ -85,10 +85,15 @@ def owned_elements(st: StageFacts, lay, models: int, sh_rank=None) -> tuple[int,
         rng, at, dense, expert = (_partition(sizes, lay.sh, lay.partition)[r] if sharded else None), 0, 0, 0
         for n, m in zip(sizes, shapes):
             if m is not None and (rng is None or rng.start <= at < rng.stop):
-                dense, expert = (dense, expert + n) if m[3] else (dense + n, expert)
+                dense, expert = (dense, expert + n) if _split(m, lay) else (dense + n, expert)
             at += n
         best = max(best, (dense, expert), key=sum)
     return best
+
+
+def _split(m, lay) -> bool:
+    """Whether a Muon matrix is a routed expert stack split over ep ranks (its work divided over ep-dp)."""
+    return m[3] and lay.ep > 1
 
 
 def ns_seconds(mcfg, st: StageFacts, lay, models: int, cluster, sh_rank: int = 0) -> float:
