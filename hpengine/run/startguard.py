@@ -42,12 +42,22 @@ def _on_sigint(signum, frame):
         return
     world = sys.modules["mpi4py.MPI"].COMM_WORLD
     if _state["caught"] or world.Get_size() == 1:
+        if swallowed(frame):      # raised here it would be printed and dropped: deliver it again once out of it
+            os.kill(os.getpid(), signal.SIGINT)
+            return
         raise KeyboardInterrupt
     # nobody would catch it yet: this rank would exit alone and leave its peers in a collective
     sys.stderr.write(f"hpengine: rank {world.Get_rank()} of {world.Get_size()}: interrupted while starting; "
                      "aborting the job\n")
     sys.stderr.flush()
     world.Abort(130)
+
+
+def swallowed(frame) -> bool:
+    """Whether an exception raised in `frame` would be printed as "Exception ignored" and dropped: a weakref
+    callback or a finalizer, which the interpreter runs between two bytecodes of other code."""
+    code = frame.f_code if frame is not None else None
+    return code is not None and (code.co_name == "__del__" or code.co_filename.endswith(("weakref.py", "_weakrefset.py")))
 
 
 def caught() -> None:

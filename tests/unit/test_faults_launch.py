@@ -14,8 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+from mpi4py import MPI  # noqa: F401 - MPI up: the start-up handler's raising path
 
 from hpengine.config.load import load_config
+from hpengine.run import startguard
 from hpengine.run.train import train
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -227,3 +229,25 @@ def test_resume_leaves_each_step_once_in_metrics(tmp_path, small_corpus):
     s = train(load_config(None, base + ["train.steps=7"]), resume=str(step3))   # a crash after step 3
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 8)) and s["stopped_early"] is None     # after step 3 comes step 4, once
+
+
+def test_an_interrupt_inside_a_weakref_callback_is_delivered_again_not_dropped(monkeypatch):
+    """Raised inside a weakref callback or a finalizer, a KeyboardInterrupt is printed as "Exception ignored" and
+    lost: there the handler sends SIGINT to the process again (handled once out of the callback) instead."""
+    frames = {}
+    for name, path in (("remove", "/usr/lib/python3.11/weakref.py"), ("__del__", "/x/data.py"),
+                       ("step", "/x/engine.py")):
+        code = compile(f"def {name}():\n    return sys._getframe()\n", path, "exec")
+        scope = {"sys": sys}
+        exec(code, scope)
+        frames[name] = scope[name]()
+    sent = []
+    monkeypatch.setattr(startguard.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    monkeypatch.setitem(startguard._state, "caught", True)
+    for name in ("remove", "__del__"):
+        assert startguard.swallowed(frames[name])
+        startguard._on_sigint(signal.SIGINT, frames[name])
+    assert sent == [(os.getpid(), signal.SIGINT)] * 2
+    assert not startguard.swallowed(frames["step"]) and not startguard.swallowed(None)
+    with pytest.raises(KeyboardInterrupt):
+        startguard._on_sigint(signal.SIGINT, frames["step"])
