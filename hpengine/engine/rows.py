@@ -28,8 +28,9 @@ class RowReader:
         return self.shared(read, self.share, self.seq_len, lambda: read(tokens=False))
 
     def norm(self, split: str, step: int, seed: int) -> float:
-        """The loss divisor of the global batch of `step`: its counted targets (the same on every rank)."""
-        return float(self.data.counted(split, step, seed, self.global_batch))
+        """The loss divisor of the global batch of `step`: its counted targets (the same on every rank); 1 when
+        the mask counts none (documents of one token each), whose loss and gradients are then 0, not NaN."""
+        return float(max(1, self.data.counted(split, step, seed, self.global_batch)))
 
     def shared(self, read, rows: int, T: int, documents=None) -> Batch:
         """The Batch `read()` returns, read by tp rank 0 of a stage that computes on rows and broadcast to the
