@@ -60,3 +60,14 @@ def assert_resumes_like(cfg, comm, root, straight, at=2, steps=2):
     losses = [eng.train_step(s)["loss"] for s in range(at, at + steps)]
     assert_same(losses, straight[0][at:, 0])
     assert_same_params(eng.named_params(), straight[1])
+
+
+def same_as_one_process(corpus, world, *extra, model=(), ref_extra=()):
+    """Train cfg(model + extra) on world and the one-process run (model + ref_extra): the same losses, gradient
+    norms and parameters to 1e-10. Returns the distributed run's engine."""
+    losses, params, eng = run(config(corpus, *model, *extra), world)
+    ref_l, ref_p, ref = reference(corpus, *model, *ref_extra)
+    assert_same(losses, ref_l)
+    assert_same(np.array(eng.grad_norms), np.array(ref.grad_norms))
+    assert_same_params(params, ref_p)
+    return eng

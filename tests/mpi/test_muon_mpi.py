@@ -1,11 +1,10 @@
 """Muon trains exactly like the one-process Muon run (float64, 5 steps, rtol 1e-10 on losses, gradient norms and
 every parameter) under every layout whose owners hold whole tensors: data parallel, sharding stages 1-3 (tensor
 partition), the pipeline; a checkpoint written under sharding or tp 2 loads under another layout and continues exactly."""
-import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import LLAMA, assert_same, assert_same_params, config, need, reference, run
+from helpers import LLAMA, assert_same, assert_same_params, config, need, run, same_as_one_process
 from hpengine.run.build import build
 from hpengine.run.train import restore, save_state
 
@@ -14,20 +13,13 @@ MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=
 MODELS = {"dense": MUON, "moe": MUON + MOE}
 
 
-def _same_as_one_process(corpus, world, *extra, model=MUON, ref_extra=()):
-    losses, params, eng = run(config(corpus, *model, *extra), world)
-    ref_l, ref_p, ref = reference(corpus, *model, *ref_extra)
-    assert_same(losses, ref_l)
-    assert_same(np.array(eng.grad_norms), np.array(ref.grad_norms))
-    assert_same_params(params, ref_p)
-    return eng
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_data_parallel(corpus, world, kind):
     n = world.Get_size()
     need(n > 1, "data parallel needs >= 2 ranks")
-    _same_as_one_process(corpus, world, "strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n}",
+    same_as_one_process(corpus, world, "strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n}",
                          model=MODELS[kind])
 
 
@@ -36,7 +28,7 @@ def test_data_parallel(corpus, world, kind):
 def test_sharding(corpus, world, stage, kind):
     n = world.Get_size()
     need(n > 1, "sharding needs >= 2 ranks")
-    eng = _same_as_one_process(corpus, world, "strategy.sharding.enable=true", f"strategy.sharding.degree={n}",
+    eng = same_as_one_process(corpus, world, "strategy.sharding.enable=true", f"strategy.sharding.degree={n}",
                                f"strategy.sharding.stage={stage}", "model.tie_head=true", model=MODELS[kind],
                                ref_extra=["model.tie_head=true"])
     assert eng.sync.owned.size < eng.layout.total        # each rank updates its own tensors only
@@ -46,10 +38,10 @@ def test_sharding(corpus, world, stage, kind):
 def test_pipeline(corpus, world, schedule):
     n = world.Get_size()
     need(n in (2, 4), "pp 2 (x dp 2) needs 2 or 4 ranks")
-    _same_as_one_process(corpus, world, "model.tie_head=true", "strategy.pipeline.enable=true",
+    same_as_one_process(corpus, world, "model.tie_head=true", "strategy.pipeline.enable=true",
                          "strategy.pipeline.degree=2", "strategy.pipeline.micro_batches=2",
                          f"strategy.pipeline.schedule={schedule}", "strategy.data_parallel.enable=true",
-                         "strategy.data_parallel.degree=-1", ref_extra=["model.tie_head=true"])
+                         "strategy.data_parallel.degree=-1", model=MUON, ref_extra=["model.tie_head=true"])
 
 
 def _layouts(n: int) -> dict:

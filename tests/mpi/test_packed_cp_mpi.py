@@ -3,6 +3,9 @@ gpt and llama, cp 2 with data parallel and with tensor parallel train exactly li
 steps, rtol 1e-10); the leak test through the engine's forward at cp 2 (changing every token of one document
 changes no logit of another, bit for bit, and the logits are one process's) and the start-up line on the cp
 ranks' attention work."""
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -10,11 +13,13 @@ from mpi4py import MPI
 from helpers import LLAMA, assert_same, assert_same_params, config, need, run
 from hpengine.config.load import load_config
 from hpengine.data.batch import Batch
-from hpengine.models.context import with_documents
 from hpengine.nn.context_split import head_tail_positions
 from hpengine.run.build import build
 from hpengine.run.runlog import cp_balance_line
 from test_packed_mpi import MASK, reference, short_docs  # noqa: F401 - the fixture, used by name
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from test_packed import logits  # noqa: E402 - the engine's forward to the logits, beside the unit packing tests
 
 S = "strategy."
 MODELS = {"gpt": ["model.n_heads=4"], "llama": LLAMA}
@@ -75,20 +80,6 @@ def packed(tokens):
     return Batch(tokens, np.roll(tokens, -1, axis=1), pos, seg, mask)
 
 
-def logits(eng, batch):
-    """The head's logits of this rank's positions (forward through the engine's blocks)."""
-    slot, m = eng.slots[0], eng.slots[0].model
-    ctx = with_documents(eng.ctx, batch)
-    h = None
-    for name in slot.chunks[0]:
-        blk = slot.block(name)
-        if blk.kind == "embed":
-            h, _ = m.embed_forward(np, eng._P(slot, name), batch.tokens, ctx)
-        elif blk.kind == "layer":
-            h, _ = m.layer_forward(np, eng._P(slot, name), blk.layer, h, ctx)
-        else:
-            return m.head_logits(np, eng._P(slot, name), h)
-    raise AssertionError("no head")
 
 
 @pytest.mark.parametrize("how", ["ring", "allgather"])
