@@ -58,9 +58,7 @@ def _validate_qk_clip(cfg: Config) -> None:
     for bad, why in ((cfg.optim.name != "muon", f"optim.name = 'muon' (got {cfg.optim.name!r}): MuonClip is Muon's"),
                      (cfg.model.qk_norm, "model.qk_norm = false: the q/k norms would undo a "
                       "per-head scale of the q and k weights, and their weights are shared by every head"),
-                     (cfg.train.models > 1, f"train.models = 1 (got {cfg.train.models})"),
-                     (cfg.data.document_mask, "data.document_mask = false so far: its largest logits are measured "
-                      "over the causal pairs, not yet within each packed document")):
+                     (cfg.train.models > 1, f"train.models = 1 (got {cfg.train.models})")):
         if bad:
             raise ConfigError(f"optim.muon_qk_clip = {cfg.optim.muon_qk_clip} needs {why}; or set it to 0")
 

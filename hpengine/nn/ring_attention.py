@@ -132,17 +132,18 @@ def merge_partials(xp, o, lse, o2, lse2):
 
 
 def _tile_forward(xp, qt, kt, vt, mask, n):
-    # one tile: -> o (B, K, g*n, hd) normalised over its keys, lse (B, K, g*n)
+    # one tile: -> o (B, K, g*n, hd) normalised over its keys, lse (B, K, g*n), and each row's largest visible
+    # score (B, K, g*n, 1) (-inf for a row that sees no key of the tile), which MuonClip reads
     s = _masked_scores(xp, qt, kt, mask, n)
-    mx = s.max(axis=-1, keepdims=True)
-    mx = _safe(xp, mx, xp.isneginf(mx), 0.0)        # a row with no visible key: exp(-inf - 0) = 0
+    row_max = s.max(axis=-1, keepdims=True)
+    mx = _safe(xp, row_max, xp.isneginf(row_max), 0.0)      # a row with no visible key: exp(-inf - 0) = 0
     s -= mx
     p = xp.exp(s, out=s)
     lsum = p.sum(axis=-1, keepdims=True)
     empty = lsum == 0
     ls = _safe(xp, lsum, empty, 1.0)
     o = xp.matmul(p, vt) / ls
-    return o, _safe(xp, mx + xp.log(ls), empty, -xp.inf)[..., 0]
+    return o, _safe(xp, mx + xp.log(ls), empty, -xp.inf)[..., 0], row_max
 
 
 def _scale(hd, scale):
@@ -176,17 +177,20 @@ def _block_segments(q_seg, k_seg, B, Tq, Tk):
     return qs, ks
 
 
-def block_forward(xp, q, k, v, q_pos, k_pos, scale=None, q_seg=None, k_seg=None):
+def block_forward(xp, q, k, v, q_pos, k_pos, scale=None, q_seg=None, k_seg=None, logit_max=False):
     """Attention of the queries over one block of keys: q (B, H, Tq, hd), k, v (B, K, Tk, hd), q_pos
     (Tq,), k_pos (Tk,) global positions -> o (B, H, Tq, hd) normalised over this block's visible keys and
     lse (B, H, Tq), in accumulate_dtype; a row that sees none of the block has o = 0, lse = -inf. The scores
     are scale * q k^T, scale 1/sqrt(hd) unless given (1.0 for a q already scaled). q_seg (B, Tq), k_seg
     (B, Tk): each token's document in its row (packed documents; None: one per row), a query sees only keys
-    of its own; a tile no query-key pair of one document spans is skipped."""
+    of its own; a tile no query-key pair of one document spans is skipped. logit_max: also return each head's
+    largest score over the visible pairs (H,) (-inf for a head that sees none), taken from the tiles' row maxima
+    the softmax forms anyway (MuonClip's measurement)."""
     B, H, Tq, hd, K, Tk, g, ct, sc, qp, kp = _block_facts(q, k, q_pos, k_pos, scale)
     qs, ks = _block_segments(q_seg, k_seg, B, Tq, Tk)
     o5 = xp.zeros((B, K, g, Tq, hd), dtype=ct)
     lse5 = xp.full((B, K, g, Tq), -xp.inf, dtype=ct)
+    best = xp.full((K, g), -xp.inf, dtype=ct) if logit_max else None
     q5 = q.reshape(B, K, g, Tq, hd)
     kruns = _runs(kp)
     for a, b in _runs(qp):
@@ -196,13 +200,16 @@ def block_forward(xp, q, k, v, q_pos, k_pos, scale=None, q_seg=None, k_seg=None)
                 continue
             if qt is None:
                 qt = _rows(q5, a, b, ct) * sc
-            part = _tile_forward(xp, qt, k[:, :, c:d].astype(ct), v[:, :, c:d].astype(ct),
-                                 _tile_mask(xp, qp, kp, qs, ks, a, b, c, d), b - a)
+            *part, row_max = _tile_forward(xp, qt, k[:, :, c:d].astype(ct), v[:, :, c:d].astype(ct),
+                                           _tile_mask(xp, qp, kp, qs, ks, a, b, c, d), b - a)
             acc = part if acc is None else merge_partials(xp, *acc, *part)
+            if best is not None:
+                best = xp.maximum(best, row_max.reshape(B, K, g, b - a).max(axis=(0, 3)))
         if acc is not None:
             o5[:, :, :, a:b] = acc[0].reshape(B, K, g, b - a, hd)
             lse5[:, :, :, a:b] = acc[1].reshape(B, K, g, b - a)
-    return o5.reshape(B, H, Tq, hd), lse5.reshape(B, H, Tq)
+    out = o5.reshape(B, H, Tq, hd), lse5.reshape(B, H, Tq)
+    return out if best is None else (*out, best.reshape(H))
 
 
 def softmax_delta(xp, o, do):

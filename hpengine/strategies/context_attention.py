@@ -39,7 +39,9 @@ def _qkv_heads(qkv, H):
 # flash-style (online softmax, row log-sum-exp kept, no T x T probabilities), so it serves the standard and
 # the flash path alike; the model's local core is not called. Rotary tables are read at the global positions.
 # Packed documents: for_documents hands a micro-batch's segments (this rank's part of each row) to a copy of
-# the part, and the drivers mask by them too (keys carry theirs round the ring or in the all-gather).
+# the part, and the drivers mask by them too (keys carry theirs round the ring or in the all-gather). MuonClip's
+# largest logits (logits=) come from the drivers' own scores, over this rank's queries and every visible key; the
+# max over the cp ranks is the clip's (optim/qk_clip.py reduces over every rank).
 class ContextAttention(LocalAttn):
     """ctx.attn under context parallelism: comm the cp communicator, how ("ring" or "allgather"), T the whole
     sequence length; this rank holds the tokens at head_tail_positions(T, cp, comm.rank)."""
@@ -74,21 +76,25 @@ class ContextAttention(LocalAttn):
             raise ValueError(f"context parallel attention got {n} positions per sequence; this rank holds "
                              f"{self.positions.size} (seq_len / cp)")
 
-    def grouped_forward(self, xp, core, q, k, v, scale=None):
+    def grouped_forward(self, xp, core, q, k, v, scale=None, logits=None):
         self._check(q.shape[2])
         pos, seg = self.positions, self.segments
-        o, cache = self.forward(xp, self.comm, q, k, v, pos, pos, scale, seg, seg)
+        o, cache, *best = self.forward(xp, self.comm, q, k, v, pos, pos, scale, seg, seg, logits is not None)
+        if logits is not None:
+            logits(*best)
         return _merge_heads(xp, o), cache
 
     def grouped_backward(self, xp, core_backward, dy, cache):
         H = cache[0].shape[1]              # both drivers' caches start with q (B, H, T, hd)
         return self.backward(xp, self.comm, _as_heads(dy, H), cache)
 
-    def fused_forward(self, xp, core, qkv, n_heads):
+    def fused_forward(self, xp, core, qkv, n_heads, logits=None):
         q, k, v = _qkv_heads(qkv, n_heads)
         self._check(q.shape[2])
         pos, seg = self.positions, self.segments
-        o, cache = self.forward(xp, self.comm, q, k, v, pos, pos, None, seg, seg)
+        o, cache, *best = self.forward(xp, self.comm, q, k, v, pos, pos, None, seg, seg, logits is not None)
+        if logits is not None:
+            logits(*best)
         return _merge_heads(xp, o), (cache, qkv.shape)
 
     def fused_backward(self, xp, core_backward, dy, cache):
