@@ -1,8 +1,8 @@
 """Packed documents (data.document_mask = true) under context parallelism: cp 2 and cp 4, ring and all-gather,
-gpt and llama, cp 2 with data parallel and with tensor parallel train exactly like one process (float64, 5
-steps, rtol 1e-10), each document split head-tail over the cp ranks; the leak test through the engine's
-forward at cp 2 (changing every token of one document changes no logit of another, bit for bit, and the
-logits are one process's) and the start-up line on the cp ranks' attention work."""
+gpt and llama, cp 2 with data parallel, tensor parallel, a pipeline, gradient merge and recompute train
+exactly like one process (float64, 5 steps, rtol 1e-10), each document split head-tail over the cp ranks; the
+leak test through the engine's forward at cp 2 (changing every token of one document changes no logit of
+another, bit for bit, and the logits are one process's) and the start-up line on the cp ranks' work."""
 import sys
 from pathlib import Path
 
@@ -40,6 +40,10 @@ LAYOUTS = {   # name -> (world size, model overrides, layout overrides)
     "cp2_tp2": (4, [], cp(2, "ring", S + "tensor_parallel.enable=true", S + "tensor_parallel.degree=2")),
     "cp2_tp2_sp": (4, [], cp(2, "allgather", S + "tensor_parallel.enable=true", S + "tensor_parallel.degree=2",
                              S + "tensor_parallel.sequence_parallel=true")),
+    "cp2_pp2": (4, ["model.n_layers=4"], cp(2, "ring", S + "pipeline.enable=true", S + "pipeline.degree=2",
+                                           S + "pipeline.schedule=1f1b", S + "pipeline.micro_batches=4")),
+    "cp2_merge_recompute": (2, [], cp(2, "allgather", S + "gradient_merge.enable=true", S + "gradient_merge.k_steps=2",
+                                      S + "recompute.enable=true")),
 }
 
 
