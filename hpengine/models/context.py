@@ -121,9 +121,10 @@ class LocalAttn:
         # dy: (B, T, H*hd) -> dqkv: (B, T, H*3*hd) head-major
         return core_backward(xp, dy, cache)
 
-    def for_documents(self, segments):
-        """This part for a micro-batch that packs documents (segments (B, T) device ints): the local cores take
-        them from ctx.docs themselves; the largest logits are measured within each document."""
+    def for_documents(self, segments, positions=None):
+        """This part for a micro-batch that packs documents (segments, positions within documents, (B, T)
+        device ints or None): the local cores take them from ctx.docs themselves; the largest logits are measured
+        within each document."""
         part = copy.copy(self)
         part.segments = segments
         return part
@@ -204,7 +205,7 @@ def with_documents(ctx: Context, batch) -> Context:
     """ctx handing the layers a data.Batch's documents; ctx itself when the batch holds only their defaults."""
     if batch.defaults_only():
         return ctx
-    attn = ctx.attn if batch.segments is None else ctx.attn.for_documents(batch.segments)
+    attn = ctx.attn if batch.segments is None else ctx.attn.for_documents(batch.segments, batch.positions)
     return replace(ctx, docs=Documents(batch.segments, batch.positions, batch.loss_mask), attn=attn)
 
 

@@ -76,7 +76,8 @@ def _segment_pair(q_seg, k_seg):
 def ring_attention_forward(xp, comm: CPComm, q, k, v, q_pos, k_pos, scale=None, q_seg=None, k_seg=None,
                            logit_max=False):
     """Causal attention of this rank's q (B, H, Tq, hd) over every rank's keys: k, v (B, K, Tk, hd) and
-    k_pos (Tk,) are this rank's, q_pos (Tq,) its queries' global positions (host ints). cp steps; at each
+    k_pos (Tk,) are this rank's, q_pos (Tq,) its queries' global positions (host ints; or (B, Tk), (B, Tq)
+    per row: packed documents split per document, positions within each document). cp steps; at each
     the block held goes on to the next rank (Isend/Irecv posted before it is attended, so the transfer
     overlaps the compute) -> o (B, H, Tq, hd) in q's dtype, cache. q_seg (B, Tq), k_seg (B, Tk): packed
     documents' segments (None: one document per row), which go round with the keys; a block with no
@@ -86,7 +87,7 @@ def ring_attention_forward(xp, comm: CPComm, q, k, v, q_pos, k_pos, scale=None, 
     nxt, prv = (r + 1) % cp, (r - 1) % cp
     qp = host_positions(q_pos)
     qs, seg = _segment_pair(q_seg, k_seg)
-    blk, pos = _pack(xp, k, v), host_positions(k_pos)      # one contiguous message per step
+    blk, pos = _pack(xp, k, v), np.ascontiguousarray(host_positions(k_pos))      # one message each per step
     o = lse = best = None
     seen = []                                               # (positions, segments) of the block held at each step
     for step in range(cp):
@@ -175,10 +176,10 @@ def allgather_attention_forward(xp, comm: CPComm, q, k, v, q_pos, k_pos, scale=N
     kv = recv.reshape(2, B, K, cp * Tk, hd)
     qs, ks = _segment_pair(q_seg, k_seg)
     if ks is None:
-        pos = np.concatenate([host_positions(p) for p in comm.allgather_obj(host_positions(k_pos).tolist())])
+        pos = np.concatenate([host_positions(p) for p in comm.allgather_obj(host_positions(k_pos).tolist())], axis=-1)
     else:
         got = comm.allgather_obj((host_positions(k_pos).tolist(), ks.tolist()))
-        pos = np.concatenate([host_positions(p) for p, _ in got])
+        pos = np.concatenate([host_positions(p) for p, _ in got], axis=-1)
         ks = np.concatenate([host_segments(s).reshape(ks.shape) for _, s in got], axis=1)
     qp = host_positions(q_pos)
     o, lse, *best = block_forward(xp, q, kv[0], kv[1], qp, pos, scale, qs, ks, logit_max)
