@@ -12,6 +12,8 @@ from hpengine.layout.cache import cache_nbytes
 from hpengine.nn import score_elements
 from hpengine.nn.gqa import gqa_attention_backward, gqa_attention_forward
 from hpengine.nn.mla import MLADims, mla_backward, mla_cache_bytes, mla_drop_scores, mla_forward, mla_restore_scores
+from hpengine.nn.mla_decode import (LatentCache, expanded_cache_bytes_per_token, mla_cache_bytes_per_token,
+                                    mla_decode)
 from hpengine.nn.rope import rope_tables
 from test_layers import numgrad  # central differences (tests/unit/test_layers.py)
 from test_llama_layers import assert_close_grad
@@ -188,3 +190,32 @@ def test_gqa_value_width_differs(H, K, hd, dv):
     for a, g, name in zip((q, k, v), grads, "qkv"):
         assert g.shape == a.shape
         assert_close_grad(numgrad(f, a), g, f"gqa d{name}")
+
+
+# ------------------------------------------------------------------------------ decoding
+
+@pytest.mark.parametrize("q_lora_rank", [4, 0])
+def test_mla_decode_equals_forward_and_caches_the_latent(q_lora_rank):
+    """A prompt of 3 positions, then one position at a time: each step's rows equal the full forward's."""
+    r = np.random.default_rng(8)
+    T, C, d = 7, 6, dims(q_lora_rank, mscale=1.2)
+    x, W = r.standard_normal((1, T, C)), weights(r, d, C)
+    cos, sin = tables(T, d)
+    want, _ = mla_forward(np, x, W, d, cos, sin)
+    cache = LatentCache(np, T, d, np.float64)
+    got = [mla_decode(np, x[:, :3], W, d, cos[:3], sin[:3], cache, 0)]
+    got += [mla_decode(np, x[:, t:t + 1], W, d, cos[t:t + 1], sin[t:t + 1], cache, t) for t in range(3, T)]
+    np.testing.assert_allclose(np.concatenate(got, axis=1), want, rtol=1e-11, atol=1e-12)
+    # the cache holds the latent and the rotary key only: (4 + 4) numbers per position, not 2 heads x (7 + 2)
+    assert cache.latent.nbytes + cache.rope_key.nbytes == T * mla_cache_bytes_per_token(d, 1, 8) == T * 8 * 8
+    assert expanded_cache_bytes_per_token(d, 1, 8) == 2 * (7 + 2) * 8
+    assert mla_cache_bytes_per_token(d, 61, 2) == 61 * 8 * 2
+
+
+def test_cache_bytes_deepseek_v3():
+    """DeepSeek-V3 (61 layers, 128 heads, kv_lora_rank 512, rope key 64, q/k 192 and v 128 wide) in bfloat16:
+    70,272 bytes per token against 4,997,120 for expanded keys and values."""
+    d = MLADims(n_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                v_head_dim=128)
+    assert mla_cache_bytes_per_token(d, 61, 2) == 70272
+    assert expanded_cache_bytes_per_token(d, 61, 2) == 4997120
