@@ -14,6 +14,7 @@ from hpengine.nn.gqa import gqa_attention_backward, gqa_attention_forward
 from hpengine.nn.mla import MLADims, mla_backward, mla_cache_bytes, mla_drop_scores, mla_forward, mla_restore_scores
 from hpengine.nn.mla_decode import (LatentCache, expanded_cache_bytes_per_token, mla_cache_bytes_per_token,
                                     mla_decode)
+from hpengine.nn.numerics import Numerics
 from hpengine.nn.rope import rope_tables
 from test_layers import numgrad  # central differences (tests/unit/test_layers.py)
 from test_llama_layers import assert_close_grad
@@ -219,3 +220,25 @@ def test_cache_bytes_deepseek_v3():
                 v_head_dim=128)
     assert mla_cache_bytes_per_token(d, 61, 2) == 70272
     assert expanded_cache_bytes_per_token(d, 61, 2) == 4997120
+
+
+@pytest.mark.parametrize("bits", [False, True])
+def test_mla_under_bf16_operands_stays_near_float32(bits):
+    """num= reaches every GEMM and the core: bfloat16 operands move the results by about bfloat16's precision
+    (not zero: the policy took effect), and packed bits come back as float32 outputs and gradients."""
+    r = np.random.default_rng(9)
+    B, T, C, d = 2, 6, 6, dims(4)
+    x = r.standard_normal((B, T, C)).astype(np.float32)
+    W = {n: a.astype(np.float32) for n, a in weights(r, d, C).items()}
+    cos, sin = (a.astype(np.float32) for a in tables(T, d))
+    dy = r.standard_normal((B, T, C)).astype(np.float32)
+    out = []
+    for num in (Numerics(), Numerics(bf16=True, bits=bits)):
+        y, cache = mla_forward(np, x, W, d, cos, sin, num=num)
+        G = {n: np.zeros_like(a) for n, a in W.items()}
+        dx = mla_backward(np, dy, cache, W, G, d, cos, sin, num=num)
+        assert y.dtype == dx.dtype == np.float32
+        out.append([y, dx] + [G[n] for n in sorted(G)])
+    for a, b in zip(*out):
+        err = np.abs(a - b).max() / np.abs(a).max()
+        assert 1e-5 < err < 5e-2, err
