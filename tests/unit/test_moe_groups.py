@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hpengine.config.load import ConfigError, load_config
+from hpengine.models.hf_llama import export_refusal
 from hpengine.nn.moe import experts_backward, experts_forward, router_backward, router_forward
 from test_layers import numgrad  # central differences (tests/unit/test_layers.py)
 from test_moe_layers import assert_close_grad, expert_weights
@@ -205,3 +206,13 @@ def test_config_refuses_in_one_line(keys, msg):
 def test_config_accepts_deepseek_routing():
     m = load_config(None, [*MOE, "model.moe.n_groups=4", "model.moe.topk_groups=2", "model.moe.routed_scaling=2.5"]).model
     assert (m.moe.n_groups, m.moe.topk_groups, m.moe.routed_scaling) == (4, 2, 2.5)
+
+
+@pytest.mark.parametrize("keys,what", [(["model.moe.n_groups=4", "model.moe.topk_groups=2"], "topk_groups"),
+                                       (["model.moe.routed_scaling=2.5"], "routed_scaling = 1")])
+def test_mixtral_and_qwen3_exports_refuse_deepseek_routing(keys, what):
+    base = [k for k in MOE if "router" not in k]
+    for extra in ([], ["model.qk_norm=true"]):          # Mixtral, Qwen3-MoE
+        mcfg = load_config(None, [*base, *extra, *keys]).model
+        assert what in export_refusal(mcfg)
+        assert export_refusal(load_config(None, [*base, *extra]).model) == ""
