@@ -11,7 +11,16 @@ import typing
 from typing import Any
 
 from hpengine.config.fields import is_section, show, table_item, toml_key, type_hints
-from hpengine.config.tree import Config, ConfigError, ModelConfig, MoEConfig, _kind_error, head_width, kind_keys
+from hpengine.config.tree import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    MoEConfig,
+    RopeScalingConfig,
+    _kind_error,
+    head_width,
+    kind_keys,
+)
 
 
 def ensure_valid(cfg: Config) -> None:
@@ -58,7 +67,10 @@ def _validate_qk_clip(cfg: Config) -> None:
     for bad, why in ((cfg.optim.name != "muon", f"optim.name = 'muon' (got {cfg.optim.name!r}): MuonClip is Muon's"),
                      (cfg.model.qk_norm, "model.qk_norm = false: the q/k norms would undo a "
                       "per-head scale of the q and k weights, and their weights are shared by every head"),
-                     (cfg.train.models > 1, f"train.models = 1 (got {cfg.train.models})")):
+                     (cfg.train.models > 1, f"train.models = 1 (got {cfg.train.models})"),
+                     ("mla" not in kind_keys(cfg.model.kind), f"per-head q and k weights (model.kind = "
+                      f"{cfg.model.kind!r} has multi-head latent attention, whose keys share one latent and rotary "
+                      "key: MuonClip is not built for it)")):
         if bad:
             raise ConfigError(f"optim.muon_qk_clip = {cfg.optim.muon_qk_clip} needs {why}; or set it to 0")
 
@@ -75,6 +87,8 @@ def _validate_model(m: ModelConfig) -> None:
                               ", or set model.head_dim to the width of a head" if "head_dim" not in off else ""))
     if "moe" not in off:
         _validate_moe(m)
+    if "mla" not in off:
+        _validate_mla(m)
     if "head_dim" in off:             # grouped-query heads and the rotary embedding's pairs
         return
     kv = m.n_kv_heads or m.n_heads
@@ -89,6 +103,16 @@ def _validate_model(m: ModelConfig) -> None:
         raise ConfigError(f"model.d_model / model.n_heads = {m.d_model} / {m.n_heads} = {hd} is odd: the rotary "
                           "embedding rotates pairs, so the head dimension must be even (or set an even "
                           "model.head_dim)")
+
+
+def _validate_mla(m: ModelConfig) -> None:
+    if m.mla.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.mla.qk_rope_head_dim = {m.mla.qk_rope_head_dim} is odd: the rotary embedding "
+                          "rotates pairs, so it must be even")
+    r = m.rope_scaling
+    if r.type == "none" and r != RopeScalingConfig():
+        raise ConfigError("model.rope_scaling keys are set but model.rope_scaling.type = 'none': set type = 'yarn', "
+                          "or remove the [model.rope_scaling] keys")
 
 
 def _validate_moe(m: ModelConfig) -> None:

@@ -282,7 +282,7 @@ def _check_expert_parallel(mc, res: Resolved) -> None:
     experts = capabilities(mc).experts
     if not experts:
         raise LayoutError(f"strategy.expert_parallel.degree = {res.ep} needs a model with routed experts "
-                          "(model.kind = 'llama' and model.moe.num_experts > 0)")
+                          "(model.kind = 'llama' or 'deepseek' and model.moe.num_experts > 0)")
     if experts % res.ep:
         raise LayoutError(f"strategy.expert_parallel.degree = {res.ep} must divide model.moe.num_experts = "
                           f"{experts}; valid: {[d for d in range(1, experts + 1) if experts % d == 0]}")

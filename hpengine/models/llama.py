@@ -167,7 +167,7 @@ class Llama:
         return 4 * tokens * self.T * self.hd * self.H // tp
 
     def specs(self, block: str) -> list[ParamSpec]:
-        C, std, hd = self.C, self.std, self.hd
+        C, std = self.C, self.std
         if block == "embed":
             return embed_specs(self.V, C, self.Vp)
         if block == "head":
@@ -181,12 +181,17 @@ class Llama:
                 ParamSpec(f"{p}.mlp.up.w", (C, self.F), tp_dim=1, std=std, block=p),
                 ParamSpec(f"{p}.mlp.down.w", (self.F, C), tp_dim=0, std=out_std, block=p)]
                if not self._routed(int(p.split(".")[1])) else self.moe.specs(p, C, std, out_std))
-        return [ParamSpec(f"{p}.attn_norm.w", (C,), decay=False, init="ones", block=p),
-                ParamSpec(f"{p}.attn.q.w", (C, self.H * hd), tp_dim=1, std=std, block=p),
+        return [ParamSpec(f"{p}.attn_norm.w", (C,), decay=False, init="ones", block=p)] + \
+            self._attention_specs(p, std, out_std) + [
+                ParamSpec(f"{p}.mlp_norm.w", (C,), decay=False, init="ones", block=p)] + mlp
+
+    def _attention_specs(self, p: str, std: float, out_std: float) -> list[ParamSpec]:
+        """Block p's attention weights: q, k, v, o and the q/k norms' (qk_norm)."""
+        C, hd = self.C, self.hd
+        return [ParamSpec(f"{p}.attn.q.w", (C, self.H * hd), tp_dim=1, std=std, block=p),
                 ParamSpec(f"{p}.attn.k.w", (C, self.K * hd), tp_dim=1, std=std, block=p),
                 ParamSpec(f"{p}.attn.v.w", (C, self.K * hd), tp_dim=1, std=std, block=p),
-                ParamSpec(f"{p}.attn.o.w", (self.H * hd, C), tp_dim=0, std=out_std, block=p)] + self._qk_specs(p) + [
-                ParamSpec(f"{p}.mlp_norm.w", (C,), decay=False, init="ones", block=p)] + mlp
+                ParamSpec(f"{p}.attn.o.w", (self.H * hd, C), tp_dim=0, std=out_std, block=p)] + self._qk_specs(p)
 
     def _qk_specs(self, p: str) -> list[ParamSpec]:
         """The q and k norms' weights (qk_norm): one (head_dim,) weight each, shared by all heads."""
@@ -219,6 +224,14 @@ class Llama:
         # keep_scores=False (selective recompute): the cache drops the attention probabilities, which
         # layer_backward rebuilds; flash attention keeps none anyway. loss: (norm, loss scale) of a training
         # pass, which an MoE layer's balancing losses need (models/moe_mlp.py); None when only inferring
+        o, c_a = self._attention_forward(xp, P, i, x, ctx, keep_scores, loss)
+        return self._mlp_forward(xp, P, i, o, ctx, loss, c_a)
+
+    # the attention's part of a layer's cache: its first ATTENTION_CACHE entries (the MLP's follow)
+    ATTENTION_CACHE = 5
+
+    def _attention_forward(self, xp, P, i, x, ctx, keep_scores, loss):
+        # x: (B, T, C) -> x + attention(rmsnorm(x)) (a new array), the attention's cache entries
         p, (B, T) = f"h.{i}", (x.shape[0], x.shape[1] * ctx.seq.parts)   # T: the whole sequence
         H, K, hd = P[f"{p}.attn.q.w"].shape[1] // self.hd, P[f"{p}.attn.k.w"].shape[1] // self.hd, self.hd
         cos, sin, qcos, qsin = self._tables_at(xp, x.dtype, ctx)
@@ -239,20 +252,25 @@ class Llama:
                                             logits=sink)
         o, c_o = row_forward(xp, ctx, a, P[f"{p}.attn.o.w"])
         o += x                  # o is ours: the residual sum needs no new array
+        return o, (c_n1, c_qkv, c_qk, c_att, c_o)
+
+    def _mlp_forward(self, xp, P, i, o, ctx, loss, c_a):
+        # o: (B, T, C), the attention's output with its residual -> o + mlp(rmsnorm(o)) (in place), the layer's cache
+        p = f"h.{i}"
         routed = self._routed(i)       # the router's logits are no bf16 GEMM: it reads float32
         h2s, c_n2 = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps,
                                     num=ctx.num.float32_out if routed else ctx.num)
         if routed:
             d, c_moe = self.moe.forward(xp, P, p, h2s, ctx, loss)
             o += d
-            return o, (c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_moe)
+            return o, c_a + (c_n2, c_moe)
         (g, u), c_gu = columns_forward(xp, ctx, h2s, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]), nums=(ctx.num,) * 2)
         del h2s
         m, c_sw = swiglu_forward(xp, g, u, ctx.num)
         d, c_d = row_forward(xp, ctx, m, P[f"{p}.mlp.down.w"])
         del m
         o += d
-        return o, (c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_gu, c_sw, linear_drop_input(c_d))
+        return o, c_a + (c_n2, c_gu, c_sw, linear_drop_input(c_d))
 
     def _attention_num(self, ctx):
         """The policy of the attention's inputs: bfloat16 (bits when packed) under bf16 amp for the grouped or
@@ -296,14 +314,18 @@ class Llama:
     def layer_backward(self, xp, dy, cache, P, G, i, ctx, defer=None):
         # dy: (B, T, C) -> dx: (B, T, C); defer: a list for the weight-gradient products (nn/deferred.py),
         # which read dy and the gradients below as made here: none of them is written after it is made
+        n = self.ATTENTION_CACHE
+        dx = self._mlp_backward(xp, dy, cache[n:], P, G, i, ctx, defer)
+        return self._attention_backward(xp, dx, cache[:n], P, G, i, ctx, defer)
+
+    def _mlp_backward(self, xp, dy, cache, P, G, i, ctx, defer):
+        # dy: (B, T, C) -> the gradient of the MLP's residual input o (a new array)
         p = f"h.{i}"
-        cos, sin, qcos, qsin = self._tables_at(xp, dy.dtype, ctx)
         if self._routed(i):     # the routed experts run whole in B (their weight gradients are not deferred)
-            c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_moe = cache
+            c_n2, c_moe = cache
             dh2 = self.moe.backward(xp, dy, c_moe, P, G, p, ctx)
         else:
-            c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_gu, c_sw, c_d = cache
-            # MLP branch
+            c_n2, c_gu, c_sw, c_d = cache
             c_d = linear_restore_input(c_d, swiglu_recompute(xp, c_sw, ctx.num))
             dm = row_backward(xp, ctx, dy, c_d, P[f"{p}.mlp.down.w"], G[f"{p}.mlp.down.w"], defer=defer)
             del c_d
@@ -312,7 +334,13 @@ class Llama:
                                    (G[f"{p}.mlp.gate.w"], G[f"{p}.mlp.up.w"]), defer=defer)
         dx = rmsnorm_backward(xp, dh2, c_n2, P[f"{p}.mlp_norm.w"], G[f"{p}.mlp_norm.w"])
         dx += dy
-        # attention branch
+        return dx
+
+    def _attention_backward(self, xp, dx, cache, P, G, i, ctx, defer):
+        # dx: (B, T, C), the gradient of the attention's residual output -> that of the layer's input x
+        p = f"h.{i}"
+        cos, sin, qcos, qsin = self._tables_at(xp, dx.dtype, ctx)
+        c_n1, c_qkv, c_qk, c_att, c_o = cache
         da = row_backward(xp, ctx, dx, c_o, P[f"{p}.attn.o.w"], G[f"{p}.attn.o.w"], defer=defer)
         dq, dk, dv = ctx.attn.grouped_backward(xp, self._cores(ctx)[1], da, c_att)
         dk, dv = ctx.attn.kv_backward(dk, dv)
@@ -372,6 +400,11 @@ class Llama:
         a = a.reshape(H, n, hd).transpose(1, 0, 2).reshape(1, n, H * hd)
         o, _ = linear_forward(xp, xp.ascontiguousarray(a), P[f"{p}.attn.o.w"])
         o += x
+        return self._decode_mlp(xp, P, i, o)
+
+    def _decode_mlp(self, xp, P, i, o):
+        # o: (1, n, C), the attention's output with its residual -> o + mlp(rmsnorm(o))
+        p = f"h.{i}"
         h2, _ = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps)
         if self._routed(i):
             return o + self.moe.forward(xp, P, p, h2, LOCAL, None)[0]

@@ -54,6 +54,15 @@ class MLADims:
 def mla_forward(xp, x, W, d: MLADims, cos, sin, num=OFF, segments=None):
     # x: (B, T, C) -> y: (B, T, C); W: name -> weight (MLADims.weight_shapes); cos, sin: (T, dr/2), or (B, T, dr/2)
     # at each row's positions (rope_tables, YaRN's attention factor folded in); segments: (B, T) document ids
+    qf, kf, v, c_p = mla_project(xp, x, W, d, cos, sin, num)
+    a, c_att = gqa_attention_forward(xp, qf, kf, v, num, segments)
+    y, c_o = linear_forward(xp, a, W["o.w"], num=num.float32_out)
+    return y, (*c_p, c_att, c_o)
+
+
+def mla_project(xp, x, W, d: MLADims, cos, sin, num=OFF):
+    # x: (B, T, C) -> q: (B, H, T, qk_head_dim) scaled, k: (B, H, T, qk_head_dim), v: (B, H, T, v_head_dim), cache;
+    # the attention core's inputs (mla_forward's first half; a model hands them to its context's attention)
     B, T, _ = x.shape
     H, dn, dv, kvr = d.n_heads, d.qk_nope_head_dim, d.v_head_dim, d.kv_lora_rank
     f32, s = num.float32_out, d.scale
@@ -80,20 +89,24 @@ def mla_forward(xp, x, W, d: MLADims, cos, sin, num=OFF, segments=None):
     kf[..., dn:] = rope_forward(xp, deinterleave(xp, ckv[:, :, None, kvr:]), cos, sin, f32)   # (B, 1, T, dr)
     del ckv
     v = xp.ascontiguousarray(kv[..., dn:].transpose(0, 2, 1, 3))
-    a, c_att = gqa_attention_forward(xp, qf, kf, v, num, segments)
-    y, c_o = linear_forward(xp, a, W["o.w"], num=f32)
-    return y, (c_q, c_kva, c_kvn, c_kvb, c_att, c_o)
+    return qf, kf, v, (c_q, c_kva, c_kvn, c_kvb)
 
 
 def mla_backward(xp, dy, cache, W, G, d: MLADims, cos, sin, num=OFF):
     # dy: (B, T, C) -> dx: (B, T, C); G: name -> gradient views (+=); cos, sin: the forward's tables
-    c_q, c_kva, c_kvn, c_kvb, c_att, c_o = cache
-    B, T, _ = dy.shape
-    H, dn, dv, kvr = d.n_heads, d.qk_nope_head_dim, d.v_head_dim, d.kv_lora_rank
-    f32, s = num.float32_out, d.scale
+    c_att, c_o = cache[4:]
     da = linear_backward(xp, dy, c_o, W["o.w"], G["o.w"], num=num)
     dqf, dkf, dvh = (as_float32(xp, g) for g in gqa_attention_backward(xp, da, c_att, num))
     del da
+    return mla_project_backward(xp, dqf, dkf, dvh, cache[:4], W, G, d, cos, sin, num)
+
+
+def mla_project_backward(xp, dqf, dkf, dvh, cache, W, G, d: MLADims, cos, sin, num=OFF):
+    # dqf, dkf: (B, H, T, qk_head_dim), dvh: (B, H, T, v_head_dim), float -> dx: (B, T, C); mla_project's cache
+    c_q, c_kva, c_kvn, c_kvb = cache
+    B, H, T, _ = dqf.shape
+    dn, dv, kvr = d.qk_nope_head_dim, d.v_head_dim, d.kv_lora_rank
+    f32, s = num.float32_out, d.scale
     dq = xp.empty((B, T, H, d.qk_head_dim), dtype=dqf.dtype)
     xp.multiply(dqf[..., :dn].transpose(0, 2, 1, 3), s, out=dq[..., :dn])
     interleave(xp, rope_backward(xp, xp.ascontiguousarray(dqf[..., dn:]), cos * s, sin * s, f32), out=dq[..., dn:])
