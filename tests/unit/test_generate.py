@@ -21,7 +21,13 @@ KINDS = {"gpt": ["model.kind=gpt", "model.n_heads=2"],
                             "model.qk_norm=true"],
          "llama_moe": ["model.kind=llama", "model.n_heads=4", "model.n_kv_heads=2", "model.moe.num_experts=4",
                        "model.moe.top_k=2", "model.moe.expert_hidden=8", "model.moe.shared_hidden=4",
-                       "model.moe.dense_layers=1"]}
+                       "model.moe.dense_layers=1"],
+         "deepseek": ["model.kind=deepseek", "model.n_heads=4", "model.mla.q_lora_rank=6", "model.mla.kv_lora_rank=8",
+                      "model.mla.qk_nope_head_dim=4", "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=3",
+                      "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4.0",
+                      "model.rope_scaling.original_max_position_embeddings=16", "model.moe.num_experts=4",
+                      "model.moe.top_k=2", "model.moe.expert_hidden=8", "model.moe.shared_hidden=4",
+                      "model.moe.dense_layers=1", "model.moe.router=sigmoid", "model.moe.n_groups=2"]}
 
 
 def sets(*items):
@@ -59,7 +65,7 @@ def test_cached_logits_equal_full_forward(runs, kind):
     x, _ = model.embed_forward(np, P, np.array([ids[:-1]]), tp)
     for i in range(model.n_layers):
         x, _ = model.layer_forward(np, P, i, x, tp)
-    if kind.startswith("llama"):
+    if kind.startswith(("llama", "deepseek")):
         h = x / np.sqrt((x * x).mean(-1, keepdims=True) + model.eps) * P["norm.w"]
     else:
         mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
