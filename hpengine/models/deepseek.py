@@ -191,8 +191,10 @@ class DeepSeek(Llama):
         ns = n // parts
         att = mla_cache_bytes(rows, T, C, d, item, 0 if cp > 1 else score_elements(T))
         if cp > 1:      # the core's q, k, v, output: the drivers' (v padded to the q/k width)
-            core = n * d.n_heads * (2 * d.qk_head_dim + 2 * d.v_head_dim) * item
-            att += context_cache_bytes(rows, T, d.n_heads, d.n_heads, d.qk_head_dim, item, cp, cp_comm) - core
+            Hl, w = d.n_heads, d.qk_head_dim
+            att += context_cache_bytes(rows, T, Hl, Hl, w, item, cp, cp_comm) - n * Hl * (2 * w + 2 * d.v_head_dim) * item
+            if d.v_head_dim != w:   # the heads' outputs merged for o: cut to v_head_dim wide, always a new array
+                att += n * Hl * d.v_head_dim * item - (n * Hl * w * item if Hl > 1 and T > 1 else 0)
         att += rmsnorm_cache_bytes(ns, C, item)
         scores = 0 if cp > 1 else rows * d.n_heads * score_elements(T) * item
         mlp = rmsnorm_cache_bytes(ns, C, item) + (ns * C + swiglu_cache_elements(n * self.F // tp)) * item

@@ -1,9 +1,13 @@
 """The deepseek kind (multi-head latent attention, one dense layer, grouped sigmoid routing with a shared expert)
 trains exactly like one process (float64, rtol 1e-10: losses, gradient norms, every parameter after 5 steps) under
 dp, sharding stage 3, tp with and without sequence parallelism, pp (1f1b, zbv), ep, recompute, gradient merge and
-cp (ring, all-gather), with the query bottleneck and YaRN on in one config and a plain query matrix in the other."""
+cp (ring, all-gather), with the query bottleneck and YaRN on in one config and a plain query matrix in the other; the
+planner's activation bytes equal the engine's count."""
 import pytest
-from helpers import need, same_as_one_process
+from helpers import config, need, same_as_one_process
+
+from hpengine.planner.model import for_rank
+from hpengine.run.build import build
 
 S = "strategy."
 DS = ["model.kind=deepseek", "model.n_heads=4", "model.ffn_hidden=24", "model.n_layers=4",
@@ -54,3 +58,16 @@ def test_deepseek_layout_equals_one_process(corpus, world, name, config):
     n, extra = LAYOUTS[name]
     need(world.Get_size() == n, f"{name} runs at -n {n}")
     same_as_one_process(corpus, world, *extra, model=CONFIGS[config])
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2_sp", "cp2_ring", "cp2_allgather", "dp2_recompute_selective"])
+def test_planner_predicts_the_counted_activations(corpus, world, name):
+    """The planner's activation peak (the kind's cache_bytes: MLA's caches split by heads, gathered under sequence
+    parallelism, the cp drivers' padded values) equals what the engine counts after a step, byte for byte."""
+    n, extra = LAYOUTS[name]
+    need(world.Get_size() == n, f"{name} runs at -n {n}")
+    cfg = config(corpus, *CONFIGS["q_lora_yarn"], *extra)
+    eng = build(cfg, world)
+    eng.train_step(0)
+    got, want = eng.memory(), for_rank(cfg, n, eng.mesh.coords)["memory"]
+    assert (got["activation_peak_bytes"], got["param_bytes"]) == (want["activations"], want["params"])

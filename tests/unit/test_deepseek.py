@@ -1,18 +1,24 @@
 """The deepseek kind: its whole-model gradient against float64 central differences (with and without the query
 bottleneck, YaRN, a dense layer, grouped sigmoid routing and a shared expert), its forward against a naive numpy
-oracle written from the equations, its per-token FLOPs against planner/sizes.py, and the config's refusals."""
+oracle written from the equations, its per-token FLOPs against planner/sizes.py, the planner's activation bytes
+against the engine's count, and the config's refusals."""
 import math
 
+import h5py
 import numpy as np
 import pytest
 from model_grads import assert_gradient_matches_differences
+
+from mpi4py import MPI
 
 from hpengine.config.load import ConfigError, load_config
 from hpengine.models import build_model, capabilities
 from hpengine.models.context import LOCAL
 from hpengine.params.buffers import FlatBuffer, Layout
 from hpengine.params.init import init_flat
+from hpengine.planner.model import for_rank
 from hpengine.planner.sizes import MLAShape
+from hpengine.run.build import build
 
 B, T, V, C, H = 2, 8, 40, 16, 4
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=8", "model.moe.shared_hidden=6",
@@ -163,3 +169,20 @@ def test_config_refusals_are_one_line(keys, msg):
 def test_tp_must_divide_the_heads():
     m = build_model(config().model)
     assert m.tp_divides(2) == "" and "model.n_heads = 4" in m.tp_divides(3)
+
+
+@pytest.mark.parametrize("extra", [["model.mla.q_lora_rank=5"], MOE,
+                                   ["strategy.recompute.enable=true", "strategy.recompute.granularity=selective"]],
+                         ids=["dense-q-lora", "moe", "selective"])
+def test_planner_predicts_the_counted_activations(tmp_path, extra):
+    path = tmp_path / "tokens.h5"
+    with h5py.File(path, "w") as h5:
+        h5["tokens"] = (np.arange(3000) * 7 % V).astype(np.uint8)
+    cfg = load_config(None, ["model.kind='deepseek'", f"model.vocab_size={V}", f"model.seq_len={T}",
+                             f"model.d_model={C}", "model.n_layers=2", f"model.n_heads={H}", "model.ffn_hidden=12",
+                             "model.dtype='float64'", "train.global_batch=2", "runtime.backend='numpy'",
+                             f"data.path={path}", *MLA, *extra])
+    eng = build(cfg, MPI.COMM_SELF)
+    eng.train_step(0)
+    got, want = eng.memory(), for_rank(cfg, 1, eng.mesh.coords)["memory"]
+    assert (got["activation_peak_bytes"], got["param_bytes"]) == (want["activations"], want["params"])
