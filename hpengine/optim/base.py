@@ -33,10 +33,12 @@ class Whole(Protocol):
     """How an optimizer that sees TENSORS gets its per-tensor work done whole (strategies/ builds one from the
     communicators: tensor-parallel slices gathered to one rank, replicated tensors' work divided among replicas)."""
 
-    def apply(self, names: list, parts: list, fn: Callable) -> list:
+    def apply(self, names: list, parts: list, fn: Callable, where=None, dtype=None) -> list:
         """fn (a whole tensor -> an array of its shape) of each tensor `names[i]`, of which this rank holds
         parts[i] (its layout shape, stacks of matrices as (count, in, out)); returns this rank's part of each
-        result. Collective over the ranks that hold these tensors, in the same order on each."""
+        result. `where`: the Range the caller updates (an empty one where it holds none of its model), `dtype`:
+        its arrays'. Collective over the ranks of the data-replica group, once per model and step on each: this
+        rank may run fn on tensors it does not hold."""
 
 
 @dataclass(frozen=True)

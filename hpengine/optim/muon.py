@@ -147,7 +147,8 @@ class Muon:
         if self.whole is None:
             orthos = [self._orthogonalise(u) for u in upds]
         else:       # each matrix whole on one rank, this rank's part of every result back
-            orthos = self.whole.apply([m[2] for m in self.matrices], upds, self._orthogonalise)
+            orthos = self.whole.apply([m[2] for m in self.matrices], upds, self._orthogonalise, self.range,
+                                      self.m.dtype)
         for (a, b, _, _, (fan_in, fan_out), decay), ortho in zip(self.matrices, orthos):
             w = p[a:b]
             if decay:
