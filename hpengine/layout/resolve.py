@@ -280,6 +280,13 @@ def _check_whole_tensors(name: str, res: Resolved) -> None:
                           f"= {res.partition!r} cuts them: use partition = 'tensor'")
 
 
+def expert_degrees(experts: int, dp: int, sh: int, optimizer: str) -> list[int]:
+    """The legal expert-parallel degrees (the planner searches these): divisors of dp x sharding that divide the
+    experts; one that does not divide dp spans sharding ranks, which an optimizer of whole tensors does not support."""
+    whole_ok = optimizer_kind(optimizer).sees != TENSORS
+    return [e for e in range(1, dp * sh + 1) if dp * sh % e == 0 and experts % e == 0 and (dp % e == 0 or whole_ok)]
+
+
 def _check_expert_parallel(mc, res: Resolved, optimizer: str) -> None:
     """Expert parallel folds inside dp x sharding: a divisor of dp x sharding and of the experts. When it divides
     dp a sharding group holds one ep rank's experts and shards them as it shards the rest; otherwise each rank
@@ -295,7 +302,7 @@ def _check_expert_parallel(mc, res: Resolved, optimizer: str) -> None:
     if n % res.ep:
         raise LayoutError(f"strategy.expert_parallel.degree = {res.ep} must divide data_parallel x sharding = "
                           f"{res.dp} x {res.sh} = {n} (experts are split inside those ranks; no extra ranks); valid: "
-                          f"{[d for d in range(1, n + 1) if n % d == 0 and experts % d == 0]}")
+                          f"{expert_degrees(experts, res.dp, res.sh, optimizer)}")
     if res.experts_whole and optimizer_kind(optimizer).sees == TENSORS:
         raise LayoutError(f"optim.name = {optimizer!r} with strategy.expert_parallel.degree = {res.ep} across "
                           f"sharding ranks (it does not divide data_parallel.degree = {res.dp}) is not supported; "
