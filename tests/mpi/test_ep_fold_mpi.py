@@ -2,7 +2,9 @@
 hold different experts, each keeps its expert block whole (summed over ep-dp) and shards the rest. The llama kind
 with routed experts trains exactly like one process (float64, rtol 1e-10, 5 steps: losses, MoE figures, gradient
 norms, every parameter) at dp 2 x sharding 2 x ep 4, sharding 4 x ep 4 at stages 1-3, sharding 2 x ep 2, and with
-tp 2; a checkpoint saved under sharding 4 x ep 4 (stage 3) loads under one process and back."""
+tp 2; bfloat16 amp within its tolerance; a checkpoint saved under sharding 4 x ep 4 (stages 1, 3) loads under one
+process and back."""
+import numpy as np
 import pytest
 from mpi4py import MPI
 
@@ -71,12 +73,22 @@ def test_ep_across_sharding_equals_one_process(corpus, world, name):
     assert eng.mesh.comms["ep"].stats["alltoallv"][1] > 0
 
 
-@pytest.mark.parametrize("direction", ["from_ep", "to_ep"])
-def test_checkpoint_between_sharding4_ep4_and_one_process(corpus, world, root, direction):
-    """Saved under sharding 4 x ep 4 at stage 3, loaded under one process (and the other way): every expert block
-    comes back where the other layout keeps it, and training goes on exactly like the run straight through."""
+def test_bfloat16_amp_across_sharding(corpus, world):
+    """bfloat16 amp (float32 masters of the owned parts) at sharding 4 x ep 4 stage 2 within amp's tolerance."""
     need(world.Get_size() == 4, "sharding 4 x ep 4 at -n 4")
-    lay = (*sharding(4, 3), *on("expert_parallel", 4))
+    amp = ("model.dtype=float32", S + "amp.enable=true", S + "amp.dtype=bfloat16")
+    losses, _, eng = run(config(corpus, *LLAMA, *MOE, *sharding(4, 2), *on("expert_parallel", 4), *amp), world, 3)
+    ref, _, _ = run(config(corpus, *LLAMA, *MOE, *amp), MPI.COMM_SELF, 3)
+    assert eng.res.experts_whole and eng.master is not None
+    np.testing.assert_allclose(losses, ref, rtol=1e-2)
+
+
+@pytest.mark.parametrize("direction,stage", [("from_ep", 3), ("from_ep", 1), ("to_ep", 3)])
+def test_checkpoint_between_sharding4_ep4_and_one_process(corpus, world, root, direction, stage):
+    """Saved under sharding 4 x ep 4, loaded under one process (and the other way): every expert block comes back
+    where the other layout keeps it, and training goes on exactly like the run straight through."""
+    need(world.Get_size() == 4, "sharding 4 x ep 4 at -n 4")
+    lay = (*sharding(4, stage), *on("expert_parallel", 4))
     if direction == "from_ep":
         _, _, eng = run(config(corpus, *LLAMA, *MOE, *lay), world, 2)
         save_state(eng, root, 2, keep=1)
