@@ -37,7 +37,7 @@ class ShardedSync(LocalSync):
         experts = lay.expert_ranges()
         # experts_whole (ep across sharding ranks, whole_experts.py): the sharding ranks hold different experts,
         # so each keeps its expert block whole (summed over ep-dp) besides its share of the rest
-        self.xw = ExpertsWhole(experts, ep_dp, own, self.ranges, desc.block_ranges) if experts_whole else None
+        self.xw = ExpertsWhole(experts, own, desc.block_ranges) if experts_whole else None
         self.owned = None if self.xw else own
         self.owned_parts = self.xw.parts if self.xw else [(own, 0)]
         size = sum(r.size for r, _ in self.owned_parts)

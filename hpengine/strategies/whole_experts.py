@@ -10,14 +10,12 @@ from hpengine.params.buffers import Range, cut, packed, subtract
 class ExpertsWhole:
     """Where a rank's owned parts lie: its sharding share less the expert ranges, and every expert range."""
 
-    def __init__(self, experts, ep_dp, own: Range, ranges, block_ranges):
-        self.experts, self.ep_dp = sorted(experts, key=lambda r: r.start), ep_dp
+    def __init__(self, experts, own: Range, block_ranges):
+        self.experts = sorted(experts, key=lambda r: r.start)
         self.dense = subtract(own, self.experts)
         self.parts = packed(self.dense + self.experts)
-        self.blocks = {b: cut(self.parts_of(self.experts), br) for b, br in block_ranges.items()}
-
-    def parts_of(self, rs):
-        return [(r, self.offset(r)) for r in rs]
+        placed = [(x, self.offset(x)) for x in self.experts]
+        self.blocks = {b: cut(placed, br) for b, br in block_ranges.items()}
 
     def offset(self, r: Range) -> int:
         """Where flat Range r (inside one owned part) sits in the packed owned arrays."""
