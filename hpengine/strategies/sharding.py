@@ -25,7 +25,8 @@ from hpengine.strategies.whole_experts import ExpertsWhole
 # parameters too (a block's parameters are gathered just in time, the next block's prefetched). The parameters
 # held and gathered are in the storage's form (grad_storage.py; bfloat16 bits: the all-gathers move 2 bytes a
 # parameter); encoded gradients (the full buffer, the per-block temporaries at rest between passes, the owned
-# shard) are reduced through float32 wire copies.
+# shard) are reduced through float32 wire copies. With expert parallel across the sharding ranks (whole_experts.py)
+# a rank owns several ranges: its share less the experts, and its whole expert block, summed over ep-dp.
 class ShardedSync(LocalSync):
     def __init__(self, desc, backend, sh_comm, dp_comm, stage: int, mode: str, ep_dp=None, storage=PLAIN,
                  experts_whole: bool = False):
@@ -314,6 +315,8 @@ class ShardedSync(LocalSync):
         sizes = [r.size for r in self.ranges]
         line = (f"sharding stage {self.stage}, partition {self.mode}: {len(sizes)} owners, shares {sizes} elements, "
                 f"imbalance {self.imbalance:.3f}")
+        if self.xw is not None:
+            line += f"; this rank's expert block ({sum(x.size for x in self.xw.experts)} elements) kept whole"
         if self.whole is None:
             return line
         work = self.whole.range_loads(self.ranges)
