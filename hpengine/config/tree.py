@@ -300,9 +300,9 @@ class PipelineConfig:
 class ExpertParallelConfig:
     """Routed experts split over ranks (llama-kind MoE models), tokens moved to them by all-to-all."""
     enable: bool = _f(False, "turn expert parallelism on")
-    degree: int = _f(-1, "ranks the experts are split over, folded inside the data-parallel ranks (no extra "
-                     "ranks); must divide the data-parallel degree and model.moe.num_experts; -1 = every "
-                     "data-parallel rank", check=_DEGREE)
+    degree: int = _f(-1, "ranks the experts are split over, folded inside data_parallel x sharding (no extra "
+                     "ranks); must divide dp x sharding and model.moe.num_experts (one that does not divide dp keeps "
+                     "each rank's expert block whole under sharding); -1 = every data-parallel rank", check=_DEGREE)
 
 
 @dataclass

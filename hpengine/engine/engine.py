@@ -25,8 +25,8 @@ from hpengine.layout.reduction import reductions, summed_over, tied_sums
 from hpengine.layout.stage import build_stage
 from hpengine.nn import run_all
 from hpengine.optim import clip_coefficient, lr_at, make_optimizer, optimizer_kind, post_update
-from hpengine.params.buffers import Range
-from hpengine.params.init import init_range
+from hpengine.params.buffers import Range, cut
+from hpengine.params.init import init_parts
 from hpengine.strategies import make_grad_sync
 from hpengine.strategies.amp import Precision
 from hpengine.strategies.context import make_context
@@ -68,7 +68,7 @@ class Engine:
         seeds = tuple(t.model_seeds or [t.seed + i for i in range(t.models)])
         lrs = tuple(t.model_lrs or [cfg.optim.lr] * t.models)
         self.stage = build_stage(cfg.model, res, mesh.coords["pp"], self.tp.rank, seeds, lrs,
-                                 ep_rank=mesh.coords["dp"] % res.ep)
+                                 ep_rank=mesh.comms["ep"].rank if res.ep > 1 else 0)
         self.layout, self.slots = self.stage.layout, self.stage.slots
         self.sync = make_grad_sync(res, self.stage, backend, mesh.comms, self.precision.storage)
         self.world = Comm(mesh.world, "world", backend)
@@ -79,19 +79,23 @@ class Engine:
         # only below), else hashed again (float16's compute copy has lost them); a second hashing pass costs
         # ~30 s for 1 B parameters
         held = self.sync.owned_params() if self.amp else None
+        parts = self.sync.owned_parts
         self.master = (None if held is None else held.astype(np.float32) if held.dtype.itemsize >= 4
-                       else init_range(self.layout, t.seed, self.sync.owned, self.xp, np.float32))
+                       else init_parts(self.layout, t.seed, parts, self.xp, np.float32))
         self.sync.store_params()        # packed: the compute copy in 2 bytes, bfloat16 bits of the values init wrote
         self._round_held_params()
         # per tensor: the sums that make its gradient whole and whether it counts in the norm here
         self.reductions = reductions(self.stage, self.tp.rank, res.sp, res.cp > 1)
         self.tied = tied_sums(self.reductions, self.stage)
-        self.norm = GlobalNorm(self.layout, self.reductions, self.sync.owned, mesh.comms, self.xp, res.sh > 1)
+        self.norm = GlobalNorm(self.layout, self.reductions, parts, mesh.comms, self.xp, res.sh > 1,
+                               res.experts_whole)
         own = self.sync.owned
-        self.replicated = [(c.start - own.start, c.stop - own.start) for c in
-                           (own.intersect(self.layout.ranges[n]) for n in summed_over(self.reductions, "tp"))
-                           if c is not None]
-        self.opts = [self._optimizer(s) for s in self.slots]
+        self.replicated = [(at, at + c.size) for n in summed_over(self.reductions, "tp")
+                           for c, at in cut(parts, self.layout.ranges[n])]
+        # one optimizer per model and owned part: (slot, flat Range, offset in the owned arrays); None where a
+        # model has nothing here
+        self.segs = [(s, seg, at) for s in self.slots for seg, at in (cut(parts, s.range) or [(self._none(s), 0)])]
+        self.opts = [self._optimizer(seg) for _, seg, _ in self.segs]
         # what runs after each update (the qk clip: the layers report their largest logits through the context)
         self.post = post_update(cfg.optim, self.slots[0].model, self.layout, own, self.xp, backend.to_host,
                                 lambda a: self.world.allreduce_(a, op=MPI.MAX), self.tp.rank, self.tp.size)
@@ -113,18 +117,14 @@ class Engine:
         self.tracer = Tracer()      # the run hands in its own (attach_tracer)
         self.before_update = None   # fence_updates: called before a step changes parameters or optimizer state
 
-    def _optimizer(self, slot):
-        seg = self._segment(slot)
+    def _optimizer(self, seg):
         dtype = self.precision.master_dtype(self.be.dtype)
         return None if seg is None else make_optimizer(self.cfg.optim, self.xp, self.layout, seg, dtype, self.sync.whole)
 
-    def _segment(self, slot):
-        """The part of a model's range this rank updates; where it owns none of it, None, or an empty Range at the
-        model's start when whole-tensor work is divided (every rank takes part in each model's exchange)."""
-        seg = self.sync.owned.intersect(slot.range)
-        if seg is None and self.sync.whole is not None:
-            return Range(slot.range.start, slot.range.start)
-        return seg
+    def _none(self, slot):
+        """A model's part where this rank owns none of it: None, or an empty Range at the model's start when
+        whole-tensor work is divided (every rank takes part in each model's exchange)."""
+        return Range(slot.range.start, slot.range.start) if self.sync.whole is not None else None
 
     # --- forward / backward ---------------------------------------------------------------------
     def _P(self, slot, b, nxt=None):
@@ -308,16 +308,14 @@ class Engine:
     def _update(self, g, norms, step: int) -> float:
         """The clipped optimizer step on the owned range of every model (on the float32 masters under amp);
         returns the schedule's factor."""
-        own = self.sync.owned
         p = self.sync.owned_params() if self.master is None else self.master
         # amp: the optimizer writes the compute copy (float16, float32 holding bf16 values, or packed their bits)
         # in its pass
         copy = self.sync.owned_params() if self.master is not None else None
         lr_scale = lr_at(step, self.unit_lr, self.cfg.train.steps)     # each model has its own peak lr
-        for s, opt in zip(self.slots, self.opts):
+        for (s, seg, at), opt in zip(self.segs, self.opts):
             if opt is not None:
-                r = self._segment(s)
-                sl = slice(r.start - own.start, r.stop - own.start) if r.size else slice(0, 0)
+                sl = slice(at, at + seg.size)
                 opt.step(p[sl], g[sl], s.lr * lr_scale, clip_coefficient(norms[s.index], self.cfg.optim.clip_grad_norm),
                          None if copy is None else copy[sl])
         self.post.apply(p, copy)
@@ -385,8 +383,12 @@ class Engine:
         facts (optimizer steps and state names, loss scaler, router biases, tensor shapes, degrees). The caller adds config and data.
         copy=False: the pieces view the live buffers (valid until `before_update` returns)."""
         c, d = self.mesh.coords, self.mesh.degrees
-        replica = {"dp": c["dp"], "ndp": d["dp"], "cp": c["cp"], "ncp": d["cp"], "ep": self.stage.layout.ep_size}
-        pieces = state.checkpoint_pieces(self.stage, self.sync, self.opts, self.master, replica, self.be,
+        ep, edp = self.stage.layout.ep_size, self.mesh.comms.get("ep-dp")
+        # the ranks holding the same expert block: its ep-dp replicas (dp ranks e, e + ep, ... under cp's)
+        experts = ((edp.rank, edp.size) if self.res.experts_whole else
+                   ((c["dp"] // ep) * d["cp"] + c["cp"], (d["dp"] // ep) * d["cp"]))
+        replica = {"dp": c["dp"], "ndp": d["dp"], "cp": c["cp"], "ncp": d["cp"], "experts": experts}
+        pieces = state.checkpoint_pieces(self.stage, self.sync, self.segs, self.opts, self.master, replica, self.be,
                                          frozenset(r.tensor for r in self.reductions if not r.counted), copy)
         meta = {"state": {**state.checkpoint_meta(self.opt_steps, self.scaler, len(self.slots)), **self.router_bias.meta()},
                 "shapes": self.true_shapes(), "layout": self.mesh.degrees, "world": self.mesh.size,
@@ -396,7 +398,7 @@ class Engine:
 
     def load(self, reader, params_only: bool = False) -> None:
         """This rank's part of a checkpoint (or of an export's parameters) into the engine."""
-        steps = state.load_state(self.stage, self.sync, self.opts, self.master, self.tp, self.be, reader, params_only)
+        steps = state.load_state(self.stage, self.sync, self.segs, self.opts, self.master, self.tp, self.be, reader, params_only)
         manifest = getattr(reader, "manifest", None)     # a checkpoint's; an export or a Hugging Face folder has none
         if manifest is not None:        # the router biases route as the parameters were trained to
             self.router_bias.load(manifest["state"])
