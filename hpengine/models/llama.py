@@ -33,6 +33,7 @@ from hpengine.models.tp_layers import (
     row_forward,
 )
 from hpengine.nn import (
+    embedding_cache_bytes,
     gqa_attention_backward,
     gqa_attention_forward,
     gqa_cache_elements,
@@ -141,6 +142,7 @@ class Llama:
         bits = n * (2 * C // parts + 3 * self.F // tp) + a_bits
         out = {"layer": layer, "scores": scores, "w_layer": w, "bits_w_layer": bits, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
                                                  rmsnorm_cache_bytes(ns, C, item), parts, cp)}
+        moe = w_moe = None
         if self.moe is not None:     # an MoE layer: the attention's part, then the router's and experts'
             moe = (2 * rmsnorm_cache_bytes(ns, C, item) + ns * C * item + att + self.moe.cache_bytes(n, C, item, tp))
             w_moe = n * (C + C // parts + heads // tp) * item    # the attention's W stash
@@ -148,6 +150,12 @@ class Llama:
                 if self.moe.routed(i):
                     out[f"layer.{i}"], out[f"w_layer.{i}"] = moe, w_moe
                     out[f"bits_w_layer.{i}"] = n * C // parts + a_bits    # h, a, dq, dk (the router reads h2 in float32)
+        if self.mtp is not None:     # each module with the head: its embedding's, three norms', the projection's
+            D = self.mtp.D           # input (2C), its block's (an MoE one for an MoE model) and its own loss's
+            one = (embedding_cache_bytes(n) + 3 * rmsnorm_cache_bytes(ns, C, item) + 2 * ns * C * item
+                   + (moe or layer) + out["head"] - rmsnorm_cache_bytes(ns, C, item))
+            out["head"] += D * one
+            out["w_head"] += D * ((w_moe or w) + out["w_head"] + 2 * ns * C * item)
         return out
 
     # the tensors only linear layers read (packed bf16 storage hands them to the GEMMs as bits: gemm_weight); not

@@ -192,3 +192,21 @@ def test_config_refuses_mtp_outside_the_llama_family():
         load_config(None, ["model.kind=gpt", "model.mtp.depth=1"])
     with pytest.raises(ConfigError, match="model.mtp.depth"):
         load_config(None, ["model.kind=llama", "model.mtp.depth=-1"])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_planner_counts_the_modules(tied):
+    """The planner's last stage multiplies by each module's projection and block matrices and by the shared head
+    once more, runs one attention pass more per module, and holds the modules' parameters."""
+    from hpengine.planner.stages import stages
+    mc = dict(kind="llama", vocab_size=V, seq_len=T, d_model=C, n_layers=2, n_heads=H, n_kv_heads=K, ffn_hidden=24,
+              tie_head=tied)
+    hd = C // H
+    block = C * H * hd + 2 * C * K * hd + H * hd * C + 3 * C * 24
+    base = stages(ModelConfig(**mc), 1, 2, 1)[-1]
+    for depth in (1, 2):
+        st = stages(ModelConfig(**mc, mtp=MTPConfig(depth=depth)), 1, 2, 1)[-1]
+        assert st.matmul - base.matmul == depth * (2 * C * C + block + V * C)
+        assert st.layers - base.layers == depth
+        assert sum(map(sum, (s for _, s in st.blocks))) - sum(map(sum, (s for _, s in base.blocks))) == \
+            depth * (2 * C * C + 3 * C + block + 2 * C) + (0 if tied else V * C)    # untied: wte copied here
