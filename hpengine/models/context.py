@@ -1,8 +1,7 @@
 """The parallel context a model's blocks are handed: one named part per kind of communication. `tp` the
 tensor-parallel conjugate pairs and loss, `seq` this rank's piece of each sequence, `attn` the keys and values an
 attention sees, `ep` tokens sent to experts, `logits` where MuonClip's largest logits go; `num` the precision policy;
-`docs` the micro-batch's packed documents; `ahead` its multi-token prediction targets. LOCAL is one rank's
-without bf16 amp, every part the identity.
+`docs` the micro-batch's packed documents; `ahead` its multi-token prediction targets. LOCAL: every part the identity.
 """
 from __future__ import annotations
 
