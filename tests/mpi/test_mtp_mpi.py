@@ -2,7 +2,8 @@
 losses with the MTP loss in them, the mtp_loss metric, gradient norms, every parameter) under data parallel,
 sharding stage 3, tp 2 with sequence parallelism, pp 2 under 1f1b (untied and tied head) and zbv, cp 2,
 recompute, gradient merge and ep 2 on an MoE llama; with packed documents (data.document_mask) under dp, cp
-and zbv. With loss_weight 0 one process trains bit for bit as without MTP."""
+and zbv; at 4 ranks tp 2 + sp x zbv and cp 2 x sharding 2. With loss_weight 0 one process trains bit for bit
+as without MTP."""
 import os
 import shutil
 import tempfile
@@ -43,6 +44,10 @@ LAYOUTS = {     # name -> overrides at -n 2 (model.* ones go to the one-process 
     "dp2_merge": on("data_parallel", 2) + [S + "gradient_merge.enable=true", S + "gradient_merge.k_steps=2"],
     "dp2_ep2_moe": on("data_parallel", 2) + on("expert_parallel", 2) + MOE,
 }
+WIDE = {       # at -n 4
+    "tp2_sp_pp2_zbv": on("tensor_parallel", 2, S + "tensor_parallel.sequence_parallel=true") + pp("zbv"),
+    "cp2_sh2_stage2": on("context_parallel", 2) + on("sharding", 2, S + "sharding.stage=2"),
+}
 DOC_LAYOUTS = {"dp2": LAYOUTS["dp2"], "cp2": LAYOUTS["cp2"], "pp2_zbv": LAYOUTS["pp2_zbv"]}
 
 
@@ -64,8 +69,8 @@ def reference(path, *extra):
     return _REF[(path, extra)]
 
 
-def assert_like_one_process(path, name, layout, *more):
-    need(WORLD.Get_size() == 2, f"{name} runs at -n 2")
+def assert_like_one_process(path, name, layout, *more, n=2):
+    need(WORLD.Get_size() == n, f"{name} runs at -n {n}")
     got, params = run(path, WORLD, *MTP, *more, *layout)
     want, ref_p = reference(path, *MTP, *more, *(o for o in layout if o.startswith("model.")))
     assert np.isfinite(got).all() and (got[:, 1] > 0).all()
@@ -76,6 +81,11 @@ def assert_like_one_process(path, name, layout, *more):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_mtp_equals_one_process(corpus, name):
     assert_like_one_process(corpus, name, LAYOUTS[name])
+
+
+@pytest.mark.parametrize("name", list(WIDE))
+def test_mtp_equals_one_process_at_four_ranks(corpus, name):
+    assert_like_one_process(corpus, name, WIDE[name], n=4)
 
 
 @pytest.fixture(scope="module")
