@@ -17,7 +17,8 @@ from hpengine.dist.comm import Comm
 from hpengine.dist.tracer import Tracer
 from hpengine.engine import state
 from hpengine.engine.rows import RowReader
-from hpengine.models.context import with_documents
+from hpengine.models import capabilities
+from hpengine.models.context import Ahead, with_documents
 from hpengine.models.moe_bias import RouterBias
 from hpengine.models.moe_figures import MoEFigures
 from hpengine.layout.cache import ChunkCaches, Recompute, cache_nbytes
@@ -111,9 +112,12 @@ class Engine:
         self.pipe = PipelineExecutor(self.pp, self.xp, backend.dtype, res.pp, res.v, res.m, res.schedule,
                                      cfg.model.d_model, res.seq_parts, mesh.comms["tp"] if res.scatter else None,
                                      wire_bits=self.precision.packed)
+        # multi-token prediction: its targets ride on the training rows, its losses on the loss allreduce
+        self.mtp_depth = capabilities(cfg.model).mtp_depth
+        self._ahead, self._mtp = (), [[] for _ in self.slots]
         self.rows = RowReader(dataset, backend, t.global_batch, cfg.model.seq_len, res.share,
                               res.replica(mesh.coords) * res.share, self.pipe.reads_rows(), mesh.comms["tp"],
-                              res.cp, mesh.coords["cp"])
+                              res.cp, mesh.coords["cp"], self.mtp_depth)
         self.tracer = Tracer()      # the run hands in its own (attach_tracer)
         self.before_update = None   # fence_updates: called before a step changes parameters or optimizer state
 
@@ -142,6 +146,9 @@ class Engine:
         A recomputed block keeps only its input (or, selective, all but its attention probabilities);
         backward rebuilds the rest."""
         xp, m, ctx = self.xp, slot.model, with_documents(self.ctx, batch)
+        if grad and self._ahead and batch.ahead is not None:     # a training pass: multi-token prediction's targets
+            ctx = dataclasses.replace(ctx, ahead=Ahead(batch.ahead, self._ahead, self.precision.loss_scale,
+                                                       self._mtp[slot.index].append))
         caches = ChunkCaches(ctx)
         for n, name in enumerate(chunk):
             b, nxt = slot.block(name), chunk[n + 1] if n + 1 < len(chunk) else None
@@ -226,13 +233,15 @@ class Engine:
         self.cache_bytes += sign * cache_nbytes([w.held for _, ws in defer for w in ws], self.sync.param_roots())
         self.cache_peak = max(self.cache_peak, self.cache_bytes)
 
-    def forward_backward(self, slot, batch, norm: float, grad: bool = True, last_pass: bool = True) -> float:
+    def forward_backward(self, slot, batch, norm: float, grad: bool = True, last_pass: bool = True,
+                         ahead: tuple = ()) -> float:
         """One pass of one model over a Batch of rows (split into micro-batches, through the pipeline when it
-        is on); returns this rank's share of the global-mean loss."""
+        is on); returns this rank's share of the global-mean loss. ahead: the loss divisors of multi-token
+        prediction's depths (a training pass of a model with it)."""
         fwd = lambda chunk, h, t, g: self.chunk_forward(slot, chunk, h, t, norm, g)  # noqa: E731
         bwd = lambda chunk, d, c, defer: self.chunk_backward(slot, chunk, d, c, defer)  # noqa: E731
         wgt = lambda chunk, defer: self.chunk_weights(slot, defer)  # noqa: E731
-        self._norm, self.layer_loss = norm, 0.0
+        self._norm, self.layer_loss, self._ahead = norm, 0.0, ahead
         ce = self.pipe.run(slot.chunks, fwd, bwd, self.sync.begin_pass, batch, last_pass, grad, self.tracer, wgt)
         return ce + self.layer_loss
 
@@ -264,21 +273,32 @@ class Engine:
         self.sync.share_params()
         t = tr.lap("param share", t)
         # the MoE layers' figures ride on the loss allreduce: one collective whatever the model
-        n = len(losses)
-        summed = self._losses(losses + self.moe.values(self.be.to_host))
-        losses, moe = summed[:n], self.moe.metrics(summed[n:])
+        n, mtp = len(losses), self._mtp_losses()
+        summed = self._losses(losses + mtp + self.moe.values(self.be.to_host))
+        losses, mtp, n = summed[:n], summed[n:n + len(mtp)], n + len(mtp)
+        moe = self.moe.metrics(summed[n:])
         if moe:         # an applied step (a skipped one returned above): the router biases follow its loads
             self.router_bias.update(self.moe.loads(summed[n:]))
         self.be.sync()
         tr.lap("loss sync", t)
         out = self._metrics(step, t0, losses, norms, lr_scale)
+        if mtp:         # the first model's, as `loss` is
+            out["mtp_loss"] = mtp[0]
         out.update(moe)
         return out
+
+    def _mtp_losses(self) -> list[float]:
+        """This rank's share of every model's multi-token prediction loss (the mean of its depths' unweighted
+        cross-entropies) in this step; [] without it."""
+        return [float(sum(float(v) for v in parts)) for parts in self._mtp] if self.mtp_depth else []
 
     def _passes(self, step: int) -> list[float]:
         """Forward and backward of the step's k passes of every model; this rank's loss shares."""
         tr, t = self.tracer, self.tracer.now()
         norms = [self.rows.norm("train", step, s.seed) for s in self.slots]     # the targets each model counts
+        ahead = [self.rows.ahead_norms("train", step, s.seed) for s in self.slots]
+        for parts in self._mtp:
+            parts.clear()
         batches = [self.rows.read("train", step, s.seed) for s in self.slots]
         tr.lap("data", t)
         self.sync.begin_step()
@@ -291,7 +311,7 @@ class Engine:
             for j in range(k):
                 for s, b in zip(self.slots, batches):
                     losses[s.index] += self.forward_backward(s, b.row_slice(j * rows, (j + 1) * rows), norms[s.index],
-                                                             last_pass=(j == k - 1))
+                                                             last_pass=(j == k - 1), ahead=ahead[s.index])
         return losses
 
     def _reduced_grads(self):
