@@ -113,9 +113,8 @@ class DeepSeek(Llama):
             return cos[pos], sin[pos]
         return ctx.attn.rows(cos), ctx.attn.rows(sin)
 
-    def _attention_forward(self, xp, P, i, x, ctx, keep_scores, loss):
-        # x: (B, T, C) -> x + mla(rmsnorm(x)) (a new array), the attention's cache entries
-        p = f"h.{i}"
+    def _attention_forward(self, xp, P, p, x, ctx, keep_scores, sink):
+        # x: (B, T, C) -> x + mla(rmsnorm(x)) (a new array), the attention's cache entries; sink: unused (no MuonClip)
         d = self._local_dims(P, p)
         cos, sin = self._mla_tables_at(xp, x.dtype, ctx)
         hs, c_n1 = rmsnorm_forward(xp, x, P[f"{p}.attn_norm.w"], self.eps, num=ctx.num)
@@ -143,9 +142,8 @@ class DeepSeek(Llama):
         out[..., :v.shape[-1]] = v
         return out, True
 
-    def _attention_backward(self, xp, dx, cache, P, G, i, ctx, defer):
-        # dx: (B, T, C), the gradient of the attention's residual output -> that of the layer's input x
-        p = f"h.{i}"
+    def _attention_backward(self, xp, dx, cache, P, G, p, ctx, defer):
+        # dx: (B, T, C), the gradient of the attention's residual output -> that of the block's input x
         d = self._local_dims(P, p)
         cos, sin = self._mla_tables_at(xp, dx.dtype, ctx)
         c_n1, (c_p, c_att, c_o) = cache
