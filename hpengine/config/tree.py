@@ -198,7 +198,7 @@ class ModelConfig:
                     choices=("float32", "float64"))
     init_std: float = _f(0.02, "standard deviation of the normal weight initialisation", check=_must(">", 0))
     moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "mixture of experts", "kinds": _ROPE})
-    mtp: MTPConfig = field(default_factory=MTPConfig, metadata={"doc": "multi-token prediction", "kinds": _LLAMA})
+    mtp: MTPConfig = field(default_factory=MTPConfig, metadata={"doc": "multi-token prediction", "kinds": _ROPE})
     mla: MLAConfig = field(default_factory=MLAConfig, metadata={"doc": "multi-head latent attention",
                                                                 "kinds": _DEEPSEEK})
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig,

@@ -64,7 +64,7 @@ class DeepSeek(Llama):
         return Capabilities(attention=True, qk_width=a.qk_nope_head_dim + a.qk_rope_head_dim, v_width=a.v_head_dim,
                             kv_heads=mcfg.n_heads, experts=e.num_experts,
                             capacity_factor=e.capacity_factor if e.num_experts else 0.0,
-                            top_k=e.top_k if e.num_experts else 0)
+                            top_k=e.top_k if e.num_experts else 0, mtp_depth=mcfg.mtp.depth)
 
     def __init__(self, mcfg, tp_size: int = 1):
         super().__init__(mcfg, tp_size)
@@ -200,12 +200,15 @@ class DeepSeek(Llama):
         w = n * (2 * C + C // parts + 3 * self.F // tp) * item + heads
         out = {"layer": att + mlp, "scores": scores, "w_layer": w, "bits_w_layer": n * (C // parts + 3 * self.F // tp),
                **end_cache_bytes(self.cfg, rows, tp, item, amp, share, rmsnorm_cache_bytes(ns, C, item), parts, cp)}
+        moe = w_moe = None
         if self.moe is not None:
             moe = att + rmsnorm_cache_bytes(ns, C, item) + self.moe.cache_bytes(n, C, item, tp)
+            w_moe = n * C * item + heads
             for i in range(self.L):
                 if self.moe.routed(i):
-                    out[f"layer.{i}"], out[f"w_layer.{i}"] = moe, n * C * item + heads
+                    out[f"layer.{i}"], out[f"w_layer.{i}"] = moe, w_moe
                     out[f"bits_w_layer.{i}"] = 0
+        self._mtp_cache_bytes(out, n, ns, item, moe or att + mlp, w_moe or w)
         return out
 
     # --- incremental decoding: the latent cache (nn/mla_decode.py) ------------------------------

@@ -150,13 +150,20 @@ class Llama:
                 if self.moe.routed(i):
                     out[f"layer.{i}"], out[f"w_layer.{i}"] = moe, w_moe
                     out[f"bits_w_layer.{i}"] = n * C // parts + a_bits    # h, a, dq, dk (the router reads h2 in float32)
-        if self.mtp is not None:     # each module with the head: its embedding's, three norms', the projection's
-            D = self.mtp.D           # input (2C), its block's (an MoE one for an MoE model) and its own loss's
-            one = (embedding_cache_bytes(n) + 3 * rmsnorm_cache_bytes(ns, C, item) + 2 * ns * C * item
-                   + (moe or layer) + out["head"] - rmsnorm_cache_bytes(ns, C, item))
-            out["head"] += D * one
-            out["w_head"] += D * ((w_moe or w) + out["w_head"] + 2 * ns * C * item)
+        self._mtp_cache_bytes(out, n, ns, item, moe or layer, w_moe or w)
         return out
+
+    def _mtp_cache_bytes(self, out: dict, n: int, ns: int, item: int, block: int, w_block: int) -> None:
+        """Adds the multi-token prediction modules' bytes to the head's (in out): each module its embedding's,
+        three norms', the projection's input (2C), its block's (`block`; `w_block` its W stash; an MoE one for an
+        MoE model) and its own loss's. n tokens, ns of them this rank's piece (sequence parallelism)."""
+        if self.mtp is None:
+            return
+        C, D = self.C, self.mtp.D
+        one = (embedding_cache_bytes(n) + 3 * rmsnorm_cache_bytes(ns, C, item) + 2 * ns * C * item
+               + block + out["head"] - rmsnorm_cache_bytes(ns, C, item))
+        out["head"] += D * one
+        out["w_head"] += D * (w_block + out["w_head"] + 2 * ns * C * item)
 
     # the tensors only linear layers read (packed bf16 storage hands them to the GEMMs as bits: gemm_weight); not
     # the router's (its logits are float32) nor the routed experts' (grouped products of their own)

@@ -2,7 +2,7 @@
 trains exactly like one process (float64, rtol 1e-10: losses, gradient norms, every parameter after 5 steps) under
 dp, sharding stage 3, tp with and without sequence parallelism, pp (1f1b, zbv), ep, recompute, gradient merge and
 cp (ring, all-gather), with the query bottleneck and YaRN on in one config and a plain query matrix in the other; the
-planner's activation bytes equal the engine's count."""
+planner's activation bytes equal the engine's count; with a multi-token prediction module as well."""
 import pytest
 from helpers import config, need, same_as_one_process
 
@@ -58,6 +58,17 @@ def test_deepseek_layout_equals_one_process(corpus, world, name, config):
     n, extra = LAYOUTS[name]
     need(world.Get_size() == n, f"{name} runs at -n {n}")
     same_as_one_process(corpus, world, *extra, model=CONFIGS[config])
+
+
+MTP = CONFIGS["q_lora_yarn"] + ["model.mtp.depth=1", "model.mtp.loss_weight=0.5"]
+
+
+@pytest.mark.parametrize("name", ["dp2", "sh2_stage3", "tp2_sp", "pp2_zbv", "dp2_ep2", "cp2_ring", "cp2_tp2_sp"])
+def test_deepseek_with_multi_token_prediction_equals_one_process(corpus, world, name):
+    """DeepSeek-V3's multi-token prediction module (models/mtp.py) built from the kind's MLA and routed block."""
+    n, extra = LAYOUTS[name]
+    need(world.Get_size() == n, f"{name} runs at -n {n}")
+    same_as_one_process(corpus, world, *extra, model=MTP)
 
 
 @pytest.mark.parametrize("name", ["tp2", "tp2_sp", "cp2_ring", "cp2_allgather", "dp2_recompute_selective"])

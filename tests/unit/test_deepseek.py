@@ -8,6 +8,8 @@ import h5py
 import numpy as np
 import pytest
 from model_grads import assert_gradient_matches_differences
+from test_mtp import loss_and_grad as mtp_loss_and_grad  # the loss with MTP's targets (tests/unit/test_mtp.py)
+from test_mtp import rows as mtp_rows
 
 from mpi4py import MPI
 
@@ -186,3 +188,26 @@ def test_planner_predicts_the_counted_activations(tmp_path, extra):
     eng.train_step(0)
     got, want = eng.memory(), for_rank(cfg, 1, eng.mesh.coords)["memory"]
     assert (got["activation_peak_bytes"], got["param_bytes"]) == (want["activations"], want["params"])
+
+
+def test_mtp_module_gradient_against_finite_differences():
+    """A multi-token prediction module (DeepSeek-V3's) built from the kind's own block: MLA and a routed MLP."""
+    m, P, lay = model("model.mla.q_lora_rank=5", "model.mtp.depth=1", "model.mtp.loss_weight=0.7")
+    assert "mtp.0.attn.kv_b.w" in lay.ranges and "mtp.0.moe.router.w" in lay.ranges
+    batch = mtp_rows(1)[0]
+    rng = np.random.default_rng(1)
+    _, G = mtp_loss_and_grad(m, P, lay, batch, 1)
+    names = [n for n in lay.ranges if n.startswith("mtp.")] + ["wte", "h.0.attn.q_b.w", "lm_head.w"]
+    eps = 1e-6
+    for name in names:
+        flat = P[name].reshape(-1)
+        assert np.abs(G[name]).max() > 0, name
+        for j in rng.choice(flat.size, size=min(flat.size, 3), replace=False):
+            old = flat[j]
+            flat[j] = old + eps
+            lp, _ = mtp_loss_and_grad(m, P, lay, batch, 1, grad=False)
+            flat[j] = old - eps
+            lm, _ = mtp_loss_and_grad(m, P, lay, batch, 1, grad=False)
+            flat[j] = old
+            num, ana = (lp - lm) / (2 * eps), G[name].reshape(-1)[j]
+            assert abs(num - ana) <= 1e-6 * max(1.0, abs(num)) + 1e-9, (name, j, num, ana)
