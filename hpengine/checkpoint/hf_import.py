@@ -162,7 +162,8 @@ class _Safetensors:
         entry = self.entries[name]
         scale = self.scales.get(entry)
         if scale is not None:
-            return hf_fp8.dequantize(self._read(name, entry, np.uint8), self._read(name + hf_fp8.SUFFIX, scale), self.block)
+            bits, scales = self._read(name, entry, np.uint8), self._read(name + hf_fp8.SUFFIX, scale)
+            return hf_fp8.dequantize(bits, scales, self.block)
         return self._read(name, entry)
 
     def _read(self, name, entry, dtype=None) -> np.ndarray:
