@@ -154,8 +154,8 @@ def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> StageFacts:
         expert += [sp.ep_dim is not None and ep > 1 for sp in specs]
         partial += [sp.tp_dim is None and sp.tp_partial for sp in specs]
         muon += [_muon_shape(sp, lay.shapes[sp.name]) if is_muon_matrix(sp) else None for sp in specs]
-        for name, per in values.items():
-            per += [OPTIMIZERS[name].values(sp) for sp in specs]
+        for opt, per in values.items():
+            per += [OPTIMIZERS[opt].values(sp) for sp in specs]
         matmuls.append((name, mm))
         unpacked.append((name, sum(n for sp, n in zip(specs, sizes) if not model.gemm_weight(sp.name))))
     kinds = tuple(slot.block(n) for n in slot.blocks)
