@@ -1,11 +1,15 @@
 """Packed documents against fully causal flash attention on the CPU: the NumPy twin (hpengine/nn/flash.py),
 forward and backward, one row of seq_len tokens cut from a token file of seeded random documents (geometric
 lengths of mean --mean, written with the project's token file writer into a temporary folder), with the row's
-document segments against the same row without them. Reports ratio = t_docs / (t_causal x sum(len^2) / T^2):
-the documents' time over the causal time scaled to the work their mask leaves (1: no overhead).
+document segments against the same row without them, each at the twin's default tiles. Reports ratio =
+t_docs / (t_causal x sum(len^2) / T^2): the documents' time over the causal time scaled to the work their mask
+leaves (1: no overhead). Times are the process's CPU seconds (time.process_time: one thread, so a machine
+shared with other jobs disturbs them less than wall time), the median of interleaved repeats after a warm-up.
+--compare FILE also times the documents through another copy of flash.py (e.g. an older commit's).
 
     .venv/bin/python benchmarks/bench_packed.py                      # T 4096, mean 512, 4 heads of 64, float32
-    .venv/bin/python benchmarks/bench_packed.py --bq 64 128 --bk 64 128   # tile sizes, each timed in turn
+    git show main:hpengine/nn/flash.py > /tmp/flash_main.py
+    .venv/bin/python benchmarks/bench_packed.py --compare /tmp/flash_main.py --repeats 7
 """
 from __future__ import annotations
 
@@ -54,15 +58,23 @@ def row_segments(path: Path, T: int, seed: int):
     return segments, np.bincount(segments[0])
 
 
-def step(q, k, v, do, segments, bq, bk) -> float:
-    """Seconds of one forward and backward of the blocked core."""
+def step(mod, q, k, v, do, segments, tiles=(None, None)) -> float:
+    """CPU seconds of one forward and backward of the blocked core of flash module `mod`, at its default tiles
+    (or `tiles`)."""
     import numpy as np
+    t = time.process_time()
+    o, lse = mod.flash_forward_core(np, q, k, v, 1, *tiles, segments=segments)
+    mod.flash_backward_core(np, q, k, v, o, do, lse, 1, *tiles, segments=segments)
+    return time.process_time() - t
 
-    from hpengine.nn.flash import flash_backward_core, flash_forward_core
-    t = time.perf_counter()
-    o, lse = flash_forward_core(np, q, k, v, 1, bq, bk, segments=segments)
-    flash_backward_core(np, q, k, v, o, do, lse, 1, bq, bk, segments=segments)
-    return time.perf_counter() - t
+
+def load_module(path: str):
+    """A flash.py from a file, as its own module (its imports resolve in this checkout)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("flash_compared", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def main() -> None:
@@ -73,8 +85,9 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved timings of each side, after one warm-up")
-    ap.add_argument("--bq", type=int, nargs="+", default=[None], help="query tile (default: nn/flash.py's)")
-    ap.add_argument("--bk", type=int, nargs="+", default=[None], help="key tile (default: nn/flash.py's)")
+    ap.add_argument("--compare", metavar="FILE", help="also time the documents through this flash.py")
+    ap.add_argument("--doc-tiles", nargs="*", default=[], metavar="BQxBK",
+                    help="also time the documents at these tiles (nn/flash.py's BQ_DOCS x BK_DOCS set for them)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
@@ -96,19 +109,25 @@ def main() -> None:
           f"{' '.join(sys.argv[1:])}`")
     print(f"one row of T {T}: {lengths.size} document pieces (lengths {', '.join(map(str, lengths))}), "
           f"sum(len^2)/T^2 = {work:.4f}; {H} heads of {hd}, {a.dtype}, forward + backward; median of {a.repeats}\n")
-    print("| bq | bk | causal s | documents s | documents / causal | ratio (1 = no overhead) |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for bq in a.bq:
-        for bk in a.bk:
-            step(q, k, v, do, None, bq, bk)
-            step(q, k, v, do, segments, bq, bk)               # warm-up
-            causal, docs = [], []
-            for _ in range(a.repeats):
-                causal.append(step(q, k, v, do, None, bq, bk))
-                docs.append(step(q, k, v, do, segments, bq, bk))
-            tc, td = statistics.median(causal), statistics.median(docs)
-            print(f"| {bq or flash.BQ} | {bk or flash.BK} | {tc:.3f} | {td:.3f} | {td / tc:.3f} | "
-                  f"{td / (tc * work):.3f} |", flush=True)
+    sides = {"causal": (flash, None, (None, None)), "documents": (flash, segments, (None, None))}
+    for tiles in a.doc_tiles:
+        sides[f"documents at {tiles}"] = (flash, segments, tuple(int(n) for n in tiles.split("x")))
+    if a.compare:
+        sides[f"documents, {Path(a.compare).name}"] = (load_module(a.compare), segments, (None, None))
+    for mod, seg, tiles in sides.values():
+        step(mod, q, k, v, do, seg, tiles)                # warm-up
+    times = {name: [] for name in sides}
+    for _ in range(a.repeats):
+        for name, (mod, seg, tiles) in sides.items():
+            times[name].append(step(mod, q, k, v, do, seg, tiles))
+    tc = statistics.median(times["causal"])
+    print(f"causal at tiles {flash.BQ} x {flash.BK}, documents at {flash.BQ_DOCS} x {flash.BK_DOCS}\n")
+    print("| side | CPU s, each repeat | median | / causal | ratio (1 = no overhead) |")
+    print("|---|---|---:|---:|---:|")
+    for name, ts in times.items():
+        t = statistics.median(ts)
+        print(f"| {name} | {' / '.join(f'{x:.3f}' for x in ts)} | {t:.3f} | {t / tc:.3f} | "
+              + ("-" if name == "causal" else f"{t / (tc * work):.3f}") + " |")
 
 
 if __name__ == "__main__":

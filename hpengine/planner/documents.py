@@ -79,7 +79,7 @@ def from_files(paths, weights, T: int) -> DocumentFacts:
         with TokenFile(path) as tf:
             offs = offsets_of(tf)
         fracs.append(attention_from_lengths(np.diff(offs), T))
-        summaries.append(f"{path}: {length_summary(offs)}")
+        summaries.append(length_summary(offs) if len(paths) == 1 else f"{path}: {length_summary(offs)}")
     return DocumentFacts(f"measured from {', '.join(map(str, paths))}",
                          sum(w * f for w, f in zip(weights, fracs)) / total, "; ".join(summaries))
 
