@@ -58,9 +58,7 @@ def _validate_qk_clip(cfg: Config) -> None:
     for bad, why in ((cfg.optim.name != "muon", f"optim.name = 'muon' (got {cfg.optim.name!r}): MuonClip is Muon's"),
                      (cfg.model.qk_norm, "model.qk_norm = false: the q/k norms would undo a "
                       "per-head scale of the q and k weights, and their weights are shared by every head"),
-                     (cfg.train.models > 1, f"train.models = 1 (got {cfg.train.models})"),
-                     (cfg.data.document_mask, "data.document_mask = false so far: its largest logits are measured "
-                      "over the causal pairs, not yet within each packed document")):
+                     (cfg.train.models > 1, f"train.models = 1 (got {cfg.train.models})")):
         if bad:
             raise ConfigError(f"optim.muon_qk_clip = {cfg.optim.muon_qk_clip} needs {why}; or set it to 0")
 
@@ -103,6 +101,17 @@ def _validate_moe(m: ModelConfig) -> None:
     if e.top_k > e.num_experts:
         raise ConfigError(f"model.moe.top_k = {e.top_k} is more than model.moe.num_experts = {e.num_experts}: "
                           f"use 1..{e.num_experts}")
+    if e.num_experts % e.n_groups:
+        raise ConfigError(f"model.moe.n_groups = {e.n_groups} does not divide model.moe.num_experts = "
+                          f"{e.num_experts}: use a divisor of {e.num_experts}")
+    if e.topk_groups > e.n_groups:
+        raise ConfigError(f"model.moe.topk_groups = {e.topk_groups} is more than model.moe.n_groups = "
+                          f"{e.n_groups}: use 1..{e.n_groups}")
+    reach = e.topk_groups * (e.num_experts // e.n_groups)
+    if e.top_k > reach:
+        raise ConfigError(f"model.moe.top_k = {e.top_k} is more than the {reach} experts of model.moe.topk_groups "
+                          f"= {e.topk_groups} groups of {e.num_experts // e.n_groups}: use top_k 1..{reach}, or "
+                          "more groups per token")
     if e.dense_layers >= m.n_layers:
         raise ConfigError(f"model.moe.dense_layers = {e.dense_layers} leaves no MoE layer in model.n_layers = "
                           f"{m.n_layers}: use 0..{m.n_layers - 1}")

@@ -102,6 +102,14 @@ class MoEConfig:
                                  "the router scores for the top-k selection only; after every optimizer step "
                                  "bias += rate x sign(mean load - load) over the global batch's selections; kept in "
                                  "checkpoints; 0 = no bias", check=_must(">=", 0))
+    n_groups: int = _f(1, "group-limited routing (DeepSeek-V3 n_group): the experts form this many equal groups of "
+                       "consecutive indices; must divide num_experts; 1 = no groups", check=_POS)
+    topk_groups: int = _f(1, "group-limited routing (DeepSeek-V3 topk_group): a token picks its top_k experts only "
+                          "within its this many best groups, a group scoring the sum of its two largest selection "
+                          "scores (router score + bias), ties to the lower group; 1..n_groups", check=_POS)
+    routed_scaling: float = _f(1.0, "multiplies the routed experts' combined output, after the top-k "
+                               "renormalisation (DeepSeek-V3 routed_scaling_factor); the shared expert is not "
+                               "scaled", check=_must(">", 0))
 
 
 @dataclass

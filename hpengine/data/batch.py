@@ -1,6 +1,6 @@
 """A batch of rows and everything that travels with them: tokens, targets, positions, document segments and
 the loss mask, split together by every cut (replicas, gradient-merge passes, micro-batches, context-parallel
-parts). A field left None means its default (positions 0..T-1 in every row, one document per row, every
+parts: head-tail per row, or per document when the rows pack documents). A field left None means its default (positions 0..T-1 in every row, one document per row, every
 target counted), which keeps its split None; a rank that computes on no rows holds a Batch of only a shape.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from hpengine.nn.context_split import chunk_size, split_sequence
+from hpengine.nn.context_split import chunk_size, document_split, split_sequence
 
 FIELDS = ("tokens", "targets", "positions", "segments", "loss_mask")
 
@@ -69,12 +69,17 @@ class Batch:
         return self._with(lambda a: a[start:stop], (stop - start, self.seq_len))
 
     def split_sequence(self, cp: int, rank: int) -> Batch:
-        """This context-parallel rank's head-tail part of every row of every field (nn/context_split.py), on
-        host arrays: the split comes before the move to the device."""
+        """This context-parallel rank's part of every row of every field (nn/context_split.py), on host arrays:
+        the split comes before the move to the device. Rows of one document each (segments None): the
+        head-tail part of the row; packed documents: the rank's columns of document_split, each document
+        head-tail, with positions (filled with 0..T-1 if None), from which the attention masks."""
         if cp == 1:
             return self
         n = 2 * chunk_size(self.seq_len, cp)         # refuses, in one line, a T the 2 cp chunks do not divide
-        return self._with(lambda a: split_sequence(np, a, cp, rank), (self.rows, n))
+        if self.segments is None:
+            return self._with(lambda a: split_sequence(np, a, cp, rank), (self.rows, n))
+        cols = document_split(self.segments, cp)[:, rank * n:(rank + 1) * n]
+        return self.default_positions()._with(lambda a: np.take_along_axis(a, cols, axis=1), (self.rows, n))
 
     def to_device(self, to_device) -> Batch:
         """Every field through `to_device` (a backend's: host arrays to the device's array module)."""

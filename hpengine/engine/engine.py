@@ -25,6 +25,7 @@ from hpengine.layout.reduction import reductions, summed_over, tied_sums
 from hpengine.layout.stage import build_stage
 from hpengine.nn import run_all
 from hpengine.optim import clip_coefficient, lr_at, make_optimizer, optimizer_kind, post_update
+from hpengine.params.buffers import Range
 from hpengine.params.init import init_range
 from hpengine.strategies import make_grad_sync
 from hpengine.strategies.amp import Precision
@@ -113,9 +114,17 @@ class Engine:
         self.before_update = None   # fence_updates: called before a step changes parameters or optimizer state
 
     def _optimizer(self, slot):
-        seg = self.sync.owned.intersect(slot.range)
+        seg = self._segment(slot)
         dtype = self.precision.master_dtype(self.be.dtype)
         return None if seg is None else make_optimizer(self.cfg.optim, self.xp, self.layout, seg, dtype, self.sync.whole)
+
+    def _segment(self, slot):
+        """The part of a model's range this rank updates; where it owns none of it, None, or an empty Range at the
+        model's start when whole-tensor work is divided (every rank takes part in each model's exchange)."""
+        seg = self.sync.owned.intersect(slot.range)
+        if seg is None and self.sync.whole is not None:
+            return Range(slot.range.start, slot.range.start)
+        return seg
 
     # --- forward / backward ---------------------------------------------------------------------
     def _P(self, slot, b, nxt=None):
@@ -307,8 +316,8 @@ class Engine:
         lr_scale = lr_at(step, self.unit_lr, self.cfg.train.steps)     # each model has its own peak lr
         for s, opt in zip(self.slots, self.opts):
             if opt is not None:
-                r = own.intersect(s.range)
-                sl = slice(r.start - own.start, r.stop - own.start)
+                r = self._segment(s)
+                sl = slice(r.start - own.start, r.stop - own.start) if r.size else slice(0, 0)
                 opt.step(p[sl], g[sl], s.lr * lr_scale, clip_coefficient(norms[s.index], self.cfg.optim.clip_grad_norm),
                          None if copy is None else copy[sl])
         self.post.apply(p, copy)

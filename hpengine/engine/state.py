@@ -25,7 +25,7 @@ def checkpoint_pieces(stage, sync, opts, master, replica: dict, backend, elsewhe
     host = backend.to_host if copy else (lambda a: backend.to_host(a, pinned=True))
     p_own = host(master if master is not None else sync.owned_params())
     dp, ndp, cp, ncp, ep = (replica[k] for k in ("dp", "ndp", "cp", "ncp", "ep"))
-    groups = {False: [], True: []}  # expert tensor? -> (name, spec, a, size, param offset, state, state offset)
+    groups = {False: [], True: []}  # expert tensor? -> (name, spec, a, size, param offset, {state: (array, offset)})
     for s, opt in zip(stage.slots, opts):
         seg = own.intersect(s.range)
         if seg is None:
@@ -33,21 +33,21 @@ def checkpoint_pieces(stage, sync, opts, master, replica: dict, backend, elsewhe
         held = {kind: host(arr) for kind, arr in opt.state().items()}
         for name, part, off in lay.tensors_in(seg):
             spec = lay.by_name[name]
-            if name not in elsewhere:
-                groups[spec.ep_dim is not None].append(
-                    (name, spec, off, part.size, part.start - own.start, held, part.start - seg.start))
+            if name not in elsewhere:       # the state tensors that cover it, where its values sit in each
+                at = {kind: (held[kind], o) for kind, o in opt.state_at(part.start - seg.start).items()}
+                groups[spec.ep_dim is not None].append((name, spec, off, part.size, part.start - own.start, at))
     out = []
     for expert, items in groups.items():
         r, n = ((dp // ep) * ncp + cp, (ndp // ep) * ncp) if expert else (dp * ncp + cp, ndp * ncp)
         total = sum(it[3] for it in items)
         mine_lo, mine_hi, at = r * total // n, (r + 1) * total // n, 0
-        for name, spec, off, size, po, held, so in items:
+        for name, spec, off, size, po, state in items:
             lo, hi = max(at, mine_lo) - at, min(at + size, mine_hi) - at
             at += size
             if hi <= lo:
                 continue
             box = lay.box(name)
-            for kind, arr, o in (("param", p_own, po), *((k, a, so) for k, a in held.items())):
+            for kind, arr, o in (("param", p_own, po), *((k, a, so) for k, (a, so) in state.items())):
                 data = arr[o + lo:o + hi]
                 out.append((name, kind, spec.global_shape, box, off + lo, off + hi, data.copy() if copy else data))
     return out
@@ -98,11 +98,12 @@ def _load_optimizer_state(stage, sync, opts, tp, xp, reader) -> int:
         seg = sync.owned.intersect(s.range)
         if seg is None:
             continue
+        held = opt.state()
         for name, part, off in lay.tensors_in(seg):
             box = lay.box(name)
-            for kind, arr in opt.state().items():
+            for kind, at in opt.state_at(part.start - seg.start).items():
                 vals = reader.read(kind, name, box).reshape(-1)[off:off + part.size]
-                arr[part.start - seg.start:part.stop - seg.start] = xp.asarray(vals, dtype=arr.dtype)
+                held[kind][at:at + part.size] = xp.asarray(vals, dtype=held[kind].dtype)
         opt.t = steps
     return steps
 

@@ -232,9 +232,6 @@ def check(cfg, res: Resolved) -> None:
     if rc.enable and rc.every > mc.n_layers:
         raise LayoutError(f"strategy.recompute.every = {rc.every} is larger than the block count "
                           f"model.n_layers = {mc.n_layers}; use 1..{mc.n_layers}")
-    if cfg.optim.muon_qk_clip > 0 and res.cp > 1:    # a rank's queries meet the other cp ranks' keys in the ring only
-        raise LayoutError(f"optim.muon_qk_clip = {cfg.optim.muon_qk_clip} needs strategy.context_parallel.degree = 1 "
-                          f"(got {res.cp}): the largest logits are measured on keys a rank holds whole")
     _check_whole_tensors(cfg.optim.name, res)
     if res.ep > 1:
         _check_expert_parallel(mc, res)

@@ -52,14 +52,20 @@ def mixtral_refusal(mcfg) -> str:
     return _needs(MOE_ARCH, (("model.moe.dense_layers = 0 (Mixtral routes every layer)", e.dense_layers == 0),
                              ("model.moe.shared_hidden = 0 (no shared expert)", e.shared_hidden == 0),
                              ("model.moe.router = 'softmax'", e.router == "softmax"),
-                             ("model.moe.norm_topk = true", e.norm_topk)))
+                             ("model.moe.norm_topk = true", e.norm_topk), *_ungrouped(e)))
 
 
 def qwen3_moe_refusal(mcfg) -> str:
     """Why an MoE config with q/k norms is no Qwen3MoeForCausalLM ("" when it is one)."""
     e = mcfg.moe
     return _needs(QWEN3_MOE_ARCH, (("model.moe.shared_hidden = 0 (no shared expert)", e.shared_hidden == 0),
-                                   ("model.moe.router = 'softmax'", e.router == "softmax")))
+                                   ("model.moe.router = 'softmax'", e.router == "softmax"), *_ungrouped(e)))
+
+
+def _ungrouped(e):
+    # group-limited routing and a routed scaling are DeepSeek-V3's: Mixtral and Qwen3-MoE have neither
+    return (("model.moe.topk_groups = model.moe.n_groups (no group-limited routing)", e.topk_groups == e.n_groups),
+            ("model.moe.routed_scaling = 1", e.routed_scaling == 1.0))
 
 
 def _routed(mcfg, i: int) -> bool:

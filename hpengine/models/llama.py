@@ -52,7 +52,6 @@ from hpengine.nn import (
     swiglu_forward,
     swiglu_recompute,
 )
-from hpengine.nn.logit_max import causal_max_logits
 from hpengine.nn.ring_attention import context_cache_bytes
 from hpengine.nn.flash import flash_cache_bytes, flash_gqa_backward, flash_gqa_forward
 from hpengine.params.buffers import ParamSpec
@@ -234,10 +233,10 @@ class Llama:
         q, k, c_qk = self._qk_forward(xp, P, p, q.reshape(B, T, H, hd), k.reshape(B, T, K, hd))
         q = rope_forward(xp, q, qcos, qsin, att)
         k = rope_forward(xp, k, cos, sin, att)
-        if ctx.logits.on and loss is not None:          # MuonClip: the training forwards' largest logits
-            ctx.logits.record(i, causal_max_logits(xp, q, k))
         k, v = ctx.attn.kv_forward(k, v.reshape(B, T, K, hd).transpose(0, 2, 1, 3))
-        a, c_att = ctx.attn.grouped_forward(xp, self._cores(ctx, keep_scores)[0], q, k, v, scale=1.0)  # q is scaled
+        sink = None if loss is None else ctx.logits.sink(i)     # MuonClip: the training forwards' largest logits
+        a, c_att = ctx.attn.grouped_forward(xp, self._cores(ctx, keep_scores)[0], q, k, v, scale=1.0,  # q is scaled
+                                            logits=sink)
         o, c_o = row_forward(xp, ctx, a, P[f"{p}.attn.o.w"])
         o += x                  # o is ours: the residual sum needs no new array
         routed = self._routed(i)       # the router's logits are no bf16 GEMM: it reads float32

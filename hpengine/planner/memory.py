@@ -10,7 +10,7 @@ from hpengine.layout.resolve import MAX_INFLIGHT, Resolved
 from hpengine.layout.schedules import peak_live
 from hpengine.models import build_model
 from hpengine.optim.base import UNDECLARED, kind as optimizer_kind
-from hpengine.params.buffers import partition
+from hpengine.params.buffers import Range, partition
 from hpengine.planner import context as plan_cp, moe as plan_moe, recompute as rc, tp as plan_tp
 from hpengine.planner.stages import StageFacts, family_key, memoised
 
@@ -22,15 +22,16 @@ def zero_bytes(psi: float, share: float, stage: int, w: int, g: int, k: int) -> 
             k * (share if stage >= 1 else psi))
 
 
-def precision(mcfg, amp, packed: bool = False, optimizer: str = UNDECLARED) -> tuple:
+def precision(mcfg, amp, packed: bool = False, optimizer: str = UNDECLARED, least: bool = False) -> tuple:
     """(w, g, K, compute bytes): 16-bit copies, and an fp32 master plus the optimizer's state in float32 under
     amp (K = 12 for AdamW's two moments); bfloat16 values are kept in float32 storage (precision.py), so its
     gradients on the wire (MPI has no bfloat16 sum) and activations on the wire take 4 bytes, as do its compute
     copy, cached activations and held gradients unless they are packed (packed_caches: the copy as bfloat16
     bits, w = 2, the caches block_activations, bfloat16 gradients held_grad_bytes); else the dtype for
     parameters, gradients and the optimizer's state (K = 8 for AdamW in float32). K: what `optimizer`
-    (optim.name) declares (optim/base.py: OptimizerKind.state_bytes)."""
-    state = optimizer_kind(optimizer).state_bytes
+    (optim.name) declares (optim/base.py: OptimizerKind.state_bytes) for the tensors that keep the most state
+    values (least: the fewest, a floor; optimizer_bytes counts a layout's tensors exactly)."""
+    state = functools.partial(optimizer_kind(optimizer).state_bytes, least=least)
     if amp == "bfloat16":
         return 2 if packed else 4, 4, 4 + state(4), 4
     if amp:
@@ -83,7 +84,34 @@ def model_state(mcfg, st: StageFacts, lay: Resolved, models: int, sh_rank=None, 
     w, _, k, _ = precision(mcfg, lay.amp, packed, lay.optimizer)
     g = held_grad_bytes(mcfg, lay, packed)
     p, gr, o = zero_bytes(st.psi * models, owned(st, lay, models, sh_rank), lay.zstage, w, g, k)
+    if dict(st.state_values).get(lay.optimizer) is not None:
+        o = optimizer_bytes(mcfg, st, lay, models, sh_rank)
     return {"params": p, "grads": gr, "optimizer": o}
+
+
+def optimizer_bytes(mcfg, st: StageFacts, lay: Resolved, models: int, sh_rank=None) -> int:
+    """Bytes of the optimizer state (and amp's float32 masters) this sharding rank holds (the most any rank holds
+    when sh_rank is None), for an optimizer that declares its state values per tensor: a value per element of each
+    owned tensor's share for each value it keeps (optim.base.OptimizerKind.values_of), float32 under amp (a master
+    per owned element too), else the model's dtype."""
+    key = ("optimizer bytes", models, lay.sh, lay.partition, lay.zstage, sh_rank, lay.optimizer, bool(lay.amp),
+           mcfg.dtype)
+    return memoised(st, key, lambda: _optimizer_bytes(mcfg, st, lay, models, sh_rank))
+
+
+def _optimizer_bytes(mcfg, st: StageFacts, lay: Resolved, models: int, sh_rank) -> int:
+    item, master = (4, 4) if lay.amp else (8 if mcfg.dtype == "float64" else 4, 0)
+    sizes, per = st.sizes(models), dict(st.state_values)[lay.optimizer] * models
+    total = sum(sizes)
+    ranges = _partition(sizes, lay.sh, lay.partition) if lay.sh > 1 and lay.zstage >= 1 else [Range(0, total)]
+    best = 0
+    for r in ranges if sh_rank is None else [ranges[sh_rank]]:
+        at, values = 0, 0
+        for n, v in zip(sizes, per):
+            values += v * max(0, min(at + n, r.stop) - max(at, r.start))
+            at += n
+        best = max(best, master * r.size + item * values)
+    return best
 
 
 def packed_caches(lay: Resolved, cluster=None) -> bool:

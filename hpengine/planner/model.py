@@ -44,10 +44,12 @@ def wire_item(lay: Resolved, item: int, packed: bool) -> int:
     return 2 if packed and lay.amp == "bfloat16" else item
 
 
-def traffic(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, sh_rank=None, packed: bool = False) -> dict:
+def traffic(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, sh_rank=None, packed: bool = False,
+            replica=None) -> dict:
     """{axis: {op: bytes}} one rank sends in one optimizer step, as comm.py counts it (every rank
     counts its own buffer of a collective; "tied" is the first/last-stage wte gradient sum); packed
-    (packed_caches): the parameters' all-gathers and the pipeline's sends move bfloat16 bits."""
+    (packed_caches): the parameters' all-gathers and the pipeline's sends move bfloat16 bits. replica: the
+    rank's place among dp x cp (what Muon's updates moved over sharding depend on; None: the busiest)."""
     w, g, _, item = precision(mcfg, lay.amp, packed)
     M, psi, out = models, st.psi * models, {}
     losses = F64 * (M + plan_moe.loss_figures(mcfg, M))         # the loss allreduce, with the MoE figures riding on it
@@ -66,6 +68,9 @@ def traffic(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, sh_ran
             out[lay.grad_group]["allgather"] = dense * master
         if lay.dp // lay.ep > 1 and expert:
             out["ep-dp"]["allgather"] = expert * master
+        moved, calls = plan_muon.hop_elements(st, lay, M, sh_rank, replica)
+        if calls:       # the updates to their Newton-Schulz owners over sharding, the results back
+            out["sharding"]["alltoallv"] = moved * master
     if lay.ep > 1:
         out["ep"] = {"allreduce": F64 * M, "alltoallv": plan_moe.alltoall_bytes(mcfg, st, lay, item)}
     if lay.cp > 1:          # the ring's (or all-gather's) k, v on the cp communicator, beside the gradient sum
@@ -298,19 +303,24 @@ def stage_times(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, cl
                            *link(lay, "sharding", cluster, "allgather" if lay.zstage == 3 else "allreduce"))
         prefetch = mb * hide / 3 if lay.zstage == 3 else 0.0
         out["sharding"] = max(0.0, red - 2 / 3 * hide) + max(0.0, gat - prefetch)
+        if "alltoallv" in tr["sharding"]:      # Muon's updates to their Newton-Schulz owners and back
+            a, b = link(lay, "sharding", cluster)
+            out["sharding"] += collective_s("send", lay.sh, tr["sharding"]["alltoallv"], 2 * M, a, b)
         out["hidden"]["sharding reduce"] = (red - max(0.0, red - 2 / 3 * hide), tr["sharding"]["reduce"])
         out["hidden"]["sharding all-gather"] = (gat - max(0.0, gat - prefetch), tr["sharding"]["allgather"])
     return out
 
 
-def predict_stage(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, cluster=None, sh_rank=None) -> dict:
-    """Memory (bytes) and traffic of one rank of `stage`; times when a cluster is given."""
+def predict_stage(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, cluster=None, sh_rank=None,
+                  replica=None) -> dict:
+    """Memory (bytes) and traffic of one rank of `stage` (at sharding rank `sh_rank` and place `replica` among
+    dp x cp; None: the largest share); times when a cluster is given."""
     item, packed = precision(mcfg, lay.amp)[3], packed_caches(lay, cluster)
     mem = model_state(mcfg, st, lay, models, sh_rank, packed)
     mem["activations"] = activations(mcfg, st, lay, stage, item, packed)
     mem["buffers"] = buffers(mcfg, st, lay, owned(st, lay, models, sh_rank), packed)
     mem["total"] = sum(mem.values())
-    out = {"stage": stage, "memory": mem, "traffic": traffic(mcfg, st, lay, stage, models, sh_rank, packed)}
+    out = {"stage": stage, "memory": mem, "traffic": traffic(mcfg, st, lay, stage, models, sh_rank, packed, replica)}
     if cluster is not None:         # its times read the largest share's traffic, whatever sh_rank
         out["times"] = stage_times(mcfg, st, lay, stage, models, cluster, sh_rank,
                                    out["traffic"] if sh_rank is None else None)
@@ -343,7 +353,18 @@ def for_rank(cfg, world: int, coords: dict, cluster=None) -> dict:
     """The prediction for the rank at mesh `coords` (its pipeline stage and sharding share)."""
     lay = resolve(cfg, world)
     st = stage_facts(cfg, lay)[coords["pp"]]
-    return predict_stage(cfg.model, st, lay, coords["pp"], cfg.train.models, cluster, coords["sharding"])
+    return predict_stage(cfg.model, st, lay, coords["pp"], cfg.train.models, cluster, coords["sharding"],
+                         replica_index(lay, coords))
+
+
+def replica_index(lay: Resolved, coords: dict) -> int:
+    """The rank's place in its dp x cp communicator (dist/topology.py: innermost axis fastest)."""
+    at, stride = 0, 1
+    for a in lay.order:
+        if a in lay.grad_axes:
+            at += coords[a] * stride
+            stride *= {"dp": lay.dp, "cp": lay.cp}[a]
+    return at
 
 
 def predict_layout(cfg, lay: Resolved, cluster, stage_ids=None, sts=None, docs=None) -> dict:

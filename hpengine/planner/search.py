@@ -30,12 +30,17 @@ from hpengine.planner.model import predict_layout, predict_stage, step_time  # n
 from hpengine.planner.report import (_bytes, _n_params, _secs, check_text, describe, hidden_line,  # noqa: F401
                                      table)
 from hpengine.planner.space import candidates, rank_key  # noqa: F401 - candidates is part of plan's API
-from hpengine.planner.presets import ALIASES, PRESETS
+from hpengine.planner.presets import ALIASES, FORMULA_PRESETS, PRESETS
 
 
 def with_preset(cfg: Config, name: str) -> Config:
     """cfg with its [model] table replaced by a preset's (presets.py) and its global batch set."""
     key = ALIASES.get(name.lower(), name.lower())
+    if key in FORMULA_PRESETS:
+        shape = FORMULA_PRESETS[key].shape
+        raise PlanError(f"--model {name}: multi-head latent attention cannot be planned yet (no [model] table "
+                        f"holds it); its sizes by formula (hpengine.planner.sizes): {shape.params() / 1e9:.1f}B "
+                        f"parameters, {shape.activated() / 1e9:.1f}B activated per token")
     if key not in PRESETS:
         raise PlanError(f"--model {name}: unknown preset; choose one of {', '.join(PRESETS)} "
                         f"(aliases: {', '.join(f'{a} = {k}' for a, k in ALIASES.items())})")

@@ -15,6 +15,7 @@ from hpengine.layout.resolve import AXES, Resolved
 from hpengine.layout.schedules import SCHEDULES
 from hpengine.layout.stage import build_stage, owner
 from hpengine.models import build_model
+from hpengine.optim.base import KINDS as OPTIMIZERS
 from hpengine.optim.muon import is_muon_matrix
 
 
@@ -39,6 +40,8 @@ class StageFacts:
     unpacked: tuple = ()   # (block, elements of its tensors packed bf16 unpacks: all but the linears' weights)
     muon: tuple = ()       # per tensor (sizes' order, one model): (count, rows, cols, expert) of a Muon matrix whole
     #                        (over tp), count: the routed experts this rank holds; None: not one (optim.muon)
+    state_values: tuple = ()  # (optimizer, its state values per element of each tensor, sizes' order, one model) for
+    #                           each optimizer that declares them per tensor (optim.base.OptimizerKind.values)
     attention: float = 1.0  # the share of the attention's score and value work packed documents leave
     #                         (planner/documents.py; 1: one document a row)
 
@@ -132,6 +135,7 @@ def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> StageFacts:
     st = build_stage(mcfg, res, s, 0, models=[model])
     slot, lay = st.slots[0], st.layout
     blocks, matmuls, replicated, expert, partial, expert_mm, unpacked, muon = [], [], [], [], [], 0, [], []
+    values = {name: [] for name, k in OPTIMIZERS.items() if k.values is not None}
     for name in slot.blocks:
         b = slot.block(name)
         specs = st.block_specs[name]
@@ -151,6 +155,8 @@ def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> StageFacts:
         expert += [sp.ep_dim is not None and ep > 1 for sp in specs]
         partial += [sp.tp_dim is None and sp.tp_partial for sp in specs]
         muon += [_muon_shape(sp, lay.shapes[sp.name]) if is_muon_matrix(sp) else None for sp in specs]
+        for name, per in values.items():
+            per += [OPTIMIZERS[name].values(sp) for sp in specs]
         matmuls.append((name, mm))
         unpacked.append((name, sum(n for sp, n in zip(specs, sizes) if not model.gemm_weight(sp.name))))
     kinds = tuple(slot.block(n) for n in slot.blocks)
@@ -159,7 +165,7 @@ def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> StageFacts:
                  sum(lay.ranges[t].size for t in set(st.tied.values())), tuple(replicated),
                  sum(lay.ranges[sp.name].size for sp in lay.specs if sp.ep_dim is not None and ep > 1),
                  tuple(expert), expert_mm=expert_mm, partial=tuple(partial), unpacked=tuple(unpacked),
-                 muon=tuple(muon))
+                 muon=tuple(muon), state_values=tuple((name, tuple(per)) for name, per in values.items()))
 
 
 def _muon_shape(spec, local) -> tuple:

@@ -10,7 +10,7 @@ import numpy as np
 
 from hpengine.dist.comm import testall, waitall
 from hpengine.layout.resolve import MAX_INFLIGHT
-from hpengine.params.buffers import FlatBuffer, Range, imbalance, load_imbalance, partition
+from hpengine.params.buffers import FlatBuffer, Range, imbalance, partition
 from hpengine.params.init import init_range
 from hpengine.strategies.base import LocalSync, Merged, Wires
 from hpengine.strategies.data_parallel import segments
@@ -248,9 +248,6 @@ class ShardedSync(LocalSync):
     def describe(self) -> str:
         sizes = [r.size for r in self.ranges]
         line = (f"sharding stage {self.stage}, partition {self.mode}: {len(sizes)} owners, shares {sizes} elements, "
-                f"imbalance {self.imbalance:.3f}")
-        if self.whole is None:
-            return line
-        work = self.whole.range_loads(self.ranges)
-        more = super().describe()
-        return f"{line}, whole-tensor work imbalance {load_imbalance(work):.3f}" + (f"; {more}" if more else "")
+                f"bytes imbalance {self.imbalance:.3f}")
+        more = super().describe()       # an optimizer's whole-tensor work: its own owners, balanced by work
+        return f"{line}; {more}" if more else line

@@ -158,6 +158,12 @@ LAYOUTS = [
                                                         S + "amp.grad_dtype=bfloat16"] + BF16_PACKED),
     # Muon: its two state arrays span every owned element (momentum, and Adam's second moment off its matrices)
     ("muon_sharding2", ANY, SH + [S + "sharding.stage=2", "optim.name=muon"]),
+    # ... under sharding each update travels to its Newton-Schulz owner and back (an alltoallv over sharding)
+    ("muon_two_models_sharding1", ANY, SH + ["train.models=2", "optim.name=muon"]),
+    ("muon_sharding3_dp2", lambda n: n == 4, SH + DP + [S + "sharding.degree=2", S + "data_parallel.degree=2",
+                                                        S + "sharding.stage=3", "optim.name=muon"]),
+    ("muon_moe_sharding2_dp2", lambda n: n == 4, MOE + SH + DP + [S + "sharding.degree=2", S + "data_parallel.degree=2",
+                                                                  S + "sharding.stage=2", "optim.name=muon"]),
     ("muon_pp2_dp_amp", EVEN, PP2 + DP + [S + "pipeline.micro_batches=2", "optim.name=muon", S + "amp.enable=true",
                                           "model.dtype=float32"]),
     # ... and each owner's Newton-Schulz results shared over the replicas: dp, and the experts' ep-dp
