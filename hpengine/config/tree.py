@@ -113,6 +113,18 @@ class MoEConfig:
 
 
 @dataclass
+class MTPConfig:
+    """Multi-token prediction (DeepSeek-V3 section 2.2) for the llama family: `depth` sequential modules after the
+    main model, module k predicting the token k + 1 places after the next from the previous depth's hidden state
+    and the embedding of the token k places ahead, through the model's shared embedding and output head."""
+    depth: int = _f(0, "MTP modules (each an RMSNorm pair, a 2 d_model -> d_model projection, one block of the "
+                    "model's kind and a final RMSNorm); 0 = off, the model unchanged", check=_must(">=", 0))
+    loss_weight: float = _f(0.3, "the MTP loss, the mean over the depths of each depth's cross-entropy over its "
+                            "counted targets, times this joins the training loss (DeepSeek-V3's lambda)",
+                            check=_must(">=", 0))
+
+
+@dataclass
 class ModelConfig:
     """The network and its numerics."""
     kind: str = _f("gpt", "model family: a GPT-2 style decoder, a Llama-family decoder (RMSNorm, SwiGLU, rotary "
@@ -149,17 +161,21 @@ class ModelConfig:
                     choices=("float32", "float64"))
     init_std: float = _f(0.02, "standard deviation of the normal weight initialisation", check=_must(">", 0))
     moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "mixture of experts", "kinds": _LLAMA})
+    mtp: MTPConfig = field(default_factory=MTPConfig, metadata={"doc": "multi-token prediction", "kinds": _LLAMA})
+
+
+_SECTIONS = {"moe": MoEConfig, "mtp": MTPConfig}       # the tables inside [model]
 
 
 def model_key(m: ModelConfig) -> tuple:
     """A hashable key of a model config (for caches); model_from_key(model_key(m)) == m."""
-    return tuple(dataclasses.astuple(getattr(m, f.name)) if f.name == "moe" else getattr(m, f.name)
+    return tuple(dataclasses.astuple(getattr(m, f.name)) if f.name in _SECTIONS else getattr(m, f.name)
                  for f in dataclasses.fields(ModelConfig))
 
 
 def model_from_key(key: tuple) -> ModelConfig:
     names = [f.name for f in dataclasses.fields(ModelConfig)]
-    return ModelConfig(**{n: MoEConfig(*v) if n == "moe" else v for n, v in zip(names, key)})
+    return ModelConfig(**{n: _SECTIONS[n](*v) if n in _SECTIONS else v for n, v in zip(names, key)})
 
 
 def kind_keys(kind: str) -> list[str]:
@@ -300,9 +316,9 @@ class PipelineConfig:
 class ExpertParallelConfig:
     """Routed experts split over ranks (llama-kind MoE models), tokens moved to them by all-to-all."""
     enable: bool = _f(False, "turn expert parallelism on")
-    degree: int = _f(-1, "ranks the experts are split over, folded inside the data-parallel ranks (no extra "
-                     "ranks); must divide the data-parallel degree and model.moe.num_experts; -1 = every "
-                     "data-parallel rank", check=_DEGREE)
+    degree: int = _f(-1, "ranks the experts are split over, folded inside data_parallel x sharding (no extra "
+                     "ranks); must divide dp x sharding and model.moe.num_experts (one that does not divide dp keeps "
+                     "each rank's expert block whole under sharding); -1 = every data-parallel rank", check=_DEGREE)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The parallel context a model's blocks are handed: one named part per kind of communication. `tp` the
 tensor-parallel conjugate pairs and loss, `seq` this rank's piece of each sequence, `attn` the keys and values an
 attention sees, `ep` tokens sent to experts, `logits` where MuonClip's largest logits go; `num` the precision policy;
-`docs` the micro-batch's packed documents. LOCAL is one rank's without bf16 amp, every part the identity.
+`docs` the micro-batch's packed documents; `ahead` its multi-token prediction targets. LOCAL: every part the identity.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from hpengine.nn import OFF, Numerics, cross_entropy_backward, cross_entropy_forward
 from hpengine.nn.logit_max import causal_max_logits, fused_max_logits
 
-__all__ = ["LOCAL", "Context", "Documents", "LocalAttn", "LocalEP", "LocalLogits", "LocalSeq", "LocalTP",
+__all__ = ["LOCAL", "Ahead", "Context", "Documents", "LocalAttn", "LocalEP", "LocalLogits", "LocalSeq", "LocalTP",
            "local_context", "with_documents"]
 
 
@@ -185,6 +185,18 @@ class Documents:
 
 
 @dataclass(frozen=True)
+class Ahead:
+    """What multi-token prediction's losses read in a training pass (models/mtp.py): ids, (B, T, depth) device ints,
+    data.Batch.ahead (the target of depth k in column k - 1, -1 where none counts); norms, each depth's loss divisor
+    over the global batch; scale, the amp loss scale (1 without); record(loss), where the mean of the depths'
+    losses goes for the metrics (None: nowhere)."""
+    ids: object
+    norms: tuple
+    scale: float = 1.0
+    record: object = None
+
+
+@dataclass(frozen=True)
 class Context:
     """What a block may communicate through, by concern, and the precision its layers compute in (num: every
     layer call takes it, or its float32_out for an output a float32 reader takes); every block function
@@ -196,6 +208,7 @@ class Context:
     num: Numerics = OFF
     logits: LocalLogits = LocalLogits()
     docs: Documents | None = None
+    ahead: Ahead | None = None
 
 
 LOCAL = Context(LocalTP(), LocalSeq(), LocalAttn(), LocalEP())

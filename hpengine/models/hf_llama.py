@@ -38,6 +38,8 @@ def export_refusal(mcfg) -> str:
     if mcfg.moe.num_experts and mcfg.moe.bias_update_rate > 0:      # its router biases change the chosen experts
         return f"{arch_of(mcfg)} has no router selection bias: needs model.moe.bias_update_rate = 0"
     arch = arch_of(mcfg)
+    if mcfg.mtp.depth:      # no transformers llama-family class holds multi-token prediction modules
+        return f"{arch} has no multi-token prediction modules: needs model.mtp.depth = 0"
     return mixtral_refusal(mcfg) if arch == MOE_ARCH else qwen3_moe_refusal(mcfg) if arch == QWEN3_MOE_ARCH else ""
 
 

@@ -25,6 +25,7 @@ from hpengine.models.context import LOCAL
 from hpengine.models.decode import KVCache, output_logits
 from hpengine.models.interface import Capabilities
 from hpengine.models.moe_mlp import MoEMLP
+from hpengine.models.mtp import MTP
 from hpengine.models.tp_layers import (
     columns_backward,
     columns_forward,
@@ -32,6 +33,7 @@ from hpengine.models.tp_layers import (
     row_forward,
 )
 from hpengine.nn import (
+    embedding_cache_bytes,
     gqa_attention_backward,
     gqa_attention_forward,
     gqa_cache_elements,
@@ -75,7 +77,7 @@ class Llama:
         return Capabilities(attention=True, qk_width=w, v_width=w, kv_heads=mcfg.n_kv_heads or mcfg.n_heads,
                             experts=e.num_experts,
                             capacity_factor=e.capacity_factor if e.num_experts else 0.0,
-                            top_k=e.top_k if e.num_experts else 0)
+                            top_k=e.top_k if e.num_experts else 0, mtp_depth=mcfg.mtp.depth)
 
     def __init__(self, mcfg, tp_size: int = 1):
         self.cfg = mcfg
@@ -89,12 +91,13 @@ class Llama:
         self.flash = getattr(mcfg, "attention", "standard") == "flash"
         self.qk = bool(getattr(mcfg, "qk_norm", False))
         self.moe = MoEMLP(mcfg, self.F) if mcfg.moe.num_experts else None
+        self.mtp = MTP(self, mcfg) if mcfg.mtp.depth else None
 
     def _routed(self, i: int) -> bool:
         return self.moe is not None and self.moe.routed(i)
 
     def blocks(self) -> list[Block]:
-        return standard_blocks(self.L, self.tied)
+        return standard_blocks(self.L, self.tied or self.mtp is not None)    # MTP embeds with the head
 
     def tp_divides(self, tp: int) -> str:
         """What a tensor-parallel degree must divide ("" when it does)."""
@@ -139,6 +142,7 @@ class Llama:
         bits = n * (2 * C // parts + 3 * self.F // tp) + a_bits
         out = {"layer": layer, "scores": scores, "w_layer": w, "bits_w_layer": bits, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
                                                  rmsnorm_cache_bytes(ns, C, item), parts, cp)}
+        moe = w_moe = None
         if self.moe is not None:     # an MoE layer: the attention's part, then the router's and experts'
             moe = (2 * rmsnorm_cache_bytes(ns, C, item) + ns * C * item + att + self.moe.cache_bytes(n, C, item, tp))
             w_moe = n * (C + C // parts + heads // tp) * item    # the attention's W stash
@@ -146,6 +150,12 @@ class Llama:
                 if self.moe.routed(i):
                     out[f"layer.{i}"], out[f"w_layer.{i}"] = moe, w_moe
                     out[f"bits_w_layer.{i}"] = n * C // parts + a_bits    # h, a, dq, dk (the router reads h2 in float32)
+        if self.mtp is not None:     # each module with the head: its embedding's, three norms', the projection's
+            D = self.mtp.D           # input (2C), its block's (an MoE one for an MoE model) and its own loss's
+            one = (embedding_cache_bytes(n) + 3 * rmsnorm_cache_bytes(ns, C, item) + 2 * ns * C * item
+                   + (moe or layer) + out["head"] - rmsnorm_cache_bytes(ns, C, item))
+            out["head"] += D * one
+            out["w_head"] += D * ((w_moe or w) + out["w_head"] + 2 * ns * C * item)
         return out
 
     # the tensors only linear layers read (packed bf16 storage hands them to the GEMMs as bits: gemm_weight); not
@@ -167,7 +177,7 @@ class Llama:
         return 4 * tokens * self.T * self.hd * self.H // tp
 
     def specs(self, block: str) -> list[ParamSpec]:
-        C, std, hd = self.C, self.std, self.hd
+        C, std = self.C, self.std
         if block == "embed":
             return embed_specs(self.V, C, self.Vp)
         if block == "head":
@@ -175,12 +185,18 @@ class Llama:
             if not self.tied:
                 out.append(ParamSpec("lm_head.w", (C, self.Vp), tp_dim=1, std=std, block="head",
                                      true_shape=(C, self.V) if self.Vp != self.V else None))
-            return out
-        p, out_std = block, std / math.sqrt(2 * self.L)   # residual projections scaled down, as GPT-2 does
+            return out + (self.mtp.specs() if self.mtp is not None else [])
+        return self.block_specs(block, self._routed(int(block.split(".")[1])))
+
+    def block_specs(self, p: str, routed: bool) -> list[ParamSpec]:
+        """The tensors of one transformer block named p (a layer "h.{i}", or a multi-token prediction module's);
+        routed: an MoE block (else the dense MLP)."""
+        C, std, hd = self.C, self.std, self.hd
+        out_std = std / math.sqrt(2 * self.L)   # residual projections scaled down, as GPT-2 does
         mlp = ([ParamSpec(f"{p}.mlp.gate.w", (C, self.F), tp_dim=1, std=std, block=p),
                 ParamSpec(f"{p}.mlp.up.w", (C, self.F), tp_dim=1, std=std, block=p),
                 ParamSpec(f"{p}.mlp.down.w", (self.F, C), tp_dim=0, std=out_std, block=p)]
-               if not self._routed(int(p.split(".")[1])) else self.moe.specs(p, C, std, out_std))
+               if not routed else self.moe.specs(p, C, std, out_std))
         return [ParamSpec(f"{p}.attn_norm.w", (C,), decay=False, init="ones", block=p),
                 ParamSpec(f"{p}.attn.q.w", (C, self.H * hd), tp_dim=1, std=std, block=p),
                 ParamSpec(f"{p}.attn.k.w", (C, self.K * hd), tp_dim=1, std=std, block=p),
@@ -219,7 +235,12 @@ class Llama:
         # keep_scores=False (selective recompute): the cache drops the attention probabilities, which
         # layer_backward rebuilds; flash attention keeps none anyway. loss: (norm, loss scale) of a training
         # pass, which an MoE layer's balancing losses need (models/moe_mlp.py); None when only inferring
-        p, (B, T) = f"h.{i}", (x.shape[0], x.shape[1] * ctx.seq.parts)   # T: the whole sequence
+        sink = None if loss is None else ctx.logits.sink(i)     # MuonClip: the training forwards' largest logits
+        return self.block_forward(xp, P, f"h.{i}", self._routed(i), x, ctx, keep_scores, loss, sink)
+
+    def block_forward(self, xp, P, p, routed, x, ctx, keep_scores=True, loss=None, sink=None):
+        # x: (B, T, C) -> (B, T, C): the block named p (routed: MoE); sink: where its largest logits go (None: nowhere)
+        B, T = x.shape[0], x.shape[1] * ctx.seq.parts   # T: the whole sequence
         H, K, hd = P[f"{p}.attn.q.w"].shape[1] // self.hd, P[f"{p}.attn.k.w"].shape[1] // self.hd, self.hd
         cos, sin, qcos, qsin = self._tables_at(xp, x.dtype, ctx)
         hs, c_n1 = rmsnorm_forward(xp, x, P[f"{p}.attn_norm.w"], self.eps, num=ctx.num)
@@ -234,12 +255,11 @@ class Llama:
         q = rope_forward(xp, q, qcos, qsin, att)
         k = rope_forward(xp, k, cos, sin, att)
         k, v = ctx.attn.kv_forward(k, v.reshape(B, T, K, hd).transpose(0, 2, 1, 3))
-        sink = None if loss is None else ctx.logits.sink(i)     # MuonClip: the training forwards' largest logits
         a, c_att = ctx.attn.grouped_forward(xp, self._cores(ctx, keep_scores)[0], q, k, v, scale=1.0,  # q is scaled
                                             logits=sink)
         o, c_o = row_forward(xp, ctx, a, P[f"{p}.attn.o.w"])
         o += x                  # o is ours: the residual sum needs no new array
-        routed = self._routed(i)       # the router's logits are no bf16 GEMM: it reads float32
+        # the router's logits are no bf16 GEMM: it reads float32
         h2s, c_n2 = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps,
                                     num=ctx.num.float32_out if routed else ctx.num)
         if routed:
@@ -296,9 +316,12 @@ class Llama:
     def layer_backward(self, xp, dy, cache, P, G, i, ctx, defer=None):
         # dy: (B, T, C) -> dx: (B, T, C); defer: a list for the weight-gradient products (nn/deferred.py),
         # which read dy and the gradients below as made here: none of them is written after it is made
-        p = f"h.{i}"
+        return self.block_backward(xp, dy, cache, P, G, f"h.{i}", self._routed(i), ctx, defer)
+
+    def block_backward(self, xp, dy, cache, P, G, p, routed, ctx, defer=None):
+        # dy: (B, T, C) -> dx: (B, T, C), the backward of block_forward
         cos, sin, qcos, qsin = self._tables_at(xp, dy.dtype, ctx)
-        if self._routed(i):     # the routed experts run whole in B (their weight gradients are not deferred)
+        if routed:     # the routed experts run whole in B (their weight gradients are not deferred)
             c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_moe = cache
             dh2 = self.moe.backward(xp, dy, c_moe, P, G, p, ctx)
         else:
@@ -335,19 +358,32 @@ class Llama:
 
     def layer_stats(self, i, cache):
         """The MoE statistics of layer i's forward (models/moe_mlp.MoEStats), None for a dense layer."""
-        return cache[-1][-1] if self._routed(i) else None
+        return self.block_stats(cache, self._routed(i))
+
+    def block_stats(self, cache, routed: bool):
+        """The MoE statistics in a block_forward cache (routed: an MoE block), None for a dense block."""
+        return cache[-1][-1] if routed else None
 
     def head_forward(self, xp, P, x, targets, norm, ctx):
         # x: (B, T, C) -> loss
+        # multi-token prediction (a training pass with ctx.ahead) adds its weighted loss, read from x as well
         h, c_n = rmsnorm_forward(xp, x, P["norm.w"], self.eps, num=ctx.num)
         loss, c = logits_loss_forward(xp, P, h, targets, norm, ctx, self.tied)
-        return loss, (c_n, c)
+        c_m = None
+        if self.mtp is not None and ctx.ahead is not None:
+            extra, c_m = self.mtp.forward(xp, P, x, targets, norm, ctx)
+            loss = loss + extra
+        return loss, (c_n, c, c_m)
 
     def head_backward(self, xp, cache, G, ctx, P, dloss=1.0, defer=None):
         # -> dx: (B, T, C)
-        c_n, c = cache
+        c_n, c, c_m = cache
+        dmtp = None if c_m is None else self.mtp.backward(xp, c_m, P, G, ctx, dloss, defer)
         dh = logits_loss_backward(xp, c, G, ctx, self.tied, P, dloss, defer)
-        return rmsnorm_backward(xp, dh, c_n, P["norm.w"], G["norm.w"])
+        dx = rmsnorm_backward(xp, dh, c_n, P["norm.w"], G["norm.w"])
+        if dmtp is not None:
+            dx += dmtp
+        return dx
 
     # --- incremental decoding (models/decode.py) ------------------------------------------------
     def decode_cache(self, xp, dtype):

@@ -91,7 +91,7 @@ class MoEMLP:
         norm = loss[0] if loss else 1.0
         idx, gates, (aux, z), load, c_r = router_forward(xp, h2, P[f"{p}.moe.router.w"], self.k, T, norm,
                                                           e.router, e.norm_topk,
-                                                          None if self.bias is None else self.bias[p], _seq_sum(ctx),
+                                                          None if self.bias is None else self.bias.get(p), _seq_sum(ctx),
                                                           e.n_groups, e.topk_groups, e.routed_scaling)
         dropping, dropped = bool(self.capacity and loss), 0
         if dropping:        # a dropped slot: idx -1, gate 0; its row is never dispatched

@@ -1,8 +1,7 @@
-"""The head-tail load-balanced split of a sequence over cp context-parallel ranks: T tokens are cut into
-2 cp chunks of T / (2 cp) and rank r holds chunks r and 2 cp - 1 - r (PyTorch's _HeadTailLoadBalancer),
-so under a causal mask every rank attends to the same number of query-key pairs; packed documents are split
-head-tail per document instead (document_split). Positions are host NumPy integers (metadata, never on the
-device); the arrays split and reassembled may be NumPy or CuPy.
+"""The head-tail load-balanced split of a sequence over cp context-parallel ranks: T tokens are cut into 2 cp
+chunks of T / (2 cp) and rank r holds chunks r and 2 cp - 1 - r (PyTorch's _HeadTailLoadBalancer), so under a
+causal mask every rank attends to the same number of query-key pairs; packed documents are split head-tail per
+document instead (document_split). Positions are host NumPy integers; the arrays split may be NumPy or CuPy.
 """
 from __future__ import annotations
 

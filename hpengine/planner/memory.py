@@ -44,18 +44,25 @@ def owned(st: StageFacts, lay: Resolved, models: int, sh_rank=None) -> int:
     """Elements this sharding rank owns (the largest share when sh_rank is None)."""
     if lay.sh == 1:
         return st.psi * models
-    return memoised(st, ("owned", models, lay.sh, lay.partition, sh_rank), lambda: _owned(st, lay, models, sh_rank))
+    return memoised(st, ("owned", models, lay.sh, lay.partition, sh_rank, lay.experts_whole),
+                    lambda: _owned(st, lay, models, sh_rank))
 
 
 def _owned(st: StageFacts, lay: Resolved, models: int, sh_rank) -> int:
-    ranges = _partition(st.sizes(models), lay.sh, lay.partition)
-    return max(r.size for r in ranges) if sh_rank is None else ranges[sh_rank].size
+    sizes = st.sizes(models)
+    ranges = _partition(sizes, lay.sh, lay.partition)
+    per_rank = [r.size for r in ranges]
+    if lay.experts_whole:       # ep across sharding: its share less the experts, and its whole expert block
+        flagged = plan_tp.flagged_per_rank(sizes, st.expert * models, tuple(ranges))
+        per_rank = [n - f + st.experts * models for n, f in zip(per_rank, flagged)]
+    return max(per_rank) if sh_rank is None else per_rank[sh_rank]
 
 
 def owned_experts(st: StageFacts, lay: Resolved, models: int, sh_rank=None) -> int:
     """Elements of expert blocks split over ep inside this sharding rank's owned range (the largest share when
-    sh_rank is None): their gradients are averaged over the ep-dp replicas, the rest over dp."""
-    if lay.sh == 1:
+    sh_rank is None): their gradients are averaged over the ep-dp replicas, the rest over dp. With ep across
+    sharding every rank owns its whole expert block."""
+    if lay.sh == 1 or lay.experts_whole:
         return st.experts * models
     return memoised(st, ("owned experts", models, lay.sh, lay.partition, sh_rank),
                     lambda: _owned_experts(st, lay, models, sh_rank))

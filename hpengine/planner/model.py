@@ -53,14 +53,17 @@ def traffic(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, sh_ran
     w, g, _, item = precision(mcfg, lay.amp, packed)
     M, psi, out = models, st.psi * models, {}
     losses = F64 * (M + plan_moe.loss_figures(mcfg, M))         # the loss allreduce, with the MoE figures riding on it
+    whole = st.experts * M if lay.experts_whole else 0     # ep across sharding: expert blocks kept whole
     if lay.sh > 1:
         gathers = psi * w if lay.zstage < 3 else lay.k * lay.m * M * gathered_per_microbatch(mcfg, st) * w
-        out["sharding"] = {"reduce": psi * g, "allgather": gathers, "allreduce": F64 * M + losses}
+        out["sharding"] = {"reduce": (psi - whole) * g, "allgather": gathers, "allreduce": F64 * M + losses}
     if lay.dp * lay.cp > 1:            # expert blocks split over ep: summed over their replicas only
         experts = owned_experts(st, lay, M, sh_rank)
         out[lay.grad_group] = {"allreduce": (owned(st, lay, M, sh_rank) - experts) * g + losses}
-        if lay.dp // lay.ep > 1 and experts:
+        if lay.dp // lay.ep > 1 and experts and not whole:
             out["ep-dp"] = {"allreduce": experts * g}
+    if whole and lay.dp * lay.sh * lay.cp // lay.ep > 1:   # each block summed over the ranks that hold it
+        out["ep-dp"] = {"allreduce": whole * g}
     if plan_muon.runs(lay):     # each Newton-Schulz owner's results, shared over the replicas (in the masters' dtype)
         dense, expert = plan_muon.owned_elements(st, lay, M, sh_rank)
         master = 4 if lay.amp else item
@@ -297,6 +300,10 @@ def stage_times(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, cl
         parts = len(st.names) * M + lay.sh - 1          # a reduce per (block, owner) piece
         red = collective_s("reduce", lay.sh, tr["sharding"]["reduce"], parts,
                            *link(lay, "sharding", cluster, "reduce"))
+        if lay.experts_whole and "ep-dp" in tr:     # the whole expert blocks' sums, one per MoE block, beside it
+            red += collective_s("allreduce", lay.dp * lay.sh // lay.ep, tr["ep-dp"]["allreduce"],
+                                sum(st.expert) * M,
+                                *link(lay, "dp" if lay.dp > 1 else "sharding", cluster))
         # stage 3 gathers each block from its owner, twice a micro-batch; stages 1-2 share every range once
         gathers = mb * M * sum(1 + b.bwd_params for b in st.kinds) if lay.zstage == 3 else 1
         gat = collective_s("allgather", lay.sh, tr["sharding"]["allgather"], gathers,

@@ -58,7 +58,7 @@ def families(cfg, cluster, max_rows: int, where=None, attention: float = 1.0):
         tensors = min(len(st.sizes(cfg.train.models)) for st in stages(m, tp, pp, 1))
         sps = (False, True) if tp > 1 and (m.seq_len // cp) % tp == 0 else (False,)
         rows = [r for r in space.divisors(share) if r <= max_rows]
-        eps = sorted({e for sh in shs for e in space.expert_degrees(m, rest // sh)})
+        eps = sorted({e for sh in shs for e in space.expert_degrees(m, rest // sh, sh, cfg.optim.name)})
         cuts = {}               # the prefix's stage lists by (v, zbv, ep): stages() keys the model afresh each call
         for (bi, b), (mi, (rc, gran)), (ai, amp), (si, sp) in product(enumerate(rows), enumerate(modes),
                                                                       enumerate(("", "float16")), enumerate(sps)):
@@ -71,7 +71,8 @@ def families(cfg, cluster, max_rows: int, where=None, attention: float = 1.0):
                              granularity=gran, sp=sp, scatter=tp > 1 and pp > 1 and not sp and split_sends, ep=ep,
                              cp=cp, cp_comm=comm, optimizer=cfg.optim.name,
                              muon_ns_steps=cfg.optim.muon_ns_steps)
-                split = tuple((hi, sh) for hi, sh in enumerate(shs) if ep in space.expert_degrees(m, rest // sh))
+                split = tuple((hi, sh) for hi, sh in enumerate(shs)
+                              if ep in space.expert_degrees(m, rest // sh, sh, cfg.optim.name))
                 cut = (v, schedule(sched).vee, ep)
                 if cut not in cuts:
                     cuts[cut] = stages(m, tp, pp, v, "uniform", sched, ep, attention)

@@ -15,6 +15,7 @@ from hpengine.config.load import (
     ConfigError,
     ModelConfig,
     MoEConfig,
+    MTPConfig,
     enabled_strategies,
     load_config,
     to_toml,
@@ -46,7 +47,8 @@ def with_preset(cfg: Config, name: str) -> Config:
                         f"(aliases: {', '.join(f'{a} = {k}' for a, k in ALIASES.items())})")
     preset = PRESETS[key]
     cfg = copy.deepcopy(cfg)
-    cfg.model = ModelConfig(**{k: MoEConfig(**v) if k == "moe" else v for k, v in preset.model.items()})
+    cfg.model = ModelConfig(**{k: {"moe": MoEConfig, "mtp": MTPConfig}[k](**v) if k in ("moe", "mtp") else v
+                               for k, v in preset.model.items()})
     cfg.train.global_batch = preset.global_batch
     return cfg
 

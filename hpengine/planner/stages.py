@@ -14,7 +14,7 @@ from hpengine.layout.degrees import Degrees, PipelinePlan
 from hpengine.layout.resolve import AXES, Resolved
 from hpengine.layout.schedules import SCHEDULES
 from hpengine.layout.stage import build_stage, owner
-from hpengine.models import build_model
+from hpengine.models import build_model, capabilities
 from hpengine.optim.base import KINDS as OPTIMIZERS
 from hpengine.optim.muon import is_muon_matrix
 
@@ -136,6 +136,7 @@ def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> StageFacts:
     slot, lay = st.slots[0], st.layout
     blocks, matmuls, replicated, expert, partial, expert_mm, unpacked, muon = [], [], [], [], [], 0, [], []
     values = {name: [] for name, k in OPTIMIZERS.items() if k.values is not None}
+    depth, mtp_layers = capabilities(mcfg).mtp_depth, 0
     for name in slot.blocks:
         b = slot.block(name)
         specs = st.block_specs[name]
@@ -149,18 +150,24 @@ def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> StageFacts:
                          if len(sp.global_shape) == 3) if moe else 0
             mm, expert_mm = mm + routed, expert_mm + routed
         for t in b.reads:       # a tied head multiplies by wte, held here or by the embedding block
-            mm += next(math.prod(sp.local_shape(0, tp)) for sp in model.specs(owner(model, t)) if sp.name == t)
+            read = next(math.prod(sp.local_shape(0, tp)) for sp in model.specs(owner(model, t)) if sp.name == t)
+            mm += read if mcfg.tie_head or b.kind != "head" else 0     # else multi-token prediction looks it up
+        if b.kind == "head" and depth:      # multi-token prediction: each depth's block, and the shared head again
+            head = sum(n for sp, n in zip(specs, sizes) if sp.name == "lm_head.w") or read
+            mm, mtp_layers = mm + depth * head, depth
         blocks.append((name, tuple(sizes)))
         replicated += [sp.tp_dim is None for sp in specs]
         expert += [sp.ep_dim is not None and ep > 1 for sp in specs]
         partial += [sp.tp_dim is None and sp.tp_partial for sp in specs]
         muon += [_muon_shape(sp, lay.shapes[sp.name]) if is_muon_matrix(sp) else None for sp in specs]
-        for name, per in values.items():
-            per += [OPTIMIZERS[name].values(sp) for sp in specs]
+        for opt, per in values.items():
+            per += [OPTIMIZERS[opt].values(sp) for sp in specs]
         matmuls.append((name, mm))
         unpacked.append((name, sum(n for sp, n in zip(specs, sizes) if not model.gemm_weight(sp.name))))
     kinds = tuple(slot.block(n) for n in slot.blocks)
-    return StageFacts(tuple(blocks), slot.chunks, sum(k.kind == "layer" for k in kinds), sum(n for _, n in matmuls),
+    # layers: the attention passes (FLOPs, tp and cp exchanges), a multi-token prediction module's among them
+    return StageFacts(tuple(blocks), slot.chunks, sum(k.kind == "layer" for k in kinds) + mtp_layers,
+                      sum(n for _, n in matmuls),
                  kinds, tuple(st.deps.items()), tuple(matmuls),
                  sum(lay.ranges[t].size for t in set(st.tied.values())), tuple(replicated),
                  sum(lay.ranges[sp.name].size for sp in lay.specs if sp.ep_dim is not None and ep > 1),

@@ -18,7 +18,8 @@ def make_grad_sync(res, stage, backend, comms, storage: PlainStorage = PLAIN) ->
     over its data-replica group: the sharding ranks, the owned range's replicas (dp x cp; ep-dp for experts) and tp."""
     sh, dp = comms["sharding"], comms[res.grad_group]
     if res.sh > 1:
-        sync = ShardedSync(stage, backend, sh, dp, res.zstage, res.partition, comms.get("ep-dp"), storage)
+        sync = ShardedSync(stage, backend, sh, dp, res.zstage, res.partition, comms.get("ep-dp"), storage,
+                           res.experts_whole)
     elif dp.size > 1:
         sync = DataParallelSync(stage, backend, dp, res.bucket_mb, comms.get("ep-dp"), storage)
     else:

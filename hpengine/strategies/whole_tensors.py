@@ -1,8 +1,7 @@
 """The whole-tensor work of an optimizer that sees TENSORS (Muon's Newton-Schulz), divided: each tensor gets one
-owner, balanced by the optimizer's declared work, among the ranks of its data-replica group: the sharding ranks
-(the update travels from its storage owner to its work owner and back by alltoallv), times the replicas (dp x cp,
-or ep-dp for the experts: the owner's result shared with an allgatherv), times tp (the slices gathered to the
-owner, the result's slices sent back), so every holder applies the same values the owner computed.
+owner, balanced by declared work, among its data-replica group: sharding ranks (the update sent from its storage
+owner by alltoallv, and back), times replicas (dp x cp, or ep-dp for experts: the result shared by allgatherv),
+times tp (slices gathered to the owner, the result's sent back); every holder applies the owner's values.
 """
 from __future__ import annotations
 
