@@ -184,3 +184,27 @@ def test_tile_plan_boxes_hold_every_visible_pair():
             assert inside[a2 - a:b2 - a, c2 - c:d2 - c].sum() == inside.sum()
             cut += (b2 - a2) * (d2 - c2) < (b - a) * (d - c)
     assert cut and skipped
+
+
+def test_packed_documents_on_the_cupy_stand_in_equal_numpy(monkeypatch):
+    """The same core on CuPy (the stand-in of emulated_cupy.py: cuBLAS on the tiles' strided views, the tile plan
+    read from one host copy of the segments) gives NumPy's numbers."""
+    import emulated_cupy
+    from test_ring_documents import segments_of
+    rows = PACKED[::2] + PACKED[3:]
+    B, H, K, T, hd = len(rows), 4, 2, 160, 8
+    seg = segments_of(rows)
+    r = rng(12)
+    q, k, v = (r.standard_normal((B, n, T, hd)) for n in (H, K, K))
+    dy = r.standard_normal((B, T, H * hd))
+    y, cache = flash.flash_gqa_forward(np, q, k, v, 16, 16, segments=seg)
+    want = (y, *flash.flash_gqa_backward(np, dy, cache, segments=seg))
+    cp = emulated_cupy.install(monkeypatch)
+    from hpengine.nn import gemm
+    calls, matmul = [], gemm.matmul
+    monkeypatch.setattr(gemm, "matmul", lambda *a, **kw: calls.append(1) or matmul(*a, **kw))
+    yd, cd = flash.flash_gqa_forward(cp, *(cp.asarray(a) for a in (q, k, v)), 16, 16, segments=cp.asarray(seg))
+    got = (yd, *flash.flash_gqa_backward(cp, cp.asarray(dy), cd, segments=cp.asarray(seg)))
+    for name, a, b in zip(("y", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(a.get(), b, **TOL, err_msg=name)
+    assert calls                                  # through cuBLAS, not NumPy's matmul
