@@ -167,6 +167,9 @@ def _plan_parser(sub) -> None:
     pl.add_argument("--optimizer", choices=sorted(OPTIMIZERS), help="the optimizer to plan for (sets optim.name; "
                     "default: the config's): its state bytes, and Muon's Newton-Schulz GEMMs in the step time")
     pl.add_argument("--world", type=int, help="ranks for --check (default: nodes x gpus-per-node)")
+    pl.add_argument("--mean-doc-len", type=float, metavar="N", help="packed documents of mean length N tokens "
+                    "(geometric lengths): attention FLOPs counted for the work the document mask leaves (default: "
+                    "--check of a config with data.document_mask measures its token files' documents)")
     pl.add_argument("--out", help="write the best layout as a config TOML")
     pl.add_argument("--force", action="store_true", help="replace an existing --out file")
     pl.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")

@@ -113,8 +113,13 @@ def _hops_of(schedule: str, pp: int, v: int, stage: int) -> int:
     return out
 
 
-def stage_facts(cfg, lay: Resolved) -> list[StageFacts]:
-    return stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule, lay.ep)
+def stage_facts(cfg, lay: Resolved, docs=None) -> list[StageFacts]:
+    """The layout's stages; docs: the plan's DocumentFacts (None: one document a row)."""
+    return stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule, lay.ep, _attention(docs))
+
+
+def _attention(docs) -> float:
+    return 1.0 if docs is None else docs.attention
 
 
 # ---- time ------------------------------------------------------------------------------------------
@@ -144,17 +149,26 @@ def collective_s(op: str, n: int, nbytes: float, calls: float, alpha: float, bet
     return share * nbytes / beta + calls * math.ceil(math.log2(n)) * alpha
 
 
-def matmul_flops(mcfg, tokens: int, weights: int, layers: int, tp: int, f: int = 6) -> float:
+def matmul_flops(mcfg, tokens: int, weights: int, layers: int, tp: int, f: int = 6, attention: float = 1.0) -> float:
     """f·N·tokens over N weights (f = 6 forward and backward), plus the attention scores and their
-    product with the values, f/2 times their forward."""
-    return f * tokens * weights + f // 2 * build_model(mcfg, tp).attention_flops(tokens, tp) * layers
+    product with the values, f/2 times their forward, of which packed documents leave `attention`
+    (StageFacts.attention)."""
+    return f * tokens * weights + f // 2 * attention_flops(mcfg, tokens, tp, attention) * layers
+
+
+def attention_flops(mcfg, tokens: int, tp: int, attention: float = 1.0) -> float:
+    """Forward FLOPs of one layer's scores and their product with the values on one tp rank: the model's own
+    figure, times the share packed documents leave (planner/documents.py)."""
+    dense = build_model(mcfg, tp).attention_flops(tokens, tp)
+    return dense if attention == 1.0 else dense * attention
 
 
 def flops_per_microbatch(mcfg, st: StageFacts, lay: Resolved) -> float:
     """6·N·tokens over the weights this rank multiplies by, plus attention scores, plus what the
     recomputed layers rebuild (planner/recompute.py: extra_flops)."""
     tokens = lay.rows * mcfg.seq_len // lay.cp
-    return matmul_flops(mcfg, tokens, st.matmul, st.layers, lay.tp) + rc.extra_flops(mcfg, st, lay, tokens)
+    return (matmul_flops(mcfg, tokens, st.matmul, st.layers, lay.tp, attention=st.attention)
+            + rc.extra_flops(mcfg, st, lay, tokens))
 
 
 def _device_flops(mcfg, lay: Resolved, cluster) -> float:
@@ -360,10 +374,11 @@ def replica_index(lay: Resolved, coords: dict) -> int:
     return at
 
 
-def predict_layout(cfg, lay: Resolved, cluster, stage_ids=None, sts=None) -> dict:
+def predict_layout(cfg, lay: Resolved, cluster, stage_ids=None, sts=None, docs=None) -> dict:
     """Prediction for a layout: per-stage results, the worst stage's memory, the step time. sts: its stages
-    (stages.stages of the layout's cut), when the caller has them."""
-    sts = sts or stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule, lay.ep)
+    (stages.stages of the layout's cut), when the caller has them; docs: the plan's DocumentFacts (their
+    attention share, when sts is not given)."""
+    sts = sts or stage_facts(cfg, lay, docs)
     ids = range(lay.pp) if stage_ids is None else sorted({s for s in stage_ids if 0 <= s < lay.pp})
     per = [predict_stage(cfg.model, sts[s], lay, s, cfg.train.models, cluster) for s in ids]
     worst = max(per, key=lambda r: r["memory"]["total"])

@@ -41,8 +41,8 @@ class Family:
         return self.make()
 
 
-def families(cfg, cluster, max_rows: int, where=None):
-    """Every family of space.candidates, enumerated by the same helpers."""
+def families(cfg, cluster, max_rows: int, where=None, attention: float = 1.0):
+    """Every family of space.candidates, enumerated by the same helpers; attention: StageFacts.attention."""
     m, W, gb = cfg.model, cluster.world, cfg.train.global_batch
     tps = [t for t in space.divisors(W) if t <= cluster.gpus_per_node and space.tp_ok(m, t)]
     modes, split_sends = space.recompute_modes(m), cfg.strategy.pipeline.scatter_gather
@@ -75,7 +75,7 @@ def families(cfg, cluster, max_rows: int, where=None):
                               if ep in space.expert_degrees(m, rest // sh, sh, cfg.optim.name))
                 cut = (v, schedule(sched).vee, ep)
                 if cut not in cuts:
-                    cuts[cut] = stages(m, tp, pp, v, "uniform", sched, ep)
+                    cuts[cut] = stages(m, tp, pp, v, "uniform", sched, ep, attention)
                 yield Family(_leaf(fixed, 1, 0), sum(1 if sh == 1 else 3 for _, sh in split),
                              functools.partial(_leaves, fixed, split, (i,), (bi, mi, ai, si, ci, ep)), cuts[cut])
 
@@ -107,7 +107,7 @@ class SearchProgress:
 
 
 def branch_and_bound(cfg, cluster, max_rows: int, top: int, progress: SearchProgress | None = None,
-                     where=None) -> tuple:
+                     where=None, attention: float = 1.0) -> tuple:
     """(layouts that fit, ranked as search ranks them, the first `top` equal to the exhaustive search's; how many
     were evaluated; how many were pruned unevaluated; the smallest layout when none fits).
 
@@ -119,7 +119,7 @@ def branch_and_bound(cfg, cluster, max_rows: int, top: int, progress: SearchProg
     progress = progress or SearchProgress()
     usable, ids = cluster.usable_gb * GB, lambda lay: (0, 1, lay.pp - 1)
     fams = []
-    for fam in families(cfg, cluster, max_rows, where):
+    for fam in families(cfg, cluster, max_rows, where, attention):
         fam.floor = quick_floor(cfg, fam.rep, cluster, ids(fam.rep), fam.stages)
         fams.append(fam)
     progress.start(sum(f.size for f in fams))

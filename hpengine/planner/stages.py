@@ -42,6 +42,8 @@ class StageFacts:
     #                        (over tp), count: the routed experts this rank holds; None: not one (optim.muon)
     state_values: tuple = ()  # (optimizer, its state values per element of each tensor, sizes' order, one model) for
     #                           each optimizer that declares them per tensor (optim.base.OptimizerKind.values)
+    attention: float = 1.0  # the share of the attention's score and value work packed documents leave
+    #                         (planner/documents.py; 1: one document a row)
 
     def sizes(self, models: int) -> tuple:
         """Tensor element counts in layout order, for `models` models sharing the buffer."""
@@ -108,16 +110,20 @@ def memoised(st: StageFacts, key: tuple, compute):
     return st.memo[key]
 
 
-def stages(mcfg, tp: int, p: int, v: int, split="uniform", schedule: str = "fthenb", ep: int = 1) -> list[StageFacts]:
+def stages(mcfg, tp: int, p: int, v: int, split="uniform", schedule: str = "fthenb", ep: int = 1,
+           attention: float = 1.0) -> list[StageFacts]:
     """Every pipeline stage of the model, cut as the engine cuts it (schedule: where the chunks sit; only
-    zbv's V differs from c * p + stage; ep: the expert blocks a rank holds, 1 / ep of the experts)."""
+    zbv's V differs from c * p + stage; ep: the expert blocks a rank holds, 1 / ep of the experts; attention:
+    StageFacts.attention)."""
     key = tuple(split) if isinstance(split, list) else split
     vee = next(s.name for s in SCHEDULES.values() if s.vee)     # stages depend on the placement alone
-    return _stages(model_key(mcfg), tp, p, v, key, vee if SCHEDULES[schedule].vee else "fthenb", ep)
+    return _stages(model_key(mcfg), tp, p, v, key, vee if SCHEDULES[schedule].vee else "fthenb", ep, float(attention))
 
 
 @functools.lru_cache(maxsize=4096)
-def _stages(mkey, tp, p, v, split, schedule, ep=1) -> list[StageFacts]:
+def _stages(mkey, tp, p, v, split, schedule, ep=1, attention=1.0) -> list[StageFacts]:
+    if attention != 1.0:     # the same cut with its share (fresh instances: each keeps its own memo of figures)
+        return [dataclasses.replace(st, attention=attention) for st in _stages(mkey, tp, p, v, split, schedule, ep, 1.0)]
     mcfg = model_from_key(mkey)
     res = Resolved(Degrees(tp, 1, 1, 1, p, ep, AXES),
                    PipelinePlan(1, v, schedule, list(split) if isinstance(split, tuple) else split))

@@ -185,3 +185,41 @@ def test_moe_router_biases_reach_generation(small_corpus, tmp_path):
     ids = list(b"The ") + g["tokens"]
     np.testing.assert_allclose(np.stack(g["logits"]), full_logits(model, P, ids[:-1])[g["prompt_tokens"] - 1:],
                                rtol=0, atol=1e-10)
+
+
+def packed_logits(model, P, junk, ids):
+    """Logits (len(ids), V) of ids run as the second document of a packed row (junk first): block-causal
+    attention and positions restarting at 0, through the training forward's document path."""
+    from hpengine.data.batch import Batch
+    from hpengine.models import LOCAL
+    from hpengine.models.context import with_documents
+    row = np.array([list(junk) + list(ids)], dtype=np.int64)
+    seg = np.array([[0] * len(junk) + [1] * len(ids)], dtype=np.int64)
+    pos = np.array([list(range(len(junk))) + list(range(len(ids)))], dtype=np.int64)
+    ctx = with_documents(LOCAL, Batch(row, segments=seg, positions=pos))
+    x, _ = model.embed_forward(np, P, row, ctx)
+    for i in range(model.n_layers):
+        x, _ = model.layer_forward(np, P, i, x, ctx)
+    return model.head_logits(np, P, x)[0, len(junk):]
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_a_document_masked_checkpoint_generates_the_prompt_as_one_document(small_corpus, tmp_path, kind):
+    """A checkpoint trained with data.document_mask = true: the cached greedy decode picks the tokens that
+    repeated full forwards pick when the prompt and what follows is one document packed behind another."""
+    assert main(["train", *sets(*COMMON, *KINDS[kind], "data.document_mask=true", f"data.path={small_corpus}",
+                                f"train.out_dir={tmp_path}")]) == 0
+    g = generate(tmp_path, "The ", 20, greedy=True, out=io.StringIO(), note=quiet)
+    model, P, _ = load(tmp_path, quiet)
+    junk = list(b"an unrelated document.\n")
+    ids = list(b"The ")
+    for got in g["tokens"]:
+        logits = packed_logits(model, P, junk, ids)
+        assert got == int(np.argmax(logits[-1]))
+        ids.append(got)
+    assert len(g["tokens"]) == 20
+    np.testing.assert_allclose(np.stack(g["logits"]), packed_logits(model, P, junk, ids[:-1])[3:], rtol=0,
+                               atol=1e-10)
+    # the junk document is really in the row: without the documents the logits differ
+    row = junk + ids[:-1]
+    assert not np.allclose(full_logits(model, P, row)[len(junk) + 3:], np.stack(g["logits"]), atol=1e-6)
