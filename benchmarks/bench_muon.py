@@ -1,7 +1,8 @@
 """A Muon step against an AdamW step of the same layout: the reference GPT at global batch 64 (8,192 tokens), one
-process and data parallel. Per world size one `mpiexec` job builds and times each optimizer's engine in turn, round
+process, data parallel or sharding. Per world size one `mpiexec` job builds and times each optimizer's engine in turn, round
 after round: median step (slowest rank), the median of each round's Muon / AdamW, Newton-Schulz time on rank 0.
     .venv/bin/python benchmarks/bench_muon.py --rounds 5       # 1 and 2 ranks; a Markdown table
+    .venv/bin/python benchmarks/bench_muon.py --ranks 4 --layout sharding --stage 2
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def worker(a) -> None:
         for o in OPTIMIZERS:
             sets = GPT + [f"train.global_batch={a.batch}", f"optim.name='{o}'"]
             if world.Get_size() > 1:
-                sets += ["strategy.data_parallel.enable=true"]
+                sets += (["strategy.sharding.enable=true", f"strategy.sharding.stage={a.stage}"]
+                         if a.layout == "sharding" else ["strategy.data_parallel.enable=true"])
             eng = build(load_config(None, sets), world)
             for s in range(a.warmup):
                 eng.train_step(s)
@@ -72,6 +74,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--batch", type=int, default=64, help="global batch (default 64)")
+    ap.add_argument("--layout", choices=("dp", "sharding"), default="dp", help="over more than one rank: data "
+                    "parallel (default) or sharding")
+    ap.add_argument("--stage", type=int, default=1, help="the sharding stage with --layout sharding (default 1)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -91,7 +96,8 @@ def main(argv=None) -> int:
             out = Path(tmp) / "r.json"
             subprocess.run([str(bin_ / "mpiexec"), "-n", str(n), sys.executable, str(Path(__file__).resolve()),
                             "--worker", "--rounds", str(a.rounds), "--steps", str(a.steps), "--warmup",
-                            str(a.warmup), "--batch", str(a.batch), "--json", str(out)], check=True, env=env, cwd=tmp)
+                            str(a.warmup), "--batch", str(a.batch), "--layout", a.layout, "--stage", str(a.stage),
+                            "--json", str(out)], check=True, env=env, cwd=tmp)
             runs = json.loads(out.read_text())
         med = lambda o, k: statistics.median(r[k] for r in runs[o])  # noqa: E731
         ns = med("muon", "ns_s")

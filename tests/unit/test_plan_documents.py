@@ -83,7 +83,8 @@ def test_check_measures_the_token_file_and_reports_the_share(tmp_path, capsys):
     assert main(["plan", "--check", str(toml), "--world", "1", "--nodes", "1", "--gpus-per-node", "1"]) == 0
     out = " ".join(capsys.readouterr().out.split())           # the line as printed, wrapped at 120 columns
     assert f"attention work {100 * share:.1f}% of fully causal" in out and "(200 documents: mean" in out
-    assert "cp balance not modelled yet" in out
+    assert "cp balance, busiest rank / mean with each document split head-tail" in out
+    assert [n for n, _, _ in D.documents_of(load_config(toml)).cp_balance] == [2, 4, 8]
     cfg = load_config(toml)
     cluster = Cluster(nodes=1, gpus_per_node=1)
     from hpengine.planner.model import predict_layout
@@ -104,3 +105,17 @@ def test_bad_mean_doc_len_is_one_line(bad, capsys):
                *("--set", f"model.seq_len={T}"), "--mean-doc-len", bad])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "--mean-doc-len" in err and f"model.seq_len = {T}" in err
+
+
+def test_cp_balance_is_one_for_one_long_document_and_per_document_split_wins_on_packed_rows():
+    """One document longer than every window: each row is fully causal from position 0, which both head-tail
+    splits balance exactly. Geometric documents of mean 512 in rows of 4096: the per-document split within
+    1.001 of the mean at every cp (its work per document is equal by construction), the head-tail split of
+    the packed row further off."""
+    one = D.cp_balance_of([(np.array([0, 100_000]), 8)], 64)
+    assert [(n, a, b) for n, a, b in one] == [(2, 1.0, 1.0), (4, 1.0, 1.0), (8, 1.0, 1.0)]
+    assert D.cp_balance_of([(np.array([0, 10]), 8)], 64) == ()          # too few tokens for a window
+    facts = D.from_mean(512, 4096)
+    for _, per_document, per_row in facts.cp_balance:
+        assert per_document <= 1.001 and per_row > per_document + 0.02
+    assert "cp 4 " in D.line(facts)
