@@ -1,0 +1,134 @@
+"""DiLoCo against independent references: one inner step with outer lr 1 and no momentum is data parallel (the
+one-process run, with the linear inner optimizer SGD); islands of any inner layout are islands of one process
+each; and the outer step (Nesterov momentum, int8/int4 exchange with error feedback) against a NumPy model of
+its equations fed by one-process engines that each run one island's rows.
+"""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from helpers import assert_same, assert_same_params, config, need, reference, run
+from hpengine.engine.rows import RowReader
+from hpengine.run.build import build
+
+WORLD = MPI.COMM_WORLD
+DILOCO = ["strategy.diloco.enable=true", "strategy.diloco.replicas=2"]
+
+
+def island_losses(losses, eng, comm):
+    """{island: its losses per step} from every rank's run (each rank reports its own island's)."""
+    isl = eng.mesh.coords.get("replica", 0) if eng.mesh.islands > 1 else comm.Get_rank()
+    return {i: np.asarray(ls) for i, ls in comm.allgather((isl, losses[:, 0]))}
+
+
+def test_one_inner_step_is_data_parallel(corpus):
+    """H = 1, outer lr 1, no momentum: the outer parameters are the islands' mean, which for SGD (an update linear
+    in the gradient) is the step on the mean gradient: every rank an island of one rank equals one process."""
+    n = WORLD.Get_size()
+    need(n >= 2, "needs 2 ranks for 2 islands")
+    same = ["optim.name=sgd", "optim.lr=0.5", "optim.clip_grad_norm=0"]
+    losses, params, eng = run(config(corpus, *same, "strategy.diloco.enable=true", "strategy.diloco.inner_steps=1",
+                                     "strategy.diloco.outer_lr=1", "strategy.diloco.outer_momentum=0"), WORLD)
+    ref_l, ref_p, _ = reference(corpus, *same)
+    assert eng.mesh.islands == n
+    assert_same_params(params, ref_p)
+    # the step's loss is the island's: the mean over islands is the one-process loss
+    assert_same(np.mean([v for v in island_losses(losses, eng, WORLD).values()], axis=0), ref_l[:, 0])
+
+
+@pytest.mark.parametrize("inner", [["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2"],
+                                   ["strategy.sharding.enable=true", "strategy.sharding.degree=2",
+                                    "strategy.sharding.stage=3"],
+                                   ["strategy.pipeline.enable=true", "strategy.pipeline.degree=2",
+                                    "strategy.pipeline.micro_batches=2"]],
+                         ids=["tp2", "sharding2-stage3", "pp2"])
+def test_inner_layouts_equal_islands_of_one_process(corpus, inner):
+    """2 islands x (tp 2 | sharding 2 stage 3 | pp 2) equal 2 islands of one process each (run on two ranks),
+    mid-period (each island's losses) and after two outer steps (the parameters)."""
+    need(WORLD.Get_size() == 4, "2 islands of 2 ranks")
+    knobs = DILOCO + ["strategy.diloco.inner_steps=2", "optim.clip_grad_norm=0.5"]
+    losses, params, eng = run(config(corpus, *knobs, *inner), WORLD, steps=4)
+    pair = WORLD.Split(WORLD.Get_rank() // 2, WORLD.Get_rank())
+    try:
+        ref_l, ref_p, ref = run(config(corpus, *knobs), pair, steps=4)
+        want = island_losses(ref_l, ref, pair)
+    finally:
+        pair.Free()
+    got = island_losses(losses, eng, WORLD)
+    for i in (0, 1):
+        assert_same(got[i], want[i])
+    assert_same_params(params, ref_p)
+
+
+# ---- an independent model of the outer step ---------------------------------------------------------------
+
+def np_quantize(v, levels):
+    """Blocks of 128 values (zero-padded), a float32 scale max|x| / levels each, round half to even: the values a
+    payload stands for."""
+    n = v.size
+    x = np.zeros(-(-n // 128) * 128)
+    x[:n] = v
+    x = x.reshape(-1, 128)
+    scale = (np.abs(x).max(axis=1) / levels).astype(np.float32).astype(np.float64)
+    q = np.clip(np.rint(x / np.where(scale > 0, scale, 1.0)[:, None]), -levels, levels)
+    return (q * scale[:, None]).reshape(-1)[:n]
+
+
+def island_engine(corpus, knobs, i, M, G):
+    """A one-process engine that trains island i's rows of every global batch, its loss its rows' mean."""
+    e = build(config(corpus, *knobs), MPI.COMM_SELF)
+    share = G // M
+    e.rows = RowReader(e.data, e.be, G, e.cfg.model.seq_len, share, i * share, True, e.mesh.comms["tp"])
+    e.share, e.islands = share, M
+    return e
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
+def test_outer_step_against_numpy_model(corpus, quantize):
+    """H = 3, outer momentum 0.9, Nesterov, outer lr 0.7, for two outer steps: 2 islands of world / 2 ranks (dp)
+    against the outer step written out here in NumPy (PyTorch SGD semantics; the int8/int4 rounding with error
+    feedback), fed by two one-process engines, each running one island's rows from the outer parameters. The
+    replica communicator moves exactly the format's bytes."""
+    n = WORLD.Get_size()
+    need(n % 2 == 0, "2 islands of equal size")
+    H, mu, lr, M, G = 3, 0.9, 0.7, 2, 8
+    outer_knobs = [f"strategy.diloco.inner_steps={H}", f"strategy.diloco.outer_momentum={mu}",
+                   f"strategy.diloco.outer_lr={lr}", f"strategy.diloco.quantize={quantize}"]
+    inner = ["strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n // 2}"]
+    losses, params, eng = run(config(corpus, *DILOCO, *outer_knobs, *inner), WORLD, steps=2 * H)
+    got = island_losses(losses, eng, WORLD)
+
+    isl = [island_engine(corpus, [], i, M, G) for i in range(M)]
+    outer = isl[0].sync.params.data.copy()
+    buf, resid = np.zeros_like(outer), [np.zeros_like(outer) for _ in range(M)]
+    want = {i: [] for i in range(M)}
+    for period in range(2):
+        deltas = []
+        for i, e in enumerate(isl):
+            e.sync.params.data[...] = outer
+            for s in range(period * H, (period + 1) * H):
+                want[i].append(e.train_step(s)["loss"])
+            deltas.append(outer - e.sync.params.data)
+        if quantize != "none":
+            levels = {"int8": 127, "int4": 7}[quantize]
+            for i in range(M):
+                v = deltas[i] + resid[i]
+                deltas[i] = np_quantize(v, levels)
+                resid[i] = v - deltas[i]
+        g = (deltas[0] + deltas[1]) / M
+        buf = mu * buf + g
+        outer = outer - lr * (g + mu * buf)
+    for i in range(M):
+        assert_same(got[i], np.array(want[i]))
+    isl[0].sync.params.data[...] = outer
+    assert_same_params(params, isl[0].named_params())
+
+    # the bytes on the replica communicator: two exchanges of the owned part (the whole stage under dp)
+    size = eng.sync.owned_params().size
+    blocks = -(-size // 128)
+    stats = eng.mesh.comms["replica"].stats
+    if quantize == "none":
+        assert dict(stats) == {"allreduce": [2, 2 * size * 8]}
+    else:
+        codes = blocks * 128 if quantize == "int8" else blocks * 64
+        assert dict(stats) == {"allgather": [2, 2 * M * (codes + 4 * blocks)]}
