@@ -83,52 +83,59 @@ def island_engine(corpus, knobs, i, M, G):
     return e
 
 
-@pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
-def test_outer_step_against_numpy_model(corpus, quantize):
-    """H = 3, outer momentum 0.9, Nesterov, outer lr 0.7, for two outer steps: 2 islands of world / 2 ranks (dp)
-    against the outer step written out here in NumPy (PyTorch SGD semantics; the int8/int4 rounding with error
-    feedback), fed by two one-process engines, each running one island's rows from the outer parameters. The
-    replica communicator moves exactly the format's bytes."""
+@pytest.mark.parametrize("quantize,fragments", [("none", 1), ("int8", 1), ("int4", 1), ("int8", 3)])
+def test_outer_step_against_numpy_model(corpus, quantize, fragments):
+    """H = 3, outer momentum 0.9, Nesterov, outer lr 0.7, six steps: 2 islands of world / 2 ranks (dp) against the
+    outer step written out here in NumPy (PyTorch SGD semantics; the int8/int4 rounding with error feedback;
+    streaming: fragment f, the f-th of F equal element ranges, meets after step s when s + f H / F is a multiple of
+    H), fed by two one-process engines, each running one island's rows. The replica communicator moves exactly the
+    format's bytes."""
     n = WORLD.Get_size()
     need(n % 2 == 0, "2 islands of equal size")
-    H, mu, lr, M, G = 3, 0.9, 0.7, 2, 8
+    H, mu, lr, M, G, steps = 3, 0.9, 0.7, 2, 8, 6
     outer_knobs = [f"strategy.diloco.inner_steps={H}", f"strategy.diloco.outer_momentum={mu}",
-                   f"strategy.diloco.outer_lr={lr}", f"strategy.diloco.quantize={quantize}"]
+                   f"strategy.diloco.outer_lr={lr}", f"strategy.diloco.quantize={quantize}",
+                   f"strategy.diloco.fragments={fragments}"]
     inner = ["strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n // 2}"]
-    losses, params, eng = run(config(corpus, *DILOCO, *outer_knobs, *inner), WORLD, steps=2 * H)
+    losses, params, eng = run(config(corpus, *DILOCO, *outer_knobs, *inner), WORLD, steps=steps)
     got = island_losses(losses, eng, WORLD)
 
     isl = [island_engine(corpus, [], i, M, G) for i in range(M)]
-    outer = isl[0].sync.params.data.copy()
+    P = [e.sync.params.data for e in isl]
+    outer = P[0].copy()
+    size = outer.size
     buf, resid = np.zeros_like(outer), [np.zeros_like(outer) for _ in range(M)]
-    want = {i: [] for i in range(M)}
-    for period in range(2):
-        deltas = []
+    want, sent = {i: [] for i in range(M)}, []
+    for s in range(steps):
         for i, e in enumerate(isl):
-            e.sync.params.data[...] = outer
-            for s in range(period * H, (period + 1) * H):
-                want[i].append(e.train_step(s)["loss"])
-            deltas.append(outer - e.sync.params.data)
-        if quantize != "none":
-            levels = {"int8": 127, "int4": 7}[quantize]
+            want[i].append(e.train_step(s)["loss"])
+        for f in range(fragments):
+            if (s + 1 + f * H // fragments) % H:
+                continue
+            sl = slice(f * size // fragments, (f + 1) * size // fragments)
+            deltas = [outer[sl] - P[i][sl] for i in range(M)]
+            if quantize != "none":
+                levels = {"int8": 127, "int4": 7}[quantize]
+                for i in range(M):
+                    v = deltas[i] + resid[i][sl]
+                    deltas[i] = np_quantize(v, levels)
+                    resid[i][sl] = v - deltas[i]
+            g = (deltas[0] + deltas[1]) / M
+            buf[sl] = mu * buf[sl] + g
+            outer[sl] = outer[sl] - lr * (g + mu * buf[sl])
             for i in range(M):
-                v = deltas[i] + resid[i]
-                deltas[i] = np_quantize(v, levels)
-                resid[i] = v - deltas[i]
-        g = (deltas[0] + deltas[1]) / M
-        buf = mu * buf + g
-        outer = outer - lr * (g + mu * buf)
+                P[i][sl] = outer[sl]
+            sent.append(sl.stop - sl.start)
     for i in range(M):
         assert_same(got[i], np.array(want[i]))
-    isl[0].sync.params.data[...] = outer
-    assert_same_params(params, isl[0].named_params())
+    assert_same_params(params, isl[eng.mesh.coords["replica"]].named_params())     # this rank's island
 
-    # the bytes on the replica communicator: two exchanges of the owned part (the whole stage under dp)
-    size = eng.sync.owned_params().size
-    blocks = -(-size // 128)
+    # the bytes on the replica communicator: each exchange of a fragment's owned part (the whole stage under dp)
+    assert eng.sync.owned_params().size == size
+    blocks = [-(-k // 128) for k in sent]
     stats = eng.mesh.comms["replica"].stats
     if quantize == "none":
-        assert dict(stats) == {"allreduce": [2, 2 * size * 8]}
+        assert dict(stats) == {"allreduce": [len(sent), 8 * sum(sent)]}
     else:
-        codes = blocks * 128 if quantize == "int8" else blocks * 64
-        assert dict(stats) == {"allgather": [2, 2 * M * (codes + 4 * blocks)]}
+        codes = [b * 128 if quantize == "int8" else b * 64 for b in blocks]
+        assert dict(stats) == {"allgather": [len(sent), sum(M * (c + 4 * b) for c, b in zip(codes, blocks))]}
