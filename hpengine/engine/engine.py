@@ -16,7 +16,7 @@ from mpi4py import MPI
 from hpengine.dist.comm import Comm
 from hpengine.dist.topology import REPLICA
 from hpengine.dist.tracer import Tracer
-from hpengine.engine import state
+from hpengine.engine import outer_state, state
 from hpengine.engine.rows import RowReader
 from hpengine.models import capabilities
 from hpengine.models.context import Ahead, with_documents
@@ -461,17 +461,31 @@ class Engine:
         experts = ((edp.rank, edp.size) if self.res.experts_whole else
                    ((c["dp"] // ep) * d["cp"] + c["cp"], (d["dp"] // ep) * d["cp"]))
         replica = {"dp": c["dp"], "ndp": d["dp"], "cp": c["cp"], "ncp": d["cp"], "experts": experts}
+        elsewhere = frozenset(r.tensor for r in self.reductions if not r.counted)
         pieces = state.checkpoint_pieces(self.stage, self.sync, self.segs, self.opts, self.master, replica, self.be,
-                                         frozenset(r.tensor for r in self.reductions if not r.counted), copy)
+                                         elsewhere, copy)
+        opt_state = optimizer_kind(self.cfg.optim.name).state
         meta = {"state": {**state.checkpoint_meta(self.opt_steps, self.scaler, len(self.slots)), **self.router_bias.meta()},
                 "shapes": self.true_shapes(), "layout": self.mesh.degrees, "world": self.mesh.size,
-                "optimizer": {"name": self.cfg.optim.name,
-                              "state": list(optimizer_kind(self.cfg.optim.name).state)}}
+                "optimizer": {"name": self.cfg.optim.name, "state": list(opt_state)}}
+        if self.outer is not None:      # DiLoCo: the outer state, and each island's under its own names
+            pieces = outer_state.island_pieces(pieces, c[REPLICA], self.outer, self.stage, self.sync, self.segs,
+                                               replica, self.be, elsewhere, copy)
+            meta["optimizer"]["state"] = outer_state.kinds(opt_state, self.islands, self.outer)
+            meta["state"]["outer_steps"] = self.outer.steps
         return pieces, meta
 
     def load(self, reader, params_only: bool = False) -> None:
         """This rank's part of a checkpoint (or of an export's parameters) into the engine."""
-        steps = state.load_state(self.stage, self.sync, self.segs, self.opts, self.master, self.tp, self.be, reader, params_only)
+        island = self.mesh.coords.get(REPLICA, 0)
+        if self.outer is not None and not params_only and outer_state.holds_island(reader, island):
+            steps = outer_state.load_islands(reader, island, self.outer, self.stage, self.sync, self.segs, self.opts,
+                                             self.master, self.tp, self.be)
+        else:
+            steps = state.load_state(self.stage, self.sync, self.segs, self.opts, self.master, self.tp, self.be, reader,
+                                     params_only)
+            if self.outer is not None:      # a fresh outer loop from the loaded parameters
+                self.outer.reset(self.master if self.master is not None else self.sync.owned_params())
         manifest = getattr(reader, "manifest", None)     # a checkpoint's; an export or a Hugging Face folder has none
         if manifest is not None:        # the router biases route as the parameters were trained to
             self.router_bias.load(manifest["state"])

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import assert_same, assert_same_params, config, need, reference, run
+from helpers import assert_resumes_like, assert_same, assert_same_params, config, need, reference, run
 from hpengine.engine.rows import RowReader
 from hpengine.run.build import build
+from hpengine.run.train import save_state
 
 WORLD = MPI.COMM_WORLD
 DILOCO = ["strategy.diloco.enable=true", "strategy.diloco.replicas=2"]
@@ -139,3 +140,21 @@ def test_outer_step_against_numpy_model(corpus, quantize, fragments):
     else:
         codes = [b * 128 if quantize == "int8" else b * 64 for b in blocks]
         assert dict(stats) == {"allgather": [len(sent), sum(M * (c + 4 * b) for c, b in zip(codes, blocks))]}
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_resume_mid_period_under_another_inner_layout(corpus, root, quantize):
+    """A checkpoint at step 4 of a period of 3 (outer parameters, momentum, residuals, each island's parameters and
+    AdamW state) resumed by 2 islands of another inner layout (sharding stage 2 for dp, at 4 ranks) trains steps 5
+    and 6 as the straight run does."""
+    n = WORLD.Get_size()
+    need(n % 2 == 0, "2 islands of equal size")
+    knobs = DILOCO + ["strategy.diloco.inner_steps=3", f"strategy.diloco.quantize={quantize}"]
+    a = ["strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n // 2}"]
+    b = ["strategy.sharding.enable=true", f"strategy.sharding.degree={n // 2}", "strategy.sharding.stage=2"]
+    straight = run(config(corpus, *knobs, *a), WORLD, steps=6)
+    eng = build(config(corpus, *knobs, *a), WORLD)
+    for s in range(4):
+        eng.train_step(s)
+    save_state(eng, root, 4, keep=2)
+    assert_resumes_like(config(corpus, *knobs, *b), WORLD, root, straight, at=4, steps=2)
