@@ -8,6 +8,7 @@ import pytest
 from mpi4py import MPI
 
 from helpers import assert_resumes_like, assert_same, assert_same_params, config, need, reference, run
+from hpengine.dist.link import SlowLink
 from hpengine.engine.rows import RowReader
 from hpengine.run.build import build
 from hpengine.run.train import save_state
@@ -160,3 +161,16 @@ def test_resume_mid_period_under_another_inner_layout(corpus, root, quantize):
         eng.train_step(s)
     save_state(eng, root, 4, keep=2)
     assert_resumes_like(config(corpus, *knobs, *b), WORLD, root, straight, at=4, steps=2)
+
+
+def test_replica_link_takes_the_simulated_time(corpus):
+    """runtime.replica_link: a call on the replica communicator lasts at least latency + bytes / bandwidth."""
+    need(WORLD.Get_size() % 2 == 0, "2 islands of equal size")
+    eng = build(config(corpus, *DILOCO, "runtime.replica_link=8Mbit/s,20ms"), WORLD)
+    rep, a = eng.mesh.comms["replica"], np.ones(10000)
+    t0 = MPI.Wtime()
+    rep.allreduce_(a)
+    took = MPI.Wtime() - t0
+    assert took >= 0.02 + 80000 / 1e6 and rep.waited_s > 0
+    assert_same(a, np.full(10000, 2.0))
+    assert not isinstance(build(config(corpus, *DILOCO), WORLD).mesh.comms["replica"], SlowLink)   # off: none
