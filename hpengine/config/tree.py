@@ -63,6 +63,39 @@ _SPLIT = (lambda v: v in ("uniform", "params") if isinstance(v, str) else len(v)
           'must be "uniform", "params" or a non-empty list of blocks per stage, each >= 1')
 _ORDER = (lambda v: sorted(mesh_order(v)) == sorted(MESH_AXES),
           'must be a permutation of ["tp", "cp", "sharding", "dp", "pp"] (without "cp", it goes right after "tp")')
+_RATES = {"bit/s": 1 / 8, "kbit/s": 1e3 / 8, "mbit/s": 1e6 / 8, "gbit/s": 1e9 / 8, "b/s": 1.0, "kb/s": 1e3,
+          "mb/s": 1e6, "gb/s": 1e9}
+_TIMES = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def _quantity(text: str, units: dict) -> float:
+    text = text.strip().lower()
+    for u in sorted(units, key=len, reverse=True):
+        if text.endswith(u):
+            value = float(text[:-len(u)])
+            if value < 0 or value != value or value == float("inf"):
+                raise ValueError(text)
+            return value * units[u]
+    raise ValueError(text)
+
+
+def parse_link(text: str) -> tuple[float, float]:
+    """runtime.replica_link as (bytes per second, latency in seconds); ValueError when malformed."""
+    bw, lat = text.split(",")
+    rate = _quantity(bw, _RATES)
+    if rate <= 0:
+        raise ValueError(text)
+    return rate, _quantity(lat, _TIMES)
+
+
+def _link_ok(text) -> bool:
+    try:
+        parse_link(text)
+        return True
+    except ValueError:
+        return False
+
+
 _DEGREE_DOC = "ranks on this axis; -1 = the ranks left over"
 
 
@@ -289,9 +322,10 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     """The optimizer, learning-rate schedule and gradient clipping."""
-    name: str = _f("adamw", "the optimizer: AdamW (bias correction, decoupled weight decay of decayed tensors), or "
-                   "Muon for the blocks' weight matrices (routers excepted) with AdamW for the other tensors",
-                   choices=("adamw", "muon"))
+    name: str = _f("adamw", "the optimizer: AdamW (bias correction, decoupled weight decay of decayed tensors), "
+                   "Muon for the blocks' weight matrices (routers excepted) with AdamW for the other tensors, or "
+                   "plain SGD (p -= lr g, the same decoupled weight decay; no state)",
+                   choices=("adamw", "muon", "sgd"))
     lr: float = _f(3e-3, "peak learning rate", check=_must(">=", 0))
     betas: list[float] = _f([0.9, 0.95], "Adam (beta1, beta2)", check=_BETAS)
     eps: float = _f(1e-8, "Adam epsilon", check=_must(">", 0))
@@ -429,6 +463,27 @@ class AmpConfig:
 
 
 @dataclass
+class DilocoConfig:
+    """DiLoCo (Douillard et al. 2023): islands of ranks, each training with its own inner layout and optimizer, that
+    meet every inner_steps steps for an outer Nesterov step on the averaged pseudo-gradient (communicator `replica`,
+    outermost)."""
+    enable: bool = _f(False, "turn DiLoCo on")
+    replicas: int = _f(-1, "islands (M), each with the inner layout the other strategies describe; the global batch "
+                       "is split over them; -1 = the ranks left over", check=_DEGREE)
+    inner_steps: int = _f(50, "H: optimizer steps of each island between two outer steps", check=_POS)
+    outer_lr: float = _f(0.7, "outer learning rate", check=_must(">", 0))
+    outer_momentum: float = _f(0.9, "outer momentum mu (PyTorch SGD: buf = mu buf + g)", check=_must(">=", 0, "<", 1))
+    nesterov: bool = _f(True, "Nesterov outer momentum: step = g + mu buf (else buf)")
+    quantize: str = _f("none", "the outer exchange: none (an allreduce in the parameters' dtype), or int8 / int4 "
+                       "per block of 128 values with a float32 scale each, all-gathered, with error feedback",
+                       choices=("none", "int8", "int4"))
+    fragments: int = _f(1, "streaming DiLoCo: the parameters in F contiguous fragments, fragment f synchronised at "
+                        "the steps where (step - f H / F) is a multiple of H; 1 = all at once", check=_POS)
+    overlap: bool = _f(False, "streaming DiLoCo: an outer exchange overlaps the next inner step (its result "
+                       "applied one step late, the island's progress of that step kept)")
+
+
+@dataclass
 class StrategyConfig:
     """The switchable strategies; any subset may be enabled."""
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
@@ -440,6 +495,7 @@ class StrategyConfig:
     amp: AmpConfig = field(default_factory=AmpConfig)
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
     context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
 
 
 @dataclass
@@ -488,6 +544,12 @@ class RuntimeConfig:
     watchdog_s: float = _f(0.0, "abort the job when a step takes longer than this (seconds; start-up, loads, "
                            "evaluation and saves get 10x, at least 300 s); 0 = off",
                            check=_must(">=", 0))
+    replica_link: str = _f("", 'a simulated slow link on the DiLoCo replica communicator, "BANDWIDTH,LATENCY" such as '
+                           '"1Gbit/s,50ms" (units bit/s, kbit/s, Mbit/s, Gbit/s, B/s, kB/s, MB/s, GB/s; s, ms, us): '
+                           "each call there takes at least latency + bytes / bandwidth (a sleep after the real "
+                           'transfer, traced as "replica link"); "" = off', check=(
+                               lambda v: v == "" or _link_ok(v), 'must be "" or "BANDWIDTH,LATENCY", e.g. '
+                               '"1Gbit/s,50ms"'))
     memory_check: bool = _f(True, "refuse to start when the planner's predicted memory per rank exceeds what "
                             "the rank has (MemAvailable / ranks on the node; free device memory on a GPU)")
     trace: bool = _f(False, "record a timeline (compute per micro-batch, every MPI call with its bytes); "

@@ -12,6 +12,8 @@ from hpengine.config.load import mesh_order
 from hpengine.dist.comm import Comm
 from hpengine.layout.resolve import AXES, TopologyError, resolve_degrees  # noqa: F401  (re-exported)
 
+REPLICA = "replica"     # DiLoCo's axis: the islands, outermost
+
 
 class Mesh:
     """Coordinates of every rank and one communicator per axis (ranks differing only along it)."""
@@ -22,26 +24,32 @@ class Mesh:
         # decided it; ranks.jsonl records it
         self.node = dict(node or {})
         self.rank, self.size = world_comm.Get_rank(), world_comm.Get_size()
-        self.degrees = resolve_degrees(self.size, {"cp": 1, **degrees})
+        degrees = {"cp": 1, **degrees}
+        islands = degrees.pop(REPLICA, 1)
+        if islands < 1 or self.size % islands:
+            raise TopologyError(f"{islands} DiLoCo islands: must be >= 1 and divide the world size {self.size}")
+        # the replica axis is named only where there are islands: without DiLoCo the mesh is as it always was
+        self.degrees = {**resolve_degrees(self.size // islands, degrees), **({REPLICA: islands} if islands > 1 else {})}
         order = mesh_order(order)
         if sorted(order) != sorted(AXES):
             raise TopologyError(f"mesh.order = {list(order)}: must be a permutation of {list(AXES)}")
         self.order = tuple(order)
+        self.axes = self.order + ((REPLICA,) if islands > 1 else ())     # islands outermost: consecutive ranks
         self.strides, s = {}, 1
-        for a in self.order:
+        for a in self.axes:
             self.strides[a] = s
             s *= self.degrees[a]
         self.coords = self.coords_of(self.rank)
         wrap = wrap or (lambda c, axis: c)
         self._wrap, self._folds, self._made = wrap, {}, []
         self.comms = {}
-        for a in self.order:  # same order of Split calls on every rank
-            color = sum(self.coords[b] * self.strides[b] for b in AXES if b != a)
+        for a in self.axes:  # same order of Split calls on every rank
+            color = sum(self.coords[b] * self.strides[b] for b in self.axes if b != a)
             self.comms[a] = wrap(self._split(color, self.coords[a]), a)
         self.comms["tied"] = None
         if self.degrees["pp"] > 1:   # first and last pipeline stage: the tied embedding's two copies
             ends = self.coords["pp"] in (0, self.degrees["pp"] - 1)
-            color = sum(self.coords[b] * self.strides[b] for b in AXES if b != "pp") if ends else MPI.UNDEFINED
+            color = sum(self.coords[b] * self.strides[b] for b in self.axes if b != "pp") if ends else MPI.UNDEFINED
             c = self._split(color, self.coords["pp"])
             self.comms["tied"] = wrap(c, "tied") if ends else None
 
@@ -70,7 +78,7 @@ class Mesh:
     def _product_color(self, axes) -> tuple[int, int]:
         """(colour, key) of this rank in the product of `axes`: ranks differing only along those axes share
         the colour; the key is the rank's index inside the product, innermost axis fastest."""
-        color = sum(self.coords[b] * self.strides[b] for b in AXES if b not in axes)
+        color = sum(self.coords[b] * self.strides[b] for b in self.axes if b not in axes)
         key, s = 0, 1
         for a in self.order:
             if a in axes:
@@ -114,7 +122,7 @@ class Mesh:
             block, place = divmod(key, degree)
             self.comms[name] = self._wrap(self._split(color * size + block, place), name)
             wide, at = self._product_color(tuple(a for a in self.order if a in across))
-            outer = sum(self.coords[b] * self.strides[b] for b in AXES if b not in inside and b not in across)
+            outer = sum(self.coords[b] * self.strides[b] for b in self.axes if b not in inside and b not in across)
             self.comms[f"{name}-dp"] = self._wrap(self._split(outer * degree + place, block + size // degree * at),
                                                  f"{name}-dp")
         return self.comms[name], self.comms[f"{name}-dp"]
@@ -125,7 +133,7 @@ class Mesh:
         groups = {}
         for r in range(self.size):
             c = self.coords_of(r)
-            groups.setdefault(tuple(c[b] for b in AXES if b != axis), []).append(r)
+            groups.setdefault(tuple(c[b] for b in self.axes if b != axis), []).append(r)
         return [g for g in groups.values() if len({hosts[r] for r in g}) > 1]
 
     def needlessly_split(self, hosts: list[str], axes=("tp", "cp")) -> dict:
@@ -143,18 +151,33 @@ class Mesh:
         return out
 
     def coords_of(self, rank: int) -> dict:
-        return {a: (rank // self.strides[a]) % self.degrees[a] for a in AXES}
+        return {a: (rank // self.strides[a]) % self.degrees[a] for a in self.axes}
 
     def rank_of(self, coords: dict) -> int:
-        return sum(coords[a] * self.strides[a] for a in AXES)
+        return sum(coords.get(a, 0) * self.strides[a] for a in self.axes)
+
+    @property
+    def islands(self) -> int:
+        return self.degrees.get(REPLICA, 1)
+
+    def island(self):
+        """The communicator of this rank's island (every inner axis; the world without DiLoCo). Collective on
+        the world the first time."""
+        if self.islands == 1:
+            return self.world
+        if "island" not in self.comms:
+            color, key = self._product_color(self.order)
+            self.comms["island"] = self._wrap(self._split(color, key), "island")
+        return self.comms["island"]
 
     def prefix(self) -> str:
         c = self.coords
         cp = f" cp{c['cp']}" if self.degrees["cp"] > 1 else ""
-        return f"[r{self.rank} dp{c['dp']} sh{c['sharding']} pp{c['pp']} tp{c['tp']}{cp}]"
+        isl = f"i{c[REPLICA]} " if self.islands > 1 else ""
+        return f"[r{self.rank} {isl}dp{c['dp']} sh{c['sharding']} pp{c['pp']} tp{c['tp']}{cp}]"
 
     def describe(self) -> str:
-        return describe(self.degrees, self.order, self.size, self._folds)
+        return describe(self.degrees, self.axes if self.islands > 1 else self.order, self.size, self._folds)
 
 
 FOLDED = {"ep": "the routed experts"}      # what a folded axis splits, for the mesh line

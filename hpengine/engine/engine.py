@@ -14,8 +14,9 @@ import numpy as np
 from mpi4py import MPI
 
 from hpengine.dist.comm import Comm
+from hpengine.dist.topology import REPLICA
 from hpengine.dist.tracer import Tracer
-from hpengine.engine import state
+from hpengine.engine import outer_state, state
 from hpengine.engine.rows import RowReader
 from hpengine.models import capabilities
 from hpengine.models.context import Ahead, with_documents
@@ -31,6 +32,7 @@ from hpengine.params.init import init_parts
 from hpengine.strategies import make_grad_sync
 from hpengine.strategies.amp import Precision
 from hpengine.strategies.context import make_context
+from hpengine.strategies.diloco import Outer, fragment_slices
 from hpengine.strategies.norm import GlobalNorm
 from hpengine.strategies.pipeline import PipelineExecutor
 
@@ -73,6 +75,9 @@ class Engine:
         self.layout, self.slots = self.stage.layout, self.stage.slots
         self.sync = make_grad_sync(res, self.stage, backend, mesh.comms, self.precision.storage)
         self.world = Comm(mesh.world, "world", backend)
+        # what one island decides together (amp's vote, a non-finite step, the qk clip's maxima): the world
+        # without DiLoCo
+        self.inner = self.world if mesh.islands == 1 else mesh.island()
         self.pp = mesh.comms["pp"]
         self.amp, self.scaler = res.amp, self.precision.scaler
         # amp: float32 master weights of the owned range, from the exact (unrounded) initial values: a copy of
@@ -99,7 +104,7 @@ class Engine:
         self.opts = [self._optimizer(seg) for _, seg, _ in self.segs]
         # what runs after each update (the qk clip: the layers report their largest logits through the context)
         self.post = post_update(cfg.optim, self.slots[0].model, self.layout, own, self.xp, backend.to_host,
-                                lambda a: self.world.allreduce_(a, op=MPI.MAX), self.tp.rank, self.tp.size)
+                                lambda a: self.inner.allreduce_(a, op=MPI.MAX), self.tp.rank, self.tp.size)
         self.ctx = self.post.context(self.ctx)
         self.share = res.share
         self.cache_bytes = self.cache_peak = 0
@@ -118,8 +123,25 @@ class Engine:
         self.rows = RowReader(dataset, backend, t.global_batch, cfg.model.seq_len, res.share,
                               res.replica(mesh.coords) * res.share, self.pipe.reads_rows(), mesh.comms["tp"],
                               res.cp, mesh.coords["cp"], self.mtp_depth)
+        # DiLoCo: an island's loss is its rows' share of the global batch's times the islands (its own mean);
+        # it evaluates the whole validation batch, split over its own replicas only
+        self.islands = res.islands
+        self.val_rows = self.rows if res.islands == 1 else RowReader(
+            dataset, backend, t.global_batch, cfg.model.seq_len, res.share * res.islands,
+            res.replica({**mesh.coords, REPLICA: 0}) * res.share * res.islands, self.pipe.reads_rows(),
+            mesh.comms["tp"], res.cp, mesh.coords["cp"], self.mtp_depth)
+        self.outer = self._outer(cfg.strategy.diloco, parts)
+        self.outer_figures = {}
         self.tracer = Tracer()      # the run hands in its own (attach_tracer)
         self.before_update = None   # fence_updates: called before a step changes parameters or optimizer state
+
+    def _outer(self, dl, parts):
+        """DiLoCo's outer state over the owned part (None without islands)."""
+        if self.islands == 1:
+            return None
+        p0 = self.master if self.master is not None else self.sync.owned_params()
+        whole = Range(self.slots[0].range.start, self.slots[-1].range.stop)
+        return Outer(dl, self.mesh.comms[REPLICA], self.xp, p0, fragment_slices(parts, whole, dl.fragments))
 
     def _optimizer(self, seg):
         dtype = self.precision.master_dtype(self.be.dtype)
@@ -263,13 +285,19 @@ class Engine:
             collapsed = self.scaler.collapsed()      # the same scaler state on every rank: they stop together
             if collapsed:
                 raise NonFiniteError(f"step {step + 1}: {collapsed}")
+            self._outer_step(step, *self._views())       # the islands meet whether or not this one stepped
             self.sync.share_params()
-            return self._metrics(step, t0, self._losses(losses), [float("inf")] * len(self.slots), 0.0, skipped=True)
+            out = self._metrics(step, t0, self._losses(losses), [float("inf")] * len(self.slots), 0.0, skipped=True)
+            out.update(self._outer_metrics())
+            return out
         norms = self.norm.norms(g, self.slots)
         if not np.isfinite(norms).all():      # the same reduced values on every rank: a collective decision
             self._report_non_finite(step, losses, g)
-        lr_scale = self._update(g, norms, step)
+        p, copy = self._views()
+        lr_scale = self._update(g, norms, step, p, copy)
         t = tr.lap("optimizer", t)
+        if self._outer_step(step, p, copy):
+            t = tr.lap("outer step", t)
         self.sync.share_params()
         t = tr.lap("param share", t)
         # the MoE layers' figures ride on the loss allreduce: one collective whatever the model
@@ -282,6 +310,7 @@ class Engine:
         self.be.sync()
         tr.lap("loss sync", t)
         out = self._metrics(step, t0, losses, norms, lr_scale)
+        out.update(self._outer_metrics())
         if mtp:         # the first model's, as `loss` is
             out["mtp_loss"] = mtp[0]
         out.update(moe)
@@ -295,8 +324,9 @@ class Engine:
     def _passes(self, step: int) -> list[float]:
         """Forward and backward of the step's k passes of every model; this rank's loss shares."""
         tr, t = self.tracer, self.tracer.now()
-        norms = [self.rows.norm("train", step, s.seed) for s in self.slots]     # the targets each model counts
-        ahead = [self.rows.ahead_norms("train", step, s.seed) for s in self.slots]
+        # the targets each model counts (an island: its share of the global batch's)
+        norms = [self.rows.norm("train", step, s.seed) / self.islands for s in self.slots]
+        ahead = [tuple(a / self.islands for a in self.rows.ahead_norms("train", step, s.seed)) for s in self.slots]
         for parts in self._mtp:
             parts.clear()
         batches = [self.rows.read("train", step, s.seed) for s in self.slots]
@@ -323,15 +353,38 @@ class Engine:
         self.sync.flush_deferred()
         g = self.sync.reduce_grads()
         self.ctx.seq.sum_replicated_(g, self.replicated)
-        return self.precision.ready_grad(self.xp, g, lambda ok: self.world.allreduce_obj(ok, op=MPI.LAND))
+        return self.precision.ready_grad(self.xp, g, lambda ok: self.inner.allreduce_obj(ok, op=MPI.LAND))
 
-    def _update(self, g, norms, step: int) -> float:
-        """The clipped optimizer step on the owned range of every model (on the float32 masters under amp);
-        returns the schedule's factor."""
+    def _views(self) -> tuple:
+        """(what the optimizer updates: the owned parameters, or the float32 masters under amp; amp's compute copy
+        of them, None without amp), asked once a step (a sync may hand out a fresh copy each time)."""
         p = self.sync.owned_params() if self.master is None else self.master
         # amp: the optimizer writes the compute copy (float16, float32 holding bf16 values, or packed their bits)
         # in its pass
         copy = self.sync.owned_params() if self.master is not None else None
+        return p, copy
+
+    def _outer_step(self, step: int, p, copy) -> bool:
+        """DiLoCo: the fragments due after `step` take their outer step (the islands meet); whether any did."""
+        due = self.outer.due(step) if self.outer is not None else []
+        for f in due:
+            drift, avg = self.outer.step(f, p, copy)
+            self.outer_figures = {"outer_step": self.outer.steps,
+                                  "outer_drift": self.norm.norms(drift, self.slots)[0],
+                                  "outer_grad_norm": self.norm.norms(avg, self.slots)[0]}
+        return bool(due)
+
+    def _outer_metrics(self) -> dict:
+        """The last outer step's figures (this island's drift), once, and the replica bytes so far."""
+        if self.outer is None:
+            return {}
+        out, self.outer_figures = {"outer_step": self.outer.steps, **self.outer_figures}, {}
+        out["replica_bytes"] = sum(b for _, b in self.mesh.comms[REPLICA].stats.values())
+        return out
+
+    def _update(self, g, norms, step: int, p, copy) -> float:
+        """The clipped optimizer step on the owned range of every model (on the float32 masters under amp);
+        returns the schedule's factor."""
         lr_scale = lr_at(step, self.unit_lr, self.cfg.train.steps)     # each model has its own peak lr
         for (s, seg, at), opt in zip(self.segs, self.opts):
             if opt is not None:
@@ -370,7 +423,7 @@ class Engine:
         overflowed, the ranks with the largest share are named."""
         squares = self.norm.here(g, self.slots)
         bad = not (np.isfinite(losses).all() and bool(self.xp.isfinite(g).all()) and np.isfinite(squares))
-        seen = self.world.allgather_obj((bad, squares))
+        seen = self.inner.allgather_obj((bad, squares))
         ranks = [r for r, (b, _) in enumerate(seen) if b]
         if not ranks:
             top = max(sq for _, sq in seen)
@@ -384,9 +437,9 @@ class Engine:
         cfg = self.cfg
         totals = [0.0] * len(self.slots)
         for s in self.slots:
-            norm = sum(self.rows.norm("val", i, s.seed) for i in range(cfg.train.eval_batches))
+            norm = sum(self.val_rows.norm("val", i, s.seed) for i in range(cfg.train.eval_batches))
             for i in range(cfg.train.eval_batches):
-                totals[s.index] += self.forward_backward(s, self.rows.read("val", i, s.seed), norm, grad=False)
+                totals[s.index] += self.forward_backward(s, self.val_rows.read("val", i, s.seed), norm, grad=False)
         return self._losses(totals)
 
     # --- state and accounting -------------------------------------------------------------------
@@ -408,17 +461,31 @@ class Engine:
         experts = ((edp.rank, edp.size) if self.res.experts_whole else
                    ((c["dp"] // ep) * d["cp"] + c["cp"], (d["dp"] // ep) * d["cp"]))
         replica = {"dp": c["dp"], "ndp": d["dp"], "cp": c["cp"], "ncp": d["cp"], "experts": experts}
+        elsewhere = frozenset(r.tensor for r in self.reductions if not r.counted)
         pieces = state.checkpoint_pieces(self.stage, self.sync, self.segs, self.opts, self.master, replica, self.be,
-                                         frozenset(r.tensor for r in self.reductions if not r.counted), copy)
+                                         elsewhere, copy)
+        opt_state = optimizer_kind(self.cfg.optim.name).state
         meta = {"state": {**state.checkpoint_meta(self.opt_steps, self.scaler, len(self.slots)), **self.router_bias.meta()},
                 "shapes": self.true_shapes(), "layout": self.mesh.degrees, "world": self.mesh.size,
-                "optimizer": {"name": self.cfg.optim.name,
-                              "state": list(optimizer_kind(self.cfg.optim.name).state)}}
+                "optimizer": {"name": self.cfg.optim.name, "state": list(opt_state)}}
+        if self.outer is not None:      # DiLoCo: the outer state, and each island's under its own names
+            pieces = outer_state.island_pieces(pieces, c[REPLICA], self.outer, self.stage, self.sync, self.segs,
+                                               replica, self.be, elsewhere, copy)
+            meta["optimizer"]["state"] = outer_state.kinds(opt_state, self.islands, self.outer)
+            meta["state"]["outer_steps"] = self.outer.steps
         return pieces, meta
 
     def load(self, reader, params_only: bool = False) -> None:
         """This rank's part of a checkpoint (or of an export's parameters) into the engine."""
-        steps = state.load_state(self.stage, self.sync, self.segs, self.opts, self.master, self.tp, self.be, reader, params_only)
+        island = self.mesh.coords.get(REPLICA, 0)
+        if self.outer is not None and not params_only and outer_state.holds_island(reader, island):
+            steps = outer_state.load_islands(reader, island, self.outer, self.stage, self.sync, self.segs, self.opts,
+                                             self.master, self.tp, self.be)
+        else:
+            steps = state.load_state(self.stage, self.sync, self.segs, self.opts, self.master, self.tp, self.be, reader,
+                                     params_only)
+            if self.outer is not None:      # a fresh outer loop from the loaded parameters
+                self.outer.reset(self.master if self.master is not None else self.sync.owned_params())
         manifest = getattr(reader, "manifest", None)     # a checkpoint's; an export or a Hugging Face folder has none
         if manifest is not None:        # the router biases route as the parameters were trained to
             self.router_bias.load(manifest["state"])

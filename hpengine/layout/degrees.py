@@ -24,12 +24,13 @@ class Degrees:
     pp: int = 1
     ep: int = 1
     order: tuple = MESH_AXES
+    islands: int = 1          # DiLoCo: islands of the inner mesh above, the outermost axis "replica"
 
     def __post_init__(self):
         object.__setattr__(self, "order", mesh_order(self.order))
         if sorted(self.order) != sorted(MESH_AXES):
             raise TopologyError(f"mesh.order = {list(self.order)}: must be a permutation of {list(MESH_AXES)}")
-        for name in ("tp", "cp", "sh", "dp", "pp", "ep"):
+        for name in ("tp", "cp", "sh", "dp", "pp", "ep", "islands"):
             d = getattr(self, name)
             if not isinstance(d, int) or isinstance(d, bool) or d < 1:
                 raise TopologyError(f"degree {name} = {d!r}: must be a whole number >= 1")
@@ -41,6 +42,11 @@ class Degrees:
 
     @property
     def world(self) -> int:
+        return self.island_size * self.islands
+
+    @property
+    def island_size(self) -> int:
+        """Ranks of one island (the inner mesh): the whole world without DiLoCo."""
         return self.tp * self.cp * self.sh * self.dp * self.pp
 
     @property
@@ -67,12 +73,12 @@ class Degrees:
 
     @property
     def replicas(self) -> int:
-        """Ranks that each take a different slice of the global batch (dp x sharding)."""
+        """Ranks of an island that each take a different slice of its batch (dp x sharding)."""
         return self.dp * self.sh
 
     def replica(self, coords: dict) -> int:
-        """Which slice of the global batch the rank at `coords` takes."""
-        return coords["dp"] * self.sh + coords["sharding"]
+        """Which slice of the global batch the rank at `coords` takes (the islands split it first)."""
+        return (coords.get("replica", 0) * self.dp + coords["dp"]) * self.sh + coords["sharding"]
 
 
 @dataclass(frozen=True, slots=True)

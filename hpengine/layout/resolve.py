@@ -94,6 +94,30 @@ def resolve_degrees(world: int, requested: dict) -> dict:
     return degrees
 
 
+def resolve_islands(cfg, world: int) -> tuple[int, int]:
+    """(DiLoCo's islands, ranks per island): diloco.replicas, its -1 the ranks the inner degrees leave over; one
+    island of the whole world when diloco is off."""
+    dl = cfg.strategy.diloco
+    if not dl.enable:
+        return 1, world
+    req = requested_degrees(cfg)
+    if dl.replicas != -1:
+        if world % dl.replicas:
+            raise TopologyError(f"strategy.diloco.replicas = {dl.replicas} does not divide the world size {world}: "
+                                f"use a divisor of {world}, or -1 (the ranks the inner degrees leave over)")
+        return dl.replicas, world // dl.replicas
+    free = [a for a in AXES if req[a] == -1]
+    if free:
+        raise TopologyError(f"strategy.diloco.replicas = -1 and {SWITCH_OF_AXIS[free[0]]}.degree = -1: only one "
+                            "degree may be the ranks left over; give the islands or the inner degree a number")
+    inner = math.prod(req.values())
+    if world % inner:
+        raise TopologyError(f"the inner degrees ({', '.join(f'{a}={req[a]}' for a in AXES)}) multiply to {inner}, "
+                            f"which does not divide the world size {world}: strategy.diloco.replicas = -1 has no "
+                            "whole number of islands")
+    return world // inner, inner
+
+
 @dataclass(frozen=True)
 class Resolved:
     """One job's layout on a world size (switched-off means neutral), made of its parts: the parallel degrees,
@@ -156,7 +180,7 @@ class Resolved:
 
 # the parts' names, read through on the layout: the planner's and the engine's arithmetic reads them by name
 READ_THROUGH = {"degrees": ("tp", "cp", "sh", "dp", "pp", "ep", "order", "world", "grad_axes", "replicas",
-                            "experts_whole"),
+                            "experts_whole", "islands"),
                 "pipeline": ("m", "v", "schedule", "split", "scatter"),
                 "precision": ("amp", "bf16_storage", "bf16_grads"),
                 "batch": ("share", "k")}
@@ -179,17 +203,19 @@ def resolve(cfg, world: int) -> Resolved:
     the offending values. Everything here is decided identically on every rank."""
     ensure_valid(cfg)
     s = cfg.strategy
-    d = resolve_degrees(world, requested_degrees(cfg))
+    islands, inner = resolve_islands(cfg, world)
+    d = resolve_degrees(inner, requested_degrees(cfg))
     pc, gm, rc = s.pipeline, s.gradient_merge, s.recompute
     sp = d["tp"] > 1 and s.tensor_parallel.sequence_parallel
     ep = s.expert_parallel.degree if s.expert_parallel.enable else 1
     res = Resolved(
-        Degrees(d["tp"], d["cp"], d["sharding"], d["dp"], d["pp"], d["dp"] if ep == -1 else ep, tuple(cfg.mesh.order)),
+        Degrees(d["tp"], d["cp"], d["sharding"], d["dp"], d["pp"], d["dp"] if ep == -1 else ep, tuple(cfg.mesh.order),
+                islands),
         PipelinePlan(pc.micro_batches, chunks_per_stage(pc.schedule) or pc.virtual_stages, pc.schedule, pc.split,
                      d["tp"] > 1 and d["pp"] > 1 and not sp and pc.scatter_gather) if pc.enable else PipelinePlan(),
         AmpPolicy(s.amp.dtype if s.amp.enable else "", _bf16_storage(cfg),
                   s.amp.enable and s.amp.dtype == "bfloat16" and s.amp.grad_dtype == "bfloat16"),
-        BatchSplit(cfg.train.global_batch // (d["dp"] * d["sharding"]), gm.k_steps if gm.enable else 1),
+        BatchSplit(cfg.train.global_batch // (islands * d["dp"] * d["sharding"]), gm.k_steps if gm.enable else 1),
         zstage=s.sharding.stage if d["sharding"] > 1 else 0, partition=s.sharding.partition,
         bucket_mb=s.data_parallel.bucket_mb, recompute=rc.every if rc.enable else 0,
         granularity=rc.granularity if rc.enable else "full", sp=sp, cp_comm=s.context_parallel.comm,
@@ -211,10 +237,12 @@ def _bf16_storage(cfg) -> str:
 
 def check(cfg, res: Resolved) -> None:
     """Batch arithmetic (every division exact), precision, recompute, tensor-parallel and schedule rules."""
-    gb, replicas = cfg.train.global_batch, res.replicas
+    gb, replicas = cfg.train.global_batch, res.replicas * res.islands
     if gb % replicas:
-        raise LayoutError(f"train.global_batch = {gb} is not divisible by dp x sharding = {res.dp} x {res.sh} = "
-                          f"{replicas}; use a multiple of {replicas}")
+        isl = "diloco.replicas x " if res.islands > 1 else ""
+        isl_n = f"{res.islands} x " if res.islands > 1 else ""
+        raise LayoutError(f"train.global_batch = {gb} is not divisible by {isl}dp x sharding = {isl_n}{res.dp} x "
+                          f"{res.sh} = {replicas}; use a multiple of {replicas}")
     k, m = res.k, res.m
     if (gb // replicas) % (k * m):
         raise LayoutError(f"a replica's share of the batch ({gb} / {replicas} = {gb // replicas}) is not divisible "
@@ -352,9 +380,13 @@ def _chunks(mkey, p, v, split) -> list[tuple[str, ...]]:
 def describe(cfg, res: Resolved) -> str:
     """The resolved layout in words and numbers (`hpengine config CFG --world N`)."""
     shown = [a for a in reversed(res.order) if a != "cp" or res.cp > 1]
-    lines = [f"world {res.world}: " + " x ".join(f"{a} {res.degrees.by_axis[a]}" for a in shown)
+    isl = f"replica {res.islands} x " if res.islands > 1 else ""
+    lines = [f"world {res.world}: " + isl + " x ".join(f"{a} {res.degrees.by_axis[a]}" for a in shown)
              + f" (mesh order innermost first: {', '.join(a for a in res.order if a in shown)})",
-             f"batch: global {cfg.train.global_batch} = {res.replicas} replica(s) x {res.share} sequences; "
+             *([f"diloco: {res.islands} islands of {res.degrees.island_size} rank(s), an outer step every "
+                f"{cfg.strategy.diloco.inner_steps} steps, exchange {cfg.strategy.diloco.quantize}"]
+               if res.islands > 1 or cfg.strategy.diloco.enable else []),
+             f"batch: global {cfg.train.global_batch} = {res.replicas * res.islands} replica(s) x {res.share} sequences; "
              f"{res.k} pass(es) x {res.m} micro-batch(es) x {res.rows} sequences of {cfg.model.seq_len} tokens",
              "sharding: " + (f"stage {res.zstage}, partition {res.partition}" if res.zstage else "off"),
              "pipeline: " + (f"{res.schedule}, {res.v} chunk(s) per rank" if res.pp > 1 or res.m > 1 else "off"),

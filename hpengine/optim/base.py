@@ -11,6 +11,7 @@ from typing import Any, Callable, Protocol
 from hpengine.optim.adamw import AdamW
 from hpengine.optim.muon import Muon, is_muon_matrix, ns_work
 from hpengine.optim.qk_clip import NoPostUpdate, QKClip
+from hpengine.optim.sgd import SGD
 
 RANGES, TENSORS = "ranges", "tensors"
 
@@ -75,6 +76,10 @@ def _adamw(xp, layout, r, dtype, o, whole=None) -> Optimizer:
     return AdamW(xp, layout, r, dtype, tuple(o.betas), o.eps, o.weight_decay)
 
 
+def _sgd(xp, layout, r, dtype, o, whole=None) -> Optimizer:
+    return SGD(xp, layout, r, dtype, o.weight_decay)
+
+
 def _muon(xp, layout, r, dtype, o, whole=None) -> Optimizer:
     return Muon(xp, layout, r, dtype, o, whole)
 
@@ -91,6 +96,7 @@ KINDS: dict[str, OptimizerKind] = {
     "adamw": OptimizerKind("adamw", AdamW.STATE, RANGES, _adamw),
     # Muon's matrices keep one momentum (muon_m), the rest Adam's two moments (muon_m and muon_v)
     "muon": OptimizerKind("muon", Muon.STATE, TENSORS, _muon, _muon_work, _muon_values, 1),
+    "sgd": OptimizerKind("sgd", SGD.STATE, RANGES, _sgd),
 }
 UNDECLARED = "adamw"     # the optimizer of a checkpoint whose manifest names none (written before they did)
 

@@ -11,6 +11,7 @@ import sys
 from mpi4py import MPI
 
 from hpengine.checkpoint import shards as checkpoint
+from hpengine.config.load import parse_link
 from hpengine.data import DataError, TokenDataset, ensure_default_corpus
 from hpengine.device.backend import BackendError, keep_heap, make_backend
 from hpengine.device.threads import bound_cores
@@ -19,7 +20,8 @@ from hpengine.device.threads import pool_size as blas_pool_size
 from hpengine.dist.agree import agree_or_raise
 from hpengine.dist.comm import Comm, resolve_cuda_aware
 from hpengine.dist.nccl import choose as choose_nccl
-from hpengine.dist.topology import Mesh, node_gather
+from hpengine.dist.link import SlowLink
+from hpengine.dist.topology import REPLICA, Mesh, node_gather
 from hpengine.engine.engine import Engine
 from hpengine.layout.resolve import resolve
 from hpengine.planner import search as plan
@@ -127,6 +129,18 @@ def warn_split_groups(mesh, world) -> None:
                     axis, shown, more, d, axis)
 
 
+def communicators(cfg, backend, nccl):
+    """How the mesh wraps each MPI communicator: a Comm, or on DiLoCo's replica axis under runtime.replica_link a
+    SlowLink (the simulated link)."""
+    link = parse_link(cfg.runtime.replica_link) if cfg.runtime.replica_link else None
+
+    def wrap(c, axis):
+        if axis == REPLICA and link is not None:
+            return SlowLink(c, axis, backend, nccl, *link)
+        return Comm(c, axis, backend, nccl)
+    return wrap
+
+
 def build(cfg, world=None, with_data: bool = True, nccl_device=None) -> Engine:
     """The engine of build_job (its start-up prediction dropped)."""
     return build_job(cfg, world, with_data, nccl_device)[0]
@@ -153,7 +167,8 @@ def build_job(cfg, world=None, with_data: bool = True, nccl_device=None) -> tupl
             "device": backend.device, "memory_limit": limit[1] if limit else None}
     nccl = choose_nccl(cfg.runtime.collectives, backend, world, nccl_device)     # None: MPI carries all
     deg = res.degrees
-    mesh = Mesh(world, deg.by_axis, deg.order, wrap=lambda c, a: Comm(c, a, backend, nccl), node=node)
+    mesh = Mesh(world, {**deg.by_axis, REPLICA: deg.islands}, deg.order, wrap=communicators(cfg, backend, nccl),
+                node=node)
     if len(deg.grad_axes) > 1:  # context parallel with data parallel: gradients summed over dp x cp
         mesh.group(*deg.grad_axes)
     for axis, (d, inside, across) in deg.folds.items():    # the expert blocks, inside dp, and their replicas

@@ -51,6 +51,10 @@ def _fmt(m: dict, total: int | str = "?") -> str:
         s += f" | mtp {m['mtp_loss']:.4f}"
     if "moe_aux_loss" in m:      # the MoE layers' balancing losses, mean per layer (aux: 1 under uniform routing)
         s += f" | moe aux {m['moe_aux_loss']:.3f} z {m['moe_z_loss']:.3g} load max/mean {m['moe_load_max']:.2f}"
+    if "outer_step" in m:        # DiLoCo: outer steps done; at one, this island's drift and the mean pseudo-gradient
+        s += f" | outer {m['outer_step']}" + (
+            f" drift {m['outer_drift']:.3g} pgrad {m['outer_grad_norm']:.3g} sent {m['replica_bytes'] / 1e6:.2f} MB"
+            if "outer_drift" in m else "")
     if "moe_dropped" in m:       # under a capacity: the share of (token, slot) assignments dropped
         s += f" dropped {m['moe_dropped']:.3f}"
     return s + progress.suffix(m) + (f" | val {m['val_loss']:.4f}" if "val_loss" in m else "")

@@ -1,0 +1,87 @@
+"""DiLoCo's state in a checkpoint: "param" holds the outer parameters (what an export or evaluation reads) and
+"outer_momentum" the outer momentum, written by island 0; each island's own parameters, optimizer state and
+error-feedback residual go under "island{i}_<kind>". Each is a set of pieces over global regions, so it loads
+under any inner layout (with the same islands).
+"""
+from __future__ import annotations
+
+from hpengine.engine.state import checkpoint_pieces, load_state
+from hpengine.params.buffers import cut
+
+
+class _Arrays:
+    """An optimizer's face over outer arrays, for checkpoint_pieces: `arrays` over the owned part, seen from one
+    model's segment (its offset `at` and size)."""
+
+    def __init__(self, arrays: dict, at: int, size: int):
+        self.arrays, self.at, self.size = arrays, at, size
+
+    def state(self) -> dict:
+        return {k: a[self.at:self.at + self.size] for k, a in self.arrays.items() if a is not None}
+
+    def state_at(self, a: int) -> dict:
+        return {k: a for k, v in self.arrays.items() if v is not None}
+
+
+def _views(segs, arrays: dict) -> list:
+    return [None if seg is None else _Arrays(arrays, at, seg.size) for _, seg, at in segs]
+
+
+def kinds(opt_state: tuple, islands: int, outer) -> list[str]:
+    """The manifest's state names (beside "param") of a DiLoCo checkpoint."""
+    out = list(opt_state) + (["outer_momentum"] if outer.momentum is not None else [])
+    for i in range(islands):
+        out += [f"island{i}_param", *(f"island{i}_{k}" for k in opt_state)]
+        out += [f"island{i}_outer_residual"] if outer.residual is not None else []
+    return out
+
+
+def island_pieces(pieces: list, island: int, outer, stage, sync, segs, replica, backend, elsewhere, copy) -> list:
+    """This rank's pieces (checkpoint_pieces' of its island's state) renamed to its island, with its residual
+    and, on island 0, the outer parameters and momentum."""
+    args = (replica, backend, elsewhere, copy)
+    out = [(n, f"island{island}_{k}", *rest) for n, k, *rest in pieces]
+    if outer.residual is not None:
+        res = checkpoint_pieces(stage, sync, segs, _views(segs, {"outer_residual": outer.residual}), outer.param,
+                                *args)
+        out += [(n, f"island{island}_{k}", *rest) for n, k, *rest in res if k != "param"]
+    if island == 0:
+        out += checkpoint_pieces(stage, sync, segs, _views(segs, {"outer_momentum": outer.momentum}), outer.param,
+                                 *args)
+    return out
+
+
+class _Island:
+    """A reader that reads island i's state under the plain names."""
+
+    def __init__(self, reader, island: int):
+        self.reader, self.island, self.manifest = reader, island, reader.manifest
+
+    def read(self, kind, name, region):
+        return self.reader.read(f"island{self.island}_{kind}", name, region)
+
+
+def holds_island(reader, island: int) -> bool:
+    state = (getattr(reader, "manifest", None) or {}).get("optimizer", {}).get("state", [])
+    return f"island{island}_param" in state
+
+
+def load_islands(reader, island: int, outer, stage, sync, segs, opts, master, tp, backend) -> int:
+    """Island `island`'s state and the outer state from a DiLoCo checkpoint; returns the optimizer steps."""
+    steps = load_state(stage, sync, segs, opts, master, tp, backend, _Island(reader, island))
+    lay = stage.layout
+    for kind, arr in (("param", outer.param), ("outer_momentum", outer.momentum),
+                      (f"island{island}_outer_residual", outer.residual)):
+        if arr is None:
+            continue
+        for name in lay.names:
+            hits = cut(sync.owned_parts, lay.ranges[name])
+            if not hits:
+                continue
+            r = lay.ranges[name]
+            vals = reader.read(kind, name, lay.box(name)).reshape(-1)
+            for hit, at in hits:
+                arr[at:at + hit.size] = backend.xp.asarray(vals[hit.start - r.start:hit.stop - r.start],
+                                                           dtype=arr.dtype)
+    outer.steps = int(reader.manifest["state"].get("outer_steps", 0))
+    return steps

@@ -1,0 +1,176 @@
+"""DiLoCo against independent references: one inner step with outer lr 1 and no momentum is data parallel (the
+one-process run, with the linear inner optimizer SGD); islands of any inner layout are islands of one process
+each; and the outer step (Nesterov momentum, int8/int4 exchange with error feedback) against a NumPy model of
+its equations fed by one-process engines that each run one island's rows.
+"""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from helpers import assert_resumes_like, assert_same, assert_same_params, config, need, reference, run
+from hpengine.dist.link import SlowLink
+from hpengine.engine.rows import RowReader
+from hpengine.run.build import build
+from hpengine.run.train import save_state
+
+WORLD = MPI.COMM_WORLD
+DILOCO = ["strategy.diloco.enable=true", "strategy.diloco.replicas=2"]
+
+
+def island_losses(losses, eng, comm):
+    """{island: its losses per step} from every rank's run (each rank reports its own island's)."""
+    isl = eng.mesh.coords.get("replica", 0) if eng.mesh.islands > 1 else comm.Get_rank()
+    return {i: np.asarray(ls) for i, ls in comm.allgather((isl, losses[:, 0]))}
+
+
+def test_one_inner_step_is_data_parallel(corpus):
+    """H = 1, outer lr 1, no momentum: the outer parameters are the islands' mean, which for SGD (an update linear
+    in the gradient) is the step on the mean gradient: every rank an island of one rank equals one process."""
+    n = WORLD.Get_size()
+    need(n >= 2, "needs 2 ranks for 2 islands")
+    same = ["optim.name=sgd", "optim.lr=0.5", "optim.clip_grad_norm=0"]
+    losses, params, eng = run(config(corpus, *same, "strategy.diloco.enable=true", "strategy.diloco.inner_steps=1",
+                                     "strategy.diloco.outer_lr=1", "strategy.diloco.outer_momentum=0"), WORLD)
+    ref_l, ref_p, _ = reference(corpus, *same)
+    assert eng.mesh.islands == n
+    assert_same_params(params, ref_p)
+    # the step's loss is the island's: the mean over islands is the one-process loss
+    assert_same(np.mean([v for v in island_losses(losses, eng, WORLD).values()], axis=0), ref_l[:, 0])
+
+
+@pytest.mark.parametrize("inner", [["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2"],
+                                   ["strategy.sharding.enable=true", "strategy.sharding.degree=2",
+                                    "strategy.sharding.stage=3"],
+                                   ["strategy.pipeline.enable=true", "strategy.pipeline.degree=2",
+                                    "strategy.pipeline.micro_batches=2"]],
+                         ids=["tp2", "sharding2-stage3", "pp2"])
+def test_inner_layouts_equal_islands_of_one_process(corpus, inner):
+    """2 islands x (tp 2 | sharding 2 stage 3 | pp 2) equal 2 islands of one process each (run on two ranks),
+    mid-period (each island's losses) and after two outer steps (the parameters)."""
+    need(WORLD.Get_size() == 4, "2 islands of 2 ranks")
+    knobs = DILOCO + ["strategy.diloco.inner_steps=2", "optim.clip_grad_norm=0.5"]
+    losses, params, eng = run(config(corpus, *knobs, *inner), WORLD, steps=4)
+    pair = WORLD.Split(WORLD.Get_rank() // 2, WORLD.Get_rank())
+    try:
+        ref_l, ref_p, ref = run(config(corpus, *knobs), pair, steps=4)
+        want = island_losses(ref_l, ref, pair)
+    finally:
+        pair.Free()
+    got = island_losses(losses, eng, WORLD)
+    for i in (0, 1):
+        assert_same(got[i], want[i])
+    assert_same_params(params, ref_p)
+
+
+# ---- an independent model of the outer step ---------------------------------------------------------------
+
+def np_quantize(v, levels):
+    """Blocks of 128 values (zero-padded), a float32 scale max|x| / levels each, round half to even: the values a
+    payload stands for."""
+    n = v.size
+    x = np.zeros(-(-n // 128) * 128)
+    x[:n] = v
+    x = x.reshape(-1, 128)
+    scale = (np.abs(x).max(axis=1) / levels).astype(np.float32).astype(np.float64)
+    q = np.clip(np.rint(x / np.where(scale > 0, scale, 1.0)[:, None]), -levels, levels)
+    return (q * scale[:, None]).reshape(-1)[:n]
+
+
+def island_engine(corpus, knobs, i, M, G):
+    """A one-process engine that trains island i's rows of every global batch, its loss its rows' mean."""
+    e = build(config(corpus, *knobs), MPI.COMM_SELF)
+    share = G // M
+    e.rows = RowReader(e.data, e.be, G, e.cfg.model.seq_len, share, i * share, True, e.mesh.comms["tp"])
+    e.share, e.islands = share, M
+    return e
+
+
+@pytest.mark.parametrize("quantize,fragments", [("none", 1), ("int8", 1), ("int4", 1), ("int8", 3)])
+def test_outer_step_against_numpy_model(corpus, quantize, fragments):
+    """H = 3, outer momentum 0.9, Nesterov, outer lr 0.7, six steps: 2 islands of world / 2 ranks (dp) against the
+    outer step written out here in NumPy (PyTorch SGD semantics; the int8/int4 rounding with error feedback;
+    streaming: fragment f, the f-th of F equal element ranges, meets after step s when s + f H / F is a multiple of
+    H), fed by two one-process engines, each running one island's rows. The replica communicator moves exactly the
+    format's bytes."""
+    n = WORLD.Get_size()
+    need(n % 2 == 0, "2 islands of equal size")
+    H, mu, lr, M, G, steps = 3, 0.9, 0.7, 2, 8, 6
+    outer_knobs = [f"strategy.diloco.inner_steps={H}", f"strategy.diloco.outer_momentum={mu}",
+                   f"strategy.diloco.outer_lr={lr}", f"strategy.diloco.quantize={quantize}",
+                   f"strategy.diloco.fragments={fragments}"]
+    inner = ["strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n // 2}"]
+    losses, params, eng = run(config(corpus, *DILOCO, *outer_knobs, *inner), WORLD, steps=steps)
+    got = island_losses(losses, eng, WORLD)
+
+    isl = [island_engine(corpus, [], i, M, G) for i in range(M)]
+    P = [e.sync.params.data for e in isl]
+    outer = P[0].copy()
+    size = outer.size
+    buf, resid = np.zeros_like(outer), [np.zeros_like(outer) for _ in range(M)]
+    want, sent = {i: [] for i in range(M)}, []
+    for s in range(steps):
+        for i, e in enumerate(isl):
+            want[i].append(e.train_step(s)["loss"])
+        for f in range(fragments):
+            if (s + 1 + f * H // fragments) % H:
+                continue
+            sl = slice(f * size // fragments, (f + 1) * size // fragments)
+            deltas = [outer[sl] - P[i][sl] for i in range(M)]
+            if quantize != "none":
+                levels = {"int8": 127, "int4": 7}[quantize]
+                for i in range(M):
+                    v = deltas[i] + resid[i][sl]
+                    deltas[i] = np_quantize(v, levels)
+                    resid[i][sl] = v - deltas[i]
+            g = (deltas[0] + deltas[1]) / M
+            buf[sl] = mu * buf[sl] + g
+            outer[sl] = outer[sl] - lr * (g + mu * buf[sl])
+            for i in range(M):
+                P[i][sl] = outer[sl]
+            sent.append(sl.stop - sl.start)
+    for i in range(M):
+        assert_same(got[i], np.array(want[i]))
+    assert_same_params(params, isl[eng.mesh.coords["replica"]].named_params())     # this rank's island
+
+    # the bytes on the replica communicator: each exchange of a fragment's owned part (the whole stage under dp)
+    assert eng.sync.owned_params().size == size
+    blocks = [-(-k // 128) for k in sent]
+    stats = eng.mesh.comms["replica"].stats
+    if quantize == "none":
+        assert dict(stats) == {"allreduce": [len(sent), 8 * sum(sent)]}
+    else:
+        codes = [b * 128 if quantize == "int8" else b * 64 for b in blocks]
+        assert dict(stats) == {"allgather": [len(sent), sum(M * (c + 4 * b) for c, b in zip(codes, blocks))]}
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_resume_mid_period_under_another_inner_layout(corpus, root, quantize):
+    """A checkpoint at step 4 of a period of 3 (outer parameters, momentum, residuals, each island's parameters and
+    AdamW state) resumed by 2 islands trains steps 5 and 6 as the straight run does: under another inner layout
+    (sharding stage 2 for dp, at 4 ranks) without quantisation; int8 under the same one, since its blocks of 128
+    follow each rank's owned part."""
+    n = WORLD.Get_size()
+    need(n % 2 == 0, "2 islands of equal size")
+    knobs = DILOCO + ["strategy.diloco.inner_steps=3", f"strategy.diloco.quantize={quantize}"]
+    a = ["strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n // 2}"]
+    b = ["strategy.sharding.enable=true", f"strategy.sharding.degree={n // 2}", "strategy.sharding.stage=2"]
+    b = a if quantize != "none" else b
+    straight = run(config(corpus, *knobs, *a), WORLD, steps=6)
+    eng = build(config(corpus, *knobs, *a), WORLD)
+    for s in range(4):
+        eng.train_step(s)
+    save_state(eng, root, 4, keep=2)
+    assert_resumes_like(config(corpus, *knobs, *b), WORLD, root, straight, at=4, steps=2)
+
+
+def test_replica_link_takes_the_simulated_time(corpus):
+    """runtime.replica_link: a call on the replica communicator lasts at least latency + bytes / bandwidth."""
+    need(WORLD.Get_size() % 2 == 0, "2 islands of equal size")
+    eng = build(config(corpus, *DILOCO, "runtime.replica_link=8Mbit/s,20ms"), WORLD)
+    rep, a = eng.mesh.comms["replica"], np.ones(10000)
+    t0 = MPI.Wtime()
+    rep.allreduce_(a)
+    took = MPI.Wtime() - t0
+    assert took >= 0.02 + 80000 / 1e6 and rep.waited_s > 0
+    assert_same(a, np.full(10000, 2.0))
+    assert not isinstance(build(config(corpus, *DILOCO), WORLD).mesh.comms["replica"], SlowLink)   # off: none
