@@ -2,7 +2,8 @@
 type A, bfloat16 storage read and stored round-to-nearest-even) and attention_mma.cu (tensor cores: operands
 rounded to bfloat16 as they are loaded, P and dS before their products, float32 sums, P rounded per key tile of
 BN after the running max), for the CuPy stand-in. Each reads the launch as the kernel does: the (B, heads, T, hd)
-views the strides describe, H, KH, T, hd and scale, and the grid for which (batch row, head) and rows it covers."""
+views the strides describe, H, KH, T, hd and scale, the document ids seg (null: one document a row; a query sees
+a key iff causal and of its document), and the grid for which (batch row, head) and rows it covers."""
 from __future__ import annotations
 
 import re
@@ -88,6 +89,20 @@ def _causal(n_rows, T, keys_are_rows=False):
     return i <= j if keys_are_rows else j <= i
 
 
+def _seen(entry, seg, b, n_rows, T, keys_are_rows=False):
+    """(n, n_rows, T): causal and, with document ids, of the same document (rows: queries, or keys for dkdv)."""
+    causal = _causal(n_rows, T, keys_are_rows)[None]
+    if isinstance(seg, np.uint64):
+        assert seg == 0, f"{entry}: seg {seg} is neither a null pointer nor an array"
+        return causal
+    ids = seg.view(np.ndarray)
+    assert ids.dtype == np.int32 and ids.ndim == 2 and ids.shape[1] == T and b.max() < ids.shape[0], \
+        f"{entry}: seg {ids.shape} {ids.dtype}, not (B, {T}) int32"
+    assert (np.diff(ids, axis=1) >= 0).all(), f"{entry}: document ids fall along a row"
+    rows = ids[b]
+    return causal & (rows[:, :n_rows, None] == rows[:, None, :T])
+
+
 def _launch(entry, fam, op, launch, H, KH, T, hd, kv_blocks):
     assert 1 <= KH <= H and 1 <= hd <= fam.hd_max and T >= 1, f"{entry}: H {H}, KH {KH}, T {T}, hd {hd}"
     assert tuple(launch.block) in ((fam.threads,), (fam.threads, 1), (fam.threads, 1, 1)), \
@@ -101,29 +116,30 @@ def _launch(entry, fam, op, launch, H, KH, T, hd, kv_blocks):
 
 
 def _ints(rest):
-    return [int(a) for a in rest[:4]] + [rest[4]]
+    return [int(a) for a in rest[:4]] + [rest[4], rest[5]]
 
 
 def flash(entry, fam, op):
     def fwd(args, launch):
         (q, k, v, o), (lse, *rest) = args[0:16:4], args[16:]
-        H, KH, T, hd, scale = _ints(rest)
+        H, KH, T, hd, scale, seg = _ints(rest)
         nc, b, h = _launch(entry, fam, op, launch, H, KH, T, hd, False)
         r = rnd if fam.mma else (lambda x: x)
         kh = h // (H // KH)
         Q = r(_load(entry, q, b, h, nc, hd, "q") * scale)
         K, V = r(_load(entry, k, b, kh, T, hd, "k")), r(_load(entry, v, b, kh, T, hd, "v"))
-        S = np.where(_causal(nc, T), Q @ K.swapaxes(1, 2), -np.inf).astype(fam.math)
+        S = np.where(_seen(entry, seg, b, nc, T), Q @ K.swapaxes(1, 2), -np.inf).astype(fam.math)
         m = np.full((len(b), nc, 1), -np.inf, fam.math)
         l, acc = np.zeros_like(m), np.zeros_like(Q)
         for k0 in range(0, T, fam.bn):              # a tile wholly past a row's diagonal leaves it as it is
             s = S[:, :, k0:k0 + fam.bn]
             mn = np.maximum(m, s.max(axis=2, keepdims=True))
-            alpha = np.exp(m - mn)
+            sh = np.where(np.isneginf(mn), fam.math.type(0), mn)    # a row whose document has not begun yet
+            alpha = np.exp(m - sh)
             l *= alpha
             acc *= alpha
             m = mn
-            p = np.exp(s - m)
+            p = np.exp(s - sh)
             l += p.sum(axis=2, keepdims=True)
             acc += r(p) @ V[:, k0:k0 + fam.bn]
         rows = np.arange(nc)
@@ -134,7 +150,7 @@ def flash(entry, fam, op):
 
     def dq(args, launch):
         (q, k, v, o, do), (lse, dd, dqa, *_s), rest = args[0:20:4], args[20:24], args[26:]
-        H, KH, T, hd, scale = _ints(rest)
+        H, KH, T, hd, scale, seg = _ints(rest)
         nc, b, h = _launch(entry, fam, op, launch, H, KH, T, hd, False)
         r = rnd if fam.mma else (lambda x: x)
         kh = h // (H // KH)
@@ -145,14 +161,15 @@ def flash(entry, fam, op):
         dd.view(np.ndarray).reshape(-1)[lidx] = D
         Q = r(_load(entry, q, b, h, nc, hd, "q") * scale)
         K, V = r(_load(entry, k, b, kh, T, hd, "k")), r(_load(entry, v, b, kh, T, hd, "v"))
-        P = np.where(_causal(nc, T), np.exp(Q @ K.swapaxes(1, 2) - at(lse, lidx, entry)[..., None]), 0)
+        P = np.where(_seen(entry, seg, b, nc, T), np.exp(Q @ K.swapaxes(1, 2) - at(lse, lidx, entry)[..., None]), 0)
         dS = P * (r(dO) @ V.swapaxes(1, 2) - D[..., None])
         store(dqa, (b[:, None], h[:, None], np.arange(nc)[None, :], slice(0, hd)), (r(dS) @ K) * scale)
 
     def dkdv(args, launch):
         (q, k, v, do), (lse, dd, dk), dv, rest = args[0:16:4], args[16:19], args[22], args[26:]
-        H, KH, T, hd, scale = _ints(rest)
+        H, KH, T, hd, scale, seg = _ints(rest)
         nc, b, kh = _launch(entry, fam, op, launch, H, KH, T, hd, True)
+        seen = _seen(entry, seg, b, nc, T, True)
         r = rnd if fam.mma else (lambda x: x)
         K, V = r(_load(entry, k, b, kh, nc, hd, "k")), r(_load(entry, v, b, kh, nc, hd, "v"))
         dka, dva = np.zeros_like(K), np.zeros_like(V)
@@ -162,7 +179,7 @@ def flash(entry, fam, op):
             lidx = (b * H + h)[:, None] * T + np.arange(T)[None, :]
             Q = r(_load(entry, q, b, h, T, hd, "q") * scale)
             dO = r(_load(entry, do, b, h, T, hd, "dO"))
-            P = np.where(_causal(nc, T, True), np.exp(K @ Q.swapaxes(1, 2) - at(lse, lidx, entry)[:, None]), 0)
+            P = np.where(seen, np.exp(K @ Q.swapaxes(1, 2) - at(lse, lidx, entry)[:, None]), 0)
             dS = P * (V @ dO.swapaxes(1, 2) - at(dd, lidx, entry)[:, None])
             dva += r(P) @ dO
             dka += r(dS) @ Q
