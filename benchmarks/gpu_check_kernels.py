@@ -173,7 +173,8 @@ def rows_muon(res: dict | None, smoke: bool) -> list[Row]:
     for key, label in (("grouped", "one batched call a shape"), ("per_matrix", "one call a matrix")):
         v = res["variants"].get(key)
         if v is None or v.get("error"):
-            rows.append(Row(f"{base}: {label}", (v or {}).get("error") or err_text(res, "variant"), "-", "FAIL", v or {}))
+            why = (v or {}).get("error") or err_text(res, "variant")
+            rows.append(Row(f"{base}: {label}", why, "-", "FAIL", v or {}))
             continue
         agree = f"; agree {res['agreement']:.0e}" if key == "grouped" and "agreement" in res else ""
         rows.append(Row(f"{base}: {label}", f"{v['ms']:.1f} ms = {v['tflops']:.1f} TFLOP/s{agree}", "-",

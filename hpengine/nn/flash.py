@@ -1,8 +1,7 @@
 """Fused causal attention, flash-attention style (model.attention = "flash"): an online softmax over key
 blocks up to the diagonal, the T x T scores never stored. The array-module-generic code that runs on the
 CPU, the NumPy twin of kernels/attention.cu (which hpengine/nn/flash_cuda.py launches on CuPy). Packed
-documents (segments): a query sees only its own document's keys; a tile that no document spans is skipped,
-here and in the kernels.
+documents (segments): a query sees only its own document's keys; tiles no document spans are skipped (here too).
 """
 from __future__ import annotations
 
