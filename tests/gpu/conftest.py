@@ -18,9 +18,7 @@ if os.environ.get("HPENGINE_STANDIN") == "1":
 
     # what only a device can show: its compiler's errors, and TF32 arithmetic (the stand-in keeps float32)
     DEVICE_ONLY = {"test_kernel_build_error_names_the_cu_line": "needs the real NVRTC compiler",
-                   "test_tf32_engages_and_stays_accurate": "TF32 arithmetic needs the device's cuBLAS",
-                   "test_tiles_no_document_spans_are_skipped_on_the_device":
-                       "the stand-in emulates the flash kernels' arithmetic, not their walk over tiles"}
+                   "test_tf32_engages_and_stays_accurate": "TF32 arithmetic needs the device's cuBLAS"}
 
     def pytest_collection_modifyitems(config, items):
         for item in items:
