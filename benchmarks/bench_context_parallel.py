@@ -9,10 +9,14 @@ For the ring also the exposed share of its communication: the time the ring driv
 Isend/Irecv ring pattern and bytes without any compute, timed in the same job). A ratio waited / alone below
 1 means part of the transfer hid behind the block compute (hidden = 1 - ratio); above 1, the waits also hold
 time spent waiting for a slower peer's compute (ranks sharing cores), and nothing can be said of hiding.
-Prints a Markdown table; not part of `make test`.
+Prints a Markdown table; not part of `make test`. --documents instead measures, without MPI, the cp ranks'
+attention work over packed documents (query-key pairs under the document mask, from the documents alone) on
+synthetic rows (windows of a stream of documents with exponential lengths): each document split head-tail over
+the ranks (the engine's split) against each packed row split head-tail, busiest rank / mean.
 
     .venv/bin/python benchmarks/bench_context_parallel.py                  # seq 8192, 2 rounds
     .venv/bin/python benchmarks/bench_context_parallel.py --seq 8192 16384
+    .venv/bin/python benchmarks/bench_context_parallel.py --documents --seq 4096 --cp 4 --mean 512 --rows 64
 """
 from __future__ import annotations
 
@@ -105,6 +109,33 @@ def worker(a) -> None:
         Path(a.json).write_text(json.dumps(runs))
 
 
+def documents_lines(a) -> list[str]:
+    """The per-document split's and the per-row head-tail split's work imbalance on synthetic packed rows."""
+    import numpy as np  # noqa: PLC0415
+
+    from hpengine.data.documents import window_documents  # noqa: PLC0415
+    from hpengine.nn.context_split import document_work, imbalance, split_work  # noqa: PLC0415
+    lines = [f"{datetime.date.today()}; `python {' '.join(sys.argv)}`; exponential document lengths, windows at "
+             f"random starts, seeds {a.seeds}", "",
+             "| seq | cp | mean length | rows | per document: busiest / mean (batch) | per row head-tail (batch) | "
+             "per document (row, mean) | per row head-tail (row, mean) |", "|---|---|---|---|---|---|---|---|"]
+    for seq in a.seq:
+        for mean in a.mean:
+            figs = []
+            for seed in range(a.seeds):
+                rng = np.random.default_rng(seed)
+                lengths = np.maximum(1, rng.exponential(mean, a.rows * seq // mean * 4 + 16).astype(np.int64))
+                offsets = np.concatenate([[0], np.cumsum(lengths)])
+                seg, pos, _ = window_documents(offsets, rng.integers(0, offsets[-1] - seq - 1, a.rows), seq)
+                per_row = [(imbalance(split_work(seg[i:i + 1], pos[i:i + 1], a.cp)),
+                            imbalance(document_work(pos[i:i + 1], a.cp))) for i in range(a.rows)]
+                figs.append((imbalance(split_work(seg, pos, a.cp)), imbalance(document_work(pos, a.cp)),
+                             *np.mean(per_row, axis=0)))
+            f = np.mean(figs, axis=0)
+            lines.append(f"| {seq} | {a.cp} | {mean} | {a.rows} | {f[0]:.5f} | {f[1]:.3f} | {f[2]:.5f} | {f[3]:.3f} |")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, nargs="+", default=[8192])
@@ -112,11 +143,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--documents", action="store_true", help="the cp work imbalance over packed documents (no MPI)")
+    ap.add_argument("--mean", type=int, nargs="+", default=[512], help="--documents: mean document lengths")
+    ap.add_argument("--rows", type=int, default=64, help="--documents: rows per batch")
+    ap.add_argument("--seeds", type=int, default=4, help="--documents: batches averaged")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         worker(a)
+        return 0
+    if a.documents:
+        print("\n".join(documents_lines(a)))
         return 0
     bin_ = Path(sys.executable).parent
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")

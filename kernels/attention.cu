@@ -16,7 +16,7 @@
 // SIMT arithmetic (no tensor cores): fp32 math for f32 and bf16, fp64 for f64.
 // Packed documents: seg, the last argument of every entry, is null (one document a row) or (B, T) int32
 // document ids, nondecreasing along a row. A query then sees a key iff causal and of its document; a pair of
-// query and key tiles whose ranges of ids do not meet (the twin's _shared_tile) is skipped, never loaded:
+// query and key tiles whose ranges of ids do not meet (the twin's _TilePlan) is skipped, never loaded:
 // the walks start (fwd, dq) or end (dkdv) at the tile the rule names (doc_start, doc_end).
 // A row may see no key of a tile it visits (its document has not begun): its running max stays -inf and
 // the shift is 0 there, so the exponentials are exact zeros (every row sees itself, so l > 0 at the end).

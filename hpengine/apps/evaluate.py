@@ -1,6 +1,6 @@
 """`hpengine eval CHECKPOINT --data FILE`: the exact mean loss of a checkpoint's model over every token of a
-token file, with perplexity and bits per byte. Owns the evaluation config, the deterministic pass plan
-over data-parallel replicas, and the report (a line, or JSON).
+token file (under the checkpoint's data.document_mask, within each document), with perplexity and bits per
+byte. Owns the evaluation config, the deterministic pass plan over data-parallel replicas, and the report.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from hpengine.checkpoint.locate import find_checkpoint
 from hpengine.config import load as C
 from hpengine.data.batch import Batch
 from hpengine.data.dataset import check_vocab
+from hpengine.data.documents import counted_targets, offsets_of, window_documents
 from hpengine.data.format import BYTES, DataError, TokenFile
 from hpengine.dist.agree import agree_or_raise
 from hpengine.files.bars import bar
@@ -74,29 +75,35 @@ def open_data(path, cfg, manifest: dict) -> TokenFile:
                             "tokenizer.json)")
         if tf.n_tokens < 2:
             raise DataError(f"data file '{tf.path}' holds {tf.n_tokens} token(s): nothing to predict")
+        if cfg.data.document_mask and counted_total(tf, True) == 0:
+            raise DataError(f"data file '{tf.path}': its {tf.n_docs} documents are one token each, and "
+                            "data.document_mask = true predicts nothing across a boundary: nothing to score")
     except BaseException:
         tf.close()
         raise
     return tf
 
 
-def count_bytes(tf: TokenFile, block: int = 2**20) -> int | None:
-    """UTF-8 bytes of the text the predicted tokens (all but the first) decode to; None without a tokenizer."""
+def count_bytes(tf: TokenFile, block: int = 2**20, documents: bool = False) -> int | None:
+    """UTF-8 bytes of the text the predicted tokens (all but the first; documents: all but each document's
+    first, which nothing before it in its document predicts) decode to; None without a tokenizer."""
     n = tf.n_tokens
     if tf.tokenizer is None:
         return None
     if tf.tokenizer == BYTES:        # one byte per id, the eos ids excepted
-        total = 0
+        total, firsts = 0, offsets_of(tf)[1:-1] if documents else np.zeros(0, np.int64)
         for a in range(1, n, block):
             t = tf.read(a, min(n, a + block))
-            total += int(t.size - np.count_nonzero(t == tf.eos_id)) if tf.eos_id >= 0 else int(t.size)
+            keep = t != tf.eos_id if tf.eos_id >= 0 else np.ones(t.size, bool)
+            keep[firsts[(firsts >= a) & (firsts < a + t.size)] - a] = False
+            total += int(np.count_nonzero(keep))
         return total
     from tokenizers import Tokenizer
     tok = Tokenizer.from_str(tf.tokenizer)
     offs = tf.doc_offsets if tf.doc_offsets is not None else np.array([0, n])
     total = 0
     for d in range(len(offs) - 1):       # decode document by document (blocks inside a very long one)
-        lo, hi = max(int(offs[d]), 1), int(offs[d + 1])
+        lo, hi = int(offs[d]) + 1 if documents else max(int(offs[d]), 1), int(offs[d + 1])
         for a in range(lo, hi, block):
             ids = tf.read(a, min(hi, a + block)).astype(np.int64).tolist()
             total += len(tok.decode(ids).encode("utf-8"))
@@ -153,20 +160,42 @@ def plan_passes(n_tokens: int, T: int, replicas: int, batch: int, m: int) -> lis
     return [p + [dummy] * (most - len(p)) for p in out]
 
 
-def _windows(tf, first: int, count: int, length: int, T: int, copies: int):
-    rows = np.empty((count, length + 1), dtype=np.int64)
-    for j in range(count):
-        s = (first + j) * T
-        rows[j] = tf.read(s, s + length + 1)
+def _windows(tf, first: int, count: int, length: int, T: int, copies: int, documents: bool = False,
+             tokens: bool = True) -> Batch:
+    """The Batch of windows first .. first+count-1 (each `copies` times); documents: with their segments,
+    positions and loss mask (tokens=False: those alone, for a pipeline stage that reads no token)."""
+    fields = {}
+    if documents:
+        starts = (first + np.arange(count, dtype=np.int64)) * T
+        got = window_documents(offsets_of(tf), starts, length)
+        fields = dict(zip(("segments", "positions", "loss_mask"), got))
+    if tokens:
+        rows = np.empty((count, length + 1), dtype=np.int64)
+        for j in range(count):
+            s = (first + j) * T
+            rows[j] = tf.read(s, s + length + 1)
+        fields["tokens"], fields["targets"] = rows[:, :-1], rows[:, 1:]
     if copies > 1:
-        rows = np.repeat(rows, copies, axis=0)
-    return Batch(np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:]))
+        fields = {f: np.repeat(a, copies, axis=0) for f, a in fields.items()}
+    return Batch(**{f: np.ascontiguousarray(a) for f, a in fields.items()}, shape=(count * copies, length))
+
+
+def counted_total(tf, documents: bool) -> int:
+    """Targets a whole pass over the file counts: every token but the first; under documents, less each
+    document's first token (whichever window holds it, the loss mask drops its prediction)."""
+    if not documents:
+        return tf.n_tokens - 1
+    offs = offsets_of(tf)
+    return tf.n_tokens - 1 - int(np.count_nonzero((offs > 0) & (offs < tf.n_tokens)))
 
 
 # The pass is deterministic and covers the file once: window w reads tokens[w*T : w*T + T + 1] (inputs its
 # first T, targets the last T), windows step by T = model.seq_len, so every token but the first is predicted
 # exactly once; the last, partial window (r < T targets) runs as a sequence of its own length r. The loss is
-# the sum of the per-token NLL (float64) divided by the number of predicted tokens.
+# the sum of the per-token NLL (float64) divided by the number of predicted tokens. Under the checkpoint's
+# data.document_mask the windows carry their documents as training's do (data/documents.py): attention stays
+# inside a document, positions restart at each, and a target in another document than its input is neither
+# scored nor counted, so the divisor is the counted targets (every token but each document's first).
 def evaluate(checkpoint_path, data_path, cfg_path=None, overrides=(), batch: int = 8, world=None) -> dict:
     """Collective over world: the figures of the comment above (the same dict on every rank)."""
     world = world or MPI.COMM_WORLD
@@ -176,10 +205,6 @@ def evaluate(checkpoint_path, data_path, cfg_path=None, overrides=(), batch: int
                             (checkpoint.CheckpointError, OSError, ValueError, KeyError))
     try:
         cfg = eval_config(reader.manifest, cfg_path, overrides, world.Get_size())
-        if cfg.data.document_mask:      # the same on every rank: the checkpoint's config and the same overrides
-            raise C.ConfigError("this checkpoint trained with data.document_mask = true, which hpengine eval does not "
-                                "follow yet (it would score across document boundaries): pass --set "
-                                "data.document_mask=false to score the file as one stream")
         tf = agree_or_raise(world, lambda: open_data(data_path, cfg, reader.manifest), DataError, (DataError,))
         try:
             eng = build_engine(cfg, world)
@@ -195,7 +220,7 @@ def evaluate(checkpoint_path, data_path, cfg_path=None, overrides=(), batch: int
 
 
 def _run(eng, cfg, reader, tf, batch, checkpoint_path, data_path) -> dict:
-    res, T, m = eng.res, cfg.model.seq_len, eng.res.m
+    res, T, m, docs = eng.res, cfg.model.seq_len, eng.res.m, cfg.data.document_mask
     batch = -(-batch // m) * m
     me = res.replica(eng.mesh.coords)
     passes = plan_passes(tf.n_tokens, T, res.replicas, batch, m)[me]
@@ -206,19 +231,22 @@ def _run(eng, cfg, reader, tf, batch, checkpoint_path, data_path) -> dict:
         for first, count, length, counted in passes:
             copies = m if count % m else 1
             # read by the stages that compute on rows, once per tp group (engine/rows.py)
-            b = eng.rows.shared(partial(_windows, tf, first, count, length, T, copies), count * copies, length)
+            read = partial(_windows, tf, first, count, length, T, copies, docs)
+            b = eng.rows.shared(read, count * copies, length, partial(read, tokens=False) if docs else None)
             for k, slot in enumerate(eng.slots):     # every model of a train.models > 1 checkpoint, same windows
                 out = eng.forward_backward(slot, b, float(copies), grad=False)
                 if counted and count_here:
                     nll[k] += float(out)
             if counted and count_here and eng.mesh.coords["pp"] == res.pp - 1:
-                tokens += count * length
+                tokens += counted_targets(offsets_of(tf), (first + np.arange(count)) * T, length) if docs \
+                    else count * length
             shown.update(1)
     total = eng.world.allreduce_(np.concatenate([nll, [tokens]]).astype(np.float64))
     n = int(round(float(total[-1])))
-    if n != tf.n_tokens - 1:
-        raise RuntimeError(f"evaluated {n} tokens, expected {tf.n_tokens - 1}")
-    n_bytes = agree_or_raise(eng.world, lambda: count_bytes(tf) if eng.mesh.rank == 0 else None, DataError,
+    if n != counted_total(tf, docs):
+        raise RuntimeError(f"evaluated {n} tokens, expected {counted_total(tf, docs)}")
+    n_bytes = agree_or_raise(eng.world, lambda: count_bytes(tf, documents=docs) if eng.mesh.rank == 0 else None,
+                             DataError,
                              (DataError, OSError, ValueError))
     n_bytes = eng.world.bcast_obj(n_bytes, root=0)
     per = [_figures(float(total[k]), n, n_bytes) for k in range(K)]

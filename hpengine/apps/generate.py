@@ -62,6 +62,8 @@ def full_logits(model, P, ids, xp=np):
 # prompt runs once through every layer, each layer keeping its keys and values; each new token then runs alone
 # through the layers, attending to the cached ones: O(context) per token. `cache=False` runs the whole
 # context through the models' own training forward for every token instead (for checks and benchmarks).
+# A checkpoint trained with data.document_mask = true needs nothing more: a prompt is one document, its
+# positions run from 0 and it attends only to itself, which is what both decoders compute.
 class KVDecoder:
     """A model's forward over new positions only, with the model's per-layer caches of model.seq_len rows."""
 

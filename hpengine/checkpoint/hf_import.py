@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpengine.checkpoint import hf_fp8
 from hpengine.checkpoint.shards import CheckpointError, read_region
 from hpengine.files import UnsafeFile, inside, open_regular, read_text
 from hpengine.models import hf_kinds, hf_refused, kind_of
@@ -47,7 +48,8 @@ def _short(value) -> str:
 
 def _unreadable(at: str, name: str, code) -> CheckpointError:
     return CheckpointError(f"{at}: tensor {name} has dtype {_short(code)}, which cannot be read "
-                           f"(supported: {', '.join(_DTYPES)})")
+                           f"(supported: {', '.join(_DTYPES)}, and {hf_fp8.FP8} beside a <name>{hf_fp8.SUFFIX} tensor "
+                           "of block scales)")
 
 
 def _json_object(path: Path, where: str, role: str) -> dict:
@@ -133,25 +135,41 @@ def _header(path: Path, where: str) -> dict:
 
 
 class _Safetensors:
-    """Lazy, memory-mapped reads of the tensors of one or more .safetensors files (bfloat16 included)."""
+    """Lazy, memory-mapped reads of the tensors of one or more .safetensors files (bfloat16 included; fp8
+    block-quantised weights dequantised, their scale tensors consumed: checkpoint/hf_fp8.py)."""
 
-    def __init__(self, files: list[Path], where: str):
+    def __init__(self, files: list[Path], where: str, block: tuple | None = None):
         self.entries = {}                     # HF name -> (path, dtype code, shape, start byte, end byte)
         for path in files:
             self.entries.update(_header(path, where))
-        self.where = where
+        self.where, self.block = where, block
+        # keyed by the weight's entry, which the adapters' renaming (full_names) keeps
+        self.scales = hf_fp8.fold(self.entries, block, where)
 
     def shape(self, name):
         return self.entries[name][2]
 
     def check_readable(self, name):
         path, code = self.entries[name][:2]
+        scale = self.scales.get(self.entries[name])
+        if scale is not None:
+            path, code = scale[:2]
+            name += hf_fp8.SUFFIX
         if code not in _DTYPES:
             raise _unreadable(f"{self.where}: '{path}'", name, code)
 
     def get(self, name) -> np.ndarray:
-        path, code, shape, a, b = self.entries[name]
-        dt = np.dtype(_DTYPES[code]).newbyteorder("<")
+        entry = self.entries[name]
+        scale = self.scales.get(entry)
+        if scale is not None:
+            bits, scales = self._read(name, entry, np.uint8), self._read(name + hf_fp8.SUFFIX, scale)
+            return hf_fp8.dequantize(bits, scales, self.block)
+        return self._read(name, entry)
+
+    def _read(self, name, entry, dtype=None) -> np.ndarray:
+        """float64 values of the tensor at header entry `entry` (`dtype`: its raw elements instead)."""
+        path, code, shape, a, b = entry
+        dt = np.dtype(dtype or _DTYPES[code]).newbyteorder("<")
         count = (b - a) // dt.itemsize
         try:
             with open_regular(path, "weights") as f:
@@ -161,6 +179,8 @@ class _Safetensors:
                 raw = np.memmap(f, dtype=dt, mode="r", offset=a, shape=(count,)) if count else np.zeros(0, dt)
         except (UnsafeFile, OSError) as exc:
             raise _unsafe(self.where, exc) from None
+        if dtype is not None:
+            return np.asarray(raw).reshape(shape)
         if code == "BF16":
             raw = (raw.astype(np.uint32) << 16).view(np.float32)
         return np.asarray(raw, dtype=np.float64).reshape(shape)
@@ -244,7 +264,7 @@ class HFReader:
         self.where = where = f"checkpoint.init_from = 'hf:{folder}'"
         hc = _json_object(self.dir / "config.json", where, "config")
         kind = _check_config(hc, mcfg, f"hf:{folder}")
-        self.st = _Safetensors(_files(self.dir, where), where)
+        self.st = _Safetensors(_files(self.dir, where), where, hf_fp8.block_size(hc, where))
         adapter = kind_of(kind).hf
         self.st.entries = adapter.full_names(self.st.entries)
         self.map = adapter.from_hf_map(mcfg)

@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 from hpengine import __version__
 from hpengine.apps.plot import PlotError, plot_run
+from hpengine.apps.plot_compare import plot_compare
 from hpengine.checkpoint import shards as checkpoint
 from hpengine.checkpoint.export import export
 from hpengine.checkpoint.shards import CheckpointError
@@ -128,14 +129,19 @@ def _data_parser(sub) -> None:
 
 
 def _plot_parser(sub) -> None:
-    pl = sub.add_parser("plot", help="PNGs of a run folder: loss, throughput, pipeline Gantt (needs matplotlib)")
-    pl.add_argument("run_dir", help="a run folder (train.out_dir); the Gantt chart needs runtime.trace = true")
-    pl.add_argument("--out", default=None, help="folder for the PNGs (default: RUN_DIR/plots)")
+    pl = sub.add_parser("plot", help="PNGs of a run folder: loss, throughput, pipeline Gantt; of several: their "
+                        "losses compared (needs matplotlib)")
+    pl.add_argument("run_dir", nargs="+", help="a run folder (train.out_dir; the Gantt chart needs runtime.trace = "
+                    "true), or several to compare (compare.png in --out)")
+    pl.add_argument("--out", default=None, help="folder for the PNGs (default: RUN_DIR/plots; needed for several)")
 
 
 def _cmd_plot(a) -> int:
     try:
-        written, notes = plot_run(a.run_dir, a.out)
+        if len(a.run_dir) > 1:
+            written, notes = [plot_compare(a.run_dir, a.out)], []
+        else:
+            written, notes = plot_run(a.run_dir[0], a.out)
     except PlotError as exc:
         _say(f"hpengine: error: {exc}")
         return 2
@@ -161,6 +167,9 @@ def _plan_parser(sub) -> None:
     pl.add_argument("--optimizer", choices=sorted(OPTIMIZERS), help="the optimizer to plan for (sets optim.name; "
                     "default: the config's): its state bytes, and Muon's Newton-Schulz GEMMs in the step time")
     pl.add_argument("--world", type=int, help="ranks for --check (default: nodes x gpus-per-node)")
+    pl.add_argument("--mean-doc-len", type=float, metavar="N", help="packed documents of mean length N tokens "
+                    "(geometric lengths): attention FLOPs counted for the work the document mask leaves (default: "
+                    "--check of a config with data.document_mask measures its token files' documents)")
     pl.add_argument("--out", help="write the best layout as a config TOML")
     pl.add_argument("--force", action="store_true", help="replace an existing --out file")
     pl.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")

@@ -29,6 +29,7 @@ from hpengine.config.tree import (  # noqa: F401 - the tree, re-exported
     MeshConfig,
     ModelConfig,
     MoEConfig,
+    MTPConfig,
     OptimConfig,
     PipelineConfig,
     RecomputeConfig,

@@ -11,7 +11,16 @@ import typing
 from typing import Any
 
 from hpengine.config.fields import is_section, show, table_item, toml_key, type_hints
-from hpengine.config.tree import Config, ConfigError, ModelConfig, MoEConfig, _kind_error, head_width, kind_keys
+from hpengine.config.tree import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    MoEConfig,
+    RopeScalingConfig,
+    _kind_error,
+    head_width,
+    kind_keys,
+)
 
 
 def ensure_valid(cfg: Config) -> None:
@@ -59,8 +68,9 @@ def _validate_qk_clip(cfg: Config) -> None:
                      (cfg.model.qk_norm, "model.qk_norm = false: the q/k norms would undo a "
                       "per-head scale of the q and k weights, and their weights are shared by every head"),
                      (cfg.train.models > 1, f"train.models = 1 (got {cfg.train.models})"),
-                     (cfg.data.document_mask, "data.document_mask = false so far: its largest logits are measured "
-                      "over the causal pairs, not yet within each packed document")):
+                     ("mla" not in kind_keys(cfg.model.kind), f"per-head q and k weights (model.kind = "
+                      f"{cfg.model.kind!r} has multi-head latent attention, whose keys share one latent and rotary "
+                      "key: MuonClip is not built for it)")):
         if bad:
             raise ConfigError(f"optim.muon_qk_clip = {cfg.optim.muon_qk_clip} needs {why}; or set it to 0")
 
@@ -77,6 +87,8 @@ def _validate_model(m: ModelConfig) -> None:
                               ", or set model.head_dim to the width of a head" if "head_dim" not in off else ""))
     if "moe" not in off:
         _validate_moe(m)
+    if "mla" not in off:
+        _validate_mla(m)
     if "head_dim" in off:             # grouped-query heads and the rotary embedding's pairs
         return
     kv = m.n_kv_heads or m.n_heads
@@ -93,6 +105,16 @@ def _validate_model(m: ModelConfig) -> None:
                           "model.head_dim)")
 
 
+def _validate_mla(m: ModelConfig) -> None:
+    if m.mla.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.mla.qk_rope_head_dim = {m.mla.qk_rope_head_dim} is odd: the rotary embedding "
+                          "rotates pairs, so it must be even")
+    r = m.rope_scaling
+    if r.type == "none" and r != RopeScalingConfig():
+        raise ConfigError("model.rope_scaling keys are set but model.rope_scaling.type = 'none': set type = 'yarn', "
+                          "or remove the [model.rope_scaling] keys")
+
+
 def _validate_moe(m: ModelConfig) -> None:
     e = m.moe
     if not e.num_experts:
@@ -103,6 +125,17 @@ def _validate_moe(m: ModelConfig) -> None:
     if e.top_k > e.num_experts:
         raise ConfigError(f"model.moe.top_k = {e.top_k} is more than model.moe.num_experts = {e.num_experts}: "
                           f"use 1..{e.num_experts}")
+    if e.num_experts % e.n_groups:
+        raise ConfigError(f"model.moe.n_groups = {e.n_groups} does not divide model.moe.num_experts = "
+                          f"{e.num_experts}: use a divisor of {e.num_experts}")
+    if e.topk_groups > e.n_groups:
+        raise ConfigError(f"model.moe.topk_groups = {e.topk_groups} is more than model.moe.n_groups = "
+                          f"{e.n_groups}: use 1..{e.n_groups}")
+    reach = e.topk_groups * (e.num_experts // e.n_groups)
+    if e.top_k > reach:
+        raise ConfigError(f"model.moe.top_k = {e.top_k} is more than the {reach} experts of model.moe.topk_groups "
+                          f"= {e.topk_groups} groups of {e.num_experts // e.n_groups}: use top_k 1..{reach}, or "
+                          "more groups per token")
     if e.dense_layers >= m.n_layers:
         raise ConfigError(f"model.moe.dense_layers = {e.dense_layers} leaves no MoE layer in model.n_layers = "
                           f"{m.n_layers}: use 0..{m.n_layers - 1}")

@@ -68,12 +68,14 @@ _DEGREE_DOC = "ranks on this axis; -1 = the ranks left over"
 
 # ---- the tree -------------------------------------------------------------------------------------
 
-_LLAMA, _NOT_LLAMA = ("llama",), ("gpt", "mlp")
+_LLAMA, _NOT_LLAMA, _DEEPSEEK = ("llama",), ("gpt", "mlp"), ("deepseek",)
+_ROPE = _LLAMA + _DEEPSEEK          # the kinds with rotary embedding, RMSNorm and SwiGLU MLPs
 
 
 @dataclass
 class MoEConfig:
-    """Mixture of experts for the llama kind: routed SwiGLU experts in place of the MLP (Mixtral, Qwen3-MoE).
+    """Mixture of experts for the llama and deepseek kinds: routed SwiGLU experts in place of the MLP (Mixtral,
+    Qwen3-MoE, DeepSeek-V3).
     Every layer after the first `dense_layers` routes each token to its top_k experts, dropless unless
     capacity_factor caps what an expert takes."""
     num_experts: int = _f(0, "routed experts per MoE layer; 0 = a dense model", check=_must(">=", 0))
@@ -102,13 +104,68 @@ class MoEConfig:
                                  "the router scores for the top-k selection only; after every optimizer step "
                                  "bias += rate x sign(mean load - load) over the global batch's selections; kept in "
                                  "checkpoints; 0 = no bias", check=_must(">=", 0))
+    n_groups: int = _f(1, "group-limited routing (DeepSeek-V3 n_group): the experts form this many equal groups of "
+                       "consecutive indices; must divide num_experts; 1 = no groups", check=_POS)
+    topk_groups: int = _f(1, "group-limited routing (DeepSeek-V3 topk_group): a token picks its top_k experts only "
+                          "within its this many best groups, a group scoring the sum of its two largest selection "
+                          "scores (router score + bias), ties to the lower group; 1..n_groups", check=_POS)
+    routed_scaling: float = _f(1.0, "multiplies the routed experts' combined output, after the top-k "
+                               "renormalisation (DeepSeek-V3 routed_scaling_factor); the shared expert is not "
+                               "scaled", check=_must(">", 0))
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention of the deepseek kind (DeepSeek-V3, Kimi K2): queries through an optional
+    low-rank bottleneck, per-head keys and values expanded from one compressed latent, one shared rotary key."""
+    q_lora_rank: int = _f(0, "query bottleneck width (q_a, its RMSNorm, q_b); 0 = one d_model x n_heads*(nope + rope) "
+                          "query matrix", check=_must(">=", 0))
+    kv_lora_rank: int = _f(512, "width of the compressed latent the keys and values are expanded from (what "
+                           "decoding caches per token, with the rotary key)", check=_POS)
+    qk_nope_head_dim: int = _f(128, "per-head query/key width without rotation", check=_POS)
+    qk_rope_head_dim: int = _f(64, "rotary width of every query head and of the one key all heads share (even)",
+                               check=_must(">=", 2))
+    v_head_dim: int = _f(128, "per-head value width", check=_POS)
+
+
+@dataclass
+class RopeScalingConfig:
+    """Rotary embedding scaling of the deepseek kind (YaRN, Peng et al. 2023, as Hugging Face computes it)."""
+    type: str = _f("none", "none: the plain rotary frequencies; yarn: frequencies between the beta_fast and "
+                   "beta_slow correction dimensions ramped to 1 / factor, tables and softmax scaled by mscale",
+                   choices=("none", "yarn"))
+    factor: float = _f(1.0, "yarn: context extension factor (frequencies past the ramp divided by it)",
+                       check=_must(">=", 1))
+    original_max_position_embeddings: int = _f(4096, "yarn: the pretraining context length the ramp is measured "
+                                               "against", check=_POS)
+    beta_fast: float = _f(32.0, "yarn: rotations over the original length below which a pair is fully scaled",
+                          check=_must(">", 0))
+    beta_slow: float = _f(1.0, "yarn: rotations over the original length above which a pair keeps its frequency",
+                          check=_must(">", 0))
+    mscale: float = _f(0.0, "yarn: attention temperature of the tables, 0.1 x mscale x ln(factor) + 1 (0 = unset)",
+                       check=_must(">=", 0))
+    mscale_all_dim: float = _f(0.0, "yarn: the temperature the tables are divided by and whose square multiplies "
+                               "the softmax scale (0 = unset)", check=_must(">=", 0))
+
+
+@dataclass
+class MTPConfig:
+    """Multi-token prediction (DeepSeek-V3 section 2.2) for the llama family: `depth` sequential modules after the
+    main model, module k predicting the token k + 1 places after the next from the previous depth's hidden state
+    and the embedding of the token k places ahead, through the model's shared embedding and output head."""
+    depth: int = _f(0, "MTP modules (each an RMSNorm pair, a 2 d_model -> d_model projection, one block of the "
+                    "model's kind and a final RMSNorm); 0 = off, the model unchanged", check=_must(">=", 0))
+    loss_weight: float = _f(0.3, "the MTP loss, the mean over the depths of each depth's cross-entropy over its "
+                            "counted targets, times this joins the training loss (DeepSeek-V3's lambda)",
+                            check=_must(">=", 0))
 
 
 @dataclass
 class ModelConfig:
     """The network and its numerics."""
     kind: str = _f("gpt", "model family: a GPT-2 style decoder, a Llama-family decoder (RMSNorm, SwiGLU, rotary "
-                   "embedding, grouped-query attention) or a plain MLP", choices=("gpt", "llama", "mlp"))
+                   "embedding, grouped-query attention), a DeepSeek-V3 / Kimi K2 decoder (multi-head latent attention, "
+                   "routed experts) or a plain MLP", choices=("gpt", "llama", "deepseek", "mlp"))
     vocab_size: int = _f(256, "token vocabulary size (256 = raw bytes)", check=_POS)
     seq_len: int = _f(128, "tokens per training sequence (context length)", check=_POS)
     d_model: int = _f(256, "hidden width", check=_POS)
@@ -122,13 +179,13 @@ class ModelConfig:
                        "d_model; 0 = d_model / n_heads (Qwen3 uses 128 at every width)", check=_must(">=", 0),
                        kinds=_LLAMA)
     ffn_mult: int = _f(4, "gpt, mlp: feed-forward width as a multiple of d_model", check=_POS, kinds=_NOT_LLAMA)
-    ffn_hidden: int = _f(0, "llama: SwiGLU hidden width; 0 = Llama's rule, 8/3 x d_model rounded up to "
-                         "ffn_multiple_of", check=_must(">=", 0), kinds=_LLAMA)
-    ffn_multiple_of: int = _f(256, "llama: the multiple Llama's rule rounds the SwiGLU width up to", check=_POS,
-                              kinds=_LLAMA)
-    rope_theta: float = _f(10000.0, "llama: rotary embedding base (angle of pair i at position t: "
-                           "t x rope_theta^(-2i/head_dim))", check=_must(">", 0), kinds=_LLAMA)
-    norm_eps: float = _f(1e-5, "llama: RMSNorm epsilon", check=_must(">", 0), kinds=_LLAMA)
+    ffn_hidden: int = _f(0, "llama, deepseek: SwiGLU hidden width; 0 = Llama's rule, 8/3 x d_model rounded up to "
+                         "ffn_multiple_of", check=_must(">=", 0), kinds=_ROPE)
+    ffn_multiple_of: int = _f(256, "llama, deepseek: the multiple Llama's rule rounds the SwiGLU width up to", check=_POS,
+                              kinds=_ROPE)
+    rope_theta: float = _f(10000.0, "llama, deepseek: rotary embedding base (angle of pair i at position t: "
+                           "t x rope_theta^(-2i/head_dim))", check=_must(">", 0), kinds=_ROPE)
+    norm_eps: float = _f(1e-5, "llama, deepseek: RMSNorm epsilon", check=_must(">", 0), kinds=_ROPE)
     qk_norm: bool = _f(False, "llama: RMSNorm over head_dim of every head's q and k before the rotary embedding, "
                        "learned (head_dim,) weights h.{i}.attn.q_norm.w, k_norm.w with eps norm_eps (Qwen3)",
                        kinds=_LLAMA)
@@ -140,18 +197,27 @@ class ModelConfig:
     dtype: str = _f("float32", "parameter and compute dtype (float64 for exactness checks)",
                     choices=("float32", "float64"))
     init_std: float = _f(0.02, "standard deviation of the normal weight initialisation", check=_must(">", 0))
-    moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "mixture of experts", "kinds": _LLAMA})
+    moe: MoEConfig = field(default_factory=MoEConfig, metadata={"doc": "mixture of experts", "kinds": _ROPE})
+    mtp: MTPConfig = field(default_factory=MTPConfig, metadata={"doc": "multi-token prediction", "kinds": _ROPE})
+    mla: MLAConfig = field(default_factory=MLAConfig, metadata={"doc": "multi-head latent attention",
+                                                                "kinds": _DEEPSEEK})
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig,
+                                            metadata={"doc": "rotary embedding scaling", "kinds": _DEEPSEEK})
+
+
+# the tables inside [model]
+_SECTIONS = {"moe": MoEConfig, "mtp": MTPConfig, "mla": MLAConfig, "rope_scaling": RopeScalingConfig}
 
 
 def model_key(m: ModelConfig) -> tuple:
     """A hashable key of a model config (for caches); model_from_key(model_key(m)) == m."""
-    return tuple(dataclasses.astuple(getattr(m, f.name)) if f.name == "moe" else getattr(m, f.name)
+    return tuple(dataclasses.astuple(getattr(m, f.name)) if f.name in _SECTIONS else getattr(m, f.name)
                  for f in dataclasses.fields(ModelConfig))
 
 
 def model_from_key(key: tuple) -> ModelConfig:
     names = [f.name for f in dataclasses.fields(ModelConfig)]
-    return ModelConfig(**{n: MoEConfig(*v) if n == "moe" else v for n, v in zip(names, key)})
+    return ModelConfig(**{n: _SECTIONS[n](*v) if n in _SECTIONS else v for n, v in zip(names, key)})
 
 
 def kind_keys(kind: str) -> list[str]:
@@ -292,9 +358,9 @@ class PipelineConfig:
 class ExpertParallelConfig:
     """Routed experts split over ranks (llama-kind MoE models), tokens moved to them by all-to-all."""
     enable: bool = _f(False, "turn expert parallelism on")
-    degree: int = _f(-1, "ranks the experts are split over, folded inside the data-parallel ranks (no extra "
-                     "ranks); must divide the data-parallel degree and model.moe.num_experts; -1 = every "
-                     "data-parallel rank", check=_DEGREE)
+    degree: int = _f(-1, "ranks the experts are split over, folded inside data_parallel x sharding (no extra "
+                     "ranks); must divide dp x sharding and model.moe.num_experts (one that does not divide dp keeps "
+                     "each rank's expert block whole under sharding); -1 = every data-parallel rank", check=_DEGREE)
 
 
 @dataclass

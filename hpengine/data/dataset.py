@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from hpengine.data.batch import Batch
-from hpengine.data.documents import counted_targets, offsets_of, window_documents
+from hpengine.data.documents import counted_ahead, counted_targets, offsets_of, window_documents
 from hpengine.data.format import BYTES, DataError, TokenFile
 
 log = logging.getLogger("hpengine.data")
@@ -255,15 +255,18 @@ class TokenDataset:
                 out[f][rows] = a
         return out
 
-    def counted(self, split: str, step: int, seed: int, global_batch: int) -> int:
+    def counted(self, split: str, step: int, seed: int, global_batch: int, ahead: int = 0) -> int:
         """Targets the loss counts in the global batch of `step`: global_batch x seq_len, less (document_mask)
-        the predictions across a document boundary. A pure function of (seed, step, split), as the rows are."""
+        the predictions across a document boundary. A pure function of (seed, step, split), as the rows are.
+        ahead = k > 0: those multi-token prediction's depth k counts (Batch.with_ahead), global_batch x
+        (seq_len - k) less (document_mask) those whose target lies in another document."""
+        T = self.seq_len
         if not self.document_mask:
-            return global_batch * self.seq_len
+            return global_batch * max(0, T - ahead)
         src, offs = self.rows(split, step, seed, global_batch)
         parts = self._split(split)[0]
-        return sum(counted_targets(offsets_of(parts[s].file), parts[s].lo + offs[src == s], self.seq_len)
-                   for s in np.unique(src))
+        count = (lambda o, s: counted_ahead(o, s, T, ahead)) if ahead else (lambda o, s: counted_targets(o, s, T))
+        return sum(count(offsets_of(parts[s].file), parts[s].lo + offs[src == s]) for s in np.unique(src))
 
     def close(self) -> None:
         for tf in self._files:

@@ -34,6 +34,16 @@ def counted_targets(offsets: np.ndarray, starts: np.ndarray, T: int) -> int:
     return int(T * starts.size - crossed.sum())
 
 
+def counted_ahead(offsets: np.ndarray, starts: np.ndarray, T: int, k: int) -> int:
+    """The targets multi-token prediction's depth k counts in the windows (data.Batch.with_ahead): positions i < T - k
+    whose token i + k + 1 of the window lies in the document of token i."""
+    if k >= T:
+        return 0
+    t = np.asarray(starts, dtype=np.int64).reshape(-1, 1) + np.arange(T + 1, dtype=np.int64)
+    doc = np.searchsorted(offsets, t, side="right")
+    return int((doc[:, :T - k] == doc[:, k + 1:]).sum())
+
+
 def length_summary(offsets: np.ndarray) -> str:
     """The document-length distribution: count, mean, median, p99 and the longest, in tokens."""
     n = np.diff(np.asarray(offsets, dtype=np.int64))

@@ -17,7 +17,8 @@ from hpengine.dist.comm import Comm
 from hpengine.dist.tracer import Tracer
 from hpengine.engine import state
 from hpengine.engine.rows import RowReader
-from hpengine.models.context import with_documents
+from hpengine.models import capabilities
+from hpengine.models.context import Ahead, with_documents
 from hpengine.models.moe_bias import RouterBias
 from hpengine.models.moe_figures import MoEFigures
 from hpengine.layout.cache import ChunkCaches, Recompute, cache_nbytes
@@ -25,7 +26,8 @@ from hpengine.layout.reduction import reductions, summed_over, tied_sums
 from hpengine.layout.stage import build_stage
 from hpengine.nn import run_all
 from hpengine.optim import clip_coefficient, lr_at, make_optimizer, optimizer_kind, post_update
-from hpengine.params.init import init_range
+from hpengine.params.buffers import Range, cut
+from hpengine.params.init import init_parts
 from hpengine.strategies import make_grad_sync
 from hpengine.strategies.amp import Precision
 from hpengine.strategies.context import make_context
@@ -67,7 +69,7 @@ class Engine:
         seeds = tuple(t.model_seeds or [t.seed + i for i in range(t.models)])
         lrs = tuple(t.model_lrs or [cfg.optim.lr] * t.models)
         self.stage = build_stage(cfg.model, res, mesh.coords["pp"], self.tp.rank, seeds, lrs,
-                                 ep_rank=mesh.coords["dp"] % res.ep)
+                                 ep_rank=mesh.comms["ep"].rank if res.ep > 1 else 0)
         self.layout, self.slots = self.stage.layout, self.stage.slots
         self.sync = make_grad_sync(res, self.stage, backend, mesh.comms, self.precision.storage)
         self.world = Comm(mesh.world, "world", backend)
@@ -78,19 +80,23 @@ class Engine:
         # only below), else hashed again (float16's compute copy has lost them); a second hashing pass costs
         # ~30 s for 1 B parameters
         held = self.sync.owned_params() if self.amp else None
+        parts = self.sync.owned_parts
         self.master = (None if held is None else held.astype(np.float32) if held.dtype.itemsize >= 4
-                       else init_range(self.layout, t.seed, self.sync.owned, self.xp, np.float32))
+                       else init_parts(self.layout, t.seed, parts, self.xp, np.float32))
         self.sync.store_params()        # packed: the compute copy in 2 bytes, bfloat16 bits of the values init wrote
         self._round_held_params()
         # per tensor: the sums that make its gradient whole and whether it counts in the norm here
         self.reductions = reductions(self.stage, self.tp.rank, res.sp, res.cp > 1)
         self.tied = tied_sums(self.reductions, self.stage)
-        self.norm = GlobalNorm(self.layout, self.reductions, self.sync.owned, mesh.comms, self.xp, res.sh > 1)
+        self.norm = GlobalNorm(self.layout, self.reductions, parts, mesh.comms, self.xp, res.sh > 1,
+                               res.experts_whole)
         own = self.sync.owned
-        self.replicated = [(c.start - own.start, c.stop - own.start) for c in
-                           (own.intersect(self.layout.ranges[n]) for n in summed_over(self.reductions, "tp"))
-                           if c is not None]
-        self.opts = [self._optimizer(s) for s in self.slots]
+        self.replicated = [(at, at + c.size) for n in summed_over(self.reductions, "tp")
+                           for c, at in cut(parts, self.layout.ranges[n])]
+        # one optimizer per model and owned part: (slot, flat Range, offset in the owned arrays); None where a
+        # model has nothing here
+        self.segs = [(s, seg, at) for s in self.slots for seg, at in (cut(parts, s.range) or [(self._none(s), 0)])]
+        self.opts = [self._optimizer(seg) for _, seg, _ in self.segs]
         # what runs after each update (the qk clip: the layers report their largest logits through the context)
         self.post = post_update(cfg.optim, self.slots[0].model, self.layout, own, self.xp, backend.to_host,
                                 lambda a: self.world.allreduce_(a, op=MPI.MAX), self.tp.rank, self.tp.size)
@@ -106,16 +112,23 @@ class Engine:
         self.pipe = PipelineExecutor(self.pp, self.xp, backend.dtype, res.pp, res.v, res.m, res.schedule,
                                      cfg.model.d_model, res.seq_parts, mesh.comms["tp"] if res.scatter else None,
                                      wire_bits=self.precision.packed)
+        # multi-token prediction: its targets ride on the training rows, its losses on the loss allreduce
+        self.mtp_depth = capabilities(cfg.model).mtp_depth
+        self._ahead, self._mtp = (), [[] for _ in self.slots]
         self.rows = RowReader(dataset, backend, t.global_batch, cfg.model.seq_len, res.share,
                               res.replica(mesh.coords) * res.share, self.pipe.reads_rows(), mesh.comms["tp"],
-                              res.cp, mesh.coords["cp"])
+                              res.cp, mesh.coords["cp"], self.mtp_depth)
         self.tracer = Tracer()      # the run hands in its own (attach_tracer)
         self.before_update = None   # fence_updates: called before a step changes parameters or optimizer state
 
-    def _optimizer(self, slot):
-        seg = self.sync.owned.intersect(slot.range)
+    def _optimizer(self, seg):
         dtype = self.precision.master_dtype(self.be.dtype)
         return None if seg is None else make_optimizer(self.cfg.optim, self.xp, self.layout, seg, dtype, self.sync.whole)
+
+    def _none(self, slot):
+        """A model's part where this rank owns none of it: None, or an empty Range at the model's start when
+        whole-tensor work is divided (every rank takes part in each model's exchange)."""
+        return Range(slot.range.start, slot.range.start) if self.sync.whole is not None else None
 
     # --- forward / backward ---------------------------------------------------------------------
     def _P(self, slot, b, nxt=None):
@@ -133,6 +146,9 @@ class Engine:
         A recomputed block keeps only its input (or, selective, all but its attention probabilities);
         backward rebuilds the rest."""
         xp, m, ctx = self.xp, slot.model, with_documents(self.ctx, batch)
+        if grad and self._ahead and batch.ahead is not None:     # a training pass: multi-token prediction's targets
+            ctx = dataclasses.replace(ctx, ahead=Ahead(batch.ahead, self._ahead, self.precision.loss_scale,
+                                                       self._mtp[slot.index].append))
         caches = ChunkCaches(ctx)
         for n, name in enumerate(chunk):
             b, nxt = slot.block(name), chunk[n + 1] if n + 1 < len(chunk) else None
@@ -217,13 +233,15 @@ class Engine:
         self.cache_bytes += sign * cache_nbytes([w.held for _, ws in defer for w in ws], self.sync.param_roots())
         self.cache_peak = max(self.cache_peak, self.cache_bytes)
 
-    def forward_backward(self, slot, batch, norm: float, grad: bool = True, last_pass: bool = True) -> float:
+    def forward_backward(self, slot, batch, norm: float, grad: bool = True, last_pass: bool = True,
+                         ahead: tuple = ()) -> float:
         """One pass of one model over a Batch of rows (split into micro-batches, through the pipeline when it
-        is on); returns this rank's share of the global-mean loss."""
+        is on); returns this rank's share of the global-mean loss. ahead: the loss divisors of multi-token
+        prediction's depths (a training pass of a model with it)."""
         fwd = lambda chunk, h, t, g: self.chunk_forward(slot, chunk, h, t, norm, g)  # noqa: E731
         bwd = lambda chunk, d, c, defer: self.chunk_backward(slot, chunk, d, c, defer)  # noqa: E731
         wgt = lambda chunk, defer: self.chunk_weights(slot, defer)  # noqa: E731
-        self._norm, self.layer_loss = norm, 0.0
+        self._norm, self.layer_loss, self._ahead = norm, 0.0, ahead
         ce = self.pipe.run(slot.chunks, fwd, bwd, self.sync.begin_pass, batch, last_pass, grad, self.tracer, wgt)
         return ce + self.layer_loss
 
@@ -255,21 +273,32 @@ class Engine:
         self.sync.share_params()
         t = tr.lap("param share", t)
         # the MoE layers' figures ride on the loss allreduce: one collective whatever the model
-        n = len(losses)
-        summed = self._losses(losses + self.moe.values(self.be.to_host))
-        losses, moe = summed[:n], self.moe.metrics(summed[n:])
+        n, mtp = len(losses), self._mtp_losses()
+        summed = self._losses(losses + mtp + self.moe.values(self.be.to_host))
+        losses, mtp, n = summed[:n], summed[n:n + len(mtp)], n + len(mtp)
+        moe = self.moe.metrics(summed[n:])
         if moe:         # an applied step (a skipped one returned above): the router biases follow its loads
             self.router_bias.update(self.moe.loads(summed[n:]))
         self.be.sync()
         tr.lap("loss sync", t)
         out = self._metrics(step, t0, losses, norms, lr_scale)
+        if mtp:         # the first model's, as `loss` is
+            out["mtp_loss"] = mtp[0]
         out.update(moe)
         return out
+
+    def _mtp_losses(self) -> list[float]:
+        """This rank's share of every model's multi-token prediction loss (the mean of its depths' unweighted
+        cross-entropies) in this step; [] without it."""
+        return [float(sum(float(v) for v in parts)) for parts in self._mtp] if self.mtp_depth else []
 
     def _passes(self, step: int) -> list[float]:
         """Forward and backward of the step's k passes of every model; this rank's loss shares."""
         tr, t = self.tracer, self.tracer.now()
         norms = [self.rows.norm("train", step, s.seed) for s in self.slots]     # the targets each model counts
+        ahead = [self.rows.ahead_norms("train", step, s.seed) for s in self.slots]
+        for parts in self._mtp:
+            parts.clear()
         batches = [self.rows.read("train", step, s.seed) for s in self.slots]
         tr.lap("data", t)
         self.sync.begin_step()
@@ -282,7 +311,7 @@ class Engine:
             for j in range(k):
                 for s, b in zip(self.slots, batches):
                     losses[s.index] += self.forward_backward(s, b.row_slice(j * rows, (j + 1) * rows), norms[s.index],
-                                                             last_pass=(j == k - 1))
+                                                             last_pass=(j == k - 1), ahead=ahead[s.index])
         return losses
 
     def _reduced_grads(self):
@@ -299,16 +328,14 @@ class Engine:
     def _update(self, g, norms, step: int) -> float:
         """The clipped optimizer step on the owned range of every model (on the float32 masters under amp);
         returns the schedule's factor."""
-        own = self.sync.owned
         p = self.sync.owned_params() if self.master is None else self.master
         # amp: the optimizer writes the compute copy (float16, float32 holding bf16 values, or packed their bits)
         # in its pass
         copy = self.sync.owned_params() if self.master is not None else None
         lr_scale = lr_at(step, self.unit_lr, self.cfg.train.steps)     # each model has its own peak lr
-        for s, opt in zip(self.slots, self.opts):
+        for (s, seg, at), opt in zip(self.segs, self.opts):
             if opt is not None:
-                r = own.intersect(s.range)
-                sl = slice(r.start - own.start, r.stop - own.start)
+                sl = slice(at, at + seg.size)
                 opt.step(p[sl], g[sl], s.lr * lr_scale, clip_coefficient(norms[s.index], self.cfg.optim.clip_grad_norm),
                          None if copy is None else copy[sl])
         self.post.apply(p, copy)
@@ -376,8 +403,12 @@ class Engine:
         facts (optimizer steps and state names, loss scaler, router biases, tensor shapes, degrees). The caller adds config and data.
         copy=False: the pieces view the live buffers (valid until `before_update` returns)."""
         c, d = self.mesh.coords, self.mesh.degrees
-        replica = {"dp": c["dp"], "ndp": d["dp"], "cp": c["cp"], "ncp": d["cp"], "ep": self.stage.layout.ep_size}
-        pieces = state.checkpoint_pieces(self.stage, self.sync, self.opts, self.master, replica, self.be,
+        ep, edp = self.stage.layout.ep_size, self.mesh.comms.get("ep-dp")
+        # the ranks holding the same expert block: its ep-dp replicas (dp ranks e, e + ep, ... under cp's)
+        experts = ((edp.rank, edp.size) if self.res.experts_whole else
+                   ((c["dp"] // ep) * d["cp"] + c["cp"], (d["dp"] // ep) * d["cp"]))
+        replica = {"dp": c["dp"], "ndp": d["dp"], "cp": c["cp"], "ncp": d["cp"], "experts": experts}
+        pieces = state.checkpoint_pieces(self.stage, self.sync, self.segs, self.opts, self.master, replica, self.be,
                                          frozenset(r.tensor for r in self.reductions if not r.counted), copy)
         meta = {"state": {**state.checkpoint_meta(self.opt_steps, self.scaler, len(self.slots)), **self.router_bias.meta()},
                 "shapes": self.true_shapes(), "layout": self.mesh.degrees, "world": self.mesh.size,
@@ -387,7 +418,7 @@ class Engine:
 
     def load(self, reader, params_only: bool = False) -> None:
         """This rank's part of a checkpoint (or of an export's parameters) into the engine."""
-        steps = state.load_state(self.stage, self.sync, self.opts, self.master, self.tp, self.be, reader, params_only)
+        steps = state.load_state(self.stage, self.sync, self.segs, self.opts, self.master, self.tp, self.be, reader, params_only)
         manifest = getattr(reader, "manifest", None)     # a checkpoint's; an export or a Hugging Face folder has none
         if manifest is not None:        # the router biases route as the parameters were trained to
             self.router_bias.load(manifest["state"])

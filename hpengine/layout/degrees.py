@@ -16,7 +16,7 @@ class TopologyError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Degrees:
     """Ranks along each mesh axis (tp, cp, sharding, dp, pp: every rank has one coordinate on each), the mesh
-    order (innermost first) and expert parallelism's degree, folded inside dp (no ranks of its own)."""
+    order (innermost first) and expert parallelism's degree, folded inside dp x sharding (no ranks of its own)."""
     tp: int = 1
     cp: int = 1
     sh: int = 1
@@ -45,9 +45,17 @@ class Degrees:
 
     @property
     def folds(self) -> dict:
-        """{folded axis: (degree, the axes it splits, the axes its replicas also span)}: ep inside dp, its
-        replicas across cp under context parallelism (topology.Mesh.fold)."""
-        return {"ep": (self.ep, ("dp",), ("cp",) if self.cp > 1 else ())} if self.ep > 1 else {}
+        """{folded axis: (degree, the axes it splits, the axes its replicas also span)}: ep inside dp when it
+        divides dp, else inside dp x sharding; its replicas across cp under context parallelism (topology.Mesh.fold)."""
+        if self.ep == 1:
+            return {}
+        return {"ep": (self.ep, ("dp", "sharding") if self.experts_whole else ("dp",), ("cp",) if self.cp > 1 else ())}
+
+    @property
+    def experts_whole(self) -> bool:
+        """Whether expert parallel spans sharding ranks (ep does not divide dp): a sharding group then holds
+        several expert blocks, so each rank keeps its own block whole (not sharded), summed over its replicas."""
+        return self.ep > 1 and self.dp % self.ep != 0
 
     @property
     def grad_axes(self) -> tuple:

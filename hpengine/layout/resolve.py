@@ -155,7 +155,8 @@ class Resolved:
 
 
 # the parts' names, read through on the layout: the planner's and the engine's arithmetic reads them by name
-READ_THROUGH = {"degrees": ("tp", "cp", "sh", "dp", "pp", "ep", "order", "world", "grad_axes", "replicas"),
+READ_THROUGH = {"degrees": ("tp", "cp", "sh", "dp", "pp", "ep", "order", "world", "grad_axes", "replicas",
+                            "experts_whole"),
                 "pipeline": ("m", "v", "schedule", "split", "scatter"),
                 "precision": ("amp", "bf16_storage", "bf16_grads"),
                 "batch": ("share", "k")}
@@ -232,12 +233,9 @@ def check(cfg, res: Resolved) -> None:
     if rc.enable and rc.every > mc.n_layers:
         raise LayoutError(f"strategy.recompute.every = {rc.every} is larger than the block count "
                           f"model.n_layers = {mc.n_layers}; use 1..{mc.n_layers}")
-    if cfg.optim.muon_qk_clip > 0 and res.cp > 1:    # a rank's queries meet the other cp ranks' keys in the ring only
-        raise LayoutError(f"optim.muon_qk_clip = {cfg.optim.muon_qk_clip} needs strategy.context_parallel.degree = 1 "
-                          f"(got {res.cp}): the largest logits are measured on keys a rank holds whole")
     _check_whole_tensors(cfg.optim.name, res)
     if res.ep > 1:
-        _check_expert_parallel(mc, res)
+        _check_expert_parallel(mc, res, cfg.optim.name)
     if res.cp > 1:
         _check_context_parallel(mc, res)
     tp = res.tp
@@ -279,21 +277,33 @@ def _check_whole_tensors(name: str, res: Resolved) -> None:
                           f"= {res.partition!r} cuts them: use partition = 'tensor'")
 
 
-def _check_expert_parallel(mc, res: Resolved) -> None:
-    """Expert parallel folds inside data parallel: a divisor of dp and of the experts. A sharding group holds
-    one ep rank's experts (its ranks share the dp coordinate), so sharding shards them as it shards the rest."""
+def expert_degrees(experts: int, dp: int, sh: int, optimizer: str) -> list[int]:
+    """The legal expert-parallel degrees (the planner searches these): divisors of dp x sharding that divide the
+    experts; one that does not divide dp spans sharding ranks, which an optimizer of whole tensors does not support."""
+    whole_ok = optimizer_kind(optimizer).sees != TENSORS
+    return [e for e in range(1, dp * sh + 1) if dp * sh % e == 0 and experts % e == 0 and (dp % e == 0 or whole_ok)]
+
+
+def _check_expert_parallel(mc, res: Resolved, optimizer: str) -> None:
+    """Expert parallel folds inside dp x sharding: a divisor of dp x sharding and of the experts. When it divides
+    dp a sharding group holds one ep rank's experts and shards them as it shards the rest; otherwise each rank
+    keeps its expert block whole, summed over the ranks that hold the same experts (Degrees.experts_whole)."""
     experts = capabilities(mc).experts
     if not experts:
         raise LayoutError(f"strategy.expert_parallel.degree = {res.ep} needs a model with routed experts "
-                          "(model.kind = 'llama' and model.moe.num_experts > 0)")
+                          "(model.kind = 'llama' or 'deepseek' and model.moe.num_experts > 0)")
     if experts % res.ep:
         raise LayoutError(f"strategy.expert_parallel.degree = {res.ep} must divide model.moe.num_experts = "
                           f"{experts}; valid: {[d for d in range(1, experts + 1) if experts % d == 0]}")
-    if res.dp % res.ep:
-        raise LayoutError(f"strategy.expert_parallel.degree = {res.ep} must divide the data-parallel degree "
-                          f"{res.dp} (experts are split inside the data-parallel ranks; no extra ranks"
-                          f"{'; a sharding group shares one expert block' if res.sh > 1 else ''}); valid: "
-                          f"{[d for d in range(1, res.dp + 1) if res.dp % d == 0]}")
+    n = res.dp * res.sh
+    if n % res.ep:
+        raise LayoutError(f"strategy.expert_parallel.degree = {res.ep} must divide data_parallel x sharding = "
+                          f"{res.dp} x {res.sh} = {n} (experts are split inside those ranks; no extra ranks); valid: "
+                          f"{expert_degrees(experts, res.dp, res.sh, optimizer)}")
+    if res.experts_whole and optimizer_kind(optimizer).sees == TENSORS:
+        raise LayoutError(f"optim.name = {optimizer!r} with strategy.expert_parallel.degree = {res.ep} across "
+                          f"sharding ranks (it does not divide data_parallel.degree = {res.dp}) is not supported; "
+                          f"use optim.name = 'adamw' or an ep degree that divides {res.dp}")
 
 
 def _check_context_parallel(mc, res: Resolved) -> None:

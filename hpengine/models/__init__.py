@@ -1,13 +1,14 @@
-"""Models: one file per kind (gpt, llama, mlp) declaring its parameter specs and blocks, with layer pairs
+"""Models: one file per kind (gpt, llama, deepseek, mlp) declaring its parameter specs and blocks, with layer pairs
 built from nn/; common.py holds what the kinds share. They never import MPI: parallelism reaches them only
 through the parallel context they are handed (context.py); what a kind declares is interface.py. Exports: the
-kind registry (KINDS, kind_of, hf_kinds), build_model, capabilities, the protocols, GPT, Llama, MLP, the one-rank
+kind registry (KINDS, kind_of, hf_kinds), build_model, capabilities, the protocols, GPT, Llama, DeepSeek, MLP, the one-rank
 context LOCAL, its Context type and its tp part LocalTP."""
 from dataclasses import dataclass
 from types import ModuleType
 
 from hpengine.models import hf_gpt, hf_llama
 from hpengine.models.context import LOCAL, Context, LocalTP
+from hpengine.models.deepseek import DeepSeek
 from hpengine.models.gpt import GPT
 from hpengine.models.interface import Capabilities, Decoding, Model, Numerics, PlannerFacts
 from hpengine.models.llama import Llama
@@ -23,7 +24,7 @@ class Kind:
     hf: ModuleType | None = None
 
 
-KINDS = {"gpt": Kind(GPT, hf_gpt), "llama": Kind(Llama, hf_llama), "mlp": Kind(MLP)}
+KINDS = {"gpt": Kind(GPT, hf_gpt), "llama": Kind(Llama, hf_llama), "deepseek": Kind(DeepSeek), "mlp": Kind(MLP)}
 
 
 def kind_of(name: str) -> Kind:
@@ -52,5 +53,5 @@ def build_model(mcfg, tp_size: int = 1):
     return kind_of(mcfg.kind).model(mcfg, tp_size)
 
 
-__all__ = ["GPT", "KINDS", "Kind", "LOCAL", "Capabilities", "Context", "Decoding", "Llama", "LocalTP", "MLP", "Model",
+__all__ = ["DeepSeek", "GPT", "KINDS", "Kind", "LOCAL", "Capabilities", "Context", "Decoding", "Llama", "LocalTP", "MLP", "Model",
            "Numerics", "PlannerFacts", "build_model", "capabilities", "hf_kinds", "hf_refused", "kind_of"]

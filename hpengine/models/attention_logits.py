@@ -4,6 +4,7 @@ query and key weights sit in the layer's tensors (QKColumns, which the model dec
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +30,6 @@ class QKColumns:
 class AttentionLogits(LocalLogits):
     """The largest logit of every (layer, query head) this rank's forwards saw since reset(), kept on the device
     (read once a step); table() gives them by global head (this tp rank holds heads first .. first + local)."""
-    on = True
 
     def __init__(self, xp, n_layers: int, heads: int, tp_rank: int = 0, tp_size: int = 1):
         self.xp, self.shape = xp, (n_layers, heads)
@@ -39,6 +39,9 @@ class AttentionLogits(LocalLogits):
 
     def reset(self) -> None:
         self.seen = {}
+
+    def sink(self, layer: int):
+        return functools.partial(self.record, layer)
 
     def record(self, layer: int, maxima) -> None:
         prev = self.seen.get(layer)

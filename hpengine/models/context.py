@@ -1,15 +1,18 @@
 """The parallel context a model's blocks are handed: one named part per kind of communication. `tp` the
 tensor-parallel conjugate pairs and loss, `seq` this rank's piece of each sequence, `attn` the keys and values an
 attention sees, `ep` tokens sent to experts, `logits` where MuonClip's largest logits go; `num` the precision policy;
-`docs` the micro-batch's packed documents. LOCAL is one rank's without bf16 amp, every part the identity.
+`docs` the micro-batch's packed documents; `ahead` its multi-token prediction targets. LOCAL: every part the identity.
 """
 from __future__ import annotations
 
+import copy
+import math
 from dataclasses import dataclass, replace
 
 from hpengine.nn import OFF, Numerics, cross_entropy_backward, cross_entropy_forward
+from hpengine.nn.logit_max import causal_max_logits, fused_max_logits
 
-__all__ = ["LOCAL", "Context", "Documents", "LocalAttn", "LocalEP", "LocalLogits", "LocalSeq", "LocalTP",
+__all__ = ["LOCAL", "Ahead", "Context", "Documents", "LocalAttn", "LocalEP", "LocalLogits", "LocalSeq", "LocalTP",
            "local_context", "with_documents"]
 
 
@@ -78,9 +81,13 @@ class LocalAttn:
     its own core pair to the call; the local part just runs it.
 
     kv_forward / kv_backward: a hook on the keys and values a core reads (in its layout; a fused-qkv core hands
-    its qkv as k and None as v), the identity here."""
+    its qkv as k and None as v), the identity here.
+
+    logits (the forwards' last argument): None, or where the heads' largest visible logits of this call go
+    (MuonClip, a callable taking (H,)); here measured from the q and k the core is handed (nn/logit_max.py)."""
     size = 1
     local_core = True       # the model's own core runs (on bfloat16 bits where it may); False: a driver replaces it
+    segments = None         # (B, T) device document ids of a micro-batch that packs documents, else None
 
     def rows(self, table):
         """The rows of a per-position table (rotary cos or sin, (T, n)) for the positions this rank's
@@ -92,27 +99,35 @@ class LocalAttn:
         sequences: here the rank holds them whole."""
         return x
 
-    def grouped_forward(self, xp, core, q, k, v, scale=None):
+    def grouped_forward(self, xp, core, q, k, v, scale=None, logits=None):
         # q: (B, H, T, hd), k, v: (B, K, T, hd) -> y: (B, T, H*hd), cache. core(xp, q, k, v) -> (y, cache) is the
         # model's local core; scale: the scores' factor (None: 1/sqrt(hd); 1.0 for a q already scaled)
+        if logits is not None:
+            sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            logits(causal_max_logits(xp, q if sc == 1.0 else q * sc, k, self.segments))
         return core(xp, q, k, v)
 
     def grouped_backward(self, xp, core_backward, dy, cache):
         # dy: (B, T, H*hd) -> dq: (B, H, T, hd), dk, dv: (B, K, T, hd)
         return core_backward(xp, dy, cache)
 
-    def fused_forward(self, xp, core, qkv, n_heads):
+    def fused_forward(self, xp, core, qkv, n_heads, logits=None):
         # qkv: (B, T, H*3*hd) head-major ([h][q, k, v][d] columns) -> y: (B, T, H*hd), cache; scale 1/sqrt(hd)
+        if logits is not None:
+            logits(fused_max_logits(xp, qkv, n_heads, self.segments))
         return core(xp, qkv, n_heads)
 
     def fused_backward(self, xp, core_backward, dy, cache):
         # dy: (B, T, H*hd) -> dqkv: (B, T, H*3*hd) head-major
         return core_backward(xp, dy, cache)
 
-    def for_documents(self, segments):
-        """This part for a micro-batch that packs documents (segments (B, T) device ints): the local cores take
-        them from ctx.docs themselves."""
-        return self
+    def for_documents(self, segments, positions=None):
+        """This part for a micro-batch that packs documents (segments, positions within documents, (B, T)
+        device ints or None): the local cores take them from ctx.docs themselves; the largest logits are measured
+        within each document."""
+        part = copy.copy(self)
+        part.segments = segments
+        return part
 
     def kv_forward(self, k, v):
         # k, v: this rank's keys and values -> the keys and values its queries attend to
@@ -149,11 +164,14 @@ class LocalEP:
 
 class LocalLogits:
     """Where an attention layer reports its heads' largest logits: nowhere (models/attention_logits.py collects
-    them while MuonClip is on). A layer measures only when `on`, so the off path computes nothing."""
-    on = False
+    them while MuonClip is on). Its sink is None, so the off path measures nothing."""
 
     def record(self, layer: int, maxima) -> None:
         """maxima: (this rank's query heads,) the largest logit of layer `layer`'s heads in one forward."""
+
+    def sink(self, layer: int):
+        """What layer `layer` hands its attention call as `logits` in a training forward: None, nothing measured."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -164,6 +182,18 @@ class Documents:
     segments: object = None
     positions: object = None
     loss_mask: object = None
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """What multi-token prediction's losses read in a training pass (models/mtp.py): ids, (B, T, depth) device ints,
+    data.Batch.ahead (the target of depth k in column k - 1, -1 where none counts); norms, each depth's loss divisor
+    over the global batch; scale, the amp loss scale (1 without); record(loss), where the mean of the depths'
+    losses goes for the metrics (None: nowhere)."""
+    ids: object
+    norms: tuple
+    scale: float = 1.0
+    record: object = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +208,7 @@ class Context:
     num: Numerics = OFF
     logits: LocalLogits = LocalLogits()
     docs: Documents | None = None
+    ahead: Ahead | None = None
 
 
 LOCAL = Context(LocalTP(), LocalSeq(), LocalAttn(), LocalEP())
@@ -187,7 +218,7 @@ def with_documents(ctx: Context, batch) -> Context:
     """ctx handing the layers a data.Batch's documents; ctx itself when the batch holds only their defaults."""
     if batch.defaults_only():
         return ctx
-    attn = ctx.attn if batch.segments is None else ctx.attn.for_documents(batch.segments)
+    attn = ctx.attn if batch.segments is None else ctx.attn.for_documents(batch.segments, batch.positions)
     return replace(ctx, docs=Documents(batch.segments, batch.positions, batch.loss_mask), attn=attn)
 
 

@@ -49,7 +49,6 @@ from hpengine.nn import (
     score_elements,
     weight_grad,
 )
-from hpengine.nn.logit_max import fused_max_logits
 from hpengine.nn.ring_attention import context_cache_bytes
 from hpengine.nn.flash import (
     flash_attention_backward,
@@ -201,9 +200,8 @@ class GPT:
         h, c_ln1 = layernorm_forward(xp, x, P[f"{p}.ln1.w"], P[f"{p}.ln1.b"], num=ctx.num)
         qkv, c_qkv = column_forward(xp, ctx, h, P[f"{p}.attn.qkv.w"], P[f"{p}.attn.qkv.b"], self._attention_num(ctx))
         qkv, _ = ctx.attn.kv_forward(qkv, None)          # the fused core reads its keys and values from qkv
-        if ctx.logits.on and loss is not None:          # MuonClip: the training forwards' largest logits
-            ctx.logits.record(i, fused_max_logits(xp, qkv, self.H // ctx.tp.size))
-        a, c_att = ctx.attn.fused_forward(xp, self._cores(ctx, keep_scores)[0], qkv, self.H // ctx.tp.size)
+        sink = None if loss is None else ctx.logits.sink(i)     # MuonClip: the training forwards' largest logits
+        a, c_att = ctx.attn.fused_forward(xp, self._cores(ctx, keep_scores)[0], qkv, self.H // ctx.tp.size, sink)
         o, c_proj = row_forward(xp, ctx, a, P[f"{p}.attn.proj.w"], P[f"{p}.attn.proj.b"])
         o += x                  # o is ours: the residual sum needs no new array
         x1 = o

@@ -38,6 +38,8 @@ def export_refusal(mcfg) -> str:
     if mcfg.moe.num_experts and mcfg.moe.bias_update_rate > 0:      # its router biases change the chosen experts
         return f"{arch_of(mcfg)} has no router selection bias: needs model.moe.bias_update_rate = 0"
     arch = arch_of(mcfg)
+    if mcfg.mtp.depth:      # no transformers llama-family class holds multi-token prediction modules
+        return f"{arch} has no multi-token prediction modules: needs model.mtp.depth = 0"
     return mixtral_refusal(mcfg) if arch == MOE_ARCH else qwen3_moe_refusal(mcfg) if arch == QWEN3_MOE_ARCH else ""
 
 
@@ -52,14 +54,20 @@ def mixtral_refusal(mcfg) -> str:
     return _needs(MOE_ARCH, (("model.moe.dense_layers = 0 (Mixtral routes every layer)", e.dense_layers == 0),
                              ("model.moe.shared_hidden = 0 (no shared expert)", e.shared_hidden == 0),
                              ("model.moe.router = 'softmax'", e.router == "softmax"),
-                             ("model.moe.norm_topk = true", e.norm_topk)))
+                             ("model.moe.norm_topk = true", e.norm_topk), *_ungrouped(e)))
 
 
 def qwen3_moe_refusal(mcfg) -> str:
     """Why an MoE config with q/k norms is no Qwen3MoeForCausalLM ("" when it is one)."""
     e = mcfg.moe
     return _needs(QWEN3_MOE_ARCH, (("model.moe.shared_hidden = 0 (no shared expert)", e.shared_hidden == 0),
-                                   ("model.moe.router = 'softmax'", e.router == "softmax")))
+                                   ("model.moe.router = 'softmax'", e.router == "softmax"), *_ungrouped(e)))
+
+
+def _ungrouped(e):
+    # group-limited routing and a routed scaling are DeepSeek-V3's: Mixtral and Qwen3-MoE have neither
+    return (("model.moe.topk_groups = model.moe.n_groups (no group-limited routing)", e.topk_groups == e.n_groups),
+            ("model.moe.routed_scaling = 1", e.routed_scaling == 1.0))
 
 
 def _routed(mcfg, i: int) -> bool:

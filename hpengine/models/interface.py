@@ -19,6 +19,7 @@ class Capabilities:
     experts: int = 0            # routed experts per MoE layer (0: dense)
     capacity_factor: float = 0.0    # an expert's capacity over its even share (0: dropless)
     top_k: int = 0              # experts each token is routed to
+    mtp_depth: int = 0          # multi-token prediction modules after the head (their targets ride on the batch)
 
 
 @runtime_checkable

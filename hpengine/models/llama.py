@@ -25,6 +25,7 @@ from hpengine.models.context import LOCAL
 from hpengine.models.decode import KVCache, output_logits
 from hpengine.models.interface import Capabilities
 from hpengine.models.moe_mlp import MoEMLP
+from hpengine.models.mtp import MTP
 from hpengine.models.tp_layers import (
     columns_backward,
     columns_forward,
@@ -32,6 +33,7 @@ from hpengine.models.tp_layers import (
     row_forward,
 )
 from hpengine.nn import (
+    embedding_cache_bytes,
     gqa_attention_backward,
     gqa_attention_forward,
     gqa_cache_elements,
@@ -52,7 +54,6 @@ from hpengine.nn import (
     swiglu_forward,
     swiglu_recompute,
 )
-from hpengine.nn.logit_max import causal_max_logits
 from hpengine.nn.ring_attention import context_cache_bytes
 from hpengine.nn.flash import flash_cache_bytes, flash_gqa_backward, flash_gqa_forward
 from hpengine.params.buffers import ParamSpec
@@ -76,7 +77,7 @@ class Llama:
         return Capabilities(attention=True, qk_width=w, v_width=w, kv_heads=mcfg.n_kv_heads or mcfg.n_heads,
                             experts=e.num_experts,
                             capacity_factor=e.capacity_factor if e.num_experts else 0.0,
-                            top_k=e.top_k if e.num_experts else 0)
+                            top_k=e.top_k if e.num_experts else 0, mtp_depth=mcfg.mtp.depth)
 
     def __init__(self, mcfg, tp_size: int = 1):
         self.cfg = mcfg
@@ -90,12 +91,13 @@ class Llama:
         self.flash = getattr(mcfg, "attention", "standard") == "flash"
         self.qk = bool(getattr(mcfg, "qk_norm", False))
         self.moe = MoEMLP(mcfg, self.F) if mcfg.moe.num_experts else None
+        self.mtp = MTP(self, mcfg) if mcfg.mtp.depth else None
 
     def _routed(self, i: int) -> bool:
         return self.moe is not None and self.moe.routed(i)
 
     def blocks(self) -> list[Block]:
-        return standard_blocks(self.L, self.tied)
+        return standard_blocks(self.L, self.tied or self.mtp is not None)    # MTP embeds with the head
 
     def tp_divides(self, tp: int) -> str:
         """What a tensor-parallel degree must divide ("" when it does)."""
@@ -140,6 +142,7 @@ class Llama:
         bits = n * (2 * C // parts + 3 * self.F // tp) + a_bits
         out = {"layer": layer, "scores": scores, "w_layer": w, "bits_w_layer": bits, **end_cache_bytes(self.cfg, rows, tp, item, amp, share,
                                                  rmsnorm_cache_bytes(ns, C, item), parts, cp)}
+        moe = w_moe = None
         if self.moe is not None:     # an MoE layer: the attention's part, then the router's and experts'
             moe = (2 * rmsnorm_cache_bytes(ns, C, item) + ns * C * item + att + self.moe.cache_bytes(n, C, item, tp))
             w_moe = n * (C + C // parts + heads // tp) * item    # the attention's W stash
@@ -147,7 +150,20 @@ class Llama:
                 if self.moe.routed(i):
                     out[f"layer.{i}"], out[f"w_layer.{i}"] = moe, w_moe
                     out[f"bits_w_layer.{i}"] = n * C // parts + a_bits    # h, a, dq, dk (the router reads h2 in float32)
+        self._mtp_cache_bytes(out, n, ns, item, moe or layer, w_moe or w)
         return out
+
+    def _mtp_cache_bytes(self, out: dict, n: int, ns: int, item: int, block: int, w_block: int) -> None:
+        """Adds the multi-token prediction modules' bytes to the head's (in out): each module its embedding's,
+        three norms', the projection's input (2C), its block's (`block`; `w_block` its W stash; an MoE one for an
+        MoE model) and its own loss's. n tokens, ns of them this rank's piece (sequence parallelism)."""
+        if self.mtp is None:
+            return
+        C, D = self.C, self.mtp.D
+        one = (embedding_cache_bytes(n) + 3 * rmsnorm_cache_bytes(ns, C, item) + 2 * ns * C * item
+               + block + out["head"] - rmsnorm_cache_bytes(ns, C, item))
+        out["head"] += D * one
+        out["w_head"] += D * (w_block + out["w_head"] + 2 * ns * C * item)
 
     # the tensors only linear layers read (packed bf16 storage hands them to the GEMMs as bits: gemm_weight); not
     # the router's (its logits are float32) nor the routed experts' (grouped products of their own)
@@ -168,7 +184,7 @@ class Llama:
         return 4 * tokens * self.T * self.hd * self.H // tp
 
     def specs(self, block: str) -> list[ParamSpec]:
-        C, std, hd = self.C, self.std, self.hd
+        C, std = self.C, self.std
         if block == "embed":
             return embed_specs(self.V, C, self.Vp)
         if block == "head":
@@ -176,18 +192,29 @@ class Llama:
             if not self.tied:
                 out.append(ParamSpec("lm_head.w", (C, self.Vp), tp_dim=1, std=std, block="head",
                                      true_shape=(C, self.V) if self.Vp != self.V else None))
-            return out
-        p, out_std = block, std / math.sqrt(2 * self.L)   # residual projections scaled down, as GPT-2 does
+            return out + (self.mtp.specs() if self.mtp is not None else [])
+        return self.block_specs(block, self._routed(int(block.split(".")[1])))
+
+    def block_specs(self, p: str, routed: bool) -> list[ParamSpec]:
+        """The tensors of one transformer block named p (a layer "h.{i}", or a multi-token prediction module's);
+        routed: an MoE block (else the dense MLP)."""
+        C, std = self.C, self.std
+        out_std = std / math.sqrt(2 * self.L)   # residual projections scaled down, as GPT-2 does
         mlp = ([ParamSpec(f"{p}.mlp.gate.w", (C, self.F), tp_dim=1, std=std, block=p),
                 ParamSpec(f"{p}.mlp.up.w", (C, self.F), tp_dim=1, std=std, block=p),
                 ParamSpec(f"{p}.mlp.down.w", (self.F, C), tp_dim=0, std=out_std, block=p)]
-               if not self._routed(int(p.split(".")[1])) else self.moe.specs(p, C, std, out_std))
-        return [ParamSpec(f"{p}.attn_norm.w", (C,), decay=False, init="ones", block=p),
-                ParamSpec(f"{p}.attn.q.w", (C, self.H * hd), tp_dim=1, std=std, block=p),
+               if not routed else self.moe.specs(p, C, std, out_std))
+        return [ParamSpec(f"{p}.attn_norm.w", (C,), decay=False, init="ones", block=p)] + \
+            self._attention_specs(p, std, out_std) + [
+                ParamSpec(f"{p}.mlp_norm.w", (C,), decay=False, init="ones", block=p)] + mlp
+
+    def _attention_specs(self, p: str, std: float, out_std: float) -> list[ParamSpec]:
+        """Block p's attention weights: q, k, v, o and the q/k norms' (qk_norm)."""
+        C, hd = self.C, self.hd
+        return [ParamSpec(f"{p}.attn.q.w", (C, self.H * hd), tp_dim=1, std=std, block=p),
                 ParamSpec(f"{p}.attn.k.w", (C, self.K * hd), tp_dim=1, std=std, block=p),
                 ParamSpec(f"{p}.attn.v.w", (C, self.K * hd), tp_dim=1, std=std, block=p),
-                ParamSpec(f"{p}.attn.o.w", (self.H * hd, C), tp_dim=0, std=out_std, block=p)] + self._qk_specs(p) + [
-                ParamSpec(f"{p}.mlp_norm.w", (C,), decay=False, init="ones", block=p)] + mlp
+                ParamSpec(f"{p}.attn.o.w", (self.H * hd, C), tp_dim=0, std=out_std, block=p)] + self._qk_specs(p)
 
     def _qk_specs(self, p: str) -> list[ParamSpec]:
         """The q and k norms' weights (qk_norm): one (head_dim,) weight each, shared by all heads."""
@@ -220,7 +247,20 @@ class Llama:
         # keep_scores=False (selective recompute): the cache drops the attention probabilities, which
         # layer_backward rebuilds; flash attention keeps none anyway. loss: (norm, loss scale) of a training
         # pass, which an MoE layer's balancing losses need (models/moe_mlp.py); None when only inferring
-        p, (B, T) = f"h.{i}", (x.shape[0], x.shape[1] * ctx.seq.parts)   # T: the whole sequence
+        sink = None if loss is None else ctx.logits.sink(i)     # MuonClip: the training forwards' largest logits
+        return self.block_forward(xp, P, f"h.{i}", self._routed(i), x, ctx, keep_scores, loss, sink)
+
+    def block_forward(self, xp, P, p, routed, x, ctx, keep_scores=True, loss=None, sink=None):
+        # x: (B, T, C) -> (B, T, C): the block named p (routed: MoE); sink: where its largest logits go (None: nowhere)
+        o, c_a = self._attention_forward(xp, P, p, x, ctx, keep_scores, sink)
+        return self._mlp_forward(xp, P, p, routed, o, ctx, loss, c_a)
+
+    # the attention's part of a block's cache: its first ATTENTION_CACHE entries (the MLP's follow)
+    ATTENTION_CACHE = 5
+
+    def _attention_forward(self, xp, P, p, x, ctx, keep_scores, sink):
+        # x: (B, T, C) -> x + attention(rmsnorm(x)) (a new array), the attention's cache entries
+        B, T = x.shape[0], x.shape[1] * ctx.seq.parts   # T: the whole sequence
         H, K, hd = P[f"{p}.attn.q.w"].shape[1] // self.hd, P[f"{p}.attn.k.w"].shape[1] // self.hd, self.hd
         cos, sin, qcos, qsin = self._tables_at(xp, x.dtype, ctx)
         hs, c_n1 = rmsnorm_forward(xp, x, P[f"{p}.attn_norm.w"], self.eps, num=ctx.num)
@@ -234,26 +274,29 @@ class Llama:
         q, k, c_qk = self._qk_forward(xp, P, p, q.reshape(B, T, H, hd), k.reshape(B, T, K, hd))
         q = rope_forward(xp, q, qcos, qsin, att)
         k = rope_forward(xp, k, cos, sin, att)
-        if ctx.logits.on and loss is not None:          # MuonClip: the training forwards' largest logits
-            ctx.logits.record(i, causal_max_logits(xp, q, k))
         k, v = ctx.attn.kv_forward(k, v.reshape(B, T, K, hd).transpose(0, 2, 1, 3))
-        a, c_att = ctx.attn.grouped_forward(xp, self._cores(ctx, keep_scores)[0], q, k, v, scale=1.0)  # q is scaled
+        a, c_att = ctx.attn.grouped_forward(xp, self._cores(ctx, keep_scores)[0], q, k, v, scale=1.0,  # q is scaled
+                                            logits=sink)
         o, c_o = row_forward(xp, ctx, a, P[f"{p}.attn.o.w"])
         o += x                  # o is ours: the residual sum needs no new array
-        routed = self._routed(i)       # the router's logits are no bf16 GEMM: it reads float32
+        return o, (c_n1, c_qkv, c_qk, c_att, c_o)
+
+    def _mlp_forward(self, xp, P, p, routed, o, ctx, loss, c_a):
+        # o: (B, T, C), the attention's output with its residual -> o + mlp(rmsnorm(o)) (in place), the block's cache
+        # the router's logits are no bf16 GEMM: it reads float32
         h2s, c_n2 = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps,
                                     num=ctx.num.float32_out if routed else ctx.num)
         if routed:
             d, c_moe = self.moe.forward(xp, P, p, h2s, ctx, loss)
             o += d
-            return o, (c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_moe)
+            return o, c_a + (c_n2, c_moe)
         (g, u), c_gu = columns_forward(xp, ctx, h2s, (P[f"{p}.mlp.gate.w"], P[f"{p}.mlp.up.w"]), nums=(ctx.num,) * 2)
         del h2s
         m, c_sw = swiglu_forward(xp, g, u, ctx.num)
         d, c_d = row_forward(xp, ctx, m, P[f"{p}.mlp.down.w"])
         del m
         o += d
-        return o, (c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_gu, c_sw, linear_drop_input(c_d))
+        return o, c_a + (c_n2, c_gu, c_sw, linear_drop_input(c_d))
 
     def _attention_num(self, ctx):
         """The policy of the attention's inputs: bfloat16 (bits when packed) under bf16 amp for the grouped or
@@ -297,14 +340,21 @@ class Llama:
     def layer_backward(self, xp, dy, cache, P, G, i, ctx, defer=None):
         # dy: (B, T, C) -> dx: (B, T, C); defer: a list for the weight-gradient products (nn/deferred.py),
         # which read dy and the gradients below as made here: none of them is written after it is made
-        p = f"h.{i}"
-        cos, sin, qcos, qsin = self._tables_at(xp, dy.dtype, ctx)
-        if self._routed(i):     # the routed experts run whole in B (their weight gradients are not deferred)
-            c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_moe = cache
+        return self.block_backward(xp, dy, cache, P, G, f"h.{i}", self._routed(i), ctx, defer)
+
+    def block_backward(self, xp, dy, cache, P, G, p, routed, ctx, defer=None):
+        # dy: (B, T, C) -> dx: (B, T, C), the backward of block_forward
+        n = self.ATTENTION_CACHE
+        dx = self._mlp_backward(xp, dy, cache[n:], P, G, p, routed, ctx, defer)
+        return self._attention_backward(xp, dx, cache[:n], P, G, p, ctx, defer)
+
+    def _mlp_backward(self, xp, dy, cache, P, G, p, routed, ctx, defer):
+        # dy: (B, T, C) -> the gradient of the MLP's residual input o (a new array)
+        if routed:     # the routed experts run whole in B (their weight gradients are not deferred)
+            c_n2, c_moe = cache
             dh2 = self.moe.backward(xp, dy, c_moe, P, G, p, ctx)
         else:
-            c_n1, c_qkv, c_qk, c_att, c_o, c_n2, c_gu, c_sw, c_d = cache
-            # MLP branch
+            c_n2, c_gu, c_sw, c_d = cache
             c_d = linear_restore_input(c_d, swiglu_recompute(xp, c_sw, ctx.num))
             dm = row_backward(xp, ctx, dy, c_d, P[f"{p}.mlp.down.w"], G[f"{p}.mlp.down.w"], defer=defer)
             del c_d
@@ -313,7 +363,12 @@ class Llama:
                                    (G[f"{p}.mlp.gate.w"], G[f"{p}.mlp.up.w"]), defer=defer)
         dx = rmsnorm_backward(xp, dh2, c_n2, P[f"{p}.mlp_norm.w"], G[f"{p}.mlp_norm.w"])
         dx += dy
-        # attention branch
+        return dx
+
+    def _attention_backward(self, xp, dx, cache, P, G, p, ctx, defer):
+        # dx: (B, T, C), the gradient of the attention's residual output -> that of the block's input x
+        cos, sin, qcos, qsin = self._tables_at(xp, dx.dtype, ctx)
+        c_n1, c_qkv, c_qk, c_att, c_o = cache
         da = row_backward(xp, ctx, dx, c_o, P[f"{p}.attn.o.w"], G[f"{p}.attn.o.w"], defer=defer)
         dq, dk, dv = ctx.attn.grouped_backward(xp, self._cores(ctx)[1], da, c_att)
         dk, dv = ctx.attn.kv_backward(dk, dv)
@@ -336,19 +391,32 @@ class Llama:
 
     def layer_stats(self, i, cache):
         """The MoE statistics of layer i's forward (models/moe_mlp.MoEStats), None for a dense layer."""
-        return cache[-1][-1] if self._routed(i) else None
+        return self.block_stats(cache, self._routed(i))
+
+    def block_stats(self, cache, routed: bool):
+        """The MoE statistics in a block_forward cache (routed: an MoE block), None for a dense block."""
+        return cache[-1][-1] if routed else None
 
     def head_forward(self, xp, P, x, targets, norm, ctx):
         # x: (B, T, C) -> loss
+        # multi-token prediction (a training pass with ctx.ahead) adds its weighted loss, read from x as well
         h, c_n = rmsnorm_forward(xp, x, P["norm.w"], self.eps, num=ctx.num)
         loss, c = logits_loss_forward(xp, P, h, targets, norm, ctx, self.tied)
-        return loss, (c_n, c)
+        c_m = None
+        if self.mtp is not None and ctx.ahead is not None:
+            extra, c_m = self.mtp.forward(xp, P, x, targets, norm, ctx)
+            loss = loss + extra
+        return loss, (c_n, c, c_m)
 
     def head_backward(self, xp, cache, G, ctx, P, dloss=1.0, defer=None):
         # -> dx: (B, T, C)
-        c_n, c = cache
+        c_n, c, c_m = cache
+        dmtp = None if c_m is None else self.mtp.backward(xp, c_m, P, G, ctx, dloss, defer)
         dh = logits_loss_backward(xp, c, G, ctx, self.tied, P, dloss, defer)
-        return rmsnorm_backward(xp, dh, c_n, P["norm.w"], G["norm.w"])
+        dx = rmsnorm_backward(xp, dh, c_n, P["norm.w"], G["norm.w"])
+        if dmtp is not None:
+            dx += dmtp
+        return dx
 
     # --- incremental decoding (models/decode.py) ------------------------------------------------
     def decode_cache(self, xp, dtype):
@@ -373,6 +441,11 @@ class Llama:
         a = a.reshape(H, n, hd).transpose(1, 0, 2).reshape(1, n, H * hd)
         o, _ = linear_forward(xp, xp.ascontiguousarray(a), P[f"{p}.attn.o.w"])
         o += x
+        return self._decode_mlp(xp, P, i, o)
+
+    def _decode_mlp(self, xp, P, i, o):
+        # o: (1, n, C), the attention's output with its residual -> o + mlp(rmsnorm(o))
+        p = f"h.{i}"
         h2, _ = rmsnorm_forward(xp, o, P[f"{p}.mlp_norm.w"], self.eps)
         if self._routed(i):
             return o + self.moe.forward(xp, P, p, h2, LOCAL, None)[0]

@@ -1,6 +1,7 @@
-"""The routed-experts MLP of a llama-kind MoE layer (Mixtral, Qwen3-MoE): a router to num_experts logits, each
-token's top_k SwiGLU experts weighted by their gates (nn/moe.py), and optionally one always-on shared SwiGLU
-expert added to the routed sum. Layers before moe.dense_layers keep the dense MLP.
+"""The routed-experts MLP of a llama-kind MoE layer (Mixtral, Qwen3-MoE, DeepSeek-V3): a router to num_experts
+logits, each token's top_k SwiGLU experts (within its best groups, when grouped) weighted by their gates
+(nn/moe.py), and optionally one always-on shared SwiGLU expert added to the routed sum. Layers before
+moe.dense_layers keep the dense MLP.
 """
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ class MoEMLP:
         norm = loss[0] if loss else 1.0
         idx, gates, (aux, z), load, c_r = router_forward(xp, h2, P[f"{p}.moe.router.w"], self.k, T, norm,
                                                           e.router, e.norm_topk,
-                                                          None if self.bias is None else self.bias[p], _seq_sum(ctx))
+                                                          None if self.bias is None else self.bias.get(p), _seq_sum(ctx),
+                                                          e.n_groups, e.topk_groups, e.routed_scaling)
         dropping, dropped = bool(self.capacity and loss), 0
         if dropping:        # a dropped slot: idx -1, gate 0; its row is never dispatched
             idx, gates = moe_capacity(xp, idx, gates, T, self.E, self.capacity)

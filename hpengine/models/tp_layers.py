@@ -170,12 +170,14 @@ def _vocab_embed_weight(xp, ctx, dx, cache, gw):
     embedding_backward(xp, ctx.tp.reduce_from_tp_backward(dx), cache, gw)
 
 
-def vocab_loss_forward(xp, ctx, h, w, targets, norm):
-    # h: (B, T_local, C), w: (C, V / tp), targets: (B, T) -> loss (this rank's share of the global mean)
+def vocab_loss_forward(xp, ctx, h, w, targets, norm, mask=None):
+    # h: (B, T_local, C), w: (C, V / tp), targets: (B, T) -> loss (this rank's share of the global mean); mask:
+    # (B, T), 0 where a target does not count (None: the packed documents' loss mask, if any)
     logits, c_lin = column_forward(xp, ctx, h, w)
     if logits.dtype.itemsize < 4:      # amp: the softmax and loss in float32, as Megatron does
         logits = logits.astype(xp.float32)
-    mask = None if ctx.docs is None else ctx.docs.loss_mask      # packed documents: no loss across a boundary
+    if mask is None:       # packed documents: no loss across a boundary
+        mask = None if ctx.docs is None else ctx.docs.loss_mask
     loss, c_ce = ctx.tp.cross_entropy_forward(xp, logits, targets, norm, mask)
     return loss, (c_lin, c_ce)
 

@@ -1,7 +1,7 @@
-"""The head-tail load-balanced split of a sequence over cp context-parallel ranks: T tokens are cut into
-2 cp chunks of T / (2 cp) and rank r holds chunks r and 2 cp - 1 - r (PyTorch's _HeadTailLoadBalancer),
-so under a causal mask every rank attends to the same number of query-key pairs. Positions are host
-NumPy integers (metadata, never on the device); the arrays split and reassembled may be NumPy or CuPy.
+"""The head-tail load-balanced split of a sequence over cp context-parallel ranks: T tokens are cut into 2 cp
+chunks of T / (2 cp) and rank r holds chunks r and 2 cp - 1 - r (PyTorch's _HeadTailLoadBalancer), so under a
+causal mask every rank attends to the same number of query-key pairs; packed documents are split head-tail per
+document instead (document_split). Positions are host NumPy integers; the arrays split may be NumPy or CuPy.
 """
 from __future__ import annotations
 
@@ -89,3 +89,61 @@ def document_work(positions, cp: int) -> np.ndarray:
     p = np.asarray(positions, dtype=np.int64)
     return np.array([int((p[:, head_tail_positions(p.shape[1], cp, r)] + 1).sum()) for r in range(cp)],
                     dtype=np.int64)
+
+
+# Packed documents. A document of L = 2 cp q + m tokens (m < 2 cp) leaves its first m tokens aside and splits
+# the other L - m head-tail in 2 cp chunks of q: the work of a query is its position within its document + 1,
+# an arithmetic run over those tokens, so chunks r and 2 cp - 1 - r weigh the same for every r and each rank
+# gets the same work and 2 q tokens of the document. The row's set-aside tokens (the cheapest of each document)
+# are sorted by work, heaviest first, and dealt head-tail too (in each 2 cp of them, rank r takes the r-th
+# and the (2 cp - 1 - r)-th): every rank gets the same count and nearly the same work. No padding, no
+# communication: the rule reads only the row's segments.
+def _row_split(seg: np.ndarray, cp: int) -> np.ndarray:
+    # seg (T,) one row's document ids (contiguous runs) -> (T,) the rank of every token
+    T, n = seg.size, 2 * cp
+    starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
+    lengths = np.diff(np.r_[starts, T])
+    run = np.repeat(np.arange(starts.size), lengths)
+    offset = np.arange(T) - starts[run]                   # position within the run: its work is offset + 1
+    m, q = lengths % n, lengths // n
+    rest = offset >= m[run]
+    chunk = np.zeros(T, dtype=np.int64)
+    chunk[rest] = (offset[rest] - m[run][rest]) // q[run][rest]
+    aside = np.flatnonzero(~rest)
+    order = aside[np.argsort(-offset[aside], kind="stable")]
+    chunk[order] = np.arange(order.size) % n
+    return np.minimum(chunk, n - 1 - chunk)
+
+
+def document_ranks(segments, cp: int) -> np.ndarray:
+    """The cp rank of every token of packed rows: segments (rows, T) each token's document id within its
+    row, documents contiguous runs -> (rows, T) int64 in [0, cp), each rank T / cp tokens of every row."""
+    seg = np.asarray(segments, dtype=np.int64)
+    chunk_size(seg.shape[1], cp)
+    if cp == 1:
+        return np.zeros(seg.shape, dtype=np.int64)
+    return np.stack([_row_split(row, cp) for row in seg]) if seg.shape[0] else np.zeros(seg.shape, np.int64)
+
+
+def document_split(segments, cp: int) -> np.ndarray:
+    """Every row's columns in rank order: (rows, T) int64 whose columns [r T / cp, (r + 1) T / cp) are the
+    tokens rank r holds (document_ranks), ascending within a rank (row order, so a rank's tokens of one
+    document stay in document order). A rank's part of a field a (rows, T) is take_along_axis(a, split[:,
+    r T / cp:(r + 1) T / cp], axis=1)."""
+    ranks = document_ranks(segments, cp)
+    return np.argsort(ranks, axis=1, kind="stable")
+
+
+def split_work(segments, positions, cp: int) -> np.ndarray:
+    """Query-key pairs each cp rank's queries see under the document mask with document_split: positions
+    (rows, T) each token's position within its document (a query at p sees p + 1 keys) -> (cp,) int64, to
+    set beside document_work (the head-tail split of every packed row)."""
+    ranks = document_ranks(segments, cp)
+    w = np.asarray(positions, dtype=np.int64) + 1
+    return np.array([int(w[ranks == r].sum()) for r in range(cp)], dtype=np.int64)
+
+
+def imbalance(work) -> float:
+    """Busiest rank's work over the mean (1.0 for no work)."""
+    w = np.asarray(work, dtype=np.float64)
+    return float(w.max() / w.mean()) if w.size and w.mean() > 0 else 1.0

@@ -17,6 +17,11 @@ from hpengine.nn.numerics import OFF
 
 BQ = 64          # query positions per block on the CPU (read at call time when bq is None)
 BK = 64          # keys per block (likewise)
+# Packed documents (segments): larger tiles, read likewise. Most tiles are skipped and a tile across a boundary
+# is cut to its box of visible queries and keys, so the per-tile overhead weighs more than the masked work a
+# larger tile visits (benchmarks/bench_packed.py: faster at mean document lengths 128 and 512, seq 4096).
+BQ_DOCS = 128
+BK_DOCS = 128
 # This array-module-generic code is what runs on the CPU, and it is the NumPy twin of kernels/attention.cu
 # (hpengine/nn/flash_cuda.py launches it when xp is CuPy and the dtype is float32 or float64). Under bf16
 # amp its products take bfloat16 operands (attention._mm), P and dS included: the twin of the tensor-core
@@ -41,6 +46,13 @@ def _tiles(T: int, b: int):
     return [(a, min(a + b, T)) for a in range(0, T, b)]
 
 
+def _tile_sizes(bq, bk, segments) -> tuple:
+    """(bq, bk): the given ones, else the defaults (packed documents: their own)."""
+    if segments is None:
+        return bq or BQ, bk or BK
+    return bq or BQ_DOCS, bk or BK_DOCS
+
+
 def _ctype(xp, dtype):
     return np.dtype(np.float32) if np.dtype(dtype).itemsize < 4 else np.dtype(dtype)
 
@@ -52,17 +64,64 @@ def _bias(xp, a, b, c, d, g, dtype):
     return xp.where(kpos[None, :] > qpos[:, None], -xp.inf, 0.0).astype(dtype)
 
 
-def _shared_tile(segments, a, b, c, d) -> bool:
-    """Whether some row's queries a..b-1 and keys c..d-1 hold a document in common (segments rise along a row,
-    so the ranges of ids meet). The kernels apply the same rule per row (a tile this keeps for one row only is
-    wholly masked in the others, where it adds exact zeros)."""
-    return bool(((segments[:, c] <= segments[:, b - 1]) & (segments[:, a] <= segments[:, d - 1])).any())
+class _TilePlan:
+    """One call's query tiles `q` and key tiles `k` and, for packed documents (segments (B, T), rising along
+    each row), for every (query tile i, key tile j): whether some row's queries and keys hold a document in
+    common (else every score is masked: `skip`), whether they lie in one document in every row (no document
+    mask: `one_document`), and else the `box` of the tile's queries and keys that see anything. Read from the
+    segments on the host (one copy from a device, not one per tile). The kernels skip by the same rule per row (a
+    tile kept here for some row only is wholly masked in the others, where it adds exact zeros)."""
+
+    def __init__(self, xp, segments, T: int, bq: int, bk: int):
+        self.q, self.k = _tiles(T, bq), _tiles(T, bk)
+        self.visit = self.one = None
+        if segments is None:
+            return
+        seg = segments.get() if xp.__name__ == "cupy" else np.asarray(segments)
+        qa, qb = (seg[:, list(ends)][:, :, None] for ends in zip(*[(a, b - 1) for a, b in self.q]))
+        ka, kb = (seg[:, list(ends)][:, None, :] for ends in zip(*[(c, d - 1) for c, d in self.k]))
+        self.visit = ((ka <= qb) & (qa <= kb)).any(axis=0).tolist()        # the ranges of ids meet
+        self.one = ((qa == qb) & (ka == kb) & (qa == ka)).all(axis=0).tolist()
+        # each position's document as [start, end) of positions
+        idx = np.arange(T)
+        first = np.concatenate([np.ones((seg.shape[0], 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+        last = np.concatenate([first[:, 1:], np.ones((seg.shape[0], 1), bool)], axis=1)
+        self.start = np.maximum.accumulate(np.where(first, idx, 0), axis=1)
+        self.end = np.minimum.accumulate(np.where(last, idx + 1, T)[:, ::-1], axis=1)[:, ::-1]
+
+    def skip(self, i: int, j: int) -> bool:
+        return self.visit is not None and not self.visit[i][j]
+
+    def one_document(self, i: int, j: int) -> bool:
+        return self.one is None or self.one[i][j]
+
+    def box(self, i: int, j: int) -> tuple:
+        """(a, b, c, d): the tile cut to its queries a..b-1 that see a key of it and its keys c..d-1 that a query
+        of it sees, in some row (the rest would add exact zeros)."""
+        (a, b), (c, d) = self.q[i], self.k[j]
+        rows = (np.maximum(c, self.start[:, a:b]) <= np.minimum(d - 1, np.arange(a, b))).any(axis=0)
+        keys = (np.maximum(a, np.arange(c, d)) <= np.minimum(b - 1, self.end[:, c:d] - 1)).any(axis=0)
+        r, k = np.flatnonzero(rows), np.flatnonzero(keys)
+        return a + int(r[0]), a + int(r[-1]) + 1, c + int(k[0]), c + int(k[-1]) + 1
 
 
-def _document_bias(xp, segments, a, b, c, d, g):
-    # (B, 1, g*(b-a), d-c): True where grouped query row i (position a + i // g) and key c+j share a document
-    qseg = segments[:, a + xp.arange(g * (b - a)) // g]
-    return qseg[:, None, :, None] == segments[:, None, None, c:d]
+def _tile_mask(xp, segments, one: bool, a, b, c, d, g, ct, causal: dict):
+    """(the additive mask of the tile of queries a..b-1 and keys c..d-1, or None when every score counts;
+    whether every query of the tile sees a key in it). one: the tile lies in one document (_TilePlan). Across
+    documents: -inf where the key is in another document or after the query, one (B, 1, g*(b-a), d-c) array
+    added to every head's scores; within one, the causal mask alone, which aligned tiles repeat: `causal`
+    keeps this call's."""
+    if one:
+        sees = c <= a or segments is None      # one document: key c, before every query, is seen by all
+        if d - 1 <= a:                          # wholly below the diagonal
+            return None, sees
+        key = (b - a, c - a, d - c)
+        if key not in causal:
+            causal[key] = _bias(xp, a, b, c, d, g, ct)
+        return causal[key], sees
+    q = a + xp.arange(g * (b - a)) // g
+    ok = (segments[:, q][:, None, :, None] == segments[:, None, None, c:d]) & (xp.arange(c, d)[None, :] <= q[:, None])
+    return xp.where(ok, 0.0, -xp.inf).astype(ct), False
 
 
 def _use_cuda(xp, *arrays) -> bool:
@@ -87,45 +146,53 @@ def flash_forward_core(xp, qg, k, v, g: int, bq: int | None = None, bk: int | No
     document a row)."""
     B, K, R, hd = qg.shape
     T = k.shape[2]
-    bq, bk = bq or BQ, bk or BK
+    bq, bk = _tile_sizes(bq, bk, segments)
     ct = _ctype(xp, qg.dtype)
     qg, k, v = (a.astype(ct, copy=False) for a in (qg, k, v))
     og = xp.empty((B, K, R, hd), dtype=ct)
     lse = xp.empty((B, K, R), dtype=ct)
-    for a, b in _tiles(T, bq):
+    causal, plan = {}, _TilePlan(xp, segments, T, bq, bk)
+    for i, (a, b) in enumerate(plan.q):
         rows = slice(a * g, b * g)
         qb = qg[:, :, rows]
         n = (b - a) * g
         m = xp.full((B, K, n, 1), -xp.inf, dtype=ct)
         s_l = xp.zeros((B, K, n, 1), dtype=ct)
         acc = xp.zeros((B, K, n, hd), dtype=ct)
-        for c, d in _tiles(T, bk):
+        for j, (c, d) in enumerate(plan.k):
             if c > b - 1:               # every key after every query of the block: skipped
                 break
-            if segments is not None and not _shared_tile(segments, a, b, c, d):
+            if plan.skip(i, j):
                 continue                # no document in common: every score masked, nothing to add
-            s = _mm(xp, qb, k[:, :, c:d].swapaxes(-1, -2), num=num)
-            if d - 1 > a:               # the tile crosses the diagonal
-                s += _bias(xp, a, b, c, d, g, ct)
-            if segments is None:
-                # the first key block holds key 0, which every query sees: m is finite from then on
-                mn = xp.maximum(m, s.max(axis=-1, keepdims=True))
-                alpha = xp.exp(m - mn)
+            # packed documents: a tile across a boundary shrinks to the queries and keys that see anything
+            one = plan.one_document(i, j)
+            a2, b2, c2, d2 = (a, b, c, d) if one else plan.box(i, j)
+            lo, hi = (a2 - a) * g, (b2 - a) * g
+            s = _mm(xp, qb[:, :, lo:hi], k[:, :, c2:d2].swapaxes(-1, -2), num=num)
+            mask, sees = _tile_mask(xp, segments, one, a2, b2, c2, d2, g, ct, causal)
+            mv, lv, av = m[:, :, lo:hi], s_l[:, :, lo:hi], acc[:, :, lo:hi]
+            if mask is not None:        # the diagonal, or (packed documents) a tile across a boundary
+                s += mask
+            if sees:
+                # the first key block holds key 0, which every query sees: m is finite from then on (packed
+                # documents: a tile inside one document whose first key every query sees; the shifted path
+                # below would compute the same numbers)
+                mn = xp.maximum(mv, s.max(axis=-1, keepdims=True))
+                alpha = xp.exp(mv - mn)
                 s -= mn
             else:
                 # a row may have seen no key of its document yet (m and the tile's max -inf): shift by 0 there,
                 # so exp gives exact zeros and no NaN
-                s = xp.where(_document_bias(xp, segments, a, b, c, d, g), s, -xp.inf)
-                mn = xp.maximum(m, s.max(axis=-1, keepdims=True))
+                mn = xp.maximum(mv, s.max(axis=-1, keepdims=True))
                 shift = xp.where(xp.isneginf(mn), 0.0, mn)
-                alpha = xp.exp(m - shift)
+                alpha = xp.exp(mv - shift)
                 s -= shift
             xp.exp(s, out=s)
-            s_l *= alpha
-            s_l += s.sum(axis=-1, keepdims=True)
-            acc *= alpha
-            _mm(xp, s, v[:, :, c:d], acc, accumulate=True, num=num)
-            m = mn
+            lv *= alpha
+            lv += s.sum(axis=-1, keepdims=True)
+            av *= alpha
+            _mm(xp, s, v[:, :, c2:d2], av, accumulate=True, num=num)
+            mv[...] = mn
         og[:, :, rows] = acc / s_l
         lse[:, :, rows] = (m + xp.log(s_l))[..., 0]
     return og, lse
@@ -137,36 +204,36 @@ def flash_backward_core(xp, qg, k, v, og, dog, lse, g: int, bq: int | None = Non
     flash_forward_core): -> dqg (B, K, T*g, hd), dk, dv (B, K, T, hd), in the compute dtype."""
     B, K, R, hd = qg.shape
     T = k.shape[2]
-    bq, bk = bq or BQ, bk or BK
+    bq, bk = _tile_sizes(bq, bk, segments)
     ct = _ctype(xp, qg.dtype)
     qg, k, v, og, dog, lse = (a.astype(ct, copy=False) for a in (qg, k, v, og, dog, lse))
     dd = xp.einsum("bkrd,bkrd->bkr", dog, og)[..., None]       # D = rowsum(dO * O)
     lse = lse[..., None]
     dqg = xp.zeros((B, K, R, hd), dtype=ct)
     dk, dv = xp.empty((B, K, T, hd), dtype=ct), xp.empty((B, K, T, hd), dtype=ct)
-    for c, d in _tiles(T, bk):
+    causal, plan = {}, _TilePlan(xp, segments, T, bq, bk)
+    for j, (c, d) in enumerate(plan.k):
         kb, vb = k[:, :, c:d], v[:, :, c:d]
         dkb, dvb = xp.zeros((B, K, d - c, hd), dtype=ct), xp.zeros((B, K, d - c, hd), dtype=ct)
-        for a, b in _tiles(T, bq):
-            if b - 1 < c:               # every query of the block before the first key: skipped
+        for i, (a, b) in enumerate(plan.q):
+            if b - 1 < c or plan.skip(i, j):     # every query before every key, or no document in common
                 continue
-            if segments is not None and not _shared_tile(segments, a, b, c, d):
-                continue
-            rows = slice(a * g, b * g)
-            qb, dob = qg[:, :, rows], dog[:, :, rows]
-            s = _mm(xp, qb, kb.swapaxes(-1, -2), num=num)
-            if d - 1 > a:
-                s += _bias(xp, a, b, c, d, g, ct)
-            if segments is not None:
-                s = xp.where(_document_bias(xp, segments, a, b, c, d, g), s, -xp.inf)
+            one = plan.one_document(i, j)       # else the tile's box (as in forward)
+            a2, b2, c2, d2 = (a, b, c, d) if one else plan.box(i, j)
+            rows, keys = slice(a2 * g, b2 * g), slice(c2 - c, d2 - c)
+            qb, dob, kbs, vbs = qg[:, :, rows], dog[:, :, rows], kb[:, :, keys], vb[:, :, keys]
+            s = _mm(xp, qb, kbs.swapaxes(-1, -2), num=num)
+            mask = _tile_mask(xp, segments, one, a2, b2, c2, d2, g, ct, causal)[0]
+            if mask is not None:
+                s += mask
             s -= lse[:, :, rows]
             p = xp.exp(s, out=s)
-            _mm(xp, p.swapaxes(-1, -2), dob, dvb, accumulate=True, num=num)
-            ds = _mm(xp, dob, vb.swapaxes(-1, -2), num=num)
+            _mm(xp, p.swapaxes(-1, -2), dob, dvb[:, :, keys], accumulate=True, num=num)
+            ds = _mm(xp, dob, vbs.swapaxes(-1, -2), num=num)
             ds -= dd[:, :, rows]
             ds *= p
-            _mm(xp, ds.swapaxes(-1, -2), qb, dkb, accumulate=True, num=num)
-            dqg[:, :, rows] += _mm(xp, ds, kb, num=num)
+            _mm(xp, ds.swapaxes(-1, -2), qb, dkb[:, :, keys], accumulate=True, num=num)
+            dqg[:, :, rows] += _mm(xp, ds, kbs, num=num)
         dk[:, :, c:d] = dkb
         dv[:, :, c:d] = dvb
     return dqg, dk, dv

@@ -10,7 +10,8 @@ from hpengine.nn.numerics import OFF
 
 
 # Inputs come head-major from the rotary embedding: q (B, H, T, hd), already rotated and scaled by
-# 1/sqrt(hd); k (B, K, T, hd); v (B, K, T, hd) in any strides (the projection's output seen per head).
+# 1/sqrt(hd); k (B, K, T, hd); v (B, K, T, dv) in any strides (the projection's output seen per head; dv is hd
+# but for multi-head latent attention, nn/mla.py).
 # The g query heads of a group and a block of query rows fold into one row axis, so every product is
 # one GEMM per (batch row, kv head) whose rows are all the group's queries: the keys and values are
 # never repeated per query head, and backward's dk and dv sum over the group inside the GEMM. Query rows
@@ -51,19 +52,22 @@ def _softmax(xp, p, a, num, segments=None):
     return num.store_for_gemm(xp, p)
 
 
-def gqa_shapes(xp, q, k):
+def gqa_shapes(xp, q, k, v=None):
     """(B, H, T, hd, K, g) of q (B, H, T, hd) over k (B, K, T, hd), g query heads per key/value head, and
-    the output y (B, T, H*hd), unfilled."""
+    the output y (B, T, H*dv), unfilled; dv: v's head width (B, K, T, dv), hd when v is not given."""
     B, H, T, hd = q.shape
     K = k.shape[1]
     if H % K:
         raise ValueError(f"{H} query heads do not split into groups of {K} key/value heads")
-    return (B, H, T, hd, K, H // K), xp.empty((B, T, H * hd), dtype=q.dtype)
+    dv = hd if v is None else v.shape[-1]
+    return (B, H, T, hd, K, H // K), xp.empty((B, T, H * dv), dtype=q.dtype)
 
 
 def gqa_attention_forward(xp, q, k, v, num=OFF, segments=None):
-    # q: (B, H, T, hd), k, v: (B, K, T, hd) -> y: (B, T, H*hd); segments: (B, T) document ids (None: one per row)
-    (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k)
+    # q: (B, H, T, hd), k: (B, K, T, hd), v: (B, K, T, dv) -> y: (B, T, H*dv); segments: (B, T) document ids
+    # (None: one per row); dv may differ from hd (multi-head latent attention)
+    (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k, v)
+    dv = v.shape[-1]
     if v.dtype == xp.uint16 and xp.__name__ == "cupy":
         v = xp.ascontiguousarray(v)         # bf16 bits (B, K, T, hd): one strided-batched GEMM over every head
     bits = num.writes_bits and y.dtype in (xp.float32, xp.uint16)
@@ -75,7 +79,7 @@ def gqa_attention_forward(xp, q, k, v, num=OFF, segments=None):
         for a, b in _blocks(T):
             qb = _grouped(q, K, g, a, b)
             p = _softmax(xp, _mm(xp, qb, k[:, :, :b].swapaxes(-1, -2), num=num), a, num, segments)
-            o = _mm(xp, p, v[:, :, :b], num=num).reshape(B, K, g, b - a, hd)
+            o = _mm(xp, p, v[:, :, :b], num=num).reshape(B, K, g, b - a, dv)
             if bits:
                 to_bf16_bits(xp, o, out=y5[:, :, :, a:b])
             else:
@@ -104,15 +108,15 @@ def gqa_restore_scores(xp, cache, num=OFF, segments=None):
 
 
 def gqa_attention_backward(xp, dy, cache, num=OFF, segments=None):
-    # dy: (B, T, H*hd) -> dq (B, H, T, hd), dk, dv (B, K, T, hd); segments: unread (the cached probabilities are
-    # exact zeros outside each query's document)
+    # dy: (B, T, H*dv) -> dq (B, H, T, hd), dk (B, K, T, hd), dv (B, K, T, dv); segments: unread (the cached
+    # probabilities are exact zeros outside each query's document)
     qs, k, v, ps, y = cache
     B, K, T, hd = k.shape
-    g = y.shape[-1] // (hd * K)
+    g = y.shape[-1] // (v.shape[-1] * K)
     dy5, y5 = _per_head(dy, K, g), _per_head(as_float32(xp, y), K, g)
     dq = xp.empty((B, K * g, T, hd), dtype=dy.dtype)
     dq5 = dq.reshape(B, K, g, T, hd)
-    dk, dv = xp.empty(k.shape, dtype=dy.dtype), xp.empty(k.shape, dtype=dy.dtype)
+    dk, dv = xp.empty(k.shape, dtype=dy.dtype), xp.empty(v.shape, dtype=dy.dtype)
     # the last block covers every key: it writes dk, dv whole, the earlier block adds to a prefix
     with num.converted(xp, dy, k, v):       # bf16: converted once for every block's products
         for (a, b), qb, p in reversed(list(zip(_blocks(T), qs, ps))):

@@ -21,6 +21,10 @@ from hpengine.nn.swiglu import swiglu_backward, swiglu_forward, swiglu_recompute
 #   T / norm * sum_b aux_b, so summing every rank's share gives the mean over the global batch's sequences,
 #   and d aux / d p[n, i] = E f_{b(n),i} / norm.
 # - z (router z-loss): sum over tokens of logsumexp(l)^2 / norm; d z / d l = 2 logsumexp(l) softmax(l) / norm.
+# Group-limited routing (DeepSeek-V3): the E experts form n_groups equal groups of consecutive indices; a
+# group's score is the sum of its two largest p + bias, and a token picks its k experts only within its
+# topk_groups best groups (ties to the lower group index). routed_scaling multiplies the final gates, hence the
+# routed experts' combined output. Both only select or scale: the gradient still flows through the gates alone.
 SCORES = ("softmax", "sigmoid")
 
 
@@ -71,13 +75,39 @@ def _row_flat(xp, idx, E):
     return (xp.arange(idx.shape[0], dtype=np.int64)[:, None] * E + idx).reshape(-1)
 
 
-def router_forward(xp, x2, w, k, seq_len, norm, score="softmax", norm_topk=True, bias=None, seq_sum=None):
+def _limit_to_groups(xp, sel, n_groups, topk_groups):
+    # sel: (N, E) selection scores -> the same with every expert outside the token's topk_groups best groups
+    # at -inf; a group of one expert scores that expert's score
+    N, E = sel.shape
+    per = E // n_groups
+    top = xp.sort(sel.reshape(N, n_groups, per), axis=2)[:, :, -2:].sum(axis=2)
+    best = _stable_argsort(xp, -top, axis=1)[:, :topk_groups]
+    keep = xp.zeros((N, n_groups), dtype=bool)
+    keep[xp.arange(N)[:, None], best] = True
+    return xp.where(xp.repeat(keep, per, axis=1), sel, -xp.inf)
+
+
+def _check_groups(k, E, n_groups, topk_groups, scale):
+    if n_groups < 1 or E % n_groups:
+        raise ValueError(f"n_groups {n_groups} must divide the {E} experts")
+    if not 1 <= topk_groups <= n_groups:
+        raise ValueError(f"topk_groups {topk_groups} must be in [1, {n_groups}] groups")
+    if k > topk_groups * (E // n_groups):
+        raise ValueError(f"top-k {k} is more than the {topk_groups * (E // n_groups)} experts of "
+                         f"{topk_groups} groups of {E // n_groups}")
+    if not scale > 0:
+        raise ValueError(f"routed scaling {scale} must be > 0")
+
+
+def router_forward(xp, x2, w, k, seq_len, norm, score="softmax", norm_topk=True, bias=None, seq_sum=None,
+                   n_groups=1, topk_groups=1, scale=1.0):
     # x2: (N, C), w: (C, E), bias: (E,) or None -> idx (N, k) int64, gates (N, k), (aux, z), load (E,) int64
     N, E = x2.shape[0], w.shape[1]
     if score not in SCORES:
         raise ValueError(f"router score must be one of {SCORES}, got {score!r}")
     if not 1 <= k <= E:
         raise ValueError(f"top-k {k} must be in [1, {E}] experts")
+    _check_groups(k, E, n_groups, topk_groups, scale)
     if seq_len < 1 or N % seq_len:
         raise ValueError(f"{N} tokens are not whole sequences of {seq_len}")
     ct = _router_dtype(x2.dtype)
@@ -89,28 +119,34 @@ def router_forward(xp, x2, w, k, seq_len, norm, score="softmax", norm_topk=True,
     lse = lse.reshape(-1)
     probs = _scores(xp, logits, lse, score)
     sel = probs if bias is None else probs + _as(bias, ct)
+    if topk_groups < n_groups:
+        sel = _limit_to_groups(xp, sel, n_groups, topk_groups)
     # a stable sort of the negated score keeps the lower expert first among exact ties
     idx = xp.ascontiguousarray(_stable_argsort(xp, -sel, axis=1)[:, :k]).astype(np.int64, copy=False)
     gates = probs.reshape(-1)[_row_flat(xp, idx, E)].reshape(N, k)
     if norm_topk:
         gates /= gates.sum(axis=1, keepdims=True)
+    if scale != 1.0:
+        gates *= scale
     f = _seq_fractions(xp, idx, seq_len, E, ct, seq_sum)
     aux = E * float((f * probs.reshape(-1, seq_len, E).sum(axis=1)).sum()) / norm
     z = float((lse * lse).sum()) / norm
     load = xp.bincount(idx.reshape(-1), minlength=E).astype(np.int64, copy=False)
     # probabilities are rebuilt from the logits in backward; gates from the probabilities and idx
-    cache = (x2, logits, lse, idx, (k, seq_len, norm, score, bool(norm_topk)))
+    cache = (x2, logits, lse, idx, (k, seq_len, norm, score, bool(norm_topk), scale))
     return idx, _as(gates, x2.dtype), (aux, z), load, cache
 
 
 def router_backward(xp, dgates, cache, w, dw, aux_coef=0.0, z_coef=0.0, dloss=1.0, seq_sum=None):
     # dgates: (N, k), w, dw: (C, E) -> dx2: (N, C); dloss scales the aux and z terms, not dgates
-    x2, logits, lse, idx, (k, seq_len, norm, score, norm_topk) = cache
+    x2, logits, lse, idx, (k, seq_len, norm, score, norm_topk, scale) = cache
     ct = logits.dtype
     N, E = logits.shape
     probs = _scores(xp, logits, lse, score)
     flat = _row_flat(xp, idx, E)
     dg = _as(dgates, ct)
+    if scale != 1.0:
+        dg = dg * scale
     if norm_topk:
         # g = p_sel / s: dp_sel = (dg - sum(dg * g)) / s
         p_sel = probs.reshape(-1)[flat].reshape(N, k)

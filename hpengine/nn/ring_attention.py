@@ -1,7 +1,7 @@
 """Causal attention of a rank's queries against one block of keys and values at a time, for context
 parallelism (strategies/context_parallel.py walks the blocks around the ring, or gathers them): block
 forward and backward, masked by global positions (and, for packed documents, by each row's document
-segments), and `merge_partials` of the partial outputs.
+segments and per-row positions within them), and `merge_partials` of the partial outputs.
 """
 from __future__ import annotations
 
@@ -19,12 +19,14 @@ def accumulate_dtype(dtype):
 
 
 # The mask comes from global positions (query at p sees keys at positions <= p), so any split of the
-# sequence works; positions are host int arrays.
+# sequence works; positions are host int arrays, (T,) shared by every row, or (B, T) per row (packed documents
+# split per document: each token's position within its document, with the segments).
 def host_positions(pos) -> np.ndarray:
-    """Positions as a host int64 array (a device array is copied down)."""
+    """Positions as a host int64 array, (T,) or per row (B, T) (a device array is copied down)."""
     if hasattr(pos, "__cuda_array_interface__"):
         pos = pos.get()
-    return np.asarray(pos, dtype=np.int64).reshape(-1)
+    pos = np.asarray(pos, dtype=np.int64)
+    return pos if pos.ndim == 2 else pos.reshape(-1)
 
 
 def host_segments(seg):
@@ -39,12 +41,20 @@ def host_segments(seg):
 # A row's documents are contiguous runs of its packed sequence, so a key at position kp of document d is
 # seen by some query iff kp <= the last query position of document d; per row, from one scatter-max.
 def _reach(qp, kp, qs, ks) -> np.ndarray:
-    # (B, Tk) True where some query of the key's own document sits at or after it
+    # (B, Tk) True where some query of the key's own document sits at or after it; qp, kp (T,) or (B, T)
     B = qs.shape[0]
     n = int(max(qs.max(), ks.max())) + 1
     last = np.full((B, n), np.iinfo(np.int64).min, dtype=np.int64)
     np.maximum.at(last, (np.arange(B)[:, None], qs), np.broadcast_to(qp, qs.shape))
-    return kp[None, :] <= np.take_along_axis(last, ks, axis=1)
+    return np.broadcast_to(kp, ks.shape) <= np.take_along_axis(last, ks, axis=1)
+
+
+def _row_segments(qp, kp, qs, ks):
+    # per-row positions without segments: one document per row
+    if qs is None and (qp.ndim == 2 or kp.ndim == 2):
+        B = qp.shape[0] if qp.ndim == 2 else kp.shape[0]
+        return np.zeros((B, qp.shape[-1]), np.int64), np.zeros((B, kp.shape[-1]), np.int64)
+    return qs, ks
 
 
 def block_visible(q_pos, k_pos, q_seg=None, k_seg=None) -> bool:
@@ -53,9 +63,10 @@ def block_visible(q_pos, k_pos, q_seg=None, k_seg=None) -> bool:
     q_pos, k_pos = host_positions(q_pos), host_positions(k_pos)
     if not (q_pos.size and k_pos.size and k_pos.min() <= q_pos.max()):
         return False
-    if q_seg is None:
+    qs, ks = _row_segments(q_pos, k_pos, host_segments(q_seg), host_segments(k_seg))
+    if qs is None:
         return True
-    return bool(_reach(q_pos, k_pos, host_segments(q_seg), host_segments(k_seg)).any())
+    return bool(_reach(q_pos, k_pos, qs, ks).any())
 
 
 # Grouped-query:
@@ -68,16 +79,29 @@ def _groups(H: int, K: int) -> int:
 
 
 # Runs of consecutive positions are tiles; a tile
-# whose every key lies after every query is skipped.
+# whose every key lies after every query is skipped. Per-row positions have no common runs: a block is cut in
+# two halves (the two chunks a head-tail block has), a tile skipped when no row has a visible pair in it.
 def _runs(pos: np.ndarray):
-    # index ranges [i, j) of pos holding consecutive ascending positions
+    # index ranges [i, j) of pos holding consecutive ascending positions; (B, T): the two halves
+    if pos.ndim == 2:
+        half = (pos.shape[1] + 1) // 2
+        return [(a, b) for a, b in ((0, half), (half, pos.shape[1])) if b > a]
     edges = [0, *(np.flatnonzero(np.diff(pos) != 1) + 1).tolist(), len(pos)]
     return [(a, b) for a, b in pairwise(edges) if b > a]
+
+
+def _row_mask(xp, qp, kp, qs, ks):
+    # per-row positions (B, n) or (n,), (B, m) or (m,) with segments (B, n), (B, m) -> (B, 1, 1, n, m) or None
+    qp2, kp2 = np.broadcast_to(qp, qs.shape), np.broadcast_to(kp, ks.shape)
+    m = (kp2[:, None, :] > qp2[:, :, None]) | (qs[:, :, None] != ks[:, None, :])
+    return xp.asarray(m[:, None, None]) if m.any() else None
 
 
 def _mask(xp, qp, kp, qs=None, ks=None):
     # (n, m) True where the key comes after the query; None when every key is visible. With segments (host
     # (B, n), (B, m)): (B, 1, 1, n, m), also True where the key lies in another document of the row
+    if qp.ndim == 2 or kp.ndim == 2:
+        return _row_mask(xp, qp, kp, *_row_segments(qp, kp, qs, ks))
     if qs is not None and not ((qs == qs[:, :1]).all() and (ks == qs[:, :1]).all()):
         other = qs[:, :, None] != ks[:, None, :]
         if kp.max() > qp.min():
@@ -90,13 +114,16 @@ def _mask(xp, qp, kp, qs=None, ks=None):
 
 def _tile_mask(xp, qp, kp, qs, ks, a, b, c, d):
     if qs is None:
-        return _mask(xp, qp[a:b], kp[c:d])
-    return _mask(xp, qp[a:b], kp[c:d], qs[:, a:b], ks[:, c:d])
+        return _mask(xp, qp[..., a:b], kp[..., c:d])
+    return _mask(xp, qp[..., a:b], kp[..., c:d], qs[:, a:b], ks[:, c:d])
 
 
 def _tile_seen(qp, kp, qs, ks, a, b, c, d) -> bool:
     # whether tile (queries a..b-1, keys c..d-1) has a visible pair; a skipped tile is one whose every pair
     # is masked, so skipping it changes nothing (its merge would add o = 0 at lse = -inf)
+    if qp.ndim == 2 or kp.ndim == 2:
+        qs, ks = _row_segments(qp, kp, qs, ks)
+        return bool(_reach(qp[..., a:b], kp[..., c:d], qs[:, a:b], ks[:, c:d]).any())
     if kp[c] > qp[b - 1]:
         return False
     return qs is None or bool(_reach(qp[a:b], kp[c:d], qs[:, a:b], ks[:, c:d]).any())
@@ -132,17 +159,18 @@ def merge_partials(xp, o, lse, o2, lse2):
 
 
 def _tile_forward(xp, qt, kt, vt, mask, n):
-    # one tile: -> o (B, K, g*n, hd) normalised over its keys, lse (B, K, g*n)
+    # one tile: -> o (B, K, g*n, hd) normalised over its keys, lse (B, K, g*n), and each row's largest visible
+    # score (B, K, g*n, 1) (-inf for a row that sees no key of the tile), which MuonClip reads
     s = _masked_scores(xp, qt, kt, mask, n)
-    mx = s.max(axis=-1, keepdims=True)
-    mx = _safe(xp, mx, xp.isneginf(mx), 0.0)        # a row with no visible key: exp(-inf - 0) = 0
+    row_max = s.max(axis=-1, keepdims=True)
+    mx = _safe(xp, row_max, xp.isneginf(row_max), 0.0)      # a row with no visible key: exp(-inf - 0) = 0
     s -= mx
     p = xp.exp(s, out=s)
     lsum = p.sum(axis=-1, keepdims=True)
     empty = lsum == 0
     ls = _safe(xp, lsum, empty, 1.0)
     o = xp.matmul(p, vt) / ls
-    return o, _safe(xp, mx + xp.log(ls), empty, -xp.inf)[..., 0]
+    return o, _safe(xp, mx + xp.log(ls), empty, -xp.inf)[..., 0], row_max
 
 
 def _scale(hd, scale):
@@ -161,8 +189,9 @@ def _block_facts(q, k, q_pos, k_pos, scale):
     B, H, Tq, hd = q.shape
     K, Tk = k.shape[1], k.shape[2]
     qp, kp = host_positions(q_pos), host_positions(k_pos)
-    if qp.size != Tq or kp.size != Tk:
-        raise ValueError(f"{qp.size} query positions for {Tq} queries, {kp.size} key positions for {Tk} keys")
+    if qp.shape not in ((Tq,), (B, Tq)) or kp.shape not in ((Tk,), (B, Tk)):
+        raise ValueError(f"query positions {qp.shape} for {B} rows of {Tq} queries, key positions {kp.shape} for "
+                         f"{Tk} keys: give (T,) or (rows, T)")
     return B, H, Tq, hd, K, Tk, _groups(H, K), accumulate_dtype(q.dtype), _scale(hd, scale), qp, kp
 
 
@@ -176,17 +205,20 @@ def _block_segments(q_seg, k_seg, B, Tq, Tk):
     return qs, ks
 
 
-def block_forward(xp, q, k, v, q_pos, k_pos, scale=None, q_seg=None, k_seg=None):
+def block_forward(xp, q, k, v, q_pos, k_pos, scale=None, q_seg=None, k_seg=None, logit_max=False):
     """Attention of the queries over one block of keys: q (B, H, Tq, hd), k, v (B, K, Tk, hd), q_pos
-    (Tq,), k_pos (Tk,) global positions -> o (B, H, Tq, hd) normalised over this block's visible keys and
+    (Tq,), k_pos (Tk,) global positions (or (B, Tq), (B, Tk) per row) -> o (B, H, Tq, hd) normalised over this block's visible keys and
     lse (B, H, Tq), in accumulate_dtype; a row that sees none of the block has o = 0, lse = -inf. The scores
     are scale * q k^T, scale 1/sqrt(hd) unless given (1.0 for a q already scaled). q_seg (B, Tq), k_seg
     (B, Tk): each token's document in its row (packed documents; None: one per row), a query sees only keys
-    of its own; a tile no query-key pair of one document spans is skipped."""
+    of its own; a tile no query-key pair of one document spans is skipped. logit_max: also return each head's
+    largest score over the visible pairs (H,) (-inf for a head that sees none), taken from the tiles' row maxima
+    the softmax forms anyway (MuonClip's measurement)."""
     B, H, Tq, hd, K, Tk, g, ct, sc, qp, kp = _block_facts(q, k, q_pos, k_pos, scale)
     qs, ks = _block_segments(q_seg, k_seg, B, Tq, Tk)
     o5 = xp.zeros((B, K, g, Tq, hd), dtype=ct)
     lse5 = xp.full((B, K, g, Tq), -xp.inf, dtype=ct)
+    best = xp.full((K, g), -xp.inf, dtype=ct) if logit_max else None
     q5 = q.reshape(B, K, g, Tq, hd)
     kruns = _runs(kp)
     for a, b in _runs(qp):
@@ -196,13 +228,16 @@ def block_forward(xp, q, k, v, q_pos, k_pos, scale=None, q_seg=None, k_seg=None)
                 continue
             if qt is None:
                 qt = _rows(q5, a, b, ct) * sc
-            part = _tile_forward(xp, qt, k[:, :, c:d].astype(ct), v[:, :, c:d].astype(ct),
-                                 _tile_mask(xp, qp, kp, qs, ks, a, b, c, d), b - a)
+            *part, row_max = _tile_forward(xp, qt, k[:, :, c:d].astype(ct), v[:, :, c:d].astype(ct),
+                                           _tile_mask(xp, qp, kp, qs, ks, a, b, c, d), b - a)
             acc = part if acc is None else merge_partials(xp, *acc, *part)
+            if best is not None:
+                best = xp.maximum(best, row_max.reshape(B, K, g, b - a).max(axis=(0, 3)))
         if acc is not None:
             o5[:, :, :, a:b] = acc[0].reshape(B, K, g, b - a, hd)
             lse5[:, :, :, a:b] = acc[1].reshape(B, K, g, b - a)
-    return o5.reshape(B, H, Tq, hd), lse5.reshape(B, H, Tq)
+    out = o5.reshape(B, H, Tq, hd), lse5.reshape(B, H, Tq)
+    return out if best is None else (*out, best.reshape(H))
 
 
 def softmax_delta(xp, o, do):

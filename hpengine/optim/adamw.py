@@ -74,6 +74,9 @@ class AdamW:
     def state(self) -> dict:
         return dict(zip(self.STATE, (self.m, self.v)))
 
+    def state_at(self, a: int) -> dict:
+        return dict.fromkeys(self.STATE, a)       # both moments span the range
+
     def step(self, p, g, lr: float, grad_coef: float = 1.0, copy=None) -> None:
         """Update p (this range of the parameters, in place) from g (its gradient, scaled by
         grad_coef: clipping and loss-scale undo folded into one multiply). copy, when given, receives

@@ -20,7 +20,12 @@ class Optimizer(Protocol):
     t: int                                                      # updates applied (a checkpoint restores it)
 
     def state(self) -> dict[str, Any]:
-        """Each state tensor by its checkpoint name, as an array over the same elements as the parameters."""
+        """Each state tensor by its checkpoint name, as an array over the elements of the tensors it covers (in
+        the range's order; a tensor's values per element are its kind's values_of)."""
+
+    def state_at(self, a: int) -> dict[str, int]:
+        """For the elements from `a` (relative to the range) of one tensor: each state tensor that covers it and
+        where its values for element a sit in that array."""
 
     def step(self, p, g, lr: float, grad_coef: float = 1.0, copy=None) -> None:
         """Update p in place from g x grad_coef; `copy`, when given, receives the new values (amp's copy)."""
@@ -33,26 +38,37 @@ class Whole(Protocol):
     """How an optimizer that sees TENSORS gets its per-tensor work done whole (strategies/ builds one from the
     communicators: tensor-parallel slices gathered to one rank, replicated tensors' work divided among replicas)."""
 
-    def apply(self, names: list, parts: list, fn: Callable) -> list:
+    def apply(self, names: list, parts: list, fn: Callable, where=None, dtype=None) -> list:
         """fn (a whole tensor -> an array of its shape) of each tensor `names[i]`, of which this rank holds
         parts[i] (its layout shape, stacks of matrices as (count, in, out)); returns this rank's part of each
-        result. Collective over the ranks that hold these tensors, in the same order on each."""
+        result. `where`: the Range the caller updates (an empty one where it holds none of its model), `dtype`:
+        its arrays'. Collective over the ranks of the data-replica group, once per model and step on each: this
+        rank may run fn on tensors it does not hold."""
 
 
 @dataclass(frozen=True)
 class OptimizerKind:
     """An optimizer as the rest of the engine knows it."""
     name: str
-    state: tuple[str, ...]          # names of the state tensors, one value per parameter element each
+    state: tuple[str, ...]          # names of the state tensors, each over the elements of the tensors it covers
     sees: str                       # RANGES: any element range; TENSORS: whole tensors, on their owner
     build: Callable[..., Optimizer]  # (xp, layout, range, dtype, optim config, whole) -> Optimizer
     # TENSORS: the work of the update on a whole tensor (its spec, its whole shape; 0: none done whole), by
     # which the tensors' work is divided among the ranks that hold them
     work: Callable[[Any, tuple], int] | None = None
+    # the state values a tensor (its spec) keeps per element: the first of `state` that many cover it; None: all
+    values: Callable[[Any], int] | None = None
+    fewest: int = 0                 # the values of the tensor that keeps the fewest (0: len(state))
 
-    def state_bytes(self, item: int) -> int:
-        """Bytes of optimizer state per parameter element, state held at `item` bytes an element."""
-        return len(self.state) * item
+    def values_of(self, spec) -> int:
+        """State values per element of the tensor `spec` describes."""
+        return len(self.state) if self.values is None else self.values(spec)
+
+    def state_bytes(self, item: int, least: bool = False) -> int:
+        """Bytes of optimizer state per parameter element, state held at `item` bytes a value: on the tensors that
+        keep the most (least: the fewest, a floor whatever the tensors are)."""
+        n = (self.fewest or len(self.state)) if least else len(self.state)
+        return n * item
 
 
 def _adamw(xp, layout, r, dtype, o, whole=None) -> Optimizer:
@@ -67,10 +83,14 @@ def _muon_work(spec, shape) -> int:
     return ns_work(shape) if is_muon_matrix(spec) else 0
 
 
+def _muon_values(spec) -> int:
+    return 1 if is_muon_matrix(spec) else 2
+
+
 KINDS: dict[str, OptimizerKind] = {
     "adamw": OptimizerKind("adamw", AdamW.STATE, RANGES, _adamw),
-    # Muon's matrices keep one momentum, the rest Adam's two moments; both arrays span the range (2 per element)
-    "muon": OptimizerKind("muon", Muon.STATE, TENSORS, _muon, _muon_work),
+    # Muon's matrices keep one momentum (muon_m), the rest Adam's two moments (muon_m and muon_v)
+    "muon": OptimizerKind("muon", Muon.STATE, TENSORS, _muon, _muon_work, _muon_values, 1),
 }
 UNDECLARED = "adamw"     # the optimizer of a checkpoint whose manifest names none (written before they did)
 

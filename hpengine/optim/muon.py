@@ -81,15 +81,14 @@ def _write_copy(xp, copy, p) -> None:
 
 
 class Muon:
-    """State for the elements of one owned range: `muon_m` holds the momentum buffer on Muon matrices and Adam's
-    first moment elsewhere; `muon_v` holds Adam's second moment, zero (unused) on Muon matrices, since the seam keeps
-    one value per element per state tensor."""
+    """State for the elements of one owned range: `muon_m` spans the range, the momentum buffer on Muon matrices and
+    Adam's first moment elsewhere; `muon_v`, Adam's second moment, covers only the tensors AdamW updates, in the
+    range's order (one value per Muon matrix element, two per AdamW element)."""
     STATE = ("muon_m", "muon_v")
 
     def __init__(self, xp, layout, r: Range, dtype, o, whole=None):
         self.xp, self.range, self.t = xp, r, 0
         self.m = xp.zeros(r.size, dtype=dtype)
-        self.v = xp.zeros(r.size, dtype=dtype)
         self.b1, self.b2 = tuple(o.betas)
         self.eps, self.wd = o.eps, o.weight_decay
         self.momentum, self.nesterov = o.muon_momentum, o.muon_nesterov
@@ -115,8 +114,19 @@ class Muon:
             else:
                 adam.append([a, b, spec.decay])
         chunk = min(CHUNK, r.size) if xp is np else r.size
-        # each AdamW run in the kernel twin's chunks, with its decay runs, as plain AdamW plans the whole range
-        self.adam = [(a, b, chunk_plan(b - a, max(chunk, 1), [(0, b - a)] if d else [])) for a, b, d in adam]
+        # each AdamW run in the kernel twin's chunks, with its decay runs, as plain AdamW plans the whole range, and
+        # where its second moment starts in v
+        self.adam, at = [], 0
+        for a, b, d in adam:
+            self.adam.append((a, b, at, chunk_plan(b - a, max(chunk, 1), [(0, b - a)] if d else [])))
+            at += b - a
+        self.v = xp.zeros(at, dtype=dtype)
+        self._v_at = {}         # start of each AdamW tensor (relative to r) -> where its second moment starts in v
+        for name, part, _ in layout.tensors_in(r):
+            a = part.start - r.start
+            run = next((x for x in self.adam if x[0] <= a < x[1]), None)
+            if run is not None:
+                self._v_at[a] = run[2] + a - run[0]
         self._scratch = (xp.empty(max(chunk, 1), dtype=dtype), xp.empty(max(chunk, 1), dtype=dtype))
 
     def nbytes(self) -> int:
@@ -125,14 +135,17 @@ class Muon:
     def state(self) -> dict:
         return dict(zip(self.STATE, (self.m, self.v)))
 
+    def state_at(self, a: int) -> dict:
+        return {"muon_m": a, "muon_v": self._v_at[a]} if a in self._v_at else {"muon_m": a}
+
     def step(self, p, g, lr: float, grad_coef: float = 1.0, copy=None) -> None:
         """Update p (this range of the parameters, in place) from g x grad_coef; copy, when given, receives the
         updated weights (amp's compute copy)."""
         self.t += 1
         xp = self.xp
         c = adamw_coefs(self.t, lr, (self.b1, self.b2), self.eps, self.wd, grad_coef)
-        for a, b, plan in self.adam:
-            adamw_numpy(p[a:b], g[a:b], self.m[a:b], self.v[a:b], None, c, None if copy is None else copy[a:b],
+        for a, b, v, plan in self.adam:
+            adamw_numpy(p[a:b], g[a:b], self.m[a:b], self.v[v:v + b - a], None, c, None if copy is None else copy[a:b],
                         plan=plan, scratch=self._scratch)
         upds = []
         for a, b, _, shape, _, _ in self.matrices:
@@ -150,7 +163,8 @@ class Muon:
         elif self.whole is None:                            # NumPy loops over a stack anyway: one by one
             orthos = [self._orthogonalise(u) for u in upds]
         else:       # each matrix whole on one rank, this rank's part of every result back
-            orthos = self.whole.apply([m[2] for m in self.matrices], upds, self._orthogonalise)
+            orthos = self.whole.apply([m[2] for m in self.matrices], upds, self._orthogonalise, self.range,
+                                      self.m.dtype)
         for (a, b, _, _, (fan_in, fan_out), decay), ortho in zip(self.matrices, orthos):
             w = p[a:b]
             if decay:

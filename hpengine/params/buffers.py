@@ -64,6 +64,44 @@ class Range:
         return slice(self.start, self.stop)
 
 
+def packed(ranges) -> list[tuple[Range, int]]:
+    """A rank's owned part of a flat buffer as (flat Range, its offset in the packed owned array): the disjoint
+    `ranges` in flat order, adjacent ones joined, held one after another (one Range: offset 0)."""
+    out, at = [], 0
+    for r in sorted(ranges, key=lambda x: x.start):
+        if out and out[-1][0].stop == r.start:
+            out[-1] = (Range(out[-1][0].start, r.stop), out[-1][1])
+        else:
+            out.append((r, at))
+        at += r.size
+    return out
+
+
+def cut(parts, r: Range) -> list[tuple[Range, int]]:
+    """The pieces of flat Range r inside the owned `parts` (packed()): (flat Range, offset in the owned array)."""
+    out = []
+    for p, at in parts:
+        hit = p.intersect(r)
+        if hit is not None:
+            out.append((hit, at + hit.start - p.start))
+    return out
+
+
+def subtract(r: Range, holes) -> list[Range]:
+    """Range r less the disjoint Ranges `holes`, in flat order."""
+    out, at = [], r.start
+    for h in sorted(holes, key=lambda x: x.start):
+        hit = h.intersect(r)
+        if hit is None:
+            continue
+        if hit.start > at:
+            out.append(Range(at, hit.start))
+        at = hit.stop
+    if at < r.stop:
+        out.append(Range(at, r.stop))
+    return out
+
+
 # Parameters, gradients and optimizer moments of one model stage each live in one flat array that shares
 # a Layout; per-tensor facts (shape, tensor-parallel dim, weight decay) live in the spec.
 class Layout:

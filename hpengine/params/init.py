@@ -108,3 +108,11 @@ def init_range(layout, seed: int, r, xp, dtype):
         vals = init_tensor(spec, seed, layout.box(spec.name)).reshape(-1)
         out[part.start - r.start:part.stop - r.start] = vals[off:off + part.size]
     return xp.asarray(out, dtype=dtype)
+
+
+def init_parts(layout, seed: int, parts, xp, dtype):
+    """Layout-invariant values of a rank's owned parts (params.buffers.packed), one after another."""
+    if len(parts) == 1:
+        return init_range(layout, seed, parts[0][0], xp, dtype)
+    return xp.concatenate([init_range(layout, seed, r, xp, dtype) for r, _ in parts]) if parts else \
+        xp.zeros(0, dtype=dtype)

@@ -41,7 +41,7 @@ def quick_floor(cfg, lay: Resolved, cluster, stage_ids, sts=None) -> tuple:
     m, M = cfg.model, cfg.train.models
     sts = sts or stages(m, lay.tp, lay.pp, lay.v, lay.split, lay.schedule, lay.ep)
     packed = packed_caches(lay, cluster)
-    w, g, k, item = precision(m, lay.amp, packed, lay.optimizer)
+    w, g, k, item = precision(m, lay.amp, packed, lay.optimizer, least=True)    # k: a floor per element
     per_elem = w + held_grad_bytes(m, lay, packed) + k
     plain = dataclasses.replace(lay, recompute=0, granularity="full") if lay.recompute else lay
     t_mb, mem = 0.0, 0.0
@@ -71,7 +71,7 @@ def family_floor(cfg, lay: Resolved, cluster, stage_ids, sts=None, bar: float = 
     m, M = cfg.model, cfg.train.models
     sts = sts or stages(m, lay.tp, lay.pp, lay.v, lay.split, lay.schedule, lay.ep)
     packed = packed_caches(lay, cluster)
-    w, g, k, item = precision(m, lay.amp, packed, lay.optimizer)
+    w, g, k, item = precision(m, lay.amp, packed, lay.optimizer, least=True)    # k: a floor per element
     per_elem = w + held_grad_bytes(m, lay, packed) + k
     rest = lay.sh * lay.dp
     t_mb, mem, ids = 0.0, 0.0, sorted({s for s in stage_ids if 0 <= s < lay.pp})

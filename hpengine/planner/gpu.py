@@ -61,7 +61,8 @@ def gemm_s(m: int, k: int, n: int, peak: float, item: int, half: float = 0.0, ef
 def gemms(mcfg, st, lay) -> list[tuple]:
     """(calls, M, K, N, batch) of one micro-batch through the stage on one tp rank: every weight matrix a
     block multiplies by (its own 2-D tensors and the tensors it reads, per tp rank) times the tokens, and
-    each layer's two attention GEMMs per sequence and local head, Q K^T (T x hd x T) and P V (T x T x hd);
+    each layer's two attention GEMMs per sequence and local head, Q K^T (T x hd x T) and P V (T x T x hd)
+    (packed documents: StageFacts.attention of those calls, the share of the work their mask leaves);
     3 calls each (forward, two in backward), one more for a fully recomputed layer, and one more Q K^T for
     a selectively recomputed layer that drops its probabilities."""
     tp, tokens, T = lay.tp, lay.rows * mcfg.seq_len // lay.cp, mcfg.seq_len
@@ -80,8 +81,9 @@ def gemms(mcfg, st, lay) -> list[tuple]:
             out[tokens, kk, nn, 1] += calls
         if b.kind == "layer" and att:
             hd, heads = head_width(mcfg), mcfg.n_heads // tp
-            out[Tq, hd, T, lay.rows * heads] += calls + (drops and b.name in sel)
-            out[Tq, T, hd, lay.rows * heads] += calls
+            share = 1 if st.attention == 1.0 else st.attention     # packed documents: the tiles' work left
+            out[Tq, hd, T, lay.rows * heads] += (calls + (drops and b.name in sel)) * share
+            out[Tq, T, hd, lay.rows * heads] += calls * share
     return [(c, *shape) for shape, c in out.items()]
 
 

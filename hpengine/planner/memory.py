@@ -10,7 +10,7 @@ from hpengine.layout.resolve import MAX_INFLIGHT, Resolved
 from hpengine.layout.schedules import peak_live
 from hpengine.models import build_model
 from hpengine.optim.base import UNDECLARED, kind as optimizer_kind
-from hpengine.params.buffers import partition
+from hpengine.params.buffers import Range, partition
 from hpengine.planner import context as plan_cp, moe as plan_moe, recompute as rc, tp as plan_tp
 from hpengine.planner.stages import StageFacts, family_key, memoised
 
@@ -22,15 +22,16 @@ def zero_bytes(psi: float, share: float, stage: int, w: int, g: int, k: int) -> 
             k * (share if stage >= 1 else psi))
 
 
-def precision(mcfg, amp, packed: bool = False, optimizer: str = UNDECLARED) -> tuple:
+def precision(mcfg, amp, packed: bool = False, optimizer: str = UNDECLARED, least: bool = False) -> tuple:
     """(w, g, K, compute bytes): 16-bit copies, and an fp32 master plus the optimizer's state in float32 under
     amp (K = 12 for AdamW's two moments); bfloat16 values are kept in float32 storage (precision.py), so its
     gradients on the wire (MPI has no bfloat16 sum) and activations on the wire take 4 bytes, as do its compute
     copy, cached activations and held gradients unless they are packed (packed_caches: the copy as bfloat16
     bits, w = 2, the caches block_activations, bfloat16 gradients held_grad_bytes); else the dtype for
     parameters, gradients and the optimizer's state (K = 8 for AdamW in float32). K: what `optimizer`
-    (optim.name) declares (optim/base.py: OptimizerKind.state_bytes)."""
-    state = optimizer_kind(optimizer).state_bytes
+    (optim.name) declares (optim/base.py: OptimizerKind.state_bytes) for the tensors that keep the most state
+    values (least: the fewest, a floor; optimizer_bytes counts a layout's tensors exactly)."""
+    state = functools.partial(optimizer_kind(optimizer).state_bytes, least=least)
     if amp == "bfloat16":
         return 2 if packed else 4, 4, 4 + state(4), 4
     if amp:
@@ -43,18 +44,25 @@ def owned(st: StageFacts, lay: Resolved, models: int, sh_rank=None) -> int:
     """Elements this sharding rank owns (the largest share when sh_rank is None)."""
     if lay.sh == 1:
         return st.psi * models
-    return memoised(st, ("owned", models, lay.sh, lay.partition, sh_rank), lambda: _owned(st, lay, models, sh_rank))
+    return memoised(st, ("owned", models, lay.sh, lay.partition, sh_rank, lay.experts_whole),
+                    lambda: _owned(st, lay, models, sh_rank))
 
 
 def _owned(st: StageFacts, lay: Resolved, models: int, sh_rank) -> int:
-    ranges = _partition(st.sizes(models), lay.sh, lay.partition)
-    return max(r.size for r in ranges) if sh_rank is None else ranges[sh_rank].size
+    sizes = st.sizes(models)
+    ranges = _partition(sizes, lay.sh, lay.partition)
+    per_rank = [r.size for r in ranges]
+    if lay.experts_whole:       # ep across sharding: its share less the experts, and its whole expert block
+        flagged = plan_tp.flagged_per_rank(sizes, st.expert * models, tuple(ranges))
+        per_rank = [n - f + st.experts * models for n, f in zip(per_rank, flagged)]
+    return max(per_rank) if sh_rank is None else per_rank[sh_rank]
 
 
 def owned_experts(st: StageFacts, lay: Resolved, models: int, sh_rank=None) -> int:
     """Elements of expert blocks split over ep inside this sharding rank's owned range (the largest share when
-    sh_rank is None): their gradients are averaged over the ep-dp replicas, the rest over dp."""
-    if lay.sh == 1:
+    sh_rank is None): their gradients are averaged over the ep-dp replicas, the rest over dp. With ep across
+    sharding every rank owns its whole expert block."""
+    if lay.sh == 1 or lay.experts_whole:
         return st.experts * models
     return memoised(st, ("owned experts", models, lay.sh, lay.partition, sh_rank),
                     lambda: _owned_experts(st, lay, models, sh_rank))
@@ -83,7 +91,34 @@ def model_state(mcfg, st: StageFacts, lay: Resolved, models: int, sh_rank=None, 
     w, _, k, _ = precision(mcfg, lay.amp, packed, lay.optimizer)
     g = held_grad_bytes(mcfg, lay, packed)
     p, gr, o = zero_bytes(st.psi * models, owned(st, lay, models, sh_rank), lay.zstage, w, g, k)
+    if dict(st.state_values).get(lay.optimizer) is not None:
+        o = optimizer_bytes(mcfg, st, lay, models, sh_rank)
     return {"params": p, "grads": gr, "optimizer": o}
+
+
+def optimizer_bytes(mcfg, st: StageFacts, lay: Resolved, models: int, sh_rank=None) -> int:
+    """Bytes of the optimizer state (and amp's float32 masters) this sharding rank holds (the most any rank holds
+    when sh_rank is None), for an optimizer that declares its state values per tensor: a value per element of each
+    owned tensor's share for each value it keeps (optim.base.OptimizerKind.values_of), float32 under amp (a master
+    per owned element too), else the model's dtype."""
+    key = ("optimizer bytes", models, lay.sh, lay.partition, lay.zstage, sh_rank, lay.optimizer, bool(lay.amp),
+           mcfg.dtype)
+    return memoised(st, key, lambda: _optimizer_bytes(mcfg, st, lay, models, sh_rank))
+
+
+def _optimizer_bytes(mcfg, st: StageFacts, lay: Resolved, models: int, sh_rank) -> int:
+    item, master = (4, 4) if lay.amp else (8 if mcfg.dtype == "float64" else 4, 0)
+    sizes, per = st.sizes(models), dict(st.state_values)[lay.optimizer] * models
+    total = sum(sizes)
+    ranges = _partition(sizes, lay.sh, lay.partition) if lay.sh > 1 and lay.zstage >= 1 else [Range(0, total)]
+    best = 0
+    for r in ranges if sh_rank is None else [ranges[sh_rank]]:
+        at, values = 0, 0
+        for n, v in zip(sizes, per):
+            values += v * max(0, min(at + n, r.stop) - max(at, r.start))
+            at += n
+        best = max(best, master * r.size + item * values)
+    return best
 
 
 def packed_caches(lay: Resolved, cluster=None) -> bool:

@@ -44,21 +44,26 @@ def wire_item(lay: Resolved, item: int, packed: bool) -> int:
     return 2 if packed and lay.amp == "bfloat16" else item
 
 
-def traffic(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, sh_rank=None, packed: bool = False) -> dict:
+def traffic(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, sh_rank=None, packed: bool = False,
+            replica=None) -> dict:
     """{axis: {op: bytes}} one rank sends in one optimizer step, as comm.py counts it (every rank
     counts its own buffer of a collective; "tied" is the first/last-stage wte gradient sum); packed
-    (packed_caches): the parameters' all-gathers and the pipeline's sends move bfloat16 bits."""
+    (packed_caches): the parameters' all-gathers and the pipeline's sends move bfloat16 bits. replica: the
+    rank's place among dp x cp (what Muon's updates moved over sharding depend on; None: the busiest)."""
     w, g, _, item = precision(mcfg, lay.amp, packed)
     M, psi, out = models, st.psi * models, {}
     losses = F64 * (M + plan_moe.loss_figures(mcfg, M))         # the loss allreduce, with the MoE figures riding on it
+    whole = st.experts * M if lay.experts_whole else 0     # ep across sharding: expert blocks kept whole
     if lay.sh > 1:
         gathers = psi * w if lay.zstage < 3 else lay.k * lay.m * M * gathered_per_microbatch(mcfg, st) * w
-        out["sharding"] = {"reduce": psi * g, "allgather": gathers, "allreduce": F64 * M + losses}
+        out["sharding"] = {"reduce": (psi - whole) * g, "allgather": gathers, "allreduce": F64 * M + losses}
     if lay.dp * lay.cp > 1:            # expert blocks split over ep: summed over their replicas only
         experts = owned_experts(st, lay, M, sh_rank)
         out[lay.grad_group] = {"allreduce": (owned(st, lay, M, sh_rank) - experts) * g + losses}
-        if lay.dp // lay.ep > 1 and experts:
+        if lay.dp // lay.ep > 1 and experts and not whole:
             out["ep-dp"] = {"allreduce": experts * g}
+    if whole and lay.dp * lay.sh * lay.cp // lay.ep > 1:   # each block summed over the ranks that hold it
+        out["ep-dp"] = {"allreduce": whole * g}
     if plan_muon.runs(lay):     # each Newton-Schulz owner's results, shared over the replicas (in the masters' dtype)
         dense, expert = plan_muon.owned_elements(st, lay, M, sh_rank)
         master = 4 if lay.amp else item
@@ -66,6 +71,9 @@ def traffic(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, sh_ran
             out[lay.grad_group]["allgather"] = dense * master
         if lay.dp // lay.ep > 1 and expert:
             out["ep-dp"]["allgather"] = expert * master
+        moved, calls = plan_muon.hop_elements(st, lay, M, sh_rank, replica)
+        if calls:       # the updates to their Newton-Schulz owners over sharding, the results back
+            out["sharding"]["alltoallv"] = moved * master
     if lay.ep > 1:
         out["ep"] = {"allreduce": F64 * M, "alltoallv": plan_moe.alltoall_bytes(mcfg, st, lay, item)}
     if lay.cp > 1:          # the ring's (or all-gather's) k, v on the cp communicator, beside the gradient sum
@@ -105,8 +113,13 @@ def _hops_of(schedule: str, pp: int, v: int, stage: int) -> int:
     return out
 
 
-def stage_facts(cfg, lay: Resolved) -> list[StageFacts]:
-    return stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule, lay.ep)
+def stage_facts(cfg, lay: Resolved, docs=None) -> list[StageFacts]:
+    """The layout's stages; docs: the plan's DocumentFacts (None: one document a row)."""
+    return stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule, lay.ep, _attention(docs))
+
+
+def _attention(docs) -> float:
+    return 1.0 if docs is None else docs.attention
 
 
 # ---- time ------------------------------------------------------------------------------------------
@@ -136,17 +149,26 @@ def collective_s(op: str, n: int, nbytes: float, calls: float, alpha: float, bet
     return share * nbytes / beta + calls * math.ceil(math.log2(n)) * alpha
 
 
-def matmul_flops(mcfg, tokens: int, weights: int, layers: int, tp: int, f: int = 6) -> float:
+def matmul_flops(mcfg, tokens: int, weights: int, layers: int, tp: int, f: int = 6, attention: float = 1.0) -> float:
     """f·N·tokens over N weights (f = 6 forward and backward), plus the attention scores and their
-    product with the values, f/2 times their forward."""
-    return f * tokens * weights + f // 2 * build_model(mcfg, tp).attention_flops(tokens, tp) * layers
+    product with the values, f/2 times their forward, of which packed documents leave `attention`
+    (StageFacts.attention)."""
+    return f * tokens * weights + f // 2 * attention_flops(mcfg, tokens, tp, attention) * layers
+
+
+def attention_flops(mcfg, tokens: int, tp: int, attention: float = 1.0) -> float:
+    """Forward FLOPs of one layer's scores and their product with the values on one tp rank: the model's own
+    figure, times the share packed documents leave (planner/documents.py)."""
+    dense = build_model(mcfg, tp).attention_flops(tokens, tp)
+    return dense if attention == 1.0 else dense * attention
 
 
 def flops_per_microbatch(mcfg, st: StageFacts, lay: Resolved) -> float:
     """6·N·tokens over the weights this rank multiplies by, plus attention scores, plus what the
     recomputed layers rebuild (planner/recompute.py: extra_flops)."""
     tokens = lay.rows * mcfg.seq_len // lay.cp
-    return matmul_flops(mcfg, tokens, st.matmul, st.layers, lay.tp) + rc.extra_flops(mcfg, st, lay, tokens)
+    return (matmul_flops(mcfg, tokens, st.matmul, st.layers, lay.tp, attention=st.attention)
+            + rc.extra_flops(mcfg, st, lay, tokens))
 
 
 def _device_flops(mcfg, lay: Resolved, cluster) -> float:
@@ -278,25 +300,34 @@ def stage_times(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, cl
         parts = len(st.names) * M + lay.sh - 1          # a reduce per (block, owner) piece
         red = collective_s("reduce", lay.sh, tr["sharding"]["reduce"], parts,
                            *link(lay, "sharding", cluster, "reduce"))
+        if lay.experts_whole and "ep-dp" in tr:     # the whole expert blocks' sums, one per MoE block, beside it
+            red += collective_s("allreduce", lay.dp * lay.sh // lay.ep, tr["ep-dp"]["allreduce"],
+                                sum(st.expert) * M,
+                                *link(lay, "dp" if lay.dp > 1 else "sharding", cluster))
         # stage 3 gathers each block from its owner, twice a micro-batch; stages 1-2 share every range once
         gathers = mb * M * sum(1 + b.bwd_params for b in st.kinds) if lay.zstage == 3 else 1
         gat = collective_s("allgather", lay.sh, tr["sharding"]["allgather"], gathers,
                            *link(lay, "sharding", cluster, "allgather" if lay.zstage == 3 else "allreduce"))
         prefetch = mb * hide / 3 if lay.zstage == 3 else 0.0
         out["sharding"] = max(0.0, red - 2 / 3 * hide) + max(0.0, gat - prefetch)
+        if "alltoallv" in tr["sharding"]:      # Muon's updates to their Newton-Schulz owners and back
+            a, b = link(lay, "sharding", cluster)
+            out["sharding"] += collective_s("send", lay.sh, tr["sharding"]["alltoallv"], 2 * M, a, b)
         out["hidden"]["sharding reduce"] = (red - max(0.0, red - 2 / 3 * hide), tr["sharding"]["reduce"])
         out["hidden"]["sharding all-gather"] = (gat - max(0.0, gat - prefetch), tr["sharding"]["allgather"])
     return out
 
 
-def predict_stage(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, cluster=None, sh_rank=None) -> dict:
-    """Memory (bytes) and traffic of one rank of `stage`; times when a cluster is given."""
+def predict_stage(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, cluster=None, sh_rank=None,
+                  replica=None) -> dict:
+    """Memory (bytes) and traffic of one rank of `stage` (at sharding rank `sh_rank` and place `replica` among
+    dp x cp; None: the largest share); times when a cluster is given."""
     item, packed = precision(mcfg, lay.amp)[3], packed_caches(lay, cluster)
     mem = model_state(mcfg, st, lay, models, sh_rank, packed)
     mem["activations"] = activations(mcfg, st, lay, stage, item, packed)
     mem["buffers"] = buffers(mcfg, st, lay, owned(st, lay, models, sh_rank), packed)
     mem["total"] = sum(mem.values())
-    out = {"stage": stage, "memory": mem, "traffic": traffic(mcfg, st, lay, stage, models, sh_rank, packed)}
+    out = {"stage": stage, "memory": mem, "traffic": traffic(mcfg, st, lay, stage, models, sh_rank, packed, replica)}
     if cluster is not None:         # its times read the largest share's traffic, whatever sh_rank
         out["times"] = stage_times(mcfg, st, lay, stage, models, cluster, sh_rank,
                                    out["traffic"] if sh_rank is None else None)
@@ -329,13 +360,25 @@ def for_rank(cfg, world: int, coords: dict, cluster=None) -> dict:
     """The prediction for the rank at mesh `coords` (its pipeline stage and sharding share)."""
     lay = resolve(cfg, world)
     st = stage_facts(cfg, lay)[coords["pp"]]
-    return predict_stage(cfg.model, st, lay, coords["pp"], cfg.train.models, cluster, coords["sharding"])
+    return predict_stage(cfg.model, st, lay, coords["pp"], cfg.train.models, cluster, coords["sharding"],
+                         replica_index(lay, coords))
 
 
-def predict_layout(cfg, lay: Resolved, cluster, stage_ids=None, sts=None) -> dict:
+def replica_index(lay: Resolved, coords: dict) -> int:
+    """The rank's place in its dp x cp communicator (dist/topology.py: innermost axis fastest)."""
+    at, stride = 0, 1
+    for a in lay.order:
+        if a in lay.grad_axes:
+            at += coords[a] * stride
+            stride *= {"dp": lay.dp, "cp": lay.cp}[a]
+    return at
+
+
+def predict_layout(cfg, lay: Resolved, cluster, stage_ids=None, sts=None, docs=None) -> dict:
     """Prediction for a layout: per-stage results, the worst stage's memory, the step time. sts: its stages
-    (stages.stages of the layout's cut), when the caller has them."""
-    sts = sts or stages(cfg.model, lay.tp, lay.pp, lay.v, lay.split, lay.schedule, lay.ep)
+    (stages.stages of the layout's cut), when the caller has them; docs: the plan's DocumentFacts (their
+    attention share, when sts is not given)."""
+    sts = sts or stage_facts(cfg, lay, docs)
     ids = range(lay.pp) if stage_ids is None else sorted({s for s in stage_ids if 0 <= s < lay.pp})
     per = [predict_stage(cfg.model, sts[s], lay, s, cfg.train.models, cluster) for s in ids]
     worst = max(per, key=lambda r: r["memory"]["total"])

@@ -37,11 +37,11 @@ def flops(rows: int, cols: int, steps: int, count: int = 1) -> float:
 
 def owner_matrices(st: StageFacts, lay, models: int, sh_rank: int = 0) -> tuple:
     """((rows, cols), matrices) the busiest owner orthogonalises each step, as strategies/whole_tensors.py divides
-    the work: the Muon matrices of the owned range (the sharding owner's, those whose first element lies in its
-    range; else every one of the stage) get one owner each among its replicas (dp x cp; a routed expert stack:
-    its ep-dp replicas) times the tp ranks, heaviest first to the least loaded (params.buffers.assign_owners).
-    The busiest dense and the busiest expert share are added: an upper bound where they fall on two ranks."""
-    sharded = lay.sh > 1 and lay.zstage >= 1
+    the work: every Muon matrix of the stage (of every sharding owner's range) gets one owner among the data-replica
+    group, sharding x replicas (dp x cp) x tp; a routed expert stack split over ep: among its range's ep-dp replicas
+    times tp; heaviest first to the least loaded (params.buffers.assign_owners). The busiest dense and the busiest
+    expert share are added: an upper bound where they fall on two ranks."""
+    sharded = _sharded(lay)
     key = ("muon owner", models, lay.sh if sharded else 1, lay.partition, sh_rank if sharded else 0, lay.dp, lay.cp,
            lay.ep, lay.tp)
     return memoised(st, key, lambda: _owner_matrices(st, lay, models, sh_rank if sharded else None))
@@ -49,19 +49,16 @@ def owner_matrices(st: StageFacts, lay, models: int, sh_rank: int = 0) -> tuple:
 
 def _owner_matrices(st: StageFacts, lay, models: int, sh_rank) -> tuple:
     shapes = [m for _ in range(models) for m in st.muon]
-    mine = [True] * len(shapes)
-    if sh_rank is not None:
-        r, at = _partition(st.sizes(models), lay.sh, lay.partition)[sh_rank], 0
-        for i, n in enumerate(st.sizes(models)):
-            mine[i] = r.start <= at < r.stop
-            at += n
+    store = _storage(st, lay, models)
     out = collections.Counter()
     for expert, replicas in ((False, lay.dp * lay.cp), (True, max(1, lay.dp // lay.ep))):
-        items = [m for m, held in zip(shapes, mine) if m is not None and held and _split(m, lay) == expert]
+        hop = not expert and sh_rank is not None        # dense matrices: owners over the sharding ranks too
+        items = [m for m, s in zip(shapes, store) if m is not None and _split(m, lay) == expert
+                 and (hop or sh_rank is None or s == sh_rank)]
         if not items:
             continue
         work = [ns_work((count, rows, cols)) for count, rows, cols, _ in items]
-        owners = assign_owners(work, replicas * lay.tp)
+        owners = assign_owners(work, (lay.sh if hop else 1) * replicas * lay.tp)
         loads = collections.Counter()
         for o, w in zip(owners, work):
             loads[o] += w
@@ -70,6 +67,53 @@ def _owner_matrices(st: StageFacts, lay, models: int, sh_rank) -> tuple:
             if o == busiest:
                 out[m[1:3]] += m[0]
     return tuple(sorted(out.items()))
+
+
+def hop_elements(st: StageFacts, lay, models: int, sh_rank=None, replica=None) -> tuple[int, int]:
+    """(elements, calls) of the sharding alltoallv of a step on the rank at sharding rank `sh_rank` and place
+    `replica` among dp x cp (None: the rank with the most): per model whose matrices move, one alltoallv takes each
+    update from its storage owner (the one at its work owner's place among the replicas) to its work owner and one
+    brings the result back; each rank counts what it sends, its tp slice of each matrix."""
+    if not _sharded(lay):
+        return 0, 0
+    key = ("muon hop", models, lay.sh, lay.partition, sh_rank, replica, lay.dp, lay.cp, lay.ep, lay.tp)
+    return memoised(st, key, lambda: _hop_elements(st, lay, models, sh_rank, replica))
+
+
+def _hop_elements(st: StageFacts, lay, models: int, sh_rank, replica) -> tuple[int, int]:
+    sizes, store = st.sizes(models), _storage(st, lay, models)
+    shapes = [m for _ in range(models) for m in st.muon]
+    dense = [i for i, m in enumerate(shapes) if m is not None and not _split(m, lay)]
+    D, T = lay.dp * lay.cp, lay.tp
+    owners = assign_owners([ns_work(shapes[i][:3]) for i in dense], lay.sh * D * T)
+    per, best = len(st.muon), (0, 0)
+    for s in range(lay.sh) if sh_rank is None else [sh_rank]:
+        for d in range(D) if replica is None else [replica]:
+            elems = calls = 0
+            for k in range(models):
+                moving = [(i, o // (D * T)) for i, o in zip(dense, owners)
+                          if i // per == k and o // T % D == d and o // (D * T) != store[i]]
+                if moving:
+                    calls += 2
+                    elems += sum(sizes[i] for i, so in moving if s in (store[i], so))
+            best = max(best, (elems, calls))
+    return best
+
+
+def _sharded(lay) -> bool:
+    return lay.sh > 1 and lay.zstage >= 1
+
+
+def _storage(st: StageFacts, lay, models: int) -> list[int]:
+    """The sharding rank whose range holds each tensor (sizes' order; 0 unsharded)."""
+    sizes = st.sizes(models)
+    if not _sharded(lay):
+        return [0] * len(sizes)
+    ranges, at, out = _partition(sizes, lay.sh, lay.partition), 0, []
+    for n in sizes:
+        out.append(next(r for r, R in enumerate(ranges) if R.start <= at < R.stop) if n else 0)
+        at += n
+    return out
 
 
 def owned_elements(st: StageFacts, lay, models: int, sh_rank=None) -> tuple[int, int]:

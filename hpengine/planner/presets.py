@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpengine.planner.sizes import MLAShape
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -53,3 +55,33 @@ PRESETS = {
     "mixtral-8x7b": _mixtral(32, 8, 2, 1024),
 }
 ALIASES = {"124m": "gpt2-124m", "gpt2": "gpt2-124m", "6.7b": "7b"}
+
+
+@dataclass(frozen=True)
+class FormulaPreset:
+    """A published shape the planner counts by formula (planner/sizes.py) but cannot yet plan: multi-head latent
+    attention has no [model] table here."""
+    shape: MLAShape
+    seq_len: int           # pretraining context
+    global_batch: int      # sequences per optimizer step
+
+
+def _deepseek(heads: int, vocab: int, dense: int, experts: int, groups: int, topk_groups: int, mtp: int,
+              batch: int) -> FormulaPreset:
+    """DeepSeek-V3 and Kimi K2 (Hugging Face config.json): 61 layers of width 7168, MLA with q_lora_rank 1536,
+    kv_lora_rank 512, 128 + 64 wide query/key heads and 128 wide value heads; dense MLPs of 18432, routed experts
+    of 2048, top 8 beside one shared expert; pretrained at 4096 tokens."""
+    return FormulaPreset(MLAShape(vocab=vocab, d_model=7168, n_layers=61, dense_layers=dense, n_heads=heads,
+                                  q_lora_rank=1536, kv_lora_rank=512, qk_nope=128, qk_rope=64, v_head=128,
+                                  ffn_hidden=18432, expert_hidden=2048, experts=experts, shared=1, top_k=8,
+                                  n_groups=groups, topk_groups=topk_groups, mtp_depth=mtp), 4096, batch)
+
+
+FORMULA_PRESETS = {
+    # DeepSeek-V3 (DeepSeek-AI 2024, sections 2 and 4.2): 256 experts in 8 groups, 4 open per token, one MTP
+    # module; the batch grows to 15360 sequences and stays there
+    "deepseek-v3": _deepseek(128, 129280, 3, 256, 8, 4, 1, 15360),
+    # Kimi K2 (Moonshot AI 2025): half the heads, 384 experts without groups, one dense layer, a 163840-token
+    # vocabulary, no MTP module; 67M tokens a step
+    "kimi-k2": _deepseek(64, 163840, 1, 384, 1, 1, 0, 16384),
+}

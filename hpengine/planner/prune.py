@@ -41,8 +41,8 @@ class Family:
         return self.make()
 
 
-def families(cfg, cluster, max_rows: int, where=None):
-    """Every family of space.candidates, enumerated by the same helpers."""
+def families(cfg, cluster, max_rows: int, where=None, attention: float = 1.0):
+    """Every family of space.candidates, enumerated by the same helpers; attention: StageFacts.attention."""
     m, W, gb = cfg.model, cluster.world, cfg.train.global_batch
     tps = [t for t in space.divisors(W) if t <= cluster.gpus_per_node and space.tp_ok(m, t)]
     modes, split_sends = space.recompute_modes(m), cfg.strategy.pipeline.scatter_gather
@@ -58,7 +58,7 @@ def families(cfg, cluster, max_rows: int, where=None):
         tensors = min(len(st.sizes(cfg.train.models)) for st in stages(m, tp, pp, 1))
         sps = (False, True) if tp > 1 and (m.seq_len // cp) % tp == 0 else (False,)
         rows = [r for r in space.divisors(share) if r <= max_rows]
-        eps = sorted({e for sh in shs for e in space.expert_degrees(m, rest // sh)})
+        eps = sorted({e for sh in shs for e in space.expert_degrees(m, rest // sh, sh, cfg.optim.name)})
         cuts = {}               # the prefix's stage lists by (v, zbv, ep): stages() keys the model afresh each call
         for (bi, b), (mi, (rc, gran)), (ai, amp), (si, sp) in product(enumerate(rows), enumerate(modes),
                                                                       enumerate(("", "float16")), enumerate(sps)):
@@ -71,10 +71,11 @@ def families(cfg, cluster, max_rows: int, where=None):
                              granularity=gran, sp=sp, scatter=tp > 1 and pp > 1 and not sp and split_sends, ep=ep,
                              cp=cp, cp_comm=comm, optimizer=cfg.optim.name,
                              muon_ns_steps=cfg.optim.muon_ns_steps)
-                split = tuple((hi, sh) for hi, sh in enumerate(shs) if ep in space.expert_degrees(m, rest // sh))
+                split = tuple((hi, sh) for hi, sh in enumerate(shs)
+                              if ep in space.expert_degrees(m, rest // sh, sh, cfg.optim.name))
                 cut = (v, schedule(sched).vee, ep)
                 if cut not in cuts:
-                    cuts[cut] = stages(m, tp, pp, v, "uniform", sched, ep)
+                    cuts[cut] = stages(m, tp, pp, v, "uniform", sched, ep, attention)
                 yield Family(_leaf(fixed, 1, 0), sum(1 if sh == 1 else 3 for _, sh in split),
                              functools.partial(_leaves, fixed, split, (i,), (bi, mi, ai, si, ci, ep)), cuts[cut])
 
@@ -106,7 +107,7 @@ class SearchProgress:
 
 
 def branch_and_bound(cfg, cluster, max_rows: int, top: int, progress: SearchProgress | None = None,
-                     where=None) -> tuple:
+                     where=None, attention: float = 1.0) -> tuple:
     """(layouts that fit, ranked as search ranks them, the first `top` equal to the exhaustive search's; how many
     were evaluated; how many were pruned unevaluated; the smallest layout when none fits).
 
@@ -118,7 +119,7 @@ def branch_and_bound(cfg, cluster, max_rows: int, top: int, progress: SearchProg
     progress = progress or SearchProgress()
     usable, ids = cluster.usable_gb * GB, lambda lay: (0, 1, lay.pp - 1)
     fams = []
-    for fam in families(cfg, cluster, max_rows, where):
+    for fam in families(cfg, cluster, max_rows, where, attention):
         fam.floor = quick_floor(cfg, fam.rep, cluster, ids(fam.rep), fam.stages)
         fams.append(fam)
     progress.start(sum(f.size for f in fams))

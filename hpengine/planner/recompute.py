@@ -51,6 +51,8 @@ def extra_flops(mcfg, st, lay, tokens: int) -> float:
     flash attention). The softmax's elementwise work is counted with the bytes (elementwise_bytes)."""
     model, again = build_model(mcfg, lay.tp), full(st, lay)
     att = model.attention_flops(tokens, lay.tp)
+    if st.attention != 1.0:      # packed documents: the share of the work they leave
+        att *= st.attention
     out = sum(2 * tokens * n for b, n in st.matmuls if b in again) + att * len(again)
     if model.cache_bytes(lay.rows, lay.tp, 1, lay.amp, lay.share, cp=lay.cp)["scores"]:
         out += att // 2 * len(selective(st, lay))

@@ -136,14 +136,15 @@ def _n_params(cfg: Config) -> int:
     return sum(math.prod(sp.global_shape) for sp in build_model(cfg.model).all_specs()) * cfg.train.models
 
 
-def check_text(cfg: Config, world: int, cluster: Cluster) -> str:
-    """`plan --check`: per-stage memory, the step time and each communicator's bytes per step."""
+def check_text(cfg: Config, world: int, cluster: Cluster, docs=None) -> str:
+    """`plan --check`: per-stage memory, the step time and each communicator's bytes per step; docs: the
+    plan's documents (planner/documents.py), their share of the attention's work."""
     try:
         lay = resolve(cfg, world)
     except ValueError as e:
         raise PlanError(f"--world {world}: {e}") from None
     try:
-        r = predict_layout(cfg, lay, cluster)
+        r = predict_layout(cfg, lay, cluster, docs=docs)
     except ValueError as e:
         raise PlanError(f"--check on {world} ranks ({describe(lay)}): {e}") from None
     out = [f"{cfg.model.kind} with {_n_params(cfg):,} parameters on {world} ranks: {describe(lay)}; optimizer "

@@ -15,32 +15,40 @@ from hpengine.config.load import (
     ConfigError,
     ModelConfig,
     MoEConfig,
+    MTPConfig,
     enabled_strategies,
     load_config,
     to_toml,
     validate,
 )
+from hpengine.data.format import DataError
 from hpengine.files import write_file
 from hpengine.layout.resolve import SWITCH_OF_AXIS, Resolved, resolve
-from hpengine.planner import prune
+from hpengine.planner import documents as plan_docs, prune
 from hpengine.planner.calibrate import GB, calibrate_device
 from hpengine.planner.cluster import Cluster, PlanError, load_cluster  # noqa: F401 - Cluster and PlanError are part of plan's API
 from hpengine.planner.model import predict_layout, predict_stage, step_time  # noqa: F401 - predict_layout is part of plan's API
 from hpengine.planner.report import (_bytes, _n_params, _secs, check_text, describe, hidden_line,  # noqa: F401
                                      table)
 from hpengine.planner.space import candidates, rank_key  # noqa: F401 - candidates is part of plan's API
-from hpengine.planner.presets import ALIASES, PRESETS
+from hpengine.planner.presets import ALIASES, FORMULA_PRESETS, PRESETS
 
 
 def with_preset(cfg: Config, name: str) -> Config:
     """cfg with its [model] table replaced by a preset's (presets.py) and its global batch set."""
     key = ALIASES.get(name.lower(), name.lower())
+    if key in FORMULA_PRESETS:
+        shape = FORMULA_PRESETS[key].shape
+        raise PlanError(f"--model {name}: multi-head latent attention cannot be planned yet (no [model] table "
+                        f"holds it); its sizes by formula (hpengine.planner.sizes): {shape.params() / 1e9:.1f}B "
+                        f"parameters, {shape.activated() / 1e9:.1f}B activated per token")
     if key not in PRESETS:
         raise PlanError(f"--model {name}: unknown preset; choose one of {', '.join(PRESETS)} "
                         f"(aliases: {', '.join(f'{a} = {k}' for a, k in ALIASES.items())})")
     preset = PRESETS[key]
     cfg = copy.deepcopy(cfg)
-    cfg.model = ModelConfig(**{k: MoEConfig(**v) if k == "moe" else v for k, v in preset.model.items()})
+    cfg.model = ModelConfig(**{k: {"moe": MoEConfig, "mtp": MTPConfig}[k](**v) if k in ("moe", "mtp") else v
+                               for k, v in preset.model.items()})
     cfg.train.global_batch = preset.global_batch
     return cfg
 
@@ -57,21 +65,22 @@ def with_optimizer(cfg: Config, name: str | None) -> Config:
 
 # ---- search -----------------------------------------------------------------------------------------
 
-def search(cfg: Config, cluster: Cluster, max_rows: int = 8, top: int | None = None) -> tuple[list[dict], int]:
+def search(cfg: Config, cluster: Cluster, max_rows: int = 8, top: int | None = None, docs=None) -> tuple[list[dict], int]:
     """(layouts that fit in the device memory less the reserve, fastest first; how many were considered).
     top None: every layout evaluated and ranked (the exhaustive search); else branch and bound
     (planner/prune.py): the first `top` rows are the exhaustive search's, the rest only those it evaluated.
-    Raises PlanError when none fits."""
-    fit, evaluated, pruned = searched(cfg, cluster, max_rows, top)
+    Raises PlanError when none fits. docs: the plan's documents (planner/documents.py; None: one a row)."""
+    fit, evaluated, pruned = searched(cfg, cluster, max_rows, top, docs=docs)
     return fit, evaluated + pruned
 
 
 def searched(cfg: Config, cluster: Cluster, max_rows: int = 8, top: int | None = None, progress=None,
-             where=None) -> tuple[list[dict], int, int]:
+             where=None, docs=None) -> tuple[list[dict], int, int]:
     """search's ranking with (layouts evaluated, layouts pruned unevaluated); progress: a prune.SearchProgress;
-    where(tp, cp, pp): only those prefixes (branch and bound only)."""
+    where(tp, cp, pp): only those prefixes (branch and bound only); docs: search's."""
     if top is not None:
-        fit, n, pruned, smallest = prune.branch_and_bound(cfg, cluster, max_rows, top, progress, where)
+        fit, n, pruned, smallest = prune.branch_and_bound(cfg, cluster, max_rows, top, progress, where,
+                                                          1.0 if docs is None else docs.attention)
         if not n and not pruned:
             _none_legal(cfg, cluster)
         if not fit:
@@ -79,7 +88,7 @@ def searched(cfg: Config, cluster: Cluster, max_rows: int = 8, top: int | None =
         return fit, n, pruned
     fit, smallest, n = [], None, 0
     for n, lay in enumerate(candidates(cfg, cluster, max_rows), 1):
-        r = predict_layout(cfg, lay, cluster, (0, 1, lay.pp - 1))
+        r = predict_layout(cfg, lay, cluster, (0, 1, lay.pp - 1), docs=docs)
         if r["memory"]["total"] <= cluster.usable_gb * GB:
             fit.append(r)
         elif smallest is None or r["memory"]["total"] < smallest["memory"]["total"]:
@@ -131,11 +140,11 @@ def config_for(cfg: Config, lay: Resolved) -> Config:
 
 # ---- output -----------------------------------------------------------------------------------------
 
-def _why_context(cfg: Config, cluster: Cluster, fit: list[dict], max_rows: int) -> str:
+def _why_context(cfg: Config, cluster: Cluster, fit: list[dict], max_rows: int, docs=None) -> str:
     """Why the best layout splits sequences: no layout with cp 1 fits, or the best one that does is slower (the
     search again, over cp 1 only: the first search may have pruned those layouts)."""
     try:
-        flat = searched(cfg, cluster, max_rows, 1, where=lambda tp, cp, pp: cp == 1)[0]
+        flat = searched(cfg, cluster, max_rows, 1, where=lambda tp, cp, pp: cp == 1, docs=docs)[0]
     except PlanError:
         flat = []
     if not flat:
@@ -244,6 +253,15 @@ def cluster_lines(a, c: Cluster) -> list[str]:
                  "free")
 
 
+def documents(cfg: Config, mean=None):
+    """The plan's DocumentFacts (planner/documents.py): --mean-doc-len, or the config's token files under
+    data.document_mask; a token file that cannot be read is one line."""
+    try:
+        return plan_docs.documents_of(cfg, mean)
+    except (DataError, OSError) as e:
+        raise PlanError(f"data.document_mask: cannot measure the documents' lengths: {e}") from None
+
+
 def _wrap(line: str) -> list[str]:
     return textwrap.wrap(line, 120, subsequent_indent="  ", break_on_hyphens=False) or [""]
 
@@ -255,10 +273,13 @@ def run(a, progress=None) -> str:
     if a.calibrate:
         return calibrate_device(a.gpus_per_node, getattr(a, "device", "auto"))
     cluster = load_cluster(a.cluster, **{k: getattr(a, k) for k in CLUSTER_FLAGS})
+    mean = getattr(a, "mean_doc_len", None)
     if a.check:
         cfg = with_optimizer(load_config(a.check, a.overrides), getattr(a, "optimizer", None))
         world = cluster.world if a.world is None else a.world
-        return "\n".join(cluster_lines(a, cluster) + [check_text(cfg, world, cluster)])
+        docs = documents(cfg, mean)
+        return "\n".join(cluster_lines(a, cluster) + _wrap(plan_docs.line(docs)) * (docs is not None)
+                         + [check_text(cfg, world, cluster, docs)])
     cfg = load_config(a.config, a.overrides)
     cfg = with_preset(cfg, a.model) if a.model else cfg
     cfg = with_optimizer(cfg, getattr(a, "optimizer", None))
@@ -268,10 +289,11 @@ def run(a, progress=None) -> str:
     if getattr(a, "seq", None) is not None:
         cfg.model.seq_len = a.seq
         validate(cfg)
+    docs = documents(cfg, mean)
     if a.out and os.path.lexists(a.out) and not getattr(a, "force", False):      # before a long search
         raise PlanError(f"--out {a.out}: the file already exists (pass --force to replace it)")
     t = time.perf_counter()
-    fit, n, pruned = searched(cfg, cluster, a.max_micro_batch, a.top, progress)
+    fit, n, pruned = searched(cfg, cluster, a.max_micro_batch, a.top, progress, docs=docs)
     m = cfg.model
     out = cluster_lines(a, cluster) + _wrap(
         f"hpengine plan: {m.kind} {_n_params(cfg) / 1e9:.3g}B parameters (d_model {m.d_model}, {m.n_layers} layers, "
@@ -279,11 +301,12 @@ def run(a, progress=None) -> str:
         f"{cfg.train.global_batch}, on {cluster.world} devices, optimizer {cfg.optim.name}") + _wrap(
         f"searched {n + pruned:,} layouts in {time.perf_counter() - t:.1f} s: {n:,} evaluated, {pruned:,} pruned "
         f"unevaluated (floors that cannot fit or reach row {a.top}); times per optimizer step")
+    out += _wrap(plan_docs.line(docs)) if docs is not None else []
     out += ["", table(fit, a.top, getattr(a, "wide", False), m.dtype), ""]
     out += _wrap(f"best: {describe(fit[0]['layout'])}")
     out += _wrap(hidden_line(fit[0], ", marked h in the table")) if hidden_line(fit[0]) else []
     if fit[0]["layout"].cp > 1:
-        out += _wrap(_why_context(cfg, cluster, fit, a.max_micro_batch))
+        out += _wrap(_why_context(cfg, cluster, fit, a.max_micro_batch, docs))
     if a.out:
         try:
             write_best(cfg, fit[0], a.out, cluster)

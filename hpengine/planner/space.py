@@ -7,7 +7,7 @@ from __future__ import annotations
 from itertools import product
 
 from hpengine.layout.degrees import AmpPolicy, BatchSplit, Degrees, PipelinePlan
-from hpengine.layout.resolve import Resolved
+from hpengine.layout.resolve import Resolved, expert_degrees as expert_degrees_of
 from hpengine.layout.schedules import SCHEDULES
 from hpengine.models import build_model, capabilities
 from hpengine.planner.stages import stages
@@ -48,7 +48,7 @@ def candidates(cfg, cluster, max_rows: int = 8):
                 if cp > 1 and gran == "selective":      # the cp drivers keep no probabilities to drop
                     continue
                 n = share // b          # micro-batches: the pipeline's, else gradient-merge passes
-                for (sched, v), ep in product(schedules(pp, n, m.n_layers), expert_degrees(m, dp)):
+                for (sched, v), ep in product(schedules(pp, n, m.n_layers), expert_degrees(m, dp, sh, cfg.optim.name)):
                     yield Resolved(Degrees(tp, cp, sh, dp, pp, ep, tuple(cfg.mesh.order)),
                                    PipelinePlan(n if pp > 1 else 1, v, sched, "uniform",
                                                 tp > 1 and pp > 1 and not sp and split_sends),
@@ -68,13 +68,12 @@ def context_degrees(m, ranks: int) -> list[int]:
     return [c for c in divisors(ranks) if c == 1 or m.seq_len % (2 * c) == 0]
 
 
-def expert_degrees(m, dp: int) -> list[int]:
-    """Expert-parallel degrees of an MoE model: divisors of dp that divide the experts (a sharding group holds
-    one ep rank's experts and shards them)."""
+def expert_degrees(m, dp: int, sh: int = 1, optimizer: str = "adamw") -> list[int]:
+    """Expert-parallel degrees of an MoE model: divisors of dp x sharding that divide the experts (layout/resolve.py's
+    rule: one that divides dp has a sharding group shard one ep rank's experts; any other spans sharding ranks,
+    each keeping its expert block whole, which an optimizer of whole tensors does not support)."""
     experts = capabilities(m).experts
-    if not experts:
-        return [1]
-    return [e for e in divisors(dp) if experts % e == 0]
+    return expert_degrees_of(experts, dp, sh, optimizer) if experts else [1]
 
 
 def schedules(pp: int, m: int, layers: int):

@@ -14,7 +14,8 @@ from hpengine.layout.degrees import Degrees, PipelinePlan
 from hpengine.layout.resolve import AXES, Resolved
 from hpengine.layout.schedules import SCHEDULES
 from hpengine.layout.stage import build_stage, owner
-from hpengine.models import build_model
+from hpengine.models import build_model, capabilities
+from hpengine.optim.base import KINDS as OPTIMIZERS
 from hpengine.optim.muon import is_muon_matrix
 
 
@@ -39,6 +40,10 @@ class StageFacts:
     unpacked: tuple = ()   # (block, elements of its tensors packed bf16 unpacks: all but the linears' weights)
     muon: tuple = ()       # per tensor (sizes' order, one model): (count, rows, cols, expert) of a Muon matrix whole
     #                        (over tp), count: the routed experts this rank holds; None: not one (optim.muon)
+    state_values: tuple = ()  # (optimizer, its state values per element of each tensor, sizes' order, one model) for
+    #                           each optimizer that declares them per tensor (optim.base.OptimizerKind.values)
+    attention: float = 1.0  # the share of the attention's score and value work packed documents leave
+    #                         (planner/documents.py; 1: one document a row)
 
     def sizes(self, models: int) -> tuple:
         """Tensor element counts in layout order, for `models` models sharing the buffer."""
@@ -105,16 +110,20 @@ def memoised(st: StageFacts, key: tuple, compute):
     return st.memo[key]
 
 
-def stages(mcfg, tp: int, p: int, v: int, split="uniform", schedule: str = "fthenb", ep: int = 1) -> list[StageFacts]:
+def stages(mcfg, tp: int, p: int, v: int, split="uniform", schedule: str = "fthenb", ep: int = 1,
+           attention: float = 1.0) -> list[StageFacts]:
     """Every pipeline stage of the model, cut as the engine cuts it (schedule: where the chunks sit; only
-    zbv's V differs from c * p + stage; ep: the expert blocks a rank holds, 1 / ep of the experts)."""
+    zbv's V differs from c * p + stage; ep: the expert blocks a rank holds, 1 / ep of the experts; attention:
+    StageFacts.attention)."""
     key = tuple(split) if isinstance(split, list) else split
     vee = next(s.name for s in SCHEDULES.values() if s.vee)     # stages depend on the placement alone
-    return _stages(model_key(mcfg), tp, p, v, key, vee if SCHEDULES[schedule].vee else "fthenb", ep)
+    return _stages(model_key(mcfg), tp, p, v, key, vee if SCHEDULES[schedule].vee else "fthenb", ep, float(attention))
 
 
 @functools.lru_cache(maxsize=4096)
-def _stages(mkey, tp, p, v, split, schedule, ep=1) -> list[StageFacts]:
+def _stages(mkey, tp, p, v, split, schedule, ep=1, attention=1.0) -> list[StageFacts]:
+    if attention != 1.0:     # the same cut with its share (fresh instances: each keeps its own memo of figures)
+        return [dataclasses.replace(st, attention=attention) for st in _stages(mkey, tp, p, v, split, schedule, ep, 1.0)]
     mcfg = model_from_key(mkey)
     res = Resolved(Degrees(tp, 1, 1, 1, p, ep, AXES),
                    PipelinePlan(1, v, schedule, list(split) if isinstance(split, tuple) else split))
@@ -126,6 +135,8 @@ def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> StageFacts:
     st = build_stage(mcfg, res, s, 0, models=[model])
     slot, lay = st.slots[0], st.layout
     blocks, matmuls, replicated, expert, partial, expert_mm, unpacked, muon = [], [], [], [], [], 0, [], []
+    values = {name: [] for name, k in OPTIMIZERS.items() if k.values is not None}
+    depth, mtp_layers = capabilities(mcfg).mtp_depth, 0
     for name in slot.blocks:
         b = slot.block(name)
         specs = st.block_specs[name]
@@ -139,21 +150,29 @@ def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> StageFacts:
                          if len(sp.global_shape) == 3) if moe else 0
             mm, expert_mm = mm + routed, expert_mm + routed
         for t in b.reads:       # a tied head multiplies by wte, held here or by the embedding block
-            mm += next(math.prod(sp.local_shape(0, tp)) for sp in model.specs(owner(model, t)) if sp.name == t)
+            read = next(math.prod(sp.local_shape(0, tp)) for sp in model.specs(owner(model, t)) if sp.name == t)
+            mm += read if mcfg.tie_head or b.kind != "head" else 0     # else multi-token prediction looks it up
+        if b.kind == "head" and depth:      # multi-token prediction: each depth's block, and the shared head again
+            head = sum(n for sp, n in zip(specs, sizes) if sp.name == "lm_head.w") or read
+            mm, mtp_layers = mm + depth * head, depth
         blocks.append((name, tuple(sizes)))
         replicated += [sp.tp_dim is None for sp in specs]
         expert += [sp.ep_dim is not None and ep > 1 for sp in specs]
         partial += [sp.tp_dim is None and sp.tp_partial for sp in specs]
         muon += [_muon_shape(sp, lay.shapes[sp.name]) if is_muon_matrix(sp) else None for sp in specs]
+        for opt, per in values.items():
+            per += [OPTIMIZERS[opt].values(sp) for sp in specs]
         matmuls.append((name, mm))
         unpacked.append((name, sum(n for sp, n in zip(specs, sizes) if not model.gemm_weight(sp.name))))
     kinds = tuple(slot.block(n) for n in slot.blocks)
-    return StageFacts(tuple(blocks), slot.chunks, sum(k.kind == "layer" for k in kinds), sum(n for _, n in matmuls),
+    # layers: the attention passes (FLOPs, tp and cp exchanges), a multi-token prediction module's among them
+    return StageFacts(tuple(blocks), slot.chunks, sum(k.kind == "layer" for k in kinds) + mtp_layers,
+                      sum(n for _, n in matmuls),
                  kinds, tuple(st.deps.items()), tuple(matmuls),
                  sum(lay.ranges[t].size for t in set(st.tied.values())), tuple(replicated),
                  sum(lay.ranges[sp.name].size for sp in lay.specs if sp.ep_dim is not None and ep > 1),
                  tuple(expert), expert_mm=expert_mm, partial=tuple(partial), unpacked=tuple(unpacked),
-                 muon=tuple(muon))
+                 muon=tuple(muon), state_values=tuple((name, tuple(per)) for name, per in values.items()))
 
 
 def _muon_shape(spec, local) -> tuple:

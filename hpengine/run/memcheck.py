@@ -56,12 +56,14 @@ def limit_per_rank(backend, per_node: int, n_devices: int = 1) -> tuple[int, str
 
 def snapshot_bytes(cfg, res, mem: dict) -> int:
     """Host memory an asynchronous checkpoint keeps per rank (checkpoint/background.py): its share of the
-    saved state (parameters at the optimizer's precision and its n state tensors: (n + 1) / n x the state, or
-    the state and float32 masters under amp), split over the ranks that hold the same values (dp x cp)."""
+    saved state (parameters at the optimizer's precision and its state, n values an element on the tensors that keep
+    the fewest: at most (n + 1) / n x the state, or the state and float32 masters under amp), split over the ranks
+    that hold the same values (dp x cp)."""
     c = cfg.checkpoint
     if not c.async_ or not (c.every or c.every_minutes or c.at_end):
         return 0
-    n = len(optimizer_kind(cfg.optim.name).state)
+    kind = optimizer_kind(cfg.optim.name)
+    n = kind.fewest or len(kind.state)
     state = mem.get("optimizer", 0) * (1.0 if cfg.strategy.amp.enable or not n else (n + 1) / n)
     return int(state / max(1, res.dp * res.cp))
 

@@ -12,7 +12,7 @@ from hpengine.device.threads import describe as blas_threads_line
 from hpengine.layout.resolve import chunks
 from hpengine.layout.schedules import bubble_fraction
 from hpengine.models import build_model
-from hpengine.nn.context_split import document_work
+from hpengine.nn.context_split import document_work, imbalance, split_work
 from hpengine.optim.muon import is_muon_matrix
 
 log = logging.getLogger("hpengine")
@@ -65,15 +65,15 @@ def optimizer_line(cfg) -> str:
 
 def cp_balance_line(eng, cfg) -> str:
     """The cp ranks' attention work (query-key pairs their queries see under the document mask) on the first
-    step's rows, from the documents alone (no token is read): the head-tail split of a packed row balances a
-    causal row, not its documents."""
+    step's rows, from the documents alone (no token is read): with each document split head-tail over the
+    ranks (the split the run uses), beside what splitting each packed row head-tail would give."""
     batch = eng.data.batch("train", 0, eng.slots[0].seed, cfg.train.global_batch, tokens=False)
-    work = document_work(batch.positions, eng.res.cp)
-    mean = work.mean()
-    ratio = work.max() / mean if mean else 1.0
+    work = split_work(batch.segments, batch.positions, eng.res.cp)
+    rows = document_work(batch.positions, eng.res.cp)
     return (f"context parallel over packed documents: attention work per cp rank on the first batch (query-key "
-            f"pairs under the document mask, each row split head-tail) busiest / mean = {ratio:.3f}; per rank "
-            f"{work.tolist()}")
+            f"pairs under the document mask), each document split head-tail: busiest / mean = "
+            f"{imbalance(work):.3f}, per rank {work.tolist()}; each packed row split head-tail would give "
+            f"{imbalance(rows):.3f}, per rank {rows.tolist()}")
 
 
 def log_memory(eng) -> None:

@@ -93,7 +93,7 @@ class EventWriter:
 TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
         "loss_scale": "train/loss_scale", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
         "moe_aux_loss": "moe/aux_loss", "moe_z_loss": "moe/z_loss", "moe_load_max": "moe/load_max_over_mean",
-        "moe_dropped": "moe/dropped"}
+        "moe_dropped": "moe/dropped", "mtp_loss": "train/mtp_loss"}
 PER_MODEL = ("loss", "val_loss", "lr", "grad_norm")
 
 

@@ -47,6 +47,8 @@ def _fmt(m: dict, total: int | str = "?") -> str:
         f"{m['optimizer']} | " if "optimizer" in m else "") + (
         f"loss {m['loss']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f}"
         f" | {m['tokens_per_s']:,.0f} tok/s | {m['step_ms']:.0f} ms")
+    if "mtp_loss" in m:          # multi-token prediction: the mean of its depths' cross-entropies (unweighted)
+        s += f" | mtp {m['mtp_loss']:.4f}"
     if "moe_aux_loss" in m:      # the MoE layers' balancing losses, mean per layer (aux: 1 under uniform routing)
         s += f" | moe aux {m['moe_aux_loss']:.3f} z {m['moe_z_loss']:.3g} load max/mean {m['moe_load_max']:.2f}"
     if "moe_dropped" in m:       # under a capacity: the share of (token, slot) assignments dropped

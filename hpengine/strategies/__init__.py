@@ -15,10 +15,11 @@ def make_grad_sync(res, stage, backend, comms, storage: PlainStorage = PLAIN) ->
     parameters and gradients as `storage` (grad_storage.py; the run's from amp.Precision.storage) says. Under
     context parallelism the replicas' sums run over dp x cp (res.grad_group): each cp rank's gradient is its
     part of every sequence's. An optimizer that sees whole tensors gets the division of their work (`whole`)
-    over the ranks that hold each tensor: the owned range's replicas (dp x cp; ep-dp for experts) and tp."""
+    over its data-replica group: the sharding ranks, the owned range's replicas (dp x cp; ep-dp for experts) and tp."""
     sh, dp = comms["sharding"], comms[res.grad_group]
     if res.sh > 1:
-        sync = ShardedSync(stage, backend, sh, dp, res.zstage, res.partition, comms.get("ep-dp"), storage)
+        sync = ShardedSync(stage, backend, sh, dp, res.zstage, res.partition, comms.get("ep-dp"), storage,
+                           res.experts_whole)
     elif dp.size > 1:
         sync = DataParallelSync(stage, backend, dp, res.bucket_mb, comms.get("ep-dp"), storage)
     else:
@@ -26,7 +27,9 @@ def make_grad_sync(res, stage, backend, comms, storage: PlainStorage = PLAIN) ->
     kind = optimizer_kind(res.optimizer)
     if kind.sees == TENSORS:
         experts = comms.get("ep-dp") if res.ep > 1 else dp
-        sync.whole = WholeTensors(stage.layout, sync.owned, kind.work, comms["tp"], dp, experts, backend.xp)
+        sharded = (sh, sync.ranges) if res.sh > 1 else (None, None)
+        sync.whole = WholeTensors(stage.layout, sync.owned, kind.work, comms["tp"], dp, experts, backend.xp, *sharded,
+                                  [s.range for s in stage.slots])
     return sync
 
 

@@ -42,7 +42,8 @@ class Merged:
 # storage policy (grad_storage.py) the precision side chose; it never sees the engine.
 class GradSync(Protocol):
     """What every gradient/parameter synchronisation offers the engine."""
-    owned: Range                 # the flat-buffer range this rank updates
+    owned: Range | None          # the flat-buffer range this rank updates (None when it owns several parts)
+    owned_parts: list            # what it updates: (flat Range, offset in the owned arrays), params.buffers.packed
     params: FlatBuffer | None    # every parameter of the stage (None under stage 3)
     param_dtype: object          # the compute copy's dtype, as the storage holds it (from store_params on)
     transient_peak: int          # most bytes of temporary buffers held at once
@@ -82,6 +83,7 @@ class LocalSync:
         self.layout, self.xp, self.dtype = stage.layout, backend.xp, backend.dtype
         self.param_dtype = np.dtype(self.dtype)     # the float values init writes, until store_params
         self.owned = Range(0, self.layout.total)
+        self.owned_parts = [(self.owned, 0)]    # (flat Range, offset in the owned arrays): params.buffers.packed
         self.params = self.grads = None
         if full_params:
             self.params = FlatBuffer(self.layout, self.xp, self.dtype)

@@ -1,5 +1,6 @@
 """The context-parallel parts of the parallel context (models/context.py): each cp rank holds the head-tail
-part of every sequence (nn/context_split.py), T / cp tokens at known global positions. ContextAttention
+part of every sequence (nn/context_split.py), T / cp tokens at known global positions; of packed documents,
+its head-tail part of every document, at per-row positions within them. ContextAttention
 (ctx.attn) replaces a model's attention call; ContextSeq (ctx.seq) reads position tables at global positions.
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ import numpy as np
 
 from hpengine.models.context import LocalAttn, LocalSeq
 from hpengine.nn.context_split import head_tail_positions
-from hpengine.nn.ring_attention import host_segments
+from hpengine.nn.ring_attention import host_positions, host_segments
 from hpengine.strategies.context_parallel import CONTEXT_ATTENTION, ring_channels
 
 
@@ -38,13 +39,17 @@ def _qkv_heads(qkv, H):
 # causal mask of global positions (only the key/value heads travel), and back. The drivers' block math is
 # flash-style (online softmax, row log-sum-exp kept, no T x T probabilities), so it serves the standard and
 # the flash path alike; the model's local core is not called. Rotary tables are read at the global positions.
-# Packed documents: for_documents hands a micro-batch's segments (this rank's part of each row) to a copy of
-# the part, and the drivers mask by them too (keys carry theirs round the ring or in the all-gather).
+# Packed documents: for_documents hands a micro-batch's segments and positions within documents (this rank's
+# part of each row, document_split's) to a copy of the part, and the drivers mask by (segment, position) pairs
+# per row (keys carry theirs round the ring or in the all-gather): a document's order is its positions' order.
+# MuonClip's largest logits (logits=) come from the drivers' own scores, over this rank's queries and every
+# visible key; the max over the cp ranks is the clip's (optim/qk_clip.py reduces over every rank).
 class ContextAttention(LocalAttn):
     """ctx.attn under context parallelism: comm the cp communicator, how ("ring" or "allgather"), T the whole
     sequence length; this rank holds the tokens at head_tail_positions(T, cp, comm.rank)."""
     local_core = False      # the ring or all-gather drivers compute the attention, on float32
     segments = None         # host (B, T / cp) document ids of this rank's tokens (packed documents), or None
+    documents = None        # host (B, T / cp) their positions within their documents, or None
 
     def __init__(self, comm, how: str, T: int, xp=np):
         self.comm, self.how, self.size = comm, how, comm.size
@@ -61,10 +66,16 @@ class ContextAttention(LocalAttn):
             hit = self._rows[id(table)] = (table, table[self._index])
         return hit[1]
 
-    def for_documents(self, segments):
+    def for_documents(self, segments, positions=None):
         part = copy.copy(self)              # shares the communicator and the table rows
         part.segments = host_segments(segments)
+        if positions is not None:
+            part.documents = np.ascontiguousarray(host_positions(positions))
         return part
+
+    def _positions(self):
+        # what the drivers mask by: per-row positions within documents, else the head-tail global positions
+        return self.positions if self.documents is None else self.documents
 
     def sequence_sum(self, x):
         return self.comm.allreduce_(x)
@@ -74,21 +85,25 @@ class ContextAttention(LocalAttn):
             raise ValueError(f"context parallel attention got {n} positions per sequence; this rank holds "
                              f"{self.positions.size} (seq_len / cp)")
 
-    def grouped_forward(self, xp, core, q, k, v, scale=None):
+    def grouped_forward(self, xp, core, q, k, v, scale=None, logits=None):
         self._check(q.shape[2])
-        pos, seg = self.positions, self.segments
-        o, cache = self.forward(xp, self.comm, q, k, v, pos, pos, scale, seg, seg)
+        pos, seg = self._positions(), self.segments
+        o, cache, *best = self.forward(xp, self.comm, q, k, v, pos, pos, scale, seg, seg, logits is not None)
+        if logits is not None:
+            logits(*best)
         return _merge_heads(xp, o), cache
 
     def grouped_backward(self, xp, core_backward, dy, cache):
         H = cache[0].shape[1]              # both drivers' caches start with q (B, H, T, hd)
         return self.backward(xp, self.comm, _as_heads(dy, H), cache)
 
-    def fused_forward(self, xp, core, qkv, n_heads):
+    def fused_forward(self, xp, core, qkv, n_heads, logits=None):
         q, k, v = _qkv_heads(qkv, n_heads)
         self._check(q.shape[2])
-        pos, seg = self.positions, self.segments
-        o, cache = self.forward(xp, self.comm, q, k, v, pos, pos, None, seg, seg)
+        pos, seg = self._positions(), self.segments
+        o, cache, *best = self.forward(xp, self.comm, q, k, v, pos, pos, None, seg, seg, logits is not None)
+        if logits is not None:
+            logits(*best)
         return _merge_heads(xp, o), (cache, qkv.shape)
 
     def fused_backward(self, xp, core_backward, dy, cache):

@@ -73,19 +73,22 @@ def _segment_pair(q_seg, k_seg):
     return host_segments(q_seg), (None if k_seg is None else np.ascontiguousarray(host_segments(k_seg)))
 
 
-def ring_attention_forward(xp, comm: CPComm, q, k, v, q_pos, k_pos, scale=None, q_seg=None, k_seg=None):
+def ring_attention_forward(xp, comm: CPComm, q, k, v, q_pos, k_pos, scale=None, q_seg=None, k_seg=None,
+                           logit_max=False):
     """Causal attention of this rank's q (B, H, Tq, hd) over every rank's keys: k, v (B, K, Tk, hd) and
-    k_pos (Tk,) are this rank's, q_pos (Tq,) its queries' global positions (host ints). cp steps; at each
+    k_pos (Tk,) are this rank's, q_pos (Tq,) its queries' global positions (host ints; or (B, Tk), (B, Tq)
+    per row: packed documents split per document, positions within each document). cp steps; at each
     the block held goes on to the next rank (Isend/Irecv posted before it is attended, so the transfer
     overlaps the compute) -> o (B, H, Tq, hd) in q's dtype, cache. q_seg (B, Tq), k_seg (B, Tk): packed
     documents' segments (None: one document per row), which go round with the keys; a block with no
-    visible key of a query's own document is skipped."""
+    visible key of a query's own document is skipped. logit_max: also return each head's largest visible
+    score (H,) over every block these queries attended (block_forward's; the max over cp ranks is the caller's)."""
     cp, r = comm.size, comm.rank
     nxt, prv = (r + 1) % cp, (r - 1) % cp
     qp = host_positions(q_pos)
     qs, seg = _segment_pair(q_seg, k_seg)
-    blk, pos = _pack(xp, k, v), host_positions(k_pos)      # one contiguous message per step
-    o = lse = None
+    blk, pos = _pack(xp, k, v), np.ascontiguousarray(host_positions(k_pos))      # one message each per step
+    o = lse = best = None
     seen = []                                               # (positions, segments) of the block held at each step
     for step in range(cp):
         reqs, nblk, npos, nseg = [], None, None, None
@@ -99,15 +102,21 @@ def ring_attention_forward(xp, comm: CPComm, q, k, v, q_pos, k_pos, scale=None, 
         seen.append((pos, seg))
         # a block wholly after every query is skipped; the messages above go the same on every rank
         if block_visible(qp, pos, qs, seg):
-            part = block_forward(xp, q, blk[0], blk[1], qp, pos, scale, qs, seg)
+            part = block_forward(xp, q, blk[0], blk[1], qp, pos, scale, qs, seg, logit_max)
+            if logit_max:
+                *part, m = part
+                best = m if best is None else xp.maximum(best, m)
             o, lse = part if o is None else merge_partials(xp, o, lse, *part)
         _wait(reqs)
         blk, pos, seg = nblk, npos, nseg
     if o is None:
         ct = accumulate_dtype(q.dtype)
         o, lse = xp.zeros(q.shape, dtype=ct), xp.full(q.shape[:3], -xp.inf, dtype=ct)
+    if logit_max and best is None:
+        best = xp.full(q.shape[1], -xp.inf, dtype=accumulate_dtype(q.dtype))
     out = o.astype(q.dtype, copy=False)
-    return out, (q, k, v, out, lse, qp, seen, scale, qs)
+    cache = (q, k, v, out, lse, qp, seen, scale, qs)
+    return (out, cache, best) if logit_max else (out, cache)
 
 
 def ring_attention_backward(xp, comm: CPComm, do, cache):
@@ -154,10 +163,11 @@ def ring_attention_backward(xp, comm: CPComm, do, cache):
 
 # ---- all-gather ---------------------------------------------------------------------------------------
 
-def allgather_attention_forward(xp, comm: CPComm, q, k, v, q_pos, k_pos, scale=None, q_seg=None, k_seg=None):
+def allgather_attention_forward(xp, comm: CPComm, q, k, v, q_pos, k_pos, scale=None, q_seg=None, k_seg=None,
+                                logit_max=False):
     """As ring_attention_forward, with every rank's k, v gathered at once (one all-gather, their
     positions, and segments when given, as a small control message) and attended locally -> o (B, H, Tq,
-    hd), cache."""
+    hd), cache (and with logit_max each head's largest visible score)."""
     cp = comm.size
     B, K, Tk, hd = k.shape
     send = _pack(xp, k, v).reshape(2 * B * K, Tk, hd)
@@ -166,15 +176,15 @@ def allgather_attention_forward(xp, comm: CPComm, q, k, v, q_pos, k_pos, scale=N
     kv = recv.reshape(2, B, K, cp * Tk, hd)
     qs, ks = _segment_pair(q_seg, k_seg)
     if ks is None:
-        pos = np.concatenate([host_positions(p) for p in comm.allgather_obj(host_positions(k_pos).tolist())])
+        pos = np.concatenate([host_positions(p) for p in comm.allgather_obj(host_positions(k_pos).tolist())], axis=-1)
     else:
         got = comm.allgather_obj((host_positions(k_pos).tolist(), ks.tolist()))
-        pos = np.concatenate([host_positions(p) for p, _ in got])
+        pos = np.concatenate([host_positions(p) for p, _ in got], axis=-1)
         ks = np.concatenate([host_segments(s).reshape(ks.shape) for _, s in got], axis=1)
     qp = host_positions(q_pos)
-    o, lse = block_forward(xp, q, kv[0], kv[1], qp, pos, scale, qs, ks)
+    o, lse, *best = block_forward(xp, q, kv[0], kv[1], qp, pos, scale, qs, ks, logit_max)
     out = o.astype(q.dtype, copy=False)
-    return out, (q, kv, out, lse, qp, pos, scale, qs, ks)
+    return (out, (q, kv, out, lse, qp, pos, scale, qs, ks), *best)
 
 
 def allgather_attention_backward(xp, comm: CPComm, do, cache):

@@ -1,7 +1,7 @@
 """The whole-tensor work of an optimizer that sees TENSORS (Muon's Newton-Schulz), divided: each tensor gets one
-owner among the ranks that hold it, balanced by the optimizer's declared work: the tp ranks holding its slices
-(gathered to the owner, the result's slices sent back) times its replicas (dp x cp, or ep-dp for the experts;
-the owner's result shared with an allgatherv), so every holder applies the same values the owner computed.
+owner, balanced by declared work, among its data-replica group: sharding ranks (the update sent from its storage
+owner by alltoallv, and back), times replicas (dp x cp, or ep-dp for experts: the result shared by allgatherv),
+times tp (slices gathered to the owner, the result's sent back); every holder applies the owner's values.
 """
 from __future__ import annotations
 
@@ -9,50 +9,114 @@ from hpengine.params.buffers import assign_owners, load_imbalance
 
 
 class WholeTensors:
-    """Owners and exchanges for the whole-work tensors of `owned` (the range this rank updates): `work(spec,
-    whole shape)` > 0 marks them. tp: the tensor-parallel communicator; replicas: the ranks holding the same owned
-    range (a sharding rank's dp peers); experts: the replicas of this rank's expert blocks (ep-dp) when ep > 1."""
+    """Owners and exchanges for the whole-work tensors: `work(spec, whole shape)` > 0 marks them. owned: the range
+    this rank updates; tp: the tensor-parallel communicator; replicas: the ranks holding the same owned range (a
+    sharding rank's dp peers); experts: the replicas of this rank's expert blocks (ep-dp) when ep > 1; sharding
+    (with `ranges`, its partition, one Range a rank): the tensors of every range are divided over sharding x
+    replicas x tp (routed experts split over ep stay with their range's ep-dp replicas); slots: each model's
+    Range of the layout (an exchange covers one model; every rank takes part in each model's)."""
 
-    def __init__(self, layout, owned, work, tp, replicas, experts, xp):
+    def __init__(self, layout, owned, work, tp, replicas, experts, xp, sharding=None, ranges=None, slots=None):
         self.layout, self.tp, self.xp, self.work = layout, tp, xp, work
+        self.sh = sharding if sharding is not None and sharding.size > 1 else None
+        self.ranges = list(ranges) if self.sh is not None else [owned]
+        self.slots = list(slots or [owned])
+        here = self.sh.rank if self.sh is not None else 0
         split = set(layout.expert_tensors)
-        self.info, groups = {}, {}      # name -> (group, owner replica, owner tp rank, tp axis of its view, work)
-        for name, _, _ in layout.tensors_in(owned):
-            spec = layout.by_name[name]
-            full = spec.local_shape(0, 1, layout.ep_rank, layout.ep_size)     # tp slices joined
-            w = work(spec, full)
-            if w <= 0:
-                continue
-            axis = None if spec.tp_dim is None or tp.size == 1 else spec.tp_dim + 3 - len(full)
-            comm = experts if name in split else replicas
-            groups.setdefault(id(comm), (comm, []))[1].append((name, axis, w, int(layout.ranges[name].size)))
-        self.groups = list(groups.values())
-        self.loads = []             # per group: (work per owner, elements per owner)
-        for comm, items in self.groups:
-            size = _size(comm)
-            owners = assign_owners([w for _, _, w, _ in items], size * tp.size)
-            work_of, elems = [0] * (size * tp.size), [0] * (size * tp.size)
-            for (name, axis, w, n), o in zip(items, owners):
-                self.info[name] = (id(comm), o // tp.size, o % tp.size, axis, w)
+        # name -> (group, owner replica, owner tp rank, tp axis of its view, work, owner sharding rank,
+        #          storage sharding rank, local shape as (count, in, out))
+        self.info, groups = {}, {}
+        for s, rng in enumerate(self.ranges):
+            for name, _, _ in layout.tensors_in(rng):
+                spec = layout.by_name[name]
+                full = spec.local_shape(0, 1, layout.ep_rank, layout.ep_size)     # tp slices joined
+                w = work(spec, full)
+                comm = experts if name in split else replicas
+                hop = self.sh is not None and comm is replicas
+                if w <= 0 or (s != here and not hop):
+                    continue
+                axis = None if spec.tp_dim is None or tp.size == 1 else spec.tp_dim + 3 - len(full)
+                shape = tuple(layout.shapes[name])
+                shape = (1, *shape) if len(shape) == 2 else shape
+                groups.setdefault(id(comm), (comm, hop, []))[2].append((name, axis, w, shape, s))
+        # the sharded group first: every rank walks the groups in the same order
+        self.groups = sorted(groups.values(), key=lambda g: not g[1])
+        self.loads = []             # per group: (communicator, sharding ranks, work per owner, elements per owner)
+        for comm, hop, items in self.groups:
+            S, D, T = (self.sh.size if hop else 1), _size(comm), tp.size
+            owners = assign_owners([w for _, _, w, _, _ in items], S * D * T)
+            work_of, elems = [0] * (S * D * T), [0] * (S * D * T)
+            for (name, axis, w, shape, s), o in zip(items, owners):
+                self.info[name] = (id(comm), o // T % D, o % T, axis, w, o // (D * T) if hop else s, s, shape)
                 work_of[o] += w
-                elems[o] += n * (tp.size if axis is not None else 1)
-            self.loads.append((comm, work_of, elems))
-        self.comms = {id(c): c for c, _ in self.groups}
+                elems[o] += _prod(shape) * (T if axis is not None else 1)
+            self.loads.append((comm, S, work_of, elems))
+        self.comms = {id(c): (c, hop, [n for n, *_ in items]) for c, hop, items in self.groups}
         self.work_done = self.calls = 0      # fn's work run on this rank (what a test reads to see it divided)
 
-    def apply(self, names, parts, fn) -> list:
-        """fn of each tensor whole, this rank's part of every result (optim.base.Whole)."""
+    def apply(self, names, parts, fn, where=None, dtype=None) -> list:
+        """fn of each tensor whole, this rank's part of every result (optim.base.Whole); `where`: the range the
+        caller updates (which model's exchange this is), `dtype`: its arrays' (what this rank receives in)."""
         out = [None] * len(names)
-        for gid, comm in self.comms.items():
+        for gid, (comm, hop, every) in self.comms.items():
             idx = [i for i, n in enumerate(names) if self.info[n][0] == gid]
-            if not idx:
-                continue
-            r = _rank(comm)
-            mine = [i for i in idx if self.info[names[i]][1] == r]
-            for i, res in zip(mine, self._tp_round(names, parts, mine, fn)):
-                out[i] = res
-            if _size(comm) > 1:
+            if hop:
+                slot = self._slot(where)
+                self._hop(comm, names, parts, idx, [n for n in every if slot.start <= self.layout.ranges[n].start
+                                                    < slot.stop], fn, dtype or parts[0].dtype, out)
+            elif idx:
+                r = _rank(comm)
+                mine = [i for i in idx if self.info[names[i]][1] == r]
+                for i, res in zip(mine, self._tp_round(names, parts, mine, fn)):
+                    out[i] = res
+            if idx and _size(comm) > 1:
                 self._share(comm, names, parts, idx, out)
+        return out
+
+    def _slot(self, where):
+        at = where.start if where is not None else self.slots[0].start
+        return next(s for s in self.slots if s.start <= at < s.stop)
+
+    def _hop(self, comm, names, parts, idx, items, fn, dtype, out) -> None:
+        """The sharded group's tensors of one model: each update from its storage owner (the one of this replica,
+        at the work owner's place among the replicas) to its work owner over sharding, fn there (its tp round),
+        the result back; `out` gets this rank's results of its own tensors."""
+        S, s, d, info = self.sh.size, self.sh.rank, _rank(comm), self.info
+        pos = {names[i]: i for i in idx}
+        moving = [n for n in items if info[n][1] == d and info[n][5] != info[n][6]]
+        send = [[n for n in moving if info[n][6] == s and info[n][5] == k] for k in range(S)]
+        take = [[n for n in moving if info[n][5] == s and info[n][6] == k] for k in range(S)]
+        got = self._exchange([[parts[pos[n]] for n in b] for b in send], take, dtype) if moving else {}
+        local = [i for i in idx if info[names[i]][1] == d and info[names[i]][5] == s]
+        which = [names[i] for i in local] + [n for b in take for n in b]
+        if not which:
+            return
+        whole = self._tp_round(which, [parts[i] for i in local] + [got[n] for b in take for n in b],
+                               list(range(len(which))), fn)
+        res = dict(zip(which, whole))
+        for i in local:
+            out[i] = res[names[i]]
+        if moving:
+            back = self._exchange([[res[n] for n in b] for b in take], send, dtype)
+            for b in send:
+                for n in b:
+                    out[pos[n]] = back[n]
+
+    def _exchange(self, arrays, want, dtype) -> dict:
+        """arrays[k] to sharding rank k, in one alltoallv; returns what arrives, by name (want[k]: the tensors
+        sharding rank k sends here, in its order)."""
+        xp, info = self.xp, self.info
+        flat = [a.reshape(-1) for b in arrays for a in b]
+        scount = [sum(int(a.size) for a in b) for b in arrays]
+        rcount = [sum(_prod(info[n][7]) for n in b) for b in want]
+        recv = xp.empty(sum(rcount), dtype=dtype)
+        self.sh.alltoallv_(_cat(xp, flat, dtype), scount, recv, rcount)
+        out, at = {}, 0
+        for b in want:
+            for n in b:
+                k = _prod(info[n][7])
+                out[n] = recv[at:at + k].reshape(info[n][7])
+                at += k
         return out
 
     def _tp_round(self, names, parts, mine, fn) -> list:
@@ -121,20 +185,22 @@ class WholeTensors:
     def describe(self) -> str:
         """One line: owners per group and the imbalances (largest share / mean) of work and bytes."""
         out = []
-        for comm, work, elems in self.loads:
-            what = f"{_size(comm)} replicas x {self.tp.size} tp" if self.tp.size > 1 else f"{_size(comm)} replicas"
+        for comm, S, work, elems in self.loads:
+            what = " x ".join(f"{n} {a}" for n, a in ((S, "sharding"), (_size(comm), "replicas"), (self.tp.size, "tp"))
+                              if n > 1) or "1 replica"
             out.append(f"{len(work)} owners ({what}): work imbalance {load_imbalance(work):.3f}, "
                        f"bytes imbalance {load_imbalance(elems):.3f}")
         return "whole-tensor work divided over " + "; ".join(out) if out else ""
 
-    def range_loads(self, ranges) -> list[int]:
-        """The whole-tensor work in each of `ranges` (a sharding partition's owners), for its imbalance."""
-        lay = self.layout
-        return [sum(self.work(lay.by_name[n], lay.by_name[n].local_shape(0, 1, lay.ep_rank, lay.ep_size))
-                    for n, _, _ in lay.tensors_in(r)) for r in ranges]
-
     def owners(self) -> int:
-        return max((len(w) for _, w, _ in self.loads), default=1)
+        return max((len(w) for *_, w, _ in self.loads), default=1)
+
+
+def _prod(shape) -> int:
+    n = 1
+    for k in shape:
+        n *= int(k)
+    return n
 
 
 def _size(comm) -> int:

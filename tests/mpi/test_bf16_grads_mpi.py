@@ -38,6 +38,10 @@ LAYOUTS = {     # name -> (world size, overrides)
     "dp4_ep2_moe": (4, MOE + DP),
     "dp2_ep2_sh2_stage2_moe": (4, MOE + DP + [S + "data_parallel.degree=2", S + "sharding.enable=true",
                                               S + "sharding.degree=2", S + "sharding.stage=2"]),
+    # ep across sharding ranks: each rank's expert block whole, summed over ep-dp on the float32 wire
+    "sh2_ep2_stage1_moe": (2, MOE + SH + [S + "sharding.stage=1"]),
+    "sh4_ep4_stage2_moe": (4, MOE + [S + "sharding.enable=true", S + "sharding.degree=4", S + "sharding.stage=2",
+                                     S + "expert_parallel.degree=4"]),
     "cp2_llama": (2, LLAMA + [S + "context_parallel.enable=true", S + "context_parallel.degree=2"]),
     "pp2_zbv_tied_sh2_stage2": (4, ZB + SH + [S + "pipeline.schedule=zbv", "model.tie_head=true", S + "sharding.stage=2"]),
     "pp2_tied_dp2": (4, PP2 + DP + [S + "data_parallel.degree=2", S + "pipeline.micro_batches=2",

@@ -193,17 +193,18 @@ class Case:
         words = [self.kind]
         for axis, deg in self.mesh:
             words.append({"dp": f"dp{deg}" + (f" ep{self.ep}" if self.ep > 1 else ""),
-                          "sharding": f"sh{deg}-stage{self.stage}",
+                          "sharding": f"sh{deg}-stage{self.stage}" + (f" ep{self.ep}" if self.ep > 1 and
+                                                                      "dp" not in dict(self.mesh) else ""),
                           "pp": f"pp{deg}-{self.schedule}-m{micro_batches(self.schedule, deg)}",
                           "tp": f"tp{deg}" + ("-sp" if self.sp else ""), "cp": f"cp{deg}-{self.cp_comm}"}[axis])
         return " ".join(words + [f"rc{self.rc}", f"gm{self.gm}", f"amp-{self.amp}" if self.amp else "amp0"])
 
 
 def candidates(n, rng):
-    """Every kind x mesh of the five axes x ep (the moe kind: the divisors of dp and of its 4 experts) x schedule
-    x toggles that has one of NEW; the choices beside them drawn from rng."""
+    """Every kind x mesh of the five axes x ep (the moe kind: the divisors of dp x sharding and of its 4 experts)
+    x schedule x toggles that has one of NEW; the choices beside them drawn from rng."""
     for kind, mesh in itertools.product(MODELS, meshes(n, MESH_AXES)):
-        eps = [e for e in (1, 2, 4) if mesh.get("dp", 1) % e == 0 and (e == 1 or kind == "moe")]
+        eps = [e for e in (1, 2, 4) if mesh.get("dp", 1) * mesh.get("sharding", 1) % e == 0 and (e == 1 or kind == "moe")]
         for ep, sched, rc, gm, amp in itertools.product(eps, SCHEDULES if "pp" in mesh else [""], *[(0, 1)] * 3):
             # bfloat16 is judged against the one-process bfloat16 run, which differs only in the order of float32
             # sums; under cp attention runs block by block (online softmax), rounding other bfloat16 products

@@ -1,9 +1,11 @@
 """`hpengine eval` on N ranks reports the figures of one process (computed on COMM_SELF in the same test)
 to rtol 1e-12, under the default layout (data parallel over every rank) and others; bad input stops
 every rank with the same error."""
+import os
 import shutil
 import tempfile
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
@@ -106,3 +108,40 @@ def test_sequence_parallel_eval_of_an_odd_last_window(ckpt, world, tmp_path_fact
     want = evaluate(ckpt, path, overrides=["runtime.backend=numpy"], batch=2, world=MPI.COMM_SELF)
     assert got["tokens"] == want["tokens"] and got["tokens"] % 8 % 2 == 1
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-12, abs=0)
+
+
+@pytest.fixture(scope="module")
+def short_docs(world):
+    """Documents of 2..9 byte tokens, eos 0 ending each, in the checkpoint's bytes tokenizer; rank 0 writes it."""
+    from hpengine.data.format import BYTES, sha256_text, write_token_file
+    path = None
+    if world.Get_rank() == 0:
+        d = tempfile.mkdtemp(prefix="hpengine-evaldocs-")
+        lengths = np.random.default_rng(3).integers(2, 10, size=120)
+        ends = np.cumsum(lengths)
+        toks = np.random.default_rng(4).integers(1, 256, int(ends[-1])).astype(np.uint8)
+        toks[ends - 1] = 0
+        toks.tofile(os.path.join(d, "t.raw"))
+        path = os.path.join(d, "docs.h5")
+        write_token_file(path, os.path.join(d, "t.raw"), np.uint8, np.concatenate([[0], ends]),
+                         {"vocab_size": 256, "eos_id": 0, "tokenizer": BYTES, "tokenizer_sha256": sha256_text(BYTES)})
+    path = world.bcast(path, root=0)
+    yield path
+    world.Barrier()
+    if world.Get_rank() == 0:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_document_masked_eval_on_n_ranks_equals_one_process(ckpt, short_docs, world, i):
+    """Packed documents (data.document_mask = true) on every layout: pipeline stages, tp ranks and replicas
+    see the windows' documents, and the figures are one process's."""
+    need(N > 1 and i < len(LAYOUTS.get(N, [])), f"no layout {i} at world {N}")
+    mask = ["runtime.backend=numpy", "data.document_mask=true"]
+    got = evaluate(ckpt, short_docs, overrides=[*mask, *LAYOUTS[N][i]], batch=3, world=world)
+    want = evaluate(ckpt, short_docs, overrides=mask, batch=3, world=MPI.COMM_SELF)
+    plain = evaluate(ckpt, short_docs, overrides=["runtime.backend=numpy"], batch=3, world=MPI.COMM_SELF)
+    assert got["tokens"] == want["tokens"] == plain["tokens"] - 119 and got["bytes"] == want["bytes"]
+    for k in ("loss", "perplexity", "bits_per_byte"):
+        assert got[k] == pytest.approx(want[k], rel=1e-12, abs=0), k
+    assert want["loss"] != pytest.approx(plain["loss"], rel=1e-6)

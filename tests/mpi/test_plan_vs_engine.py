@@ -115,6 +115,16 @@ LAYOUTS = [
         S + "data_parallel.enable=true", S + "data_parallel.degree=2", S + "sharding.enable=true",
         S + "sharding.degree=2", S + "sharding.partition=flat", S + "expert_parallel.enable=true",
         S + "expert_parallel.degree=2"]),
+    # ... and across sharding ranks (ep not dividing dp): each rank's expert block whole, summed over ep-dp
+    ("ep_sh4_ep4_stage3", lambda n: n == 4, MOE + [S + "sharding.enable=true", S + "sharding.degree=4",
+                                                   S + "sharding.stage=3", S + "expert_parallel.enable=true",
+                                                   S + "expert_parallel.degree=4"]),
+    ("ep_dp2_sh2_ep4_stage2", lambda n: n == 4, MOE + DP + [S + "data_parallel.degree=2", S + "sharding.enable=true",
+                                                            S + "sharding.degree=2", S + "sharding.stage=2",
+                                                            S + "expert_parallel.enable=true",
+                                                            S + "expert_parallel.degree=4"]),
+    ("ep_sh4_ep2_stage1", lambda n: n == 4, MOE + [S + "sharding.enable=true", S + "sharding.degree=4",
+                                                   S + "expert_parallel.enable=true", S + "expert_parallel.degree=2"]),
     ("moe_tp2_dp_recompute", EVEN, MOE + TP2 + DP + [S + "recompute.enable=true"]),
     ("ep_sp_tp2_dp_ep2", lambda n: n == 4, MOE + TP2 + SP + DP + [S + "expert_parallel.enable=true",
                                                                 S + "expert_parallel.degree=2"]),
@@ -158,6 +168,12 @@ LAYOUTS = [
                                                         S + "amp.grad_dtype=bfloat16"] + BF16_PACKED),
     # Muon: its two state arrays span every owned element (momentum, and Adam's second moment off its matrices)
     ("muon_sharding2", ANY, SH + [S + "sharding.stage=2", "optim.name=muon"]),
+    # ... under sharding each update travels to its Newton-Schulz owner and back (an alltoallv over sharding)
+    ("muon_two_models_sharding1", ANY, SH + ["train.models=2", "optim.name=muon"]),
+    ("muon_sharding3_dp2", lambda n: n == 4, SH + DP + [S + "sharding.degree=2", S + "data_parallel.degree=2",
+                                                        S + "sharding.stage=3", "optim.name=muon"]),
+    ("muon_moe_sharding2_dp2", lambda n: n == 4, MOE + SH + DP + [S + "sharding.degree=2", S + "data_parallel.degree=2",
+                                                                  S + "sharding.stage=2", "optim.name=muon"]),
     ("muon_pp2_dp_amp", EVEN, PP2 + DP + [S + "pipeline.micro_batches=2", "optim.name=muon", S + "amp.enable=true",
                                           "model.dtype=float32"]),
     # ... and each owner's Newton-Schulz results shared over the replicas: dp, and the experts' ep-dp

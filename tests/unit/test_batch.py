@@ -1,7 +1,10 @@
-"""Unit tests of the Batch (hpengine.data.batch): every cut (rows, the context-parallel head-tail split) cuts
-every field alike, a default (None) field stays None, a rank that reads nothing holds the shape alone, and a
-dataset's Batch holds the windows the token file has at the sampler's offsets (read here with h5py)."""
+"""Unit tests of the Batch (hpengine.data.batch): every cut (rows, the context-parallel head-tail split, per
+document for packed rows) cuts every field alike, a default (None) field stays None, a rank that reads
+nothing holds the shape alone, and a dataset's Batch holds the windows the token file has at the sampler's
+offsets (read here with h5py)."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import h5py
 import numpy as np
@@ -9,7 +12,7 @@ import pytest
 
 from hpengine.data import Batch, TokenDataset
 from hpengine.engine.rows import RowReader
-from hpengine.nn.context_split import head_tail_positions
+from hpengine.nn.context_split import document_ranks, head_tail_positions
 
 B, T = 5, 16
 
@@ -33,7 +36,7 @@ def test_row_slice_cuts_every_field():
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_cp_split_cuts_every_field_at_the_head_tail_positions(cp):
-    b = full()
+    b = replace(full(), segments=None)          # one document per row: the row is split head-tail
     for r in range(cp):
         idx = head_tail_positions(T, cp, r)         # the oracle: the positions this rank holds
         part = b.split_sequence(cp, r)
@@ -41,6 +44,26 @@ def test_cp_split_cuts_every_field_at_the_head_tail_positions(cp):
         assert np.array_equal(part.positions, np.tile(idx, (B, 1)))
         for name, a in b.present().items():
             assert np.array_equal(part.present()[name], a[:, idx]), (cp, r, name)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_split_of_packed_rows_cuts_every_field_at_each_documents_split(cp):
+    """Rows with segments: rank r holds, in row order, the columns document_ranks gives it; together the
+    ranks hold every column once; positions left None are filled with 0..T-1 first (the mask reads them)."""
+    b = full()
+    ranks = document_ranks(b.segments, cp)
+    seen = np.zeros((B, T), dtype=int)
+    for r in range(cp):
+        part = b.split_sequence(cp, r)
+        assert part.shape == (B, T // cp)
+        for i in range(B):
+            cols = np.flatnonzero(ranks[i] == r)
+            seen[i, cols] += 1
+            for name, a in b.present().items():
+                assert np.array_equal(part.present()[name][i], a[i, cols]), (cp, r, name)
+        bare = replace(b, positions=None).split_sequence(cp, r)
+        assert np.array_equal(bare.positions, part.positions)
+    assert (seen == 1).all()
 
 
 def test_default_positions_split_to_the_positions_the_context_derives():

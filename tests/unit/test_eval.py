@@ -182,10 +182,89 @@ def test_json_dash_writes_the_json_alone_to_stdout(run, evalfile, capsys, tmp_pa
     assert list(tmp_path.iterdir()) == []                  # no file named '-'
 
 
-def test_a_document_masked_checkpoint_is_refused_in_one_line_until_eval_follows_it(run, evalfile, capsys):
-    """eval does not mask documents yet: a checkpoint trained with data.document_mask stops with one line that
-    says how to score the file as one stream instead of silently scoring across documents."""
-    rc, _, err = cli(capsys, "eval", run, "--data", evalfile, *sets("data.document_mask=true"))
-    assert rc == 2 and err.count("\n") == 1 and "data.document_mask" in err
-    rc, out, _ = cli(capsys, "eval", run, "--data", evalfile, *sets("data.document_mask=false"))
-    assert rc == 0 and out
+@pytest.fixture(scope="module")
+def masked_run(small_corpus, tmp_path_factory):
+    """A checkpoint trained with data.document_mask = true."""
+    out = tmp_path_factory.mktemp("evalmask") / "run"
+    assert main(["train", *sets(*TINY, f"data.path={small_corpus}", f"train.out_dir={out}",
+                                "data.document_mask=true")]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory):
+    """Documents of 2 to 40 bytes (eos included), so that windows of T hold several and cut others."""
+    root = tmp_path_factory.mktemp("shortdocs")
+    texts = ["a", "hi", TEXT[:30], "xyz!", TEXT.upper()[:12], "", "é日", TEXT[:7], "tail"]
+    docs = []
+    for i, text in enumerate(t for t in texts if t):
+        (root / f"d{i}.txt").write_text(text, encoding="utf-8")
+        docs.append(root / f"d{i}.txt")
+    out = root / "docs.h5"
+    build_corpus(docs, out, 256)
+    return out
+
+
+def document_oracle(ckpt_dir, path):
+    """(sum of NLL, counted targets, bytes) by hand: in each window of T (stepping by T, the last shorter),
+    every document's piece runs alone through the model's forward (positions from 0, nothing else in view),
+    scoring its targets inside the same document."""
+    import tomllib
+    r = checkpoint.Reader(ckpt_dir)
+    cfg = from_dict(tomllib.loads(r.manifest["config"]))
+    P = {n: r.read("param", n, tuple(slice(0, s) for s in shape)) for n, shape in r.manifest["shapes"].items()}
+    r.close()
+    model = build_model(cfg.model, 1)
+    with TokenFile(path) as tf:
+        toks, offs = tf.read(0, tf.n_tokens).astype(np.int64), tf.doc_offsets
+    doc = np.searchsorted(offs, np.arange(len(toks)), side="right") - 1
+    total, n, n_bytes = 0.0, 0, 0
+    for s in range(0, len(toks) - 1, T):
+        inputs = np.arange(s, min(s + T, len(toks) - 1))
+        for d in np.unique(doc[inputs]):
+            i = inputs[(doc[inputs] == d) & (doc[inputs + 1] == d)]    # inputs whose target is in their document
+            if i.size == 0:
+                continue
+            assert np.all(np.diff(i) == 1)
+            x, y = toks[i][None, :], toks[i + 1][None, :]
+            h, _ = model.embed_forward(np, P, x, LOCAL)
+            for layer in range(cfg.model.n_layers):
+                h, _ = model.layer_forward(np, P, layer, h, LOCAL)
+            loss, _ = model.head_forward(np, P, h, y, 1.0, LOCAL)
+            total += float(loss)
+            n += y.size
+            n_bytes += int(np.count_nonzero(y != 0))           # eos (0) decodes to no byte
+    return total, n, n_bytes, toks, offs
+
+
+def test_eval_of_a_document_masked_checkpoint_equals_its_documents_run_alone(masked_run, short_docs, capsys,
+                                                                             tmp_path):
+    want, n, n_bytes, toks, offs = document_oracle(masked_run / "checkpoints" / "step_00000002", short_docs)
+    assert n == len(toks) - 1 - (len(offs) - 2)             # every token but each document's first
+    assert (len(toks) - 1) % T and len(offs) - 1 > (len(toks) - 1) // T    # a partial window; several per window
+    for batch in ("1", "3", "8"):
+        rc, _, err = cli(capsys, "eval", masked_run, "--data", short_docs, "--json", tmp_path / "e.json",
+                         "--batch", batch, "--force")
+        assert rc == 0, err
+        r = json.loads((tmp_path / "e.json").read_text())
+        assert r["tokens"] == n and r["bytes"] == n_bytes
+        assert r["loss"] == pytest.approx(want / n, rel=1e-10)
+        assert r["perplexity"] == pytest.approx(math.exp(want / n), rel=1e-10)
+        assert r["bits_per_byte"] == pytest.approx(want / math.log(2) / n_bytes, rel=1e-10)
+    # switched off, the same checkpoint scores the file as one stream: every token but the first counted
+    rc, _, err = cli(capsys, "eval", masked_run, "--data", short_docs, "--json", tmp_path / "e.json", "--force",
+                     *sets("data.document_mask=false"))
+    assert rc == 0, err
+    r = json.loads((tmp_path / "e.json").read_text())
+    assert r["tokens"] == len(toks) - 1 and r["loss"] != pytest.approx(want / n, rel=1e-6)
+
+
+def test_a_file_of_one_token_documents_has_nothing_to_score_in_one_line(masked_run, tmp_path, capsys):
+    from hpengine.data.format import sha256_text, write_token_file
+    raw = tmp_path / "t.raw"
+    np.arange(1, 9, dtype=np.uint8).tofile(raw)
+    one = tmp_path / "one.h5"
+    write_token_file(one, raw, np.uint8, np.arange(9), {"vocab_size": 256, "eos_id": 0, "tokenizer": "bytes",
+                                                        "tokenizer_sha256": sha256_text("bytes")})
+    rc, _, err = cli(capsys, "eval", masked_run, "--data", one)
+    assert rc == 2 and err.count("\n") == 1 and "nothing to score" in err

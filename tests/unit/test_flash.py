@@ -136,3 +136,76 @@ def test_float16_computes_in_float32():
     dq = flash.flash_attention_backward(np, np.ones((B, T, H * hd), np.float16), cache)
     assert dq.dtype == np.float16 and np.isfinite(dq).all()
     assert cache_nbytes(cache, set()) == flash.flash_cache_bytes(B, T, H, H, hd, 2)
+
+
+# ---- packed documents: the tile plan (skipped tiles, one-document tiles, boxes of tiles across a boundary)
+
+PACKED = [[40, 3, 1, 90, 26], [160], [7, 129, 24], [1] * 20 + [140]]     # rows of 160: mixed, whole, short
+
+
+@pytest.mark.parametrize("rows", [PACKED, PACKED[::2] + PACKED[3:]])     # a row of one document keeps boxes whole
+@pytest.mark.parametrize("bq,bk", [(None, None), (16, 16), (32, 8), (7, 5), (64, 64)])
+def test_packed_documents_equal_attention_written_out(bq, bk, rows):
+    """The blocked core over packed rows (tiles skipped, kept whole inside one document, cut to their box across
+    a boundary) against attention written out with the document mask, float64, grouped heads."""
+    from test_ring_documents import doc_oracle, segments_of
+    B, H, K, T, hd = len(rows), 4, 2, 160, 8
+    seg = segments_of(rows)
+    r = rng(11)
+    q, k, v, do = (r.standard_normal((B, n, T, hd)) for n in (H, K, K, H))
+    want = doc_oracle(q, k, v, do, seg, 1.0)
+    y, cache = flash.flash_gqa_forward(np, q, k, v, bq, bk, segments=seg)
+    dy = np.ascontiguousarray(do.transpose(0, 2, 1, 3)).reshape(B, T, H * hd)
+    got = (y.reshape(B, T, H, hd).transpose(0, 2, 1, 3), *flash.flash_gqa_backward(np, dy, cache, segments=seg))
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(a, b, **TOL, err_msg=name)
+
+
+def test_tile_plan_boxes_hold_every_visible_pair():
+    """Each tile across a boundary is cut to a box that holds every (query, key) pair the mask leaves in it and
+    is smaller than the tile somewhere; tiles no document spans are skipped."""
+    from test_ring_documents import segments_of
+    seg = segments_of(PACKED)[[0, 2, 3]]          # (a row of one document would keep every box whole)
+    T = seg.shape[1]
+    plan = flash._TilePlan(np, seg, T, 16, 16)
+    ar = np.arange(T)
+    visible = (seg[:, :, None] == seg[:, None, :]) & (ar[None, None, :] <= ar[None, :, None])   # (B, query, key)
+    cut = skipped = 0
+    for i, (a, b) in enumerate(plan.q):
+        for j, (c, d) in enumerate(plan.k):
+            inside = visible[:, a:b, c:d].any(axis=0)
+            if c > b - 1:                   # after the diagonal: never visited
+                continue
+            if plan.skip(i, j):
+                skipped += 1
+                assert not inside.any()
+                continue
+            a2, b2, c2, d2 = (a, b, c, d) if plan.one_document(i, j) else plan.box(i, j)
+            assert inside[a2 - a:b2 - a, c2 - c:d2 - c].sum() == inside.sum()
+            cut += (b2 - a2) * (d2 - c2) < (b - a) * (d - c)
+    assert cut and skipped
+
+
+def test_packed_documents_on_the_cupy_stand_in_equal_numpy(monkeypatch):
+    """The same core on CuPy (the stand-in of emulated_cupy.py: cuBLAS on the tiles' strided views, the tile plan
+    read from one host copy of the segments) gives NumPy's numbers."""
+    import emulated_cupy
+    from test_ring_documents import segments_of
+    rows = PACKED[::2] + PACKED[3:]
+    B, H, K, T, hd = len(rows), 4, 2, 160, 8
+    seg = segments_of(rows)
+    r = rng(12)
+    q, k, v = (r.standard_normal((B, n, T, hd)) for n in (H, K, K))
+    dy = r.standard_normal((B, T, H * hd))
+    y, cache = flash.flash_gqa_forward(np, q, k, v, 16, 16, segments=seg)
+    want = (y, *flash.flash_gqa_backward(np, dy, cache, segments=seg))
+    cp = emulated_cupy.install(monkeypatch)
+    monkeypatch.setattr(flash, "CUDA", False)     # this core, not the kernels (tests/gpu/test_flash_documents_gpu.py)
+    from hpengine.nn import gemm
+    calls, matmul = [], gemm.matmul
+    monkeypatch.setattr(gemm, "matmul", lambda *a, **kw: calls.append(1) or matmul(*a, **kw))
+    yd, cd = flash.flash_gqa_forward(cp, *(cp.asarray(a) for a in (q, k, v)), 16, 16, segments=cp.asarray(seg))
+    got = (yd, *flash.flash_gqa_backward(cp, cp.asarray(dy), cd, segments=cp.asarray(seg)))
+    for name, a, b in zip(("y", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(a.get(), b, **TOL, err_msg=name)
+    assert calls                                  # through cuBLAS, not NumPy's matmul

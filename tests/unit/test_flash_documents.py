@@ -1,7 +1,7 @@
 """Packed documents in flash attention's NumPy twin (nn/flash.py, the twin of the kernels' segment ids): outputs
 and gradients equal plain softmax attention under the block-causal document mask (float64), and a tile pair
 that no document spans is skipped, not computed and masked (NaN keys there do not reach other documents). The
-kernels' loop bounds (attention*.cu doc_start / doc_end) keep the very tile pairs _shared_tile keeps."""
+kernels' loop bounds (attention*.cu doc_start / doc_end) keep the very tile pairs the rule keeps."""
 from __future__ import annotations
 
 import math
@@ -122,6 +122,12 @@ def test_tiles_no_document_spans_are_skipped_not_masked():
     close(dv[:, :, :A], dva)
 
 
+def _shared_tile(seg, a, b, c, d) -> bool:
+    """The tile rule: some row's queries a..b-1 and keys c..d-1 hold a document in common (the ranges of rising
+    ids meet)."""
+    return bool(((seg[:, c] <= seg[:, b - 1]) & (seg[:, a] <= seg[:, d - 1])).any())
+
+
 def _doc_start(row, i):
     return int(np.searchsorted(row, row[i], side="left"))
 
@@ -133,19 +139,21 @@ def _doc_end(row, j):
 @pytest.mark.parametrize("bq,bk", [(32, 32), (16, 16), (64, 64), (64, 32), (16, 64)])
 def test_kernel_walks_keep_the_tiles_the_rule_keeps(bq, bk):
     """The kernels walk key tiles from the one holding doc_start(first query) to the diagonal (fwd, dq) and
-    query tiles from the diagonal to doc_end(last key) (dkdv): per row, the tile pairs _shared_tile keeps."""
+    query tiles from the diagonal to doc_end(last key) (dkdv): per row, the tile pairs the rule keeps, as the
+    twin's tile plan does."""
     rng = np.random.default_rng(8)
     for _ in range(30):
         T = int(rng.integers(1, 300))
         row = np.sort(rng.integers(0, int(rng.integers(1, 12)), T))
         seg = row[None]
-        for a in range(0, T, bq):
+        plan = flash._TilePlan(np, seg, T, bq, bk)                   # the twin skips by the same rule
+        for i, a in enumerate(range(0, T, bq)):
             b = min(a + bq, T)
             walked = set(range(_doc_start(row, a) // bk * bk, b, bk))
-            kept = {c for c in range(0, b, bk) if flash._shared_tile(seg, a, b, c, min(c + bk, T))}
-            assert walked == kept, (T, a)
+            kept = {c for c in range(0, b, bk) if _shared_tile(seg, a, b, c, min(c + bk, T))}
+            assert walked == kept == {c for j, c in enumerate(range(0, b, bk)) if not plan.skip(i, j)}, (T, a)
         for c in range(0, T, bk):                    # a key block of bk keys, query tiles of bq from its diagonal
             d = min(c + bk, T)
             walked = set(range(c - c % bq, _doc_end(row, d - 1), bq))
-            kept = {a for a in range(c - c % bq, T, bq) if flash._shared_tile(seg, a, min(a + bq, T), c, d)}
+            kept = {a for a in range(c - c % bq, T, bq) if _shared_tile(seg, a, min(a + bq, T), c, d)}
             assert walked == kept, (T, c)

@@ -21,7 +21,13 @@ KINDS = {"gpt": ["model.kind=gpt", "model.n_heads=2"],
                             "model.qk_norm=true"],
          "llama_moe": ["model.kind=llama", "model.n_heads=4", "model.n_kv_heads=2", "model.moe.num_experts=4",
                        "model.moe.top_k=2", "model.moe.expert_hidden=8", "model.moe.shared_hidden=4",
-                       "model.moe.dense_layers=1"]}
+                       "model.moe.dense_layers=1"],
+         "deepseek": ["model.kind=deepseek", "model.n_heads=4", "model.mla.q_lora_rank=6", "model.mla.kv_lora_rank=8",
+                      "model.mla.qk_nope_head_dim=4", "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=3",
+                      "model.rope_scaling.type=yarn", "model.rope_scaling.factor=4.0",
+                      "model.rope_scaling.original_max_position_embeddings=16", "model.moe.num_experts=4",
+                      "model.moe.top_k=2", "model.moe.expert_hidden=8", "model.moe.shared_hidden=4",
+                      "model.moe.dense_layers=1", "model.moe.router=sigmoid", "model.moe.n_groups=2"]}
 
 
 def sets(*items):
@@ -59,7 +65,7 @@ def test_cached_logits_equal_full_forward(runs, kind):
     x, _ = model.embed_forward(np, P, np.array([ids[:-1]]), tp)
     for i in range(model.n_layers):
         x, _ = model.layer_forward(np, P, i, x, tp)
-    if kind.startswith("llama"):
+    if kind.startswith(("llama", "deepseek")):
         h = x / np.sqrt((x * x).mean(-1, keepdims=True) + model.eps) * P["norm.w"]
     else:
         mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
@@ -179,3 +185,41 @@ def test_moe_router_biases_reach_generation(small_corpus, tmp_path):
     ids = list(b"The ") + g["tokens"]
     np.testing.assert_allclose(np.stack(g["logits"]), full_logits(model, P, ids[:-1])[g["prompt_tokens"] - 1:],
                                rtol=0, atol=1e-10)
+
+
+def packed_logits(model, P, junk, ids):
+    """Logits (len(ids), V) of ids run as the second document of a packed row (junk first): block-causal
+    attention and positions restarting at 0, through the training forward's document path."""
+    from hpengine.data.batch import Batch
+    from hpengine.models import LOCAL
+    from hpengine.models.context import with_documents
+    row = np.array([list(junk) + list(ids)], dtype=np.int64)
+    seg = np.array([[0] * len(junk) + [1] * len(ids)], dtype=np.int64)
+    pos = np.array([list(range(len(junk))) + list(range(len(ids)))], dtype=np.int64)
+    ctx = with_documents(LOCAL, Batch(row, segments=seg, positions=pos))
+    x, _ = model.embed_forward(np, P, row, ctx)
+    for i in range(model.n_layers):
+        x, _ = model.layer_forward(np, P, i, x, ctx)
+    return model.head_logits(np, P, x)[0, len(junk):]
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_a_document_masked_checkpoint_generates_the_prompt_as_one_document(small_corpus, tmp_path, kind):
+    """A checkpoint trained with data.document_mask = true: the cached greedy decode picks the tokens that
+    repeated full forwards pick when the prompt and what follows is one document packed behind another."""
+    assert main(["train", *sets(*COMMON, *KINDS[kind], "data.document_mask=true", f"data.path={small_corpus}",
+                                f"train.out_dir={tmp_path}")]) == 0
+    g = generate(tmp_path, "The ", 20, greedy=True, out=io.StringIO(), note=quiet)
+    model, P, _ = load(tmp_path, quiet)
+    junk = list(b"an unrelated document.\n")
+    ids = list(b"The ")
+    for got in g["tokens"]:
+        logits = packed_logits(model, P, junk, ids)
+        assert got == int(np.argmax(logits[-1]))
+        ids.append(got)
+    assert len(g["tokens"]) == 20
+    np.testing.assert_allclose(np.stack(g["logits"]), packed_logits(model, P, junk, ids[:-1])[3:], rtol=0,
+                               atol=1e-10)
+    # the junk document is really in the row: without the documents the logits differ
+    row = junk + ids[:-1]
+    assert not np.allclose(full_logits(model, P, row)[len(junk) + 3:], np.stack(g["logits"]), atol=1e-6)

@@ -55,7 +55,8 @@ def test_head_dim_frees_the_width_from_the_heads():
 @pytest.mark.parametrize("key", ["n_kv_heads=2", "ffn_hidden=64", "ffn_multiple_of=64", "rope_theta=5e5",
                                  "norm_eps=1e-6", "head_dim=8"])
 def test_llama_keys_are_refused_on_other_kinds(kind, key):
-    with pytest.raises(ConfigError, match=f"model.{key.split('=')[0]} applies to model.kind = 'llama', not '{kind}'"):
+    with pytest.raises(ConfigError, match=f"model.{key.split('=')[0]} applies to model.kind = 'llama'( or 'deepseek')?, "
+                                        f"not '{kind}'"):
         load_config(None, [f"model.kind={kind}", f"model.{key}"])
 
 
@@ -99,5 +100,5 @@ def test_bad_llama_input_exits_2_on_every_rank_with_one_line_per_job(tmp_path):
 
 
 def test_an_unknown_kind_is_named_before_its_keys():
-    with pytest.raises(ConfigError, match='model.kind = "bert": must be one of "gpt", "llama", "mlp"'):
+    with pytest.raises(ConfigError, match='model.kind = "bert": must be one of "gpt", "llama", "deepseek", "mlp"'):
         load_config(None, ["model.kind=bert", "model.ffn_mult=4", "model.n_kv_heads=2"])

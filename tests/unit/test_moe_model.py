@@ -88,16 +88,35 @@ EP = ["strategy.expert_parallel.enable=true", "strategy.data_parallel.enable=tru
      "strategy.expert_parallel.degree = 4 must divide model.moe.num_experts = 6; valid: [1, 2, 3, 6]"),
     (["model.kind=llama", "model.moe.num_experts=8", "strategy.expert_parallel.degree=4",
       "strategy.data_parallel.degree=2", "strategy.pipeline.enable=true", "strategy.pipeline.degree=2"], 4,
-     "strategy.expert_parallel.degree = 4 must divide the data-parallel degree 2"),
-    (["model.kind=llama", "model.moe.num_experts=8", "strategy.expert_parallel.degree=2",
+     "strategy.expert_parallel.degree = 4 must divide data_parallel x sharding = 2 x 1 = 2 (experts are split "
+     "inside those ranks; no extra ranks); valid: [1, 2]"),
+    (["model.kind=llama", "model.moe.num_experts=6", "strategy.expert_parallel.degree=3",
+      "strategy.sharding.enable=true", "strategy.sharding.degree=2", "strategy.data_parallel.degree=2"], 4,
+     "strategy.expert_parallel.degree = 3 must divide data_parallel x sharding = 2 x 2 = 4 (experts are split "
+     "inside those ranks; no extra ranks); valid: [1, 2]"),
+    (["model.kind=llama", "model.moe.num_experts=4", "strategy.expert_parallel.degree=4", "optim.name=muon",
       "strategy.sharding.enable=true", "strategy.sharding.degree=4", "strategy.data_parallel.degree=1"], 4,
-     "strategy.expert_parallel.degree = 2 must divide the data-parallel degree 1 (experts are split inside the "
-     "data-parallel ranks; no extra ranks; a sharding group shares one expert block); valid: [1]"),
+     "optim.name = 'muon' with strategy.expert_parallel.degree = 4 across sharding ranks (it does not divide "
+     "data_parallel.degree = 1) is not supported; use optim.name = 'adamw' or an ep degree that divides 1"),
 ])
 def test_impossible_expert_parallel_layouts_are_one_clear_line(sets, world, message):
     with pytest.raises(ConfigError) as e:
         resolve(load_config(None, EP + sets), world)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("dp,sh,ep,inside", [(2, 2, 2, ("dp",)), (2, 2, 4, ("dp", "sharding")),
+                                             (1, 4, 4, ("dp", "sharding")), (1, 4, 2, ("dp", "sharding")),
+                                             (4, 2, 2, ("dp",))])
+def test_expert_parallel_folds_inside_dp_or_across_sharding(dp, sh, ep, inside):
+    """ep folds inside dp when it divides dp (a sharding group shares one expert block, as before); otherwise
+    inside dp x sharding, each rank then keeping its expert block whole (experts_whole)."""
+    sets = ["model.kind=llama", "model.moe.num_experts=8", f"strategy.expert_parallel.degree={ep}",
+            f"strategy.data_parallel.degree={dp}", "strategy.sharding.enable=true", f"strategy.sharding.degree={sh}",
+            "train.global_batch=8"]
+    res = resolve(load_config(None, EP + sets), dp * sh)
+    assert res.degrees.folds == {"ep": (ep, inside, ())}
+    assert res.experts_whole == (inside != ("dp",))
 
 
 def test_expert_parallel_degree_minus_one_takes_every_data_parallel_rank():

@@ -12,7 +12,7 @@ from hpengine.config.load import ConfigError, load_config
 from hpengine.device.precision import round_bf16_
 from hpengine.layout.resolve import LayoutError, check, resolve
 from hpengine.models import build_model
-from hpengine.optim import make_optimizer
+from hpengine.optim import make_optimizer, optimizer_kind
 from hpengine.optim.muon import newton_schulz
 from hpengine.params.buffers import Layout, Range
 from hpengine.run.build import build
@@ -148,12 +148,28 @@ def test_the_adamw_tensors_are_plain_adamws_bit_for_bit():
     rest = [n for n in lay.names if not n.endswith(MUON_NAMES)]
     assert any(n.endswith("router.w") for n in rest) and any(n.endswith("norm.w") for n in rest)
     for n in rest:
-        sl = lay.ranges[n].slice
+        sl, v = lay.ranges[n].slice, muon.state_at(lay.ranges[n].start)["muon_v"]
         assert np.array_equal(pm[sl], pa[sl]), n
-        assert np.array_equal(muon.m[sl], adamw.m[sl]) and np.array_equal(muon.v[sl], adamw.v[sl]), n
+        assert np.array_equal(muon.m[sl], adamw.m[sl]), n
+        assert np.array_equal(muon.v[v:v + sl.stop - sl.start], adamw.v[sl]), n
     for n in lay.names:
         sl = lay.ranges[n].slice
         assert n.endswith(MUON_NAMES) != np.array_equal(pm[sl], pa[sl]), n
+
+
+def test_muon_keeps_one_value_per_matrix_element_and_two_per_adamw_element():
+    cfg, lay = _layout(*MOE)
+    muon = make_optimizer(cfg.optim, np, lay, Range(0, lay.total), np.float64)
+    matrices = [n for n in lay.names if n.endswith(MUON_NAMES)]
+    adam = sum(lay.ranges[n].size for n in lay.names if n not in matrices)
+    assert matrices and adam and muon.m.size == lay.total and muon.v.size == adam
+    assert muon.nbytes() == 8 * (lay.total + adam)
+    assert optimizer_kind("muon").values_of(lay.by_name[matrices[0]]) == 1
+    v = 0
+    for n in lay.names:        # a matrix's state is its momentum alone; AdamW's moments sit in the order of the range
+        a = lay.ranges[n].start
+        assert muon.state_at(a) == ({"muon_m": a} if n in matrices else {"muon_m": a, "muon_v": v}), n
+        v += 0 if n in matrices else lay.ranges[n].size
 
 
 def test_a_range_that_cuts_a_tensor_is_refused():

@@ -2,7 +2,7 @@
 rule (grouped-query: the queries by gamma, the shared key untouched), the engine's step against the same step
 without the clip (only the clipped heads' q and k columns differ, by exactly the factors, from the maxima of the
 step's forward, which match an oracle written here), flash attention measuring what the standard core does, and
-the config's refusals."""
+the config's refusals (and what it accepts)."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hpengine.config.load import ConfigError, load_config
-from hpengine.layout.resolve import LayoutError, resolve
+from hpengine.layout.resolve import resolve
 from hpengine.nn.logit_max import causal_max_logits, fused_max_logits
 from hpengine.optim.qk_clip import clip_factors
 from hpengine.run.build import build
@@ -149,15 +149,13 @@ def test_amp_scales_the_masters_and_writes_the_compute_copy(small_corpus):
 
 @pytest.mark.parametrize("extra, needs", [(["optim.name=adamw"], "optim.name = 'muon'"),
                                           ([*LLAMA, "model.qk_norm=true"], "model.qk_norm = false"),
-                                          (["train.models=2"], "train.models = 1"),
-                                          (["data.document_mask=true"], "data.document_mask = false")])
+                                          (["train.models=2"], "train.models = 1")])
 def test_the_clip_is_refused_where_it_cannot_hold(extra, needs):
     with pytest.raises(ConfigError, match=needs):
         load_config(None, [*GPT, *extra, "optim.muon_qk_clip=50"])
 
 
-def test_context_parallel_is_refused():
-    cfg = load_config(None, [*GPT, "optim.muon_qk_clip=50", "strategy.context_parallel.enable=true",
-                             "strategy.context_parallel.degree=2"])
-    with pytest.raises(LayoutError, match="largest logits"):
-        resolve(cfg, 2)
+def test_context_parallel_and_packed_documents_are_accepted():
+    cfg = load_config(None, [*GPT, "optim.muon_qk_clip=50", "data.document_mask=true",
+                             "strategy.context_parallel.enable=true", "strategy.context_parallel.degree=2"])
+    assert resolve(cfg, 2).cp == 2

@@ -88,6 +88,8 @@ def corpus(tmp_path_factory):
 def small_blocks(monkeypatch):
     monkeypatch.setattr(flash, "BQ", 4)     # tiles of 4: some lie in one document, some no document spans
     monkeypatch.setattr(flash, "BK", 3)
+    monkeypatch.setattr(flash, "BQ_DOCS", 4)     # the packed rows' own tile sizes
+    monkeypatch.setattr(flash, "BK_DOCS", 3)
 
 
 def make(corpus, kind, attention, *extra):

@@ -32,15 +32,18 @@ def test_plan_of_an_moe_model_is_legal_and_counts_the_experts_it_runs():
 
 
 def test_expert_parallel_candidates_are_legal_and_hold_a_share_of_the_experts():
-    """ep is searched for MoE models (divisors of dp that divide the experts, with or without sharding); each
-    such candidate written as a config resolves to itself, and its stage holds 1 / ep of every expert tensor."""
+    """ep is searched for MoE models (divisors of dp x sharding that divide the experts: inside dp, or across
+    sharding ranks); each such candidate written as a config resolves to itself, and its stage holds 1 / ep of every
+    expert tensor."""
     cfg = load_config(None, TINY + ["model.kind=llama", "model.n_kv_heads=2", "model.moe.num_experts=4",
                                     "model.moe.expert_hidden=16"])
     cluster = Cluster(nodes=1, gpus_per_node=4)
     eps = [lay for lay in candidates(cfg, cluster) if lay.ep > 1]
-    assert eps and all(lay.dp % lay.ep == 0 and 4 % lay.ep == 0 for lay in eps)
+    assert eps and all((lay.dp * lay.sh) % lay.ep == 0 and 4 % lay.ep == 0 for lay in eps)
     assert any(lay.sh > 1 for lay in eps) and any(lay.sh == 1 for lay in eps)
-    for lay in eps[:10] + [lay for lay in eps if lay.sh > 1][:10]:
+    across = [lay for lay in eps if lay.dp % lay.ep]
+    assert across and all(lay.experts_whole and lay.sh > 1 for lay in across)
+    for lay in eps[:10] + [lay for lay in eps if lay.sh > 1][:10] + across[:10]:
         assert resolve(config_for(cfg, lay), cluster.world) == lay
         if lay.pp == 1:     # one process holds ep blocks of the experts, this rank one
             one, here = stage_facts(cfg, resolve(cfg, 1))[0], stage_facts(cfg, lay)[0]

@@ -1,12 +1,14 @@
 """Context-parallel attention over packed documents without MPI: the ring and all-gather drivers, run by cp
-threads over test_ring_attention's in-process communicator, mask by each row's document segments as well as
-by position (against attention written out with the document mask), skip a block no query shares a document
-with, and a change of one document's keys moves no other document's output, bit for bit."""
+threads over test_ring_attention's in-process communicator, on each row split head-tail (positions shared by
+the rows) or each document split head-tail (document_split: per-row positions within documents), mask by each
+row's document segments as well as by position (against attention written out with the document mask), skip
+a block no query shares a document with, and a change of one document's keys moves no other document's
+output, bit for bit."""
 import numpy as np
 import pytest
 
 import hpengine.strategies.context_parallel as driver
-from hpengine.nn.context_split import head_tail_positions
+from hpengine.nn.context_split import document_split, head_tail_positions
 from hpengine.nn.ring_attention import block_backward, block_forward, block_visible
 from hpengine.strategies.context_parallel import CONTEXT_ATTENTION
 from test_ring_attention import data, on_ranks  # tests/unit/test_ring_attention.py
@@ -36,24 +38,42 @@ def segments_of(lengths_per_row):
     return np.array([np.repeat(np.arange(len(ls)), ls) for ls in lengths_per_row], dtype=np.int64)
 
 
-def run_documents(how, q, k, v, do, seg, cp):
-    """Each rank its head-tail part of q, k, v, do and of the segments -> o, dq, dk, dv whole again."""
-    T = q.shape[2]
-    pos = [head_tail_positions(T, cp, r) for r in range(cp)]
+def within_documents(seg):
+    """Each token's position within its document (its run of equal segments), (B, T)."""
+    B, T = seg.shape
+    pos = np.zeros((B, T), dtype=np.int64)
+    for t in range(1, T):
+        pos[:, t] = np.where(seg[:, t] == seg[:, t - 1], pos[:, t - 1] + 1, 0)
+    return pos
+
+
+def run_documents(how, q, k, v, do, seg, cp, split="head_tail"):
+    """Each rank its part of q, k, v, do and of the segments -> o, dq, dk, dv whole again. head_tail: every
+    row's head-tail columns, masked by their row positions; documents: document_split's columns of each row,
+    masked by their positions within their documents (B, T / cp)."""
+    B, T = seg.shape
+    if split == "head_tail":
+        cols = [np.broadcast_to(head_tail_positions(T, cp, r), (B, T // cp)) for r in range(cp)]
+        pos = [head_tail_positions(T, cp, r) for r in range(cp)]
+    else:
+        order, n = document_split(seg, cp), T // cp
+        cols = [order[:, r * n:(r + 1) * n] for r in range(cp)]
+        pos = [np.take_along_axis(within_documents(seg), c, axis=1) for c in cols]
+    take = lambda x, c: np.take_along_axis(x, c[:, None, :, None], axis=2)  # noqa: E731 - per-row columns
     fwd, bwd = CONTEXT_ATTENTION[how]
 
     def rank(comm):
-        p = pos[comm.rank]
-        s = np.ascontiguousarray(seg[:, p])
-        o, cache = fwd(np, comm, q[:, :, p], k[:, :, p], v[:, :, p], p, p, None, s, s)
-        return (o, *bwd(np, comm, do[:, :, p], cache))
+        c, p = cols[comm.rank], pos[comm.rank]
+        s = np.ascontiguousarray(np.take_along_axis(seg, c, axis=1))
+        o, cache = fwd(np, comm, take(q, c), take(k, c), take(v, c), p, p, None, s, s)
+        return (o, *bwd(np, comm, take(do, c), cache))
 
     res, _ = on_ranks(cp, rank)
     whole = []
     for i, ref in enumerate((q, q, k, v)):
-        full = np.empty_like(ref)
-        for r, p in enumerate(pos):
-            full[:, :, p] = res[r][i]
+        full = np.full_like(ref, np.nan)
+        for r, c in enumerate(cols):
+            np.put_along_axis(full, np.ascontiguousarray(c)[:, None, :, None], res[r][i], axis=2)
         whole.append(full)
     return whole
 
@@ -61,19 +81,21 @@ def run_documents(how, q, k, v, do, seg, cp):
 ROWS = [[3, 6, 1, 6], [16], [1, 1, 9, 5]]         # three rows of 16: short, whole, and mixed documents
 
 
+@pytest.mark.parametrize("split", ["head_tail", "documents"])
 @pytest.mark.parametrize("how", list(CONTEXT_ATTENTION))
 @pytest.mark.parametrize("cp", [1, 2, 4])
 @pytest.mark.parametrize("H,K", [(2, 2), (4, 2)])
-def test_equals_document_oracle(how, cp, H, K):
+def test_equals_document_oracle(how, cp, H, K, split):
     seg = segments_of(ROWS)
     q, k, v, do = data(len(ROWS), H, K, 16, 4, seed=3)
-    got = run_documents(how, q, k, v, do, seg, cp)
+    got = run_documents(how, q, k, v, do, seg, cp, split)
     for g, w in zip(got, doc_oracle(q, k, v, do, seg, 0.5)):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("split", ["head_tail", "documents"])
 @pytest.mark.parametrize("how", list(CONTEXT_ATTENTION))
-def test_one_document_changes_no_other(how):
+def test_one_document_changes_no_other(how, split):
     """Every key and value of row 0's second document changed: every other output and every gradient of
     another document's tokens the same bit for bit."""
     seg = segments_of(ROWS)
@@ -81,8 +103,8 @@ def test_one_document_changes_no_other(how):
     k2, v2 = k.copy(), v.copy()
     k2[0, :, 3:9] += 1.5
     v2[0, :, 3:9] -= 2.0
-    a = run_documents(how, q, k, v, do, seg, 2)
-    b = run_documents(how, q, k2, v2, do, seg, 2)
+    a = run_documents(how, q, k, v, do, seg, 2, split)
+    b = run_documents(how, q, k2, v2, do, seg, 2, split)
     keep = np.ones(16, dtype=bool)
     keep[3:9] = False
     for x, y in zip(a, b):
@@ -126,3 +148,29 @@ def test_a_block_with_no_visible_key_gives_empty_rows():
     dq, dk, dv = block_backward(np, q, k, v, o, lse, do, np.arange(4, 8), np.arange(4), 0.5, None,
                                 [[1, 1, 2, 2]], [[0, 0, 0, 0]])
     assert not dq.any() and not dk.any() and not dv.any()
+
+
+def test_block_visible_by_row_positions():
+    """Per-row positions (B, T): a row sees a block only where one of its queries has a key of its own document
+    at or before it; the rows do not share their positions."""
+    q_pos, k_pos = np.array([[4, 5], [0, 1]]), np.array([[0, 1], [2, 3]])
+    assert block_visible(q_pos, k_pos)                               # row 0 sees both keys
+    assert not block_visible(q_pos[1:], k_pos[1:])                   # row 1's keys all after its queries
+    assert not block_visible(q_pos, k_pos, [[1, 1], [0, 0]], [[0, 0], [0, 0]])
+    assert block_visible(q_pos, k_pos, [[0, 1], [0, 0]], [[0, 0], [0, 0]])
+
+
+def test_row_positions_mask_each_row_alone():
+    """One block of per-row positions against the oracle on each row alone: a row whose document order
+    differs from another's (here reversed halves) is masked by its own positions."""
+    q, k, v, do = data(2, 2, 2, 4, 4, seed=7)
+    pos = np.array([[0, 1, 2, 3], [2, 3, 0, 1]])                    # row 1 holds its tokens out of order
+    seg = np.zeros((2, 4), dtype=np.int64)
+    o, lse = block_forward(np, q, k, v, pos, pos, 0.5, seg, seg)
+    back = block_backward(np, q, k, v, o, lse, do, pos, pos, 0.5, None, seg, seg)
+    for b in range(2):
+        idx = np.argsort(pos[b])                                     # the row in document order
+        want = doc_oracle(q[b:b + 1, :, idx], k[b:b + 1, :, idx], v[b:b + 1, :, idx], do[b:b + 1, :, idx],
+                          seg[b:b + 1], 0.5)
+        for g, w in zip((o, *back), want):
+            np.testing.assert_allclose(g[b:b + 1, :, idx], w, rtol=0, atol=1e-12)
