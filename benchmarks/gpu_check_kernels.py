@@ -137,7 +137,7 @@ def rows_documents(shape, res: dict | None, smoke: bool) -> list[Row]:
     """Per kernel family: fwd+bwd time with documents and fully causal (information), and the first document's
     rows of the two runs agreeing (judged)."""
     B, H, T, hd, mean = shape
-    base = f"packed flash fwd+bwd B{B} H{H} T{T} hd{hd} documents mean {mean}"
+    base = f"flash fwd+bwd on packed documents B{B} H{H} T{T} hd{hd} mean length {mean}"
     tgt = f"first document agrees <= {DOC_RTOL:.0e}"
     if res is None or "variants" not in res:
         return [Row(f"{base}: hpengine", err_text(res, "documents"), tgt,
