@@ -2,8 +2,8 @@
 time limit inside one overall deadline, so a hang or crash costs only that part; prints each part's rows
 as soon as it has finished (and rewrites gpu_check.json/.md/.log in --out, $OUT), so a run cut short still
 reports, and the whole table last. The parts' work lives in gpu_check_hpengine.py, gpu_check_torch.py,
-gpu_check_attention.py, gpu_check_kernels.py (documents, muon) and the package's checks (hpengine.doctor: the bandwidth part, and `hpengine doctor` as
-the doctor part); benchmarks/README.md describes the parts and targets.
+gpu_check_attention.py, gpu_check_kernels.py (documents, muon) and the package's checks (hpengine.doctor: the
+bandwidth part, and `hpengine doctor` as the doctor part); benchmarks/README.md describes the parts and targets.
 """
 from __future__ import annotations
 

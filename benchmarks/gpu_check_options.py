@@ -59,7 +59,8 @@ DOC_SHAPE, SMOKE_DOC_SHAPE = (2, 16, 4096, 128, 512), (2, 2, 96, 16, 16)
 LIMITS = {
     "corpus": (30, 30), "tests": (150, 60), "llama:hpengine": (180, 45), "llama:torch": (180, 60),
     "gpt2:hpengine": (90, 45), "gpt2:torch": (120, 60), "attention:hpengine": (45, 30), "attention:torch": (45, 30),
-    "documents": (45, 30), "muon": (45, 30), "bandwidth": (60, 30), "dp2-1": (45, 45), "dp2-2": (120, 60), "doctor": (90, 60), "calibrate": (60, 30),
+    "documents": (45, 30), "muon": (45, 30), "bandwidth": (60, 30), "dp2-1": (45, 45), "dp2-2": (120, 60),
+    "doctor": (90, 60), "calibrate": (60, 30),
 }
 WORKER_NAMES = ("corpus", "bandwidth", "hpengine", "torch", "losses", "attention", "attention_torch", "documents",
                 "muon")

@@ -1,8 +1,9 @@
 """The GPU branches of benchmarks/gpu_check's workers, run on the CPU through the CuPy stand-in
 (emulated_cupy.py) at tiny sizes: hpengine's bf16 training worker for both model kinds (its CuPy backend, the
 device name, the memory pool's high-water mark), the AdamW and pack bandwidth measurement of the bandwidth part
-(hpengine.doctor.bandwidth: CuPy events, device copies) and the attention worker (flash kernels in bf16, on bf16 bits and in float32), each giving the
-result the table reads. What a device run would trip over in Python, it trips over here first."""
+(hpengine.doctor.bandwidth: CuPy events, device copies), the attention worker (flash kernels in bf16, on bf16
+bits and in float32), the documents worker (both kernel families with segment ids) and the muon worker, each
+giving the result the table reads. What a device run would trip over in Python, it trips over here first."""
 from __future__ import annotations
 
 import math
