@@ -2,8 +2,8 @@
 time limit inside one overall deadline, so a hang or crash costs only that part; prints each part's rows
 as soon as it has finished (and rewrites gpu_check.json/.md/.log in --out, $OUT), so a run cut short still
 reports, and the whole table last. The parts' work lives in gpu_check_hpengine.py, gpu_check_torch.py,
-gpu_check_attention.py and the package's checks (hpengine.doctor: the bandwidth part, and `hpengine doctor` as
-the doctor part); benchmarks/README.md describes the parts and targets.
+gpu_check_attention.py, gpu_check_kernels.py (documents, muon) and the package's checks (hpengine.doctor: the
+bandwidth part, and `hpengine doctor` as the doctor part); benchmarks/README.md describes the parts and targets.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ if str(HERE) not in sys.path:
 
 from gpu_check_attention import worker_attention, worker_attention_torch        # noqa: E402
 from gpu_check_hpengine import TRANSPORTS, worker_corpus, worker_hpengine, worker_losses  # noqa: E402
+from gpu_check_kernels import doc_shape, rows_documents, rows_muon, worker_documents, worker_muon  # noqa: E402
 from gpu_check_models import rows_attention, rows_speed                        # noqa: E402
 from gpu_check_options import PARTS, SPEED_PARTS, attn_shape, model_shape, parse, part_limit, save_result  # noqa: E402
 from gpu_check_report import (Row, cluster_table, doctor_lines, format_table, markdown_table,  # noqa: E402
@@ -202,6 +203,13 @@ def orchestrate(a) -> int:
         runner.run("attention:torch", torch_cmd + ["--worker", "attention_torch"] + reps,
                    part_limit(a, "attention:torch"))
 
+    def part_documents():
+        runner.run("documents", me + ["--worker", "documents", "--attn-reps", str(a.attn_reps)],
+                   part_limit(a, "documents"))
+
+    def part_muon():
+        runner.run("muon", me + ["--worker", "muon"], part_limit(a, "muon"))
+
     def part_bandwidth():
         runner.run("bandwidth", me + ["--worker", "bandwidth", "--bw-params", str(a.bw_params), "--bw-reps",
                                       str(a.bw_reps), "--bw-inner", str(a.bw_inner), "--pack-segments",
@@ -230,7 +238,8 @@ def orchestrate(a) -> int:
         r["cluster"] = cluster_table(r.pop("log") or "")
 
     run_part = {"tests": part_tests, "llama": lambda: part_speed("llama"), "gpt2": lambda: part_speed("gpt2"),
-                "attention": part_attention, "bandwidth": part_bandwidth, "dp2": part_dp2, "doctor": part_doctor,
+                "attention": part_attention, "documents": part_documents, "muon": part_muon,
+                "bandwidth": part_bandwidth, "dp2": part_dp2, "doctor": part_doctor,
                 "calibrate": part_calibrate}
     try:
         if any(p in a.parts for p in SPEED_PARTS + ("dp2",)):
@@ -264,6 +273,10 @@ def build_rows(results: dict, a, parts=None) -> list[Row]:
         elif part == "attention":
             rows += rows_attention(attn_shape(a), results.get("attention:hpengine"), results.get("attention:torch"),
                                    smoke)
+        elif part == "documents":
+            rows += rows_documents(doc_shape(a), results.get("documents"), smoke)
+        elif part == "muon":
+            rows += rows_muon(results.get("muon"), smoke)
         elif part == "bandwidth":
             rows += rows_bandwidth(results.get("bandwidth"), smoke)
         elif part == "dp2":
@@ -309,7 +322,7 @@ def worker_bandwidth(a) -> dict:
 
 WORKERS = {"corpus": worker_corpus, "bandwidth": worker_bandwidth, "hpengine": worker_hpengine,
            "torch": worker_torch, "losses": worker_losses, "attention": worker_attention,
-           "attention_torch": worker_attention_torch}
+           "attention_torch": worker_attention_torch, "documents": worker_documents, "muon": worker_muon}
 
 
 def main(argv=None) -> int:

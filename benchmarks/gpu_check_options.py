@@ -11,10 +11,10 @@ import re
 import sys
 
 DESCRIPTION = ("GPU check: GPU tests, tokens/s, MFU and peak memory of a 1B llama and GPT-2 small in bf16 against "
-               "PyTorch, flash attention against sdpa, kernel bandwidth, 2 ranks over staged MPI and NCCL, "
-               "hpengine doctor.")
+               "PyTorch, flash attention against sdpa, flash attention on packed documents, Muon's Newton-Schulz, "
+               "kernel bandwidth, 2 ranks over staged MPI and NCCL, hpengine doctor.")
 # the order they run in: the most important figures first, so a run cut short still has them
-PARTS = ("tests", "llama", "gpt2", "attention", "bandwidth", "dp2", "doctor", "calibrate")
+PARTS = ("tests", "llama", "gpt2", "attention", "documents", "muon", "bandwidth", "dp2", "doctor", "calibrate")
 SPEED_PARTS = ("llama", "gpt2")   # hpengine (bf16 amp) against PyTorch (autocast bf16), eager and compiled
 BW_TARGET = 0.85                  # kernel bandwidth / copy bandwidth (hpengine.doctor.bandwidth.TARGET, its judge)
 SPEED_TARGET = 1.0                # hpengine tokens/s / PyTorch eager (sdpa) tokens/s
@@ -53,13 +53,17 @@ SMOKE_MODELS = {
 }
 # the attention part's inputs: (batch, heads, seq_len, head_dim), causal, as torch sdpa's flash kernel takes them
 ATTN_SHAPE, SMOKE_ATTN_SHAPE = (4, 16, 2048, 128), (1, 2, 40, 16)
+# the documents part's: (batch, heads, seq_len, head_dim, mean document length), packed documents against causal
+DOC_SHAPE, SMOKE_DOC_SHAPE = (2, 16, 4096, 128, 512), (2, 2, 96, 16, 16)
 # per-part limits in seconds (GPU, smoke); the overall deadline clips them further
 LIMITS = {
     "corpus": (30, 30), "tests": (150, 60), "llama:hpengine": (180, 45), "llama:torch": (180, 60),
     "gpt2:hpengine": (90, 45), "gpt2:torch": (120, 60), "attention:hpengine": (45, 30), "attention:torch": (45, 30),
-    "bandwidth": (60, 30), "dp2-1": (45, 45), "dp2-2": (120, 60), "doctor": (90, 60), "calibrate": (60, 30),
+    "documents": (45, 30), "muon": (45, 30), "bandwidth": (60, 30), "dp2-1": (45, 45), "dp2-2": (120, 60),
+    "doctor": (90, 60), "calibrate": (60, 30),
 }
-WORKER_NAMES = ("corpus", "bandwidth", "hpengine", "torch", "losses", "attention", "attention_torch")
+WORKER_NAMES = ("corpus", "bandwidth", "hpengine", "torch", "losses", "attention", "attention_torch", "documents",
+                "muon")
 DEFAULT_DEADLINE_S = (500.0, 240.0)   # GPU (gpu_check.sh passes what its 10-minute total leaves), smoke
 
 

@@ -16,13 +16,20 @@
 // at the end. Tiles wholly above the diagonal are skipped, per block and per warp.
 // P is rounded after the running max of the key tiles seen so far is taken out, so o depends on the key
 // tiling to bfloat16 rounding: BN = 64 equals the twin's default key block.
+// Packed documents: seg, the last argument of every entry, is null (one document a row) or (B, T) int32
+// document ids, nondecreasing along a row, as in attention.cu: a query sees a key iff causal and of its
+// document; tiles whose ranges of ids do not meet are skipped per block (never loaded: the walks start or
+// end at the tile doc_start / doc_end name) and per warp (no product), the key tiles keeping their BN-aligned
+// starts, so P is rounded where the twin rounds it. A row whose document has not begun in a visited tile
+// keeps m = -inf and is shifted by 0: exact zeros.
 //
 // Launch assumptions (flash_cuda.plan_mma computes them)
 //   * blockDim.x = 32 * WARPS; grid = (ceil(T / (16 * WARPS)), B * H) for fwd and dq, (.., B * KH) for dkdv;
 //   * dynamic shared memory (bytes, LD = HD + PAD): fwd 4 * BN * LD, dq 4 * BNQ * LD,
 //     dkdv 4 * (16 * WARPS + QT) * LD + 8 * QT; all under 48 KiB;
 //   * q, k, v, o, dO, dq, dk, dv are (B, heads, T, hd) with element strides (sb, sh, st) and a contiguous
-//     last axis; lse and D are contiguous (B, H, T) float32.
+//     last axis; lse and D are contiguous (B, H, T) float32; seg (if any) contiguous;
+//   * static shared memory: the document ids of a key tile (fwd BN, dq BNQ ints) or query tile (dkdv QT).
 //
 // Fragments of mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (PTX ISA, "Matrix Fragments for
 // mma.m16n8k16 with floating point type"). lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3.
@@ -171,6 +178,30 @@ __device__ __forceinline__ void store_rows(S* base, long long rs, int r0, int T,
             if (i < T && col < hd) st(base, (long long)i * rs + col, acc[d][e] * (e < 2 ? mul0 : mul1));
         }
 }
+// whether queries [a, b) and keys [c, d) of one row (ids sg, rising) hold a document in common
+__device__ __forceinline__ bool shared_doc(const int* sg, int a, int b, int c, int d) {
+    return sg[c] <= sg[b - 1] && sg[a] <= sg[d - 1];
+}
+// ids rise along a row, so the tiles the rule keeps are contiguous: the key tiles of a query block start at
+// the one holding the first key of its first query's document (doc_start), the query tiles of a key block
+// end before the first query past its last key's document (doc_end); binary searches over the row
+__device__ __forceinline__ int doc_start(const int* sg, int i) {
+    int lo = 0, hi = i;                       // the first j <= i with sg[j] == sg[i]
+    const int d = sg[i];
+    while (lo < hi) { const int mid = (lo + hi) >> 1; if (sg[mid] < d) lo = mid + 1; else hi = mid; }
+    return lo;
+}
+__device__ __forceinline__ int doc_end(const int* sg, int j, int T) {
+    int lo = j + 1, hi = T;                   // the first i > j with sg[i] > sg[j], else T
+    const int d = sg[j];
+    while (lo < hi) { const int mid = (lo + hi) >> 1; if (sg[mid] <= d) lo = mid + 1; else hi = mid; }
+    return lo;
+}
+// the document ids of the two rows r0 + C_ROW(lane, 0), r0 + C_ROW(lane, 2) a lane's accumulators hold
+__device__ __forceinline__ void row_docs(int* out, const int* sg, int r0, int T, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) out[r] = sg ? sg[min(r0 + C_ROW(lane, 2 * r), T - 1)] : 0;
+}
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(FULL, x, 1));
     return fmaxf(x, __shfl_xor_sync(FULL, x, 2));
@@ -186,13 +217,17 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 template <typename S, int HD, int BN>
 __device__ void mma_fwd(ARGS_QKV, S* o, long long o_sb, long long o_sh, long long o_st, float* lse,
-                        int H, int KH, int T, int hd, float scale) {
+                        int H, int KH, int T, int hd, float scale, const int* seg) {
     extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int ksg[BN];
     u16* ks = (u16*)smem;
     u16* vs = ks + BN * (HD + PAD);
     LANE_WARP
     const int bh = blockIdx.y, b = bh / H, h = bh % H, kh = h / (H / KH);
     const int q0 = blockIdx.x * 16 * WARPS, qw = q0 + 16 * warp;
+    const int* sg = seg ? seg + (long long)b * T : nullptr;
+    int qsg[2];
+    row_docs(qsg, sg, qw, T, lane);
     const S* kb = k + b * k_sb + kh * k_sh;
     const S* vb = v + b * v_sb + kh * v_sh;
     u32 qa[HD / 16][4];
@@ -200,12 +235,15 @@ __device__ void mma_fwd(ARGS_QKV, S* o, long long o_sb, long long o_sh, long lon
     float acc[HD / 8][4] = {};
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
     const int kend = min(q0 + 16 * WARPS, T);
-    for (int k0 = 0; k0 < kend; k0 += BN) {
+    for (int k0 = sg ? doc_start(sg, q0) / BN * BN : 0; k0 < kend; k0 += BN) {
+        const int kd = min(k0 + BN, T);
         __syncthreads();
         load_tile<S, HD>(ks, kb, k_st, k0, BN, T, hd, 1.f);
         load_tile<S, HD>(vs, vb, v_st, k0, BN, T, hd, 1.f);
+        if (sg) for (int c = threadIdx.x; c < BN; c += blockDim.x) ksg[c] = k0 + c < T ? sg[k0 + c] : -1;
         __syncthreads();
         if (k0 > qw + 15) continue;                 // every key after this warp's last query
+        if (sg && (qw >= T || !shared_doc(sg, qw, min(qw + 16, T), k0, kd))) continue;
         float s[BN / 8][4];
         scores<HD, BN / 8>(s, qa, ks, lane);
         float mn[2] = {m[0], m[1]};
@@ -213,16 +251,18 @@ __device__ void mma_fwd(ARGS_QKV, S* o, long long o_sb, long long o_sh, long lon
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int i = qw + C_ROW(lane, e), j = k0 + 8 * n + C_COL(lane, e);
-                if (j > i || j >= T) s[n][e] = NEG_INF;
+                const int i = qw + C_ROW(lane, e), c = 8 * n + C_COL(lane, e), j = k0 + c;
+                if (j > i || j >= T || (sg && ksg[c] != qsg[e >> 1])) s[n][e] = NEG_INF;
                 mn[e >> 1] = fmaxf(mn[e >> 1], s[n][e]);
             }
-        // finite: the first tile holds key 0, which every row sees (rows past T too)
-        float alpha[2];
+        // without documents mn is finite (the first tile holds key 0, which every row sees, rows past T too)
+        // and sh is mn
+        float alpha[2], sh[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             mn[r] = quad_max(mn[r]);
-            alpha[r] = expf(m[r] - mn[r]);
+            sh[r] = mn[r] == NEG_INF ? 0.f : mn[r];
+            alpha[r] = expf(m[r] - sh[r]);
             l[r] *= alpha[r];
             m[r] = mn[r];
         }
@@ -233,7 +273,7 @@ __device__ void mma_fwd(ARGS_QKV, S* o, long long o_sb, long long o_sh, long lon
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) { s[n][e] = expf(s[n][e] - m[e >> 1]); l[e >> 1] += s[n][e]; }
+            for (int e = 0; e < 4; ++e) { s[n][e] = expf(s[n][e] - sh[e >> 1]); l[e >> 1] += s[n][e]; }
         times_tile<HD, BN / 16>(acc, s, vs, lane);
     }
     l[0] = quad_sum(l[0]);
@@ -251,8 +291,9 @@ template <typename S, int HD, int BN>
 __device__ void mma_bwd_dq(ARGS_QKV, const S* o, long long o_sb, long long o_sh, long long o_st,
                            const S* dout, long long d_sb, long long d_sh, long long d_st, const float* lse, float* dd,
                            S* dq, long long dq_sb, long long dq_sh, long long dq_st,
-                           int H, int KH, int T, int hd, float scale) {
+                           int H, int KH, int T, int hd, float scale, const int* seg) {
     extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int ksg[BN];
     u16* ks = (u16*)smem;
     u16* vs = ks + BN * (HD + PAD);
     LANE_WARP
@@ -281,13 +322,19 @@ __device__ void mma_bwd_dq(ARGS_QKV, const S* o, long long o_sb, long long o_sh,
     rows_a<S, HD>(qa, q + b * q_sb + h * q_sh, q_st, qw, T, hd, scale, lane);
     rows_a<S, HD>(da, db, d_st, qw, T, hd, 1.f, lane);
     float acc[HD / 8][4] = {};
+    const int* sg = seg ? seg + (long long)b * T : nullptr;
+    int qsg[2];
+    row_docs(qsg, sg, qw, T, lane);
     const int kend = min(q0 + 16 * WARPS, T);
-    for (int k0 = 0; k0 < kend; k0 += BN) {
+    for (int k0 = sg ? doc_start(sg, q0) / BN * BN : 0; k0 < kend; k0 += BN) {
+        const int kd = min(k0 + BN, T);
         __syncthreads();
         load_tile<S, HD>(ks, kb, k_st, k0, BN, T, hd, 1.f);
         load_tile<S, HD>(vs, vb, v_st, k0, BN, T, hd, 1.f);
+        if (sg) for (int c = threadIdx.x; c < BN; c += blockDim.x) ksg[c] = k0 + c < T ? sg[k0 + c] : -1;
         __syncthreads();
         if (k0 > qw + 15) continue;
+        if (sg && (qw >= T || !shared_doc(sg, qw, min(qw + 16, T), k0, kd))) continue;
         float s[BN / 8][4], dp[BN / 8][4];
         scores<HD, BN / 8>(s, qa, ks, lane);
         scores<HD, BN / 8>(dp, da, vs, lane);
@@ -295,8 +342,9 @@ __device__ void mma_bwd_dq(ARGS_QKV, const S* o, long long o_sb, long long o_sh,
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int i = qw + C_ROW(lane, e), j = k0 + 8 * n + C_COL(lane, e);
-                const float p = (j <= i && j < T && i < T) ? expf(s[n][e] - li[e >> 1]) : 0.f;
+                const int i = qw + C_ROW(lane, e), c = 8 * n + C_COL(lane, e), j = k0 + c;
+                const bool seen = j <= i && j < T && i < T && (!sg || ksg[c] == qsg[e >> 1]);
+                const float p = seen ? expf(s[n][e] - li[e >> 1]) : 0.f;
                 s[n][e] = p * (dp[n][e] - D[e >> 1]);
             }
         times_tile<HD, BN / 16>(acc, s, ks, lane);
@@ -309,8 +357,9 @@ __device__ void mma_bwd_dkdv(ARGS_QKV, const S* dout, long long d_sb, long long 
                              const float* lse, const float* dd,
                              S* dk, long long dk_sb, long long dk_sh, long long dk_st,
                              S* dv, long long dv_sb, long long dv_sh, long long dv_st,
-                             int H, int KH, int T, int hd, float scale) {
+                             int H, int KH, int T, int hd, float scale, const int* seg) {
     extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ int qsg[QT];
     constexpr int KR = 16 * WARPS, LD = HD + PAD;
     u16* ks = (u16*)smem;
     u16* vs = ks + KR * LD;
@@ -324,19 +373,25 @@ __device__ void mma_bwd_dkdv(ARGS_QKV, const S* dout, long long d_sb, long long 
     load_tile<S, HD>(ks, k + b * k_sb + kh * k_sh, k_st, k0, KR, T, hd, 1.f);
     load_tile<S, HD>(vs, v + b * v_sb + kh * v_sh, v_st, k0, KR, T, hd, 1.f);
     float dka[HD / 8][4] = {}, dva[HD / 8][4] = {};
+    const int* sg = seg ? seg + (long long)b * T : nullptr;
+    int ksg[2];
+    row_docs(ksg, sg, kw, T, lane);
+    const int qend = sg ? doc_end(sg, min(k0 + KR, T) - 1, T) : T;
     for (int hh = 0; hh < g; ++hh) {
         const int h = kh * g + hh;
         const long long bh = (long long)b * H + h;
-        for (int q0 = k0 - k0 % QT; q0 < T; q0 += QT) {   // query tiles wholly before k0: skipped
+        for (int q0 = k0 - k0 % QT; q0 < qend; q0 += QT) {   // query tiles wholly before k0: skipped
             __syncthreads();
             load_tile<S, HD>(qs, q + b * q_sb + h * q_sh, q_st, q0, QT, T, hd, scale);
             load_tile<S, HD>(dos, dout + b * d_sb + h * d_sh, d_st, q0, QT, T, hd, 1.f);
             for (int c = threadIdx.x; c < QT; c += blockDim.x) {
                 ls[c] = q0 + c < T ? lse[bh * T + q0 + c] : 0.f;
                 ds_[c] = q0 + c < T ? dd[bh * T + q0 + c] : 0.f;
+                if (sg) qsg[c] = q0 + c < T ? sg[q0 + c] : -1;
             }
             __syncthreads();
             if (q0 + QT - 1 < kw) continue;         // every query before this warp's first key
+            if (sg && (kw >= T || !shared_doc(sg, q0, min(q0 + QT, T), kw, min(kw + 16, T)))) continue;
             float s[QT / 8][4], dp[QT / 8][4];
             {
                 u32 a[HD / 16][4];
@@ -352,7 +407,8 @@ __device__ void mma_bwd_dkdv(ARGS_QKV, const S* dout, long long d_sb, long long 
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {                 // row: key j; column: query i
                     const int j = kw + C_ROW(lane, e), c = 8 * n + C_COL(lane, e), i = q0 + c;
-                    const float p = (j <= i && i < T && j < T) ? expf(s[n][e] - ls[c]) : 0.f;
+                    const bool seen = j <= i && i < T && j < T && (!sg || qsg[c] == ksg[e >> 1]);
+                    const float p = seen ? expf(s[n][e] - ls[c]) : 0.f;
                     s[n][e] = p;
                     dp[n][e] = p * (dp[n][e] - ds_[c]);
                 }
@@ -372,29 +428,31 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) flash_mma_fwd_##SUF(   
         const S* k, long long k_sb, long long k_sh, long long k_st,                                             \
         const S* v, long long v_sb, long long v_sh, long long v_st,                                             \
         S* o, long long o_sb, long long o_sh, long long o_st, float* lse, int H, int KH, int T, int hd,        \
-        float scale) {                                                                                          \
+        float scale, const int* seg) {                                                                          \
     mma_fwd<S, HD, BN>(q, q_sb, q_sh, q_st, k, k_sb, k_sh, k_st, v, v_sb, v_sh, v_st,                           \
-                       o, o_sb, o_sh, o_st, lse, H, KH, T, hd, scale); }                                        \
+                       o, o_sb, o_sh, o_st, lse, H, KH, T, hd, scale, seg); }                                   \
 extern "C" __global__ void __launch_bounds__(32 * WARPS) flash_mma_bwd_dq_##SUF(                                \
         const S* q, long long q_sb, long long q_sh, long long q_st,                                             \
         const S* k, long long k_sb, long long k_sh, long long k_st,                                             \
         const S* v, long long v_sb, long long v_sh, long long v_st,                                             \
         const S* o, long long o_sb, long long o_sh, long long o_st,                                             \
         const S* dout, long long d_sb, long long d_sh, long long d_st, const float* lse, float* dd,             \
-        S* dq, long long dq_sb, long long dq_sh, long long dq_st, int H, int KH, int T, int hd, float scale) {  \
+        S* dq, long long dq_sb, long long dq_sh, long long dq_st, int H, int KH, int T, int hd, float scale,   \
+        const int* seg) {                                                                                       \
     mma_bwd_dq<S, HD, BNQ>(q, q_sb, q_sh, q_st, k, k_sb, k_sh, k_st, v, v_sb, v_sh, v_st,                       \
                            o, o_sb, o_sh, o_st, dout, d_sb, d_sh, d_st, lse, dd,                                \
-                           dq, dq_sb, dq_sh, dq_st, H, KH, T, hd, scale); }                                     \
+                           dq, dq_sb, dq_sh, dq_st, H, KH, T, hd, scale, seg); }                                \
 extern "C" __global__ void __launch_bounds__(32 * WARPS) flash_mma_bwd_dkdv_##SUF(                              \
         const S* q, long long q_sb, long long q_sh, long long q_st,                                             \
         const S* k, long long k_sb, long long k_sh, long long k_st,                                             \
         const S* v, long long v_sb, long long v_sh, long long v_st,                                             \
         const S* dout, long long d_sb, long long d_sh, long long d_st, const float* lse, const float* dd,       \
         S* dk, long long dk_sb, long long dk_sh, long long dk_st,                                               \
-        S* dv, long long dv_sb, long long dv_sh, long long dv_st, int H, int KH, int T, int hd, float scale) {  \
+        S* dv, long long dv_sb, long long dv_sh, long long dv_st, int H, int KH, int T, int hd, float scale,   \
+        const int* seg) {                                                                                       \
     mma_bwd_dkdv<S, HD, QT>(q, q_sb, q_sh, q_st, k, k_sb, k_sh, k_st, v, v_sb, v_sh, v_st,                      \
                             dout, d_sb, d_sh, d_st, lse, dd, dk, dk_sb, dk_sh, dk_st,                           \
-                            dv, dv_sb, dv_sh, dv_st, H, KH, T, hd, scale); }
+                            dv, dv_sb, dv_sh, dv_st, H, KH, T, hd, scale, seg); }
 
 MMA_ENTRIES(f32_hd64, float, 64, 64, 64, 64)
 MMA_ENTRIES(f32_hd128, float, 128, 64, 32, 16)

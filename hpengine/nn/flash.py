@@ -1,7 +1,7 @@
 """Fused causal attention, flash-attention style (model.attention = "flash"): an online softmax over key
 blocks up to the diagonal, the T x T scores never stored. The array-module-generic code that runs on the
 CPU, the NumPy twin of kernels/attention.cu (which hpengine/nn/flash_cuda.py launches on CuPy). Packed
-documents (segments): a query sees only its own document's keys; a tile that no document spans is skipped.
+documents (segments): a query sees only its own document's keys; tiles no document spans are skipped (here too).
 """
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ class _TilePlan:
     each row), for every (query tile i, key tile j): whether some row's queries and keys hold a document in
     common (else every score is masked: `skip`), whether they lie in one document in every row (no document
     mask: `one_document`), and else the `box` of the tile's queries and keys that see anything. Read from the
-    segments on the host (one copy from a device, not one per tile)."""
+    segments on the host (one copy from a device, not one per tile). The kernels skip by the same rule per row (a
+    tile kept here for some row only is wholly masked in the others, where it adds exact zeros)."""
 
     def __init__(self, xp, segments, T: int, bq: int, bk: int):
         self.q, self.k = _tiles(T, bq), _tiles(T, bk)
@@ -244,20 +245,20 @@ def flash_attention_forward(xp, qkv, n_heads: int, bq: int | None = None, bk: in
                             segments=None):
     """Twin of attention_forward: returns y (B, T, H*hd) and the cache (qkv, y, lse, bq, bk). Under bf16 amp qkv
     may be bfloat16 bits (packed: the kernels' bf16 storage, y then bits too) and y, which only the projection
-    and this cache read, is stored as bf16 amp stores it (num.store_for_gemm). segments (packed documents)
-    run this code, also on CuPy (the kernels take none)."""
+    and this cache read, is stored as bf16 amp stores it (num.store_for_gemm). segments: (B, T) document ids of
+    packed documents (None: one a row), handed to the kernels on CuPy."""
     B, T, C3 = qkv.shape
     if C3 % (3 * n_heads):
         raise ValueError(f"qkv last dim {C3} is not a multiple of 3 * n_heads = {3 * n_heads}")
     hd = C3 // (3 * n_heads)
     scale = 1.0 / math.sqrt(hd)
     q, k, v = _heads(qkv, n_heads, 3)
-    cuda = segments is None and _use_cuda(xp, qkv)
+    cuda = _use_cuda(xp, qkv)
     bits_twin = qkv.dtype == np.uint16 and not cuda       # the twin computes on the bits' values
     y = xp.empty((B, T, n_heads * hd), dtype=np.float32 if bits_twin else qkv.dtype)
     (o,) = _heads(y, n_heads, 1)
     if cuda:
-        lse = flash_cuda.forward(xp, q, k, v, o, scale, mma=flash_cuda.use_mma(q.dtype, num.bf16))
+        lse = flash_cuda.forward(xp, q, k, v, o, scale, mma=flash_cuda.use_mma(q.dtype, num.bf16), segments=segments)
     else:
         q, k, v = (as_float32(xp, t) for t in (q, k, v))
         og, lse = flash_forward_core(xp, q * scale, k, v, 1, bq, bk, num, segments)
@@ -278,10 +279,10 @@ def flash_attention_backward(xp, dy, cache, num=OFF, segments=None):
         dy = num.store_for_gemm(xp, dy)                     # (rounded in place: dy is this backward's own)
     q, k, v = _heads(qkv, H, 3)
     (do,), (o,) = _heads(dy, H, 1), _heads(y, H, 1)
-    if segments is None and _use_cuda(xp, qkv, dy, y):
+    if _use_cuda(xp, qkv, dy, y):
         dqkv = xp.empty((B, T, C3), dtype=dy.dtype)
         flash_cuda.backward(xp, q, k, v, o, do, lse, *_heads(dqkv, H, 3), scale,
-                            mma=flash_cuda.use_mma(q.dtype, num.bf16))
+                            mma=flash_cuda.use_mma(q.dtype, num.bf16), segments=segments)
         return num.store_for_gemm(xp, dqkv, bf16)            # (bits already: as they are)
     q, k, v, o, do = (as_float32(xp, t) for t in (q, k, v, o, do))
     dqkv = xp.empty((B, T, C3), dtype=do.dtype)
@@ -310,12 +311,12 @@ def flash_gqa_forward(xp, q, k, v, bq: int | None = None, bk: int | None = None,
     """Twin of gqa_attention_forward: returns y (B, T, H*hd) and the cache (q, k, v, y, lse, bq, bk). Under bf16
     amp q, k, v may be bfloat16 bits (packed: the kernels' bf16 storage, y then bits too) and y, which only the o
     projection and this cache read, is stored as bf16 amp stores it (num.store_for_gemm)."""
-    if num.writes_bits and xp.__name__ == "cupy" and segments is None:     # one storage type for the kernels: bits
+    if num.writes_bits and xp.__name__ == "cupy":       # one storage type for the kernels: bits
         q, k, v = (t if t.dtype == np.uint16 else to_bf16_bits(xp, t) for t in (q, k, v))
     (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k)
-    if segments is None and _use_cuda(xp, q, k, v):
+    if _use_cuda(xp, q, k, v):
         lse = flash_cuda.forward(xp, q, k, v, y.reshape(B, T, H, hd).transpose(0, 2, 1, 3), 1.0,
-                                 mma=flash_cuda.use_mma(q.dtype, num.bf16))
+                                 mma=flash_cuda.use_mma(q.dtype, num.bf16), segments=segments)
     else:
         if y.dtype == np.uint16:
             y = xp.empty(y.shape, dtype=np.float32)
@@ -336,11 +337,11 @@ def flash_gqa_backward(xp, dy, cache, num=OFF, segments=None):
     bf16 = num.stores and dy.dtype == np.float32            # dO and the gradients stored as bf16 amp stores them
     if bf16:
         dy = num.store_for_gemm(xp, dy)                     # (rounded in place: dy is this backward's own)
-    if segments is None and _use_cuda(xp, q, k, v, dy):
+    if _use_cuda(xp, q, k, v, dy):
         dq, dk, dv = (xp.empty(a.shape, dtype=dy.dtype) for a in (q, k, k))
         per_head = lambda a: a.reshape(B, T, H, hd).transpose(0, 2, 1, 3)     # noqa: E731
         flash_cuda.backward(xp, q, k, v, per_head(y), per_head(dy), lse, dq, dk, dv, 1.0,
-                            mma=flash_cuda.use_mma(q.dtype, num.bf16))
+                            mma=flash_cuda.use_mma(q.dtype, num.bf16), segments=segments)
         return tuple(num.store_for_gemm(xp, t, bf16) for t in (dq, dk, dv))   # (bits already: as they are)
     q, k, v, y, dy = (as_float32(xp, t) for t in (q, k, v, y, dy))
     lseg = lse.reshape(B, K, g, T).swapaxes(2, 3).reshape(B, K, T * g)

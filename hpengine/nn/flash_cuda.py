@@ -1,6 +1,6 @@
 """CuPy launcher of kernels/attention.cu and kernels/attention_mma.cu: the fused causal attention of nn/flash.py
 on a GPU, over strided (B, heads, T, hd) views, in float32, float64 or bfloat16 bits, on the tensor-core
-entries under bf16 amp.
+entries under bf16 amp; packed documents as the kernels' segment ids.
 """
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ _SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np
 MMA_TILES = {64: (64, 64, 64), 128: (64, 32, 16)}
 MMA_WARPS = 4
 MMA_PAD = 8
+
+
+# The kernels' last argument, seg: (B, T) int32 document ids (nondecreasing along a row, as data/documents.py
+# makes them), or a null pointer (8 zero bytes, what a pointer argument of value 0 is) for one document a row.
+NULL = np.uint64(0)
 
 
 class Launch(NamedTuple):
@@ -118,28 +123,39 @@ def _launch(launch: Launch, args):
     kernels.function(name, launch.entry)(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
 
 
+def _docs(xp, segments, B: int, T: int):
+    """The seg argument: NULL, or the document ids as a contiguous int32 (B, T) device array."""
+    if segments is None:
+        return NULL
+    if tuple(segments.shape) != (B, T):
+        raise ValueError(f"flash attention: segments must be (B, T) = ({B}, {T}), got shape {tuple(segments.shape)}")
+    return xp.ascontiguousarray(xp.asarray(segments).astype(np.int32, copy=False))
+
+
 def _planner(dtype, mma):
     # an explicit mma=True on float64 reaches plan_mma, which refuses it
     return plan_mma if mma or use_mma(dtype, mma) else launch_plan
 
 
-def forward(xp, q, k, v, o, scale: float, mma: bool = False):
+def forward(xp, q, k, v, o, scale: float, mma: bool = False, segments=None):
     """o[...] = causal softmax(scale q k^T) v, grouped-query; returns lse (B, H, T). mma: tensor-core
-    kernels (bf16 amp)."""
+    kernels (bf16 amp). segments: (B, T) document ids (None: one document a row)."""
     B, H, KH, T, hd = _check(q, k, v)
+    seg = _docs(xp, segments, B, T)
     plan_of = _planner(q.dtype, mma)
     at = math_dtype(q.dtype)
     lse = xp.empty((B, H, T), dtype=at)
     args = (*_strided(xp, q, "q"), *_strided(xp, k, "k"), *_strided(xp, v, "v"), *_out(o, "o"), lse,
-            np.int32(H), np.int32(KH), np.int32(T), np.int32(hd), at.type(scale))
+            np.int32(H), np.int32(KH), np.int32(T), np.int32(hd), at.type(scale), seg)
     _launch(plan_of("fwd", q.dtype, B, H, KH, T, hd), args)
     return lse
 
 
-def backward(xp, q, k, v, o, do, lse, dq, dk, dv, scale: float, mma: bool = False):
-    """Writes dq, dk, dv (views as forward's o) from forward's o and lse; dq first (it writes D). mma as
-    in forward (the lse of either kernel family serves both)."""
+def backward(xp, q, k, v, o, do, lse, dq, dk, dv, scale: float, mma: bool = False, segments=None):
+    """Writes dq, dk, dv (views as forward's o) from forward's o and lse; dq first (it writes D). mma and
+    segments as in forward (the lse of either kernel family serves both)."""
     B, H, KH, T, hd = _check(q, k, v)
+    seg = _docs(xp, segments, B, T)
     plan_of = _planner(q.dtype, mma)
     at = math_dtype(q.dtype)
     if lse.shape != (B, H, T) or lse.dtype != at:
@@ -147,7 +163,7 @@ def backward(xp, q, k, v, o, do, lse, dq, dk, dv, scale: float, mma: bool = Fals
     lse = xp.ascontiguousarray(lse)
     dd = xp.empty((B, H, T), dtype=at)
     qa, ka, va, da = (_strided(xp, a, w) for a, w in ((q, "q"), (k, "k"), (v, "v"), (do, "do")))
-    tail = (np.int32(H), np.int32(KH), np.int32(T), np.int32(hd), at.type(scale))
+    tail = (np.int32(H), np.int32(KH), np.int32(T), np.int32(hd), at.type(scale), seg)
     _launch(plan_of("bwd_dq", q.dtype, B, H, KH, T, hd),
             (*qa, *ka, *va, *_strided(xp, o, "o"), *da, lse, dd, *_out(dq, "dq"), *tail))
     _launch(plan_of("bwd_dkdv", q.dtype, B, H, KH, T, hd),

@@ -12,6 +12,7 @@ import numpy as np
 from hpengine.device.bf16_bits import to_bf16_bits
 from hpengine.device.kernels import CHUNK, adamw_coefs, adamw_numpy, chunk_plan
 from hpengine.device.precision import round_bf16_
+from hpengine.optim.same_shape import by_shape
 from hpengine.params.buffers import Range
 
 NS_EPS = 1e-7            # torch.optim.Muon's floor on the Frobenius norm the iteration divides by
@@ -157,7 +158,9 @@ class Muon:
             else:
                 upd = buf
             upds.append(upd.reshape(shape))
-        if self.whole is None:
+        if self.whole is None and xp.__name__ == "cupy":    # one batched iteration per shape (cuBLAS)
+            orthos = by_shape(xp, upds, self._orthogonalise)
+        elif self.whole is None:                            # NumPy loops over a stack anyway: one by one
             orthos = [self._orthogonalise(u) for u in upds]
         else:       # each matrix whole on one rank, this rank's part of every result back
             orthos = self.whole.apply([m[2] for m in self.matrices], upds, self._orthogonalise, self.range,

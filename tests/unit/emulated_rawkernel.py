@@ -60,7 +60,9 @@ def check_launch(entry, sig, grid, block, args, shared_mem) -> None:
     assert len(args) == len(sig), f"{entry}: {len(args)} arguments for {len(sig)} parameters"
     for k, ((ctype, ptr, _), a) in enumerate(zip(sig, args)):
         want = np.dtype(C_DTYPES[ctype])
-        if ptr:
+        if ptr and ctype == "int" and entry.startswith("flash_") and isinstance(a, np.uint64):     # seg: optional
+            assert a == 0, f"{entry} argument {k} (int*): the integer {a} is no pointer (only 0, a null one)"
+        elif ptr:
             assert isinstance(a, DevArray), f"{entry} argument {k} ({ctype}*): {type(a).__name__}, not a device array"
             ok = a.dtype == want or (ctype == "unsigned short" and a.dtype == np.float16)
             assert ok, f"{entry} argument {k} ({ctype}*): dtype {a.dtype}"

@@ -7,7 +7,8 @@ import numpy as np
 
 # C parameter types of the flash entries -> the NumPy dtype an argument must have
 C_TYPES = {"float*": np.float32, "double*": np.float64, "unsigned short*": np.uint16, "float": np.float32,
-           "double": np.float64, "long long": np.int64, "int": np.int32}
+           "double": np.float64, "long long": np.int64, "int": np.int32, "int*": np.int32}
+NULL_OK = ("int*",)         # the optional document ids: a null pointer is 8 zero bytes (flash_cuda.NULL)
 
 
 def check_args(entry: str, args, sig, same_dtype: bool) -> None:
@@ -16,7 +17,9 @@ def check_args(entry: str, args, sig, same_dtype: bool) -> None:
     assert len(args) == len(sig), (entry, len(args), sig)
     for k, (ctype, a) in enumerate(zip(sig, args)):
         want = np.dtype(C_TYPES[ctype])
-        if ctype.endswith("*"):
+        if ctype in NULL_OK and isinstance(a, np.uint64):
+            assert a == 0, (entry, k, ctype, a)
+        elif ctype.endswith("*"):
             ok = a.dtype == want if same_dtype else a.dtype.itemsize == want.itemsize
             assert isinstance(a, np.ndarray) and ok, (entry, k, ctype)
             if a.ndim == 4:                                    # a strided tensor: its three strides follow

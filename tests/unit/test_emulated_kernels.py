@@ -318,13 +318,13 @@ def test_flash_launch_outside_the_kernel_contract_is_refused(device):
     o = device.empty(q.shape, dtype=np.float32)
     args = [*flash_cuda._strided(device, q, "q"), *flash_cuda._strided(device, k, "k"),
             *flash_cuda._strided(device, v, "v"), *flash_cuda._out(o, "o"), lse,
-            np.int32(2), np.int32(2), np.int32(8), np.int32(8), np.float32(0.35)]
+            np.int32(2), np.int32(2), np.int32(8), np.int32(8), np.float32(0.35), flash_cuda.NULL]
     fn = kernels.function("attention", launch.entry)
     with pytest.raises(AssertionError, match="shared memory"):
         fn(launch.grid, launch.block, tuple(args), shared_mem=launch.shared_mem - 4)
     with pytest.raises(AssertionError, match="outside"):
         fn((launch.grid[0], 3), launch.block, tuple(args), shared_mem=launch.shared_mem)
-    args[-3] = np.int32(9)                               # T past the views' 8 rows
+    args[-4] = np.int32(9)                               # T past the views' 8 rows
     with pytest.raises(AssertionError, match="outside"):
         fn(launch.grid, launch.block, tuple(args), shared_mem=launch.shared_mem)
 

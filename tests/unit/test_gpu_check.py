@@ -216,6 +216,13 @@ def _results(adamw_s=1.0, pack_s=1.0, hpe_tps=1200.0, staged=(4096, 4096), dp_lo
                         "checks": {"o": {"norm": 10.5, "dot": 1.0}, "dq": {"norm": 1.0, "dot": 0.1}}}}},
         "attention:torch": {"fwd_ms": 0.5, "fwd_bwd_ms": 2.0, "dtype": "bfloat16", "backend": "flash",
                             "checks": checks},
+        "documents": {"documents": 16, "variants": {
+            "bf16": {"causal": {"fwd_ms": 2.0, "fwd_bwd_ms": 6.0}, "documents": {"fwd_ms": 0.5, "fwd_bwd_ms": 1.5},
+                     "speedup": 4.0, "agreement": 0.0},
+            "float32": {"causal": {"fwd_ms": 8.0, "fwd_bwd_ms": 24.0}, "documents": {"fwd_ms": 2.0, "fwd_bwd_ms": 6.0},
+                        "speedup": 4.0, "agreement": 2e-5}}},                  # past 1e-5: FAIL
+        "muon": {"model": opts.MODELS["llama"], "matrices": 140, "parameters": 880_000_000, "agreement": 1e-7,
+                 "variants": {"grouped": {"ms": 500.0, "tflops": 50.0}, "per_matrix": {"ms": 600.0, "tflops": 41.7}}},
         "bandwidth": bw,
         "doctor": {"rc": 0, "lines": [("MPI", "ok", "MPICH 5.0.2 (MPI 5.0, mpi4py 4.1.2); 1 rank on 1 node"),
                                       ("parity: adamw.cu", "ok", "bit for bit")]},
@@ -251,6 +258,10 @@ def test_rows_and_verdict():
     att = [r for r in rows if r.what.startswith("attention")]
     assert [r.status for r in att] == ["SKIP", "PASS", "FAIL"]              # not available; agree 0; 5e-2
     assert "not available" in att[0].value and "0.50x the speed" in att[1].value
+    packed = [r.status for r in rows if r.what.startswith("flash fwd+bwd on packed")]
+    assert packed == ["PASS", "FAIL"]                                      # bf16; float32 agrees 2e-5 only
+    assert "4.00x" in _row(rows, "flash fwd+bwd on packed").value
+    assert [r.status for r in rows if r.what.startswith("Muon Newton-Schulz")] == ["INFO", "INFO"]
     assert [r.status for r in rows if r.what.startswith("2 ranks on 1 GPU")] == ["PASS", "PASS"]
     assert _row(rows, "2 ranks dp, collectives mpi").status == "INFO"
     nccl = _row(rows, "2 ranks dp, collectives nccl")

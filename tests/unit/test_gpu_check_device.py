@@ -1,8 +1,9 @@
 """The GPU branches of benchmarks/gpu_check's workers, run on the CPU through the CuPy stand-in
 (emulated_cupy.py) at tiny sizes: hpengine's bf16 training worker for both model kinds (its CuPy backend, the
 device name, the memory pool's high-water mark), the AdamW and pack bandwidth measurement of the bandwidth part
-(hpengine.doctor.bandwidth: CuPy events, device copies) and the attention worker (flash kernels in bf16, on bf16 bits and in float32), each giving the
-result the table reads. What a device run would trip over in Python, it trips over here first."""
+(hpengine.doctor.bandwidth: CuPy events, device copies), the attention worker (flash kernels in bf16, on bf16
+bits and in float32), the documents worker (both kernel families with segment ids) and the muon worker, each
+giving the result the table reads. What a device run would trip over in Python, it trips over here first."""
 from __future__ import annotations
 
 import math
@@ -20,6 +21,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))      # the gpu_check modules import
 
 import gpu_check_attention as ga  # noqa: E402
 import gpu_check_hpengine as gh  # noqa: E402
+import gpu_check_kernels as gk  # noqa: E402
 import gpu_check_options as opts  # noqa: E402
 
 
@@ -29,6 +31,7 @@ def device(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", mod)                 # the workers import cupy themselves
     monkeypatch.setattr(opts, "MODELS", opts.SMOKE_MODELS)        # GPU mode, smoke sizes
     monkeypatch.setattr(opts, "ATTN_SHAPE", opts.SMOKE_ATTN_SHAPE)
+    monkeypatch.setattr(opts, "DOC_SHAPE", opts.SMOKE_DOC_SHAPE)
     return mod
 
 
@@ -68,6 +71,24 @@ def test_the_attention_worker_on_the_device(device):
     for name in ("o", "dq", "dk", "dv"):        # three kernel families on the same bf16 inputs agree
         norms = [checks[v][name]["norm"] for v in ("bf16", "bits", "float32")]
         assert all(np.isfinite(norms)) and max(norms) - min(norms) <= 2e-2 * max(norms), (name, norms)
+
+
+def test_the_documents_worker_on_the_device(device):
+    """Both kernel families with segment ids (the stand-in's emulators) against causal: the first document's rows
+    agree, the kernels ran, and the table judges them."""
+    r = gk.worker_documents(_args())
+    assert set(r["variants"]) == {"float32", "bf16"}
+    for v in r["variants"].values():
+        assert "error" not in v and v["agreement"] <= gk.DOC_RTOL and v["documents"]["fwd_bwd_ms"] > 0, v
+    assert any(e.startswith("flash_mma_") for e in device.launches) and "flash_fwd_f32" in device.launches
+    assert [row.status for row in gk.rows_documents(gk.doc_shape(_args()), r, False)] == ["PASS", "PASS"]
+
+
+def test_the_muon_worker_on_the_device(device):
+    r = gk.worker_muon(_args())
+    assert r["matrices"] == 7 * opts.SMOKE_MODELS["llama"]["n_layers"] and r["agreement"] <= 1e-6
+    assert all(v["ms"] > 0 for v in r["variants"].values()) and len(r["variants"]) == 2
+    assert [row.status for row in gk.rows_muon(r, False)] == ["INFO", "INFO"]
 
 
 def test_the_gpu_calibration_on_the_device(device, monkeypatch):
