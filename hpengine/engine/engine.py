@@ -419,7 +419,7 @@ class Engine:
     def load(self, reader, params_only: bool = False) -> None:
         """This rank's part of a checkpoint (or of an export's parameters) into the engine."""
         steps = state.load_state(self.stage, self.sync, self.segs, self.opts, self.master, self.tp, self.be, reader, params_only)
-        manifest = getattr(reader, "manifest", None)     # a checkpoint's; an export or a Hugging Face folder has none
+        manifest = getattr(reader, "manifest", None)     # a checkpoint's, a Hugging Face folder's with router biases
         if manifest is not None:        # the router biases route as the parameters were trained to
             self.router_bias.load(manifest["state"])
         if steps is not None:
