@@ -7,7 +7,7 @@ folder that transformers loads with nothing missing (an MTP run's layer n_layers
 builds no MTP module); its logits equal hpengine's forward of the checkpoint to 1e-5 as shipped (its RMSNorm
 statistics, router and rotary angles in float32) and to 1e-10 with modeling_deepseek_v3's float32 read as float64;
 greedy decoding gives the same tokens; starting a run from the folder restores every tensor (the MTP modules') and
-the router biases exactly. Import: a perturbed DeepseekV3ForCausalLM saved with save_pretrained (selection biases
+the router biases exactly. A float32 run's export loaded in float32 gives its float32 logits to 1e-5. Import: a perturbed DeepseekV3ForCausalLM saved with save_pretrained (selection biases
 set) starts a run with its biases and its logits.
 
 Needs the `hf` extra (torch, transformers >= 5 with DeepseekV3) and safetensors; skipped without them.
@@ -152,3 +152,21 @@ def test_import_of_a_saved_deepseek_v3_gives_its_logits(tmp_path, small_corpus, 
     again = exact(lambda: logits_of(torch, DeepseekV3ForCausalLM.from_pretrained(
         folder, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager").eval(), ids))
     np.testing.assert_allclose(ours, again, rtol=1e-10, atol=1e-10)
+
+
+def test_float32_export_gives_float32_logits(tmp_path, small_corpus):
+    """A float32 run's export loaded in float32: transformers' logits equal hpengine's float32 forward to 1e-5
+    (each side rounds its own float32 sums in its own order; on O(1) logits that leaves differences near 1e-7)."""
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    keys = [*model_keys(6, True), "model.dtype='float32'"]
+    assert main(["train", *sets([*keys, "train.steps=3", "checkpoint.every=3", "optim.lr=1e-2",
+                                 "train.log_every=1000", f"data.path={small_corpus}", f"train.out_dir={run}"])]) == 0
+    assert main(["ckpt", "export", str(run / "checkpoints"), str(hf), "--format", "hf"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager",
+                                                 experts_implementation="eager").eval()
+    r, P = read_params(run / "checkpoints")
+    assert P["wte"].dtype == np.float32
+    ids = np.random.default_rng(3).integers(0, V, (2, T))
+    want = hpengine_logits(P, load_config(None, keys).model, saved_bias(r.manifest["state"]), ids)
+    assert want.dtype == np.float32
+    np.testing.assert_allclose(logits_of(torch, model, ids), want, rtol=1e-5, atol=1e-5)
