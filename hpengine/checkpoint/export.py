@@ -21,6 +21,7 @@ from hpengine.data.tokenizer import EOS_CANDIDATES
 from hpengine.files.bars import bar, following
 from hpengine.files.safe import write_file
 from hpengine.models import hf_kinds, kind_of
+from hpengine.models.moe_bias import saved_bias
 
 #     hdf5          one HDF5 file of global tensors, parameters and (unless params_only) optimizer state: what
 #                   checkpoint.init_from reads (checkpoint.export)
@@ -29,7 +30,8 @@ from hpengine.models import hf_kinds, kind_of
 #     hf            a Hugging Face transformers model folder: config.json, generation_config.json,
 #                   model.safetensors and, when the run used a Hugging Face tokenizer, its tokenizer files.
 #                   gpt -> GPT2LMHeadModel; llama -> LlamaForCausalLM, or with routed experts
-#                   MixtralForCausalLM, with model.qk_norm Qwen3ForCausalLM, with both Qwen3MoeForCausalLM.
+#                   MixtralForCausalLM, with model.qk_norm Qwen3ForCausalLM, with both Qwen3MoeForCausalLM;
+#                   deepseek -> DeepseekV3ForCausalLM (router biases and multi-token prediction layers included).
 FORMATS = ("hdf5", "safetensors", "hf")
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json")
@@ -272,7 +274,7 @@ def export(path, out, fmt: str = "hdf5", params_only: bool = False, force: bool 
     r.close()
     if fmt == "hf" and kind_of(cfg.model.kind).hf is None:
         raise CheckpointError(f"--format hf: model.kind = {cfg.model.kind!r} has no Hugging Face "
-                              f"equivalent; supported kinds: {', '.join(hf_kinds().values())} (use --format safetensors "
+                              f"equivalent; supported kinds: {', '.join(dict.fromkeys(hf_kinds().values()))} (use --format safetensors "
                               "or hdf5)")
     if fmt == "hf" and kind_of(cfg.model.kind).hf.export_refusal(cfg.model):
         raise CheckpointError(f"--format hf: {kind_of(cfg.model.kind).hf.export_refusal(cfg.model)} (use --format "
@@ -292,7 +294,7 @@ def export(path, out, fmt: str = "hdf5", params_only: bool = False, force: bool 
                           metadata={"format": "hpengine", "config": r.manifest["config"], "step": str(r.step)})
                 n = len(P)
             else:
-                n = _write_hf(new, r, cfg, P, dtype, save_file, note)
+                n = _write_hf(new, r, cfg, P, dtype, save_file, note, model or 0)
             _publish(new, out, stage, force)
         except (OSError, RuntimeError, SafetensorError) as exc:
             raise _write_failed(out, exc) from None
@@ -304,11 +306,13 @@ def export(path, out, fmt: str = "hdf5", params_only: bool = False, force: bool 
 # What each kind's tensors are called and how they are laid out in Hugging Face is the kind's adapter's
 # (models/hf_gpt.py: GPT-2's Conv1D is (in, out) as here, but its c_attn columns are permuted from the
 # head-major fused qkv; models/hf_llama.py: every 2-D tensor but the embedding is transposed; docs/models.md).
-def _write_hf(folder: Path, r: Reader, cfg, P: dict, dtype: str, save_file, note) -> int:
+def _write_hf(folder: Path, r: Reader, cfg, P: dict, dtype: str, save_file, note, model: int) -> int:
     mcfg = cfg.model
     folder.mkdir(parents=True)
-    adapter = kind_of(mcfg.kind).hf
-    state = adapter.to_hf(P, mcfg)
+    kind = kind_of(mcfg.kind)
+    adapter = kind.hf
+    # the router's selection biases are checkpoint state, not parameters (models/moe_bias.py)
+    state = {**adapter.to_hf(P, mcfg), **kind.hf_bias_out(saved_bias(r.manifest["state"], model), mcfg)}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     tok, where = run_tokenizer(r, cfg)
     eos = eos_id_of(r, tok)

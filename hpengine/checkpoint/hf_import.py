@@ -16,6 +16,7 @@ from hpengine.checkpoint.shards import CheckpointError, read_region
 from hpengine.files import UnsafeFile, inside, open_regular, read_text
 from hpengine.models import hf_kinds, hf_refused, kind_of
 from hpengine.models.hf_common import HFMismatch
+from hpengine.models.moe_bias import KEY as BIAS_KEY
 
 PREFIX = "hf:"
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
@@ -187,8 +188,8 @@ class _Safetensors:
 
 
 # DIR holds config.json and model.safetensors (or sharded model-*.safetensors with
-# model.safetensors.index.json) of a GPT2LMHeadModel (-> model.kind = "gpt") or a LlamaForCausalLM,
-# MixtralForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM (-> "llama").
+# model.safetensors.index.json) of a GPT2LMHeadModel (-> model.kind = "gpt"), a LlamaForCausalLM,
+# MixtralForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM (-> "llama") or a DeepseekV3ForCausalLM (-> "deepseek").
 def _files(folder: Path, where: str) -> list[Path]:
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if os.path.lexists(single):
@@ -252,12 +253,15 @@ def _sources(hf) -> tuple:
 #
 # Everything that can be checked without reading tensor data is checked when the reader is made, on every
 # rank alike: the architecture, config.json against the run's [model], every tensor's presence and shape,
-# and tied against untied output heads.
+# and tied against untied output heads. A kind whose adapter carries the router's selection biases gives them as
+# `manifest`'s state, which the engine loads as a checkpoint's; tensors the folder holds twice (DeepSeek's MTP layers'
+# embed_tokens and shared_head.head) are compared with the tensor they copy as each region of it is read.
 class HFReader:
     """checkpoint.ExportReader's read() over a Hugging Face model folder, for checkpoint.init_from = "hf:DIR".
     `shapes` are the run's true (unpadded) global shapes by hpengine name (engine.true_shapes())."""
 
     step = 0
+    manifest = None          # {"state": {"router_bias": ...}} where the folder has router biases
 
     def __init__(self, folder, mcfg, shapes: dict):
         self.dir = Path(folder)
@@ -265,9 +269,10 @@ class HFReader:
         hc = _json_object(self.dir / "config.json", where, "config")
         kind = _check_config(hc, mcfg, f"hf:{folder}")
         self.st = _Safetensors(_files(self.dir, where), where, hf_fp8.block_size(hc, where))
-        adapter = kind_of(kind).hf
+        k = kind_of(kind)
+        adapter = k.hf
         self.st.entries = adapter.full_names(self.st.entries)
-        self.map = adapter.from_hf_map(mcfg)
+        self.map, self.copies = adapter.from_hf_map(mcfg), k.hf_copies(mcfg)
         extra = sorted(set(shapes) - set(self.map))
         if extra:
             raise CheckpointError(f"{where}: the run has tensors {extra[:4]} with no Hugging Face counterpart")
@@ -282,6 +287,26 @@ class HFReader:
                 raise CheckpointError(f"{where}: tensor {_sources(hf)[0]} has shape {list(self.st.shape(_sources(hf)[0]))}"
                                       f"{f' (one of {len(hf)})' if isinstance(hf, tuple) else ''}, which gives "
                                       f"{name} {list(got)} but the run's {name} is {list(want)}")
+        for name, held in self.copies.items():
+            main = _sources(self.map[name][0])[0]
+            for h, _ in held:
+                self._tensor_entry(h, f"a copy of {main}")
+                if self.st.shape(h) != self.st.shape(main):
+                    raise CheckpointError(f"{where}: tensor {h} has shape {list(self.st.shape(h))}; as a copy of {main} "
+                                          f"it must be {list(self.st.shape(main))}")
+        try:
+            bias = k.hf_bias_in(lambda h: self.st.get(self._tensor_entry(h, "a router bias")), mcfg, f"hf:{folder}")
+        except HFMismatch as exc:
+            raise CheckpointError(str(exc)) from None
+        if bias is not None:
+            self.manifest = {"state": {BIAS_KEY: [bias.tolist()]}}
+
+    def _tensor_entry(self, h: str, what: str) -> str:
+        """h, after checking that the folder holds it readable (`what` it is, for the message)."""
+        if h not in self.st.entries:
+            raise CheckpointError(f"{self.where}: tensor {h} ({what}) is missing")
+        self.st.check_readable(h)
+        return h
 
     @staticmethod
     def _get(hf, fn, get):
@@ -293,7 +318,12 @@ class HFReader:
         if kind != "param" or name not in self.map:
             raise CheckpointError(f"{self.where} has no {kind} {name!r}")
         hf, fn = self.map[name]
-        return read_region(self._get(hf, fn, self.st.get), region)
+        out = read_region(self._get(hf, fn, self.st.get), region)
+        for h, f in self.copies.get(name, ()):
+            if not np.array_equal(read_region(f(self.st.get(h)), region), out, equal_nan=True):
+                raise CheckpointError(f"{self.where}: tensor {h} differs from {_sources(hf)[0]} (hpengine {name}), "
+                                      "which it copies; a folder holds the same values in both")
+        return out
 
     def close(self):
         self.st = None

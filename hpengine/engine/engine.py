@@ -486,7 +486,7 @@ class Engine:
                                      params_only)
             if self.outer is not None:      # a fresh outer loop from the loaded parameters
                 self.outer.reset(self.master if self.master is not None else self.sync.owned_params())
-        manifest = getattr(reader, "manifest", None)     # a checkpoint's; an export or a Hugging Face folder has none
+        manifest = getattr(reader, "manifest", None)     # a checkpoint's, a Hugging Face folder's with router biases
         if manifest is not None:        # the router biases route as the parameters were trained to
             self.router_bias.load(manifest["state"])
         if steps is not None:

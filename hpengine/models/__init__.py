@@ -6,7 +6,7 @@ context LOCAL, its Context type and its tp part LocalTP."""
 from dataclasses import dataclass
 from types import ModuleType
 
-from hpengine.models import hf_gpt, hf_llama
+from hpengine.models import hf_deepseek, hf_gpt, hf_llama
 from hpengine.models.context import LOCAL, Context, LocalTP
 from hpengine.models.deepseek import DeepSeek
 from hpengine.models.gpt import GPT
@@ -19,12 +19,28 @@ from hpengine.models.mlp import MLP
 class Kind:
     """A model kind: its class and, where Hugging Face has an equivalent, its adapter module (hf_<kind>.py:
     ARCH (ARCHS, when it reads several), export_refusal, to_hf, hf_config, check_config, full_names, from_hf_map; REFUSED,
-    optionally: near architectures it does not read, with why). Adding a kind is a file here and a line below."""
+    optionally: near architectures it does not read, with why; bias_to_hf and bias_from_hf, optionally: the router's
+    selection biases; copies, optionally: tensors a folder holds twice). Adding a kind is a file here and a line below."""
     model: type
     hf: ModuleType | None = None
 
+    def hf_bias_out(self, bias, mcfg) -> dict:
+        """The Hugging Face tensors of router biases `bias` ((n_layers, E) or None); {} where the adapter has none."""
+        f = getattr(self.hf, "bias_to_hf", None)
+        return {} if f is None else f(bias, mcfg)
 
-KINDS = {"gpt": Kind(GPT, hf_gpt), "llama": Kind(Llama, hf_llama), "deepseek": Kind(DeepSeek), "mlp": Kind(MLP)}
+    def hf_bias_in(self, get, mcfg, where: str):
+        """The (n_layers, E) router biases of a folder whose tensors `get` reads; None where the adapter has none."""
+        f = getattr(self.hf, "bias_from_hf", None)
+        return None if f is None else f(get, mcfg, where)
+
+    def hf_copies(self, mcfg) -> dict:
+        """hpengine name -> [(HF name, transform)] of the folder's copies of that tensor; {} where there are none."""
+        f = getattr(self.hf, "copies", None)
+        return {} if f is None else f(mcfg)
+
+
+KINDS = {"gpt": Kind(GPT, hf_gpt), "llama": Kind(Llama, hf_llama), "deepseek": Kind(DeepSeek, hf_deepseek), "mlp": Kind(MLP)}
 
 
 def kind_of(name: str) -> Kind:

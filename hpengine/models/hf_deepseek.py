@@ -1,6 +1,6 @@
-"""The deepseek kind's Hugging Face adapter, prepared ahead of the kind: DeepseekV3ForCausalLM's config.json to and
-from hpengine [model] keys (flat {"model.mla.kv_lora_rank": 512, ...} dicts, so it needs none of the new config
-classes), and the weight-name map both ways, multi-token prediction layers (DeepSeek's layout) included.
+"""The deepseek kind's Hugging Face adapter, both directions: DeepseekV3ForCausalLM's config.json to and from hpengine
+[model] keys (flat {"model.mla.kv_lora_rank": 512, ...} dicts; every function also takes a [model] config), the
+weight-name map both ways with DeepSeek's multi-token prediction layers, and the router's selection biases.
 """
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from hpengine.config.load import ffn_width
 from hpengine.models.hf_common import HFMismatch, common_config
 
 ARCH = "DeepseekV3ForCausalLM"
+# config.json model_type: Kimi K2 publishes "kimi_k2" with DeepseekV3ForCausalLM's fields (transformers reads it as
+# deepseek_v3, as its Kimi K2.5 config does for its text model)
+MODEL_TYPES = (None, "deepseek_v3", "kimi_k2")
 MLA = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")   # same names both sides
 YARN = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 # hpengine [model] key <- config.json field, where one is the other unchanged
@@ -82,8 +86,65 @@ def keys_from_hf(hc: dict, where: str) -> dict:
     return keys
 
 
-def export_refusal(keys: dict) -> str:
-    """Why these keys have no DeepseekV3ForCausalLM ("" when they have one)."""
+def keys_of(mcfg) -> dict:
+    """The [model] keys of a deepseek [model] config, as keys_from_hf gives them (and model.seq_len); widths left to
+    their rules (ffn_hidden 0, expert_hidden 0) are the widths the model builds."""
+    a, r, e, F = mcfg.mla, mcfg.rope_scaling, mcfg.moe, ffn_width(mcfg)
+    keys = {"model.kind": "deepseek", "model.d_model": mcfg.d_model, "model.n_layers": mcfg.n_layers,
+            "model.n_heads": mcfg.n_heads, "model.ffn_hidden": F, "model.norm_eps": mcfg.norm_eps,
+            "model.vocab_size": mcfg.vocab_size, "model.init_std": mcfg.init_std, "model.tie_head": bool(mcfg.tie_head),
+            "model.rope_theta": float(mcfg.rope_theta), **{f"model.mla.{m}": getattr(a, m) for m in MLA},
+            "model.mtp.depth": mcfg.mtp.depth, "model.seq_len": mcfg.seq_len}
+    if r.type == "yarn":
+        keys.update({"model.rope_scaling.type": "yarn", **{f"model.rope_scaling.{y}": getattr(r, y) for y in YARN}})
+    if not e.num_experts:
+        return {**keys, "model.moe.num_experts": 0}
+    return {**keys, "model.moe.num_experts": e.num_experts, "model.moe.top_k": e.top_k,
+            "model.moe.expert_hidden": e.expert_hidden or F, "model.moe.dense_layers": e.dense_layers,
+            "model.moe.router": e.router, "model.moe.norm_topk": bool(e.norm_topk), "model.moe.n_groups": e.n_groups,
+            "model.moe.topk_groups": e.topk_groups, "model.moe.routed_scaling": float(e.routed_scaling),
+            "model.moe.shared_hidden": e.shared_hidden}
+
+
+def _keys(cfg) -> dict:
+    """[model] keys of `cfg`: a flat key dict as it is, or a [model] config (keys_of)."""
+    return cfg if isinstance(cfg, dict) else keys_of(cfg)
+
+
+# config.json's field of each [model] key check_config compares (its value in hpengine's terms)
+FIELDS = {**{k: v for k, v in SAME.items()}, **MOE, **{f"model.mla.{m}": m for m in MLA},
+          **{f"model.rope_scaling.{y}": f"rope_parameters.{y}" for y in YARN},
+          "model.rope_theta": "rope_theta", "model.rope_scaling.type": "rope_parameters.rope_type",
+          "model.mtp.depth": "num_nextn_predict_layers", "model.moe.router": "scoring_func",
+          "model.moe.shared_hidden": "n_shared_experts x moe_intermediate_size"}
+# not compared: the initial std (no part of a trained model), ties (the importer's own check), seq_len (not held)
+UNCOMPARED = ("model.init_std", "model.tie_head", "model.seq_len", "model.kind")
+
+
+def check_config(hc: dict, mcfg, where: str) -> bool:
+    """Raise HFMismatch, in one line naming the field and the key, at the first config.json field that differs from
+    the run's [model]; returns whether the folder's head is tied. A folder's MTP layers are skipped (as transformers
+    skips them) when model.mtp.depth = 0."""
+    if hc.get("model_type") not in MODEL_TYPES:
+        raise HFMismatch(f"{where} has model_type {hc.get('model_type')!r}; a {ARCH} folder is "
+                         "'deepseek_v3' (or Kimi K2's 'kimi_k2')")
+    theirs, ours = keys_from_hf(hc, where), keys_of(mcfg)
+    skip = set(UNCOMPARED)
+    if ours["model.mtp.depth"] == 0:
+        skip.add("model.mtp.depth")
+    if ours["model.moe.num_experts"] and not ours["model.moe.dense_layers"]:
+        skip.add("model.ffn_hidden")                # no dense layer: the dense width is used nowhere
+    for d in (theirs, ours):
+        d.setdefault("model.rope_scaling.type", "none")
+    for key in [*theirs, *(k for k in ours if k not in theirs)]:
+        if key not in skip and theirs.get(key) != ours.get(key):
+            raise HFMismatch(f"{where} has {FIELDS.get(key, key)} = {theirs.get(key)!r} but {key} = {ours.get(key)!r}")
+    return bool(hc.get("tie_word_embeddings", False))
+
+
+def export_refusal(cfg) -> str:
+    """Why these keys (or this [model] config) have no DeepseekV3ForCausalLM ("" when they have one)."""
+    keys = _keys(cfg)
     e = keys.get("model.moe.num_experts", 0)
     if e and keys.get("model.moe.router", "sigmoid") != "sigmoid":
         return "a DeepseekV3ForCausalLM routes by a sigmoid per expert: needs model.moe.router = 'sigmoid'"
@@ -93,10 +154,10 @@ def export_refusal(keys: dict) -> str:
     return ""
 
 
-def hf_config(keys: dict, dtype: str, eos: int | None) -> dict:
-    """config.json of the DeepseekV3ForCausalLM that [model] keys describe (keys_from_hf's inverse; seq_len ->
-    max_position_embeddings)."""
-    k = keys
+def hf_config(cfg, dtype: str, eos: int | None) -> dict:
+    """config.json of the DeepseekV3ForCausalLM that [model] keys (or a [model] config) describe (keys_from_hf's
+    inverse; seq_len -> max_position_embeddings)."""
+    k = _keys(cfg)
     hc = {"architectures": [ARCH], "model_type": "deepseek_v3", **{v: k[n] for n, v in SAME.items()},
           "num_key_value_heads": k["model.n_heads"], "hidden_act": "silu", "attention_bias": False,
           "attention_dropout": 0.0, "rope_interleave": True, "max_position_embeddings": k["model.seq_len"],
@@ -163,11 +224,11 @@ def expert_names(keys: dict) -> dict:
             for n, hfs in _block(f"h.{i}", f"model.layers.{i}", keys, _routed(keys, i))[1].items()}
 
 
-# Multi-token prediction, tentative until the kind's MTP lands: DeepSeek's published files hold MTP module k as
-# decoder layer n_layers + k (transformers builds none and ignores them), with enorm (the next token's embedding),
-# hnorm (the previous depth's hidden state), eh_proj (2C -> C, its input [enorm(embedding), hnorm(hidden)]),
-# shared_head.norm (the final norm before the shared output head) and one routed decoder block; embed_tokens and
-# shared_head.head are copies of the main model's embedding and output head.
+# Multi-token prediction (models/mtp.py): DeepSeek's published files hold MTP module k as decoder layer n_layers + k
+# (transformers builds none and ignores them), with enorm (the next token's embedding), hnorm (the previous depth's
+# hidden state), eh_proj (2C -> C, its input [enorm(embedding), hnorm(hidden)]), shared_head.norm (the final norm
+# before the shared output head) and one decoder block, hpengine's mtp.{k}.<block names> (routed in an MoE model,
+# as hpengine builds it); embed_tokens and shared_head.head are copies of the main model's embedding and output head.
 def mtp_names(keys: dict) -> tuple[dict, dict]:
     """({hpengine MTP name: (HF name, transposed)}, {stacked expert tensor: [HF names]}) of the model.mtp.depth
     modules."""
@@ -177,7 +238,7 @@ def mtp_names(keys: dict) -> tuple[dict, dict]:
         m.update({f"{p}.enorm.w": (f"{q}.enorm.weight", False), f"{p}.hnorm.w": (f"{q}.hnorm.weight", False),
                   f"{p}.eh_proj.w": (f"{q}.eh_proj.weight", True),
                   f"{p}.norm.w": (f"{q}.shared_head.norm.weight", False)})
-        block, ex = _block(f"{p}.block", q, keys, _routed(keys, L + k))
+        block, ex = _block(p, q, keys, bool(keys.get("model.moe.num_experts")))
         m.update(block)
         experts.update(ex)
     return m, experts
@@ -195,11 +256,11 @@ def mtp_copies(keys: dict) -> dict:
 
 def bias_names(keys: dict) -> dict:
     """Row of the router-bias state (models/moe_bias.py: (n_layers, E), one row per layer; "mtp.{k}" for an MTP
-    block, tentative) -> the HF name of that layer's e_score_correction_bias (E,)."""
+    block, which routes without a selection bias) -> the HF name of that layer's e_score_correction_bias (E,)."""
     L = keys["model.n_layers"]
     out = {i: f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in range(L) if _routed(keys, i)}
     out.update({f"mtp.{k}": f"model.layers.{L + k}.mlp.gate.e_score_correction_bias"
-                for k in range(keys.get("model.mtp.depth", 0)) if _routed(keys, L + k)})
+                for k in range(keys.get("model.mtp.depth", 0)) if keys.get("model.moe.num_experts")})
     return out
 
 
@@ -208,18 +269,51 @@ def _all(keys: dict) -> tuple[dict, dict]:
     return {**names(keys), **mtp}, {**expert_names(keys), **mtp_experts}
 
 
-def to_hf(P: dict, keys: dict, bias: dict | None = None) -> dict:
-    """hpengine parameters (and router biases, bias_names' rows -> (E,); zeros where absent) -> the state dict of
-    the DeepseekV3ForCausalLM, DeepSeek's MTP layers included (numpy; its linears are (out, in))."""
+def bias_to_hf(bias, cfg) -> dict:
+    """The e_score_correction_bias tensors (float64, hpengine's state exactly) of router biases `bias`: the
+    (n_layers, E) state (models/moe_bias.saved_bias) or {bias_names row: (E,)}; zeros where absent (None: none at
+    all), and always for an MTP block, which routes without one."""
+    keys = _keys(cfg)
+    E, out = keys.get("model.moe.num_experts", 0), {}
+    for row, hf in bias_names(keys).items():
+        b = None if bias is None or isinstance(row, str) else bias.get(row) if isinstance(bias, dict) else bias[row]
+        out[hf] = np.array(np.zeros(E) if b is None else b, dtype=np.float64)
+    return out
+
+
+def bias_from_hf(get, cfg, where: str):
+    """The router-bias state, (n_layers, E) float64 (rows of dense layers zero), of a folder whose tensors `get`
+    reads by HF name (float64); None for a dense model. Raises HFMismatch for a bias of another shape, and for a
+    nonzero bias of an MTP layer the run builds (hpengine's MTP blocks route without one)."""
+    keys = _keys(cfg)
+    L, E = keys["model.n_layers"], keys.get("model.moe.num_experts", 0)
+    if not E:
+        return None
+    out = np.zeros((L, E))
+    for row, hf in bias_names(keys).items():
+        b = get(hf)
+        if b.shape != (E,):
+            raise HFMismatch(f"{where}: tensor {hf} has shape {list(b.shape)}; the router bias of "
+                             f"model.moe.num_experts = {E} experts is [{E}]")
+        if isinstance(row, str) and b.any():
+            raise HFMismatch(f"{where}: tensor {hf} (MTP module {row[4:]}'s router bias) is nonzero, but hpengine's "
+                             "multi-token prediction blocks route without a selection bias: set model.mtp.depth = 0 "
+                             "to start without the MTP modules")
+        if not isinstance(row, str):
+            out[row] = b
+    return out
+
+
+def to_hf(P: dict, cfg, bias=None) -> dict:
+    """hpengine parameters (and router biases, as bias_to_hf takes them) -> the state dict of the
+    DeepseekV3ForCausalLM, DeepSeek's MTP layers included (numpy; its linears are (out, in))."""
+    keys = _keys(cfg)
     plain, experts = _all(keys)
     out = {hf: np.ascontiguousarray(P[n].T if t else P[n]) for n, (hf, t) in plain.items()}
     for n, hfs in experts.items():
         out.update({hf: np.ascontiguousarray(P[n][e].T) for e, hf in enumerate(hfs)})
     out.update({hf: np.ascontiguousarray(P[n].T if t else P[n]) for hf, (n, t) in mtp_copies(keys).items()})
-    bias = bias or {}
-    E = keys.get("model.moe.num_experts", 0)
-    out.update({hf: np.asarray(bias.get(row, np.zeros(E))) for row, hf in bias_names(keys).items()})
-    return out
+    return {**out, **bias_to_hf(bias, keys)}
 
 
 def full_names(entries: dict) -> dict:
@@ -227,10 +321,23 @@ def full_names(entries: dict) -> dict:
     return entries
 
 
-def from_hf_map(keys: dict) -> dict:
+def _transform(t: bool):
+    return (lambda a: a.T) if t else (lambda a: a)
+
+
+def from_hf_map(cfg) -> dict:
     """hpengine name -> (Hugging Face name, or the tuple of them a tensor is stacked from; the transform of the HF
-    array, or of the list of them). The router biases are state, not parameters: bias_names."""
-    plain, experts = _all(keys)
-    out = {n: (hf, (lambda a: a.T) if t else (lambda a: a)) for n, (hf, t) in plain.items()}
+    array, or of the list of them). The router biases are state, not parameters: bias_from_hf."""
+    plain, experts = _all(_keys(cfg))
+    out = {n: (hf, _transform(t)) for n, (hf, t) in plain.items()}
     out.update({n: (tuple(hfs), lambda arrs: np.stack([a.T for a in arrs])) for n, hfs in experts.items()})
+    return out
+
+
+def copies(cfg) -> dict:
+    """hpengine name -> [(HF name, transform)] of the folder's tensors that must equal it (each MTP layer's
+    embed_tokens and shared_head.head: wte and the output head)."""
+    out = {}
+    for hf, (n, t) in mtp_copies(_keys(cfg)).items():
+        out.setdefault(n, []).append((hf, _transform(t)))
     return out

@@ -64,7 +64,7 @@ def test_published_names():
     assert plain["h.60.attn.kv_a.w"] == ("model.layers.60.self_attn.kv_a_proj_with_mqa.weight", True)
     assert experts["h.3.moe.experts.down.w"][255] == "model.layers.3.mlp.experts.255.down_proj.weight"
     assert mtp["mtp.0.eh_proj.w"] == ("model.layers.61.eh_proj.weight", True)
-    assert mtp["mtp.0.block.moe.router.w"] == ("model.layers.61.mlp.gate.weight", True)
+    assert mtp["mtp.0.moe.router.w"] == ("model.layers.61.mlp.gate.weight", True)
     assert "h.2.moe.router.w" not in plain and "h.2.mlp.gate.w" in plain
 
 
