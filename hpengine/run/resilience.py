@@ -75,12 +75,21 @@ class Resilience:
     def before_step(self, step: int) -> None:
         """The test hook: this process dies as step `step` + 1 begins when HPENGINE_FAULT_KILL says so."""
         if self.kill_at == step + 1:
+            log.warning("fault injection (%s): launch rank %d SIGKILLs itself as step %d begins, at unix time %.3f",
+                        KILL_VAR, self.origin, step + 1, time.time())
+            for h in log.handlers:
+                h.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
     def commit(self, eng, steps: int) -> None:
         """This rank's state after `steps` optimizer steps, kept here and on its buddy (collective)."""
         arrays, facts = eng.held_state()
         self.buddies.commit(steps, arrays, facts)
+
+    def ready(self) -> None:
+        """The recovery is over (the engine rebuilt and filled, its copies made): its seconds are recorded."""
+        self.recovery["recovery_s"] = round(time.perf_counter() - self.t_failed, 4)
+        self.recovery["recovered_at_unix"] = round(time.time(), 3)
 
     def note(self, m: dict) -> None:
         """Adds the last recovery's fields to the first step's metrics after it (metrics.jsonl records it)."""
@@ -114,7 +123,7 @@ class Resilience:
         in each dead rank's place and hands each rank its state at the newest step every survivor holds.
         Returns (step, arrays, facts) to build and fill this rank's engine from, or None on a rank left a
         spare (it waits again). self.recovery then describes it (dead places, their hosts, the spares)."""
-        t0 = time.perf_counter()
+        self.t_failed = time.perf_counter()
         ulfm.revoke_all([*comms, self.compute, self.world])
         held = (self.buddies.latest(), self.buddies.shift) if self.buddies else (-1, 0)
         small, members = ulfm.shrink(self.world, (self.place, *held, socket.gethostname()))
@@ -136,7 +145,7 @@ class Resilience:
         for p, o in filled:
             self.hosts[p] = spare_host[o]
         self.buddies = self._buddies()
-        self.recovery = {"recovered_step": step + 1, "recovery_s": round(time.perf_counter() - t0, 4),
+        self.recovery = {"recovered_step": step + 1,
                          "dead_ranks": dead, "dead_hosts": dead_hosts,
                          "spare_ranks": [o for _, o in sorted(filled)]}
         return None if mine is None else (step, *mine)

@@ -102,6 +102,7 @@ def _rebuilt(cfg, guard, got):
     eng = build_job(cfg, guard.compute)[0]
     eng.restore_held(arrays, facts)
     guard.commit(eng, step)
+    guard.ready()
     rec = guard.recovery
     for p, host in zip(rec["dead_ranks"], rec["dead_hosts"]):
         c = eng.mesh.coords_of(p)
