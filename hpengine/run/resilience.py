@@ -126,10 +126,10 @@ class Resilience:
         self.t_failed = time.perf_counter()
         ulfm.revoke_all([*comms, self.compute, self.world])
         held = (self.buddies.latest(), self.buddies.shift) if self.buddies else (-1, 0)
-        small, members = ulfm.shrink(self.world, (self.place, *held, socket.gethostname()))
+        small, members = ulfm.shrink(self.world, (self.place, *held, socket.gethostname(), self.origin))
         self.world = small
         alive = [m for m in members if m[1][0] >= 0]
-        step = min(s for _, (_, s, _, _) in alive)
+        step = min(s for _, (_, s, *_) in alive)
         shift = alive[0][1][2]
         compute, place, filled = ulfm.placed(small, [(o, p) for o, (p, *_) in members], self.places)
         dead = sorted(p for p, _ in filled)
@@ -138,16 +138,17 @@ class Resilience:
         dead_hosts = [self.hosts[p] for p in dead]
         mine = self._hand_over(compute, place, dead, step, shift) if compute != MPI.COMM_NULL else None
         self.compute, self.place = compute, place
-        for _, (p, _, _, host) in members:
+        for _, (p, _, _, host, _) in members:
             if p >= 0:
                 self.hosts[p] = host
-        spare_host = {o: h for o, (_, _, _, h) in members}
+        spare_host = {o: h for o, (_, _, _, h, _) in members}
+        launch_rank = {o: lr for o, (*_, lr) in members}
         for p, o in filled:
             self.hosts[p] = spare_host[o]
         self.buddies = self._buddies()
         self.recovery = {"recovered_step": step + 1,
                          "dead_ranks": dead, "dead_hosts": dead_hosts,
-                         "spare_ranks": [o for _, o in sorted(filled)]}
+                         "spare_ranks": [launch_rank[o] for _, o in sorted(filled)]}
         return None if mine is None else (step, *mine)
 
     def _hand_over(self, compute, place: int, dead: list, step: int, shift: int):
