@@ -231,6 +231,9 @@ def _train_loop(eng, cfg, world, start, guard, setup) -> dict:
                 history.append(m)
                 if step == start:
                     log_memory(eng)
+                    if guard is not None:
+                        log.info("resilience: buddy copies %.2f MiB of host memory per rank (this rank's state and "
+                                 "its partner's, the last 2 steps)", guard.copy_bytes() / 2**20)
                 _record(cfg, m, setup.metrics_f)
                 if setup.tbw:
                     setup.tbw.scalars(m["step"], tboard.scalars_of(_lines(m)))
