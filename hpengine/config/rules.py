@@ -41,6 +41,7 @@ def _check(cfg: Config) -> None:
     _validate_section(cfg, Config, "")
     _validate_model(cfg.model)
     _validate_qk_clip(cfg)
+    _validate_resilience(cfg)
     t = cfg.train
     for key in ("model_seeds", "model_lrs"):
         got = getattr(t, key)
@@ -64,6 +65,24 @@ def _check(cfg: Config) -> None:
     if d.path and d.sources:
         raise ConfigError(f"data.path = {show(d.path)} and data.sources ({len(d.sources)} files) are both set: "
                           "set data.path for one file, or leave it empty and blend files with [[data.sources]]")
+
+
+def _validate_resilience(cfg: Config) -> None:
+    """Spares only serve on_failure = "spare"; what a recovery cannot carry yet is refused up front."""
+    r = cfg.resilience
+    if r.on_failure == "abort":
+        if r.spares:
+            raise ConfigError(f"resilience.spares = {r.spares} needs resilience.on_failure = 'spare' (with 'abort' "
+                              "a dead rank ends the job and spares would only idle); or set spares = 0")
+        return
+    for bad, why in ((r.on_failure == "shrink", "on_failure = 'shrink' is not built yet: use 'spare'"),
+                     (r.on_failure == "spare" and r.spares < 1, f"resilience.spares >= 1 (got {r.spares})"),
+                     (not r.buddy, "resilience.buddy = true: the dead rank's state comes from its buddy copy"),
+                     (cfg.checkpoint.async_, "checkpoint.async = false: a recovery cannot carry a save in flight"),
+                     (cfg.runtime.collectives != "mpi", "runtime.collectives = 'mpi': NCCL has no failure "
+                      "notification")):
+        if bad:
+            raise ConfigError(f"resilience.on_failure = {r.on_failure!r} needs {why}")
 
 
 def _validate_qk_clip(cfg: Config) -> None:

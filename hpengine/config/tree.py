@@ -564,6 +564,18 @@ class RuntimeConfig:
 
 
 @dataclass
+class ResilienceConfig:
+    """What a rank's death does to the job (spare and shrink need Open MPI's ULFM: `mpirun --with-ft ulfm`)."""
+    on_failure: str = _f("abort", 'when a rank dies: "abort" (the job ends), "spare" (an idle spare rank takes the '
+                         'dead rank\'s place and the interrupted step is run again) or "shrink" (not yet built)',
+                         choices=("abort", "spare", "shrink"))
+    spares: int = _f(0, "extra ranks started idle (launch ranks + spares): they join the world but not the mesh "
+                     "and wait until a rank dies", check=_must(">=", 0))
+    buddy: bool = _f(True, "keep a copy of each rank's state (parameters, optimizer state, step) in the host "
+                     "memory of another rank, on another node when there is one, refreshed after every step")
+
+
+@dataclass
 class MeshConfig:
     """How ranks are laid out on the mesh axes."""
     order: list[str] = _f(list(MESH_AXES), "mesh axes, innermost (neighbouring ranks) first; "
@@ -585,3 +597,4 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)

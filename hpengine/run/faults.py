@@ -120,7 +120,7 @@ class Monitor:
 
     def __init__(self, records: list[dict], rank: int, watch_parent: bool, poll_s: float = 0.5,
                  peer_grace_s: float = 3.0, interrupt_grace_s: float = 5.0, abort=None, exit=None, stream=None,
-                 run_dir=None, failures_seen=None):
+                 run_dir=None, failures_seen=None, survive: bool = False):
         self.me = records[rank] if records else None
         host = socket.gethostname()
         self.peers = [r for r in records if r["rank"] != rank and r["host"] == host]
@@ -133,6 +133,7 @@ class Monitor:
         # hold an earlier run's lines)
         self.failures_seen = failures_size(run_dir) if failures_seen is None else failures_seen
         self.interrupted_at = None
+        self.survive = survive        # resilience.on_failure = "spare": a peer's death is survived, not aborted on
         self._stop = threading.Event()
         self._thread = None
 
@@ -175,13 +176,20 @@ class Monitor:
                 if self._stop.is_set():
                     return
                 gone = [fds[fd] for fd in ready] + [r for r in polled if not _alive(r["pid"])]
-                if gone:
+                if gone and self.survive:        # the recovery names it; the other peers are still watched
+                    for fd in [fd for fd, r in fds.items() if r in gone]:
+                        os.close(fd)
+                    fds = {fd: r for fd, r in fds.items() if r not in gone}
+                    polled = [r for r in polled if r not in gone]
+                elif gone:
                     self._peer_gone(gone)
                     return
                 if self.ppid is not None and os.getppid() != self.ppid:
                     self._orphaned()
                     return
-                if failures_size(self.run_dir) > self.failures_seen:
+                if failures_size(self.run_dir) > self.failures_seen and self.survive:
+                    self.failures_seen = failures_size(self.run_dir)
+                elif failures_size(self.run_dir) > self.failures_seen:
                     self._failure_recorded()
                     return
                 if self.interrupted_at is not None and time.monotonic() - self.interrupted_at > self.interrupt_grace_s:

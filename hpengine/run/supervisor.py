@@ -137,11 +137,12 @@ def parent_pid():
     return _state["supervisor"]
 
 
-def report(record: dict, run_dir) -> None:
-    """Tell the supervisor who this rank is (faults.rank_record) and where its run folder is."""
+def report(record: dict, run_dir, survive: bool = False) -> None:
+    """Tell the supervisor who this rank is (faults.rank_record), where its run folder is, and whether the job
+    survives the rank's death (resilience.on_failure = "spare")."""
     if _state["fd"] is None:
         return
-    line = json.dumps({"record": record, "run_dir": os.path.abspath(str(run_dir))}) + "\n"
+    line = json.dumps({"record": record, "run_dir": os.path.abspath(str(run_dir)), "survive": survive}) + "\n"
     try:
         os.write(_state["fd"], line.encode())
     except OSError:          # the supervisor is gone: PR_SET_PDEATHSIG ends this process
@@ -265,6 +266,7 @@ class Supervisor:
     def __init__(self, child: int, fd: int, launcher: int, poll_s: float = 0.5, forward: bool = True):
         self.child, self.fd, self.launcher, self.poll_s, self.forwards = child, fd, launcher, poll_s, forward
         self.record, self.run_dir, self._buf, self.sent = None, None, b"", set()
+        self.survive = False        # the rank said the job survives its death (resilience.on_failure)
 
     def on_signal(self, signum, frame=None) -> None:
         """A signal for the rank: noted (a death by it is the sender's doing, not a fault), and forwarded
@@ -306,6 +308,7 @@ class Supervisor:
             try:
                 msg = json.loads(line)
                 self.record, self.run_dir = msg["record"], msg["run_dir"]
+                self.survive = bool(msg.get("survive"))
             except (ValueError, KeyError, TypeError):
                 pass
         return bool(data)
@@ -320,10 +323,21 @@ class Supervisor:
         self._drain()
         line, entry, status = verdict(os.waitstatus_to_exitcode(wstatus), self.record, self.child,
                                       core=os.WIFSIGNALED(wstatus) and os.WCOREDUMP(wstatus), sent=self.sent)
+        if line and self.survive:
+            line = line.replace("; the job ends", "; the job goes on without it (resilience.on_failure)")
+            entry["message"] = line
         if line:                 # the file first: a rank's peer that sees the death reads it to stay quiet
             append_failure(self.run_dir, entry)
             _emit(line)
             until_read(2)        # the launcher reads the line before it learns of the exit
+        if self.survive and os.WIFSIGNALED(wstatus):
+            # Open MPI's ULFM reports a process that dies of a signal as failed (the others go on); one that
+            # exits with a status makes mpirun end the job
+            sig = os.WTERMSIG(wstatus)
+            if sig != signal.SIGKILL:      # SIGKILL has no handler to reset, nor a mask
+                signal.signal(sig, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+            os.kill(os.getpid(), sig)
         return status
 
     def _orphaned(self) -> int:

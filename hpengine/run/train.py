@@ -27,6 +27,7 @@ from hpengine.run.build import (
     data_meta,
     load_together,
 )
+from hpengine.run.resilience import Resilience
 from hpengine.run.resume import layout_change, resolve_resume
 from hpengine.run.runlog import log_memory, log_pipeline, log_start
 from hpengine.run.run_dir import RunError, lock_run_dir, prepare_run_dir, trim_metrics, unlock_run_dir
@@ -74,15 +75,54 @@ def train(cfg, world=None, resume=None) -> dict:
     """Run optimizer steps up to cfg.train.steps (from a checkpoint's step when resuming); returns the
     final summary (same on every rank). The run folder is locked for the whole run."""
     world = world or MPI.COMM_WORLD
+    guard = None
+    if cfg.resilience.on_failure != "abort":     # spares held idle; the mesh is the world less them
+        guard = Resilience(cfg, world)
+        if guard.spare:
+            return _serve_as_spare(cfg, guard)
+        world = guard.compute
     eng, prediction = build_job(cfg, world)
     lock = lock_run_dir(cfg, world)             # before anything reads or renames inside the folder
     try:
-        return _train(eng, cfg, world, resume, prediction)
+        return _train(eng, cfg, world, resume, prediction, guard)
     finally:
         unlock_run_dir(lock)
 
 
-def _train(eng, cfg, world, resume, prediction) -> dict:
+def _serve_as_spare(cfg, guard) -> dict:
+    """A spare rank: it waits; when a rank dies and this one takes its place, it trains from there on."""
+    while guard.wait():
+        got = guard.recover()
+        if got is not None:
+            eng = _rebuilt(cfg, guard, got)
+            return _train(eng, cfg, guard.compute, None, None, guard, joined=got[0])
+    return {"spare": True, "stopped_early": None}
+
+
+def _rebuilt(cfg, guard, got):
+    """The engine on the recovered mesh, in the state of step got[0] (got: Resilience.recover's answer),
+    its buddy copies made again; the line naming the dead ranks."""
+    step, arrays, facts = got
+    eng = build_job(cfg, guard.compute)[0]
+    eng.restore_held(arrays, facts)
+    guard.commit(eng, step)
+    guard.ready()
+    rec = guard.recovery
+    for p, host in zip(rec["dead_ranks"], rec["dead_hosts"]):
+        c = eng.mesh.coords_of(p)
+        rec.setdefault("dead_coords", []).append(c)
+        say_line = (f"hpengine: rank {p} (dp{c['dp']} sh{c['sharding']} pp{c['pp']} tp{c['tp']}) on {host} died; "
+                    f"a spare (launch rank {rec['spare_ranks'][rec['dead_ranks'].index(p)]}) took its place; "
+                    f"training goes on from step {step + 1} ({rec['recovery_s']:.2f} s to recover)")
+        if eng.mesh.rank == 0:
+            faults.say(say_line)
+    return eng
+
+
+def _train(eng, cfg, world, resume, prediction, guard=None, joined=None) -> dict:
+    if joined is not None:      # a spare that took a dead rank's place, at step `joined`
+        supervisor.report(faults.rank_record(eng.mesh), cfg.train.out_dir, survive=True)
+        return _train_loop(eng, cfg, world, joined, guard, _Joined(cfg, world))
     launched = launch.launch_record(world.Get_size(), eng.mesh.degrees)     # launch.json, summary.json
     note = launch.open_mpi_start_note(continue_command(cfg.train.out_dir, launched))
     if note:          # Ctrl-C to mpirun kills the ranks before anything can say how to go on: said up front
@@ -103,11 +143,11 @@ def _train(eng, cfg, world, resume, prediction) -> dict:
     log_start(eng, cfg)
     ranks = faults.gather_ranks(world, eng.mesh)
     log.info("ranks (host, pid, mesh coordinates): %s", faults.write_ranks_file(ranks, out, world.Get_rank()))
-    supervisor.report(ranks[world.Get_rank()], out)      # from now on a death without a message names the rank
+    supervisor.report(ranks[world.Get_rank()], out, survive=guard is not None)     # a death without a message is named
     # watching peers, the launcher and the run folder's failures from here: a rank that dies now can leave
     # the others waiting in a start-up collective
     monitor = faults.Monitor(ranks, world.Get_rank(), watch_parent=faults.launched(), run_dir=out,
-                             failures_seen=failures_before).start()
+                             failures_seen=failures_before, survive=guard is not None).start()
     try:
         plan.log_prediction(prediction, log, rank=eng.mesh.rank)
         if resume is not None:
@@ -117,12 +157,53 @@ def _train(eng, cfg, world, resume, prediction) -> dict:
         prog = progress.begin(eng, cfg, world, start, compute_dtype(cfg), log)     # MFU peak, ETA, memory
         tbw = tboard.open_writer(cfg, out, world.Get_rank())
         tracer = trace.attach(eng, cfg)    # phase timers always; a timeline under runtime.trace
-        t_start, history, stop = time.perf_counter(), [], None
+        t_start = time.perf_counter()
         watchdog = Watchdog(cfg.runtime.watchdog_s, eng.mesh.prefix()).start()
     except BaseException:
         monitor.stop()
         raise
-    launch.on_interrupt(monitor.interrupted)
+    setup = _Setup(out, metrics_f, prog, tbw, tracer, watchdog, monitor, t_start, launched)
+    return _train_loop(eng, cfg, world, start, guard, setup)
+
+
+class _Setup:
+    """What the training loop needs of the run's start-up."""
+
+    def __init__(self, out, metrics_f, prog, tbw, tracer, watchdog, monitor, t_start, launched):
+        self.out, self.metrics_f, self.prog, self.tbw, self.tracer = out, metrics_f, prog, tbw, tracer
+        self.watchdog, self.monitor, self.t_start, self.launched = watchdog, monitor, t_start, launched
+
+
+class _Joined(_Setup):
+    """A spare's start-up when it takes a dead rank's place: the run folder exists; rank 0 writes metrics."""
+
+    def __init__(self, cfg, world):
+        super().__init__(Path(cfg.train.out_dir), None, None, None, None,
+                         Watchdog(cfg.runtime.watchdog_s, "").start(), None, time.perf_counter(),
+                         launch.launch_record(world.Get_size() + cfg.resilience.spares, {}))
+
+
+def _rejoin(eng, cfg, world, setup, step: int, history: list, root: int) -> list:
+    """After a recovery, on every rank of the new mesh: the timers, progress and metrics file again (rank 0
+    may be new), metrics.jsonl and the history trimmed to `step` (a step run again is recorded once), the
+    history as the survivor ranked `root` has it."""
+    if setup.metrics_f:
+        setup.metrics_f.close()
+    trim_metrics(setup.out, step, world.Get_rank())
+    setup.metrics_f = _open_metrics(setup.out, True) if world.Get_rank() == 0 else None
+    setup.prog = progress.begin(eng, cfg, world, step, compute_dtype(cfg), log)
+    setup.tracer = trace.attach(eng, cfg)
+    return world.bcast([m for m in history if m["step"] <= step], root=root)
+
+
+def _train_loop(eng, cfg, world, start, guard, setup) -> dict:
+    out, launched, watchdog = setup.out, setup.launched, setup.watchdog
+    history, stop = [], None
+    if setup.prog is None:             # a spare joining: the collectives every rank runs after a recovery
+        history = _rejoin(eng, cfg, world, setup, start, history, guard.survivor())
+    elif guard is not None:
+        guard.commit(eng, start)       # the buddy copies of the state training starts from
+    launch.on_interrupt(setup.monitor.interrupted if setup.monitor else None)
     restore_signals = launch.install_stop_handlers()
     saved, last_save = None, _clock()      # the last step saved by this run, and when (checkpoint.every_minutes)
     saver = background.Saver(eng.world, eng.tracer, log) if cfg.checkpoint.async_ else None
@@ -130,45 +211,66 @@ def _train(eng, cfg, world, resume, prediction) -> dict:
     held = False           # a periodic save due at a skipped (overflowed) step: made at the next applied step
     if saver and not eng.be.is_gpu and (cfg.checkpoint.every or cfg.checkpoint.every_minutes or cfg.checkpoint.at_end):
         saver.warm(eng.state_pieces(copy=False)[0])       # the snapshot's memory, mapped while the first steps run
+    step = start
     try:
-        for step in range(start, cfg.train.steps):
-            watchdog.heartbeat(step + 1, "train_step")       # the step in progress, 1-based as everywhere
-            t = tracer.now()
-            with _fp_quiet():
-                m = eng.train_step(step)
-            tracer.lap("step", t, "step", step + 1)
-            if _eval_due(cfg, step):
-                watchdog.heartbeat(step + 1, "evaluate")
+        while step < cfg.train.steps:
+            try:
+                if guard is not None:
+                    guard.before_step(step)
+                tracer = setup.tracer
+                watchdog.heartbeat(step + 1, "train_step")       # the step in progress, 1-based as everywhere
                 t = tracer.now()
                 with _fp_quiet():
-                    _add_eval(m, eng.evaluate())
-                tracer.lap("eval", t)
-            m.update(prog.update(m))
-            history.append(m)
-            if step == start:
-                log_memory(eng)
-            _record(cfg, m, metrics_f)
-            if tbw:
-                tbw.scalars(m["step"], tboard.scalars_of(_lines(m)))
-            now = _clock()
-            stop, timed, writer = launch.step_boundary(world, _time_due(cfg, now - last_save),
-                                                       saver.state() if saver else 0)    # the same on every rank
-            if saver:
-                with watchdog.during("checkpoint", bytes_written):     # its publishing is checkpoint work
-                    saver.settle(writer)     # publishes the save in flight once every rank's writer has finished
-            if stop and stop != "SIGINT" and step + 1 == cfg.train.steps:
-                stop = None      # it came during the last step: the run is complete, not stopped early
-            # an overflowed step may be the start of a divergence: no periodic save of it (Ctrl-C: no save)
-            periodic = _ckpt_due(cfg, step) or held or (timed and stop != "SIGINT")
-            held = periodic and bool(m.get("skipped")) and not stop
-            if (stop and stop != "SIGINT") or (periodic and not held):
-                watchdog.heartbeat(step + 1, "checkpoint", bytes_written)
-                save_checkpoint(eng, cfg, step + 1, saver)
-                saved, last_save = step + 1, _clock()
+                    m = eng.train_step(step)
+                tracer.lap("step", t, "step", step + 1)
+                if _eval_due(cfg, step):
+                    watchdog.heartbeat(step + 1, "evaluate")
+                    t = tracer.now()
+                    with _fp_quiet():
+                        _add_eval(m, eng.evaluate())
+                    tracer.lap("eval", t)
+                m.update(setup.prog.update(m))
+                if guard is not None:
+                    guard.note(m)         # the first step after a recovery says so in metrics.jsonl
+                history.append(m)
+                if step == start:
+                    log_memory(eng)
+                    if guard is not None:
+                        log.info("resilience: buddy copies %.2f MiB of host memory per rank (this rank's state and "
+                                 "its partner's, the last 2 steps)", guard.copy_bytes() / 2**20)
+                _record(cfg, m, setup.metrics_f)
+                if setup.tbw:
+                    setup.tbw.scalars(m["step"], tboard.scalars_of(_lines(m)))
+                now = _clock()
+                stop, timed, writer = launch.step_boundary(world, _time_due(cfg, now - last_save),
+                                                           saver.state() if saver else 0)    # the same on every rank
+                if guard is not None:      # after the boundary every rank has run the step: no rank is two ahead
+                    guard.commit(eng, step + 1)
+                if saver:
+                    with watchdog.during("checkpoint", bytes_written):     # its publishing is checkpoint work
+                        saver.settle(writer)     # publishes the save in flight once every rank's writer has finished
+                if stop and stop != "SIGINT" and step + 1 == cfg.train.steps:
+                    stop = None      # it came during the last step: the run is complete, not stopped early
+                # an overflowed step may be the start of a divergence: no periodic save of it (Ctrl-C: no save)
+                periodic = _ckpt_due(cfg, step) or held or (timed and stop != "SIGINT")
+                held = periodic and bool(m.get("skipped")) and not stop
+                if (stop and stop != "SIGINT") or (periodic and not held):
+                    watchdog.heartbeat(step + 1, "checkpoint", bytes_written)
+                    save_checkpoint(eng, cfg, step + 1, saver)
+                    saved, last_save = step + 1, _clock()
+            except Exception as exc:       # noqa: BLE001 - a dead peer is survived; anything else is raised again
+                if guard is None or not guard.handles(exc):
+                    raise
+                got = guard.recover(eng.mesh.comms.values())
+                world, step = guard.compute, got[0]
+                eng = _rebuilt(cfg, guard, got)
+                history = _rejoin(eng, cfg, world, setup, step, history, guard.survivor())
+                continue
             if stop:
                 log.info("%s received: stopping cleanly after step %d of %d (%s)", stop, step + 1, cfg.train.steps,
                          "checkpoint saved" if saved == step + 1 else "no checkpoint: interrupted")
                 break
+            step += 1
         if cfg.checkpoint.at_end and history and saved != history[-1]["step"] and stop != "SIGINT":
             watchdog.heartbeat(history[-1]["step"], "checkpoint", bytes_written)
             save_checkpoint(eng, cfg, history[-1]["step"], saver)    # the final model, for eval and --resume
@@ -177,21 +279,24 @@ def _train(eng, cfg, world, resume, prediction) -> dict:
             saver.wait()             # the save in flight is published before the run ends
         if world.Get_size() > 1:
             world.Barrier()      # nobody exits (ends its process) while a peer still watches it
+        if guard is not None:
+            guard.release()      # the spares still waiting go home
     finally:
         eng.fence_updates(None)
         if saver:        # an error (a diverged step) left a save in flight: its writer ends before the process
             watchdog.heartbeat(watchdog.step, "checkpoint", bytes_written)
             saver.abandon()
-        monitor.stop()
+        if setup.monitor:
+            setup.monitor.stop()
         launch.on_interrupt(None)
         watchdog.stop()
         restore_signals()
-        if metrics_f:
-            metrics_f.close()
-        if tbw:
-            tbw.close()
+        if setup.metrics_f:
+            setup.metrics_f.close()
+        if setup.tbw:
+            setup.tbw.close()
     log_pipeline(eng, cfg)
-    summary = summarize(eng, history, time.perf_counter() - t_start, out, stop, launched)
+    summary = summarize(eng, history, time.perf_counter() - setup.t_start, out, stop, launched)
     trace.finish(eng, out, history, summary["wall_s"])   # trace.json, breakdown table + .json
     log.info("%s", next_steps(cfg, out, stop, launched))    # the last line: where the run is, what to try
     return summary

