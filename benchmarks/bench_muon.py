@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", choices=("dp", "sharding"), default="dp", help="over more than one rank: data "
                     "parallel (default) or sharding")
     ap.add_argument("--stage", type=int, default=1, help="the sharding stage with --layout sharding (default 1)")
+    ap.add_argument("--mpi-args", default="", help="more mpiexec arguments (Open MPI on fewer cores than ranks: "
+                    "'--oversubscribe', whose idle ranks yield their core instead of spinning)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -94,8 +96,8 @@ def main(argv=None) -> int:
     for n in a.ranks:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "r.json"
-            subprocess.run([str(bin_ / "mpiexec"), "-n", str(n), sys.executable, str(Path(__file__).resolve()),
-                            "--worker", "--rounds", str(a.rounds), "--steps", str(a.steps), "--warmup",
+            subprocess.run([str(bin_ / "mpiexec"), *a.mpi_args.split(), "-n", str(n), sys.executable,
+                            str(Path(__file__).resolve()), "--worker", "--rounds", str(a.rounds), "--steps", str(a.steps), "--warmup",
                             str(a.warmup), "--batch", str(a.batch), "--layout", a.layout, "--stage", str(a.stage),
                             "--json", str(out)], check=True, env=env, cwd=tmp)
             runs = json.loads(out.read_text())
