@@ -143,6 +143,16 @@ class GPT:
         """Forward FLOPs of one layer's scores and their product with the values (2 T C / tp per token each)."""
         return 4 * tokens * self.T * self.C // tp
 
+    def attention_flops_text(self) -> tuple:
+        """A step's attention FLOPs per token, forward and backward, over every layer (3 x attention_flops), and
+        what the term counts."""
+        return ("12 x L x T x H x hd", "12 L T H hd = attention scores and values (H x hd = d_model unless "
+                "model.head_dim is set)")
+
+    def decode_cache_elements(self) -> int:
+        """Every layer's key and value (d_model each) per token: decode_cache's KVCache."""
+        return 2 * self.L * self.C
+
     def specs(self, block: str) -> list[ParamSpec]:
         C, std = self.C, self.std
         if block == "embed":

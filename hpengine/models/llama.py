@@ -183,6 +183,16 @@ class Llama:
         head each (grouping the key/value heads saves projections, not these)."""
         return 4 * tokens * self.T * self.hd * self.H // tp
 
+    def attention_flops_text(self) -> tuple:
+        """A step's attention FLOPs per token, forward and backward, over every layer (3 x attention_flops), and
+        what the term counts."""
+        return ("12 x L x T x H x hd", "12 L T H hd = attention scores and values (H x hd = d_model unless "
+                "model.head_dim is set)")
+
+    def decode_cache_elements(self) -> int:
+        """Every layer's n_kv_heads keys and values (head_dim each) per token: decode_cache's KVCache."""
+        return 2 * self.L * self.K * self.hd
+
     def specs(self, block: str) -> list[ParamSpec]:
         C, std = self.C, self.std
         if block == "embed":

@@ -84,6 +84,15 @@ class MLP:
     def attention_flops(self, tokens: int, tp: int) -> int:
         return 0
 
+    def attention_flops_text(self) -> tuple:
+        """A step's attention FLOPs per token, forward and backward, over every layer (3 x attention_flops), and
+        what the term counts."""
+        return ("12 x L x T x H x hd", "12 L T H hd = attention scores and values (H x hd = d_model unless "
+                "model.head_dim is set)")
+
+    def decode_cache_elements(self) -> int:
+        return 0
+
     def specs(self, block: str) -> list[ParamSpec]:
         C = self.C
         if block == "embed":

@@ -28,11 +28,12 @@ def alltoall_seconds(lay, nbytes: float, calls: float, alpha: float, beta: float
     return (lay.ep - 1) / lay.ep * nbytes / beta + calls * alpha
 
 
-def received_cache(mcfg, lay, item: int) -> int:
-    """Bytes an MoE layer keeps under expert parallelism beyond its own cache: the rows it received (balanced
-    routing: as many as it sent), their regrouping order and the exchange's row counts."""
-    S = lay.rows * mcfg.seq_len * build_model(mcfg).moe.k
-    return S * mcfg.d_model * item + 8 * S + 2 * 8 * lay.ep
+def received_cache(mcfg, rows: int, ep: int, item: int) -> int:
+    """Bytes an MoE layer keeps under expert parallelism (ep ranks) beyond its own cache, per micro-batch of `rows`
+    sequences: the rows it received (balanced routing: as many as it sent), their regrouping order and the
+    exchange's row counts."""
+    S = rows * mcfg.seq_len * build_model(mcfg).moe.k
+    return S * mcfg.d_model * item + 8 * S + 2 * 8 * ep
 
 
 def loss_figures(mcfg, models: int = 1) -> int:
