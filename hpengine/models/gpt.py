@@ -139,6 +139,11 @@ class GPT:
         forward and copy_to_tp backward."""
         return (2, 2)
 
+    def sp_regathers(self) -> int:
+        """Region entries per layer whose linear gathers its input again in backward under sequence parallelism:
+        the attention's and the MLP's first linears keep only this rank's piece of their input."""
+        return 2
+
     def attention_flops(self, tokens: int, tp: int) -> int:
         """Forward FLOPs of one layer's scores and their product with the values (2 T C / tp per token each)."""
         return 4 * tokens * self.T * self.C // tp

@@ -156,12 +156,13 @@ class Llama:
     def _mtp_cache_bytes(self, out: dict, n: int, ns: int, item: int, block: int, w_block: int) -> None:
         """Adds the multi-token prediction modules' bytes to the head's (in out): each module its embedding's,
         three norms', the projection's input (2C), its block's (`block`; `w_block` its W stash; an MoE one for an
-        MoE model) and its own loss's. n tokens, ns of them this rank's piece (sequence parallelism)."""
+        MoE model) and its own loss's with the mask of its counted targets (one byte a position). n tokens, ns of
+        them this rank's piece (sequence parallelism)."""
         if self.mtp is None:
             return
         C, D = self.C, self.mtp.D
         one = (embedding_cache_bytes(n) + 3 * rmsnorm_cache_bytes(ns, C, item) + 2 * ns * C * item
-               + block + out["head"] - rmsnorm_cache_bytes(ns, C, item))
+               + block + out["head"] - rmsnorm_cache_bytes(ns, C, item) + n)
         out["head"] += D * one
         out["w_head"] += D * (w_block + out["w_head"] + 2 * ns * C * item)
 
@@ -177,6 +178,11 @@ class Llama:
         """Activation allreduces per layer under tensor parallelism: (forward, backward); the attention's and
         the MLP's reduce_from_tp forward and copy_to_tp backward."""
         return (2, 2)
+
+    def sp_regathers(self) -> int:
+        """Region entries per layer whose linear gathers its input again in backward under sequence parallelism:
+        the attention's and the MLP's first linears keep only this rank's piece of their input."""
+        return 2
 
     def attention_flops(self, tokens: int, tp: int) -> int:
         """Forward FLOPs of one layer's scores and their product with the values: 2 T hd per token and query

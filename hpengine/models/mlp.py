@@ -81,6 +81,11 @@ class MLP:
         forward and copy_to_tp backward."""
         return (1, 1)
 
+    def sp_regathers(self) -> int:
+        """Region entries per layer whose linear gathers its input again in backward under sequence parallelism:
+        the first linear keeps only this rank's piece of its input."""
+        return 1
+
     def attention_flops(self, tokens: int, tp: int) -> int:
         return 0
 

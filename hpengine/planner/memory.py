@@ -9,7 +9,7 @@ import functools
 from hpengine.config.load import model_from_key, model_key
 from hpengine.layout.resolve import MAX_INFLIGHT, Resolved
 from hpengine.layout.schedules import peak_live
-from hpengine.models import build_model
+from hpengine.models import build_model, capabilities
 from hpengine.optim.base import UNDECLARED, kind as optimizer_kind
 from hpengine.params.buffers import Range, partition
 from hpengine.planner import context as plan_cp, moe as plan_moe, recompute as rc, tp as plan_tp
@@ -145,6 +145,7 @@ def _cache_bytes_of(mkey, tp, rows, item, amp, share, parts, cp, cp_comm, ep) ->
         received = plan_moe.received_cache(mcfg, rows, ep, item)
         for key in [k for k in out if k.startswith("layer.")]:     # the MoE layers
             out[key] += received
+        out["head"] += capabilities(mcfg).mtp_depth * received     # the multi-token prediction modules' MoE blocks
     return out
 
 

@@ -10,9 +10,11 @@ from hpengine.planner import recompute as rc
 
 def alltoall_calls(mcfg, st, lay) -> int:
     """MPI_Alltoallv calls of a rank per step: per MoE layer of the stage and micro-batch four (dispatch,
-    combine and their backwards), six for a fully recomputed layer, whose forward runs again."""
+    combine and their backwards), six for a fully recomputed layer, whose forward runs again; four for each
+    multi-token prediction module's MoE block, which runs with the head."""
     moe, again = build_model(mcfg).moe, rc.full(st, lay)
     per_mb = sum(6 if b.name in again else 4 for b in st.kinds if b.kind == "layer" and moe.routed(b.layer))
+    per_mb += 4 * capabilities(mcfg).mtp_depth * sum(b.kind == "head" for b in st.kinds)
     return per_mb * lay.k * lay.m
 
 

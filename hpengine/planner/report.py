@@ -136,6 +136,11 @@ def _n_params(cfg: Config) -> int:
     return sum(math.prod(sp.global_shape) for sp in build_model(cfg.model).all_specs()) * cfg.train.models
 
 
+def billions(n: int, digits: int) -> str:
+    """A parameter count in B to `digits` significant digits, in T from a trillion on."""
+    return f"{n / 1e12:.{digits}g}T" if n >= 1e12 else f"{n / 1e9:.{digits}g}B"
+
+
 def size_notes(mcfg) -> str:
     """What the header adds for a model with multi-token prediction or routed experts: the main model's parameters
     without the MTP modules, the parameters one token activates (its top_k routed experts of each MoE layer,
@@ -150,8 +155,8 @@ def size_notes(mcfg) -> str:
     lookup = 0 if mcfg.tie_head else sum(math.prod(sp.global_shape) for sp in model.specs("embed"))
     experts = sum(math.prod(sp.global_shape) for sp in main if sp.ep_dim is not None)
     idle = experts * (caps.experts - caps.top_k) // caps.experts if caps.experts else 0
-    out = [f"{n / 1e9:.4g}B without the {caps.mtp_depth} multi-token prediction module(s)"] if extra else []
-    out += [f"{(n - lookup - idle) / 1e9:.4g}B activated per token"] if caps.experts else []
+    out = [f"{billions(n, 4)} without the {caps.mtp_depth} multi-token prediction module(s)"] if extra else []
+    out += [f"{billions(n - lookup - idle, 4)} activated per token"] if caps.experts else []
     out += [f"decoding caches {model.decode_cache_elements():,} elements per token of context"]
     return "; ".join(out)
 

@@ -26,7 +26,7 @@ from hpengine.planner.calibrate import GB, calibrate_device
 from hpengine.planner.cluster import Cluster, PlanError, load_cluster  # noqa: F401 - Cluster and PlanError are part of plan's API
 from hpengine.planner.model import predict_layout, predict_stage, step_time  # noqa: F401 - predict_layout is part of plan's API
 from hpengine.planner.report import (_bytes, _n_params, _secs, check_text, describe, hidden_line,  # noqa: F401
-                                     size_notes, table)
+                                     billions, size_notes, table)
 from hpengine.planner.space import candidates, rank_key  # noqa: F401 - candidates is part of plan's API
 from hpengine.planner.presets import ALIASES, PRESETS, model_config
 
@@ -287,7 +287,7 @@ def run(a, progress=None) -> str:
     fit, n, pruned = searched(cfg, cluster, a.max_micro_batch, a.top, progress, docs=docs)
     m = cfg.model
     out = cluster_lines(a, cluster) + _wrap(
-        f"hpengine plan: {m.kind} {_n_params(cfg) / 1e9:.3g}B parameters (d_model {m.d_model}, {m.n_layers} layers, "
+        f"hpengine plan: {m.kind} {billions(_n_params(cfg), 3)} parameters (d_model {m.d_model}, {m.n_layers} layers, "
         f"seq {m.seq_len}; model.dtype {m.dtype}, amp rows compute in 16 bits), global batch "
         f"{cfg.train.global_batch}, on {cluster.world} devices, optimizer {cfg.optim.name}") + (
         _wrap(f"model: {size_notes(m)}") if size_notes(m) else []) + _wrap(
