@@ -158,7 +158,7 @@ def _plan_parser(sub) -> None:
                         "among those that fit; or --check one config; or --calibrate this machine.")
     pl.add_argument("config", nargs="?", default=None, help="TOML config whose [model] and [train] are planned")
     pl.add_argument("--model", help="size preset instead of [model]: gpt2-124m, 1.3b, 7b, 13b, 175b, llama3-8b, "
-                    "llama3-70b, llama3.2-1b")
+                    "llama3-70b, llama3.2-1b, mixtral-8x7b, deepseek-v3, kimi-k2")
     pl.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     pl.add_argument("--global-batch", type=int, help="sequences per step (default: the config's or preset's)")
     pl.add_argument("--seq", type=int, help="tokens per sequence for the plan (sets model.seq_len; long sequences "

@@ -242,10 +242,15 @@ class ModelConfig:
 _SECTIONS = {"moe": MoEConfig, "mtp": MTPConfig, "mla": MLAConfig, "rope_scaling": RopeScalingConfig}
 
 
+# field names of [model] and of each table inside it (model_key runs often in the planner's search: no astuple)
+_MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+_SECTION_FIELDS = {n: tuple(f.name for f in dataclasses.fields(c)) for n, c in _SECTIONS.items()}
+
+
 def model_key(m: ModelConfig) -> tuple:
     """A hashable key of a model config (for caches); model_from_key(model_key(m)) == m."""
-    return tuple(dataclasses.astuple(getattr(m, f.name)) if f.name in _SECTIONS else getattr(m, f.name)
-                 for f in dataclasses.fields(ModelConfig))
+    return tuple(tuple(getattr(getattr(m, n), f) for f in _SECTION_FIELDS[n]) if n in _SECTION_FIELDS
+                 else getattr(m, n) for n in _MODEL_FIELDS)
 
 
 def model_from_key(key: tuple) -> ModelConfig:

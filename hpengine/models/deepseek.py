@@ -178,6 +178,20 @@ class DeepSeek(Llama):
         d = self.mla
         return 2 * tokens * self.T * self.H * (d.qk_head_dim + d.v_head_dim) // tp
 
+    def sp_regathers(self) -> int:
+        """Under sequence parallelism only the MLP's entry gathers its input again in backward: MLA's projections
+        keep the whole sequence copy_to_tp gathered (their bottlenecks read it twice)."""
+        return 1
+
+    def attention_flops_text(self) -> tuple:
+        return ("6 x L x T x H x (nope + rope + v)", "6 L T H (nope + rope + v) = attention scores over "
+                "qk_nope_head_dim + qk_rope_head_dim wide queries and keys, and values v_head_dim wide")
+
+    def decode_cache_elements(self) -> int:
+        """Every layer's latent (kv_lora_rank) and shared rotary key (qk_rope_head_dim) per token: decode_cache's
+        LatentCache, where plain multi-head attention would keep H (nope + rope + v)."""
+        return self.L * (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim)
+
     def cache_bytes(self, rows: int, tp: int, item: int, amp: bool, share: int, parts: int = 1, cp: int = 1,
                     cp_comm: str = "ring") -> dict:
         """Bytes the forward caches per micro-batch, by block kind, as the llama kind counts them, with MLA's cache

@@ -139,9 +139,24 @@ class GPT:
         forward and copy_to_tp backward."""
         return (2, 2)
 
+    def sp_regathers(self) -> int:
+        """Region entries per layer whose linear gathers its input again in backward under sequence parallelism:
+        the attention's and the MLP's first linears keep only this rank's piece of their input."""
+        return 2
+
     def attention_flops(self, tokens: int, tp: int) -> int:
         """Forward FLOPs of one layer's scores and their product with the values (2 T C / tp per token each)."""
         return 4 * tokens * self.T * self.C // tp
+
+    def attention_flops_text(self) -> tuple:
+        """A step's attention FLOPs per token, forward and backward, over every layer (3 x attention_flops), and
+        what the term counts."""
+        return ("12 x L x T x H x hd", "12 L T H hd = attention scores and values (H x hd = d_model unless "
+                "model.head_dim is set)")
+
+    def decode_cache_elements(self) -> int:
+        """Every layer's key and value (d_model each) per token: decode_cache's KVCache."""
+        return 2 * self.L * self.C
 
     def specs(self, block: str) -> list[ParamSpec]:
         C, std = self.C, self.std

@@ -156,12 +156,13 @@ class Llama:
     def _mtp_cache_bytes(self, out: dict, n: int, ns: int, item: int, block: int, w_block: int) -> None:
         """Adds the multi-token prediction modules' bytes to the head's (in out): each module its embedding's,
         three norms', the projection's input (2C), its block's (`block`; `w_block` its W stash; an MoE one for an
-        MoE model) and its own loss's. n tokens, ns of them this rank's piece (sequence parallelism)."""
+        MoE model) and its own loss's with the mask of its counted targets (one byte a position). n tokens, ns of
+        them this rank's piece (sequence parallelism)."""
         if self.mtp is None:
             return
         C, D = self.C, self.mtp.D
         one = (embedding_cache_bytes(n) + 3 * rmsnorm_cache_bytes(ns, C, item) + 2 * ns * C * item
-               + block + out["head"] - rmsnorm_cache_bytes(ns, C, item))
+               + block + out["head"] - rmsnorm_cache_bytes(ns, C, item) + n)
         out["head"] += D * one
         out["w_head"] += D * (w_block + out["w_head"] + 2 * ns * C * item)
 
@@ -178,10 +179,25 @@ class Llama:
         the MLP's reduce_from_tp forward and copy_to_tp backward."""
         return (2, 2)
 
+    def sp_regathers(self) -> int:
+        """Region entries per layer whose linear gathers its input again in backward under sequence parallelism:
+        the attention's and the MLP's first linears keep only this rank's piece of their input."""
+        return 2
+
     def attention_flops(self, tokens: int, tp: int) -> int:
         """Forward FLOPs of one layer's scores and their product with the values: 2 T hd per token and query
         head each (grouping the key/value heads saves projections, not these)."""
         return 4 * tokens * self.T * self.hd * self.H // tp
+
+    def attention_flops_text(self) -> tuple:
+        """A step's attention FLOPs per token, forward and backward, over every layer (3 x attention_flops), and
+        what the term counts."""
+        return ("12 x L x T x H x hd", "12 L T H hd = attention scores and values (H x hd = d_model unless "
+                "model.head_dim is set)")
+
+    def decode_cache_elements(self) -> int:
+        """Every layer's n_kv_heads keys and values (head_dim each) per token: decode_cache's KVCache."""
+        return 2 * self.L * self.K * self.hd
 
     def specs(self, block: str) -> list[ParamSpec]:
         C, std = self.C, self.std

@@ -81,7 +81,21 @@ class MLP:
         forward and copy_to_tp backward."""
         return (1, 1)
 
+    def sp_regathers(self) -> int:
+        """Region entries per layer whose linear gathers its input again in backward under sequence parallelism:
+        the first linear keeps only this rank's piece of its input."""
+        return 1
+
     def attention_flops(self, tokens: int, tp: int) -> int:
+        return 0
+
+    def attention_flops_text(self) -> tuple:
+        """A step's attention FLOPs per token, forward and backward, over every layer (3 x attention_flops), and
+        what the term counts."""
+        return ("12 x L x T x H x hd", "12 L T H hd = attention scores and values (H x hd = d_model unless "
+                "model.head_dim is set)")
+
+    def decode_cache_elements(self) -> int:
         return 0
 
     def specs(self, block: str) -> list[ParamSpec]:

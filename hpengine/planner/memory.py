@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import functools
 
+from hpengine.config.load import model_from_key, model_key
 from hpengine.layout.resolve import MAX_INFLIGHT, Resolved
 from hpengine.layout.schedules import peak_live
-from hpengine.models import build_model
+from hpengine.models import build_model, capabilities
 from hpengine.optim.base import UNDECLARED, kind as optimizer_kind
 from hpengine.params.buffers import Range, partition
 from hpengine.planner import context as plan_cp, moe as plan_moe, recompute as rc, tp as plan_tp
@@ -130,11 +131,21 @@ def packed_caches(lay: Resolved, cluster=None) -> bool:
 
 
 def _model_cache_bytes(mcfg, lay: Resolved, item: int) -> dict:
-    model = build_model(mcfg, lay.tp)
-    out = model.cache_bytes(lay.rows, lay.tp, item, lay.amp, lay.share, lay.seq_parts, lay.cp, lay.cp_comm)
-    if lay.ep > 1:
+    return dict(_cache_bytes_of(model_key(mcfg), lay.tp, lay.rows, item, lay.amp, lay.share, lay.seq_parts, lay.cp,
+                                lay.cp_comm, lay.ep))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cache_bytes_of(mkey, tp, rows, item, amp, share, parts, cp, cp_comm, ep) -> dict:
+    """The model's cache_bytes, once per model and micro-batch shape (the search asks for the same ones often; a
+    model with many MoE layers takes long to count); callers get a copy."""
+    mcfg = model_from_key(mkey)
+    out = build_model(mcfg, tp).cache_bytes(rows, tp, item, amp, share, parts, cp, cp_comm)
+    if ep > 1:
+        received = plan_moe.received_cache(mcfg, rows, ep, item)
         for key in [k for k in out if k.startswith("layer.")]:     # the MoE layers
-            out[key] += plan_moe.received_cache(mcfg, lay, item)
+            out[key] += received
+        out["head"] += capabilities(mcfg).mtp_depth * received     # the multi-token prediction modules' MoE blocks
     return out
 
 

@@ -10,7 +10,7 @@ import math
 
 from hpengine.layout.resolve import Resolved, resolve
 from hpengine.layout.schedules import bubble_fraction, placement
-from hpengine.models import build_model
+from hpengine.models import build_model, capabilities
 from hpengine.planner import context as plan_cp, gpu as plan_gpu, moe as plan_moe, muon as plan_muon, recompute as rc
 from hpengine.planner import tp as plan_tp
 from hpengine.planner.memory import (_partition, _read_blocks, activations, block_activations, buffers, model_state,
@@ -52,7 +52,8 @@ def traffic(mcfg, st: StageFacts, lay: Resolved, stage: int, models: int, sh_ran
     rank's place among dp x cp (what Muon's updates moved over sharding depend on; None: the busiest)."""
     w, g, _, item = precision(mcfg, lay.amp, packed)
     M, psi, out = models, st.psi * models, {}
-    losses = F64 * (M + plan_moe.loss_figures(mcfg, M))         # the loss allreduce, with the MoE figures riding on it
+    mtp = M if capabilities(mcfg).mtp_depth else 0      # each model's multi-token prediction loss
+    losses = F64 * (M + mtp + plan_moe.loss_figures(mcfg, M))   # the loss allreduce, with the MoE figures riding on it
     whole = st.experts * M if lay.experts_whole else 0     # ep across sharding: expert blocks kept whole
     if lay.sh > 1:
         gathers = psi * w if lay.zstage < 3 else lay.k * lay.m * M * gathered_per_microbatch(mcfg, st) * w

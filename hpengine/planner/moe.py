@@ -10,9 +10,11 @@ from hpengine.planner import recompute as rc
 
 def alltoall_calls(mcfg, st, lay) -> int:
     """MPI_Alltoallv calls of a rank per step: per MoE layer of the stage and micro-batch four (dispatch,
-    combine and their backwards), six for a fully recomputed layer, whose forward runs again."""
+    combine and their backwards), six for a fully recomputed layer, whose forward runs again; four for each
+    multi-token prediction module's MoE block, which runs with the head."""
     moe, again = build_model(mcfg).moe, rc.full(st, lay)
     per_mb = sum(6 if b.name in again else 4 for b in st.kinds if b.kind == "layer" and moe.routed(b.layer))
+    per_mb += 4 * capabilities(mcfg).mtp_depth * sum(b.kind == "head" for b in st.kinds)
     return per_mb * lay.k * lay.m
 
 
@@ -28,11 +30,12 @@ def alltoall_seconds(lay, nbytes: float, calls: float, alpha: float, beta: float
     return (lay.ep - 1) / lay.ep * nbytes / beta + calls * alpha
 
 
-def received_cache(mcfg, lay, item: int) -> int:
-    """Bytes an MoE layer keeps under expert parallelism beyond its own cache: the rows it received (balanced
-    routing: as many as it sent), their regrouping order and the exchange's row counts."""
-    S = lay.rows * mcfg.seq_len * build_model(mcfg).moe.k
-    return S * mcfg.d_model * item + 8 * S + 2 * 8 * lay.ep
+def received_cache(mcfg, rows: int, ep: int, item: int) -> int:
+    """Bytes an MoE layer keeps under expert parallelism (ep ranks) beyond its own cache, per micro-batch of `rows`
+    sequences: the rows it received (balanced routing: as many as it sent), their regrouping order and the
+    exchange's row counts."""
+    S = rows * mcfg.seq_len * build_model(mcfg).moe.k
+    return S * mcfg.d_model * item + 8 * S + 2 * 8 * ep
 
 
 def loss_figures(mcfg, models: int = 1) -> int:

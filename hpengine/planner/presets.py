@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpengine.planner.sizes import MLAShape
+from hpengine.config.tree import MLAConfig, ModelConfig, MoEConfig, MTPConfig
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,23 @@ def _mixtral(n_layers: int, experts: int, top_k: int, batch: int) -> Preset:
                    "moe": {"num_experts": experts, "top_k": top_k, "expert_hidden": 14336}}, batch)
 
 
+def _deepseek(heads: int, vocab: int, dense: int, experts: int, groups: int, topk_groups: int, mtp: int,
+              theta: float, scaling: float, batch: int) -> Preset:
+    """DeepSeek-V3 and Kimi K2 (Hugging Face config.json): 61 layers of width 7168, MLA with q_lora_rank 1536,
+    kv_lora_rank 512, 128 + 64 wide query/key heads and 128 wide value heads; dense SwiGLU MLPs of 18432, routed
+    experts of 2048, top 8 of sigmoid scores (renormalised, times routed_scaling) beside one shared expert of 2048;
+    RMSNorm epsilon 1e-6, untied head; pretrained at 4096 tokens (the YaRN extension to 128K comes after: not
+    planned here). Aux-loss-free balancing at DeepSeek-V3's rate 0.001 beside its sequence-wise loss of 0.0001."""
+    return Preset({"kind": "deepseek", "vocab_size": vocab, "seq_len": 4096, "d_model": 7168, "n_layers": 61,
+                   "n_heads": heads, "ffn_hidden": 18432, "rope_theta": theta, "norm_eps": 1e-6, "tie_head": False,
+                   "mla": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                           "v_head_dim": 128},
+                   "moe": {"num_experts": experts, "top_k": 8, "expert_hidden": 2048, "shared_hidden": 2048,
+                           "dense_layers": dense, "router": "sigmoid", "n_groups": groups, "topk_groups": topk_groups,
+                           "routed_scaling": scaling, "bias_update_rate": 0.001, "aux_loss": 0.0001},
+                   "mtp": {"depth": mtp}}, batch)
+
+
 PRESETS = {
     # GPT-2 small and GPT-3 shapes (Brown et al. 2020, table 2.1; 1.3B with 16 heads so heads divide d_model)
     "gpt2-124m": _gpt(1024, 768, 12, 12, 512),
@@ -53,35 +70,18 @@ PRESETS = {
     "llama3.2-1b": _llama(2048, 16, 32, 8, 8192, True, 256),
     # Mistral publishes no batch: 1024 x 4096 = 4M tokens, the llama presets' token count
     "mixtral-8x7b": _mixtral(32, 8, 2, 1024),
+    # DeepSeek-V3 (DeepSeek-AI 2024, sections 2 and 4.2): 128 heads, 3 dense layers, 256 experts in 8 groups, 4 open
+    # per token, one MTP module; the batch grows to 15360 sequences and stays there
+    "deepseek-v3": _deepseek(128, 129280, 3, 256, 8, 4, 1, 10000.0, 2.5, 15360),
+    # Kimi K2 (Moonshot AI 2025): half the heads, 1 dense layer, 384 experts without groups, a 163840-token
+    # vocabulary, rotary base 50000, no MTP module; 67M tokens a step
+    "kimi-k2": _deepseek(64, 163840, 1, 384, 1, 1, 0, 50000.0, 2.827, 16384),
 }
 ALIASES = {"124m": "gpt2-124m", "gpt2": "gpt2-124m", "6.7b": "7b"}
 
-
-@dataclass(frozen=True)
-class FormulaPreset:
-    """A published shape the planner counts by formula (planner/sizes.py) but cannot yet plan: multi-head latent
-    attention has no [model] table here."""
-    shape: MLAShape
-    seq_len: int           # pretraining context
-    global_batch: int      # sequences per optimizer step
+_TABLES = {"moe": MoEConfig, "mtp": MTPConfig, "mla": MLAConfig}
 
 
-def _deepseek(heads: int, vocab: int, dense: int, experts: int, groups: int, topk_groups: int, mtp: int,
-              batch: int) -> FormulaPreset:
-    """DeepSeek-V3 and Kimi K2 (Hugging Face config.json): 61 layers of width 7168, MLA with q_lora_rank 1536,
-    kv_lora_rank 512, 128 + 64 wide query/key heads and 128 wide value heads; dense MLPs of 18432, routed experts
-    of 2048, top 8 beside one shared expert; pretrained at 4096 tokens."""
-    return FormulaPreset(MLAShape(vocab=vocab, d_model=7168, n_layers=61, dense_layers=dense, n_heads=heads,
-                                  q_lora_rank=1536, kv_lora_rank=512, qk_nope=128, qk_rope=64, v_head=128,
-                                  ffn_hidden=18432, expert_hidden=2048, experts=experts, shared=1, top_k=8,
-                                  n_groups=groups, topk_groups=topk_groups, mtp_depth=mtp), 4096, batch)
-
-
-FORMULA_PRESETS = {
-    # DeepSeek-V3 (DeepSeek-AI 2024, sections 2 and 4.2): 256 experts in 8 groups, 4 open per token, one MTP
-    # module; the batch grows to 15360 sequences and stays there
-    "deepseek-v3": _deepseek(128, 129280, 3, 256, 8, 4, 1, 15360),
-    # Kimi K2 (Moonshot AI 2025): half the heads, 384 experts without groups, one dense layer, a 163840-token
-    # vocabulary, no MTP module; 67M tokens a step
-    "kimi-k2": _deepseek(64, 163840, 1, 384, 1, 1, 0, 16384),
-}
+def model_config(name: str) -> ModelConfig:
+    """The [model] config of the preset `name` (a key of PRESETS)."""
+    return ModelConfig(**{k: _TABLES[k](**v) if k in _TABLES else v for k, v in PRESETS[name].model.items()})

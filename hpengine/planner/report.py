@@ -8,7 +8,7 @@ import math
 from hpengine.config.load import Config
 from hpengine.layout.degrees import Degrees
 from hpengine.layout.resolve import Resolved, resolve
-from hpengine.models import build_model
+from hpengine.models import build_model, capabilities
 from hpengine.planner.calibrate import GB
 from hpengine.planner.cluster import Cluster, PlanError
 from hpengine.planner.model import predict_layout
@@ -134,6 +134,31 @@ def _secs(t: float) -> str:
 
 def _n_params(cfg: Config) -> int:
     return sum(math.prod(sp.global_shape) for sp in build_model(cfg.model).all_specs()) * cfg.train.models
+
+
+def billions(n: int, digits: int) -> str:
+    """A parameter count in B to `digits` significant digits, in T from a trillion on."""
+    return f"{n / 1e12:.{digits}g}T" if n >= 1e12 else f"{n / 1e9:.{digits}g}B"
+
+
+def size_notes(mcfg) -> str:
+    """What the header adds for a model with multi-token prediction or routed experts: the main model's parameters
+    without the MTP modules, the parameters one token activates (its top_k routed experts of each MoE layer,
+    every other tensor it multiplies by; not the input embedding, a lookup, unless the head is tied to it: what MFU
+    counts, and the published "activated" figures), and the elements decoding caches per token of context."""
+    model, caps = build_model(mcfg), capabilities(mcfg)
+    if not caps.experts and not caps.mtp_depth:
+        return ""
+    extra = {sp.name for sp in model.mtp.specs()} if caps.mtp_depth else set()
+    main = [sp for sp in model.all_specs() if sp.name not in extra]
+    n = sum(math.prod(sp.global_shape) for sp in main)
+    lookup = 0 if mcfg.tie_head else sum(math.prod(sp.global_shape) for sp in model.specs("embed"))
+    experts = sum(math.prod(sp.global_shape) for sp in main if sp.ep_dim is not None)
+    idle = experts * (caps.experts - caps.top_k) // caps.experts if caps.experts else 0
+    out = [f"{billions(n, 4)} without the {caps.mtp_depth} multi-token prediction module(s)"] if extra else []
+    out += [f"{billions(n - lookup - idle, 4)} activated per token"] if caps.experts else []
+    out += [f"decoding caches {model.decode_cache_elements():,} elements per token of context"]
+    return "; ".join(out)
 
 
 def check_text(cfg: Config, world: int, cluster: Cluster, docs=None) -> str:

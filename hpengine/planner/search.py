@@ -13,9 +13,6 @@ import time
 from hpengine.config.load import (
     Config,
     ConfigError,
-    ModelConfig,
-    MoEConfig,
-    MTPConfig,
     enabled_strategies,
     load_config,
     to_toml,
@@ -29,26 +26,20 @@ from hpengine.planner.calibrate import GB, calibrate_device
 from hpengine.planner.cluster import Cluster, PlanError, load_cluster  # noqa: F401 - Cluster and PlanError are part of plan's API
 from hpengine.planner.model import predict_layout, predict_stage, step_time  # noqa: F401 - predict_layout is part of plan's API
 from hpengine.planner.report import (_bytes, _n_params, _secs, check_text, describe, hidden_line,  # noqa: F401
-                                     table)
+                                     billions, size_notes, table)
 from hpengine.planner.space import candidates, rank_key  # noqa: F401 - candidates is part of plan's API
-from hpengine.planner.presets import ALIASES, FORMULA_PRESETS, PRESETS
+from hpengine.planner.presets import ALIASES, PRESETS, model_config
 
 
 def with_preset(cfg: Config, name: str) -> Config:
     """cfg with its [model] table replaced by a preset's (presets.py) and its global batch set."""
     key = ALIASES.get(name.lower(), name.lower())
-    if key in FORMULA_PRESETS:
-        shape = FORMULA_PRESETS[key].shape
-        raise PlanError(f"--model {name}: multi-head latent attention cannot be planned yet (no [model] table "
-                        f"holds it); its sizes by formula (hpengine.planner.sizes): {shape.params() / 1e9:.1f}B "
-                        f"parameters, {shape.activated() / 1e9:.1f}B activated per token")
     if key not in PRESETS:
         raise PlanError(f"--model {name}: unknown preset; choose one of {', '.join(PRESETS)} "
                         f"(aliases: {', '.join(f'{a} = {k}' for a, k in ALIASES.items())})")
     preset = PRESETS[key]
     cfg = copy.deepcopy(cfg)
-    cfg.model = ModelConfig(**{k: {"moe": MoEConfig, "mtp": MTPConfig}[k](**v) if k in ("moe", "mtp") else v
-                               for k, v in preset.model.items()})
+    cfg.model = model_config(key)
     cfg.train.global_batch = preset.global_batch
     return cfg
 
@@ -296,9 +287,10 @@ def run(a, progress=None) -> str:
     fit, n, pruned = searched(cfg, cluster, a.max_micro_batch, a.top, progress, docs=docs)
     m = cfg.model
     out = cluster_lines(a, cluster) + _wrap(
-        f"hpengine plan: {m.kind} {_n_params(cfg) / 1e9:.3g}B parameters (d_model {m.d_model}, {m.n_layers} layers, "
+        f"hpengine plan: {m.kind} {billions(_n_params(cfg), 3)} parameters (d_model {m.d_model}, {m.n_layers} layers, "
         f"seq {m.seq_len}; model.dtype {m.dtype}, amp rows compute in 16 bits), global batch "
-        f"{cfg.train.global_batch}, on {cluster.world} devices, optimizer {cfg.optim.name}") + _wrap(
+        f"{cfg.train.global_batch}, on {cluster.world} devices, optimizer {cfg.optim.name}") + (
+        _wrap(f"model: {size_notes(m)}") if size_notes(m) else []) + _wrap(
         f"searched {n + pruned:,} layouts in {time.perf_counter() - t:.1f} s: {n:,} evaluated, {pruned:,} pruned "
         f"unevaluated (floors that cannot fit or reach row {a.top}); times per optimizer step")
     out += _wrap(plan_docs.line(docs)) if docs is not None else []

@@ -1,6 +1,6 @@
 """Closed-form sizes of decoders with multi-head latent attention (MLA) and routed-expert layers (DeepSeek-V3,
 Kimi K2): parameters, the parameters one token activates, training FLOPs per token, the multi-token-prediction
-module and the latent cache; for published shapes the planner cannot yet build from a [model] table.
+module and the latent cache; an independent count of what the deepseek kind's specs hold and the planner charges.
 """
 from __future__ import annotations
 
@@ -31,6 +31,20 @@ class MLAShape:
     n_groups: int = 1
     topk_groups: int = 1
     mtp_depth: int = 0
+
+    @classmethod
+    def of(cls, m) -> "MLAShape":
+        """The shape of a deepseek [model] config whose shared expert is a whole number of expert widths."""
+        e, a = m.moe, m.mla
+        if e.shared_hidden % e.expert_hidden:
+            raise ValueError(f"model.moe.shared_hidden = {e.shared_hidden}: MLAShape counts shared experts of "
+                             f"expert_hidden = {e.expert_hidden}; use a multiple of it")
+        return cls(vocab=m.vocab_size, d_model=m.d_model, n_layers=m.n_layers, dense_layers=e.dense_layers,
+                   n_heads=m.n_heads, q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank,
+                   qk_nope=a.qk_nope_head_dim, qk_rope=a.qk_rope_head_dim, v_head=a.v_head_dim,
+                   ffn_hidden=m.ffn_hidden, expert_hidden=e.expert_hidden, experts=e.num_experts,
+                   shared=e.shared_hidden // e.expert_hidden, top_k=e.top_k, n_groups=e.n_groups,
+                   topk_groups=e.topk_groups, mtp_depth=m.mtp.depth)
 
     # -- parameters ------------------------------------------------------------------------------------
 

@@ -16,16 +16,18 @@ def activation_calls(mcfg, st, lay) -> dict:
     `a` region exits forward (the attention and the MLP: 2; the mlp kind: 1) and `a` entries backward; a
     recomputed layer runs its forward again. Plain tp: each is an allreduce, plus the embedding's forward
     and the head's backward. Sequence parallel: an entry all-gathers forward and reduce-scatters
-    backward, an exit the reverse, and an entry's linear gathers its input again in backward; the
+    backward, an exit the reverse, and an entry's linear gathers its input again in backward (those the model's
+    sp_regathers counts); the
     embedding reduce-scatters forward and gathers backward; the head gathers forward, again in backward,
     and reduce-scatters. An MoE layer's routed MLP keeps the sequence it gathered, so its backward gathers
-    once less."""
+    once less. A multi-token prediction module (with the head) embeds and takes a loss as the ends do."""
     a, _ = build_model(mcfg, lay.tp).tp_allreduces()
     layers, again = st.layers, len(rc.full(st, lay))
-    ends = len(st.of_kind("embed")), len(st.of_kind("head"))
+    ends = len(st.of_kind("embed")) + mtp_modules(mcfg, st), losses(mcfg, st)
     if not lay.sp:
         return {"allreduce": 2 * a * layers + a * again + sum(ends)}
-    return {"allgather": 3 * a * layers + a * again + ends[0] + 2 * ends[1] - moe_layers(mcfg, st),
+    r = build_model(mcfg, lay.tp).sp_regathers()
+    return {"allgather": (2 * a + r) * layers + a * again + ends[0] + 2 * ends[1] - moe_layers(mcfg, st),
             "reduce_scatter": 2 * a * layers + a * again + ends[0] + ends[1]}
 
 
@@ -36,11 +38,12 @@ def bits_gathers(mcfg, st, lay) -> int:
     router reads its input in float32."""
     if not lay.sp:
         return 0
-    a, _ = build_model(mcfg, lay.tp).tp_allreduces()
+    model = build_model(mcfg, lay.tp)
+    a, r = model.tp_allreduces()[0], model.sp_regathers()
     again = rc.full(st, lay)
     routed = _routed(mcfg)
     moe_again = sum(routed(st.kind_of[n]) for n in again)
-    return 2 * a * st.layers + a * len(again) + 2 * len(st.of_kind("head")) - 2 * moe_layers(mcfg, st) - moe_again
+    return (a + r) * st.layers + a * len(again) + 2 * losses(mcfg, st) - 2 * moe_layers(mcfg, st) - moe_again
 
 
 def _routed(mcfg):
@@ -48,9 +51,20 @@ def _routed(mcfg):
     return lambda b: moe is not None and b.kind == "layer" and moe.routed(b.layer)
 
 
+def mtp_modules(mcfg, st) -> int:
+    """The multi-token prediction modules the stage runs (with its head)."""
+    return capabilities(mcfg).mtp_depth * len(st.of_kind("head"))
+
+
+def losses(mcfg, st) -> int:
+    """Vocabulary-parallel losses per micro-batch through the stage: the head's and each MTP module's."""
+    return len(st.of_kind("head")) + mtp_modules(mcfg, st)
+
+
 def moe_layers(mcfg, st) -> int:
-    """The stage's layers with routed experts: each sums its gates' (tokens, top_k) gradient over tp in backward."""
-    return sum(map(_routed(mcfg), st.kinds))
+    """The stage's blocks with routed experts (an MoE model's MTP modules' too): each sums its gates' (tokens,
+    top_k) gradient over tp in backward."""
+    return sum(map(_routed(mcfg), st.kinds)) + (mtp_modules(mcfg, st) if capabilities(mcfg).experts else 0)
 
 
 def replicated_owned(st, lay, models: int, partition_of, sh_rank=None) -> int:
@@ -102,7 +116,7 @@ def traffic(mcfg, st, lay, tokens: int, item: int, g: int, loss_item: int, scala
     `scalars` bytes of squared norms; `replicated` elements of gradients summed over tp once a step; packed
     (bf16 storage): the all-gathers of bits_gathers move 2 bytes an element."""
     C = mcfg.d_model
-    ce = 3 * len(st.of_kind("head")) * loss_item
+    ce = 3 * losses(mcfg, st) * loss_item
     out = {op: tokens * n * C * item for op, n in activation_calls(mcfg, st, lay).items()}
     if packed and "allgather" in out:
         out["allgather"] -= tokens * bits_gathers(mcfg, st, lay) * C * (item - 2)
@@ -128,7 +142,7 @@ def tp_seconds(mcfg, st, lay, models: int, per_mb: dict, link_of, collective_s) 
     """Seconds per micro-batch of the tp collectives: `per_mb` {op: bytes per micro-batch}; an all-gather
     and a reduce-scatter move (n-1)/n of their bytes, an allreduce twice that; latency per call."""
     calls = activation_calls(mcfg, st, lay)
-    heads = len(st.of_kind("head"))
+    heads = losses(mcfg, st)
     total = 0.0
     for op, nbytes in per_mb.items():
         n_calls = models * (calls.get(op, 0) + (2 * heads + moe_layers(mcfg, st) if op == "allreduce" else 0))

@@ -158,9 +158,9 @@ def model_flops(eng) -> tuple[float, str]:
     tokens = tr.global_batch * mc.seq_len
     layers = sum(b.kind == "layer" for b in eng.slots[0].model.blocks())
     attn = 3 * eng.slots[0].model.attention_flops(tokens, 1) * layers    # forward + backward, whole model
-    formula = ("FLOPs/step = tokens x (6 x Psi + 12 x L x T x H x hd) per model; Psi = parameters (tied head "
-               "counted once), tokens = global_batch x seq_len, 12 L T H hd = attention scores and values "
-               "(H x hd = d_model unless model.head_dim is set), "
+    term, what = eng.slots[0].model.attention_flops_text()
+    formula = (f"FLOPs/step = tokens x (6 x Psi + {term}) per model; Psi = parameters (tied head "
+               f"counted once), tokens = global_batch x seq_len, {what}, "
                "forward + backward (none without attention); recomputation not counted"
                + ("; routed experts' weights count top_k / num_experts of themselves (the tokens each one sees)"
                   if moe else ""))

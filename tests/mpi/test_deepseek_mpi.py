@@ -2,12 +2,15 @@
 trains exactly like one process (float64, rtol 1e-10: losses, gradient norms, every parameter after 5 steps) under
 dp, sharding stage 3, tp with and without sequence parallelism, pp (1f1b, zbv), ep, recompute, gradient merge and
 cp (ring, all-gather), with the query bottleneck and YaRN on in one config and a plain query matrix in the other; the
-planner's activation bytes equal the engine's count; with a multi-token prediction module as well."""
+planner's activation bytes equal the engine's count; with a multi-token prediction module as well, also with ep
+folded over dp x sharding, over sharding stage 3 and beside tp, and through a checkpoint saved under sharding 4 x ep 4."""
 import pytest
-from helpers import config, need, same_as_one_process
+from helpers import assert_resumes_like, config, need, run, same_as_one_process
+from mpi4py import MPI
 
 from hpengine.planner.model import for_rank
 from hpengine.run.build import build
+from hpengine.run.train import save_state
 
 S = "strategy."
 DS = ["model.kind=deepseek", "model.n_heads=4", "model.ffn_hidden=24", "model.n_layers=4",
@@ -69,6 +72,34 @@ def test_deepseek_with_multi_token_prediction_equals_one_process(corpus, world, 
     n, extra = LAYOUTS[name]
     need(world.Get_size() == n, f"{name} runs at -n {n}")
     same_as_one_process(corpus, world, *extra, model=MTP)
+
+
+EP = {   # name -> (world size, overrides): ep 4 across dp x sharding (each rank keeps its expert whole), ep beside tp
+    "dp2_sh2_ep4": (4, on("data_parallel", 2) + on("sharding", 2, S + "sharding.stage=2") + on("expert_parallel", 4)),
+    "sh4_ep4_stage3": (4, on("sharding", 4, S + "sharding.stage=3") + on("expert_parallel", 4)),
+    "dp2_ep2_tp2": (4, on("data_parallel", 2) + on("expert_parallel", 2) + on("tensor_parallel", 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(EP))
+def test_deepseek_expert_layouts_with_mtp_equal_one_process(corpus, world, name):
+    n, extra = EP[name]
+    need(world.Get_size() == n, f"{name} runs at -n {n}")
+    eng = same_as_one_process(corpus, world, *extra, model=MTP)
+    assert eng.res.experts_whole == (eng.res.dp % eng.res.ep > 0)
+    assert eng.mesh.comms["ep"].stats["alltoallv"][1] > 0
+
+
+def test_deepseek_checkpoint_from_sharding4_ep4_to_one_process(corpus, world, root):
+    """Saved after 2 steps under sharding 4 x ep 4 (stage 3, MTP on), loaded under one process: the next 2 steps
+    equal the run straight through."""
+    need(world.Get_size() == 4, "sharding 4 x ep 4 at -n 4")
+    _, _, eng = run(config(corpus, *MTP, *EP["sh4_ep4_stage3"][1]), world, 2)
+    save_state(eng, root, 2, keep=1)
+    world.Barrier()
+    straight = run(config(corpus, *MTP), MPI.COMM_SELF, 4)
+    assert_resumes_like(config(corpus, *MTP), MPI.COMM_SELF, root, straight)
+    world.Barrier()
 
 
 @pytest.mark.parametrize("name", ["tp2", "tp2_sp", "cp2_ring", "cp2_allgather", "dp2_recompute_selective"])

@@ -26,6 +26,15 @@ UPTO4 = lambda n: n <= 4       # noqa: E731
 TWO_OR_4 = lambda n: n in (2, 4)   # noqa: E731
 MOE = LLAMA + ["model.n_layers=4", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=12",
                "model.moe.shared_hidden=8", "model.moe.dense_layers=1", "model.moe.aux_loss=0.01"]
+# the deepseek kind: MLA with a query bottleneck, one dense layer, grouped sigmoid routing, a shared expert, one MTP module
+DEEPSEEK = ["model.kind=deepseek", "model.n_heads=4", "model.ffn_hidden=24", "model.n_layers=4",
+            "model.mla.q_lora_rank=5", "model.mla.kv_lora_rank=6", "model.mla.qk_nope_head_dim=4",
+            "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=2", "model.moe.num_experts=4", "model.moe.top_k=2",
+            "model.moe.expert_hidden=8", "model.moe.shared_hidden=6", "model.moe.dense_layers=1",
+            "model.moe.router=sigmoid", "model.moe.n_groups=2", "model.moe.topk_groups=1",
+            "model.moe.routed_scaling=2.5", "model.moe.aux_loss=0.01", "model.moe.bias_update_rate=0.001",
+            "model.mtp.depth=1"]
+EP4 = [S + "expert_parallel.enable=true", S + "expert_parallel.degree=4"]
 
 # (name, which world sizes it fits, overrides); degrees of -1 take the ranks left over
 LAYOUTS = [
@@ -180,6 +189,15 @@ LAYOUTS = [
     ("muon_dp", ANY, DP + ["optim.name=muon"]),
     ("muon_ep_dp4_ep2", lambda n: n == 4, MOE + DP + ["optim.name=muon", S + "expert_parallel.enable=true",
                                                      S + "expert_parallel.degree=2"]),
+    ("moe_deepseek_sharding2_dp", EVEN, DEEPSEEK + SH + DP + [S + "sharding.degree=2", S + "sharding.stage=2"]),
+    ("ep_deepseek_dp2_sh2_ep4", lambda n: n == 4, DEEPSEEK + DP + SH + EP4 + [
+        S + "data_parallel.degree=2", S + "sharding.degree=2", S + "sharding.stage=2"]),
+    ("ep_deepseek_sh4_ep4_stage3", lambda n: n == 4, DEEPSEEK + SH + EP4 + [S + "sharding.degree=4",
+                                                                         S + "sharding.stage=3"]),
+    ("ep_deepseek_tp2_dp2_ep2", lambda n: n == 4, DEEPSEEK + TP2 + DP + [S + "expert_parallel.enable=true",
+                                                                      S + "expert_parallel.degree=2"]),
+    ("sp_deepseek_tp2_sharding2_recompute", lambda n: n == 4, DEEPSEEK + TP2 + SP + SH + [
+        S + "sharding.degree=2", S + "sharding.stage=3", S + "recompute.enable=true"]),
     ("zb_pp4_zbv", lambda n: n == 4, [S + "pipeline.enable=true", S + "pipeline.degree=4", S + "pipeline.micro_batches=8",
                                       S + "pipeline.schedule=zbv", "model.n_layers=8"]),
 ]

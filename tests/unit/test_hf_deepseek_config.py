@@ -8,7 +8,8 @@ import pytest
 
 from hpengine.models import hf_deepseek
 from hpengine.models.hf_common import HFMismatch
-from hpengine.planner.presets import FORMULA_PRESETS
+from hpengine.planner.presets import model_config
+from hpengine.planner.sizes import MLAShape
 
 # deepseek-ai/DeepSeek-V3's config.json (architecture fields, quantization_config and auto_map left out)
 PUBLISHED = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_act": "silu",
@@ -27,7 +28,7 @@ PUBLISHED = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek
 
 def test_published_config_agrees_with_the_preset():
     keys = hf_deepseek.keys_from_hf(PUBLISHED, "hf:v3")
-    s = FORMULA_PRESETS["deepseek-v3"].shape
+    s = MLAShape.of(model_config("deepseek-v3"))
     want = {"model.vocab_size": s.vocab, "model.d_model": s.d_model, "model.n_layers": s.n_layers,
             "model.moe.dense_layers": s.dense_layers, "model.n_heads": s.n_heads, "model.mla.q_lora_rank": s.q_lora_rank,
             "model.mla.kv_lora_rank": s.kv_lora_rank, "model.mla.qk_nope_head_dim": s.qk_nope,
@@ -35,7 +36,7 @@ def test_published_config_agrees_with_the_preset():
             "model.moe.expert_hidden": s.expert_hidden, "model.moe.num_experts": s.experts,
             "model.moe.shared_hidden": s.shared * s.expert_hidden, "model.moe.top_k": s.top_k,
             "model.moe.n_groups": s.n_groups, "model.moe.topk_groups": s.topk_groups, "model.mtp.depth": s.mtp_depth,
-            "model.rope_scaling.original_max_position_embeddings": FORMULA_PRESETS["deepseek-v3"].seq_len}
+            "model.rope_scaling.original_max_position_embeddings": model_config("deepseek-v3").seq_len}
     assert {k: keys[k] for k in want} == want
     assert keys["model.rope_scaling.type"] == "yarn" and keys["model.rope_scaling.factor"] == 40.0
     assert keys["model.moe.router"] == "sigmoid" and keys["model.moe.routed_scaling"] == 2.5

@@ -235,7 +235,7 @@ def test_cli_plan_refuses_an_existing_out_unless_force(tmp_path, capsys):
 
 @pytest.mark.parametrize("args,msg", [
     (["--model", "3b"], "unknown preset; choose one of gpt2-124m, 1.3b, 7b, 13b, 175b, llama3-8b, llama3-70b, "
-                       "llama3.2-1b, mixtral-8x7b (aliases: 124m = gpt2-124m, gpt2 = gpt2-124m, 6.7b = 7b)"),
+                       "llama3.2-1b, mixtral-8x7b, deepseek-v3, kimi-k2 (aliases: 124m = gpt2-124m, gpt2 = gpt2-124m, 6.7b = 7b)"),
     (["--model", "175b", "--nodes", "1", "--gpus-per-node", "1", "--mem-gb", "16"], "no layout fits"),
     (["--model", "7b", "--inter-bw-gbs", "900"], "inter_bw_gbs = 900.0 exceeds intra_bw_gbs"),
     (["--model", "7b", "--mem-gb", "-1"], "cluster.mem_gb = -1.0: must be a positive number"),

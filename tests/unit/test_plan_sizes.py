@@ -1,10 +1,9 @@
 """The closed-form sizes of MLA / routed-expert decoders (planner/sizes.py): a tiny shape counted by hand, the
-deepseek-v3 and kimi-k2 presets against their published totals and activated counts, and `hpengine plan
---model deepseek-v3` refused in one line (multi-head latent attention has no [model] table yet)."""
+deepseek-v3 and kimi-k2 presets (planner/presets.py, [model] tables of kind deepseek) against their published
+totals and activated counts."""
 from __future__ import annotations
 
-from hpengine.cli.commands import main
-from hpengine.planner.presets import FORMULA_PRESETS, PRESETS
+from hpengine.planner.presets import model_config
 from hpengine.planner.sizes import MLAShape
 
 # vocabulary 10, width 4, 3 layers (the first dense), 2 heads; q_lora 3, kv_lora 2, nope 2, rope 1, v 3; dense
@@ -44,7 +43,7 @@ def test_without_q_compression():
 # below), 685B on Hugging Face with the MTP module (its "14B" is 685 - 671; the module counts 13.46B). Kimi K2
 # "32B activated", "1T" on its model card and 1.04T in its report: the released config's shapes give 1.0264T.
 def test_deepseek_v3_counts():
-    s = FORMULA_PRESETS["deepseek-v3"].shape
+    s = MLAShape.of(model_config("deepseek-v3"))
     assert s.params() == 671_026_404_352            # = transformers' DeepseekV3ForCausalLM (tests/interop)
     assert abs(s.params() / 671e9 - 1) < 0.001
     assert abs((s.params() + s.mtp_params(stored=True)) / 685e9 - 1) < 0.001
@@ -52,18 +51,7 @@ def test_deepseek_v3_counts():
 
 
 def test_kimi_k2_counts():
-    s = FORMULA_PRESETS["kimi-k2"].shape
+    s = MLAShape.of(model_config("kimi-k2"))
     assert s.params() == 1_026_408_209_408 and s.mtp_params() == 0
     assert abs(s.params() / 1.04e12 - 1) < 0.015
     assert abs(s.activated() / 32e9 - 1) < 0.01
-
-
-def test_formula_presets_are_apart_from_the_planned_ones():
-    assert not set(FORMULA_PRESETS) & set(PRESETS)
-
-
-def test_plan_refuses_mla_in_one_line(capsys):
-    assert main(["plan", "--model", "deepseek-v3"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1
-    assert "multi-head latent attention cannot be planned yet" in err and "671.0B parameters, 36.6B activated" in err
