@@ -52,7 +52,10 @@ def yarn_of(mcfg) -> YaRN | None:
 # gradients are exactly zero and are cut off again.
 class DeepSeek(Llama):
     """model.kind = "deepseek": Llama's blocks with multi-head latent attention (model.mla, model.rope_scaling)."""
-    GEMM_WEIGHTS = (".mlp.gate.w", ".mlp.up.w", ".mlp.down.w", ".moe.shared.gate.w", ".moe.shared.up.w",
+    # what only GEMMs read (packed bf16 storage hands these to the layers as bits): MLA's matrices (nn/mla.py reads
+    # them only through its linears; o.w's shape also gives a rank's heads) and the llama kind's MLP and head
+    GEMM_WEIGHTS = (".attn.q.w", ".attn.q_a.w", ".attn.q_b.w", ".attn.kv_a.w", ".attn.kv_b.w", ".attn.o.w",
+                    ".mlp.gate.w", ".mlp.up.w", ".mlp.down.w", ".moe.shared.gate.w", ".moe.shared.up.w",
                     ".moe.shared.down.w", "lm_head.w")
     ATTENTION_CACHE = 2
 
