@@ -222,10 +222,10 @@ class ModelConfig:
     qk_norm: bool = _f(False, "llama: RMSNorm over head_dim of every head's q and k before the rotary embedding, "
                        "learned (head_dim,) weights h.{i}.attn.q_norm.w, k_norm.w with eps norm_eps (Qwen3)",
                        kinds=_LLAMA)
-    attention: str = _f("standard", "gpt, llama: causal attention; standard keeps every head's T x T "
+    attention: str = _f("standard", "gpt, llama, deepseek: causal attention; standard keeps every head's T x T "
                         "probabilities for backward, flash (fused, tiled, online softmax) keeps only the output "
                         "and one log-sum-exp per row and recomputes the scores in backward",
-                        choices=("standard", "flash"), kinds=("gpt", "llama"))
+                        choices=("standard", "flash"), kinds=("gpt", "llama", "deepseek"))
     tie_head: bool = _f(False, "share the output head's weights with the token embedding")
     dtype: str = _f("float32", "parameter and compute dtype (float64 for exactness checks)",
                     choices=("float32", "float64"))

@@ -52,7 +52,10 @@ def yarn_of(mcfg) -> YaRN | None:
 # gradients are exactly zero and are cut off again.
 class DeepSeek(Llama):
     """model.kind = "deepseek": Llama's blocks with multi-head latent attention (model.mla, model.rope_scaling)."""
-    GEMM_WEIGHTS = (".mlp.gate.w", ".mlp.up.w", ".mlp.down.w", ".moe.shared.gate.w", ".moe.shared.up.w",
+    # what only GEMMs read (packed bf16 storage hands these to the layers as bits): MLA's matrices (nn/mla.py reads
+    # them only through its linears; o.w's shape also gives a rank's heads) and the llama kind's MLP and head
+    GEMM_WEIGHTS = (".attn.q.w", ".attn.q_a.w", ".attn.q_b.w", ".attn.kv_a.w", ".attn.kv_b.w", ".attn.o.w",
+                    ".mlp.gate.w", ".mlp.up.w", ".mlp.down.w", ".moe.shared.gate.w", ".moe.shared.up.w",
                     ".moe.shared.down.w", "lm_head.w")
     ATTENTION_CACHE = 2
 
@@ -196,19 +199,22 @@ class DeepSeek(Llama):
                     cp_comm: str = "ring") -> dict:
         """Bytes the forward caches per micro-batch, by block kind, as the llama kind counts them, with MLA's cache
         (nn/mla.mla_cache_bytes: the gathered input, the bottleneck norms, a tp rank's heads' q, k, v, output
-        and probabilities) in place of the grouped-query attention's; under context parallelism the drivers'
-        cache of every head's key and the padded value."""
+        and probabilities) in place of the grouped-query attention's; model.attention = "flash" keeps one
+        log-sum-exp per row and head in place of the probabilities (nn/flash.flash_cache_bytes' count); under
+        context parallelism the drivers' cache of every head's key and the padded value."""
         T, C = self.T // cp, self.C
         n, d = rows * T, mla_dims(self.cfg, self.H // tp)
         ns = n // parts
-        att = mla_cache_bytes(rows, T, C, d, item, 0 if cp > 1 else score_elements(T))
+        att = mla_cache_bytes(rows, T, C, d, item, 0 if cp > 1 or self.flash else score_elements(T))
+        if self.flash and cp == 1:
+            att += n * d.n_heads * max(item, 4)
         if cp > 1:      # the core's q, k, v, output: the drivers' (v padded to the q/k width)
             Hl, w = d.n_heads, d.qk_head_dim
             att += context_cache_bytes(rows, T, Hl, Hl, w, item, cp, cp_comm) - n * Hl * (2 * w + 2 * d.v_head_dim) * item
             if d.v_head_dim != w:   # the heads' outputs merged for o: cut to v_head_dim wide, always a new array
                 att += n * Hl * d.v_head_dim * item - (n * Hl * w * item if Hl > 1 and T > 1 else 0)
         att += rmsnorm_cache_bytes(ns, C, item)
-        scores = 0 if cp > 1 else rows * d.n_heads * score_elements(T) * item
+        scores = 0 if cp > 1 or self.flash else rows * d.n_heads * score_elements(T) * item
         mlp = rmsnorm_cache_bytes(ns, C, item) + (ns * C + swiglu_cache_elements(n * self.F // tp)) * item
         heads = n * d.n_heads * d.v_head_dim * item       # o's input, the attention's W stash with dy
         w = n * (2 * C + C // parts + 3 * self.F // tp) * item + heads

@@ -141,15 +141,15 @@ def _use_cuda(xp, *arrays) -> bool:
 # tile is one batched GEMM per (batch row, key/value head) and dK, dV sum over the group inside it.
 def flash_forward_core(xp, qg, k, v, g: int, bq: int | None = None, bk: int | None = None, num=OFF,
                        segments=None):
-    """qg (B, K, T*g, hd) grouped rows (already scaled), k, v (B, K, T, hd) in any strides ->
-    og (B, K, T*g, hd) and lse (B, K, T*g), in the compute dtype. segments: (B, T) document ids (None: one
-    document a row)."""
+    """qg (B, K, T*g, hd) grouped rows (already scaled), k (B, K, T, hd), v (B, K, T, dv) in any strides (dv may
+    differ from hd: multi-head latent attention) -> og (B, K, T*g, dv) and lse (B, K, T*g), in the compute dtype.
+    segments: (B, T) document ids (None: one document a row)."""
     B, K, R, hd = qg.shape
-    T = k.shape[2]
+    T, dv = k.shape[2], v.shape[-1]
     bq, bk = _tile_sizes(bq, bk, segments)
     ct = _ctype(xp, qg.dtype)
     qg, k, v = (a.astype(ct, copy=False) for a in (qg, k, v))
-    og = xp.empty((B, K, R, hd), dtype=ct)
+    og = xp.empty((B, K, R, dv), dtype=ct)
     lse = xp.empty((B, K, R), dtype=ct)
     causal, plan = {}, _TilePlan(xp, segments, T, bq, bk)
     for i, (a, b) in enumerate(plan.q):
@@ -158,7 +158,7 @@ def flash_forward_core(xp, qg, k, v, g: int, bq: int | None = None, bk: int | No
         n = (b - a) * g
         m = xp.full((B, K, n, 1), -xp.inf, dtype=ct)
         s_l = xp.zeros((B, K, n, 1), dtype=ct)
-        acc = xp.zeros((B, K, n, hd), dtype=ct)
+        acc = xp.zeros((B, K, n, dv), dtype=ct)
         for j, (c, d) in enumerate(plan.k):
             if c > b - 1:               # every key after every query of the block: skipped
                 break
@@ -201,20 +201,21 @@ def flash_forward_core(xp, qg, k, v, g: int, bq: int | None = None, bk: int | No
 def flash_backward_core(xp, qg, k, v, og, dog, lse, g: int, bq: int | None = None, bk: int | None = None,
                         num=OFF, segments=None):
     """Gradients of the blocked attention from its saved output og and lse (grouped rows, as in
-    flash_forward_core): -> dqg (B, K, T*g, hd), dk, dv (B, K, T, hd), in the compute dtype."""
+    flash_forward_core; og and dog dv wide, as v): -> dqg (B, K, T*g, hd), dk (B, K, T, hd), dv (B, K, T, dv), in
+    the compute dtype."""
     B, K, R, hd = qg.shape
-    T = k.shape[2]
+    T, wv = k.shape[2], v.shape[-1]
     bq, bk = _tile_sizes(bq, bk, segments)
     ct = _ctype(xp, qg.dtype)
     qg, k, v, og, dog, lse = (a.astype(ct, copy=False) for a in (qg, k, v, og, dog, lse))
     dd = xp.einsum("bkrd,bkrd->bkr", dog, og)[..., None]       # D = rowsum(dO * O)
     lse = lse[..., None]
     dqg = xp.zeros((B, K, R, hd), dtype=ct)
-    dk, dv = xp.empty((B, K, T, hd), dtype=ct), xp.empty((B, K, T, hd), dtype=ct)
+    dk, dv = xp.empty((B, K, T, hd), dtype=ct), xp.empty((B, K, T, wv), dtype=ct)
     causal, plan = {}, _TilePlan(xp, segments, T, bq, bk)
     for j, (c, d) in enumerate(plan.k):
         kb, vb = k[:, :, c:d], v[:, :, c:d]
-        dkb, dvb = xp.zeros((B, K, d - c, hd), dtype=ct), xp.zeros((B, K, d - c, hd), dtype=ct)
+        dkb, dvb = xp.zeros((B, K, d - c, hd), dtype=ct), xp.zeros((B, K, d - c, wv), dtype=ct)
         for i, (a, b) in enumerate(plan.q):
             if b - 1 < c or plan.skip(i, j):     # every query before every key, or no document in common
                 continue
@@ -293,7 +294,8 @@ def flash_attention_backward(xp, dy, cache, num=OFF, segments=None):
     return num.store_for_gemm(xp, dqkv, bf16)
 
 
-# ---- Llama: grouped-query q (B, H, T, hd) rotated and scaled, k, v (B, K, T, hd) -------------------------
+# ---- Llama: grouped-query q (B, H, T, hd) rotated and scaled, k (B, K, T, hd), v (B, K, T, dv) --------------
+# (dv is hd but for multi-head latent attention, nn/mla.py, whose values are narrower than its queries and keys)
 
 def _group_rows(a, K, g):
     # (B, K*g, T, hd) -> (B, K, T*g, hd), row t*g + j = head k*g + j at t (a view when g == 1)
@@ -308,38 +310,40 @@ def _token_rows(a, K, g):
 
 
 def flash_gqa_forward(xp, q, k, v, bq: int | None = None, bk: int | None = None, num=OFF, segments=None):
-    """Twin of gqa_attention_forward: returns y (B, T, H*hd) and the cache (q, k, v, y, lse, bq, bk). Under bf16
+    """Twin of gqa_attention_forward: returns y (B, T, H*dv) and the cache (q, k, v, y, lse, bq, bk). Under bf16
     amp q, k, v may be bfloat16 bits (packed: the kernels' bf16 storage, y then bits too) and y, which only the o
     projection and this cache read, is stored as bf16 amp stores it (num.store_for_gemm)."""
     if num.writes_bits and xp.__name__ == "cupy":       # one storage type for the kernels: bits
         q, k, v = (t if t.dtype == np.uint16 else to_bf16_bits(xp, t) for t in (q, k, v))
-    (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k)
+    (B, H, T, hd, K, g), y = gqa_shapes(xp, q, k, v)
+    dv = v.shape[-1]
     if _use_cuda(xp, q, k, v):
-        lse = flash_cuda.forward(xp, q, k, v, y.reshape(B, T, H, hd).transpose(0, 2, 1, 3), 1.0,
+        lse = flash_cuda.forward(xp, q, k, v, y.reshape(B, T, H, dv).transpose(0, 2, 1, 3), 1.0,
                                  mma=flash_cuda.use_mma(q.dtype, num.bf16), segments=segments)
     else:
         if y.dtype == np.uint16:
             y = xp.empty(y.shape, dtype=np.float32)
         og, lseg = flash_forward_core(xp, _group_rows(as_float32(xp, q), K, g), as_float32(xp, k), as_float32(xp, v),
                                       g, bq, bk, num, segments)
-        y.reshape(B, T, K, g, hd).transpose(0, 2, 1, 3, 4)[...] = og.reshape(B, K, T, g, hd)
+        y.reshape(B, T, K, g, dv).transpose(0, 2, 1, 3, 4)[...] = og.reshape(B, K, T, g, dv)
         lse = xp.ascontiguousarray(lseg.reshape(B, K, T, g).swapaxes(2, 3).reshape(B, H, T))
     y = num.store_for_gemm(xp, y)
     return y, (q, k, v, y, lse, bq, bk)
 
 
 def flash_gqa_backward(xp, dy, cache, num=OFF, segments=None):
-    """Twin of gqa_attention_backward: dy (B, T, H*hd) -> dq (B, H, T, hd), dk, dv (B, K, T, hd)."""
+    """Twin of gqa_attention_backward: dy (B, T, H*dv) -> dq (B, H, T, hd), dk (B, K, T, hd), dv (B, K, T, dv)."""
     q, k, v, y, lse, bq, bk = cache
     B, H, T, hd = q.shape
+    wv = v.shape[-1]
     K = k.shape[1]
     g = H // K
     bf16 = num.stores and dy.dtype == np.float32            # dO and the gradients stored as bf16 amp stores them
     if bf16:
         dy = num.store_for_gemm(xp, dy)                     # (rounded in place: dy is this backward's own)
     if _use_cuda(xp, q, k, v, dy):
-        dq, dk, dv = (xp.empty(a.shape, dtype=dy.dtype) for a in (q, k, k))
-        per_head = lambda a: a.reshape(B, T, H, hd).transpose(0, 2, 1, 3)     # noqa: E731
+        dq, dk, dv = (xp.empty(a.shape, dtype=dy.dtype) for a in (q, k, v))
+        per_head = lambda a: a.reshape(B, T, H, wv).transpose(0, 2, 1, 3)     # noqa: E731
         flash_cuda.backward(xp, q, k, v, per_head(y), per_head(dy), lse, dq, dk, dv, 1.0,
                             mma=flash_cuda.use_mma(q.dtype, num.bf16), segments=segments)
         return tuple(num.store_for_gemm(xp, t, bf16) for t in (dq, dk, dv))   # (bits already: as they are)

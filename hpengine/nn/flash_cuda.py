@@ -112,10 +112,29 @@ def _out(a, what):
 
 def _check(q, k, v):
     B, H, T, hd = q.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (T, hd) or q.dtype != k.dtype or q.dtype != v.dtype:
+    if (k.shape[:3] != v.shape[:3] or not 1 <= v.shape[-1] <= hd or k.shape[0] != B or k.shape[2:] != (T, hd)
+            or q.dtype != k.dtype or q.dtype != v.dtype):
         raise ValueError(f"flash attention: q {q.shape} {q.dtype}, k {k.shape} {k.dtype}, v {v.shape} {v.dtype} "
-                         "do not fit (B, H, T, hd) and (B, K, T, hd) of one dtype")
+                         "do not fit (B, H, T, hd), (B, K, T, hd) and (B, K, T, dv <= hd) of one dtype")
     return B, H, k.shape[1], T, hd
+
+
+# Values narrower than the queries and keys (multi-head latent attention: dv < hd) reach the kernels, which take
+# one head width, zero-padded to hd, as the context-parallel drivers pad them: the padded columns of the output
+# are exact zeros (sums of p * 0) and are cut off, and their output gradient is zero, so D = rowsum(dO * O), the
+# scores' gradient and dq, dk are those of the narrow values; dv's padded columns (sums of p * 0) are cut off.
+def _padded(xp, a, hd: int):
+    """a (..., dv) as a new contiguous (..., hd) array with zero columns past dv; a itself when dv == hd."""
+    if a.shape[-1] == hd:
+        return a
+    out = xp.zeros(a.shape[:-1] + (hd,), dtype=a.dtype)
+    out[..., :a.shape[-1]] = a
+    return out
+
+
+def _wide_out(xp, a, hd: int):
+    """Where a kernel writes an output that is a (..., dv) view: a itself, or a new (..., hd) array to cut."""
+    return a if a.shape[-1] == hd else xp.empty(a.shape[:-1] + (hd,), dtype=a.dtype)
 
 
 def _launch(launch: Launch, args):
@@ -138,22 +157,27 @@ def _planner(dtype, mma):
 
 
 def forward(xp, q, k, v, o, scale: float, mma: bool = False, segments=None):
-    """o[...] = causal softmax(scale q k^T) v, grouped-query; returns lse (B, H, T). mma: tensor-core
-    kernels (bf16 amp). segments: (B, T) document ids (None: one document a row)."""
+    """o[...] = causal softmax(scale q k^T) v, grouped-query; returns lse (B, H, T). v and o may be narrower
+    than q and k (dv < hd: zero-padded for the kernels). mma: tensor-core kernels (bf16 amp). segments: (B, T)
+    document ids (None: one document a row)."""
     B, H, KH, T, hd = _check(q, k, v)
     seg = _docs(xp, segments, B, T)
     plan_of = _planner(q.dtype, mma)
     at = math_dtype(q.dtype)
     lse = xp.empty((B, H, T), dtype=at)
-    args = (*_strided(xp, q, "q"), *_strided(xp, k, "k"), *_strided(xp, v, "v"), *_out(o, "o"), lse,
-            np.int32(H), np.int32(KH), np.int32(T), np.int32(hd), at.type(scale), seg)
+    ow = _wide_out(xp, o, hd)
+    args = (*_strided(xp, q, "q"), *_strided(xp, k, "k"), *_strided(xp, _padded(xp, v, hd), "v"), *_out(ow, "o"),
+            lse, np.int32(H), np.int32(KH), np.int32(T), np.int32(hd), at.type(scale), seg)
     _launch(plan_of("fwd", q.dtype, B, H, KH, T, hd), args)
+    if ow is not o:
+        o[...] = ow[..., :o.shape[-1]]
     return lse
 
 
 def backward(xp, q, k, v, o, do, lse, dq, dk, dv, scale: float, mma: bool = False, segments=None):
-    """Writes dq, dk, dv (views as forward's o) from forward's o and lse; dq first (it writes D). mma and
-    segments as in forward (the lse of either kernel family serves both)."""
+    """Writes dq, dk, dv (views as forward's o) from forward's o and lse; dq first (it writes D). v, o, do and dv
+    may be narrower than q and k, as in forward. mma and segments as in forward (the lse of either kernel family
+    serves both)."""
     B, H, KH, T, hd = _check(q, k, v)
     seg = _docs(xp, segments, B, T)
     plan_of = _planner(q.dtype, mma)
@@ -162,12 +186,16 @@ def backward(xp, q, k, v, o, do, lse, dq, dk, dv, scale: float, mma: bool = Fals
         raise ValueError(f"flash attention: lse must be ({B}, {H}, {T}) of {at}, got {lse.shape} {lse.dtype}")
     lse = xp.ascontiguousarray(lse)
     dd = xp.empty((B, H, T), dtype=at)
+    v, o, do = (_padded(xp, a, hd) for a in (v, o, do))
     qa, ka, va, da = (_strided(xp, a, w) for a, w in ((q, "q"), (k, "k"), (v, "v"), (do, "do")))
     tail = (np.int32(H), np.int32(KH), np.int32(T), np.int32(hd), at.type(scale), seg)
     _launch(plan_of("bwd_dq", q.dtype, B, H, KH, T, hd),
             (*qa, *ka, *va, *_strided(xp, o, "o"), *da, lse, dd, *_out(dq, "dq"), *tail))
+    dvw = _wide_out(xp, dv, hd)
     _launch(plan_of("bwd_dkdv", q.dtype, B, H, KH, T, hd),
-            (*qa, *ka, *va, *da, lse, dd, *_out(dk, "dk"), *_out(dv, "dv"), *tail))
+            (*qa, *ka, *va, *da, lse, dd, *_out(dk, "dk"), *_out(dvw, "dv"), *tail))
+    if dvw is not dv:
+        dv[...] = dvw[..., :dv.shape[-1]]
 
 
 # ---- bfloat16 bits -------------------------------------------------------------------------------------

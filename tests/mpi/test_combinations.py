@@ -1,7 +1,8 @@
 """Every combination of the seven switches, with parallel degrees that fit the world (a sample of 3-axis
 meshes at -n 8), for the gpt and llama kinds, and a seeded sample of those with context parallel, expert
-parallel (a mixture-of-experts llama) or a zero-bubble schedule, train like one process: float64 to rtol
-1e-10; amp within AMP_LOSS_RTOL and AMP_UPDATE_RTOL of the float32 (float16) or bfloat16 one-process run."""
+parallel (a mixture-of-experts llama), a zero-bubble schedule or the deepseek kind (latent attention through
+flash), train like one process: float64 to rtol 1e-10; amp within AMP_LOSS_RTOL and AMP_UPDATE_RTOL of the
+float32 (float16) or bfloat16 one-process run."""
 import collections
 import itertools
 import os
@@ -128,15 +129,21 @@ def test_combination(corpus, world, case, kind):
 
 
 # The seeded sample. Beside the four axes above: cp (a fifth mesh axis), ep (inside dp, for the moe kind),
-# and the zero-bubble schedules zb1p and zbv beside fthenb, 1f1b and interleaved. The engine accepts 600 such
-# cases at -n 4 and 1680 at -n 8, about a second each at -n 4 on 2 cores: SAMPLE_SIZE of them run.
+# and the zero-bubble schedules zb1p and zbv beside fthenb, 1f1b and interleaved. The engine accepts 944 such
+# cases at -n 4 and 2616 at -n 8, about a second each at -n 4 on 2 cores: SAMPLE_SIZE of them run.
 # HPENGINE_COMBO_SEED draws another sample, HPENGINE_COMBO_SAMPLE another size ("all": every case).
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=12", "model.moe.shared_hidden=8",
        "model.moe.dense_layers=1", "model.moe.aux_loss=0.01", "model.moe.z_loss=0.001"]
-MODELS = {**KINDS, "moe": KINDS["llama"] + MOE}
+# multi-head latent attention with values narrower than the queries and keys and a query bottleneck, through flash
+# attention (context parallelism runs its own drivers); tp up to 4 splits its heads and SwiGLU width
+DEEPSEEK = ["model.kind=deepseek", "model.ffn_hidden=24", "model.mla.q_lora_rank=6", "model.mla.kv_lora_rank=6",
+            "model.mla.qk_nope_head_dim=4", "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=2",
+            "model.attention=flash"]
+MODELS = {**KINDS, "moe": KINDS["llama"] + MOE, "deepseek": DEEPSEEK}
 MESH_AXES = {**AXES, "cp": "context_parallel"}
 SCHEDULES = ("fthenb", "1f1b", "interleaved", "zb1p", "zbv")
-NEW = ("cp", "ep", "zb1p", "zbv", "moe")      # what the enumeration above lacks; a sampled case has one or more
+# what the enumeration above lacks; a sampled case has one or more, and they take turns in the sample
+NEW = ("cp", "ep", "zb1p", "zbv", "moe", "deepseek")
 SAMPLE_SIZE = {1: 8, 2: 32, 4: 64, 8: 32}     # 8 is every case at -n 1
 
 
@@ -164,7 +171,7 @@ class Case:
     @property
     def features(self) -> set:
         return ({"cp"} & set(dict(self.mesh)) | ({"ep"} if self.ep > 1 else set())
-                | ({self.schedule} & {"zb1p", "zbv"}) | ({"moe"} if self.kind == "moe" else set()))
+                | ({self.schedule} & {"zb1p", "zbv"}) | ({self.kind} & {"moe", "deepseek"}))
 
     def overrides(self) -> list:
         o = []

@@ -1,5 +1,6 @@
 """model.attention = "flash" in whole models, on one process in float64: the loss and every gradient equal
-those of standard attention to 1e-10 (gpt, and llama with grouped-query heads), with blocks small enough
+those of standard attention to 1e-10 (gpt, llama with grouped-query heads, deepseek's latent attention with values
+narrower than its queries and keys), with blocks small enough
 that T = 16 spans several tiles; the engine's counted caches equal model.cache_bytes and the planner's
 prediction, and drop the T x T probabilities; the key is validated."""
 from __future__ import annotations
@@ -17,7 +18,11 @@ from hpengine.run.build import build
 
 B, T, V = 2, 16, 32
 KIND_KEYS = {"gpt": ["model.n_heads=2"],
-             "llama": ["model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=24", "model.rope_theta=100"]}
+             "llama": ["model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=24", "model.rope_theta=100"],
+             # multi-head latent attention: values narrower than the queries and keys, a query bottleneck
+             "deepseek": ["model.n_heads=4", "model.ffn_hidden=24", "model.rope_theta=100", "model.mla.q_lora_rank=6",
+                          "model.mla.kv_lora_rank=8", "model.mla.qk_nope_head_dim=4", "model.mla.qk_rope_head_dim=4",
+                          "model.mla.v_head_dim=3"]}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +57,7 @@ def loss_and_grads(eng):
     return loss, np.array(eng.sync.grads.data)
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("kind", ["gpt", "llama", "deepseek"])
 def test_flash_model_equals_standard(corpus, small_blocks, kind):
     _, std = make(corpus, kind, "standard")
     _, fl = make(corpus, kind, "flash")
@@ -67,7 +72,7 @@ def test_flash_model_equals_standard(corpus, small_blocks, kind):
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10 * np.abs(g_std).max(), err_msg=name)
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("kind", ["gpt", "llama", "deepseek"])
 def test_flash_cache_bytes_follow_the_engine_and_the_planner(corpus, kind):
     got = {}
     for attention in ("standard", "flash"):
@@ -91,3 +96,18 @@ def test_attention_key_is_validated(corpus):
         load_config(None, ["model.attention=fast", f"data.path={corpus}"])
     with pytest.raises(ConfigError, match="model.attention applies to"):
         load_config(None, ["model.kind=mlp", "model.attention=flash", f"data.path={corpus}"])
+
+
+def test_deepseek_flash_trains_like_standard(corpus, small_blocks):
+    """Five optimizer steps of the deepseek kind: flash and standard attention give the same losses, gradient
+    norms and parameters (float64, 1e-10)."""
+    out = {}
+    for attention in ("standard", "flash"):
+        _, eng = make(corpus, "deepseek", attention, "optim.lr=1e-2", "optim.warmup_steps=1")
+        steps = [eng.train_step(s) for s in range(5)]
+        out[attention] = ([m["loss"] for m in steps], [m["grad_norm"] for m in steps], np.array(eng.sync.params.data))
+    (l_s, n_s, p_s), (l_f, n_f, p_f) = out["standard"], out["flash"]
+    np.testing.assert_allclose(l_f, l_s, rtol=1e-10)
+    np.testing.assert_allclose(n_f, n_s, rtol=1e-10)
+    np.testing.assert_allclose(p_f, p_s, rtol=1e-10, atol=1e-12)
+    assert np.abs(p_s - make(corpus, "deepseek", "standard")[1].sync.params.data).max() > 1e-3    # it trained
