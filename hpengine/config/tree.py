@@ -550,6 +550,9 @@ class RuntimeConfig:
                            'transfer, traced as "replica link"); "" = off', check=(
                                lambda v: v == "" or _link_ok(v), 'must be "" or "BANDWIDTH,LATENCY", e.g. '
                                '"1Gbit/s,50ms"'))
+    link_axis: str = _f("replica", "the communicator runtime.replica_link slows: replica (DiLoCo's islands) or dp "
+                        "(data parallel's gradient communicator: data parallel over the same simulated link, to "
+                        "compare the two)", choices=("replica", "dp"))
     memory_check: bool = _f(True, "refuse to start when the planner's predicted memory per rank exceeds what "
                             "the rank has (MemAvailable / ranks on the node; free device memory on a GPU)")
     trace: bool = _f(False, "record a timeline (compute per micro-batch, every MPI call with its bytes); "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from collections import defaultdict
 
 from mpi4py import MPI
@@ -19,7 +20,9 @@ log = logging.getLogger("hpengine")
 
 class Staged:
     """A non-blocking request whose host staging buffer is copied back into the device array when it
-    completes (only used on a GPU without CUDA-aware MPI)."""
+    completes (only used on a GPU without CUDA-aware MPI); `due`: no earlier than this perf_counter time (a
+    simulated link's, dist/link.py)."""
+    due = 0.0
 
     def __init__(self, req, host, arr, backend):
         self.req, self.host, self.arr, self.backend, self.done = req, host, arr, backend, False
@@ -308,6 +311,9 @@ def testall(reqs) -> bool:
     if mpi and not MPI.Request.Testall([_raw(r) for r in mpi]):
         return False
     if not nccl_done:
+        return False
+    now = time.perf_counter()
+    if any(isinstance(r, Staged) and r.due > now for r in mpi):
         return False
     for r in mpi:
         if isinstance(r, Staged):
