@@ -479,8 +479,11 @@ class DilocoConfig:
                        choices=("none", "int8", "int4"))
     fragments: int = _f(1, "streaming DiLoCo: the parameters in F contiguous fragments, fragment f synchronised at "
                         "the steps where (step - f H / F) is a multiple of H; 1 = all at once", check=_POS)
-    overlap: bool = _f(False, "streaming DiLoCo: an outer exchange overlaps the next inner step (its result "
-                       "applied one step late, the island's progress of that step kept)")
+    overlap: bool = _f(False, "streaming DiLoCo: an outer exchange runs under the next inner steps (non-blocking) "
+                       "and lands inner_steps / fragments steps later, mixed into the island's values")
+    overlap_mix: float = _f(0.5, "overlap: alpha when an exchange lands: island = alpha island + (1 - alpha) outer "
+                            "(Streaming DiLoCo's merge; 0 = restart from the new outer parameters)",
+                            check=_must(">=", 0, "<=", 1))
 
 
 @dataclass

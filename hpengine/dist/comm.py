@@ -64,6 +64,7 @@ class Comm:
         self._via = None            # the NCCL call the last method made (the tracer's name for it)
         self.channels = {}          # (src, dst, key) -> this rank's nccl_p2p.Channel
         self._opened = set()        # every channel opened on this communicator, the same on every rank
+        self.on_close = []          # callables that complete what their owner left on the wire, run by close()
 
     def _count(self, op, arr, nccl_call=None):
         st = self.stats[op]
@@ -81,7 +82,11 @@ class Comm:
         return self.twin is not None and self.twin.takes(*arrays, op=op)
 
     def close(self) -> None:
-        """Destroy the NCCL twin and channels (the MPI communicator is the mesh's to free)."""
+        """Complete what owners left on the wire (on_close), destroy the NCCL twin and channels (the MPI
+        communicator is the mesh's to free)."""
+        for done in self.on_close:
+            done()
+        self.on_close = []
         for ch in self.channels.values():
             ch.close()
         self.channels = {}
