@@ -1,12 +1,13 @@
 """DiLoCo's trade at small scale: a small llama on the built-in corpus, M islands of one rank each for H in a list,
 against data parallel over the same ranks, both over one simulated link (runtime.replica_link on the replica or the
 dp communicator): final validation loss, bytes on that communicator, wall time. --out writes a run folder per run.
-    mpiexec -n 4 python benchmarks/bench_diloco.py --steps 500 --H 1 10 50 100 --int8 50 --out runs/diloco_h
+    mpiexec -n 4 python benchmarks/bench_diloco.py --steps 600 --H 1 10 50 100 --int8 50 --out runs/diloco_h
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -15,8 +16,8 @@ from mpi4py import MPI
 from hpengine.config.load import load_config
 from hpengine.run.build import build
 
-MODEL = ["model.kind=llama", "model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.seq_len=128",
-         "model.ffn_hidden=384", "train.global_batch=16", "optim.lr=3e-3", "optim.warmup_steps=20",
+MODEL = ["model.kind=llama", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64",
+         "model.ffn_hidden=128", "train.global_batch=16", "optim.lr=3e-3", "optim.warmup_steps=20",
          "train.eval_batches=4"]
 
 
@@ -43,6 +44,8 @@ def one(world, name: str, steps: int, eval_every: int, extra: list, out: Path | 
             # the mean over the islands of their models' validation loss (the outer model after an outer step)
             row["val_loss"] = world.allreduce(eng.evaluate()[0]) / world.Get_size()
         rows.append(row)
+        if world.Get_rank() == 0 and "val_loss" in row:
+            print(f"{name} step {s + 1}: val loss {row['val_loss']:.4f}, {wall:.0f} s", file=sys.stderr, flush=True)
     sent = sum(b for _, b in comm.stats.values())
     wire = wire_bytes(comm.stats, comm.size)
     eng.mesh.free()
@@ -50,7 +53,7 @@ def one(world, name: str, steps: int, eval_every: int, extra: list, out: Path | 
         d = out / name
         d.mkdir(parents=True, exist_ok=True)
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (d / "config.toml").write_text("[train]\nglobal_batch = 16\n[model]\nseq_len = 128\n")
+        (d / "config.toml").write_text("[train]\nglobal_batch = 16\n[model]\nseq_len = 64\n")
     return {"val_loss": rows[-1]["val_loss"], "bytes": sent, "wire": wire, "wall_s": wall}
 
 
