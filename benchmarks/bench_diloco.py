@@ -80,8 +80,8 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     if world.Get_rank() == 0:
         dp = rows[0]
-        print(f"| run | final val loss | vs dp | bytes/rank (counted) | dp / this | wire bytes/rank | dp / this | "
-              f"wall s |\n|---|---|---|---|---|---|---|---|")
+        print("| run | final val loss | vs dp | bytes/rank (counted) | dp / this | wire bytes/rank | dp / this | "
+              "wall s |\n|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['run']} | {r['val_loss']:.4f} | {100 * (r['val_loss'] / dp['val_loss'] - 1):+.2f} % | "
                   f"{r['bytes']:,d} | {dp['bytes'] / r['bytes']:.1f}x | {r['wire']:,d} | "
