@@ -547,10 +547,11 @@ class RuntimeConfig:
     watchdog_s: float = _f(0.0, "abort the job when a step takes longer than this (seconds; start-up, loads, "
                            "evaluation and saves get 10x, at least 300 s); 0 = off",
                            check=_must(">=", 0))
-    replica_link: str = _f("", 'a simulated slow link on the DiLoCo replica communicator, "BANDWIDTH,LATENCY" such as '
+    replica_link: str = _f("", 'a simulated slow link on the communicator link_axis names, "BANDWIDTH,LATENCY" such as '
                            '"1Gbit/s,50ms" (units bit/s, kbit/s, Mbit/s, Gbit/s, B/s, kB/s, MB/s, GB/s; s, ms, us): '
-                           "each call there takes at least latency + bytes / bandwidth (a sleep after the real "
-                           'transfer, traced as "replica link"); "" = off', check=(
+                           "each call there completes no earlier than its turn on the link (bytes / bandwidth, one "
+                           'message after another) plus the latency (a sleep, traced as "replica link" or "dp '
+                           'link"); "" = off', check=(
                                lambda v: v == "" or _link_ok(v), 'must be "" or "BANDWIDTH,LATENCY", e.g. '
                                '"1Gbit/s,50ms"'))
     link_axis: str = _f("replica", "the communicator runtime.replica_link slows: replica (DiLoCo's islands) or dp "
