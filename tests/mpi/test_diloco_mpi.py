@@ -8,6 +8,7 @@ import pytest
 from mpi4py import MPI
 
 from helpers import assert_resumes_like, assert_same, assert_same_params, config, need, reference, run
+from hpengine.dist.comm import waitall
 from hpengine.dist.link import SlowLink
 from hpengine.engine.rows import RowReader
 from hpengine.run.build import build
@@ -175,3 +176,25 @@ def test_replica_link_takes_the_simulated_time(corpus):
     assert took >= 0.02 + 80000 / 1e6 and rep.waited_s > 0
     assert_same(a, np.full(10000, float(WORLD.Get_size())))
     assert not isinstance(build(config(corpus, *islands), WORLD).mesh.comms["replica"], SlowLink)   # off: none
+
+
+def test_link_on_dp_queues_and_holds_nonblocking_sums(corpus):
+    """runtime.link_axis = "dp": data parallel's gradient communicator is the slow link; two non-blocking sums sent
+    together take their turns (latency + both messages' bytes / bandwidth) before their wait returns, and training
+    over the link gives the same bits as without it."""
+    n = WORLD.Get_size()
+    need(n > 1, "a data-parallel communicator")
+    dp_on = ["strategy.data_parallel.enable=true"]
+    eng = build(config(corpus, *dp_on, "runtime.replica_link=8Mbit/s,20ms", "runtime.link_axis=dp"), WORLD)
+    dp = eng.mesh.comms["dp"]
+    assert isinstance(dp, SlowLink) and not isinstance(eng.mesh.comms["tp"], SlowLink)
+    a, b = np.ones(10000), np.ones(10000)
+    t0 = MPI.Wtime()
+    waitall([dp.iallreduce_(a), dp.iallreduce_(b)])
+    assert MPI.Wtime() - t0 >= 0.02 + 2 * 80000 / 1e6
+    assert_same(a + b, np.full(10000, 2.0 * n))
+    eng.mesh.free()
+    slow_l, slow_p, _ = run(config(corpus, *dp_on, "runtime.replica_link=1Gbit/s,1ms", "runtime.link_axis=dp"),
+                            WORLD, steps=2)
+    plain_l, plain_p, _ = run(config(corpus, *dp_on), WORLD, steps=2)
+    assert np.array_equal(slow_l, plain_l) and all(np.array_equal(slow_p[k], plain_p[k]) for k in plain_p)
