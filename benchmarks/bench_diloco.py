@@ -48,13 +48,14 @@ def one(world, name: str, steps: int, eval_every: int, extra: list, out: Path | 
             print(f"{name} step {s + 1}: val loss {row['val_loss']:.4f}, {wall:.0f} s", file=sys.stderr, flush=True)
     sent = sum(b for _, b in comm.stats.values())
     wire = wire_bytes(comm.stats, comm.size)
+    held = world.allreduce(getattr(comm, "waited_s", 0.0), op=MPI.MAX)      # the longest any rank slept on the link
     eng.mesh.free()
     if out is not None and world.Get_rank() == 0:
         d = out / name
         d.mkdir(parents=True, exist_ok=True)
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (d / "config.toml").write_text("[train]\nglobal_batch = 16\n[model]\nseq_len = 64\n")
-    return {"val_loss": rows[-1]["val_loss"], "bytes": sent, "wire": wire, "wall_s": wall}
+    return {"val_loss": rows[-1]["val_loss"], "bytes": sent, "wire": wire, "wall_s": wall, "link_s": held}
 
 
 def main() -> None:
@@ -65,27 +66,31 @@ def main() -> None:
     ap.add_argument("--link", default="1Gbit/s,50ms")
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--out", type=Path, default=None, help="a run folder per run here, for `hpengine plot`")
+    ap.add_argument("--dp", action=argparse.BooleanOptionalAction, default=True, help="the data-parallel run")
+    ap.add_argument("--set", dest="extra", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="more settings of the DiLoCo runs (outer_lr, overlap, ...)")
+    ap.add_argument("--tag", default="", help="appended to the DiLoCo runs' names")
     a = ap.parse_args()
     world = MPI.COMM_WORLD
     link = [f"runtime.replica_link={a.link}"]
-    runs = [("dp", ["strategy.data_parallel.enable=true", "runtime.link_axis=dp", *link])]
+    runs = [("dp", ["strategy.data_parallel.enable=true", "runtime.link_axis=dp", *link])] if a.dp else []
     for H, q in [(H, "none") for H in a.H] + [(H, "int8") for H in a.int8]:
-        runs.append((f"diloco_H{H}" + ("_int8" if q != "none" else ""), [
+        runs.append((f"diloco_H{H}" + ("_int8" if q != "none" else "") + a.tag, [
             "strategy.diloco.enable=true", "strategy.diloco.replicas=-1", f"strategy.diloco.inner_steps={H}",
-            f"strategy.diloco.quantize={q}", *link]))
+            f"strategy.diloco.quantize={q}", *link, *a.extra]))
     rows = []
     for name, extra in runs:
         rows.append({"run": name, **one(world, name, a.steps, a.eval_every, extra, a.out)})
         if world.Get_rank() == 0:
             print(json.dumps(rows[-1]), flush=True)
-    if world.Get_rank() == 0:
+    if world.Get_rank() == 0 and a.dp:
         dp = rows[0]
         print("| run | final val loss | vs dp | bytes/rank (counted) | dp / this | wire bytes/rank | dp / this | "
-              "wall s |\n|---|---|---|---|---|---|---|---|")
+              "wall s | held on the link s |\n|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['run']} | {r['val_loss']:.4f} | {100 * (r['val_loss'] / dp['val_loss'] - 1):+.2f} % | "
                   f"{r['bytes']:,d} | {dp['bytes'] / r['bytes']:.1f}x | {r['wire']:,d} | "
-                  f"{dp['wire'] / r['wire']:.1f}x | {r['wall_s']:.1f} |")
+                  f"{dp['wire'] / r['wire']:.1f}x | {r['wall_s']:.1f} | {r['link_s']:.1f} |")
 
 
 if __name__ == "__main__":
