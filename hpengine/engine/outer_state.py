@@ -72,7 +72,9 @@ def load_islands(reader, island: int, outer, stage, sync, segs, opts, master, tp
     """Island `island`'s state and the outer state from a DiLoCo checkpoint; returns the optimizer steps."""
     steps = load_state(stage, sync, segs, opts, master, tp, backend, _Island(reader, island))
     lay = stage.layout
-    for kind, arr in (("param", outer.param), ("outer_momentum", outer.momentum), ("outer_pending", outer.pending),
+    saved = reader.manifest.get("optimizer", {}).get("state", [])
+    pending = outer.pending if "outer_pending" in saved else None      # a run without overlap left none
+    for kind, arr in (("param", outer.param), ("outer_momentum", outer.momentum), ("outer_pending", pending),
                       (f"island{island}_outer_residual", outer.residual)):
         if arr is None:
             continue
@@ -86,5 +88,5 @@ def load_islands(reader, island: int, outer, stage, sync, segs, opts, master, tp
                 arr[at:at + hit.size] = backend.xp.asarray(vals[hit.start - r.start:hit.stop - r.start],
                                                            dtype=arr.dtype)
     outer.steps = int(reader.manifest["state"].get("outer_steps", 0))
-    outer.resume(steps)
+    outer.resume(steps if pending is not None else None)
     return steps

@@ -110,11 +110,13 @@ class Outer:
             self._put(self.pending, self._index(f), self._mean(f))
             self.settled[f] = at
 
-    def resume(self, steps: int) -> None:
+    def resume(self, steps: int | None) -> None:
         """After a checkpoint of `steps` optimizer steps: the exchanges started in the last tau steps are the
-        settled ones its `pending` holds."""
+        settled ones its `pending` holds (None: a checkpoint without them; the next due exchanges start afresh)."""
         self.flight = {}
-        self.settled = {f: t for t in range(max(0, steps - self.tau), steps) for f in self.due(t)} if self.tau else {}
+        self.settled = {}
+        if self.tau and steps is not None:
+            self.settled = {f: t for t in range(max(0, steps - self.tau), steps) for f in self.due(t)}
 
     def land(self, f: int, p, copy):
         """Fragment f's outer step from its exchange's mean; the island's values restart from the new outer
