@@ -141,7 +141,8 @@ class Engine:
             return None
         p0 = self.master if self.master is not None else self.sync.owned_params()
         whole = Range(self.slots[0].range.start, self.slots[-1].range.stop)
-        return Outer(dl, self.mesh.comms[REPLICA], self.xp, p0, fragment_slices(parts, whole, dl.fragments))
+        starts = [at for n in self.layout.names for _, at in cut(parts, self.layout.ranges[n])]
+        return Outer(dl, self.mesh.comms[REPLICA], self.xp, p0, fragment_slices(parts, whole, dl.fragments, starts))
 
     def _optimizer(self, seg):
         dtype = self.precision.master_dtype(self.be.dtype)

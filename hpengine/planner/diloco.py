@@ -9,33 +9,42 @@ from hpengine.config.tree import parse_link
 BLOCK = 128         # values per quantisation block, one float32 scale each (strategies/quantize.py)
 
 
-def payload_bytes(n: int, fmt: str) -> int:
-    """One island's payload for n values: int8 one byte a value, int4 half, both padded to whole blocks, plus
-    4 bytes of scale per block."""
-    blocks = -(-n // BLOCK)
+def payload_bytes(pieces, fmt: str) -> int:
+    """One island's payload for pieces of tensors (lengths), each from a block boundary: int8 one byte a value,
+    int4 half, padded to whole blocks, plus 4 bytes of scale per block."""
+    blocks = sum(-(-n // BLOCK) for n in pieces)
     return blocks * BLOCK // (1 if fmt == "int8" else 2) + 4 * blocks
 
 
-def fragment_sizes(lo: int, hi: int, total: int, fragments: int) -> list[int]:
-    """The elements of the owned range [lo, hi) of a stage of `total` elements in each fragment (the f-th of F
-    equal element ranges)."""
-    return [max(0, min(total * (f + 1) // fragments, hi) - max(total * f // fragments, lo)) for f in range(fragments)]
+def fragment_pieces(lo: int, hi: int, sizes, fragments: int) -> list[list[int]]:
+    """Per fragment (the f-th of F equal element ranges of the stage), the lengths of the pieces of each tensor
+    (sizes: element counts in layout order) inside the owned range [lo, hi)."""
+    total = sum(sizes)
+    bounds, at = [], 0
+    for n in sizes:
+        bounds.append((at, at + n))
+        at += n
+    out = []
+    for f in range(fragments):
+        a, b = max(total * f // fragments, lo), min(total * (f + 1) // fragments, hi)
+        out.append([min(b, t1) - max(a, t0) for t0, t1 in bounds if max(a, t0) < min(b, t1)])
+    return out
 
 
-def exchanges(dl, islands: int, owned: tuple[int, int, int], item: int) -> list[tuple[str, int]]:
+def exchanges(dl, islands: int, owned: tuple[int, int], sizes, item: int) -> list[tuple[str, int]]:
     """(op, bytes as comm.py counts them) of each call one outer period makes: an allreduce of a fragment's owned
     pseudo-gradient in the optimizer's dtype (item bytes), or an allgather of every island's payload; owned:
-    (start, stop, stage size) of the rank's part."""
-    sizes = fragment_sizes(*owned, dl.fragments)
+    (start, stop) of the rank's part of the stage, sizes: the stage's tensor sizes."""
+    frags = fragment_pieces(*owned, sizes, dl.fragments)
     if dl.quantize == "none":
-        return [("allreduce", n * item) for n in sizes]
-    return [("allgather", islands * payload_bytes(n, dl.quantize)) for n in sizes]
+        return [("allreduce", sum(p) * item) for p in frags]
+    return [("allgather", islands * payload_bytes(p, dl.quantize)) for p in frags]
 
 
-def traffic(dl, islands: int, owned: tuple, item: int) -> dict:
+def traffic(dl, islands: int, owned: tuple, sizes, item: int) -> dict:
     """{op: bytes} per optimizer step on the replica communicator (a period's calls over inner_steps)."""
     out = {}
-    for op, b in exchanges(dl, islands, owned, item):
+    for op, b in exchanges(dl, islands, owned, sizes, item):
         out[op] = out.get(op, 0) + b / dl.inner_steps
     return out
 
@@ -50,10 +59,10 @@ def link_of(runtime, cluster) -> tuple[float, float, str]:
             f"the cluster's link between nodes ({cluster.inter_bw_gbs:g} GB/s, {cluster.inter_latency_us:g} us)")
 
 
-def seconds_per_step(dl, islands: int, owned: tuple, item: int, rate: float, latency: float) -> float:
+def seconds_per_step(dl, islands: int, owned: tuple, sizes, item: int, rate: float, latency: float) -> float:
     """The link's time for one period's calls (latency + bytes / rate each, as runtime.replica_link simulates it)
     over inner_steps: the mean cost per optimizer step, exposed unless overlap hides it under the inner steps."""
-    return sum(latency + b / rate for _, b in exchanges(dl, islands, owned, item)) / dl.inner_steps
+    return sum(latency + b / rate for _, b in exchanges(dl, islands, owned, sizes, item)) / dl.inner_steps
 
 
 def norm_traffic(dl, lay, models: int) -> dict:

@@ -364,14 +364,15 @@ def for_rank(cfg, world: int, coords: dict, cluster=None) -> dict:
                         replica_index(lay, coords))
     if lay.islands > 1:
         item = 4 if lay.amp else precision(cfg.model, lay.amp)[3]
-        _add_replica(out["traffic"], cfg, lay, owned_range(st, lay, cfg.train.models, coords["sharding"]), item)
+        M = cfg.train.models
+        _add_replica(out["traffic"], cfg, lay, owned_range(st, lay, M, coords["sharding"]), st.sizes(M), item)
     return out
 
 
-def _add_replica(traffic: dict, cfg, lay: Resolved, own: tuple, item: int) -> None:
+def _add_replica(traffic: dict, cfg, lay: Resolved, own: tuple, sizes, item: int) -> None:
     """DiLoCo's bytes per step into a stage's traffic: the exchange on `replica`, the outer metrics' norms."""
     dl = cfg.strategy.diloco
-    traffic["replica"] = plan_diloco.traffic(dl, lay.islands, own, item)
+    traffic["replica"] = plan_diloco.traffic(dl, lay.islands, own, sizes, item)
     for axis, ops in plan_diloco.norm_traffic(dl, lay, cfg.train.models).items():
         for op, b in ops.items():
             traffic.setdefault(axis, {})[op] = traffic.get(axis, {}).get(op, 0) + b
@@ -409,24 +410,24 @@ def _replica(cfg, lay: Resolved, sts, per: list, out: dict, cluster) -> None:
     slowest stage's time on it per step (outside the step time: the exchange runs between inner steps)."""
     dl = cfg.strategy.diloco
     item = 4 if lay.amp else precision(cfg.model, lay.amp)[3]      # what the optimizer updates: the masters
-    own = {r["stage"]: owned_range(sts[r["stage"]], lay, cfg.train.models) for r in per}
+    M = cfg.train.models
+    own = {r["stage"]: (owned_range(sts[r["stage"]], lay, M), sts[r["stage"]].sizes(M)) for r in per}
     for r in per:
-        _add_replica(r["traffic"], cfg, lay, own[r["stage"]], item)
+        _add_replica(r["traffic"], cfg, lay, *own[r["stage"]], item)
     if cluster is not None:
         rate, latency, name = plan_diloco.link_of(cfg.runtime, cluster)
-        secs = max(plan_diloco.seconds_per_step(dl, lay.islands, o, item, rate, latency) for o in own.values())
+        secs = max(plan_diloco.seconds_per_step(dl, lay.islands, o, sz, item, rate, latency) for o, sz in own.values())
         out["replica"] = {"link": name, "seconds_per_step": secs}
 
 
-def owned_range(st: StageFacts, lay: Resolved, models: int, sh_rank=None) -> tuple[int, int, int]:
-    """(start, stop, stage elements) of the flat range a sharding rank owns (the largest share when sh_rank is
-    None; expert blocks kept whole across sharding: its element count from 0)."""
+def owned_range(st: StageFacts, lay: Resolved, models: int, sh_rank=None) -> tuple[int, int]:
+    """(start, stop) of the stage's flat range a sharding rank owns (the largest share when sh_rank is None;
+    expert blocks kept whole across sharding: its element count from 0)."""
     sizes = st.sizes(models)
-    total = sum(sizes)
     if lay.sh == 1:
-        return 0, total, total
+        return 0, sum(sizes)
     if lay.experts_whole:
-        return 0, owned(st, lay, models, sh_rank), total
+        return 0, owned(st, lay, models, sh_rank)
     ranges = _partition(sizes, lay.sh, lay.partition)
     r = max(ranges, key=lambda r: r.size) if sh_rank is None else ranges[sh_rank]
-    return r.start, r.stop, total
+    return r.start, r.stop

@@ -6,6 +6,8 @@ later and is mixed into the island's values). The state is arrays over the owned
 """
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
+
 import numpy as np
 
 from hpengine.dist.comm import testall, waitall
@@ -78,7 +80,7 @@ class Outer:
                 self.flight[f] = (step, None, self.comm.allreduce_(delta))
             return drift
         v = delta + self._take(self.residual, idx)
-        payload, seen = quantize.encode(xp, v, dl.quantize)
+        payload, seen = quantize.encode(xp, v, dl.quantize, [e - a for a, e in idx])     # blocks from each tensor
         self._put(self.residual, idx, v - seen)
         gathered = xp.empty(self.M * payload.size, dtype=np.uint8)
         gathered[self.comm.rank * payload.size:(self.comm.rank + 1) * payload.size] = payload
@@ -88,7 +90,7 @@ class Outer:
         else:
             req = None
             self.comm.allgatherv_(*args)
-        self.flight[f] = (step, req, (gathered, v.size, v.dtype))
+        self.flight[f] = (step, req, (gathered, v.dtype))
         return drift
 
     def _mean(self, f: int):
@@ -100,8 +102,9 @@ class Outer:
         waitall([req])
         if self.dl.quantize == "none":
             return buf / buf.dtype.type(self.M)
-        gathered, n, dtype = buf
-        return quantize.mean_of(self.xp, gathered, self.M, n, self.dl.quantize, dtype)
+        gathered, dtype = buf
+        segments = [e - a for a, e in self._index(f)]
+        return quantize.mean_of(self.xp, gathered, self.M, segments, self.dl.quantize, dtype)
 
     def settle(self) -> None:
         """Every exchange on the wire completed into `pending` (before a checkpoint saves it)."""
@@ -160,13 +163,20 @@ class Outer:
             at += e - s
 
 
-def fragment_slices(parts, stage_range, fragments: int) -> list[list[tuple[int, int]]]:
+def fragment_slices(parts, stage_range, fragments: int, starts=()) -> list[list[tuple[int, int]]]:
     """Per fragment, the (start, stop) slices of the owned array (parts: (flat Range, offset) pieces) that fall in
-    it; fragment f is the f-th of `fragments` equal element ranges of the stage's flat buffer (stage_range)."""
+    it, cut where a tensor begins (starts: those offsets in the owned array), so each slice lies in one tensor;
+    fragment f is the f-th of `fragments` equal element ranges of the stage's flat buffer (stage_range)."""
     lo, n = stage_range.start, stage_range.size
+    starts = sorted(set(starts))
     out = []
     for f in range(fragments):
         a, b = lo + f * n // fragments, lo + (f + 1) * n // fragments
-        out.append([(at + max(a, r.start) - r.start, at + min(b, r.stop) - r.start)
-                    for r, at in parts if max(a, r.start) < min(b, r.stop)])
+        pieces = []
+        for r, at in parts:
+            if max(a, r.start) < min(b, r.stop):
+                s, e = at + max(a, r.start) - r.start, at + min(b, r.stop) - r.start
+                cuts = starts[bisect_right(starts, s):bisect_left(starts, e)]
+                pieces += list(zip([s, *cuts], [*cuts, e]))
+        out.append(pieces)
     return out

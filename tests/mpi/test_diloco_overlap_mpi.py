@@ -9,7 +9,7 @@ from mpi4py import MPI
 from helpers import assert_resumes_like, assert_same, assert_same_params, config, need, run
 from hpengine.run.build import build
 from hpengine.run.train import save_state
-from test_diloco_mpi import DILOCO, island_engine, island_losses, np_quantize
+from test_diloco_mpi import DILOCO, island_engine, island_losses, np_quantize_tensors, tensor_bounds
 
 WORLD = MPI.COMM_WORLD
 
@@ -34,7 +34,7 @@ def test_overlap_against_numpy_model(corpus, quantize, fragments, mix):
     isl = [island_engine(corpus, [], i, M, G) for i in range(M)]
     P = [e.sync.params.data for e in isl]
     outer = P[0].copy()
-    size = outer.size
+    size, tensors = outer.size, tensor_bounds(isl[0])
     buf, resid = np.zeros_like(outer), [np.zeros_like(outer) for _ in range(M)]
     flying = {}                 # step it lands after -> [(slice, mean pseudo-gradient)]
     want = {i: [] for i in range(M)}
@@ -54,7 +54,7 @@ def test_overlap_against_numpy_model(corpus, quantize, fragments, mix):
             if quantize != "none":
                 for i in range(M):
                     v = deltas[i] + resid[i][sl]
-                    deltas[i] = np_quantize(v, 127)
+                    deltas[i] = np_quantize_tensors(v, sl.start, tensors, 127)
                     resid[i][sl] = v - deltas[i]
             flying.setdefault(s + tau, []).append((sl, (deltas[0] + deltas[1]) / M))
     assert flying, "an exchange still on the wire at the end: the run must not have waited for it"

@@ -18,13 +18,13 @@ MODEL = ["model.kind=llama", "model.d_model=64", "model.n_layers=2", "model.n_he
 
 @pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
 def test_check_gives_replica_bytes_and_link_time(tmp_path, capsys, quantize):
-    """4 islands of one rank, H = 10, float32: an outer period moves n x 4 bytes (allreduce) or 4 payloads of
-    n (int8) or n / 2 (int4) bytes plus 4 per block of 128 (allgather); 8 Mbit/s and 20 ms take 20 ms + bytes / 1e6
-    s once a period."""
+    """4 islands of one rank, H = 10, float32: an outer period moves n x 4 bytes (allreduce) or 4 payloads of a
+    byte (int8) or half (int4) per value of each tensor padded to blocks of 128, plus 4 bytes per block
+    (allgather); 8 Mbit/s and 20 ms take 20 ms + bytes / 1e6 s once a period."""
     sets = MODEL + ["model.dtype=float32", "strategy.diloco.enable=true", "strategy.diloco.inner_steps=10",
                     f"strategy.diloco.quantize={quantize}", "runtime.replica_link=8Mbit/s,20ms"]
-    n = sum(math.prod(sp.global_shape) for sp in build_model(load_config(None, sets).model).all_specs())
-    blocks = -(-n // 128)
+    sizes = [math.prod(sp.global_shape) for sp in build_model(load_config(None, sets).model).all_specs()]
+    n, blocks = sum(sizes), sum(-(-k // 128) for k in sizes)       # the blocks start at each tensor
     period = {"none": 4 * n, "int8": 4 * (128 * blocks + 4 * blocks), "int4": 4 * (64 * blocks + 4 * blocks)}[quantize]
     cfg = tmp_path / "diloco.toml"
     cfg.write_text('[model]\nkind = "llama"\n')
