@@ -61,7 +61,7 @@ def one(world, name: str, steps: int, eval_every: int, extra: list, out: Path | 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--H", type=int, nargs="+", default=[1, 10, 50, 100])
+    ap.add_argument("--H", type=int, nargs="*", default=[1, 10, 50, 100])
     ap.add_argument("--int8", type=int, nargs="*", default=[50], help="the H values also run with int8")
     ap.add_argument("--link", default="1Gbit/s,50ms")
     ap.add_argument("--eval-every", type=int, default=50)
