@@ -1,13 +1,15 @@
 """DiLoCo's trade at small scale: a small llama on the built-in corpus, M islands of one rank each for H in a list,
-against data parallel over the same ranks: final validation loss, bytes on the replica (DiLoCo) or dp
-communicator, wall time, under a simulated link (runtime.replica_link) for DiLoCo.
-    mpiexec -n 4 python benchmarks/bench_diloco.py --steps 200 --H 1 10 50 100
+against data parallel over the same ranks, both over one simulated link (runtime.replica_link on the replica or the
+dp communicator): final validation loss, bytes on that communicator, wall time. --out writes a run folder per run.
+    mpiexec -n 4 python benchmarks/bench_diloco.py --steps 600 --H 1 10 50 100 --int8 50 --out runs/diloco_h
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 from mpi4py import MPI
 
@@ -15,47 +17,80 @@ from hpengine.config.load import load_config
 from hpengine.run.build import build
 
 MODEL = ["model.kind=llama", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64",
-         "model.ffn_hidden=128", "train.global_batch=16", "optim.lr=3e-3", "optim.warmup_steps=10",
+         "model.ffn_hidden=128", "train.global_batch=16", "optim.lr=3e-3", "optim.warmup_steps=20",
          "train.eval_batches=4"]
 
 
-def one(world, steps: int, extra: list) -> dict:
+def wire_bytes(stats: dict, m: int) -> int:
+    """What one rank sends under ring algorithms: an allreduce of b bytes 2 (m-1)/m b, an allgather of b bytes (the
+    gathered buffer) (m-1)/m b, anything else its bytes."""
+    per = {"allreduce": 2 * (m - 1) / m, "allgather": (m - 1) / m}
+    return int(sum(per.get(op, 1.0) * b for op, (_, b) in stats.items()))
+
+
+def one(world, name: str, steps: int, eval_every: int, extra: list, out: Path | None) -> dict:
     eng = build(load_config(None, MODEL + [f"train.steps={steps}", *extra]), world)
-    world.Barrier()
-    t0 = time.perf_counter()
-    for s in range(steps):
-        eng.train_step(s)
-    world.Barrier()
-    wall = time.perf_counter() - t0
-    val = eng.evaluate()[0]
     axis = "replica" if "replica" in eng.mesh.comms else "dp"
-    sent = sum(b for _, b in eng.mesh.comms[axis].stats.values())
-    # mean over the islands of their validation loss (the last outer step's model when steps is a multiple of H)
-    val = world.allreduce(val) / world.Get_size()
+    comm = eng.mesh.comms[axis]
+    rows, wall = [], 0.0
+    for s in range(steps):
+        world.Barrier()
+        t0 = time.perf_counter()
+        m = eng.train_step(s)
+        world.Barrier()
+        wall += time.perf_counter() - t0
+        row = {"step": s + 1, "loss": float(m["loss"])}
+        if (s + 1) % eval_every == 0 or s + 1 == steps:
+            # the mean over the islands of their models' validation loss (the outer model after an outer step)
+            row["val_loss"] = world.allreduce(eng.evaluate()[0]) / world.Get_size()
+        rows.append(row)
+        if world.Get_rank() == 0 and "val_loss" in row:
+            print(f"{name} step {s + 1}: val loss {row['val_loss']:.4f}, {wall:.0f} s", file=sys.stderr, flush=True)
+    sent = sum(b for _, b in comm.stats.values())
+    wire = wire_bytes(comm.stats, comm.size)
+    held = world.allreduce(getattr(comm, "waited_s", 0.0), op=MPI.MAX)      # the longest any rank slept on the link
     eng.mesh.free()
-    return {"val_loss": val, "bytes": sent, "wall_s": wall}
+    if out is not None and world.Get_rank() == 0:
+        d = out / name
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (d / "config.toml").write_text("[train]\nglobal_batch = 16\n[model]\nseq_len = 64\n")
+    return {"val_loss": rows[-1]["val_loss"], "bytes": sent, "wire": wire, "wall_s": wall, "link_s": held}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--H", type=int, nargs="+", default=[1, 10, 50, 100])
+    ap.add_argument("--H", type=int, nargs="*", default=[1, 10, 50, 100])
+    ap.add_argument("--int8", type=int, nargs="*", default=[50], help="the H values also run with int8")
     ap.add_argument("--link", default="1Gbit/s,50ms")
-    ap.add_argument("--quantize", default="none")
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--out", type=Path, default=None, help="a run folder per run here, for `hpengine plot`")
+    ap.add_argument("--dp", action=argparse.BooleanOptionalAction, default=True, help="the data-parallel run")
+    ap.add_argument("--set", dest="extra", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="more settings of the DiLoCo runs (outer_lr, overlap, ...)")
+    ap.add_argument("--tag", default="", help="appended to the DiLoCo runs' names")
     a = ap.parse_args()
     world = MPI.COMM_WORLD
-    rows = [{"run": "dp", **one(world, a.steps, ["strategy.data_parallel.enable=true"])}]
-    for H in a.H:
-        rows.append({"run": f"diloco H={H}", **one(world, a.steps, [
-            "strategy.diloco.enable=true", f"strategy.diloco.inner_steps={H}",
-            f"strategy.diloco.quantize={a.quantize}", f"runtime.replica_link={a.link}"])})
-    if world.Get_rank() == 0:
+    link = [f"runtime.replica_link={a.link}"]
+    runs = [("dp", ["strategy.data_parallel.enable=true", "runtime.link_axis=dp", *link])] if a.dp else []
+    for H, q in [(H, "none") for H in a.H] + [(H, "int8") for H in a.int8]:
+        runs.append((f"diloco_H{H}" + ("_int8" if q != "none" else "") + a.tag, [
+            "strategy.diloco.enable=true", "strategy.diloco.replicas=-1", f"strategy.diloco.inner_steps={H}",
+            f"strategy.diloco.quantize={q}", *link, *a.extra]))
+    rows = []
+    for name, extra in runs:
+        rows.append({"run": name, **one(world, name, a.steps, a.eval_every, extra, a.out)})
+        if world.Get_rank() == 0:
+            print(json.dumps(rows[-1]), flush=True)
+    if world.Get_rank() == 0 and a.dp:
         dp = rows[0]
-        print(f"{'run':>16} {'val loss':>9} {'bytes/rank':>12} {'vs dp':>8} {'wall s':>8}")
+        print("| run | final val loss | vs dp | bytes/rank (counted) | dp / this | wire bytes/rank | dp / this | "
+              "wall s | held on the link s |\n|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"{r['run']:>16} {r['val_loss']:9.4f} {r['bytes']:12,d} {r['bytes'] / dp['bytes']:8.4f} "
-                  f"{r['wall_s']:8.1f}")
-        print(json.dumps(rows))
+            print(f"| {r['run']} | {r['val_loss']:.4f} | {100 * (r['val_loss'] / dp['val_loss'] - 1):+.2f} % | "
+                  f"{r['bytes']:,d} | {dp['bytes'] / r['bytes']:.1f}x | {r['wire']:,d} | "
+                  f"{dp['wire'] / r['wire']:.1f}x | {r['wall_s']:.1f} | {r['link_s']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -55,9 +55,6 @@ def _check(cfg: Config) -> None:
         raise ConfigError("runtime.collectives = 'nccl' needs device buffers but runtime.backend = 'numpy': use "
                           "collectives = 'mpi', or backend = 'cupy' / 'auto' (NCCL where a GPU is found, else MPI)")
     dl = cfg.strategy.diloco
-    if dl.enable and dl.overlap:
-        raise ConfigError("strategy.diloco.overlap = true is not supported yet: the outer exchange runs between two "
-                          "inner steps; set it to false")
     if dl.enable and dl.fragments > dl.inner_steps:
         raise ConfigError(f"strategy.diloco.fragments = {dl.fragments} is more than inner_steps = {dl.inner_steps}: "
                           f"each fragment needs its own step of the period; use 1..{dl.inner_steps}")

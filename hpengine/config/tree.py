@@ -484,8 +484,11 @@ class DilocoConfig:
                        choices=("none", "int8", "int4"))
     fragments: int = _f(1, "streaming DiLoCo: the parameters in F contiguous fragments, fragment f synchronised at "
                         "the steps where (step - f H / F) is a multiple of H; 1 = all at once", check=_POS)
-    overlap: bool = _f(False, "streaming DiLoCo: an outer exchange overlaps the next inner step (its result "
-                       "applied one step late, the island's progress of that step kept)")
+    overlap: bool = _f(False, "streaming DiLoCo: an outer exchange runs under the next inner steps (non-blocking) "
+                       "and lands inner_steps / fragments steps later, mixed into the island's values")
+    overlap_mix: float = _f(0.5, "overlap: alpha when an exchange lands: island = alpha island + (1 - alpha) outer "
+                            "(Streaming DiLoCo's merge; 0 = restart from the new outer parameters)",
+                            check=_must(">=", 0, "<=", 1))
 
 
 @dataclass
@@ -549,12 +552,16 @@ class RuntimeConfig:
     watchdog_s: float = _f(0.0, "abort the job when a step takes longer than this (seconds; start-up, loads, "
                            "evaluation and saves get 10x, at least 300 s); 0 = off",
                            check=_must(">=", 0))
-    replica_link: str = _f("", 'a simulated slow link on the DiLoCo replica communicator, "BANDWIDTH,LATENCY" such as '
+    replica_link: str = _f("", 'a simulated slow link on the communicator link_axis names, "BANDWIDTH,LATENCY" such as '
                            '"1Gbit/s,50ms" (units bit/s, kbit/s, Mbit/s, Gbit/s, B/s, kB/s, MB/s, GB/s; s, ms, us): '
-                           "each call there takes at least latency + bytes / bandwidth (a sleep after the real "
-                           'transfer, traced as "replica link"); "" = off', check=(
+                           "each call there completes no earlier than its turn on the link (bytes / bandwidth, one "
+                           'message after another) plus the latency (a sleep, traced as "replica link" or "dp '
+                           'link"); "" = off', check=(
                                lambda v: v == "" or _link_ok(v), 'must be "" or "BANDWIDTH,LATENCY", e.g. '
                                '"1Gbit/s,50ms"'))
+    link_axis: str = _f("replica", "the communicator runtime.replica_link slows: replica (DiLoCo's islands) or dp "
+                        "(data parallel's gradient communicator: data parallel over the same simulated link, to "
+                        "compare the two)", choices=("replica", "dp"))
     memory_check: bool = _f(True, "refuse to start when the planner's predicted memory per rank exceeds what "
                             "the rank has (MemAvailable / ranks on the node; free device memory on a GPU)")
     trace: bool = _f(False, "record a timeline (compute per micro-batch, every MPI call with its bytes); "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from collections import defaultdict
 
 from mpi4py import MPI
@@ -19,7 +20,9 @@ log = logging.getLogger("hpengine")
 
 class Staged:
     """A non-blocking request whose host staging buffer is copied back into the device array when it
-    completes (only used on a GPU without CUDA-aware MPI)."""
+    completes (only used on a GPU without CUDA-aware MPI); `due`: no earlier than this perf_counter time (a
+    simulated link's, dist/link.py)."""
+    due = 0.0
 
     def __init__(self, req, host, arr, backend):
         self.req, self.host, self.arr, self.backend, self.done = req, host, arr, backend, False
@@ -61,6 +64,7 @@ class Comm:
         self._via = None            # the NCCL call the last method made (the tracer's name for it)
         self.channels = {}          # (src, dst, key) -> this rank's nccl_p2p.Channel
         self._opened = set()        # every channel opened on this communicator, the same on every rank
+        self.on_close = []          # callables that complete what their owner left on the wire, run by close()
 
     def _count(self, op, arr, nccl_call=None):
         st = self.stats[op]
@@ -78,7 +82,11 @@ class Comm:
         return self.twin is not None and self.twin.takes(*arrays, op=op)
 
     def close(self) -> None:
-        """Destroy the NCCL twin and channels (the MPI communicator is the mesh's to free)."""
+        """Complete what owners left on the wire (on_close), destroy the NCCL twin and channels (the MPI
+        communicator is the mesh's to free)."""
+        for done in self.on_close:
+            done()
+        self.on_close = []
         for ch in self.channels.values():
             ch.close()
         self.channels = {}
@@ -308,6 +316,9 @@ def testall(reqs) -> bool:
     if mpi and not MPI.Request.Testall([_raw(r) for r in mpi]):
         return False
     if not nccl_done:
+        return False
+    now = time.perf_counter()
+    if any(isinstance(r, Staged) and r.due > now for r in mpi):
         return False
     for r in mpi:
         if isinstance(r, Staged):

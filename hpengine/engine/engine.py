@@ -141,7 +141,8 @@ class Engine:
             return None
         p0 = self.master if self.master is not None else self.sync.owned_params()
         whole = Range(self.slots[0].range.start, self.slots[-1].range.stop)
-        return Outer(dl, self.mesh.comms[REPLICA], self.xp, p0, fragment_slices(parts, whole, dl.fragments))
+        starts = [at for n in self.layout.names for _, at in cut(parts, self.layout.ranges[n])]
+        return Outer(dl, self.mesh.comms[REPLICA], self.xp, p0, fragment_slices(parts, whole, dl.fragments, starts))
 
     def _optimizer(self, seg):
         dtype = self.precision.master_dtype(self.be.dtype)
@@ -365,14 +366,15 @@ class Engine:
         return p, copy
 
     def _outer_step(self, step: int, p, copy) -> bool:
-        """DiLoCo: the fragments due after `step` take their outer step (the islands meet); whether any did."""
-        due = self.outer.due(step) if self.outer is not None else []
-        for f in due:
-            drift, avg = self.outer.step(f, p, copy)
-            self.outer_figures = {"outer_step": self.outer.steps,
-                                  "outer_drift": self.norm.norms(drift, self.slots)[0],
-                                  "outer_grad_norm": self.norm.norms(avg, self.slots)[0]}
-        return bool(due)
+        """DiLoCo: the fragments due after `step` meet (under overlap: start, and the ones started H / F steps ago
+        land); whether any did."""
+        events = self.outer.advance(step, p, copy) if self.outer is not None else []
+        for drift, avg in events:       # under overlap an exchange's start (drift) and landing (avg) are apart
+            self.outer_figures["outer_step"] = self.outer.steps
+            for k, a in (("outer_drift", drift), ("outer_grad_norm", avg)):
+                if a is not None:
+                    self.outer_figures[k] = self.norm.norms(a, self.slots)[0]
+        return bool(events)
 
     def _outer_metrics(self) -> dict:
         """The last outer step's figures (this island's drift), once, and the replica bytes so far."""
@@ -469,6 +471,7 @@ class Engine:
                 "shapes": self.true_shapes(), "layout": self.mesh.degrees, "world": self.mesh.size,
                 "optimizer": {"name": self.cfg.optim.name, "state": list(opt_state)}}
         if self.outer is not None:      # DiLoCo: the outer state, and each island's under its own names
+            self.outer.settle()         # exchanges on the wire complete into outer.pending
             pieces = outer_state.island_pieces(pieces, c[REPLICA], self.outer, self.stage, self.sync, self.segs,
                                                replica, self.be, elsewhere, copy)
             meta["optimizer"]["state"] = outer_state.kinds(opt_state, self.islands, self.outer)

@@ -1,5 +1,6 @@
 """DiLoCo's state in a checkpoint: "param" holds the outer parameters (what an export or evaluation reads) and
-"outer_momentum" the outer momentum, written by island 0; each island's own parameters, optimizer state and
+"outer_momentum" the outer momentum (and under overlap "outer_pending", the mean of the exchanges not landed
+yet), written by island 0; each island's own parameters, optimizer state and
 error-feedback residual go under "island{i}_<kind>". Each is a set of pieces over global regions, so it loads
 under any inner layout (with the same islands).
 """
@@ -30,6 +31,7 @@ def _views(segs, arrays: dict) -> list:
 def kinds(opt_state: tuple, islands: int, outer) -> list[str]:
     """The manifest's state names (beside "param") of a DiLoCo checkpoint."""
     out = list(opt_state) + (["outer_momentum"] if outer.momentum is not None else [])
+    out += ["outer_pending"] if outer.pending is not None else []
     for i in range(islands):
         out += [f"island{i}_param", *(f"island{i}_{k}" for k in opt_state)]
         out += [f"island{i}_outer_residual"] if outer.residual is not None else []
@@ -45,9 +47,9 @@ def island_pieces(pieces: list, island: int, outer, stage, sync, segs, replica, 
         res = checkpoint_pieces(stage, sync, segs, _views(segs, {"outer_residual": outer.residual}), outer.param,
                                 *args)
         out += [(n, f"island{island}_{k}", *rest) for n, k, *rest in res if k != "param"]
-    if island == 0:
-        out += checkpoint_pieces(stage, sync, segs, _views(segs, {"outer_momentum": outer.momentum}), outer.param,
-                                 *args)
+    if island == 0:     # the momentum and the landing exchanges' mean are the same on every island
+        arrays = {"outer_momentum": outer.momentum, "outer_pending": outer.pending}
+        out += checkpoint_pieces(stage, sync, segs, _views(segs, arrays), outer.param, *args)
     return out
 
 
@@ -70,7 +72,9 @@ def load_islands(reader, island: int, outer, stage, sync, segs, opts, master, tp
     """Island `island`'s state and the outer state from a DiLoCo checkpoint; returns the optimizer steps."""
     steps = load_state(stage, sync, segs, opts, master, tp, backend, _Island(reader, island))
     lay = stage.layout
-    for kind, arr in (("param", outer.param), ("outer_momentum", outer.momentum),
+    saved = reader.manifest.get("optimizer", {}).get("state", [])
+    pending = outer.pending if "outer_pending" in saved else None      # a run without overlap left none
+    for kind, arr in (("param", outer.param), ("outer_momentum", outer.momentum), ("outer_pending", pending),
                       (f"island{island}_outer_residual", outer.residual)):
         if arr is None:
             continue
@@ -84,4 +88,5 @@ def load_islands(reader, island: int, outer, stage, sync, segs, opts, master, tp
                 arr[at:at + hit.size] = backend.xp.asarray(vals[hit.start - r.start:hit.stop - r.start],
                                                            dtype=arr.dtype)
     outer.steps = int(reader.manifest["state"].get("outer_steps", 0))
+    outer.resume(steps if pending is not None else None)
     return steps

@@ -12,7 +12,7 @@ from hpengine.layout.resolve import Resolved, resolve
 from hpengine.layout.schedules import bubble_fraction, placement
 from hpengine.models import build_model, capabilities
 from hpengine.planner import context as plan_cp, gpu as plan_gpu, moe as plan_moe, muon as plan_muon, recompute as rc
-from hpengine.planner import tp as plan_tp
+from hpengine.planner import diloco as plan_diloco, tp as plan_tp
 from hpengine.planner.memory import (_partition, _read_blocks, activations, block_activations, buffers, model_state,
                                      owned, owned_experts, packed_caches, precision)
 from hpengine.planner.stages import StageFacts, memoised, micro_batch_key, stages
@@ -361,8 +361,22 @@ def for_rank(cfg, world: int, coords: dict, cluster=None) -> dict:
     """The prediction for the rank at mesh `coords` (its pipeline stage and sharding share)."""
     lay = resolve(cfg, world)
     st = stage_facts(cfg, lay)[coords["pp"]]
-    return predict_stage(cfg.model, st, lay, coords["pp"], cfg.train.models, cluster, coords["sharding"],
-                         replica_index(lay, coords))
+    out = predict_stage(cfg.model, st, lay, coords["pp"], cfg.train.models, cluster, coords["sharding"],
+                        replica_index(lay, coords))
+    if lay.islands > 1:
+        item = 4 if lay.amp else precision(cfg.model, lay.amp)[3]
+        M = cfg.train.models
+        _add_replica(out["traffic"], cfg, lay, owned_range(st, lay, M, coords["sharding"]), st.sizes(M), item)
+    return out
+
+
+def _add_replica(traffic: dict, cfg, lay: Resolved, own: tuple, sizes, item: int) -> None:
+    """DiLoCo's bytes per step into a stage's traffic: the exchange on `replica`, the outer metrics' norms."""
+    dl = cfg.strategy.diloco
+    traffic["replica"] = plan_diloco.traffic(dl, lay.islands, own, sizes, item)
+    for axis, ops in plan_diloco.norm_traffic(dl, lay, cfg.train.models).items():
+        for op, b in ops.items():
+            traffic.setdefault(axis, {})[op] = traffic.get(axis, {}).get(op, 0) + b
 
 
 def replica_index(lay: Resolved, coords: dict) -> int:
@@ -387,4 +401,34 @@ def predict_layout(cfg, lay: Resolved, cluster, stage_ids=None, sts=None, docs=N
     if cluster is not None:
         out["time"] = step_time(per, lay)
         out["tokens_per_s"] = cfg.train.global_batch * cfg.model.seq_len * cfg.train.models / out["time"]["step"]
+    if lay.islands > 1:
+        _replica(cfg, lay, sts, per, out, cluster)
     return out
+
+
+def _replica(cfg, lay: Resolved, sts, per: list, out: dict, cluster) -> None:
+    """DiLoCo: each stage's replica traffic per step; with a cluster, out["replica"]: the islands' link and the
+    slowest stage's time on it per step (outside the step time: the exchange runs between inner steps)."""
+    dl = cfg.strategy.diloco
+    item = 4 if lay.amp else precision(cfg.model, lay.amp)[3]      # what the optimizer updates: the masters
+    M = cfg.train.models
+    own = {r["stage"]: (owned_range(sts[r["stage"]], lay, M), sts[r["stage"]].sizes(M)) for r in per}
+    for r in per:
+        _add_replica(r["traffic"], cfg, lay, *own[r["stage"]], item)
+    if cluster is not None:
+        rate, latency, name = plan_diloco.link_of(cfg.runtime, cluster)
+        secs = max(plan_diloco.seconds_per_step(dl, lay.islands, o, sz, item, rate, latency) for o, sz in own.values())
+        out["replica"] = {"link": name, "seconds_per_step": secs}
+
+
+def owned_range(st: StageFacts, lay: Resolved, models: int, sh_rank=None) -> tuple[int, int]:
+    """(start, stop) of the stage's flat range a sharding rank owns (the largest share when sh_rank is None;
+    expert blocks kept whole across sharding: its element count from 0)."""
+    sizes = st.sizes(models)
+    if lay.sh == 1:
+        return 0, sum(sizes)
+    if lay.experts_whole:
+        return 0, owned(st, lay, models, sh_rank)
+    ranges = _partition(sizes, lay.sh, lay.partition)
+    r = max(ranges, key=lambda r: r.size) if sh_rank is None else ranges[sh_rank]
+    return r.start, r.stop

@@ -185,6 +185,13 @@ def check_text(cfg: Config, world: int, cluster: Cluster, docs=None) -> str:
     out.append(f"traffic per step (pp stage {r['stage']}, bytes each rank counts):")
     for axis, ops in next(s for s in r["stages"] if s["stage"] == r["stage"])["traffic"].items():
         out.append(f"  {axis}: " + ", ".join(f"{op} {_bytes(b)}" for op, b in ops.items()))
+    if "replica" in r:
+        rep, t = r["replica"], r["time"]["step"]
+        out.append(f"  diloco's islands meet every {cfg.strategy.diloco.inner_steps} steps: on {rep['link']} the "
+                   f"replica bytes take {_secs(rep['seconds_per_step'])} per step, the step with them "
+                   f"{_secs(t + rep['seconds_per_step'])}"
+                   + (" (overlap: hidden where the inner steps between are longer)"
+                      if cfg.strategy.diloco.overlap else ""))
     total, usable = r["memory"]["total"], cluster.usable_gb * GB
     room = f"headroom {_bytes(usable - total)}" if total <= usable else f"{_bytes(total - usable)} over"
     out.append(f"{'fits' if total <= usable else 'does NOT fit'} in {cluster.mem_gb:g} GB per device less "

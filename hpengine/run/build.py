@@ -130,12 +130,13 @@ def warn_split_groups(mesh, world) -> None:
 
 
 def communicators(cfg, backend, nccl):
-    """How the mesh wraps each MPI communicator: a Comm, or on DiLoCo's replica axis under runtime.replica_link a
-    SlowLink (the simulated link)."""
+    """How the mesh wraps each MPI communicator: a Comm, or on the axis runtime.link_axis names (DiLoCo's replica
+    axis, or dp) under runtime.replica_link a SlowLink (the simulated link)."""
     link = parse_link(cfg.runtime.replica_link) if cfg.runtime.replica_link else None
+    slowed = REPLICA if cfg.runtime.link_axis == "replica" else "dp"
 
     def wrap(c, axis):
-        if axis == REPLICA and link is not None:
+        if axis == slowed and link is not None:
             return SlowLink(c, axis, backend, nccl, *link)
         return Comm(c, axis, backend, nccl)
     return wrap

@@ -1,12 +1,16 @@
 """DiLoCo's outer loop on this rank's owned part of the parameters: every inner_steps steps (per fragment, staggered
 under streaming) the pseudo-gradient (outer - island parameters) is averaged over the islands on the replica
 communicator (an allreduce, or quantised payloads all-gathered, with error feedback), the outer parameters take an
-SGD step with (Nesterov) momentum, and the island restarts from them. The state is three arrays over the owned part.
+SGD step with (Nesterov) momentum, and the island restarts from them (under overlap: the exchange lands H / F steps
+later and is mixed into the island's values). The state is arrays over the owned part.
 """
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
+
 import numpy as np
 
+from hpengine.dist.comm import testall, waitall
 from hpengine.optim.sgd import write_copy
 from hpengine.strategies import quantize
 
@@ -25,6 +29,13 @@ class Outer:
         self.param = p0.copy()
         self.momentum = xp.zeros_like(p0) if dl.outer_momentum > 0 else None
         self.residual = xp.zeros_like(p0) if dl.quantize != "none" else None
+        # overlap: an exchange started after step s lands after step s + tau; `pending` holds the landed means
+        # of exchanges settled early (for a checkpoint), `flight` the ones on the wire: fragment -> (step, req, buf)
+        self.tau = self.H // len(fragments) if dl.overlap else 0
+        self.pending = xp.zeros_like(p0) if dl.overlap else None
+        self.flight, self.settled = {}, {}
+        if self.tau:
+            comm.on_close.append(self.settle)      # no exchange left on the wire when the mesh is freed
         self.steps = 0          # outer exchanges done (one per fragment synchronised)
 
     def due(self, step: int) -> list[int]:
@@ -39,30 +50,84 @@ class Outer:
     def reset(self, p) -> None:
         """The outer parameters from the island's (a checkpoint without outer state: a fresh outer loop)."""
         self.param[...] = p
-        for a in (self.momentum, self.residual):
+        self.flight, self.settled = {}, {}
+        for a in (self.momentum, self.residual, self.pending):
             if a is not None:
                 a[...] = 0
 
-    def step(self, f: int, p, copy) -> tuple:
-        """Fragment f's outer step: p (the owned values the optimizer updates) and amp's compute copy `copy` (or
-        None) restart from the new outer parameters. Returns (the island's drift, the averaged pseudo-gradient),
-        each over the whole owned array (zero outside the fragment), for the norms."""
+    def advance(self, step: int, p, copy) -> list[tuple]:
+        """The outer work after optimizer step `step`: without overlap each due fragment's exchange and step; with
+        it, first the exchanges started tau steps ago land, then the due fragments' start. Returns per event
+        (this island's drift or None, the averaged pseudo-gradient or None), over the whole owned array."""
+        if not self.tau:
+            return [(self.start(f, p, step), self.land(f, p, copy)) for f in self.due(step)]
+        testall([r for _, r, _ in self.flight.values() if r is not None])     # MPI progresses them only in calls
+        landing = [f for f, (at, *_) in self.flight.items() if at + self.tau == step]
+        landing += [f for f, at in self.settled.items() if at + self.tau == step]
+        out = [(None, self.land(f, p, copy)) for f in sorted(landing)]
+        return out + [(self.start(f, p, step), None) for f in self.due(step)]
+
+    def start(self, f: int, p, step: int):
+        """Fragment f's pseudo-gradient put on the wire (blocking without overlap); returns the drift."""
         xp, dl, idx = self.xp, self.dl, self._index(f)
         drift = xp.zeros_like(p)
-        avg = xp.zeros_like(p)
         delta = self._take(self.param, idx) - self._take(p, idx)
         self._put(drift, idx, delta)
         if dl.quantize == "none":
-            self.comm.allreduce_(delta)
-            mean = delta / p.dtype.type(self.M)
+            if self.tau:
+                self.flight[f] = (step, self.comm.iallreduce_(delta), delta)
+            else:
+                self.flight[f] = (step, None, self.comm.allreduce_(delta))
+            return drift
+        v = delta + self._take(self.residual, idx)
+        payload, seen = quantize.encode(xp, v, dl.quantize, [e - a for a, e in idx])     # blocks from each tensor
+        self._put(self.residual, idx, v - seen)
+        gathered = xp.empty(self.M * payload.size, dtype=np.uint8)
+        gathered[self.comm.rank * payload.size:(self.comm.rank + 1) * payload.size] = payload
+        args = (gathered, [payload.size] * self.M, [i * payload.size for i in range(self.M)])
+        if self.tau:
+            req = self.comm.iallgatherv_(*args)
         else:
-            v = delta + self._take(self.residual, idx)
-            payload, seen = quantize.encode(xp, v, dl.quantize)
-            self._put(self.residual, idx, v - seen)
-            gathered = xp.empty(self.M * payload.size, dtype=np.uint8)
-            gathered[self.comm.rank * payload.size:(self.comm.rank + 1) * payload.size] = payload
-            self.comm.allgatherv_(gathered, [payload.size] * self.M, [i * payload.size for i in range(self.M)])
-            mean = quantize.mean_of(xp, gathered, self.M, v.size, dl.quantize, v.dtype)
+            req = None
+            self.comm.allgatherv_(*args)
+        self.flight[f] = (step, req, (gathered, v.dtype))
+        return drift
+
+    def _mean(self, f: int):
+        """Fragment f's mean pseudo-gradient, its exchange completed."""
+        if f in self.settled:
+            del self.settled[f]
+            return self._take(self.pending, self._index(f))
+        _, req, buf = self.flight.pop(f)
+        waitall([req])
+        if self.dl.quantize == "none":
+            return buf / buf.dtype.type(self.M)
+        gathered, dtype = buf
+        segments = [e - a for a, e in self._index(f)]
+        return quantize.mean_of(self.xp, gathered, self.M, segments, self.dl.quantize, dtype)
+
+    def settle(self) -> None:
+        """Every exchange on the wire completed into `pending` (before a checkpoint saves it)."""
+        for f in sorted(self.flight):
+            at = self.flight[f][0]
+            self._put(self.pending, self._index(f), self._mean(f))
+            self.settled[f] = at
+
+    def resume(self, steps: int | None) -> None:
+        """After a checkpoint of `steps` optimizer steps: the exchanges started in the last tau steps are the
+        settled ones its `pending` holds (None: a checkpoint without them; the next due exchanges start afresh)."""
+        self.flight = {}
+        self.settled = {}
+        if self.tau and steps is not None:
+            self.settled = {f: t for t in range(max(0, steps - self.tau), steps) for f in self.due(t)}
+
+    def land(self, f: int, p, copy):
+        """Fragment f's outer step from its exchange's mean; the island's values restart from the new outer
+        parameters, or under overlap take mix x theirs + (1 - mix) x the new outer ones (Streaming DiLoCo's
+        merge). Returns the averaged pseudo-gradient over the whole owned array (zero outside the fragment)."""
+        xp, dl, idx = self.xp, self.dl, self._index(f)
+        mean = self._mean(f)
+        avg = xp.zeros_like(p)
         self._put(avg, idx, mean)
         upd = mean
         if self.momentum is not None:     # PyTorch SGD: buf = mu buf + g; Nesterov: g + mu buf, else buf
@@ -72,12 +137,15 @@ class Outer:
             upd = mean + mu * buf if dl.nesterov else buf
         new = self._take(self.param, idx) - p.dtype.type(dl.outer_lr) * upd
         self._put(self.param, idx, new)
+        if self.tau:
+            a = p.dtype.type(dl.overlap_mix)
+            new = a * self._take(p, idx) + (p.dtype.type(1) - a) * new
         self._put(p, idx, new)
         if copy is not None:
             for a, b in idx:
                 write_copy(xp, copy[a:b], p[a:b])
         self.steps += 1
-        return drift, avg
+        return avg
 
     def _index(self, f: int) -> list[tuple[int, int]]:
         return self.fragments[f]
@@ -95,13 +163,20 @@ class Outer:
             at += e - s
 
 
-def fragment_slices(parts, stage_range, fragments: int) -> list[list[tuple[int, int]]]:
+def fragment_slices(parts, stage_range, fragments: int, starts=()) -> list[list[tuple[int, int]]]:
     """Per fragment, the (start, stop) slices of the owned array (parts: (flat Range, offset) pieces) that fall in
-    it; fragment f is the f-th of `fragments` equal element ranges of the stage's flat buffer (stage_range)."""
+    it, cut where a tensor begins (starts: those offsets in the owned array), so each slice lies in one tensor;
+    fragment f is the f-th of `fragments` equal element ranges of the stage's flat buffer (stage_range)."""
     lo, n = stage_range.start, stage_range.size
+    starts = sorted(set(starts))
     out = []
     for f in range(fragments):
         a, b = lo + f * n // fragments, lo + (f + 1) * n // fragments
-        out.append([(at + max(a, r.start) - r.start, at + min(b, r.stop) - r.start)
-                    for r, at in parts if max(a, r.start) < min(b, r.stop)])
+        pieces = []
+        for r, at in parts:
+            if max(a, r.start) < min(b, r.stop):
+                s, e = at + max(a, r.start) - r.start, at + min(b, r.stop) - r.start
+                cuts = starts[bisect_right(starts, s):bisect_left(starts, e)]
+                pieces += list(zip([s, *cuts], [*cuts, e]))
+        out.append(pieces)
     return out

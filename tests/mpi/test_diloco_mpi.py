@@ -8,6 +8,7 @@ import pytest
 from mpi4py import MPI
 
 from helpers import assert_resumes_like, assert_same, assert_same_params, config, need, reference, run
+from hpengine.dist.comm import waitall
 from hpengine.dist.link import SlowLink
 from hpengine.engine.rows import RowReader
 from hpengine.run.build import build
@@ -62,6 +63,34 @@ def test_inner_layouts_equal_islands_of_one_process(corpus, inner):
     assert_same_params(params, ref_p)
 
 
+@pytest.mark.parametrize("inner", [["strategy.sharding.enable=true", "strategy.sharding.degree=2",
+                                    "strategy.sharding.stage=3", "strategy.diloco.fragments=2"],
+                                   ["strategy.pipeline.enable=true", "strategy.pipeline.degree=2",
+                                    "strategy.pipeline.micro_batches=2"]],
+                         ids=["sharding2-stage3-fragments2", "pp2"])
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantised_islands_follow_tensors_not_ranks(corpus, inner, quantize):
+    """int8/int4 blocks start at each tensor: 2 islands x (sharding 2 by tensors, in two fragments, one cutting a
+    tensor | pp 2), where each rank owns whole tensors, equal 2 islands of one process each (the fragments are the
+    stage's: pp's stages cut them elsewhere, so one fragment there)."""
+    need(WORLD.Get_size() == 4, "2 islands of 2 ranks")
+    knobs = DILOCO + ["strategy.diloco.inner_steps=2", f"strategy.diloco.quantize={quantize}"]
+    frag = [k for k in inner if "fragments" in k]
+    losses, params, eng = run(config(corpus, *knobs, *inner), WORLD, steps=4)
+    pair = WORLD.Split(WORLD.Get_rank() // 2, WORLD.Get_rank())
+    try:
+        ref_l, ref_p, ref = run(config(corpus, *knobs, *frag), pair, steps=4)
+        want = island_losses(ref_l, ref, pair)
+        refs = WORLD.allgather((pair.Get_rank(), ref_p) if WORLD.Get_rank() < 2 else None)
+    finally:
+        pair.Free()
+    got = island_losses(losses, eng, WORLD)
+    for i in (0, 1):
+        assert_same(got[i], want[i])
+    island = eng.mesh.coords["replica"]          # mid-period for one fragment: each island's own parameters
+    assert_same_params(params, next(p for r in refs if r is not None for i, p in [r] if i == island))
+
+
 # ---- an independent model of the outer step ---------------------------------------------------------------
 
 def np_quantize(v, levels):
@@ -74,6 +103,22 @@ def np_quantize(v, levels):
     scale = (np.abs(x).max(axis=1) / levels).astype(np.float32).astype(np.float64)
     q = np.clip(np.rint(x / np.where(scale > 0, scale, 1.0)[:, None]), -levels, levels)
     return (q * scale[:, None]).reshape(-1)[:n]
+
+
+def np_quantize_tensors(v, lo, tensors, levels):
+    """np_quantize of each tensor's piece of v (v: the flat values from element lo; tensors: (start, stop) of every
+    tensor in the flat buffer), the blocks starting where each tensor (or v) starts."""
+    out = np.empty_like(v)
+    for a, b in tensors:
+        s, e = max(a, lo) - lo, min(b, lo + v.size) - lo
+        if s < e:
+            out[s:e] = np_quantize(v[s:e], levels)
+    return out
+
+
+def tensor_bounds(eng):
+    """(start, stop) of every tensor in a one-process engine's flat buffer."""
+    return sorted((r.start, r.stop) for r in eng.layout.ranges.values())
 
 
 def island_engine(corpus, knobs, i, M, G):
@@ -105,7 +150,7 @@ def test_outer_step_against_numpy_model(corpus, quantize, fragments):
     isl = [island_engine(corpus, [], i, M, G) for i in range(M)]
     P = [e.sync.params.data for e in isl]
     outer = P[0].copy()
-    size = outer.size
+    size, tensors = outer.size, tensor_bounds(isl[0])
     buf, resid = np.zeros_like(outer), [np.zeros_like(outer) for _ in range(M)]
     want, sent = {i: [] for i in range(M)}, []
     for s in range(steps):
@@ -120,24 +165,24 @@ def test_outer_step_against_numpy_model(corpus, quantize, fragments):
                 levels = {"int8": 127, "int4": 7}[quantize]
                 for i in range(M):
                     v = deltas[i] + resid[i][sl]
-                    deltas[i] = np_quantize(v, levels)
+                    deltas[i] = np_quantize_tensors(v, sl.start, tensors, levels)
                     resid[i][sl] = v - deltas[i]
             g = (deltas[0] + deltas[1]) / M
             buf[sl] = mu * buf[sl] + g
             outer[sl] = outer[sl] - lr * (g + mu * buf[sl])
             for i in range(M):
                 P[i][sl] = outer[sl]
-            sent.append(sl.stop - sl.start)
+            sent.append([min(b, sl.stop) - max(a, sl.start) for a, b in tensors if max(a, sl.start) < min(b, sl.stop)])
     for i in range(M):
         assert_same(got[i], np.array(want[i]))
     assert_same_params(params, isl[eng.mesh.coords["replica"]].named_params())     # this rank's island
 
     # the bytes on the replica communicator: each exchange of a fragment's owned part (the whole stage under dp)
     assert eng.sync.owned_params().size == size
-    blocks = [-(-k // 128) for k in sent]
+    blocks = [sum(-(-k // 128) for k in pieces) for pieces in sent]       # each tensor's piece from a block start
     stats = eng.mesh.comms["replica"].stats
     if quantize == "none":
-        assert dict(stats) == {"allreduce": [len(sent), 8 * sum(sent)]}
+        assert dict(stats) == {"allreduce": [len(sent), 8 * sum(map(sum, sent))]}
     else:
         codes = [b * 128 if quantize == "int8" else b * 64 for b in blocks]
         assert dict(stats) == {"allgather": [len(sent), sum(M * (c + 4 * b) for c, b in zip(codes, blocks))]}
@@ -147,14 +192,13 @@ def test_outer_step_against_numpy_model(corpus, quantize, fragments):
 def test_resume_mid_period_under_another_inner_layout(corpus, root, quantize):
     """A checkpoint at step 4 of a period of 3 (outer parameters, momentum, residuals, each island's parameters and
     AdamW state) resumed by 2 islands trains steps 5 and 6 as the straight run does: under another inner layout
-    (sharding stage 2 for dp, at 4 ranks) without quantisation; int8 under the same one, since its blocks of 128
-    follow each rank's owned part."""
+    (sharding stage 2 for dp, at 4 ranks); int8 too, since its blocks of 128 start at each tensor and sharding
+    (by tensors) gives each rank whole tensors."""
     n = WORLD.Get_size()
     need(n % 2 == 0, "2 islands of equal size")
     knobs = DILOCO + ["strategy.diloco.inner_steps=3", f"strategy.diloco.quantize={quantize}"]
     a = ["strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n // 2}"]
     b = ["strategy.sharding.enable=true", f"strategy.sharding.degree={n // 2}", "strategy.sharding.stage=2"]
-    b = a if quantize != "none" else b
     straight = run(config(corpus, *knobs, *a), WORLD, steps=6)
     eng = build(config(corpus, *knobs, *a), WORLD)
     for s in range(4):
@@ -175,3 +219,25 @@ def test_replica_link_takes_the_simulated_time(corpus):
     assert took >= 0.02 + 80000 / 1e6 and rep.waited_s > 0
     assert_same(a, np.full(10000, float(WORLD.Get_size())))
     assert not isinstance(build(config(corpus, *islands), WORLD).mesh.comms["replica"], SlowLink)   # off: none
+
+
+def test_link_on_dp_queues_and_holds_nonblocking_sums(corpus):
+    """runtime.link_axis = "dp": data parallel's gradient communicator is the slow link; two non-blocking sums sent
+    together take their turns (latency + both messages' bytes / bandwidth) before their wait returns, and training
+    over the link gives the same bits as without it."""
+    n = WORLD.Get_size()
+    need(n > 1, "a data-parallel communicator")
+    dp_on = ["strategy.data_parallel.enable=true"]
+    eng = build(config(corpus, *dp_on, "runtime.replica_link=8Mbit/s,20ms", "runtime.link_axis=dp"), WORLD)
+    dp = eng.mesh.comms["dp"]
+    assert isinstance(dp, SlowLink) and not isinstance(eng.mesh.comms["tp"], SlowLink)
+    a, b = np.ones(10000), np.ones(10000)
+    t0 = MPI.Wtime()
+    waitall([dp.iallreduce_(a), dp.iallreduce_(b)])
+    assert MPI.Wtime() - t0 >= 0.02 + 2 * 80000 / 1e6
+    assert_same(a + b, np.full(10000, 2.0 * n))
+    eng.mesh.free()
+    slow_l, slow_p, _ = run(config(corpus, *dp_on, "runtime.replica_link=1Gbit/s,1ms", "runtime.link_axis=dp"),
+                            WORLD, steps=2)
+    plain_l, plain_p, _ = run(config(corpus, *dp_on), WORLD, steps=2)
+    assert np.array_equal(slow_l, plain_l) and all(np.array_equal(slow_p[k], plain_p[k]) for k in plain_p)

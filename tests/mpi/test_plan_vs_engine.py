@@ -18,6 +18,7 @@ PP2 = [S + "pipeline.enable=true", S + "pipeline.degree=2"]
 TP2 = [S + "tensor_parallel.enable=true", S + "tensor_parallel.degree=2"]
 SP = [S + "tensor_parallel.sequence_parallel=true"]
 CP2 = [S + "context_parallel.enable=true", S + "context_parallel.degree=2"]
+DILOCO = [S + "diloco.enable=true", S + "diloco.replicas=2", S + "diloco.inner_steps=2"]
 BF16_PACKED = [S + "amp.enable=true", S + "amp.dtype=bfloat16", S + "amp.bf16_storage=packed", "model.dtype=float32"]
 
 ANY = lambda n: True           # noqa: E731
@@ -198,6 +199,12 @@ LAYOUTS = [
                                                                       S + "expert_parallel.degree=2"]),
     ("sp_deepseek_tp2_sharding2_recompute", lambda n: n == 4, DEEPSEEK + TP2 + SP + SH + [
         S + "sharding.degree=2", S + "sharding.stage=3", S + "recompute.enable=true"]),
+    # DiLoCo: the replica communicator's pseudo-gradient exchange, a period's bytes over inner_steps (2 steps)
+    ("diloco_dp", EVEN, DILOCO + DP),
+    ("diloco_int8_fragments2_sharding2", lambda n: n == 4, DILOCO + SH + [
+        S + "sharding.stage=2", S + "diloco.quantize=int8", S + "diloco.fragments=2"]),
+    ("diloco_int4_tp2_amp", lambda n: n == 4, DILOCO + TP2 + [S + "diloco.quantize=int4", S + "amp.enable=true",
+                                                             "model.dtype=float32"]),
     ("zb_pp4_zbv", lambda n: n == 4, [S + "pipeline.enable=true", S + "pipeline.degree=4", S + "pipeline.micro_batches=8",
                                       S + "pipeline.schedule=zbv", "model.n_layers=8"]),
 ]

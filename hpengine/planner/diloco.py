@@ -1,0 +1,74 @@
+"""DiLoCo's outer exchange for the planner: the bytes one rank counts on the replica communicator per optimizer
+step (its owned pseudo-gradient once every inner_steps steps, per fragment, in the optimizer's dtype or in int8 /
+int4 blocks) and the time a link takes for them (runtime.replica_link, else the cluster's link between nodes).
+"""
+from __future__ import annotations
+
+from hpengine.config.tree import parse_link
+
+BLOCK = 128         # values per quantisation block, one float32 scale each (strategies/quantize.py)
+
+
+def payload_bytes(pieces, fmt: str) -> int:
+    """One island's payload for pieces of tensors (lengths), each from a block boundary: int8 one byte a value,
+    int4 half, padded to whole blocks, plus 4 bytes of scale per block."""
+    blocks = sum(-(-n // BLOCK) for n in pieces)
+    return blocks * BLOCK // (1 if fmt == "int8" else 2) + 4 * blocks
+
+
+def fragment_pieces(lo: int, hi: int, sizes, fragments: int) -> list[list[int]]:
+    """Per fragment (the f-th of F equal element ranges of the stage), the lengths of the pieces of each tensor
+    (sizes: element counts in layout order) inside the owned range [lo, hi)."""
+    total = sum(sizes)
+    bounds, at = [], 0
+    for n in sizes:
+        bounds.append((at, at + n))
+        at += n
+    out = []
+    for f in range(fragments):
+        a, b = max(total * f // fragments, lo), min(total * (f + 1) // fragments, hi)
+        out.append([min(b, t1) - max(a, t0) for t0, t1 in bounds if max(a, t0) < min(b, t1)])
+    return out
+
+
+def exchanges(dl, islands: int, owned: tuple[int, int], sizes, item: int) -> list[tuple[str, int]]:
+    """(op, bytes as comm.py counts them) of each call one outer period makes: an allreduce of a fragment's owned
+    pseudo-gradient in the optimizer's dtype (item bytes), or an allgather of every island's payload; owned:
+    (start, stop) of the rank's part of the stage, sizes: the stage's tensor sizes."""
+    frags = fragment_pieces(*owned, sizes, dl.fragments)
+    if dl.quantize == "none":
+        return [("allreduce", sum(p) * item) for p in frags]
+    return [("allgather", islands * payload_bytes(p, dl.quantize)) for p in frags]
+
+
+def traffic(dl, islands: int, owned: tuple, sizes, item: int) -> dict:
+    """{op: bytes} per optimizer step on the replica communicator (a period's calls over inner_steps)."""
+    out = {}
+    for op, b in exchanges(dl, islands, owned, sizes, item):
+        out[op] = out.get(op, 0) + b / dl.inner_steps
+    return out
+
+
+def link_of(runtime, cluster) -> tuple[float, float, str]:
+    """(bytes per second, latency in seconds, its name) of the islands' link: runtime.replica_link when set, else
+    the cluster's between nodes."""
+    if runtime.replica_link:
+        rate, latency = parse_link(runtime.replica_link)
+        return rate, latency, f"runtime.replica_link {runtime.replica_link}"
+    return (cluster.inter_bw_gbs * 1e9, cluster.inter_latency_us * 1e-6,
+            f"the cluster's link between nodes ({cluster.inter_bw_gbs:g} GB/s, {cluster.inter_latency_us:g} us)")
+
+
+def seconds_per_step(dl, islands: int, owned: tuple, sizes, item: int, rate: float, latency: float) -> float:
+    """The link's time for one period's calls (latency + bytes / rate each, as runtime.replica_link simulates it)
+    over inner_steps: the mean cost per optimizer step, exposed unless overlap hides it under the inner steps."""
+    return sum(latency + b / rate for _, b in exchanges(dl, islands, owned, sizes, item)) / dl.inner_steps
+
+
+def norm_traffic(dl, lay, models: int) -> dict:
+    """{axis: {"allreduce": bytes per step}} of the outer metrics: every fragment's exchange takes two global norms
+    (the island's drift, the mean pseudo-gradient), a float64 per model summed over sharding, pp and tp (and ep
+    with experts split) like the clipping norm."""
+    per = 2 * dl.fragments * 8 * models / dl.inner_steps
+    axes = [a for a, d in (("sharding", lay.sh), ("pp", lay.pp), ("tp", lay.tp), ("ep", lay.ep)) if d > 1]
+    return {a: {"allreduce": per} for a in axes}
