@@ -1,8 +1,7 @@
-"""DiLoCo's state in a checkpoint: "param" holds the outer parameters (what an export or evaluation reads) and
-"outer_momentum" the outer momentum (and under overlap "outer_pending", the mean of the exchanges not landed
-yet), written by island 0; each island's own parameters, optimizer state and
-error-feedback residual go under "island{i}_<kind>". Each is a set of pieces over global regions, so it loads
-under any inner layout (with the same islands).
+"""DiLoCo's state in a checkpoint: "param" holds the outer parameters (what an export or evaluation reads),
+"outer_momentum" the outer momentum and, under overlap, "outer_pending" the mean of the exchanges not landed yet
+(written by island 0); each island's parameters, optimizer state and error-feedback residual go under
+"island{i}_<kind>". All are pieces over global regions, so they load under any inner layout (same islands).
 """
 from __future__ import annotations
 

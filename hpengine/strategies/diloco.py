@@ -1,8 +1,7 @@
 """DiLoCo's outer loop on this rank's owned part of the parameters: every inner_steps steps (per fragment, staggered
-under streaming) the pseudo-gradient (outer - island parameters) is averaged over the islands on the replica
-communicator (an allreduce, or quantised payloads all-gathered, with error feedback), the outer parameters take an
-SGD step with (Nesterov) momentum, and the island restarts from them (under overlap: the exchange lands H / F steps
-later and is mixed into the island's values). The state is arrays over the owned part.
+under streaming) the pseudo-gradient (outer - island) is averaged over the islands on the replica communicator
+(allreduce, or quantised payloads all-gathered with error feedback), the outer parameters take an SGD step with
+(Nesterov) momentum and the island restarts from them (overlap: the exchange lands H / F steps later, mixed in).
 """
 from __future__ import annotations
 
