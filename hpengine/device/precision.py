@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpengine.device.backend import on_host
-from hpengine.device.bf16_bits import round_bf16_cupy_
+from hpengine.device.bf16_bits import round_bf16_cupy_, to_bf16_bits
 
 # Under strategy.amp with dtype = "bfloat16" the engine rounds at the points where a bf16 implementation
 # stores a tensor: the compute copy of the parameters (written from the float32 masters by the AdamW pass
@@ -43,3 +43,14 @@ def round_bf16_(xp, a):
     if nan is not None:
         a[nan] = np.nan                          # a payload only in the low bits would truncate to inf
     return a
+
+
+def write_copy(xp, copy, p) -> None:
+    """amp's compute copy of the float32 values p as the optimizers write it: float16, float32 holding the
+    nearest bfloat16 values, or uint16 holding their bits."""
+    if copy.dtype == np.uint16:
+        copy[...] = to_bf16_bits(xp, p)
+    else:
+        copy[...] = p
+        if copy.dtype == np.float32:
+            round_bf16_(xp, copy)

@@ -9,9 +9,8 @@ import math
 
 import numpy as np
 
-from hpengine.device.bf16_bits import to_bf16_bits
 from hpengine.device.kernels import CHUNK, adamw_coefs, adamw_numpy, chunk_plan
-from hpengine.device.precision import round_bf16_
+from hpengine.device.precision import write_copy
 from hpengine.optim.same_shape import by_shape
 from hpengine.params.buffers import Range
 
@@ -68,16 +67,6 @@ def _lerp_(xp, start, end, weight: float):
         start += weight * (end - start)
     else:
         start[...] = end - (end - start) * (1.0 - weight)
-
-
-def _write_copy(xp, copy, p) -> None:
-    """amp's compute copy of updated weights, as the AdamW kernels write it (float16, bf16 values or bf16 bits)."""
-    if copy.dtype == np.uint16:
-        copy[...] = to_bf16_bits(xp, p)
-    else:
-        copy[...] = p
-        if copy.dtype == np.float32:
-            round_bf16_(xp, copy)
 
 
 class Muon:
@@ -171,7 +160,7 @@ class Muon:
                 w *= 1.0 - lr * self.wd          # torch decays with the unadjusted lr
             w -= adjusted_lr(lr, self.rule, fan_out, fan_in) * ortho.reshape(-1)
             if copy is not None:
-                _write_copy(xp, copy[a:b], w)
+                write_copy(xp, copy[a:b], w)
 
     def _orthogonalise(self, upd):
         """The orthogonalised update of whole matrices upd (count, in, out).

@@ -4,23 +4,9 @@ the same run as data parallel over the islands; and a baseline.
 """
 from __future__ import annotations
 
-import numpy as np
-
-from hpengine.device.bf16_bits import to_bf16_bits
-from hpengine.device.precision import round_bf16_
+from hpengine.device.precision import write_copy
 from hpengine.optim.adamw import decay_runs
 from hpengine.params.buffers import Range
-
-
-def write_copy(xp, copy, p) -> None:
-    """amp's compute copy of the float32 values p as the optimizers write it: float16, float32 holding the
-    nearest bfloat16 values, or uint16 holding their bits."""
-    if copy.dtype == np.uint16:
-        copy[...] = to_bf16_bits(xp, p)
-    else:
-        copy[...] = p
-        if copy.dtype == np.float32:
-            round_bf16_(xp, copy)
 
 
 class SGD:

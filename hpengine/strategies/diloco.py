@@ -10,7 +10,7 @@ from bisect import bisect_left, bisect_right
 import numpy as np
 
 from hpengine.dist.comm import testall, waitall
-from hpengine.optim.sgd import write_copy
+from hpengine.device.precision import write_copy
 from hpengine.strategies import quantize
 
 STATE = ("outer_param", "outer_momentum", "outer_residual")     # the checkpoint's names
