@@ -75,6 +75,7 @@ class Resilience:
         self.buddies = self._buddies()
         self.recovery = None        # the last recovery's record, until the step after it completes
         self.mesh = None            # the mesh of the engine last committed (places' coordinates)
+        self.predicted = 0          # the buddy copies' bytes the start-up prediction counted
         self.saving = self.resave = -1      # the step of the checkpoint being written; of one a failure cut short
 
     @property

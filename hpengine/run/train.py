@@ -19,6 +19,7 @@ from hpengine.dist.agree import agree_or_raise
 from hpengine.dist.watchdog import Watchdog, progress as bytes_written
 from hpengine.files import UnsafeFile, open_append, write_file
 from hpengine.planner import search as plan
+from hpengine.planner.memory import buddy_bytes
 from hpengine.run import faults, launch, progress, resilience, supervisor, tensorboard as tboard, trace
 from hpengine.run.build import (
     build_job,
@@ -136,6 +137,8 @@ def _train(eng, cfg, world, resume, prediction, guard=None, joined=None) -> dict
                              failures_seen=failures_before, survive=guard is not None).start()
     try:
         plan.log_prediction(prediction, log, rank=eng.mesh.rank)
+        if guard is not None:        # the memory check counted them: the start-up log says both
+            guard.predicted = buddy_bytes(cfg.resilience, prediction.get("memory"))
         if resume is not None:
             trim_metrics(out, start, world.Get_rank())
         metrics_f = agree_or_raise(world, lambda: _open_metrics(out, resume) if world.Get_rank() == 0 else None,
@@ -209,9 +212,6 @@ def _train_loop(eng, cfg, world, start, guard, setup) -> dict:
                 history.append(m)
                 if step == start:
                     log_memory(eng)
-                    if guard is not None:
-                        log.info("resilience: buddy copies %.2f MiB of host memory per rank (this rank's state and "
-                                 "its partner's, the last 2 steps)", guard.copy_bytes() / 2**20)
                 _record(cfg, m, setup.metrics_f)
                 if setup.tbw:
                     setup.tbw.scalars(m["step"], tboard.scalars_of(_lines(m)))
@@ -220,6 +220,10 @@ def _train_loop(eng, cfg, world, start, guard, setup) -> dict:
                                                            saver.state() if saver else 0)    # the same on every rank
                 if guard is not None:      # after the boundary every rank has run the step: no rank is two ahead
                     guard.commit(eng, step + 1)
+                    if step == start:
+                        log.info("resilience: buddy copies %.2f MiB of host memory per rank (this rank's state and "
+                                 "its partner's, the last 2 steps; %.2f MiB predicted)", guard.copy_bytes() / 2**20,
+                                 guard.predicted / 2**20)
                 if saver:
                     with watchdog.during("checkpoint", bytes_written):     # its publishing is checkpoint work
                         saver.settle(writer)     # publishes the save in flight once every rank's writer has finished
