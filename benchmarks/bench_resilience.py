@@ -39,24 +39,28 @@ def worker(a) -> None:
     world = MPI.COMM_WORLD
     eng = build(load_config(None, GPT + [f"train.global_batch={a.batch}"]), world)
     buddies = Buddies(world.Dup(), 1)
-    runs = {"abort": [], "buddy": []}
+    runs = {"abort": [], "buddy": [], "commit": []}
     step = 0
     for _ in range(a.warmup):
         eng.train_step(step)
         buddies.commit(step + 1, *eng.held_state())
         step += 1
     for _ in range(a.rounds):
-        for mode in runs:
-            times = []
+        for mode in ("abort", "buddy"):
+            times, commits = [], []
             for _ in range(a.steps):
                 world.Barrier()
                 t = time.perf_counter()
                 eng.train_step(step)
                 if mode == "buddy":
+                    c = time.perf_counter()
                     buddies.commit(step + 1, *eng.held_state())
+                    commits.append(world.allreduce(time.perf_counter() - c, op=MPI.MAX))
                 times.append(world.allreduce(time.perf_counter() - t, op=MPI.MAX))
                 step += 1
             runs[mode].append(statistics.median(times))
+            if commits:
+                runs["commit"].append(statistics.median(commits))
     if world.Get_rank() == 0:
         Path(a.json).write_text(json.dumps({**runs, "copy_bytes": buddies.nbytes()}))
 
@@ -141,6 +145,8 @@ def main(argv=None) -> int:
             lines.append(f"step {statistics.median(runs['abort']):.3f} s (abort), "
                          f"{statistics.median(runs['buddy']):.3f} s with the buddy commit; buddy / abort "
                          f"{statistics.median(ratios):.3f} (rounds: {', '.join(f'{r:.3f}' for r in ratios)}); "
+                         f"the commit alone {statistics.median(runs['commit']):.3f} s (slowest rank), "
+                         f"{statistics.median(runs['commit']) / statistics.median(runs['abort']):.1%} of the step; "
                          f"copies {runs['copy_bytes'] / 2**20:.1f} MiB per rank")
         if a.only != "overhead":
             lines += recovery(a, tmp)
