@@ -67,15 +67,22 @@ def _allocated():
     return dcpl
 
 
-def save(world, root, step: int, keep: int, pieces: list, meta: dict, tracer, key: bytes | None = None) -> Path:
+def save(world, root, step: int, keep: int, pieces: list, meta: dict, tracer, key: bytes | None = None,
+         after_write=None) -> Path:
     """Collective over `world` (a comm.Comm): write this rank's `pieces` (state.checkpoint_pieces) of the
     checkpoint of `step` under root/step_XXXXXXXX; rank 0 writes the manifest (`meta`: config, state,
     shapes, layout, world; signed with `key`, else with the environment's key if one is set) and points
-    `latest` at it."""
+    `latest` at it. after_write: called once this rank's shard is written (fault injection)."""
     t_span = tracer.now()          # the save is one "checkpoint" span
     job = begin(world, root, step, pieces, key)
+
+    def write():
+        index = job.write(pieces)
+        if after_write is not None:
+            after_write()
+        return index
     try:
-        index = _collective(world, lambda: job.write(pieces))
+        index = _collective(world, write)
     except CheckpointError:
         job.abandon()
         raise

@@ -72,8 +72,15 @@ def _validate_resilience(cfg: Config) -> None:
             raise ConfigError(f"resilience.spares = {r.spares} needs resilience.on_failure = 'spare' (with 'abort' "
                               "a dead rank ends the job and spares would only idle); or set spares = 0")
         return
-    for bad, why in ((r.on_failure == "shrink", "on_failure = 'shrink' is not built yet: use 'spare'"),
-                     (r.on_failure == "spare" and r.spares < 1, f"resilience.spares >= 1 (got {r.spares})"),
+    st = cfg.strategy
+    shrink = r.on_failure == "shrink"
+    for bad, why in ((r.on_failure == "spare" and r.spares < 1, f"resilience.spares >= 1 (got {r.spares})"),
+                     (shrink and st.diloco.enable, "strategy.diloco.enable = false: the islands' outer state is not "
+                      "re-partitioned"),
+                     (shrink and st.expert_parallel.enable, "strategy.expert_parallel.enable = false: the expert "
+                      "blocks are folded inside data_parallel x sharding"),
+                     (shrink and st.sharding.enable and cfg.optim.name != "adamw", f"optim.name = 'adamw' under "
+                      f"sharding (got {cfg.optim.name!r}): the owned shards are re-partitioned element by element"),
                      (not r.buddy, "resilience.buddy = true: the dead rank's state comes from its buddy copy"),
                      (cfg.checkpoint.async_, "checkpoint.async = false: a recovery cannot carry a save in flight"),
                      (cfg.runtime.collectives != "mpi", "runtime.collectives = 'mpi': NCCL has no failure "

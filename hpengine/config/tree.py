@@ -579,7 +579,8 @@ class RuntimeConfig:
 class ResilienceConfig:
     """What a rank's death does to the job (spare and shrink need Open MPI's ULFM: `mpirun --with-ft ulfm`)."""
     on_failure: str = _f("abort", 'when a rank dies: "abort" (the job ends), "spare" (an idle spare rank takes the '
-                         'dead rank\'s place and the interrupted step is run again) or "shrink" (not yet built)',
+                         'dead rank\'s place and the interrupted step is run again) or "shrink" (a spare while there is one, '
+                         'else the dead rank\'s data-parallel replica leaves and dp, or sharding, falls by one)',
                          choices=("abort", "spare", "shrink"))
     spares: int = _f(0, "extra ranks started idle (launch ranks + spares): they join the world but not the mesh "
                      "and wait until a rank dies", check=_must(">=", 0))

@@ -20,11 +20,17 @@ def shift_of(hosts: list[str]) -> int:
     return 1
 
 
-def pack(arrays: dict) -> tuple[list, np.ndarray]:
-    """({name: host array}) -> (the arrays' (name, dtype, shape), their bytes in one uint8 buffer)."""
+def pack(arrays: dict, out: np.ndarray | None = None) -> tuple[list, np.ndarray]:
+    """({name: host array}) -> (the arrays' (name, dtype, shape), their bytes in one uint8 buffer: `out` when it
+    has the size, else a new one). One copy of each array."""
     meta = [(k, a.dtype.str, a.shape) for k, a in arrays.items()]
-    parts = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays.values()]
-    return meta, (np.concatenate(parts) if parts else np.zeros(0, np.uint8))
+    size = sum(a.nbytes for a in arrays.values())
+    data = out if out is not None and out.size == size else np.empty(size, np.uint8)
+    at = 0
+    for a in arrays.values():
+        data[at:at + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        at += a.nbytes
+    return meta, data
 
 
 def unpack(meta: list, data: np.ndarray) -> dict:
@@ -51,14 +57,16 @@ class Buddies:
     def commit(self, step: int, arrays: dict, facts: dict) -> None:
         """Keep this rank's state after `step` steps and swap copies with the partners (collective: pairwise
         sends and receives over comm)."""
-        meta, data = pack(arrays)
-        mine = (meta, data.copy(), dict(facts))
+        # the generation that falls out lends its buffers: no fresh pages to fault in at every step
+        spent = self.gens.pop(min(self.gens)) if len(self.gens) >= KEEP else None
+        meta, data = pack(arrays, spent[0][1] if spent else None)
+        mine = (meta, data, dict(facts))
         if self.comm.Get_size() == 1:
             theirs = mine
         else:
             head = self.comm.sendrecv((meta, data.size, mine[2]), dest=self.to, source=self.frm, sendtag=41,
                                       recvtag=41)
-            buf = np.empty(head[1], np.uint8)
+            buf = spent[1][1] if spent and spent[1][1].size == head[1] else np.empty(head[1], np.uint8)
             self.comm.Sendrecv([data, MPI.BYTE], dest=self.to, sendtag=42, recvbuf=[buf, MPI.BYTE],
                                source=self.frm, recvtag=42)
             theirs = (head[0], buf, head[2])

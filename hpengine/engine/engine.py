@@ -17,6 +17,7 @@ from hpengine.dist.comm import Comm
 from hpengine.dist.topology import REPLICA
 from hpengine.dist.tracer import Tracer
 from hpengine.engine import outer_state, state
+from hpengine.engine.held import held_state as _held_state, restore_held as _restore_held
 from hpengine.engine.rows import RowReader
 from hpengine.models import capabilities
 from hpengine.models.context import Ahead, with_documents
@@ -500,39 +501,12 @@ class Engine:
         self._round_held_params()
 
     def held_state(self) -> tuple[dict, dict]:
-        """Everything this rank's next steps depend on, as host copies ({name: array}) and small facts: the
-        compute copy of its parameters (the whole stage's below sharding stage 3, else its shard), the amp
-        masters, each optimizer's state and step count, the loss scaler and router biases. An engine built at
-        the same mesh place continues exactly from it (restore_held); a buddy copy holds it."""
-        sync, host = self.sync, self.be.to_host
-        arrays = {"params": host(sync.params.data)} if sync.params is not None else {"owned": host(sync.owned_params())}
-        if self.master is not None:
-            arrays["master"] = host(self.master)
-        for i, opt in enumerate(self.opts):
-            for kind, a in ({} if opt is None else opt.state()).items():
-                arrays[f"opt{i}.{kind}"] = host(a)
-        facts = {"opt_steps": self.opt_steps, "opt_t": [None if o is None else o.t for o in self.opts],
-                 "scaler": self.scaler.state() if self.scaler else None, "router": self.router_bias.meta()}
-        return arrays, facts
+        """This rank's state as host copies and small facts, for a buddy copy (engine/held.py)."""
+        return _held_state(self)
 
     def restore_held(self, arrays: dict, facts: dict) -> None:
         """Take back what held_state gave (of this rank, or of the rank whose mesh place this one took)."""
-        sync, xp = self.sync, self.xp
-        if sync.params is not None:
-            sync.params.data[...] = xp.asarray(arrays["params"])
-        else:
-            sync.owned_params()[...] = xp.asarray(arrays["owned"])
-        if self.master is not None:
-            self.master[...] = xp.asarray(arrays["master"])
-        for i, opt in enumerate(self.opts):
-            if opt is not None:
-                for kind, a in opt.state().items():
-                    a[...] = xp.asarray(arrays[f"opt{i}.{kind}"])
-                opt.t = facts["opt_t"][i]
-        self.opt_steps = facts["opt_steps"]
-        if self.scaler is not None:
-            self.scaler.load(facts["scaler"])
-        self.router_bias.load(facts["router"])
+        _restore_held(self, arrays, facts)
 
     def _round_held_params(self) -> None:
         """bf16: the compute copy this rank holds (whole buffer and owned shard) as bfloat16 values (packed: bits

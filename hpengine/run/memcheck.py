@@ -10,6 +10,7 @@ from hpengine.config.load import ConfigError
 from hpengine.dist.agree import agree_or_raise
 from hpengine.dist.topology import node_ranks
 from hpengine.optim import optimizer_kind
+from hpengine.planner.memory import buddy_bytes
 
 
 class MemoryCheckError(ConfigError):
@@ -94,10 +95,11 @@ def check_fits(cfg, res, world, backend, mem: dict | None, limit=None, per_node:
     if per_node is None:
         _, per_node = node_ranks(world)
     lim = None
-    extra = snapshot_bytes(cfg, res, mem) if mem is not None and not backend.is_gpu else 0   # GPU: host memory
-    if extra:
-        mem = {**{k: v for k, v in mem.items() if k != "total"}, "checkpoint snapshot": extra,
-               "total": mem["total"] + extra}
+    host = mem is not None and not backend.is_gpu        # on a GPU these are host memory, not the device's
+    for name, extra in (("checkpoint snapshot", snapshot_bytes(cfg, res, mem) if host else 0),
+                        ("buddy copies", buddy_bytes(cfg.resilience, mem) if host else 0)):
+        if extra:
+            mem = {**{k: v for k, v in mem.items() if k != "total"}, name: extra, "total": mem["total"] + extra}
 
     def fits():          # the limit is found inside: reading it can fail on one rank only
         nonlocal lim

@@ -16,21 +16,34 @@ from mpi4py import MPI
 from hpengine.dist import ulfm
 from hpengine.dist.agree import agree_or_raise
 from hpengine.dist.buddy import Buddies, shift_of, unpack
+from hpengine.engine import held
+from hpengine.run import faults, progress, shrink, trace
+from hpengine.run.build import build_job, compute_dtype
 from hpengine.run.launch import LaunchError
+from hpengine.run.run_dir import trim_metrics
 
 log = logging.getLogger("hpengine")
-KILL_VAR = "HPENGINE_FAULT_KILL"      # tests: "WORLD_RANK@STEP,...": that process SIGKILLs itself as step STEP begins
+# tests: "WORLD_RANK@STEP,...": that process SIGKILLs itself as step STEP begins; "WORLD_RANK@save:STEP": once it
+# has written its shard of the checkpoint of step STEP
+KILL_VAR = "HPENGINE_FAULT_KILL"
+
+
+class LeftMesh(Exception):
+    """Shrink mode: this rank's replica left the mesh with a dead rank; it serves as a spare from now on."""
 
 
 def kill_plan(env=None) -> dict:
-    """{world rank: step} from HPENGINE_FAULT_KILL ("1@3,4@5"); the fault injection of the resilience tests."""
+    """{world rank: (step, where)} from HPENGINE_FAULT_KILL ("1@3,4@save:5"; where: "step" or "save"); the fault
+    injection of the resilience tests."""
     text = (os.environ if env is None else env).get(KILL_VAR, "").strip()
     plan = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         rank, _, step = item.partition("@")
-        if not (rank.isdigit() and step.isdigit()):
-            raise LaunchError(f"{KILL_VAR} = {text!r}: give WORLD_RANK@STEP items separated by commas, e.g. 1@3")
-        plan[int(rank)] = int(step)
+        where, _, n = step.rpartition(":")
+        if not (rank.isdigit() and n.isdigit() and where in ("", "save")):
+            raise LaunchError(f"{KILL_VAR} = {text!r}: give WORLD_RANK@STEP or WORLD_RANK@save:STEP items separated "
+                              "by commas, e.g. 1@3,2@save:4")
+        plan[int(rank)] = (int(n), where or "step")
     return plan
 
 
@@ -54,13 +67,16 @@ class Resilience:
             raise LaunchError(f"resilience.spares = {spares} leaves no rank to train on {n} rank(s): launch "
                               f"(mesh ranks + {spares}) ranks")
         self.origin = self.world.Get_rank()           # this process's rank at launch (the fault plan's key)
-        self.kill_at = kill_plan().get(self.origin)
+        self.kill_at = kill_plan().get(self.origin, (None, None))
         self.places = n - spares                      # the mesh's ranks: place p is world rank p at launch
         self.hosts = self.world.allgather(socket.gethostname())[:self.places]     # the node of each place
         self.compute = ulfm.split_spares(self.world, spares)
         self.place = -1 if self.compute == MPI.COMM_NULL else self.compute.Get_rank()
         self.buddies = self._buddies()
         self.recovery = None        # the last recovery's record, until the step after it completes
+        self.mesh = None            # the mesh of the engine last committed (places' coordinates)
+        self.predicted = 0          # the buddy copies' bytes the start-up prediction counted
+        self.saving = self.resave = -1      # the step of the checkpoint being written; of one a failure cut short
 
     @property
     def spare(self) -> bool:
@@ -74,15 +90,24 @@ class Resilience:
     # --- in the training loop ----------------------------------------------------------------------------
     def before_step(self, step: int) -> None:
         """The test hook: this process dies as step `step` + 1 begins when HPENGINE_FAULT_KILL says so."""
-        if self.kill_at == step + 1:
-            log.warning("fault injection (%s): launch rank %d SIGKILLs itself as step %d begins, at unix time %.3f",
-                        KILL_VAR, self.origin, step + 1, time.time())
-            for h in log.handlers:
-                h.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kill_at == (step + 1, "step"):
+            self._die(f"as step {step + 1} begins")
+
+    def save_hook(self, step: int):
+        """The test hook inside a save: called once this rank's shard of step `step` is written (None: no kill)."""
+        return (lambda: self._die(f"after writing its shard of the checkpoint of step {step}")) if (
+            self.kill_at == (step, "save")) else None
+
+    def _die(self, when: str) -> None:
+        log.warning("fault injection (%s): launch rank %d SIGKILLs itself %s, at unix time %.3f", KILL_VAR,
+                    self.origin, when, time.time())
+        for h in log.handlers:
+            h.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def commit(self, eng, steps: int) -> None:
         """This rank's state after `steps` optimizer steps, kept here and on its buddy (collective)."""
+        self.mesh = eng.mesh
         arrays, facts = eng.held_state()
         self.buddies.commit(steps, arrays, facts)
 
@@ -103,6 +128,8 @@ class Resilience:
 
     def survivor(self) -> int:
         """The compute rank of the lowest mesh place that survived the last recovery (its history is the run's)."""
+        if self.recovery and "root" in self.recovery:       # a shrink: every new mesh rank was training
+            return self.recovery["root"]
         dead = set(self.recovery["dead_ranks"]) if self.recovery else set()
         return min(p for p in range(self.places) if p not in dead)
 
@@ -120,36 +147,79 @@ class Resilience:
 
     def recover(self, comms=()):
         """Every live rank (spares too) after a failure: revokes `comms` and the world, shrinks it, puts a spare
-        in each dead rank's place and hands each rank its state at the newest step every survivor holds.
-        Returns (step, arrays, facts) to build and fill this rank's engine from, or None on a rank left a
-        spare (it waits again). self.recovery then describes it (dead places, their hosts, the spares)."""
+        in each dead rank's place (shrink mode with too few spares: drops the dead rank's replica, shrink.py) and
+        hands each rank its state at the newest step every survivor holds. Returns (step, arrays, facts, owners)
+        to build and fill this rank's engine from (owners: every old owner's copy when sharding fell, else None),
+        or None on a rank left a spare (it waits again). self.recovery then describes it (dead places, their
+        hosts, the spares or the shrink); self.resave is the step of a save the failure interrupted (-1: none)."""
         self.t_failed = time.perf_counter()
         ulfm.revoke_all([*comms, self.compute, self.world])
         held = (self.buddies.latest(), self.buddies.shift) if self.buddies else (-1, 0)
-        small, members = ulfm.shrink(self.world, (self.place, *held, socket.gethostname(), self.origin))
-        self.world = small
+        small, members = ulfm.shrink(self.world, (self.place, *held, socket.gethostname(), self.origin,
+                                                  self.saving))
+        self.world, self.saving = small, -1
         alive = [m for m in members if m[1][0] >= 0]
         step = min(s for _, (_, s, *_) in alive)
         shift = alive[0][1][2]
-        compute, place, filled = ulfm.placed(small, [(o, p) for o, (p, *_) in members], self.places)
-        dead = sorted(p for p, _ in filled)
+        self.resave = max(m[1][5] for m in members)
+        dead = sorted(set(range(self.places)) - {p for _, (p, *_) in alive})
         if not dead:          # the same membership everywhere: every rank raises together
             raise ulfm.SpareError("an MPI error stopped a step but every rank is alive: it was not a failure")
+        idle = sum(1 for _, (p, *_) in members if p < 0)
+        if self.cfg.resilience.on_failure == "shrink" and idle < len(dead):
+            return self._shrink(small, members, dead, step, shift)
+        compute, place, filled = ulfm.placed(small, [(o, p) for o, (p, *_) in members], self.places)
         dead_hosts = [self.hosts[p] for p in dead]
         mine = self._hand_over(compute, place, dead, step, shift) if compute != MPI.COMM_NULL else None
         self.compute, self.place = compute, place
-        for _, (p, _, _, host, _) in members:
+        for _, (p, _, _, host, *_) in members:
             if p >= 0:
                 self.hosts[p] = host
-        spare_host = {o: h for o, (_, _, _, h, _) in members}
-        launch_rank = {o: lr for o, (*_, lr) in members}
+        spare_host = {o: h for o, (_, _, _, h, *_) in members}
+        launch_rank = {o: m[4] for o, m in members}
         for p, o in filled:
             self.hosts[p] = spare_host[o]
         self.buddies = self._buddies()
-        self.recovery = {"recovered_step": step + 1,
-                         "dead_ranks": dead, "dead_hosts": dead_hosts,
+        self.recovery = {"recovered_step": step + 1, "dead_ranks": dead, "dead_hosts": dead_hosts,
                          "spare_ranks": [launch_rank[o] for _, o in sorted(filled)]}
-        return None if mine is None else (step, *mine)
+        return None if mine is None else (step, *mine, None)
+
+    def _shrink(self, small, members, dead: list, step: int, shift: int):
+        """No spare for the dead: its replica leaves the mesh (its survivors wait as spares) and dp, or sharding,
+        falls by one; or, where no smaller layout fits, every survivor ends the job in one line."""
+        lead = min(i for i, (_, (p, *_)) in enumerate(members) if p >= 0)    # a rank that knows the mesh
+        got = coords = None
+        if small.Get_rank() == lead:
+            coords = [self.mesh.coords_of(p) for p in range(self.places)]
+            got = shrink.plan(self.cfg, dict(self.mesh.degrees), self.mesh.axes, coords, dead)
+            lost = [p for p in dead if (p + shift) % self.places in dead]
+            if isinstance(got, shrink.Plan) and got.axis == "sharding" and lost:
+                got = f"mesh places {lost} died together with the places holding their buddy copies"
+        got, coords = small.bcast((got, coords), root=lead)
+        if not isinstance(got, shrink.Plan):
+            where = [f"rank {p} ({_coords(coords[p])}) on {self.hosts[p]}" for p in dead]
+            line = (f"hpengine: {', '.join(where)} died and no spare is left; shrink mode cannot go on: {got}; "
+                    f"the job ends; {shrink.last_checkpoint(self.cfg)}")
+            if small.Get_rank() == 0:
+                faults.say(line)
+            small.Barrier()             # the line is out before the job ends as abort mode ends it
+            small.Abort(2)
+        owners = (shrink.owners_of(small, members, coords, dead, self.place, step, shift, self.buddies)
+                  if got.axis == "sharding" else None)
+        new = got.new[self.place] if self.place >= 0 else -1
+        compute = small.Split(MPI.UNDEFINED if new < 0 else 0, new)
+        if compute != MPI.COMM_NULL:
+            ulfm.errors_return(compute)
+        mine = self.buddies.own(step) if new >= 0 else None
+        hosts = {got.new[p]: host for _, (p, _, _, host, *_) in members if p >= 0 and got.new[p] >= 0}
+        launch_rank = {p: m[4] for _, m in members if (p := m[0]) >= 0}
+        self.recovery = {"recovered_step": step + 1, "dead_ranks": dead, "dead_hosts": [self.hosts[p] for p in dead],
+                         "dead_coords": [coords[p] for p in dead], "shrunk": f"{got.axis} {got.n} -> {got.n - 1}",
+                         "left_ranks": sorted(launch_rank[p] for p in launch_rank if got.new[p] < 0), "root": 0}
+        self.compute, self.place, self.places, self.cfg = compute, new, len(hosts), got.cfg
+        self.hosts = [hosts[p] for p in range(len(hosts))]
+        self.buddies = self._buddies()
+        return None if mine is None else (step, *mine, owners)
 
     def _hand_over(self, compute, place: int, dead: list, step: int, shift: int):
         """(arrays, facts) of this rank at `step`: its own copy, or (a spare now in a dead place) the copy its
@@ -171,3 +241,45 @@ class Resilience:
                 compute.Recv([buf, MPI.BYTE], source=holder, tag=44)
                 out = (unpack(meta, buf), facts)
         return out if out is not None else self.buddies.own(step)
+
+
+# --- the training loop's side of a recovery ---------------------------------------------------------------
+def rebuilt(cfg, guard, got):
+    """The engine on the recovered mesh, in the state of step got[0] (got: Resilience.recover's answer),
+    its buddy copies made again; the line naming the dead ranks."""
+    step, arrays, facts, owners = got
+    eng = build_job(cfg, guard.compute)[0]
+    if owners is None:
+        eng.restore_held(arrays, facts)
+    else:
+        held.restore_repartitioned(eng, arrays, facts, owners)
+    guard.commit(eng, step)
+    guard.ready()
+    rec = guard.recovery
+    # a spare's mesh has the old one's shape: the dead places' coordinates are read off it
+    rec.setdefault("dead_coords", [eng.mesh.coords_of(p) for p in rec["dead_ranks"]])
+    for i, (p, host, c) in enumerate(zip(rec["dead_ranks"], rec["dead_hosts"], rec["dead_coords"])):
+        went = (f"a spare (launch rank {rec['spare_ranks'][i]}) took its place" if "shrunk" not in rec else
+                f"no spare: its replica left the mesh ({rec['shrunk']}; launch ranks {rec['left_ranks']} wait as "
+                "spares)")
+        if eng.mesh.rank == 0:
+            faults.say(f"hpengine: rank {p} ({_coords(c)}) on {host} died; {went}; training goes on from step "
+                       f"{step + 1} ({rec['recovery_s']:.2f} s to recover)")
+    return eng
+
+
+def _coords(c: dict) -> str:
+    return f"dp{c['dp']} sh{c['sharding']} pp{c['pp']} tp{c['tp']}"
+
+
+def rejoin(eng, cfg, world, setup, step: int, history: list, root: int, open_metrics) -> list:
+    """After a recovery, on every rank of the new mesh: the timers, progress and metrics file again (rank 0
+    may be new), metrics.jsonl and the history trimmed to `step` (a step run again is recorded once), the
+    history as the survivor ranked `root` has it (open_metrics: the loop's opener of metrics.jsonl)."""
+    if setup.metrics_f:
+        setup.metrics_f.close()
+    trim_metrics(setup.out, step, world.Get_rank())
+    setup.metrics_f = open_metrics(setup.out, True) if world.Get_rank() == 0 else None
+    setup.prog = progress.begin(eng, cfg, world, step, compute_dtype(cfg), log)
+    setup.tracer = trace.attach(eng, cfg)
+    return world.bcast([m for m in history if m["step"] <= step], root=root)

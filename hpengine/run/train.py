@@ -19,7 +19,8 @@ from hpengine.dist.agree import agree_or_raise
 from hpengine.dist.watchdog import Watchdog, progress as bytes_written
 from hpengine.files import UnsafeFile, open_append, write_file
 from hpengine.planner import search as plan
-from hpengine.run import faults, launch, progress, supervisor, tensorboard as tboard, trace
+from hpengine.planner.memory import buddy_bytes
+from hpengine.run import faults, launch, progress, resilience, supervisor, tensorboard as tboard, trace
 from hpengine.run.build import (
     build_job,
     check_same_tokenizer,
@@ -84,7 +85,10 @@ def train(cfg, world=None, resume=None) -> dict:
     eng, prediction = build_job(cfg, world)
     lock = lock_run_dir(cfg, world)             # before anything reads or renames inside the folder
     try:
-        return _train(eng, cfg, world, resume, prediction, guard)
+        try:
+            return _train(eng, cfg, world, resume, prediction, guard)
+        except resilience.LeftMesh:         # shrink: this rank's replica left the mesh; it serves as a spare
+            return _serve_as_spare(guard.cfg, guard)
     finally:
         unlock_run_dir(lock)
 
@@ -94,29 +98,12 @@ def _serve_as_spare(cfg, guard) -> dict:
     while guard.wait():
         got = guard.recover()
         if got is not None:
-            eng = _rebuilt(cfg, guard, got)
-            return _train(eng, cfg, guard.compute, None, None, guard, joined=got[0])
+            eng = resilience.rebuilt(guard.cfg, guard, got)
+            try:
+                return _train(eng, guard.cfg, guard.compute, None, None, guard, joined=got[0])
+            except resilience.LeftMesh:         # a later shrink dropped its replica: it waits again
+                continue
     return {"spare": True, "stopped_early": None}
-
-
-def _rebuilt(cfg, guard, got):
-    """The engine on the recovered mesh, in the state of step got[0] (got: Resilience.recover's answer),
-    its buddy copies made again; the line naming the dead ranks."""
-    step, arrays, facts = got
-    eng = build_job(cfg, guard.compute)[0]
-    eng.restore_held(arrays, facts)
-    guard.commit(eng, step)
-    guard.ready()
-    rec = guard.recovery
-    for p, host in zip(rec["dead_ranks"], rec["dead_hosts"]):
-        c = eng.mesh.coords_of(p)
-        rec.setdefault("dead_coords", []).append(c)
-        say_line = (f"hpengine: rank {p} (dp{c['dp']} sh{c['sharding']} pp{c['pp']} tp{c['tp']}) on {host} died; "
-                    f"a spare (launch rank {rec['spare_ranks'][rec['dead_ranks'].index(p)]}) took its place; "
-                    f"training goes on from step {step + 1} ({rec['recovery_s']:.2f} s to recover)")
-        if eng.mesh.rank == 0:
-            faults.say(say_line)
-    return eng
 
 
 def _train(eng, cfg, world, resume, prediction, guard=None, joined=None) -> dict:
@@ -150,6 +137,8 @@ def _train(eng, cfg, world, resume, prediction, guard=None, joined=None) -> dict
                              failures_seen=failures_before, survive=guard is not None).start()
     try:
         plan.log_prediction(prediction, log, rank=eng.mesh.rank)
+        if guard is not None:        # the memory check counted them: the start-up log says both
+            guard.predicted = buddy_bytes(cfg.resilience, prediction.get("memory"))
         if resume is not None:
             trim_metrics(out, start, world.Get_rank())
         metrics_f = agree_or_raise(world, lambda: _open_metrics(out, resume) if world.Get_rank() == 0 else None,
@@ -183,29 +172,17 @@ class _Joined(_Setup):
                          launch.launch_record(world.Get_size() + cfg.resilience.spares, {}))
 
 
-def _rejoin(eng, cfg, world, setup, step: int, history: list, root: int) -> list:
-    """After a recovery, on every rank of the new mesh: the timers, progress and metrics file again (rank 0
-    may be new), metrics.jsonl and the history trimmed to `step` (a step run again is recorded once), the
-    history as the survivor ranked `root` has it."""
-    if setup.metrics_f:
-        setup.metrics_f.close()
-    trim_metrics(setup.out, step, world.Get_rank())
-    setup.metrics_f = _open_metrics(setup.out, True) if world.Get_rank() == 0 else None
-    setup.prog = progress.begin(eng, cfg, world, step, compute_dtype(cfg), log)
-    setup.tracer = trace.attach(eng, cfg)
-    return world.bcast([m for m in history if m["step"] <= step], root=root)
-
-
 def _train_loop(eng, cfg, world, start, guard, setup) -> dict:
     out, launched, watchdog = setup.out, setup.launched, setup.watchdog
-    history, stop = [], None
+    history, stop, saved = [], None, None
     if setup.prog is None:             # a spare joining: the collectives every rank runs after a recovery
-        history = _rejoin(eng, cfg, world, setup, start, history, guard.survivor())
+        history = resilience.rejoin(eng, cfg, world, setup, start, history, guard.survivor(), _open_metrics)
+        saved = _resave(eng, cfg, guard, start, None)
     elif guard is not None:
         guard.commit(eng, start)       # the buddy copies of the state training starts from
     launch.on_interrupt(setup.monitor.interrupted if setup.monitor else None)
     restore_signals = launch.install_stop_handlers()
-    saved, last_save = None, _clock()      # the last step saved by this run, and when (checkpoint.every_minutes)
+    last_save = _clock()      # when this run last saved (checkpoint.every_minutes); `saved`: which step
     saver = background.Saver(eng.world, eng.tracer, log) if cfg.checkpoint.async_ else None
     eng.fence_updates(_fence(saver, watchdog) if saver else None)
     held = False           # a periodic save due at a skipped (overflowed) step: made at the next applied step
@@ -235,9 +212,6 @@ def _train_loop(eng, cfg, world, start, guard, setup) -> dict:
                 history.append(m)
                 if step == start:
                     log_memory(eng)
-                    if guard is not None:
-                        log.info("resilience: buddy copies %.2f MiB of host memory per rank (this rank's state and "
-                                 "its partner's, the last 2 steps)", guard.copy_bytes() / 2**20)
                 _record(cfg, m, setup.metrics_f)
                 if setup.tbw:
                     setup.tbw.scalars(m["step"], tboard.scalars_of(_lines(m)))
@@ -246,6 +220,10 @@ def _train_loop(eng, cfg, world, start, guard, setup) -> dict:
                                                            saver.state() if saver else 0)    # the same on every rank
                 if guard is not None:      # after the boundary every rank has run the step: no rank is two ahead
                     guard.commit(eng, step + 1)
+                    if step == start:
+                        log.info("resilience: buddy copies %.2f MiB of host memory per rank (this rank's state and "
+                                 "its partner's, the last 2 steps; %.2f MiB predicted)", guard.copy_bytes() / 2**20,
+                                 guard.predicted / 2**20)
                 if saver:
                     with watchdog.during("checkpoint", bytes_written):     # its publishing is checkpoint work
                         saver.settle(writer)     # publishes the save in flight once every rank's writer has finished
@@ -256,15 +234,22 @@ def _train_loop(eng, cfg, world, start, guard, setup) -> dict:
                 held = periodic and bool(m.get("skipped")) and not stop
                 if (stop and stop != "SIGINT") or (periodic and not held):
                     watchdog.heartbeat(step + 1, "checkpoint", bytes_written)
-                    save_checkpoint(eng, cfg, step + 1, saver)
+                    if guard is not None:
+                        guard.saving = step + 1       # a failure now: the recovery saves this step again
+                    save_checkpoint(eng, cfg, step + 1, saver, guard and guard.save_hook(step + 1))
                     saved, last_save = step + 1, _clock()
+                    if guard is not None:
+                        guard.saving = -1
             except Exception as exc:       # noqa: BLE001 - a dead peer is survived; anything else is raised again
                 if guard is None or not guard.handles(exc):
                     raise
                 got = guard.recover(eng.mesh.comms.values())
-                world, step = guard.compute, got[0]
-                eng = _rebuilt(cfg, guard, got)
-                history = _rejoin(eng, cfg, world, setup, step, history, guard.survivor())
+                if got is None:         # shrink: this rank's replica left the mesh
+                    raise resilience.LeftMesh() from None
+                world, step, cfg = guard.compute, got[0], guard.cfg
+                eng = resilience.rebuilt(cfg, guard, got)
+                history = resilience.rejoin(eng, cfg, world, setup, step, history, guard.survivor(), _open_metrics)
+                saved = _resave(eng, cfg, guard, step, saver) or saved
                 continue
             if stop:
                 log.info("%s received: stopping cleanly after step %d of %d (%s)", stop, step + 1, cfg.train.steps,
@@ -326,6 +311,15 @@ def next_steps(cfg, out, stop=None, launched=None) -> str:
     data = shlex.quote(cfg.data.val_path) if cfg.data.val_path else "TOKENS.h5"   # hpengine data build ... --out
     return (f"run folder {q}; next: hpengine generate {ck}{model} --prompt 'def ' ; "
             f"hpengine eval {ck} --data {data} ; hpengine plot {q}")
+
+
+def _resave(eng, cfg, guard, step: int, saver) -> int | None:
+    """After a recovery: the checkpoint a failure cut short is written again (the new mesh holds the state of its
+    step); the step saved, or None. What the cut save left is cleared by the new save's start (write.begin)."""
+    if guard.resave != step:
+        return None
+    save_checkpoint(eng, cfg, step, saver)
+    return step
 
 
 def _fence(saver, watchdog):
@@ -392,20 +386,21 @@ def checkpoint_root(cfg) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints")
 
 
-def save_state(eng, root, step: int, keep: int, saver=None) -> Path | None:
+def save_state(eng, root, step: int, keep: int, saver=None, after_write=None) -> Path | None:
     """Collective: this job's checkpoint of `step` under root (checkpoint/write.py writes it); with an
-    asynchronous `saver` (checkpoint/background.py) only started, and None returned."""
+    asynchronous `saver` (checkpoint/background.py) only started, and None returned. after_write: called once
+    this rank's shard is written (the resilience tests' fault injection)."""
     pieces, meta = eng.state_pieces(copy=saver is None)     # the writer reads the live buffers before the update
     meta = {"config": to_toml(eng.cfg), **meta, "data": data_meta(eng.data)}
     if saver is not None:
         saver.start(root, step, keep, pieces, meta, live=not eng.be.is_gpu)
         return None
-    return ckpt_write.save(eng.world, root, step, keep, pieces, meta, eng.tracer)
+    return ckpt_write.save(eng.world, root, step, keep, pieces, meta, eng.tracer, after_write=after_write)
 
 
-def save_checkpoint(eng, cfg, step: int, saver=None) -> None:
+def save_checkpoint(eng, cfg, step: int, saver=None, after_write=None) -> None:
     t0 = time.perf_counter()
-    path = save_state(eng, checkpoint_root(cfg), step, cfg.checkpoint.keep, saver)
+    path = save_state(eng, checkpoint_root(cfg), step, cfg.checkpoint.keep, saver, after_write)
     if path is not None:
         log.info("checkpoint step %d -> %s (%.2f s)", step, path, time.perf_counter() - t0)
 
