@@ -54,14 +54,16 @@ def _same_run(out, ref, atol=1e-300):
 @pytest.mark.parametrize("layout", [
     ["strategy.data_parallel.enable=true", "strategy.data_parallel.degree=4"],
     ["strategy.sharding.enable=true", "strategy.sharding.degree=4", "strategy.sharding.stage=3"],
-], ids=["dp4", "sharding4-stage3"])
+    ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2", "strategy.pipeline.enable=true",
+     "strategy.pipeline.degree=2"],
+], ids=["dp4", "sharding4-stage3", "tp2-pp2"])
 def test_a_killed_rank_is_replaced_by_a_spare_and_the_run_ends_as_if_none_died(tmp_path, small_corpus, layout):
     rc, text, ref = _train(tmp_path, small_corpus, "ref", 4, layout, ft=False)
     assert rc == 0, text
     rc, text, out = _train(tmp_path, small_corpus, "ft", 5, [*layout, *SPARE, "resilience.spares=1"],
                            HPENGINE_FAULT_KILL="1@3")
     assert rc == 0, text
-    line = re.search(r"hpengine: rank 1 \((dp\d sh\d pp0 tp0)\) on (\S+) died; a spare \(launch rank 4\) took its "
+    line = re.search(r"hpengine: rank 1 \((dp\d sh\d pp\d tp\d)\) on (\S+) died; a spare \(launch rank 4\) took its "
                      r"place; training goes on from step (\d+) \(([\d.]+) s to recover\)", text)
     assert line, text
     assert int(line.group(3)) in (2, 3)      # the step the kill interrupted, or the one before it
