@@ -109,5 +109,5 @@ def test_cli_plan_optimizer_flag(tmp_path, capsys):
     assert main(["plan", "--check", str(cfg), "--world", "1", "--optimizer", "adamw"]) == 0
     assert "optimizer adamw" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
-        main(["plan", *sets, "--optimizer", "sgd"])
-    assert e.value.code == 2 and "--optimizer: invalid choice: 'sgd'" in capsys.readouterr().err
+        main(["plan", *sets, "--optimizer", "lion"])
+    assert e.value.code == 2 and "--optimizer: invalid choice: 'lion'" in capsys.readouterr().err

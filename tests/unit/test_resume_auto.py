@@ -119,7 +119,7 @@ def test_every_minutes_saves_when_that_much_wall_time_has_passed(tmp_path, small
     the last save each time; worked out by hand), then at_end after step 10."""
     saves = []          # each call of the clock is 25 s later: the loop reads it at the start, at each step
     monkeypatch.setattr(train_mod, "_clock", iter(range(0, 10_000, 25)).__next__)   # boundary and after a save
-    monkeypatch.setattr(train_mod, "save_checkpoint", lambda eng, cfg, step, saver=None: saves.append(step))
+    monkeypatch.setattr(train_mod, "save_checkpoint", lambda eng, cfg, step, saver=None, after_write=None: saves.append(step))
     rc, _, err = cli(capsys, *args(small_corpus, tmp_path / "run", "train.steps=10", "checkpoint.every_minutes=1"))
     assert rc == 0, err
     assert saves == [3, 6, 9, 10]
@@ -128,7 +128,7 @@ def test_every_minutes_saves_when_that_much_wall_time_has_passed(tmp_path, small
 def test_every_minutes_zero_is_off(tmp_path, small_corpus, capsys, monkeypatch):
     saves = []
     monkeypatch.setattr(train_mod, "_clock", iter(range(0, 10**9, 3600)).__next__)     # an hour a step
-    monkeypatch.setattr(train_mod, "save_checkpoint", lambda eng, cfg, step, saver=None: saves.append(step))
+    monkeypatch.setattr(train_mod, "save_checkpoint", lambda eng, cfg, step, saver=None, after_write=None: saves.append(step))
     rc, _, err = cli(capsys, *args(small_corpus, tmp_path / "run", "train.steps=3", "checkpoint.every_minutes=0",
                                    "checkpoint.at_end=false"))
     assert rc == 0, err
