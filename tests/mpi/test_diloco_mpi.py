@@ -130,6 +130,21 @@ def island_engine(corpus, knobs, i, M, G):
     return e
 
 
+def two_islands_and_their_engines(corpus, steps, G, knobs, H, mu, lr, quantize, fragments):
+    """The run of 2 islands of world / 2 ranks (dp inside) with these outer settings (and knobs): (each island's
+    losses, parameters, engine), and the one-process engine of each island with its flat parameters, for the
+    test's NumPy model to drive."""
+    n = WORLD.Get_size()
+    need(n % 2 == 0, "2 islands of equal size")
+    outer = [f"strategy.diloco.inner_steps={H}", f"strategy.diloco.outer_momentum={mu}",
+             f"strategy.diloco.outer_lr={lr}", f"strategy.diloco.quantize={quantize}",
+             f"strategy.diloco.fragments={fragments}", *knobs]
+    inner = ["strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n // 2}"]
+    losses, params, eng = run(config(corpus, *DILOCO, *outer, *inner), WORLD, steps=steps)
+    isl = [island_engine(corpus, [], i, 2, G) for i in range(2)]
+    return island_losses(losses, eng, WORLD), params, eng, isl, [e.sync.params.data for e in isl]
+
+
 @pytest.mark.parametrize("quantize,fragments", [("none", 1), ("int8", 1), ("int4", 1), ("int8", 3)])
 def test_outer_step_against_numpy_model(corpus, quantize, fragments):
     """H = 3, outer momentum 0.9, Nesterov, outer lr 0.7, six steps: 2 islands of world / 2 ranks (dp) against the
@@ -137,18 +152,8 @@ def test_outer_step_against_numpy_model(corpus, quantize, fragments):
     streaming: fragment f, the f-th of F equal element ranges, meets after step s when s + f H / F is a multiple of
     H), fed by two one-process engines, each running one island's rows. The replica communicator moves exactly the
     format's bytes."""
-    n = WORLD.Get_size()
-    need(n % 2 == 0, "2 islands of equal size")
     H, mu, lr, M, G, steps = 3, 0.9, 0.7, 2, 8, 6
-    outer_knobs = [f"strategy.diloco.inner_steps={H}", f"strategy.diloco.outer_momentum={mu}",
-                   f"strategy.diloco.outer_lr={lr}", f"strategy.diloco.quantize={quantize}",
-                   f"strategy.diloco.fragments={fragments}"]
-    inner = ["strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n // 2}"]
-    losses, params, eng = run(config(corpus, *DILOCO, *outer_knobs, *inner), WORLD, steps=steps)
-    got = island_losses(losses, eng, WORLD)
-
-    isl = [island_engine(corpus, [], i, M, G) for i in range(M)]
-    P = [e.sync.params.data for e in isl]
+    got, params, eng, isl, P = two_islands_and_their_engines(corpus, steps, G, [], H, mu, lr, quantize, fragments)
     outer = P[0].copy()
     size, tensors = outer.size, tensor_bounds(isl[0])
     buf, resid = np.zeros_like(outer), [np.zeros_like(outer) for _ in range(M)]

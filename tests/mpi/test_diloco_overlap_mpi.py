@@ -9,7 +9,7 @@ from mpi4py import MPI
 from helpers import assert_resumes_like, assert_same, assert_same_params, config, need, run
 from hpengine.run.build import build
 from hpengine.run.train import save_state
-from test_diloco_mpi import DILOCO, island_engine, island_losses, np_quantize_tensors, tensor_bounds
+from test_diloco_mpi import DILOCO, np_quantize_tensors, tensor_bounds, two_islands_and_their_engines
 
 WORLD = MPI.COMM_WORLD
 
@@ -19,20 +19,11 @@ def test_overlap_against_numpy_model(corpus, quantize, fragments, mix):
     """H = 3, Nesterov 0.9, outer lr 0.7, eight steps, 2 islands of world / 2 ranks (dp): fragment f's
     pseudo-gradient taken after step s (s + 1 + f H / F a multiple of H) lands after step s + H / F: the outer
     step from the islands' mean at s, then island = mix x island + (1 - mix) x outer; written out here in NumPy."""
-    n = WORLD.Get_size()
-    need(n % 2 == 0, "2 islands of equal size")
     H, mu, lr, M, G, steps = 3, 0.9, 0.7, 2, 8, 8
     tau = H // fragments
-    knobs = [f"strategy.diloco.inner_steps={H}", f"strategy.diloco.outer_momentum={mu}",
-             f"strategy.diloco.outer_lr={lr}", f"strategy.diloco.quantize={quantize}",
-             f"strategy.diloco.fragments={fragments}", "strategy.diloco.overlap=true",
-             f"strategy.diloco.overlap_mix={mix}"]
-    inner = ["strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n // 2}"]
-    losses, params, eng = run(config(corpus, *DILOCO, *knobs, *inner), WORLD, steps=steps)
-    got = island_losses(losses, eng, WORLD)
-
-    isl = [island_engine(corpus, [], i, M, G) for i in range(M)]
-    P = [e.sync.params.data for e in isl]
+    got, params, eng, isl, P = two_islands_and_their_engines(
+        corpus, steps, G, ["strategy.diloco.overlap=true", f"strategy.diloco.overlap_mix={mix}"], H, mu, lr,
+        quantize, fragments)
     outer = P[0].copy()
     size, tensors = outer.size, tensor_bounds(isl[0])
     buf, resid = np.zeros_like(outer), [np.zeros_like(outer) for _ in range(M)]
