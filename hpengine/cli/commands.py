@@ -32,6 +32,7 @@ from hpengine.data.tokenizer import kind_of
 from hpengine.device.backend import BackendError
 from hpengine.dist.agree import say_once
 from hpengine.dist.topology import TopologyError
+from hpengine.dist.ulfm import JobEnds
 from hpengine.dist.watchdog import where
 from hpengine.engine.engine import NonFiniteError
 from hpengine.files.safe import UnsafeFile
@@ -369,6 +370,8 @@ def _main(argv) -> int:
     except _known() as exc:
         _say_job("hpengine: ", f"error: {exc}")
         return 2
+    except JobEnds as exc:          # the survivors of a failure leave together, the line already said
+        return exc.code
     except BrokenPipeError:
         raise                       # main ends quietly
     except Exception:  # noqa: BLE001 - anything else must take the whole job down, not hang it

@@ -123,3 +123,12 @@ def placed(small, members, places: int):
 
 class SpareError(RuntimeError):
     """More ranks died than spares are left."""
+
+
+class JobEnds(Exception):
+    """Every surviving rank leaves the job together with exit status `code`, its line already said. No
+    collective may follow (the world holds a dead rank), and no MPI_Abort: under ULFM it was seen to hang."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code

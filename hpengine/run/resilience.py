@@ -163,11 +163,18 @@ class Resilience:
         shift = alive[0][1][2]
         self.resave = max(m[1][5] for m in members)
         dead = sorted(set(range(self.places)) - {p for _, (p, *_) in alive})
-        if not dead:          # the same membership everywhere: every rank raises together
-            raise ulfm.SpareError("an MPI error stopped a step but every rank is alive: it was not a failure")
+        if not dead:          # the same membership everywhere: every rank ends together
+            _end_job(small, "hpengine: an MPI error stopped a step but every rank is alive, so no rank died; "
+                     f"the job ends; {shrink.last_checkpoint(self.cfg)}")
         idle = sum(1 for _, (p, *_) in members if p < 0)
         if self.cfg.resilience.on_failure == "shrink" and idle < len(dead):
             return self._shrink(small, members, dead, step, shift)
+        lost = [p for p in dead if (p + shift) % self.places in dead]
+        if idle < len(dead) or lost:        # the same facts on every rank: every rank ends together
+            _end_job(small, f"hpengine: mesh places {dead} died and " + (
+                f"only {idle} spare(s) are left: start the job with more resilience.spares" if idle < len(dead)
+                else f"places {lost} died together with the places holding their buddy copies") +
+                f"; the job ends; {shrink.last_checkpoint(self.cfg)}")
         compute, place, filled = ulfm.placed(small, [(o, p) for o, (p, *_) in members], self.places)
         dead_hosts = [self.hosts[p] for p in dead]
         mine = self._hand_over(compute, place, dead, step, shift) if compute != MPI.COMM_NULL else None
@@ -200,10 +207,7 @@ class Resilience:
             where = [f"rank {p} ({_coords(coords[p])}) on {self.hosts[p]}" for p in dead]
             line = (f"hpengine: {', '.join(where)} died and no spare is left; shrink mode cannot go on: {got}; "
                     f"the job ends; {shrink.last_checkpoint(self.cfg)}")
-            if small.Get_rank() == 0:
-                faults.say(line)
-            small.Barrier()             # the line is out before the job ends as abort mode ends it
-            small.Abort(2)
+            _end_job(small, line)
         owners = (shrink.owners_of(small, members, coords, dead, self.place, step, shift, self.buddies)
                   if got.axis == "sharding" else None)
         new = got.new[self.place] if self.place >= 0 else -1
@@ -225,10 +229,6 @@ class Resilience:
         """(arrays, facts) of this rank at `step`: its own copy, or (a spare now in a dead place) the copy its
         buddy kept, sent over the new compute communicator."""
         holders = {p: (p + shift) % self.places for p in dead}
-        lost = [p for p, h in holders.items() if h in dead]
-        if lost:
-            raise ulfm.SpareError(f"mesh places {lost} died together with the places holding their buddy copies "
-                                  f"({[holders[p] for p in lost]}): the job ends; resume it from its last checkpoint")
         out = None
         for p, holder in holders.items():
             if place == holder:
@@ -266,6 +266,15 @@ def rebuilt(cfg, guard, got):
             faults.say(f"hpengine: rank {p} ({_coords(c)}) on {host} died; {went}; training goes on from step "
                        f"{step + 1} ({rec['recovery_s']:.2f} s to recover)")
     return eng
+
+
+def _end_job(small, line: str) -> None:
+    """Every survivor (collective on the shrunk world `small`): rank 0 says `line`, then all leave with exit
+    status 2, the job's end as abort mode would end it."""
+    if small.Get_rank() == 0:
+        faults.say(line)
+    small.Barrier()             # the line is out before any rank leaves
+    raise ulfm.JobEnds(2)
 
 
 def _coords(c: dict) -> str:

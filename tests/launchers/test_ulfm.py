@@ -103,8 +103,6 @@ def test_shrink_drops_the_dead_replica_and_the_run_ends_as_if_none_died(tmp_path
     _same_run(out, ref, atol=1e-13)
 
 
-@pytest.mark.skip(reason="known defect: the job's MPI_Abort after a shrink that cannot run hung once in four runs "
-                         "(240 s); until it is fixed this case is not run, docs/operations.md says so")
 def test_shrink_to_a_batch_that_does_not_divide_ends_the_job_in_one_line(tmp_path, small_corpus):
     # global batch 8 does not divide into 3 replicas: the job ends as abort mode would, naming its last checkpoint
     rc, text, out = _train(tmp_path, small_corpus, "ft", 4, [*DP4, *SHRINK, "checkpoint.every=2"],
