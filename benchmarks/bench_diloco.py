@@ -17,8 +17,7 @@ from hpengine.config.load import load_config
 from hpengine.run.build import build
 
 MODEL = ["model.kind=llama", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=64",
-         "model.ffn_hidden=128", "train.global_batch=16", "optim.lr=3e-3", "optim.warmup_steps=20",
-         "train.eval_batches=4"]
+         "model.ffn_hidden=128", "optim.warmup_steps=20", "train.eval_batches=4"]
 
 
 def wire_bytes(stats: dict, m: int) -> int:
@@ -28,8 +27,10 @@ def wire_bytes(stats: dict, m: int) -> int:
     return int(sum(per.get(op, 1.0) * b for op, (_, b) in stats.items()))
 
 
-def one(world, name: str, steps: int, eval_every: int, extra: list, out: Path | None) -> dict:
-    eng = build(load_config(None, MODEL + [f"train.steps={steps}", *extra]), world)
+def one(world, name: str, a, extra: list) -> dict:
+    steps, eval_every, out = a.steps, a.eval_every, a.out
+    eng = build(load_config(None, MODEL + [f"train.steps={steps}", f"train.global_batch={a.batch}",
+                                           f"optim.lr={a.lr}", *extra]), world)
     axis = "replica" if "replica" in eng.mesh.comms else "dp"
     comm = eng.mesh.comms[axis]
     rows, wall = [], 0.0
@@ -54,13 +55,15 @@ def one(world, name: str, steps: int, eval_every: int, extra: list, out: Path | 
         d = out / name
         d.mkdir(parents=True, exist_ok=True)
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (d / "config.toml").write_text("[train]\nglobal_batch = 16\n[model]\nseq_len = 64\n")
+        (d / "config.toml").write_text(f"[train]\nglobal_batch = {a.batch}\n[model]\nseq_len = 64\n")
     return {"val_loss": rows[-1]["val_loss"], "bytes": sent, "wire": wire, "wall_s": wall, "link_s": held}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=16, help="train.global_batch of every run (the islands split it)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="optim.lr of every run (the islands' inner AdamW)")
     ap.add_argument("--H", type=int, nargs="*", default=[1, 10, 50, 100])
     ap.add_argument("--int8", type=int, nargs="*", default=[50], help="the H values also run with int8")
     ap.add_argument("--link", default="1Gbit/s,50ms")
@@ -80,7 +83,7 @@ def main() -> None:
             f"strategy.diloco.quantize={q}", *link, *a.extra]))
     rows = []
     for name, extra in runs:
-        rows.append({"run": name, **one(world, name, a.steps, a.eval_every, extra, a.out)})
+        rows.append({"run": name, **one(world, name, a, extra)})
         if world.Get_rank() == 0:
             print(json.dumps(rows[-1]), flush=True)
     if world.Get_rank() == 0 and a.dp:

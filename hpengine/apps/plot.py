@@ -115,8 +115,9 @@ def ema(values: list[float], weight: float = SMOOTHING) -> list[float]:
 
 
 def loss_figure(plt, rows, tokens):
-    """Three panels against step: the loss (raw faint, its EMA over it, validation points), the learning
-    rate and the gradient norm; a tokens axis on top of the loss panel when tokens per step are known."""
+    """Three panels against step: the loss (raw faint, its EMA over it, validation points, DiLoCo's outer steps),
+    the learning rate and the gradient norm; a tokens axis on top of the loss panel when tokens per step are
+    known; a dotted red line where a rank died and the job went on (resilience)."""
     fig, (ax, ax_lr, ax_gn) = plt.subplots(3, 1, figsize=(9, 9), sharex=True, height_ratios=(2, 1, 1))
     models = _by_model(rows)
     for i, (model, rs) in enumerate(models.items()):
@@ -129,8 +130,17 @@ def loss_figure(plt, rows, tokens):
         val = [(xx, r["val_loss"]) for xx, r in zip(x, rs) if "val_loss" in r]
         if val:
             ax.plot(*zip(*val), "o--", ms=4, lw=1, color=colour, mfc="white", label="validation" + tag)
+        outer = [(xx, y) for xx, y, r in zip(x, ema(loss), rs) if "outer_grad_norm" in r]
+        if outer:           # DiLoCo: the steps after which the islands met, on the smoothed curve
+            ax.plot(*zip(*outer), "^", ms=5, color="black", label="DiLoCo outer step" + tag)
         ax_lr.plot(x, [r["lr"] for r in rs], lw=1.2, color=colour, label="lr" + tag)
         ax_gn.plot(x, [r["grad_norm"] for r in rs], lw=1.0, color=colour, label="grad norm" + tag)
+    for r in rows:          # a rank's death the job survived: at the first step completed after it
+        if "dead_ranks" in r:
+            how = ("spare took over" if "shrunk" not in r else f"shrunk {r['shrunk']}")
+            for i, a in enumerate((ax, ax_lr, ax_gn)):
+                a.axvline(r["step"], color="red", ls=":", lw=1.2, label=None if i else (
+                    f"rank {', '.join(map(str, r['dead_ranks']))} died; {how} ({r.get('recovery_s', 0):.2f} s)"))
     ax.set_title("loss")
     ax.set_ylabel("loss")
     ax.legend()

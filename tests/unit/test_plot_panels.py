@@ -56,3 +56,23 @@ def test_several_models_get_one_raw_and_one_smoothed_curve_each():
     assert sorted(t.get_text() for t in loss.get_legend().get_texts()) == sorted(
         f"{k} (model {m})" for m in (0, 1) for k in ("train (raw)", "train (EMA 0.9)", "validation"))
     plt.close(fig)
+
+
+def test_outer_steps_and_a_survived_death_are_marked():
+    pytest.importorskip("matplotlib")
+    plt = _pyplot()
+    rows = metrics()
+    for r in rows[4::4]:                     # DiLoCo's outer steps land after steps 4 and 8
+        r.update(outer_step=r["step"] // 4, outer_grad_norm=0.1)
+    rows[6].update(dead_ranks=[1], recovery_s=0.42, spare_ranks=[4])
+    rows[10].update(dead_ranks=[2, 3], recovery_s=1.5, shrunk="dp 4 -> 3")
+    fig = loss_figure(plt, rows, tokens=0)
+    loss, lr, gn = fig.axes
+    marks = [ln for ln in loss.lines if ln.get_label() == "DiLoCo outer step"]
+    assert len(marks) == 1 and list(marks[0].get_xdata()) == [4, 8]
+    assert list(marks[0].get_ydata()) == pytest.approx([ema([r["loss"] for r in rows])[i] for i in (4, 8)])
+    for a in (loss, lr, gn):                 # one vertical line per survived death, in every panel
+        assert [ln.get_xdata()[0] for ln in a.lines if ln.get_linestyle() == ":"] == [6, 10]
+    labels = [t.get_text() for t in loss.get_legend().get_texts()]
+    assert "rank 1 died; spare took over (0.42 s)" in labels and "rank 2, 3 died; shrunk dp 4 -> 3 (1.50 s)" in labels
+    plt.close(fig)
