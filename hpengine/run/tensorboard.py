@@ -93,7 +93,9 @@ class EventWriter:
 TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
         "loss_scale": "train/loss_scale", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
         "moe_aux_loss": "moe/aux_loss", "moe_z_loss": "moe/z_loss", "moe_load_max": "moe/load_max_over_mean",
-        "moe_dropped": "moe/dropped", "mtp_loss": "train/mtp_loss"}
+        "moe_dropped": "moe/dropped", "mtp_loss": "train/mtp_loss", "outer_step": "diloco/outer_step",
+        "outer_drift": "diloco/drift", "outer_grad_norm": "diloco/pseudo_grad_norm",
+        "replica_bytes": "diloco/replica_bytes", "recovery_s": "resilience/recovery_s"}
 PER_MODEL = ("loss", "val_loss", "lr", "grad_norm")
 
 

@@ -85,3 +85,13 @@ def test_off_by_default_and_only_rank_0_writes(tmp_path, small_corpus):
     assert not (tmp_path / "run" / "tensorboard").exists()
     cfg = load_config(None, ["runtime.tensorboard=true"])
     assert tb.open_writer(cfg, tmp_path / "r1", rank=1) is None and not (tmp_path / "r1").exists()
+
+
+
+def test_diloco_and_recovery_fields_have_their_tags():
+    # one metrics.jsonl line of a DiLoCo run's outer step, after a survived death (the writer is tested above)
+    line = {"step": 8, "loss": 2.5, "outer_step": 4, "outer_drift": 0.25, "outer_grad_norm": 0.125,
+            "replica_bytes": 4096, "recovery_s": 0.5, "dead_ranks": [1]}
+    assert tb.scalars_of([line]) == {"train/loss": 2.5, "diloco/outer_step": 4, "diloco/drift": 0.25,
+                                     "diloco/pseudo_grad_norm": 0.125, "diloco/replica_bytes": 4096,
+                                     "resilience/recovery_s": 0.5}
