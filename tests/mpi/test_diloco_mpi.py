@@ -39,40 +39,44 @@ def test_one_inner_step_is_data_parallel(corpus):
     assert_same(np.mean([v for v in island_losses(losses, eng, WORLD).values()], axis=0), ref_l[:, 0])
 
 
-@pytest.mark.parametrize("inner", [["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2"],
-                                   ["strategy.sharding.enable=true", "strategy.sharding.degree=2",
-                                    "strategy.sharding.stage=3"],
-                                   ["strategy.pipeline.enable=true", "strategy.pipeline.degree=2",
-                                    "strategy.pipeline.micro_batches=2"]],
-                         ids=["tp2", "sharding2-stage3", "pp2"])
-def test_inner_layouts_equal_islands_of_one_process(corpus, inner):
-    """2 islands x (tp 2 | sharding 2 stage 3 | pp 2) equal 2 islands of one process each (run on two ranks),
-    mid-period (each island's losses) and after two outer steps (the parameters)."""
+TP2 = ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2"]
+SH2_3 = ["strategy.sharding.enable=true", "strategy.sharding.degree=2", "strategy.sharding.stage=3"]
+PP2 = ["strategy.pipeline.enable=true", "strategy.pipeline.degree=2", "strategy.pipeline.micro_batches=2"]
+
+
+@pytest.mark.parametrize("inner,fragments", [(TP2, 1), (SH2_3, 1), (PP2, 1), (TP2, 2), (SH2_3, 3), (PP2, 2)],
+                         ids=["tp2", "sharding2-stage3", "pp2", "tp2-fragments2", "sharding2-stage3-fragments3",
+                              "pp2-fragments2"])
+def test_inner_layouts_equal_islands_of_one_process(corpus, inner, fragments):
+    """2 islands x (tp 2 | sharding 2 stage 3 | pp 2), in one fragment or streaming (fragments: groups of whole
+    tensors in the model's order, so the same whatever the layout), equal 2 islands of one process each (run on
+    two ranks), mid-period (each island's losses) and after the outer steps (the parameters: each island's own,
+    which under streaming differ where a fragment has trained since it met)."""
     need(WORLD.Get_size() == 4, "2 islands of 2 ranks")
-    knobs = DILOCO + ["strategy.diloco.inner_steps=2", "optim.clip_grad_norm=0.5"]
+    knobs = DILOCO + [f"strategy.diloco.inner_steps={max(2, fragments)}", f"strategy.diloco.fragments={fragments}",
+                      "optim.clip_grad_norm=0.5"]
     losses, params, eng = run(config(corpus, *knobs, *inner), WORLD, steps=4)
+    assert len(eng.outer.fragments) == fragments
     pair = WORLD.Split(WORLD.Get_rank() // 2, WORLD.Get_rank())
     try:
         ref_l, ref_p, ref = run(config(corpus, *knobs), pair, steps=4)
         want = island_losses(ref_l, ref, pair)
+        refs = WORLD.allgather((pair.Get_rank(), ref_p) if WORLD.Get_rank() < 2 else None)
     finally:
         pair.Free()
     got = island_losses(losses, eng, WORLD)
     for i in (0, 1):
         assert_same(got[i], want[i])
-    assert_same_params(params, ref_p)
+    island = eng.mesh.coords["replica"]
+    assert_same_params(params, next(p for r in refs if r is not None for i, p in [r] if i == island))
 
 
-@pytest.mark.parametrize("inner", [["strategy.sharding.enable=true", "strategy.sharding.degree=2",
-                                    "strategy.sharding.stage=3", "strategy.diloco.fragments=2"],
-                                   ["strategy.pipeline.enable=true", "strategy.pipeline.degree=2",
-                                    "strategy.pipeline.micro_batches=2"]],
-                         ids=["sharding2-stage3-fragments2", "pp2"])
+@pytest.mark.parametrize("inner", [SH2_3 + ["strategy.diloco.fragments=2"], PP2 + ["strategy.diloco.fragments=2"]],
+                         ids=["sharding2-stage3-fragments2", "pp2-fragments2"])
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_quantised_islands_follow_tensors_not_ranks(corpus, inner, quantize):
-    """int8/int4 blocks start at each tensor: 2 islands x (sharding 2 by tensors, in two fragments, one cutting a
-    tensor | pp 2), where each rank owns whole tensors, equal 2 islands of one process each (the fragments are the
-    stage's: pp's stages cut them elsewhere, so one fragment there)."""
+    """int8/int4 blocks start at each tensor: 2 islands x (sharding 2 by tensors | pp 2), each in two fragments of
+    whole tensors, where each rank owns whole tensors, equal 2 islands of one process each."""
     need(WORLD.Get_size() == 4, "2 islands of 2 ranks")
     knobs = DILOCO + ["strategy.diloco.inner_steps=2", f"strategy.diloco.quantize={quantize}"]
     frag = [k for k in inner if "fragments" in k]
