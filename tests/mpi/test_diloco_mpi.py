@@ -3,6 +3,8 @@ one-process run, with the linear inner optimizer SGD); islands of any inner layo
 each; and the outer step (Nesterov momentum, int8/int4 exchange with error feedback) against a NumPy model of
 its equations fed by one-process engines that each run one island's rows.
 """
+from itertools import combinations
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -125,6 +127,23 @@ def tensor_bounds(eng):
     return sorted((r.start, r.stop) for r in eng.layout.ranges.values())
 
 
+def fragment_slices_of(eng, tensors):
+    """Each fragment's slice of the flat buffer of an engine whose ranks own whole stages (dp inside the islands):
+    the engine's own, checked here to be F contiguous groups of whole tensors (tensors: their (start, stop) in flat
+    order) in model order whose largest is as small as any such cut into F groups allows (every cut tried)."""
+    frags = eng.outer.fragments
+    F, bounds = len(frags), [(p[0][0], p[-1][1]) for p in eng.outer.fragments]
+    assert bounds[0][0] == 0 and bounds[-1][1] == tensors[-1][1]
+    assert all(bounds[f][1] == bounds[f + 1][0] for f in range(F - 1))
+    for (lo, hi), pieces in zip(bounds, frags):
+        assert pieces == [(a, b) for a, b in tensors if lo <= a < hi]     # whole tensors, each its own slice
+    sizes = [b - a for a, b in tensors]
+    best = min(max(sum(sizes[a:b]) for a, b in zip((0, *cuts), (*cuts, len(sizes))))
+               for cuts in combinations(range(1, len(sizes)), F - 1))
+    assert max(hi - lo for lo, hi in bounds) == best
+    return [slice(lo, hi) for lo, hi in bounds]
+
+
 def island_engine(corpus, knobs, i, M, G):
     """A one-process engine that trains island i's rows of every global batch, its loss its rows' mean."""
     e = build(config(corpus, *knobs), MPI.COMM_SELF)
@@ -153,13 +172,14 @@ def two_islands_and_their_engines(corpus, steps, G, knobs, H, mu, lr, quantize, 
 def test_outer_step_against_numpy_model(corpus, quantize, fragments):
     """H = 3, outer momentum 0.9, Nesterov, outer lr 0.7, six steps: 2 islands of world / 2 ranks (dp) against the
     outer step written out here in NumPy (PyTorch SGD semantics; the int8/int4 rounding with error feedback;
-    streaming: fragment f, the f-th of F equal element ranges, meets after step s when s + f H / F is a multiple of
-    H), fed by two one-process engines, each running one island's rows. The replica communicator moves exactly the
+    streaming: fragment f, the f-th of F groups of whole tensors in model order, meets after step s when s + f H / F
+    is a multiple of H), fed by two one-process engines, each running one island's rows. The replica communicator moves exactly the
     format's bytes."""
     H, mu, lr, M, G, steps = 3, 0.9, 0.7, 2, 8, 6
     got, params, eng, isl, P = two_islands_and_their_engines(corpus, steps, G, [], H, mu, lr, quantize, fragments)
     outer = P[0].copy()
     size, tensors = outer.size, tensor_bounds(isl[0])
+    frag = fragment_slices_of(eng, tensors)
     buf, resid = np.zeros_like(outer), [np.zeros_like(outer) for _ in range(M)]
     want, sent = {i: [] for i in range(M)}, []
     for s in range(steps):
@@ -168,7 +188,7 @@ def test_outer_step_against_numpy_model(corpus, quantize, fragments):
         for f in range(fragments):
             if (s + 1 + f * H // fragments) % H:
                 continue
-            sl = slice(f * size // fragments, (f + 1) * size // fragments)
+            sl = frag[f]
             deltas = [outer[sl] - P[i][sl] for i in range(M)]
             if quantize != "none":
                 levels = {"int8": 127, "int4": 7}[quantize]
