@@ -482,8 +482,9 @@ class DilocoConfig:
     quantize: str = _f("none", "the outer exchange: none (an allreduce in the parameters' dtype), or int8 / int4 "
                        "per block of 128 values with a float32 scale each, all-gathered, with error feedback",
                        choices=("none", "int8", "int4"))
-    fragments: int = _f(1, "streaming DiLoCo: the parameters in F contiguous fragments, fragment f synchronised at "
-                        "the steps where (step - f H / F) is a multiple of H; 1 = all at once", check=_POS)
+    fragments: int = _f(1, "streaming DiLoCo: the model's tensors in F groups of whole tensors in model order "
+                        "(balanced by element count, the same under every layout), fragment f synchronised at the "
+                        "steps where (step - f H / F) is a multiple of H; 1 = all at once", check=_POS)
     overlap: bool = _f(False, "streaming DiLoCo: an outer exchange runs under the next inner steps (non-blocking) "
                        "and lands inner_steps / fragments steps later, mixed into the island's values")
     overlap_mix: float = _f(0.5, "overlap: alpha when an exchange lands: island = alpha island + (1 - alpha) outer "

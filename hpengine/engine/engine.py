@@ -33,7 +33,7 @@ from hpengine.params.init import init_parts
 from hpengine.strategies import make_grad_sync
 from hpengine.strategies.amp import Precision
 from hpengine.strategies.context import make_context
-from hpengine.strategies.diloco import Outer, fragment_slices
+from hpengine.strategies.diloco import Outer, fragment_of, fragment_slices
 from hpengine.strategies.norm import GlobalNorm
 from hpengine.strategies.pipeline import PipelineExecutor
 
@@ -141,9 +141,8 @@ class Engine:
         if self.islands == 1:
             return None
         p0 = self.master if self.master is not None else self.sync.owned_params()
-        whole = Range(self.slots[0].range.start, self.slots[-1].range.stop)
-        starts = [at for n in self.layout.names for _, at in cut(parts, self.layout.ranges[n])]
-        return Outer(dl, self.mesh.comms[REPLICA], self.xp, p0, fragment_slices(parts, whole, dl.fragments, starts))
+        of = fragment_of(state.reference_order_specs(self.slots), dl.fragments)     # the whole model's tensors
+        return Outer(dl, self.mesh.comms[REPLICA], self.xp, p0, fragment_slices(parts, self.layout, of, dl.fragments))
 
     def _optimizer(self, seg):
         dtype = self.precision.master_dtype(self.be.dtype)

@@ -262,6 +262,7 @@ def check(cfg, res: Resolved) -> None:
         raise LayoutError(f"strategy.recompute.every = {rc.every} is larger than the block count "
                           f"model.n_layers = {mc.n_layers}; use 1..{mc.n_layers}")
     _check_whole_tensors(cfg.optim.name, res)
+    _check_fragments(cfg)
     if res.ep > 1:
         _check_expert_parallel(mc, res, cfg.optim.name)
     if res.cp > 1:
@@ -303,6 +304,17 @@ def _check_whole_tensors(name: str, res: Resolved) -> None:
     if optimizer_kind(name).sees == TENSORS and res.sh > 1 and res.partition != "tensor":
         raise LayoutError(f"optim.name = {name!r} updates whole tensors on their owner; strategy.sharding.partition "
                           f"= {res.partition!r} cuts them: use partition = 'tensor'")
+
+
+def _check_fragments(cfg) -> None:
+    """DiLoCo's streaming fragments are groups of whole tensors: no more of them than the models have tensors."""
+    dl = cfg.strategy.diloco
+    if dl.enable and dl.fragments > 1:
+        n = len(build_model(cfg.model).all_specs()) * cfg.train.models
+        if dl.fragments > n:
+            raise LayoutError(f"strategy.diloco.fragments = {dl.fragments} is more than the {n} tensors of the "
+                              f"model{'s' if cfg.train.models > 1 else ''} (a fragment is a group of whole tensors); "
+                              f"use 1..{n}")
 
 
 def expert_degrees(experts: int, dp: int, sh: int, optimizer: str) -> list[int]:

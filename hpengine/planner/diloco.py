@@ -4,7 +4,10 @@ int4 blocks) and the time a link takes for them (runtime.replica_link, else the 
 """
 from __future__ import annotations
 
+from bisect import bisect_right
+
 from hpengine.config.tree import parse_link
+from hpengine.params.buffers import partition
 
 BLOCK = 128         # values per quantisation block, one float32 scale each (strategies/quantize.py)
 
@@ -17,17 +20,16 @@ def payload_bytes(pieces, fmt: str) -> int:
 
 
 def fragment_pieces(lo: int, hi: int, sizes, fragments: int) -> list[list[int]]:
-    """Per fragment (the f-th of F equal element ranges of the stage), the lengths of the pieces of each tensor
-    (sizes: element counts in layout order) inside the owned range [lo, hi)."""
-    total = sum(sizes)
-    bounds, at = [], 0
+    """Per fragment, the lengths of the pieces of the stage's tensors (sizes: element counts in layout order) inside
+    the owned range [lo, hi). A fragment is a group of whole tensors of the whole model (strategies/diloco.py), so a
+    period moves every tensor's piece once, uncut; which call carries which is estimated here from the stage's own
+    tensors (in min(F, tensors) groups), which leaves the period's bytes and calls exact."""
+    starts = [r.start for r in partition(sizes, min(fragments, len(sizes)), "tensor")] if sizes else [0]
+    out, at = [[] for _ in range(fragments)], 0
     for n in sizes:
-        bounds.append((at, at + n))
+        if max(lo, at) < min(hi, at + n):
+            out[bisect_right(starts, at) - 1].append(min(hi, at + n) - max(lo, at))
         at += n
-    out = []
-    for f in range(fragments):
-        a, b = max(total * f // fragments, lo), min(total * (f + 1) // fragments, hi)
-        out.append([min(b, t1) - max(a, t0) for t0, t1 in bounds if max(a, t0) < min(b, t1)])
     return out
 
 

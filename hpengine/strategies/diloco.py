@@ -5,12 +5,14 @@ under streaming) the pseudo-gradient (outer - island) is averaged over the islan
 """
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
+from math import prod
 
 import numpy as np
 
 from hpengine.dist.comm import testall, waitall
 from hpengine.device.precision import write_copy
+from hpengine.params.buffers import cut, partition
 from hpengine.strategies import quantize
 
 STATE = ("outer_param", "outer_momentum", "outer_residual")     # the checkpoint's names
@@ -162,20 +164,24 @@ class Outer:
             at += e - s
 
 
-def fragment_slices(parts, stage_range, fragments: int, starts=()) -> list[list[tuple[int, int]]]:
-    """Per fragment, the (start, stop) slices of the owned array (parts: (flat Range, offset) pieces) that fall in
-    it, cut where a tensor begins (starts: those offsets in the owned array), so each slice lies in one tensor;
-    fragment f is the f-th of `fragments` equal element ranges of the stage's flat buffer (stage_range)."""
-    lo, n = stage_range.start, stage_range.size
-    starts = sorted(set(starts))
-    out = []
-    for f in range(fragments):
-        a, b = lo + f * n // fragments, lo + (f + 1) * n // fragments
-        pieces = []
-        for r, at in parts:
-            if max(a, r.start) < min(b, r.stop):
-                s, e = at + max(a, r.start) - r.start, at + min(b, r.stop) - r.start
-                cuts = starts[bisect_right(starts, s):bisect_left(starts, e)]
-                pieces += list(zip([s, *cuts], [*cuts, e]))
-        out.append(pieces)
+def fragment_of(specs, fragments: int) -> dict[str, int]:
+    """The fragment of every tensor (specs: the whole model's, every stage's, in one-process layout order): F
+    contiguous groups of whole tensors minimising the largest group's global (unpadded) element count, as the
+    sharding partition by tensors cuts; the same for every layout. layout.resolve refuses F above the tensor count."""
+    sizes = [prod(sp.true_shape or sp.global_shape) for sp in specs]
+    starts = [r.start for r in partition(sizes, fragments, "tensor")]
+    out, at = {}, 0
+    for sp, n in zip(specs, sizes):
+        out[sp.name] = bisect_right(starts, at) - 1
+        at += n
     return out
+
+
+def fragment_slices(parts, layout, of: dict[str, int], fragments: int) -> list[list[tuple[int, int]]]:
+    """Per fragment, the (start, stop) slices of the owned array (parts: (flat Range, offset) pieces of the stage's
+    buffer) that hold its tensors (of: tensor name -> fragment, a stage's copy of another stage's tensor going
+    with it): one slice per tensor piece, in owned order (what tp or sharding leaves of the tensor here)."""
+    out = [[] for _ in range(fragments)]
+    for name in layout.names:
+        out[of[name]] += [(at, at + r.size) for r, at in cut(parts, layout.ranges[name])]
+    return [sorted(pieces) for pieces in out]

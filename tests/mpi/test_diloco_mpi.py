@@ -3,6 +3,8 @@ one-process run, with the linear inner optimizer SGD); islands of any inner layo
 each; and the outer step (Nesterov momentum, int8/int4 exchange with error feedback) against a NumPy model of
 its equations fed by one-process engines that each run one island's rows.
 """
+from itertools import combinations
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -39,40 +41,44 @@ def test_one_inner_step_is_data_parallel(corpus):
     assert_same(np.mean([v for v in island_losses(losses, eng, WORLD).values()], axis=0), ref_l[:, 0])
 
 
-@pytest.mark.parametrize("inner", [["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2"],
-                                   ["strategy.sharding.enable=true", "strategy.sharding.degree=2",
-                                    "strategy.sharding.stage=3"],
-                                   ["strategy.pipeline.enable=true", "strategy.pipeline.degree=2",
-                                    "strategy.pipeline.micro_batches=2"]],
-                         ids=["tp2", "sharding2-stage3", "pp2"])
-def test_inner_layouts_equal_islands_of_one_process(corpus, inner):
-    """2 islands x (tp 2 | sharding 2 stage 3 | pp 2) equal 2 islands of one process each (run on two ranks),
-    mid-period (each island's losses) and after two outer steps (the parameters)."""
+TP2 = ["strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2"]
+SH2_3 = ["strategy.sharding.enable=true", "strategy.sharding.degree=2", "strategy.sharding.stage=3"]
+PP2 = ["strategy.pipeline.enable=true", "strategy.pipeline.degree=2", "strategy.pipeline.micro_batches=2"]
+
+
+@pytest.mark.parametrize("inner,fragments", [(TP2, 1), (SH2_3, 1), (PP2, 1), (TP2, 2), (SH2_3, 3), (PP2, 2)],
+                         ids=["tp2", "sharding2-stage3", "pp2", "tp2-fragments2", "sharding2-stage3-fragments3",
+                              "pp2-fragments2"])
+def test_inner_layouts_equal_islands_of_one_process(corpus, inner, fragments):
+    """2 islands x (tp 2 | sharding 2 stage 3 | pp 2), in one fragment or streaming (fragments: groups of whole
+    tensors in the model's order, so the same whatever the layout), equal 2 islands of one process each (run on
+    two ranks), mid-period (each island's losses) and after the outer steps (the parameters: each island's own,
+    which under streaming differ where a fragment has trained since it met)."""
     need(WORLD.Get_size() == 4, "2 islands of 2 ranks")
-    knobs = DILOCO + ["strategy.diloco.inner_steps=2", "optim.clip_grad_norm=0.5"]
+    knobs = DILOCO + [f"strategy.diloco.inner_steps={max(2, fragments)}", f"strategy.diloco.fragments={fragments}",
+                      "optim.clip_grad_norm=0.5"]
     losses, params, eng = run(config(corpus, *knobs, *inner), WORLD, steps=4)
+    assert len(eng.outer.fragments) == fragments
     pair = WORLD.Split(WORLD.Get_rank() // 2, WORLD.Get_rank())
     try:
         ref_l, ref_p, ref = run(config(corpus, *knobs), pair, steps=4)
         want = island_losses(ref_l, ref, pair)
+        refs = WORLD.allgather((pair.Get_rank(), ref_p) if WORLD.Get_rank() < 2 else None)
     finally:
         pair.Free()
     got = island_losses(losses, eng, WORLD)
     for i in (0, 1):
         assert_same(got[i], want[i])
-    assert_same_params(params, ref_p)
+    island = eng.mesh.coords["replica"]
+    assert_same_params(params, next(p for r in refs if r is not None for i, p in [r] if i == island))
 
 
-@pytest.mark.parametrize("inner", [["strategy.sharding.enable=true", "strategy.sharding.degree=2",
-                                    "strategy.sharding.stage=3", "strategy.diloco.fragments=2"],
-                                   ["strategy.pipeline.enable=true", "strategy.pipeline.degree=2",
-                                    "strategy.pipeline.micro_batches=2"]],
-                         ids=["sharding2-stage3-fragments2", "pp2"])
+@pytest.mark.parametrize("inner", [SH2_3 + ["strategy.diloco.fragments=2"], PP2 + ["strategy.diloco.fragments=2"]],
+                         ids=["sharding2-stage3-fragments2", "pp2-fragments2"])
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_quantised_islands_follow_tensors_not_ranks(corpus, inner, quantize):
-    """int8/int4 blocks start at each tensor: 2 islands x (sharding 2 by tensors, in two fragments, one cutting a
-    tensor | pp 2), where each rank owns whole tensors, equal 2 islands of one process each (the fragments are the
-    stage's: pp's stages cut them elsewhere, so one fragment there)."""
+    """int8/int4 blocks start at each tensor: 2 islands x (sharding 2 by tensors | pp 2), each in two fragments of
+    whole tensors, where each rank owns whole tensors, equal 2 islands of one process each."""
     need(WORLD.Get_size() == 4, "2 islands of 2 ranks")
     knobs = DILOCO + ["strategy.diloco.inner_steps=2", f"strategy.diloco.quantize={quantize}"]
     frag = [k for k in inner if "fragments" in k]
@@ -121,6 +127,23 @@ def tensor_bounds(eng):
     return sorted((r.start, r.stop) for r in eng.layout.ranges.values())
 
 
+def fragment_slices_of(eng, tensors):
+    """Each fragment's slice of the flat buffer of an engine whose ranks own whole stages (dp inside the islands):
+    the engine's own, checked here to be F contiguous groups of whole tensors (tensors: their (start, stop) in flat
+    order) in model order whose largest is as small as any such cut into F groups allows (every cut tried)."""
+    frags = eng.outer.fragments
+    F, bounds = len(frags), [(p[0][0], p[-1][1]) for p in eng.outer.fragments]
+    assert bounds[0][0] == 0 and bounds[-1][1] == tensors[-1][1]
+    assert all(bounds[f][1] == bounds[f + 1][0] for f in range(F - 1))
+    for (lo, hi), pieces in zip(bounds, frags):
+        assert pieces == [(a, b) for a, b in tensors if lo <= a < hi]     # whole tensors, each its own slice
+    sizes = [b - a for a, b in tensors]
+    best = min(max(sum(sizes[a:b]) for a, b in zip((0, *cuts), (*cuts, len(sizes))))
+               for cuts in combinations(range(1, len(sizes)), F - 1))
+    assert max(hi - lo for lo, hi in bounds) == best
+    return [slice(lo, hi) for lo, hi in bounds]
+
+
 def island_engine(corpus, knobs, i, M, G):
     """A one-process engine that trains island i's rows of every global batch, its loss its rows' mean."""
     e = build(config(corpus, *knobs), MPI.COMM_SELF)
@@ -149,13 +172,14 @@ def two_islands_and_their_engines(corpus, steps, G, knobs, H, mu, lr, quantize, 
 def test_outer_step_against_numpy_model(corpus, quantize, fragments):
     """H = 3, outer momentum 0.9, Nesterov, outer lr 0.7, six steps: 2 islands of world / 2 ranks (dp) against the
     outer step written out here in NumPy (PyTorch SGD semantics; the int8/int4 rounding with error feedback;
-    streaming: fragment f, the f-th of F equal element ranges, meets after step s when s + f H / F is a multiple of
-    H), fed by two one-process engines, each running one island's rows. The replica communicator moves exactly the
+    streaming: fragment f, the f-th of F groups of whole tensors in model order, meets after step s when s + f H / F
+    is a multiple of H), fed by two one-process engines, each running one island's rows. The replica communicator moves exactly the
     format's bytes."""
     H, mu, lr, M, G, steps = 3, 0.9, 0.7, 2, 8, 6
     got, params, eng, isl, P = two_islands_and_their_engines(corpus, steps, G, [], H, mu, lr, quantize, fragments)
     outer = P[0].copy()
     size, tensors = outer.size, tensor_bounds(isl[0])
+    frag = fragment_slices_of(eng, tensors)
     buf, resid = np.zeros_like(outer), [np.zeros_like(outer) for _ in range(M)]
     want, sent = {i: [] for i in range(M)}, []
     for s in range(steps):
@@ -164,7 +188,7 @@ def test_outer_step_against_numpy_model(corpus, quantize, fragments):
         for f in range(fragments):
             if (s + 1 + f * H // fragments) % H:
                 continue
-            sl = slice(f * size // fragments, (f + 1) * size // fragments)
+            sl = frag[f]
             deltas = [outer[sl] - P[i][sl] for i in range(M)]
             if quantize != "none":
                 levels = {"int8": 127, "int4": 7}[quantize]

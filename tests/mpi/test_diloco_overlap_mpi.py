@@ -9,7 +9,8 @@ from mpi4py import MPI
 from helpers import assert_resumes_like, assert_same, assert_same_params, config, need, run
 from hpengine.run.build import build
 from hpengine.run.train import save_state
-from test_diloco_mpi import DILOCO, np_quantize_tensors, tensor_bounds, two_islands_and_their_engines
+from test_diloco_mpi import (DILOCO, fragment_slices_of, np_quantize_tensors, tensor_bounds,
+                             two_islands_and_their_engines)
 
 WORLD = MPI.COMM_WORLD
 
@@ -25,7 +26,8 @@ def test_overlap_against_numpy_model(corpus, quantize, fragments, mix):
         corpus, steps, G, ["strategy.diloco.overlap=true", f"strategy.diloco.overlap_mix={mix}"], H, mu, lr,
         quantize, fragments)
     outer = P[0].copy()
-    size, tensors = outer.size, tensor_bounds(isl[0])
+    tensors = tensor_bounds(isl[0])
+    frag = fragment_slices_of(eng, tensors)
     buf, resid = np.zeros_like(outer), [np.zeros_like(outer) for _ in range(M)]
     flying = {}                 # step it lands after -> [(slice, mean pseudo-gradient)]
     want = {i: [] for i in range(M)}
@@ -40,7 +42,7 @@ def test_overlap_against_numpy_model(corpus, quantize, fragments, mix):
         for f in range(fragments):
             if (s + 1 + f * H // fragments) % H:
                 continue
-            sl = slice(f * size // fragments, (f + 1) * size // fragments)
+            sl = frag[f]
             deltas = [outer[sl] - P[i][sl] for i in range(M)]
             if quantize != "none":
                 for i in range(M):
