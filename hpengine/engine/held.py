@@ -1,19 +1,21 @@
-"""A rank's training state as host copies, for a buddy copy (run/resilience.py): what the next steps depend on,
-taken out of an engine and put back into one built at the same mesh place, or (shrink) re-partitioned over
-fewer owners from every old owner's copy.
+"""A rank's training state as host copies, for a buddy copy (run/resilience.py): what the next steps depend on
+(DiLoCo's outer state included), taken out of an engine and put back into one built at the same mesh place, or
+(shrink) re-partitioned over fewer owners from every old owner's copy.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from hpengine.engine import outer_state
 from hpengine.params.buffers import cut, partition
 
 
 def held_state(eng) -> tuple[dict, dict]:
     """Everything this rank's next steps depend on, as host copies ({name: array}) and small facts: the
     compute copy of its parameters (the whole stage's below sharding stage 3, else its shard), the amp
-    masters, each optimizer's state and step count, the loss scaler and router biases. An engine built at
-    the same mesh place continues exactly from it (restore_held); a buddy copy holds it."""
+    masters, each optimizer's state and step count, the loss scaler and router biases; under DiLoCo the outer
+    state a checkpoint saves ("outer.<name>") and its exchange count. An engine built at the same mesh place
+    continues exactly from it (restore_held); a buddy copy holds it."""
     sync, host = eng.sync, eng.be.to_host
     arrays = {"params": host(sync.params.data)} if sync.params is not None else {"owned": host(sync.owned_params())}
     if eng.master is not None:
@@ -23,6 +25,12 @@ def held_state(eng) -> tuple[dict, dict]:
             arrays[f"opt{i}.{kind}"] = host(a)
     facts = {"opt_steps": eng.opt_steps, "opt_t": [None if o is None else o.t for o in eng.opts],
              "scaler": eng.scaler.state() if eng.scaler else None, "router": eng.router_bias.meta()}
+    if eng.outer is not None:
+        # overlap: the exchanges on the wire complete into `pending` now, as before a checkpoint (their means are the
+        # same bits whenever they are taken; they land at their own step): none is lost with a dead island rank
+        eng.outer.settle()
+        arrays.update({f"outer.{k}": host(a) for k, a in outer_state.arrays(eng.outer).items()})
+        facts["outer"] = {"steps": eng.outer.steps, "settled": dict(eng.outer.settled)}
     return arrays, facts
 
 
@@ -40,6 +48,11 @@ def restore_held(eng, arrays: dict, facts: dict) -> None:
             for kind, a in opt.state().items():
                 a[...] = xp.asarray(arrays[f"opt{i}.{kind}"])
             opt.t = facts["opt_t"][i]
+    if eng.outer is not None:
+        for k, a in outer_state.arrays(eng.outer).items():
+            a[...] = xp.asarray(arrays[f"outer.{k}"])
+        eng.outer.steps, eng.outer.flight, eng.outer.settled = facts["outer"]["steps"], {}, dict(
+            facts["outer"]["settled"])
     _restore_facts(eng, facts)
 
 

@@ -27,28 +27,37 @@ def _views(segs, arrays: dict) -> list:
     return [None if seg is None else _Arrays(arrays, at, seg.size) for _, seg, at in segs]
 
 
+def arrays(outer) -> dict:
+    """The outer state a checkpoint saves, by its names (this island's residual as plain "outer_residual"), over
+    this rank's owned part: what a rank's next outer steps depend on besides `outer.steps` and, under overlap,
+    which fragments' means `outer_pending` holds (`outer.settled`)."""
+    out = {"param": outer.param, "outer_momentum": outer.momentum, "outer_pending": outer.pending,
+           "outer_residual": outer.residual}
+    return {k: a for k, a in out.items() if a is not None}
+
+
 def kinds(opt_state: tuple, islands: int, outer) -> list[str]:
     """The manifest's state names (beside "param") of a DiLoCo checkpoint."""
-    out = list(opt_state) + (["outer_momentum"] if outer.momentum is not None else [])
-    out += ["outer_pending"] if outer.pending is not None else []
+    held = arrays(outer)
+    out = list(opt_state) + [k for k in ("outer_momentum", "outer_pending") if k in held]
     for i in range(islands):
         out += [f"island{i}_param", *(f"island{i}_{k}" for k in opt_state)]
-        out += [f"island{i}_outer_residual"] if outer.residual is not None else []
+        out += [f"island{i}_outer_residual"] if "outer_residual" in held else []
     return out
 
 
 def island_pieces(pieces: list, island: int, outer, stage, sync, segs, replica, backend, elsewhere, copy) -> list:
     """This rank's pieces (checkpoint_pieces' of its island's state) renamed to its island, with its residual
     and, on island 0, the outer parameters and momentum."""
-    args = (replica, backend, elsewhere, copy)
+    args, held = (replica, backend, elsewhere, copy), arrays(outer)
     out = [(n, f"island{island}_{k}", *rest) for n, k, *rest in pieces]
-    if outer.residual is not None:
-        res = checkpoint_pieces(stage, sync, segs, _views(segs, {"outer_residual": outer.residual}), outer.param,
-                                *args)
+    if "outer_residual" in held:
+        res = checkpoint_pieces(stage, sync, segs, _views(segs, {"outer_residual": held["outer_residual"]}),
+                                outer.param, *args)
         out += [(n, f"island{island}_{k}", *rest) for n, k, *rest in res if k != "param"]
     if island == 0:     # the momentum and the landing exchanges' mean are the same on every island
-        arrays = {"outer_momentum": outer.momentum, "outer_pending": outer.pending}
-        out += checkpoint_pieces(stage, sync, segs, _views(segs, arrays), outer.param, *args)
+        shared = {k: held.get(k) for k in ("outer_momentum", "outer_pending")}
+        out += checkpoint_pieces(stage, sync, segs, _views(segs, shared), outer.param, *args)
     return out
 
 
@@ -72,11 +81,11 @@ def load_islands(reader, island: int, outer, stage, sync, segs, opts, master, tp
     steps = load_state(stage, sync, segs, opts, master, tp, backend, _Island(reader, island))
     lay = stage.layout
     saved = reader.manifest.get("optimizer", {}).get("state", [])
-    pending = outer.pending if "outer_pending" in saved else None      # a run without overlap left none
-    for kind, arr in (("param", outer.param), ("outer_momentum", outer.momentum), ("outer_pending", pending),
-                      (f"island{island}_outer_residual", outer.residual)):
-        if arr is None:
-            continue
+    held = arrays(outer)
+    if "outer_pending" not in saved:        # a run without overlap left none
+        held.pop("outer_pending", None)
+    for kind, arr in held.items():
+        kind = f"island{island}_{kind}" if kind == "outer_residual" else kind
         for name in lay.names:
             hits = cut(sync.owned_parts, lay.ranges[name])
             if not hits:
@@ -87,5 +96,5 @@ def load_islands(reader, island: int, outer, stage, sync, segs, opts, master, tp
                 arr[at:at + hit.size] = backend.xp.asarray(vals[hit.start - r.start:hit.stop - r.start],
                                                            dtype=arr.dtype)
     outer.steps = int(reader.manifest["state"].get("outer_steps", 0))
-    outer.resume(steps if pending is not None else None)
+    outer.resume(steps if "outer_pending" in held else None)
     return steps

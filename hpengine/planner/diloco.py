@@ -74,3 +74,11 @@ def norm_traffic(dl, lay, models: int) -> dict:
     per = 2 * dl.fragments * 8 * models / dl.inner_steps
     axes = [a for a, d in (("sharding", lay.sh), ("pp", lay.pp), ("tp", lay.tp), ("ep", lay.ep)) if d > 1]
     return {a: {"allreduce": per} for a in axes}
+
+
+def state_bytes(dl, owned: int, item: int) -> int:
+    """Bytes of the outer state over `owned` elements in the optimizer's dtype (item bytes; strategies/diloco.py
+    Outer): the outer parameters, and the momentum, the error-feedback residual and overlap's landed means where
+    the run keeps them."""
+    kept = 1 + (dl.outer_momentum > 0) + (dl.quantize != "none") + bool(dl.overlap)
+    return kept * owned * item

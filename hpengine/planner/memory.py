@@ -43,11 +43,12 @@ def precision(mcfg, amp, packed: bool = False, optimizer: str = UNDECLARED, leas
 
 def buddy_bytes(resilience, mem: dict | None) -> int:
     """Host bytes of resilience's buddy copies per rank (dist/buddy.py): the state a rank holds (its parameters as
-    held: the stage's buffer below sharding stage 3, else its shard; its optimizer state, amp's masters included)
-    and its partner's, for the last 2 steps; 0 when the run keeps none (on_failure = "abort", buddy = false)."""
+    held: the stage's buffer below sharding stage 3, else its shard; its optimizer state, amp's masters included;
+    DiLoCo's outer state) and its partner's, for the last 2 steps; 0 when the run keeps none (on_failure = "abort",
+    buddy = false)."""
     if mem is None or resilience.on_failure == "abort" or not resilience.buddy:
         return 0
-    return 2 * 2 * int(mem.get("params", 0) + mem.get("optimizer", 0))
+    return 2 * 2 * int(mem.get("params", 0) + mem.get("optimizer", 0) + mem.get("outer", 0))
 
 
 def owned(st: StageFacts, lay: Resolved, models: int, sh_rank=None) -> int:

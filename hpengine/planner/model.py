@@ -366,8 +366,17 @@ def for_rank(cfg, world: int, coords: dict, cluster=None) -> dict:
     if lay.islands > 1:
         item = 4 if lay.amp else precision(cfg.model, lay.amp)[3]
         M = cfg.train.models
-        _add_replica(out["traffic"], cfg, lay, owned_range(st, lay, M, coords["sharding"]), st.sizes(M), item)
+        own = owned_range(st, lay, M, coords["sharding"])
+        _add_replica(out["traffic"], cfg, lay, own, st.sizes(M), item)
+        _add_outer(out["memory"], cfg.strategy.diloco, own, item)
     return out
+
+
+def _add_outer(mem: dict, dl, own: tuple, item: int) -> None:
+    """DiLoCo's outer state (its owned part, in the optimizer's dtype) into a rank's memory."""
+    total = mem.pop("total")
+    mem["outer"] = plan_diloco.state_bytes(dl, own[1] - own[0], item)
+    mem["total"] = total + mem["outer"]
 
 
 def _add_replica(traffic: dict, cfg, lay: Resolved, own: tuple, sizes, item: int) -> None:
@@ -407,14 +416,18 @@ def predict_layout(cfg, lay: Resolved, cluster, stage_ids=None, sts=None, docs=N
 
 
 def _replica(cfg, lay: Resolved, sts, per: list, out: dict, cluster) -> None:
-    """DiLoCo: each stage's replica traffic per step; with a cluster, out["replica"]: the islands' link and the
-    slowest stage's time on it per step (outside the step time: the exchange runs between inner steps)."""
+    """DiLoCo: each stage's replica traffic per step and outer state (the worst stage's memory chosen again); with a
+    cluster, out["replica"]: the islands' link and the slowest stage's time on it per step (outside the step time:
+    the exchange runs between inner steps)."""
     dl = cfg.strategy.diloco
     item = 4 if lay.amp else precision(cfg.model, lay.amp)[3]      # what the optimizer updates: the masters
     M = cfg.train.models
     own = {r["stage"]: (owned_range(sts[r["stage"]], lay, M), sts[r["stage"]].sizes(M)) for r in per}
     for r in per:
         _add_replica(r["traffic"], cfg, lay, *own[r["stage"]], item)
+        _add_outer(r["memory"], dl, own[r["stage"]][0], item)
+    worst = max(per, key=lambda r: r["memory"]["total"])
+    out["memory"], out["stage"] = worst["memory"], worst["stage"]
     if cluster is not None:
         rate, latency, name = plan_diloco.link_of(cfg.runtime, cluster)
         secs = max(plan_diloco.seconds_per_step(dl, lay.islands, o, sz, item, rate, latency) for o, sz in own.values())

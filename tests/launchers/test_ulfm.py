@@ -163,3 +163,48 @@ def test_spare_without_ulfm_is_refused_in_one_line(tmp_path, small_corpus, launc
     assert res.returncode != 0 and len(errors) == 1, text
     assert "needs Open MPI 5 started with `mpirun --with-ft ulfm`" in errors[0], errors
     assert "Traceback" not in text, text
+
+
+DILOCO = ["strategy.diloco.enable=true", "strategy.diloco.replicas=2", "strategy.diloco.outer_momentum=0.9",
+          "strategy.diloco.quantize='int8'", "strategy.data_parallel.enable=true", "strategy.data_parallel.degree=2"]
+
+
+@pytest.mark.parametrize("keys", [
+    ["strategy.diloco.inner_steps=3"],
+    ["strategy.diloco.inner_steps=2", "strategy.diloco.overlap=true"],
+], ids=["H3", "H2-overlap"])
+def test_a_spare_takes_a_diloco_island_rank_with_its_outer_state(tmp_path, small_corpus, keys):
+    # 2 islands x dp 2; the kill comes as step 5 begins, after an outer step (momentum and int8 residuals set) and
+    # in the middle of the next period (under overlap: an exchange started after step 4 lands after step 6)
+    layout = [*DILOCO, *keys]
+    rc, text, ref = _train(tmp_path, small_corpus, "ref", 4, layout, ft=False)
+    assert rc == 0, text
+    rc, text, out = _train(tmp_path, small_corpus, "ft", 5, [*layout, *SPARE, "resilience.spares=1"],
+                           HPENGINE_FAULT_KILL="1@5")
+    assert rc == 0, text
+    assert re.search(r"hpengine: rank 1 \(dp1 sh0 pp0 tp0\) on \S+ died; a spare \(launch rank 4\) took its place; "
+                     r"training goes on from step [45] ", text), text
+    held, predicted = re.search(r"resilience: buddy copies ([\d.]+) MiB .*; ([\d.]+) MiB predicted", text).groups()
+    assert held == predicted, text          # the memory check counted the outer state the copies hold
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rec = [r for r in rows if "recovery_s" in r]
+    assert len(rec) == 1 and rec[0]["dead_ranks"] == [1] and rec[0]["spare_ranks"] == [4], rec
+    got, losses = _diloco_state(out)
+    want, want_losses = _diloco_state(ref)
+    assert len(losses) == len(want_losses) == STEPS
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-10, atol=0)
+    assert got.keys() == want.keys() and {k for k, _ in want} >= {
+        "param", "outer_momentum", "island0_param", "island1_adam_v", "island1_outer_residual"}, sorted(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-10, atol=1e-300, err_msg=str(k))
+
+
+def _diloco_state(out):
+    """_state of a DiLoCo checkpoint: the kinds it wrote (the outer parameters "param", "outer_momentum", each
+    island's "island{i}_<kind>"; the manifest also names the plain optimizer kinds, which no rank writes)."""
+    r = Reader(out / "checkpoints")
+    got = {(k, n): r.read(k, n, tuple(slice(0, s) for s in shape))
+           for n, shape in r.manifest["shapes"].items() for k in r.kinds if (k, n) in r.by_tensor}
+    r.close()
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return got, losses
