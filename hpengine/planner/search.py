@@ -21,7 +21,7 @@ from hpengine.config.load import (
 from hpengine.data.format import DataError
 from hpengine.files import write_file
 from hpengine.layout.resolve import SWITCH_OF_AXIS, Resolved, resolve
-from hpengine.planner import documents as plan_docs, prune
+from hpengine.planner import documents as plan_docs, islands as plan_islands, prune
 from hpengine.planner.calibrate import GB, calibrate_device
 from hpengine.planner.cluster import Cluster, PlanError, load_cluster  # noqa: F401 - Cluster and PlanError are part of plan's API
 from hpengine.planner.model import predict_layout, predict_stage, step_time  # noqa: F401 - predict_layout is part of plan's API
@@ -299,6 +299,9 @@ def run(a, progress=None) -> str:
     out += _wrap(hidden_line(fit[0], ", marked h in the table")) if hidden_line(fit[0]) else []
     if fit[0]["layout"].cp > 1:
         out += _wrap(_why_context(cfg, cluster, fit, a.max_micro_batch, docs))
+    if cluster.sites > 1:           # a slow link between sites: its cost, and DiLoCo islands ranked apart
+        out += [""] + plan_islands.report(cfg, cluster, fit[0], a.top, lambda c, cl: searched(
+            c, cl, a.max_micro_batch, a.top, docs=docs)[0], config_for, docs)
     if a.out:
         try:
             write_best(cfg, fit[0], a.out, cluster)
