@@ -80,14 +80,17 @@ def propose(cfg, cluster, island_rows, layout_config, docs=None) -> list[dict]:
     return list(first.values())
 
 
+SHOWN = {"diloco": ("enable", "replicas", "inner_steps", "quantize")}     # set even where they equal the defaults
+
+
 def settings(base, full) -> str:
-    """The --set arguments that turn the base config's strategy tables into the candidate's."""
+    """The --set arguments that turn the base config's strategy tables into the candidate's (DiLoCo's own always)."""
     out = []
     for table in dataclasses.fields(full.strategy):
         was, now = getattr(base.strategy, table.name), getattr(full.strategy, table.name)
         for f in dataclasses.fields(now):
             v = getattr(now, f.name)
-            if v != getattr(was, f.name):
+            if v != getattr(was, f.name) or f.name in SHOWN.get(table.name, ()):
                 out.append(f"--set strategy.{table.name}.{f.name}={str(v).lower() if isinstance(v, bool) else v}")
     return " ".join(out)
 
@@ -124,14 +127,14 @@ def table(cands: list[dict], top: int, dtype: str) -> list[str]:
     cols = [c for c in LAYOUT_COLS if c[0] not in used or any(used[c[0]](r["layout"]) for r in rows)]
     ms, mn = _unit(max(r["memory"] for r in rows), [(GB, "GB"), (1e6, "MB"), (1, "B")])
     ts, tn = _unit(max(r["time"]["step"] for r in rows), [(1, "s"), (1e-3, "ms"), (1e-6, "us")])
-    head = (" ".join(f"{c:>{w}}" for c, w, _ in cols) + f" |    H quant | {mn:>5} | {'inner':>7} {'replica':>9} "
-            f"{'link':>7} {'step':>7} {tn:<2} | {'tok/s':>9}")
+    head = (" ".join(f"{c:>{w}}" for c, w, _ in cols) + f" |   H quant | {mn:>5} | {'inner':>6} {'replica':>8} "
+            f"{'link':>6} {'step':>6} {tn:<2}| {'tok/s':>9}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows, 1):
         t = r["time"]
-        lines.append(" ".join(_cells(r["layout"], i, dtype, cols)) + f" | {r['inner_steps']:>4} {r['quantize']:>5} | "
-                     f"{r['memory'] / ms:>5.1f} | {t['inner'] / ts:>7.3g} {_bytes(r['replica_bytes']):>9} "
-                     f"{t['replica'] / ts:>7.3g} {t['step'] / ts:>7.3g} {'':<2} | {r['tokens_per_s']:>9,.0f}")
+        lines.append(" ".join(_cells(r["layout"], i, dtype, cols)) + f" | {r['inner_steps']:>3} {r['quantize']:>5} | "
+                     f"{r['memory'] / ms:>5.1f} | {t['inner'] / ts:>6.3g} {_bytes(r['replica_bytes']):>8} "
+                     f"{t['replica'] / ts:>6.3g} {t['step'] / ts:>6.3g} {'':<2}| {r['tokens_per_s']:>9,.0f}")
     return lines
 
 

@@ -240,8 +240,9 @@ def cluster_lines(a, c: Cluster) -> list[str]:
     return _wrap(f"cluster: {where}: {c.nodes} x {c.gpus_per_node} devices of {c.mem_gb:g} GB ({kind})"
                  + (f"; set by {', '.join(flags)}" if flags else "") + f"; {c.tflops:g} TFLOP/s 16-bit, "
                  f"{c.tflops_fp32:g} float32; links {c.intra_bw_gbs:g} GB/s and {c.intra_latency_us:g} us inside a "
-                 f"node, {c.inter_bw_gbs:g} GB/s and {c.inter_latency_us:g} us between nodes; {c.reserve:g} GB kept "
-                 "free")
+                 f"node, {c.inter_bw_gbs:g} GB/s and {c.inter_latency_us:g} us between nodes"
+                 + (f", {c.site_bw_gbs:g} GB/s and {c.site_latency_ms:g} ms between {c.sites} sites of {c.site_nodes} "
+                    "nodes" if c.site_nodes else "") + f"; {c.reserve:g} GB kept free")
 
 
 def documents(cfg: Config, mean=None):
