@@ -14,7 +14,7 @@ from hpengine.models import build_model
 from hpengine.planner import islands
 from hpengine.planner.cluster import Cluster, PlanError, load_cluster
 from hpengine.planner.model import predict_layout
-from hpengine.planner.search import config_for
+from hpengine.planner.search import config_for, searched
 
 MODEL = ["model.kind=gpt", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.seq_len=32",
          "model.dtype=float32", "train.global_batch=16"]
@@ -162,3 +162,14 @@ def test_check_of_a_diloco_config_uses_the_link_between_sites(tmp_path, capsys):
     assert f"on the link between sites (0.125 GB/s, 50 ms) the replica bytes take {secs * 1e3:.3g} ms per step" in out
     assert main(args + ["--set", "runtime.replica_link=8Mbit/s,20ms"]) == 0
     assert "on runtime.replica_link 8Mbit/s,20ms" in capsys.readouterr().out
+
+
+def test_pruned_search_ranks_as_the_exhaustive_one_across_sites():
+    """The branch and bound's floors stay floors with the slower link between sites: the same first rows, figures."""
+    cfg = load_config(None, MODEL + ["model.n_layers=4", "train.global_batch=32"])
+    cluster = Cluster(nodes=4, gpus_per_node=2, mem_gb=16, site_nodes=2, site_bw_gbs=0.125, site_latency_ms=50)
+    every, n, _ = searched(cfg, cluster, 2)
+    fit, evaluated, pruned = searched(cfg, cluster, 2, 5)
+    assert evaluated + pruned == n and pruned > 0
+    assert [(r["layout"], r["time"], r["memory"]) for r in fit[:5]] == [
+        (r["layout"], r["time"], r["memory"]) for r in every[:5]]
