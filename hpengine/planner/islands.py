@@ -8,7 +8,7 @@ import copy
 import dataclasses
 import textwrap
 
-from hpengine.config.load import validate
+from hpengine.config.load import ConfigError, validate
 from hpengine.layout.resolve import resolve
 from hpengine.planner import model as pm
 from hpengine.planner.calibrate import GB
@@ -150,7 +150,7 @@ def report(cfg, cluster, best: dict, top: int, search_island, layout_config, doc
     try:
         island_cfg, island_cluster = island_search_inputs(cfg, cluster)
         cands = propose(cfg, cluster, search_island(island_cfg, island_cluster), layout_config, docs)
-    except PlanError as e:
+    except (ConfigError, ValueError) as e:     # PlanError is a ConfigError; resolve's errors are ValueErrors
         return out + _wrap(head) + _wrap(f"no DiLoCo candidate: {e}")
     if not cands:
         return out + _wrap(head) + _wrap(f"no DiLoCo candidate fits once the outer state is counted "
