@@ -1,6 +1,6 @@
 """The machine the planner plans for: `Cluster` (devices, memory and what is kept free of it, FLOP/s, links,
-the CPU figures --calibrate measures and the GPU figures of planner/gpu.py) and `load_cluster`, which reads a
-[cluster] table and flags and checks every value, one line per mistake."""
+sites of nodes behind a slow link, the CPU figures --calibrate measures and the GPU figures of planner/gpu.py)
+and `load_cluster`, which reads a [cluster] table and flags and checks every value, one line per mistake."""
 from __future__ import annotations
 
 import dataclasses
@@ -49,6 +49,11 @@ class Cluster:
     # MoE under expert parallelism: the most-loaded expert's tokens over the mean (a run's moe_load_max); its
     # rank's expert GEMMs and received rows take this factor, and every rank waits for it (1: balanced)
     moe_imbalance: float = 1.0
+    # sites: groups of site_nodes consecutive nodes behind a slow link (0: one site). The link's figures are per
+    # device, like inter_bw_gbs: a collective whose ranks span sites runs at them
+    site_nodes: int = 0             # nodes per site (0: every node on one fabric)
+    site_bw_gbs: float = 0.0        # per-device bandwidth between sites
+    site_latency_ms: float = 0.0    # per round of a small collective between sites
 
     @property
     def reserve(self) -> float:
@@ -62,9 +67,26 @@ class Cluster:
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    @property
+    def sites(self) -> int:
+        """Sites behind the slow link (1 without one)."""
+        return self.nodes // self.site_nodes if self.site_nodes else 1
+
+    def spans_sites(self, span: int) -> bool:
+        """Whether a group of ranks spread over `span` consecutive ranks (from a multiple of span) crosses the
+        slow link between sites: it does unless it fits whole into one site's ranks."""
+        site = self.site_nodes * self.gpus_per_node
+        return self.sites > 1 and not (span <= site and site % span == 0)
+
+    def site_link(self) -> tuple[float, float, str]:
+        """(bytes per second, latency in seconds, its name) of the link between sites."""
+        return (self.site_bw_gbs * 1e9, self.site_latency_ms * 1e-3,
+                f"the link between sites ({self.site_bw_gbs:g} GB/s, {self.site_latency_ms:g} ms)")
+
 
 MAY_BE_ZERO = ("cores_per_node", "block_us", "act_ns", "optimizer_ns", "step_overhead_us", "overlap", "reduce_bw_gbs",
-               "allgather_bw_gbs", "gemm_half_dim", "mem_bw_gbs", "launch_us", "reserve_gb")
+               "allgather_bw_gbs", "gemm_half_dim", "mem_bw_gbs", "launch_us", "reserve_gb", "site_nodes", "site_bw_gbs",
+               "site_latency_ms")
 
 
 def load_cluster(path=None, **flags) -> Cluster:
@@ -107,4 +129,27 @@ def load_cluster(path=None, **flags) -> Cluster:
     if c.inter_latency_us < c.intra_latency_us:
         raise PlanError(f"cluster: inter_latency_us = {c.inter_latency_us} is below intra_latency_us = "
                         f"{c.intra_latency_us}; check the figures")
+    _check_sites(c)
     return c
+
+
+def _check_sites(c: Cluster) -> None:
+    """Sites: whole groups of nodes, with a link between them no faster than the one between nodes."""
+    if not c.site_nodes:
+        for k in ("site_bw_gbs", "site_latency_ms"):
+            if getattr(c, k):
+                raise PlanError(f"cluster.{k} = {getattr(c, k):g}: applies only with site_nodes > 0 (the nodes per "
+                                "site behind the slow link)")
+        return
+    if c.nodes % c.site_nodes:
+        raise PlanError(f"cluster.site_nodes = {c.site_nodes}: must divide nodes = {c.nodes} (sites of equal size; "
+                        "0 = one site, no slow link)")
+    if not c.site_bw_gbs:
+        raise PlanError(f"cluster.site_nodes = {c.site_nodes}: needs site_bw_gbs > 0, the per-device bandwidth of the "
+                        "link between sites in GB/s (1 Gbit/s = 0.125)")
+    if c.site_bw_gbs > c.inter_bw_gbs:
+        raise PlanError(f"cluster: site_bw_gbs = {c.site_bw_gbs:g} exceeds inter_bw_gbs = {c.inter_bw_gbs:g}; the link "
+                        "between sites is not faster than the one between nodes, check the figures")
+    if c.site_latency_ms * 1e3 < c.inter_latency_us:
+        raise PlanError(f"cluster: site_latency_ms = {c.site_latency_ms:g} is below inter_latency_us = "
+                        f"{c.inter_latency_us:g} (in microseconds); check the figures")

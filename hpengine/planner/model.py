@@ -125,16 +125,24 @@ def _attention(docs) -> float:
 
 # ---- time ------------------------------------------------------------------------------------------
 
+def axis_span(lay: Resolved, axis: str) -> int:
+    """Consecutive ranks one group of a mesh axis spreads over: its degree times those of the axes inside it."""
+    deg = _degrees(lay)
+    return math.prod(deg[a] for a in lay.order[:lay.order.index(axis)]) * deg[axis]
+
+
 def link(lay: Resolved, axis: str, cluster, op: str = "allreduce") -> tuple:
     """(latency s, bandwidth B/s) of an operation on a mesh axis: intra-node when its ranks, spaced by
-    the degrees of the axes inside it (mesh order, innermost first), fall in one node; a reduce or an
-    allgather at its own measured bandwidth where the cluster gives one (between nodes, at most that)."""
-    deg = _degrees(lay)
-    stride = math.prod(deg[a] for a in lay.order[:lay.order.index(axis)])
-    span, gpn = stride * deg[axis], cluster.gpus_per_node
+    the degrees of the axes inside it (mesh order, innermost first), fall in one node; between sites
+    (cluster.site_nodes) when they cross the slow link; a reduce or an allgather at its own measured
+    bandwidth where the cluster gives one (between nodes, at most that)."""
+    span, gpn = axis_span(lay, axis), cluster.gpus_per_node
     own = {"reduce": cluster.reduce_bw_gbs, "allgather": cluster.allgather_bw_gbs}.get(op, 0.0) * 1e9
     if span <= gpn and gpn % span == 0:
         return cluster.intra_latency_us * 1e-6, own or cluster.intra_bw_gbs * 1e9
+    if cluster.spans_sites(span):
+        rate, latency, _ = cluster.site_link()
+        return latency, min(own or math.inf, rate)
     return cluster.inter_latency_us * 1e-6, min(own or math.inf, cluster.inter_bw_gbs * 1e9)
 
 
@@ -417,8 +425,9 @@ def predict_layout(cfg, lay: Resolved, cluster, stage_ids=None, sts=None, docs=N
 
 def _replica(cfg, lay: Resolved, sts, per: list, out: dict, cluster) -> None:
     """DiLoCo: each stage's replica traffic per step and outer state (the worst stage's memory chosen again); with a
-    cluster, out["replica"]: the islands' link and the slowest stage's time on it per step (outside the step time:
-    the exchange runs between inner steps)."""
+    cluster, out["replica"]: the islands' link (the one between sites when they span sites and
+    runtime.replica_link is unset) and the slowest stage's time on it per step (outside the step time: the exchange
+    runs between inner steps)."""
     dl = cfg.strategy.diloco
     item = 4 if lay.amp else precision(cfg.model, lay.amp)[3]      # what the optimizer updates: the masters
     M = cfg.train.models
@@ -430,6 +439,8 @@ def _replica(cfg, lay: Resolved, sts, per: list, out: dict, cluster) -> None:
     out["memory"], out["stage"] = worst["memory"], worst["stage"]
     if cluster is not None:
         rate, latency, name = plan_diloco.link_of(cfg.runtime, cluster)
+        if not cfg.runtime.replica_link and cluster.spans_sites(lay.world):   # islands that meet across sites
+            rate, latency, name = cluster.site_link()
         secs = max(plan_diloco.seconds_per_step(dl, lay.islands, o, sz, item, rate, latency) for o, sz in own.values())
         out["replica"] = {"link": name, "seconds_per_step": secs}
 

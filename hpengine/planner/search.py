@@ -21,7 +21,7 @@ from hpengine.config.load import (
 from hpengine.data.format import DataError
 from hpengine.files import write_file
 from hpengine.layout.resolve import SWITCH_OF_AXIS, Resolved, resolve
-from hpengine.planner import documents as plan_docs, prune
+from hpengine.planner import documents as plan_docs, islands as plan_islands, prune
 from hpengine.planner.calibrate import GB, calibrate_device
 from hpengine.planner.cluster import Cluster, PlanError, load_cluster  # noqa: F401 - Cluster and PlanError are part of plan's API
 from hpengine.planner.model import predict_layout, predict_stage, step_time  # noqa: F401 - predict_layout is part of plan's API
@@ -240,8 +240,9 @@ def cluster_lines(a, c: Cluster) -> list[str]:
     return _wrap(f"cluster: {where}: {c.nodes} x {c.gpus_per_node} devices of {c.mem_gb:g} GB ({kind})"
                  + (f"; set by {', '.join(flags)}" if flags else "") + f"; {c.tflops:g} TFLOP/s 16-bit, "
                  f"{c.tflops_fp32:g} float32; links {c.intra_bw_gbs:g} GB/s and {c.intra_latency_us:g} us inside a "
-                 f"node, {c.inter_bw_gbs:g} GB/s and {c.inter_latency_us:g} us between nodes; {c.reserve:g} GB kept "
-                 "free")
+                 f"node, {c.inter_bw_gbs:g} GB/s and {c.inter_latency_us:g} us between nodes"
+                 + (f", {c.site_bw_gbs:g} GB/s and {c.site_latency_ms:g} ms between {c.sites} sites of {c.site_nodes} "
+                    "nodes" if c.site_nodes else "") + f"; {c.reserve:g} GB kept free")
 
 
 def documents(cfg: Config, mean=None):
@@ -299,6 +300,9 @@ def run(a, progress=None) -> str:
     out += _wrap(hidden_line(fit[0], ", marked h in the table")) if hidden_line(fit[0]) else []
     if fit[0]["layout"].cp > 1:
         out += _wrap(_why_context(cfg, cluster, fit, a.max_micro_batch, docs))
+    if cluster.sites > 1:           # a slow link between sites: its cost, and DiLoCo islands ranked apart
+        out += [""] + plan_islands.report(cfg, cluster, fit[0], a.top, lambda c, cl: searched(
+            c, cl, a.max_micro_batch, a.top, docs=docs)[0], config_for, docs)
     if a.out:
         try:
             write_best(cfg, fit[0], a.out, cluster)
