@@ -21,9 +21,10 @@ MODEL = ["model.kind=llama", "model.d_model=64", "model.n_layers=2", "model.n_he
 
 
 def wire_bytes(stats: dict, m: int) -> int:
-    """What one rank sends under ring algorithms: an allreduce of b bytes 2 (m-1)/m b, an allgather of b bytes (the
-    gathered buffer) (m-1)/m b, anything else its bytes."""
-    per = {"allreduce": 2 * (m - 1) / m, "allgather": (m - 1) / m}
+    """What one rank sends under ring or pairwise algorithms: an allreduce of b bytes 2 (m-1)/m b, an allgather of b
+    bytes (the gathered buffer) (m-1)/m b, an alltoallv of b bytes (its send buffer, equal parts) (m-1)/m b, anything
+    else its bytes."""
+    per = {"allreduce": 2 * (m - 1) / m, "allgather": (m - 1) / m, "alltoallv": (m - 1) / m}
     return int(sum(per.get(op, 1.0) * b for op, (_, b) in stats.items()))
 
 

@@ -480,7 +480,8 @@ class DilocoConfig:
     outer_momentum: float = _f(0.9, "outer momentum mu (PyTorch SGD: buf = mu buf + g)", check=_must(">=", 0, "<", 1))
     nesterov: bool = _f(True, "Nesterov outer momentum: step = g + mu buf (else buf)")
     quantize: str = _f("none", "the outer exchange: none (an allreduce in the parameters' dtype), or int8 / int4 "
-                       "per block of 128 values with a float32 scale each, all-gathered, with error feedback",
+                       "per block of 256 values with a float32 scale each, with error feedback: each island averages and "
+                       "re-quantises its chunk of the blocks (alltoallv), then all gather the chunks",
                        choices=("none", "int8", "int4"))
     fragments: int = _f(1, "streaming DiLoCo: the model's tensors in F groups of whole tensors in model order "
                         "(balanced by element count, the same under every layout), fragment f synchronised at the "

@@ -271,17 +271,26 @@ class Comm:
         """objs[r] to rank r; returns what every rank sent here, by rank (small pickled control messages)."""
         return self.c.alltoall(objs) if self.size > 1 else list(objs)
 
-    def alltoallv_(self, send, send_rows, recv, recv_rows):
-        """Rows of send (n, ...) to every rank, send_rows[r] of them (consecutive, in rank order) to rank r;
-        recv gets recv_rows[r] rows from each rank r, in rank order. Counted as send's bytes."""
+    def _alltoallv_args(self, send, send_rows, recv, recv_rows):
         row = int(send[0].size) if send.shape[0] else int(recv[0].size) if recv.shape[0] else 1
         sc, rc = [int(n) * row for n in send_rows], [int(n) * row for n in recv_rows]
         sd, rd = [sum(sc[:r]) for r in range(self.size)], [sum(rc[:r]) for r in range(self.size)]
         self._count("alltoallv", send)
         sbuf, rbuf = self._out(send), self._out(recv, copy=False)
-        self.c.Alltoallv([sbuf.reshape(-1), (sc, sd)], [rbuf.reshape(-1), (rc, rd)])
+        return [sbuf.reshape(-1), (sc, sd)], [rbuf.reshape(-1), (rc, rd)], rbuf
+
+    def alltoallv_(self, send, send_rows, recv, recv_rows):
+        """Rows of send (n, ...) to every rank, send_rows[r] of them (consecutive, in rank order) to rank r;
+        recv gets recv_rows[r] rows from each rank r, in rank order. Counted as send's bytes."""
+        s, r, rbuf = self._alltoallv_args(send, send_rows, recv, recv_rows)
+        self.c.Alltoallv(s, r)
         self._in(rbuf, recv)
         return recv
+
+    def ialltoallv_(self, send, send_rows, recv, recv_rows):
+        """Non-blocking alltoallv_: recv holds the rows once the request completes (send untouched until then)."""
+        s, r, rbuf = self._alltoallv_args(send, send_rows, recv, recv_rows)
+        return self._req(self.c.Ialltoallv(s, r), rbuf, recv)
 
     def barrier(self):
         if self.size > 1:
@@ -331,7 +340,8 @@ TRACED = {"allreduce_": "Allreduce", "iallreduce_": "Iallreduce", "ireduce": "Ir
           "iallgatherv_": "Iallgatherv", "allgather_axis1": "Allgather",
           "reduce_scatter": "Reduce_scatter_block", "bcast_": "Bcast", "isend": "Isend", "irecv": "Irecv",
           "allreduce_obj": "allreduce", "bcast_obj": "bcast", "allgather_obj": "allgather", "barrier": "Barrier",
-          "alltoall_obj": "alltoall", "alltoallv_": "Alltoallv"}
+          "alltoall_obj": "alltoall", "alltoallv_": "Alltoallv",
+          "ialltoallv_": "Ialltoallv"}
 
 
 def _timed(comm, call, fn):

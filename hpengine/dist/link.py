@@ -11,9 +11,9 @@ from mpi4py import MPI
 
 from hpengine.dist.comm import Comm, Staged, _raw
 
-_ARRAYS = ("allreduce_", "allgatherv_", "bcast_", "reduce_scatter")
+_ARRAYS = ("allreduce_", "allgatherv_", "bcast_", "reduce_scatter", "alltoallv_")
 _OBJECTS = ("allreduce_obj", "bcast_obj", "allgather_obj", "barrier")
-_NONBLOCKING = ("iallreduce_", "iallgatherv_")
+_NONBLOCKING = ("iallreduce_", "iallgatherv_", "ialltoallv_")
 
 
 class Held(Staged):

@@ -1,6 +1,7 @@
 """DiLoCo's outer exchange for the planner: the bytes one rank counts on the replica communicator per optimizer
 step (its owned pseudo-gradient once every inner_steps steps, per fragment, in the optimizer's dtype or in int8 /
-int4 blocks) and the time a link takes for them (runtime.replica_link, else the cluster's link between nodes).
+int4 blocks: an alltoallv of the chunks, an allgatherv of the averaged chunks) and the time a link takes for them
+(runtime.replica_link, else the cluster's link between nodes).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from bisect import bisect_right
 from hpengine.config.tree import parse_link
 from hpengine.params.buffers import partition
 
-BLOCK = 128         # values per quantisation block, one float32 scale each (strategies/quantize.py)
+BLOCK = 256         # values per quantisation block, one float32 scale each (strategies/quantize.py)
 
 
 def payload_bytes(pieces, fmt: str) -> int:
@@ -35,12 +36,14 @@ def fragment_pieces(lo: int, hi: int, sizes, fragments: int) -> list[list[int]]:
 
 def exchanges(dl, islands: int, owned: tuple[int, int], sizes, item: int) -> list[tuple[str, int]]:
     """(op, bytes as comm.py counts them) of each call one outer period makes: an allreduce of a fragment's owned
-    pseudo-gradient in the optimizer's dtype (item bytes), or an allgather of every island's payload; owned:
-    (start, stop) of the rank's part of the stage, sizes: the stage's tensor sizes."""
+    pseudo-gradient in the optimizer's dtype (item bytes), or the island's payload sent out in chunks (alltoallv,
+    counted as the whole payload) and the averaged chunks gathered (allgather of one payload's bytes; the chunks are
+    whole blocks of the same format); owned: (start, stop) of the rank's part of the stage, sizes: the stage's tensor
+    sizes."""
     frags = fragment_pieces(*owned, sizes, dl.fragments)
     if dl.quantize == "none":
         return [("allreduce", sum(p) * item) for p in frags]
-    return [("allgather", islands * payload_bytes(p, dl.quantize)) for p in frags]
+    return [(op, payload_bytes(p, dl.quantize)) for p in frags for op in ("alltoallv", "allgather")]
 
 
 def traffic(dl, islands: int, owned: tuple, sizes, item: int) -> dict:

@@ -1,19 +1,18 @@
 """DiLoCo's outer loop on this rank's owned part of the parameters: every inner_steps steps (per fragment, staggered
 under streaming) the pseudo-gradient (outer - island) is averaged over the islands on the replica communicator
-(allreduce, or quantised payloads all-gathered with error feedback), the outer parameters take an SGD step with
-(Nesterov) momentum and the island restarts from them (overlap: the exchange lands H / F steps later, mixed in).
+(allreduce, or int8/int4 with error feedback: each island averages its chunk, then all gather the chunks), the outer
+parameters take an SGD step with (Nesterov) momentum and the island restarts from them (overlap: the exchange lands
+H / F steps later, mixed in).
 """
 from __future__ import annotations
 
 from bisect import bisect_right
 from math import prod
 
-import numpy as np
-
 from hpengine.dist.comm import testall, waitall
 from hpengine.device.precision import write_copy
 from hpengine.params.buffers import cut, partition
-from hpengine.strategies import quantize
+from hpengine.strategies.diloco_exchange import QuantisedExchange
 
 STATE = ("outer_param", "outer_momentum", "outer_residual")     # the checkpoint's names
 
@@ -63,6 +62,12 @@ class Outer:
         if not self.tau:
             return [(self.start(f, p, step), self.land(f, p, copy)) for f in self.due(step)]
         testall([r for _, r, _ in self.flight.values() if r is not None])     # MPI progresses them only in calls
+        for f in sorted(self.flight):
+            at, _, ex = self.flight[f]
+            if self.dl.quantize != "none":      # phase 2 halfway: a fixed step, so every rank starts it in order
+                ex.poll()
+                if at + (self.tau + 1) // 2 == step:
+                    ex.reduce()
         landing = [f for f, (at, *_) in self.flight.items() if at + self.tau == step]
         landing += [f for f, at in self.settled.items() if at + self.tau == step]
         out = [(None, self.land(f, p, copy)) for f in sorted(landing)]
@@ -81,17 +86,10 @@ class Outer:
                 self.flight[f] = (step, None, self.comm.allreduce_(delta))
             return drift
         v = delta + self._take(self.residual, idx)
-        payload, seen = quantize.encode(xp, v, dl.quantize, [e - a for a, e in idx])     # blocks from each tensor
-        self._put(self.residual, idx, v - seen)
-        gathered = xp.empty(self.M * payload.size, dtype=np.uint8)
-        gathered[self.comm.rank * payload.size:(self.comm.rank + 1) * payload.size] = payload
-        args = (gathered, [payload.size] * self.M, [i * payload.size for i in range(self.M)])
-        if self.tau:
-            req = self.comm.iallgatherv_(*args)
-        else:
-            req = None
-            self.comm.allgatherv_(*args)
-        self.flight[f] = (step, req, (gathered, v.dtype))
+        segments = [e - a for a, e in idx]          # blocks from each tensor
+        ex = QuantisedExchange(self.comm, xp, dl.quantize, segments, v.dtype, bool(self.tau))
+        self._put(self.residual, idx, v - ex.start(v))
+        self.flight[f] = (step, None, ex)
         return drift
 
     def _mean(self, f: int):
@@ -100,12 +98,10 @@ class Outer:
             del self.settled[f]
             return self._take(self.pending, self._index(f))
         _, req, buf = self.flight.pop(f)
+        if self.dl.quantize != "none":
+            return buf.mean()
         waitall([req])
-        if self.dl.quantize == "none":
-            return buf / buf.dtype.type(self.M)
-        gathered, dtype = buf
-        segments = [e - a for a, e in self._index(f)]
-        return quantize.mean_of(self.xp, gathered, self.M, segments, self.dl.quantize, dtype)
+        return buf / buf.dtype.type(self.M)
 
     def settle(self) -> None:
         """Every exchange on the wire completed into `pending` (before a checkpoint saves it)."""

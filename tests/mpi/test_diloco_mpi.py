@@ -1,7 +1,7 @@
 """DiLoCo against independent references: one inner step with outer lr 1 and no momentum is data parallel (the
 one-process run, with the linear inner optimizer SGD); islands of any inner layout are islands of one process
-each; and the outer step (Nesterov momentum, int8/int4 exchange with error feedback) against a NumPy model of
-its equations fed by one-process engines that each run one island's rows.
+each; and the outer step (Nesterov momentum, int8/int4 exchange with error feedback and the owners' re-quantised
+mean) against a NumPy model of its equations fed by one-process engines that each run one island's rows.
 """
 from itertools import combinations
 
@@ -99,13 +99,16 @@ def test_quantised_islands_follow_tensors_not_ranks(corpus, inner, quantize):
 
 # ---- an independent model of the outer step ---------------------------------------------------------------
 
+BLOCK = 256         # values per quantisation block
+
+
 def np_quantize(v, levels):
-    """Blocks of 128 values (zero-padded), a float32 scale max|x| / levels each, round half to even: the values a
+    """Blocks of BLOCK values (zero-padded), a float32 scale max|x| / levels each, round half to even: the values a
     payload stands for."""
     n = v.size
-    x = np.zeros(-(-n // 128) * 128)
+    x = np.zeros(-(-n // BLOCK) * BLOCK)
     x[:n] = v
-    x = x.reshape(-1, 128)
+    x = x.reshape(-1, BLOCK)
     scale = (np.abs(x).max(axis=1) / levels).astype(np.float32).astype(np.float64)
     q = np.clip(np.rint(x / np.where(scale > 0, scale, 1.0)[:, None]), -levels, levels)
     return (q * scale[:, None]).reshape(-1)[:n]
@@ -120,6 +123,23 @@ def np_quantize_tensors(v, lo, tensors, levels):
         if s < e:
             out[s:e] = np_quantize(v[s:e], levels)
     return out
+
+
+def np_exchange(deltas, resid, sl, tensors, quantize):
+    """The islands' mean pseudo-gradient over slice sl as the exchange delivers it: plain, their mean; int8/int4,
+    each island's v = delta + residual rounded per block (its residual keeps what the rounding lost), the rounded
+    values summed in island order over M, and that mean rounded per block again (its owner's re-quantisation)."""
+    M = len(deltas)
+    if quantize == "none":
+        return sum(deltas[1:], deltas[0]) / M
+    levels = {"int8": 127, "int4": 7}[quantize]
+    total = None
+    for i in range(M):
+        v = deltas[i] + resid[i][sl]
+        q = np_quantize_tensors(v, sl.start, tensors, levels)
+        resid[i][sl] = v - q
+        total = q if total is None else total + q
+    return np_quantize_tensors(total / M, sl.start, tensors, levels)
 
 
 def tensor_bounds(eng):
@@ -153,30 +173,32 @@ def island_engine(corpus, knobs, i, M, G):
     return e
 
 
-def two_islands_and_their_engines(corpus, steps, G, knobs, H, mu, lr, quantize, fragments):
-    """The run of 2 islands of world / 2 ranks (dp inside) with these outer settings (and knobs): (each island's
+def islands_and_their_engines(corpus, steps, G, knobs, H, mu, lr, quantize, fragments, M=2):
+    """The run of M islands of world / M ranks (dp inside) with these outer settings (and knobs): (each island's
     losses, parameters, engine), and the one-process engine of each island with its flat parameters, for the
     test's NumPy model to drive."""
     n = WORLD.Get_size()
-    need(n % 2 == 0, "2 islands of equal size")
+    need(n % M == 0, f"{M} islands of equal size")
     outer = [f"strategy.diloco.inner_steps={H}", f"strategy.diloco.outer_momentum={mu}",
              f"strategy.diloco.outer_lr={lr}", f"strategy.diloco.quantize={quantize}",
              f"strategy.diloco.fragments={fragments}", *knobs]
-    inner = ["strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n // 2}"]
-    losses, params, eng = run(config(corpus, *DILOCO, *outer, *inner), WORLD, steps=steps)
-    isl = [island_engine(corpus, [], i, 2, G) for i in range(2)]
+    inner = ["strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n // M}"]
+    losses, params, eng = run(config(corpus, "strategy.diloco.enable=true", f"strategy.diloco.replicas={M}",
+                                     *outer, *inner), WORLD, steps=steps)
+    isl = [island_engine(corpus, [], i, M, G) for i in range(M)]
     return island_losses(losses, eng, WORLD), params, eng, isl, [e.sync.params.data for e in isl]
 
 
-@pytest.mark.parametrize("quantize,fragments", [("none", 1), ("int8", 1), ("int4", 1), ("int8", 3)])
-def test_outer_step_against_numpy_model(corpus, quantize, fragments):
-    """H = 3, outer momentum 0.9, Nesterov, outer lr 0.7, six steps: 2 islands of world / 2 ranks (dp) against the
-    outer step written out here in NumPy (PyTorch SGD semantics; the int8/int4 rounding with error feedback;
-    streaming: fragment f, the f-th of F groups of whole tensors in model order, meets after step s when s + f H / F
-    is a multiple of H), fed by two one-process engines, each running one island's rows. The replica communicator moves exactly the
-    format's bytes."""
-    H, mu, lr, M, G, steps = 3, 0.9, 0.7, 2, 8, 6
-    got, params, eng, isl, P = two_islands_and_their_engines(corpus, steps, G, [], H, mu, lr, quantize, fragments)
+@pytest.mark.parametrize("quantize,fragments,M", [("none", 1, 2), ("int8", 1, 2), ("int4", 1, 2), ("int8", 3, 2),
+                                                  ("int8", 1, 4), ("int4", 3, 4)])
+def test_outer_step_against_numpy_model(corpus, quantize, fragments, M):
+    """H = 3, outer momentum 0.9, Nesterov, outer lr 0.7, six steps: M islands of world / M ranks (dp) against the
+    outer step written out here in NumPy (PyTorch SGD semantics; the int8/int4 rounding with error feedback, then the
+    owner's rounding of the mean; streaming: fragment f, the f-th of F groups of whole tensors in model order, meets
+    after step s when s + f H / F is a multiple of H), fed by M one-process engines, each running one island's rows. The replica
+    communicator moves exactly the format's bytes: the payload out in chunks, the averaged chunks back."""
+    H, mu, lr, G, steps = 3, 0.9, 0.7, 8, 6
+    got, params, eng, isl, P = islands_and_their_engines(corpus, steps, G, [], H, mu, lr, quantize, fragments, M)
     outer = P[0].copy()
     size, tensors = outer.size, tensor_bounds(isl[0])
     frag = fragment_slices_of(eng, tensors)
@@ -189,14 +211,7 @@ def test_outer_step_against_numpy_model(corpus, quantize, fragments):
             if (s + 1 + f * H // fragments) % H:
                 continue
             sl = frag[f]
-            deltas = [outer[sl] - P[i][sl] for i in range(M)]
-            if quantize != "none":
-                levels = {"int8": 127, "int4": 7}[quantize]
-                for i in range(M):
-                    v = deltas[i] + resid[i][sl]
-                    deltas[i] = np_quantize_tensors(v, sl.start, tensors, levels)
-                    resid[i][sl] = v - deltas[i]
-            g = (deltas[0] + deltas[1]) / M
+            g = np_exchange([outer[sl] - P[i][sl] for i in range(M)], resid, sl, tensors, quantize)
             buf[sl] = mu * buf[sl] + g
             outer[sl] = outer[sl] - lr * (g + mu * buf[sl])
             for i in range(M):
@@ -208,13 +223,13 @@ def test_outer_step_against_numpy_model(corpus, quantize, fragments):
 
     # the bytes on the replica communicator: each exchange of a fragment's owned part (the whole stage under dp)
     assert eng.sync.owned_params().size == size
-    blocks = [sum(-(-k // 128) for k in pieces) for pieces in sent]       # each tensor's piece from a block start
+    blocks = [sum(-(-k // BLOCK) for k in pieces) for pieces in sent]       # each tensor's piece from a block start
     stats = eng.mesh.comms["replica"].stats
     if quantize == "none":
         assert dict(stats) == {"allreduce": [len(sent), 8 * sum(map(sum, sent))]}
     else:
-        codes = [b * 128 if quantize == "int8" else b * 64 for b in blocks]
-        assert dict(stats) == {"allgather": [len(sent), sum(M * (c + 4 * b) for c, b in zip(codes, blocks))]}
+        payload = sum(b * BLOCK // {"int8": 1, "int4": 2}[quantize] + 4 * b for b in blocks)
+        assert dict(stats) == {"alltoallv": [len(sent), payload], "allgather": [len(sent), payload]}
 
 
 @pytest.mark.parametrize("quantize", ["none", "int8"])

@@ -9,20 +9,21 @@ from mpi4py import MPI
 from helpers import assert_resumes_like, assert_same, assert_same_params, config, need, run
 from hpengine.run.build import build
 from hpengine.run.train import save_state
-from test_diloco_mpi import (DILOCO, fragment_slices_of, np_quantize_tensors, tensor_bounds,
-                             two_islands_and_their_engines)
+from test_diloco_mpi import DILOCO, fragment_slices_of, islands_and_their_engines, np_exchange, tensor_bounds
 
 WORLD = MPI.COMM_WORLD
 
 
-@pytest.mark.parametrize("quantize,fragments,mix", [("none", 1, 0.5), ("int8", 3, 0.25), ("none", 3, 0.0)])
+@pytest.mark.parametrize("quantize,fragments,mix", [("none", 1, 0.5), ("int8", 3, 0.25), ("none", 3, 0.0),
+                                                    ("int4", 1, 0.5)])
 def test_overlap_against_numpy_model(corpus, quantize, fragments, mix):
     """H = 3, Nesterov 0.9, outer lr 0.7, eight steps, 2 islands of world / 2 ranks (dp): fragment f's
     pseudo-gradient taken after step s (s + 1 + f H / F a multiple of H) lands after step s + H / F: the outer
-    step from the islands' mean at s, then island = mix x island + (1 - mix) x outer; written out here in NumPy."""
+    step from the islands' mean at s, then island = mix x island + (1 - mix) x outer; written out here in NumPy
+    (int8/int4: both phases of the exchange on the wire, the second started halfway, when H / F > 1)."""
     H, mu, lr, M, G, steps = 3, 0.9, 0.7, 2, 8, 8
     tau = H // fragments
-    got, params, eng, isl, P = two_islands_and_their_engines(
+    got, params, eng, isl, P = islands_and_their_engines(
         corpus, steps, G, ["strategy.diloco.overlap=true", f"strategy.diloco.overlap_mix={mix}"], H, mu, lr,
         quantize, fragments)
     outer = P[0].copy()
@@ -43,13 +44,8 @@ def test_overlap_against_numpy_model(corpus, quantize, fragments, mix):
             if (s + 1 + f * H // fragments) % H:
                 continue
             sl = frag[f]
-            deltas = [outer[sl] - P[i][sl] for i in range(M)]
-            if quantize != "none":
-                for i in range(M):
-                    v = deltas[i] + resid[i][sl]
-                    deltas[i] = np_quantize_tensors(v, sl.start, tensors, 127)
-                    resid[i][sl] = v - deltas[i]
-            flying.setdefault(s + tau, []).append((sl, (deltas[0] + deltas[1]) / M))
+            g = np_exchange([outer[sl] - P[i][sl] for i in range(M)], resid, sl, tensors, quantize)
+            flying.setdefault(s + tau, []).append((sl, g))
     assert flying, "an exchange still on the wire at the end: the run must not have waited for it"
     for i in range(M):
         assert_same(got[i], np.array(want[i]))
