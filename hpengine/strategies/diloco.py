@@ -1,8 +1,7 @@
 """DiLoCo's outer loop on this rank's owned part of the parameters: every inner_steps steps (per fragment, staggered
-under streaming) the pseudo-gradient (outer - island) is averaged over the islands on the replica communicator
-(allreduce, or int8/int4 with error feedback: each island averages its chunk, then all gather the chunks), the outer
-parameters take an SGD step with (Nesterov) momentum and the island restarts from them (overlap: the exchange lands
-H / F steps later, mixed in).
+under streaming) the pseudo-gradient (outer - island) is averaged over the islands (allreduce, or the quantised
+exchange of diloco_exchange.py), the outer parameters take an SGD step with (Nesterov) momentum and the island
+restarts from them (overlap: the exchange lands H / F steps later, mixed in).
 """
 from __future__ import annotations
 
