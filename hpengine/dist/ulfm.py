@@ -115,10 +115,28 @@ def placed(small, members, places: int):
     given = dict(zip(spares, empty))
     me_old, me_place = members[small.Get_rank()]
     place = me_place if me_place >= 0 else given.get(me_old, -1)
+    return mesh_of(small, place), place, [(p, old) for old, p in given.items()]
+
+
+def mesh_of(small, place: int):
+    """The compute communicator of the ranks of `small` that hold a mesh place (place >= 0), ranked by place;
+    COMM_NULL on a rank with place -1 (it waits as a spare). Collective on small."""
     comm = small.Split(MPI.UNDEFINED if place < 0 else 0, place)
     if comm != MPI.COMM_NULL:
         errors_return(comm)
-    return comm, place, [(p, old) for old, p in given.items()]
+    return comm
+
+
+def gather_in_group(small, group: int, order: int, obj) -> list:
+    """obj of every rank of `small` in the same `group`, ranked by `order` ([] on a rank with group -1, which
+    takes no part). Collective on small; the group's communicator lives only for this gather."""
+    sub = small.Split(MPI.UNDEFINED if group < 0 else group, order)
+    if sub == MPI.COMM_NULL:
+        return []
+    try:
+        return sub.allgather(obj)
+    finally:
+        sub.Free()
 
 
 class SpareError(RuntimeError):

@@ -211,9 +211,7 @@ class Resilience:
         owners = (shrink.owners_of(small, members, coords, dead, self.place, step, shift, self.buddies)
                   if got.axis == "sharding" else None)
         new = got.new[self.place] if self.place >= 0 else -1
-        compute = small.Split(MPI.UNDEFINED if new < 0 else 0, new)
-        if compute != MPI.COMM_NULL:
-            ulfm.errors_return(compute)
+        compute = ulfm.mesh_of(small, new)
         mine = self.buddies.own(step) if new >= 0 else None
         hosts = {got.new[p]: host for _, (p, _, _, host, *_) in members if p >= 0 and got.new[p] >= 0}
         launch_rank = {p: m[4] for _, m in members if (p := m[0]) >= 0}
