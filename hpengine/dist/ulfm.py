@@ -38,11 +38,28 @@ def missing(env=None) -> str:
     return ""
 
 
-def is_failure(exc: BaseException) -> bool:
+def is_failure(exc: BaseException, world=None) -> bool:
     """Whether exc may be MPI's report of a dead peer (or of a communicator revoked because of one). A wait on
     several requests reports MPI_ERR_IN_STATUS, and the process may not know yet of the death that caused it:
-    it counts too (a recovery that finds every rank alive raises it again, on every rank)."""
-    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in (*FAILED, MPI.ERR_IN_STATUS)
+    it counts too (a recovery that finds every rank alive ends the job, on every rank). A collective that Open
+    MPI runs as rounds of point-to-point messages (libnbc) reports a dead peer as MPI_ERR_OTHER: it counts when
+    this process knows of a dead rank of `world`."""
+    if not isinstance(exc, MPI.Exception):
+        return False
+    kind = exc.Get_error_class()
+    return kind in (*FAILED, MPI.ERR_IN_STATUS) or (kind == MPI.ERR_OTHER and world is not None and knows_dead(world))
+
+
+def knows_dead(world) -> bool:
+    """Whether this process knows of a dead rank of world (MPIX_Comm_get_failed; local, no communication)."""
+    try:
+        failed = world.Get_failed()
+    except MPI.Exception:
+        return False
+    try:
+        return failed.Get_size() > 0
+    finally:
+        failed.Free()
 
 
 def errors_return(comm) -> None:
