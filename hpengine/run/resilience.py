@@ -17,7 +17,7 @@ from hpengine.dist import ulfm
 from hpengine.dist.agree import agree_or_raise
 from hpengine.dist.buddy import Buddies, shift_of, unpack
 from hpengine.engine import held
-from hpengine.run import faults, progress, shrink, trace
+from hpengine.run import faults, progress, shrink, supervisor, trace
 from hpengine.run.build import build_job, compute_dtype
 from hpengine.run.launch import LaunchError
 from hpengine.run.run_dir import trim_metrics
@@ -271,6 +271,7 @@ def _end_job(small, line: str) -> None:
     status 2, the job's end as abort mode would end it."""
     if small.Get_rank() == 0:
         faults.say(line)
+    supervisor.leaving(2)
     small.Barrier()             # the line is out before any rank leaves
     raise ulfm.JobEnds(2)
 

@@ -243,3 +243,7 @@ def test_more_deaths_than_spares_end_the_job_in_one_line(tmp_path, small_corpus,
                                if dead == "[1]" else f"hpengine: mesh places {dead} died and only 1 spare(s)"), lines
     assert "Traceback" not in text, text
     assert rc == 2, text
+    # every survivor left with status 2: the run folder records only the killed ranks' deaths (a survivor still
+    # on its way out when mpirun ended the job on the first exit would be recorded as orphaned)
+    events = [json.loads(x)["event"] for x in (out / "failures.jsonl").read_text().splitlines()]
+    assert events == ["signal"] * len(kills.split(",")), events
