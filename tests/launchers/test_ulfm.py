@@ -80,16 +80,33 @@ DP4 = ["strategy.data_parallel.enable=true", "strategy.data_parallel.degree=4"]
 SHRINK = ["resilience.on_failure='shrink'"]
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, small_corpus):
+    """The uninterrupted run (plain mpirun, 4 ranks) of a layout, run once per layout in this module."""
+    runs = {}
+
+    def get(keys):
+        if tuple(keys) not in runs:
+            tmp = tmp_path_factory.mktemp("ref")
+            rc, text, out = _train(tmp, small_corpus, "ref", 4, keys, ft=False)
+            assert rc == 0, text
+            runs[tuple(keys)] = out
+        return runs[tuple(keys)]
+    return get
+
+
+DP4_12 = [*DP4, "train.global_batch=12", "checkpoint.every=3"]      # 12 divides into 4, 3 and 2 replicas
+
+
 @pytest.mark.parametrize("layout,shrunk,coords", [
     (DP4, "dp 4 -> 3", "dp1 sh0"),
     (["strategy.sharding.enable=true", "strategy.sharding.degree=4", "strategy.sharding.stage=3"], "sharding 4 -> 3",
      "dp0 sh1"),
 ], ids=["dp4", "sharding4-stage3"])
-def test_shrink_drops_the_dead_replica_and_the_run_ends_as_if_none_died(tmp_path, small_corpus, layout, shrunk,
-                                                                         coords):
-    layout = [*layout, "train.global_batch=12"]          # divides into 4 replicas and into 3
-    rc, text, ref = _train(tmp_path, small_corpus, "ref", 4, layout, ft=False)
-    assert rc == 0, text
+def test_shrink_drops_the_dead_replica_and_the_run_ends_as_if_none_died(tmp_path, small_corpus, reference, layout,
+                                                                         shrunk, coords):
+    layout = [*layout, "train.global_batch=12", "checkpoint.every=3"]          # 12 divides into 4 replicas and 3
+    ref = reference(layout)
     rc, text, out = _train(tmp_path, small_corpus, "ft", 4, [*layout, *SHRINK], HPENGINE_FAULT_KILL="1@3")
     assert rc == 0, text
     held, predicted = re.search(r"resilience: buddy copies ([\d.]+) MiB .*; ([\d.]+) MiB predicted", text).groups()
@@ -165,40 +182,26 @@ def test_spare_without_ulfm_is_refused_in_one_line(tmp_path, small_corpus, launc
     assert "Traceback" not in text, text
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, small_corpus):
-    """The uninterrupted run (plain mpirun, 4 ranks) of a layout, run once per layout in this module."""
-    runs = {}
-
-    def get(keys):
-        if tuple(keys) not in runs:
-            tmp = tmp_path_factory.mktemp("ref")
-            rc, text, out = _train(tmp, small_corpus, "ref", 4, keys, ft=False)
-            assert rc == 0, text
-            runs[tuple(keys)] = out
-        return runs[tuple(keys)]
-    return get
-
-
-DP4_12 = [*DP4, "train.global_batch=12", "checkpoint.every=3"]      # 12 divides into 4, 3 and 2 replicas
-
-
 def _recoveries(out) -> list:
     return [r for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()) if "recovery_s" in r]
 
 
 def test_shrink_leaves_the_dead_ranks_replica_partner_as_a_spare(tmp_path, small_corpus, reference):
     # dp 2 x tp 2: launch rank 1 is (dp0 tp1); its replica partner, launch rank 0 (mesh rank 0, the one that
-    # writes the run's metrics), leaves the mesh with it and waits as a spare while dp1 trains on as dp 1
+    # writes the run's metrics), leaves the mesh with it and waits as a spare while dp1 trains on as dp 1; when
+    # launch rank 2, now mesh rank 0, dies too, launch rank 0 takes its place
     layout = ["strategy.data_parallel.enable=true", "strategy.data_parallel.degree=2",
               "strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2"]
     ref = reference(layout)
-    rc, text, out = _train(tmp_path, small_corpus, "ft", 4, [*layout, *SHRINK], HPENGINE_FAULT_KILL="1@3")
+    rc, text, out = _train(tmp_path, small_corpus, "ft", 4, [*layout, *SHRINK], HPENGINE_FAULT_KILL="1@2,2@4")
     assert rc == 0, text
     assert re.search(r"hpengine: rank 1 \(dp0 sh0 pp0 tp1\) on \S+ died; no spare: its replica left the mesh "
-                     r"\(dp 2 -> 1; launch ranks \[0\] wait as spares\); training goes on from step [23] ", text), text
+                     r"\(dp 2 -> 1; launch ranks \[0\] wait as spares\); training goes on from step [12] ", text), text
+    assert re.search(r"hpengine: rank 0 \(dp0 sh0 pp0 tp0\) on \S+ died; a spare \(launch rank 0\) took its place; "
+                     r"training goes on from step [34] ", text), text
     rec = _recoveries(out)
-    assert len(rec) == 1 and rec[0]["left_ranks"] == [0] and rec[0]["shrunk"] == "dp 2 -> 1", rec
+    assert len(rec) == 2 and rec[0]["left_ranks"] == [0] and rec[0]["shrunk"] == "dp 2 -> 1", rec
+    assert rec[1]["dead_ranks"] == [0] and rec[1]["spare_ranks"] == [0], rec
     _same_run(out, ref, atol=1e-13)
 
 
