@@ -1,6 +1,7 @@
 """MPI's User-Level Failure Mitigation (ULFM) for a job that outlives a rank: whether this run has it, the
-spare ranks' wait, revoking every communicator so that all ranks notice a failure, and the shrunk world with a
-spare put in each dead rank's place. Only Open MPI 5 started with `mpirun --with-ft ulfm` has it switched on.
+spare ranks' wait, revoking every communicator so that all ranks notice a failure, the shrunk world with a
+spare put in each dead rank's place, and the communicators a recovery splits from it (the new mesh, a group).
+Only Open MPI 5 started with `mpirun --with-ft ulfm` has it switched on.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def knows_dead(world) -> bool:
     """Whether this process knows of a dead rank of world (MPIX_Comm_get_failed; local, no communication)."""
     try:
         failed = world.Get_failed()
-    except MPI.Exception:
+    except (NotImplementedError, MPI.Exception):      # a library without MPIX_Comm_get_failed
         return False
     try:
         return failed.Get_size() > 0
@@ -97,7 +98,7 @@ def wait_as_spare(world) -> bool:
         world.Ibarrier().Wait()
         return False
     except MPI.Exception as exc:
-        if exc.Get_error_class() in FAILED:
+        if is_failure(exc, world):
             return True
         raise
 
