@@ -228,6 +228,20 @@ def test_a_rank_leaving_with_its_peers_keeps_its_status_when_the_launcher_ends_t
     assert not (tmp_path / supervisor.FAILURES).exists()
 
 
+def test_a_leaving_rank_whose_launcher_is_gone_ends_with_its_status_and_no_orphan_record(tmp_path):
+    # the launcher ended the job as a peer exited: this rank was on its way out with the same status
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    r, w = os.pipe()
+    rec = {"rank": 1, "host": "h", "pid": child.pid, "coords": {"dp": 1}, "prefix": "[r1 dp1]"}
+    os.write(w, (json.dumps({"record": rec, "run_dir": str(tmp_path)}) + "\n" + json.dumps({"leaving": 2}) +
+                 "\n").encode())
+    os.close(w)
+    sup = supervisor.Supervisor(child.pid, r, launcher=os.getpid())
+    assert sup._orphaned() == 2
+    assert _gone(child.pid) and not (tmp_path / supervisor.FAILURES).exists()
+    os.close(r)
+
+
 def test_the_rank_dies_with_its_supervisor(tmp_path):
     p, (child, sup, _) = _fork(tmp_path, "wait")
     os.kill(sup, signal.SIGKILL)
