@@ -1,6 +1,7 @@
 """MPI's User-Level Failure Mitigation (ULFM) for a job that outlives a rank: whether this run has it, the
-spare ranks' wait, revoking every communicator so that all ranks notice a failure, and the shrunk world with a
-spare put in each dead rank's place. Only Open MPI 5 started with `mpirun --with-ft ulfm` has it switched on.
+spare ranks' wait, revoking every communicator so that all ranks notice a failure, the shrunk world with a
+spare put in each dead rank's place, and the communicators a recovery splits from it (the new mesh, a group).
+Only Open MPI 5 started with `mpirun --with-ft ulfm` has it switched on.
 """
 from __future__ import annotations
 
@@ -38,11 +39,28 @@ def missing(env=None) -> str:
     return ""
 
 
-def is_failure(exc: BaseException) -> bool:
+def is_failure(exc: BaseException, world=None) -> bool:
     """Whether exc may be MPI's report of a dead peer (or of a communicator revoked because of one). A wait on
     several requests reports MPI_ERR_IN_STATUS, and the process may not know yet of the death that caused it:
-    it counts too (a recovery that finds every rank alive raises it again, on every rank)."""
-    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in (*FAILED, MPI.ERR_IN_STATUS)
+    it counts too (a recovery that finds every rank alive ends the job, on every rank). A collective that Open
+    MPI runs as rounds of point-to-point messages (libnbc) reports a dead peer as MPI_ERR_OTHER: it counts when
+    this process knows of a dead rank of `world`."""
+    if not isinstance(exc, MPI.Exception):
+        return False
+    kind = exc.Get_error_class()
+    return kind in (*FAILED, MPI.ERR_IN_STATUS) or (kind == MPI.ERR_OTHER and world is not None and knows_dead(world))
+
+
+def knows_dead(world) -> bool:
+    """Whether this process knows of a dead rank of world (MPIX_Comm_get_failed; local, no communication)."""
+    try:
+        failed = world.Get_failed()
+    except (NotImplementedError, MPI.Exception):      # a library without MPIX_Comm_get_failed
+        return False
+    try:
+        return failed.Get_size() > 0
+    finally:
+        failed.Free()
 
 
 def errors_return(comm) -> None:
@@ -80,7 +98,7 @@ def wait_as_spare(world) -> bool:
         world.Ibarrier().Wait()
         return False
     except MPI.Exception as exc:
-        if exc.Get_error_class() in FAILED:
+        if is_failure(exc, world):
             return True
         raise
 
@@ -115,10 +133,28 @@ def placed(small, members, places: int):
     given = dict(zip(spares, empty))
     me_old, me_place = members[small.Get_rank()]
     place = me_place if me_place >= 0 else given.get(me_old, -1)
+    return mesh_of(small, place), place, [(p, old) for old, p in given.items()]
+
+
+def mesh_of(small, place: int):
+    """The compute communicator of the ranks of `small` that hold a mesh place (place >= 0), ranked by place;
+    COMM_NULL on a rank with place -1 (it waits as a spare). Collective on small."""
     comm = small.Split(MPI.UNDEFINED if place < 0 else 0, place)
     if comm != MPI.COMM_NULL:
         errors_return(comm)
-    return comm, place, [(p, old) for old, p in given.items()]
+    return comm
+
+
+def gather_in_group(small, group: int, order: int, obj) -> list:
+    """obj of every rank of `small` in the same `group`, ranked by `order` ([] on a rank with group -1, which
+    takes no part). Collective on small; the group's communicator lives only for this gather."""
+    sub = small.Split(MPI.UNDEFINED if group < 0 else group, order)
+    if sub == MPI.COMM_NULL:
+        return []
+    try:
+        return sub.allgather(obj)
+    finally:
+        sub.Free()
 
 
 class SpareError(RuntimeError):

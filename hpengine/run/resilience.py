@@ -17,7 +17,7 @@ from hpengine.dist import ulfm
 from hpengine.dist.agree import agree_or_raise
 from hpengine.dist.buddy import Buddies, shift_of, unpack
 from hpengine.engine import held
-from hpengine.run import faults, progress, shrink, trace
+from hpengine.run import faults, progress, shrink, supervisor, trace
 from hpengine.run.build import build_job, compute_dtype
 from hpengine.run.launch import LaunchError
 from hpengine.run.run_dir import trim_metrics
@@ -124,7 +124,7 @@ class Resilience:
 
     def handles(self, exc: BaseException) -> bool:
         """Whether exc is (may be) a peer's death, which this job survives."""
-        return ulfm.is_failure(exc)
+        return ulfm.is_failure(exc, self.world)
 
     def survivor(self) -> int:
         """The compute rank of the lowest mesh place that survived the last recovery (its history is the run's)."""
@@ -211,9 +211,7 @@ class Resilience:
         owners = (shrink.owners_of(small, members, coords, dead, self.place, step, shift, self.buddies)
                   if got.axis == "sharding" else None)
         new = got.new[self.place] if self.place >= 0 else -1
-        compute = small.Split(MPI.UNDEFINED if new < 0 else 0, new)
-        if compute != MPI.COMM_NULL:
-            ulfm.errors_return(compute)
+        compute = ulfm.mesh_of(small, new)
         mine = self.buddies.own(step) if new >= 0 else None
         hosts = {got.new[p]: host for _, (p, _, _, host, *_) in members if p >= 0 and got.new[p] >= 0}
         launch_rank = {p: m[4] for _, m in members if (p := m[0]) >= 0}
@@ -273,6 +271,7 @@ def _end_job(small, line: str) -> None:
     status 2, the job's end as abort mode would end it."""
     if small.Get_rank() == 0:
         faults.say(line)
+    supervisor.leaving(2)
     small.Barrier()             # the line is out before any rank leaves
     raise ulfm.JobEnds(2)
 

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from hpengine.checkpoint.guard import read_latest
 from hpengine.config.load import ConfigError
+from hpengine.dist import ulfm
 from hpengine.dist.buddy import unpack
 from hpengine.layout.resolve import SWITCH_OF_AXIS, resolve
 
@@ -92,10 +93,7 @@ def owners_of(small, members: list, coords: list, dead: list, place: int, step: 
             small.Recv([buf, MPI.BYTE], source=rank_of[holder], tag=46)
             extra.append((coords[d]["sharding"], unpack(meta, buf)))
     groups = sorted({key(p) for p in rank_of})
-    sub = small.Split(MPI.UNDEFINED if place < 0 else groups.index(key(place)), max(place, 0))
-    if place < 0:
-        return []
-    mine = [(coords[place]["sharding"], buddies.own(step)[0]), *extra]
-    got = dict(item for part in sub.allgather(mine) for item in part)
-    sub.Free()
+    mine = [(coords[place]["sharding"], buddies.own(step)[0]), *extra] if place >= 0 else None
+    parts = ulfm.gather_in_group(small, groups.index(key(place)) if place >= 0 else -1, max(place, 0), mine)
+    got = dict(item for part in parts for item in part)
     return [got[i] for i in sorted(got)]

@@ -140,11 +140,21 @@ def parent_pid():
 def report(record: dict, run_dir, survive: bool = False) -> None:
     """Tell the supervisor who this rank is (faults.rank_record), where its run folder is, and whether the job
     survives the rank's death (resilience.on_failure = "spare")."""
+    _tell({"record": record, "run_dir": os.path.abspath(str(run_dir)), "survive": survive})
+
+
+def leaving(status: int) -> None:
+    """Tell the supervisor that this rank ends now with exit status `status`, the job's other survivors with it
+    (resilience: the line saying why is out): a launcher that ends the job as the first of them exits is then
+    no fault of this rank's, and its supervisor exits with `status` too."""
+    _tell({"leaving": status})
+
+
+def _tell(msg: dict) -> None:
     if _state["fd"] is None:
         return
-    line = json.dumps({"record": record, "run_dir": os.path.abspath(str(run_dir)), "survive": survive}) + "\n"
     try:
-        os.write(_state["fd"], line.encode())
+        os.write(_state["fd"], (json.dumps(msg) + "\n").encode())
     except OSError:          # the supervisor is gone: PR_SET_PDEATHSIG ends this process
         pass
 
@@ -267,6 +277,7 @@ class Supervisor:
         self.child, self.fd, self.launcher, self.poll_s, self.forwards = child, fd, launcher, poll_s, forward
         self.record, self.run_dir, self._buf, self.sent = None, None, b"", set()
         self.survive = False        # the rank said the job survives its death (resilience.on_failure)
+        self.leaving = None         # the exit status the rank said it ends with, with the job's other survivors
 
     def on_signal(self, signum, frame=None) -> None:
         """A signal for the rank: noted (a death by it is the sender's doing, not a fault), and forwarded
@@ -307,6 +318,9 @@ class Supervisor:
         for line in lines:
             try:
                 msg = json.loads(line)
+                if "leaving" in msg:
+                    self.leaving = int(msg["leaving"])
+                    continue
                 self.record, self.run_dir = msg["record"], msg["run_dir"]
                 self.survive = bool(msg.get("survive"))
             except (ValueError, KeyError, TypeError):
@@ -321,6 +335,9 @@ class Supervisor:
 
     def _ended(self, wstatus: int) -> int:
         self._drain()
+        if self.leaving is not None and os.WIFSIGNALED(wstatus) and (
+                os.WTERMSIG(wstatus) in (*self.sent, signal.SIGKILL)):
+            return self.leaving       # it was ending anyway: the launcher's end of the job caught up with it
         line, entry, status = verdict(os.waitstatus_to_exitcode(wstatus), self.record, self.child,
                                       core=os.WIFSIGNALED(wstatus) and os.WCOREDUMP(wstatus), sent=self.sent)
         if line and self.survive:
@@ -342,6 +359,10 @@ class Supervisor:
 
     def _orphaned(self) -> int:
         self._drain()
+        if self.leaving is not None:      # a peer's exit ended the job while this rank was ending it too
+            self.forward(signal.SIGKILL)
+            os.waitpid(self.child, 0)
+            return self.leaving
         rec = self.record or _env_record(self.child, os.environ)
         line = (f"hpengine: {_who(rec)}: the launcher is gone (parent process {self.launcher} exited, now "
                 f"{os.getppid()}); ending the rank, as no collective can finish")

@@ -80,16 +80,33 @@ DP4 = ["strategy.data_parallel.enable=true", "strategy.data_parallel.degree=4"]
 SHRINK = ["resilience.on_failure='shrink'"]
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, small_corpus):
+    """The uninterrupted run (plain mpirun, 4 ranks) of a layout, run once per layout in this module."""
+    runs = {}
+
+    def get(keys):
+        if tuple(keys) not in runs:
+            tmp = tmp_path_factory.mktemp("ref")
+            rc, text, out = _train(tmp, small_corpus, "ref", 4, keys, ft=False)
+            assert rc == 0, text
+            runs[tuple(keys)] = out
+        return runs[tuple(keys)]
+    return get
+
+
+DP4_12 = [*DP4, "train.global_batch=12", "checkpoint.every=3"]      # 12 divides into 4, 3 and 2 replicas
+
+
 @pytest.mark.parametrize("layout,shrunk,coords", [
     (DP4, "dp 4 -> 3", "dp1 sh0"),
     (["strategy.sharding.enable=true", "strategy.sharding.degree=4", "strategy.sharding.stage=3"], "sharding 4 -> 3",
      "dp0 sh1"),
 ], ids=["dp4", "sharding4-stage3"])
-def test_shrink_drops_the_dead_replica_and_the_run_ends_as_if_none_died(tmp_path, small_corpus, layout, shrunk,
-                                                                         coords):
-    layout = [*layout, "train.global_batch=12"]          # divides into 4 replicas and into 3
-    rc, text, ref = _train(tmp_path, small_corpus, "ref", 4, layout, ft=False)
-    assert rc == 0, text
+def test_shrink_drops_the_dead_replica_and_the_run_ends_as_if_none_died(tmp_path, small_corpus, reference, layout,
+                                                                         shrunk, coords):
+    layout = [*layout, "train.global_batch=12", "checkpoint.every=3"]          # 12 divides into 4 replicas and 3
+    ref = reference(layout)
     rc, text, out = _train(tmp_path, small_corpus, "ft", 4, [*layout, *SHRINK], HPENGINE_FAULT_KILL="1@3")
     assert rc == 0, text
     held, predicted = re.search(r"resilience: buddy copies ([\d.]+) MiB .*; ([\d.]+) MiB predicted", text).groups()
@@ -163,6 +180,76 @@ def test_spare_without_ulfm_is_refused_in_one_line(tmp_path, small_corpus, launc
     assert res.returncode != 0 and len(errors) == 1, text
     assert "needs Open MPI 5 started with `mpirun --with-ft ulfm`" in errors[0], errors
     assert "Traceback" not in text, text
+
+
+def _recoveries(out) -> list:
+    return [r for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()) if "recovery_s" in r]
+
+
+def test_shrink_leaves_the_dead_ranks_replica_partner_as_a_spare(tmp_path, small_corpus, reference):
+    # dp 2 x tp 2: launch rank 1 is (dp0 tp1); its replica partner, launch rank 0 (mesh rank 0, the one that
+    # writes the run's metrics), leaves the mesh with it and waits as a spare while dp1 trains on as dp 1; when
+    # launch rank 2, now mesh rank 0, dies too, launch rank 0 takes its place
+    layout = ["strategy.data_parallel.enable=true", "strategy.data_parallel.degree=2",
+              "strategy.tensor_parallel.enable=true", "strategy.tensor_parallel.degree=2"]
+    ref = reference(layout)
+    rc, text, out = _train(tmp_path, small_corpus, "ft", 4, [*layout, *SHRINK], HPENGINE_FAULT_KILL="1@2,2@4")
+    assert rc == 0, text
+    assert re.search(r"hpengine: rank 1 \(dp0 sh0 pp0 tp1\) on \S+ died; no spare: its replica left the mesh "
+                     r"\(dp 2 -> 1; launch ranks \[0\] wait as spares\); training goes on from step [12] ", text), text
+    assert re.search(r"hpengine: rank 0 \(dp0 sh0 pp0 tp0\) on \S+ died; a spare \(launch rank 0\) took its place; "
+                     r"training goes on from step [34] ", text), text
+    rec = _recoveries(out)
+    assert len(rec) == 2 and rec[0]["left_ranks"] == [0] and rec[0]["shrunk"] == "dp 2 -> 1", rec
+    assert rec[1]["dead_ranks"] == [0] and rec[1]["spare_ranks"] == [0], rec
+    _same_run(out, ref, atol=1e-13)
+
+
+def test_two_successive_shrinks(tmp_path, small_corpus, reference):
+    ref = reference(DP4_12)
+    # launch rank 1 dies as step 2 begins (dp 4 -> 3); launch rank 2, now mesh rank 1, as step 4 begins (3 -> 2)
+    rc, text, out = _train(tmp_path, small_corpus, "ft", 4, [*DP4_12, *SHRINK], HPENGINE_FAULT_KILL="1@2,2@4")
+    assert rc == 0, text
+    rec = _recoveries(out)
+    assert [(r["dead_ranks"], r["shrunk"]) for r in rec] == [([1], "dp 4 -> 3"), ([1], "dp 3 -> 2")], rec
+    _same_run(out, ref, atol=1e-13)
+
+
+def test_shrink_survives_a_rank_killed_while_a_checkpoint_is_written(tmp_path, small_corpus, reference):
+    ref = reference(DP4_12)
+    rc, text, out = _train(tmp_path, small_corpus, "ft", 4, [*DP4_12, *SHRINK], HPENGINE_FAULT_KILL="1@save:3")
+    assert rc == 0, text
+    assert "after writing its shard of the checkpoint of step 3" in text, text
+    assert "its replica left the mesh (dp 4 -> 3; launch ranks [] wait as spares); training goes on from step 4" in text
+    ckpts = out / "checkpoints"
+    assert not list(ckpts.glob(".tmp-*")) and (ckpts / "latest").read_text().strip() == "step_00000006"
+    # the cut save, written again by the 3 replicas, holds the state of step 3 as the uninterrupted run saved it
+    got, want = (Reader(d / "checkpoints" / "step_00000003") for d in (out, ref))
+    assert got.verify() == [] and got.step == 3
+    for n, shape in want.manifest["shapes"].items():
+        for k in want.kinds:
+            box = tuple(slice(0, s) for s in shape)
+            np.testing.assert_allclose(got.read(k, n, box), want.read(k, n, box), rtol=1e-10, atol=1e-300)
+    got.close()
+    want.close()
+    _same_run(out, ref, atol=1e-13)
+
+
+@pytest.mark.parametrize("kills,dead", [("1@3,2@3", "[1, 2]"), ("1@2,4@4", "[1]")],
+                         ids=["two-at-once", "after-the-spare-was-used"])
+def test_more_deaths_than_spares_end_the_job_in_one_line(tmp_path, small_corpus, kills, dead):
+    rc, text, out = _train(tmp_path, small_corpus, "ft", 5, [*DP4, *SPARE, "resilience.spares=1"],
+                           HPENGINE_FAULT_KILL=kills)
+    lines = [ln for ln in text.splitlines() if "spare(s) are left" in ln]
+    assert len(lines) == 1, text
+    assert lines[0].startswith(f"hpengine: mesh places {dead} died and only 0 spare(s) are left"
+                               if dead == "[1]" else f"hpengine: mesh places {dead} died and only 1 spare(s)"), lines
+    assert "Traceback" not in text, text
+    assert rc == 2, text
+    # every survivor left with status 2: the run folder records only the killed ranks' deaths (a survivor still
+    # on its way out when mpirun ended the job on the first exit would be recorded as orphaned)
+    events = [json.loads(x)["event"] for x in (out / "failures.jsonl").read_text().splitlines()]
+    assert events == ["signal"] * len(kills.split(",")), events
 
 
 DILOCO = ["strategy.diloco.enable=true", "strategy.diloco.replicas=2", "strategy.diloco.outer_momentum=0.9",

@@ -160,6 +160,8 @@ signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
 rec = {"rank": 1, "host": "h", "pid": os.getpid(), "coords": {"dp": 1}, "prefix": "[r1 dp1]",
        "supervisor_pid": supervisor.parent_pid()}
 supervisor.report(rec, run_dir)
+if mode == "leaving":
+    supervisor.leaving(2)
 with open(os.path.join(run_dir, "pids"), "w") as f:
     f.write(f"{os.getpid()} {os.getppid()} {os.getpgid(0)}")
 if mode == "kill":
@@ -214,6 +216,30 @@ def test_a_child_that_dies_before_reporting_is_named_by_its_launcher_rank(tmp_pa
     assert rc == 137 and err.startswith(f"hpengine: rank 1 (pid {child} on {HOST}, while starting: before its "
                                         "mesh coordinates were known) was killed by SIGKILL"), err
     assert not (tmp_path / supervisor.FAILURES).exists()         # no run folder yet
+
+
+def test_a_rank_leaving_with_its_peers_keeps_its_status_when_the_launcher_ends_the_job_first(tmp_path):
+    # the survivors of a failure that cannot go on leave with status 2; the first to exit makes Open MPI's
+    # mpirun end the job, and its SIGTERM may reach a rank still on its way out
+    p, _ = _fork(tmp_path, "leaving")
+    os.killpg(p.pid, signal.SIGTERM)
+    rc, err = _end(p, 30)
+    assert rc == 2 and err == ""
+    assert not (tmp_path / supervisor.FAILURES).exists()
+
+
+def test_a_leaving_rank_whose_launcher_is_gone_ends_with_its_status_and_no_orphan_record(tmp_path):
+    # the launcher ended the job as a peer exited: this rank was on its way out with the same status
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    r, w = os.pipe()
+    rec = {"rank": 1, "host": "h", "pid": child.pid, "coords": {"dp": 1}, "prefix": "[r1 dp1]"}
+    os.write(w, (json.dumps({"record": rec, "run_dir": str(tmp_path)}) + "\n" + json.dumps({"leaving": 2}) +
+                 "\n").encode())
+    os.close(w)
+    sup = supervisor.Supervisor(child.pid, r, launcher=os.getpid())
+    assert sup._orphaned() == 2
+    assert _gone(child.pid) and not (tmp_path / supervisor.FAILURES).exists()
+    os.close(r)
 
 
 def test_the_rank_dies_with_its_supervisor(tmp_path):
