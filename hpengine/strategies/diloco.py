@@ -31,7 +31,7 @@ class Outer:
         self.dl, self.comm, self.xp = dl, comm, xp
         self.H, self.M = dl.inner_steps, comm.size
         self.fragments, self.maxed = fragments, maxed
-        self.wires = [Wire(p, self.M, dl.quantize) for p in plans] if dl.quantize != "none" else None
+        self.plans = plans
         self.param = p0.copy()
         self.momentum = xp.zeros_like(p0) if dl.outer_momentum > 0 else None
         self.residual = xp.zeros_like(p0) if dl.quantize != "none" else None
@@ -92,7 +92,8 @@ class Outer:
                 self.flight[f] = (step, None, self.comm.allreduce_(delta))
             return drift
         v = delta + self._take(self.residual, idx)
-        ex = QuantisedExchange(self.comm, xp, self.wires[f], v.dtype, bool(self.tau), self.maxed)
+        wire = Wire(self.plans[f], self.M, dl.quantize)     # its index arrays live as long as the exchange
+        ex = QuantisedExchange(self.comm, xp, wire, v.dtype, bool(self.tau), self.maxed)
         self._put(self.residual, idx, v - ex.start(v))
         self.flight[f] = (step, None, ex)
         return drift

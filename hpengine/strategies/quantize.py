@@ -21,38 +21,37 @@ def plan_of(segments) -> blk.Plan:
 
 class Wire:
     """Where a Plan's values sit in a payload cut into `islands` chunks: per chunk, its real values [v0, v1), its runs
-    [r0, r1), its global blocks, and each value's place among the chunk's padded codes and its run."""
+    [r0, r1), its global blocks, and where its codes go among its padded pieces; per value, its run and place in it."""
 
     def __init__(self, plan: blk.Plan, islands: int, fmt: str):
         self.plan, self.fmt, self.M = plan, fmt, islands
         self.per = BLOCK if fmt == "int8" else BLOCK // 2
-        self.chunks = []
         lengths = plan.lengths
+        self.run = np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)          # each value's run
+        self.pos = (np.arange(self.run.size) - np.repeat(plan.starts, lengths)).astype(np.int16)   # < BLOCK
+        self.chunks = []
         for j, (r0, r1) in enumerate(plan.cuts(islands)):
             pieces = plan.pieces(r0, r1)
             padded = [-(-n // BLOCK) * BLOCK for _, n, _ in pieces]
             dest = np.concatenate([np.arange(n, dtype=np.int64) + off for (_, n, _), off in
                                    zip(pieces, np.cumsum([0] + padded[:-1]))]) if pieces else np.zeros(0, np.int64)
             v0 = pieces[0][0] if pieces else 0
-            run = np.repeat(np.arange(r1 - r0), lengths[r0:r1])
-            pos = np.arange(run.size) - np.repeat(plan.starts[r0:r1] - (plan.starts[r0] if r1 > r0 else 0),
-                                                   lengths[r0:r1])
             self.chunks.append({"v": (v0, v0 + dest.size), "runs": (r0, r1), "span": plan.block_span(j, islands),
-                                "codes": sum(padded), "dest": dest, "run": run, "pos": pos,
+                                "codes": sum(padded), "dest": dest,
                                 "bytes": sum(padded) // BLOCK * self.per + 4 * (r1 - r0)})
         self.counts = [c["bytes"] for c in self.chunks]
 
-    def scales(self, xp, x, c, levels: int, maxed):
-        """Chunk c's float32 scale per run for its values x: max |x| / levels of each whole block (maxed: the MAX
-        of the island's ranks' scales, taken on the chunk's global blocks; a rounded max/levels is monotone in the
-        max, so the MAX of the scales is the scale of the MAX)."""
-        r0, r1 = c["runs"]
+    def scales(self, xp, x, v0: int, runs: tuple, span: tuple, levels: int, maxed):
+        """The float32 scale of each of `runs` (r0, r1), whose values are x (from value v0): max |x| / levels of each
+        whole block (maxed: the MAX of the island's ranks' scales over global blocks `span`; a rounded max / levels
+        is monotone in the max, so the MAX of the scales is the scale of the MAX)."""
+        r0, r1 = runs
         pad = xp.zeros((r1 - r0, BLOCK), dtype=x.dtype)
         if x.size:
-            pad[xp.asarray(c["run"]), xp.asarray(c["pos"])] = xp.abs(x)
-        scale = (pad.max(axis=1) if r1 > r0 else pad[:, 0]) / levels
-        scale = scale.astype(np.float32)
-        lo, hi = c["span"]
+            sl = slice(v0, v0 + x.size)
+            pad[xp.asarray(self.run[sl] - r0), xp.asarray(self.pos[sl])] = xp.abs(x)
+        scale = ((pad.max(axis=1) if r1 > r0 else pad[:, 0]) / levels).astype(np.float32)
+        lo, hi = span
         if maxed is not None and hi > lo:
             ids = xp.asarray(self.plan.ids[r0:r1] - lo)
             whole = xp.zeros(hi - lo, dtype=np.float32)
@@ -61,11 +60,11 @@ class Wire:
             scale = whole[ids]
         return scale
 
-    def encode(self, xp, x, c, maxed):
-        """(chunk c's payload bytes, the values they stand for) of its values x."""
+    def encode(self, xp, x, c, scale):
+        """(chunk c's payload bytes, the values they stand for) of its values x with its runs' scales."""
         levels = LEVELS[self.fmt]
-        scale = self.scales(xp, x, c, levels, maxed)
-        s = scale[xp.asarray(c["run"])].astype(x.dtype) if x.size else xp.zeros(0, dtype=x.dtype)
+        a, b = c["v"]
+        s = scale[xp.asarray(self.run[a:b] - c["runs"][0])].astype(x.dtype)
         safe = xp.where(s > 0, s, x.dtype.type(1))
         q = xp.clip(xp.rint(x / safe), -levels, levels).astype(np.int8)
         seen = q.astype(x.dtype) * s
@@ -89,9 +88,8 @@ class Wire:
             q = xp.empty(2 * codes.size, dtype=dtype)
             q[0::2] = (codes & np.uint8(15)).astype(dtype) - 8
             q[1::2] = (codes >> np.uint8(4)).astype(dtype) - 8
-        if not c["dest"].size:
-            return xp.zeros(0, dtype=dtype)
-        return q[xp.asarray(c["dest"])] * scale.astype(dtype)[xp.asarray(c["run"])]
+        a, b = c["v"]
+        return q[xp.asarray(c["dest"])] * scale.astype(dtype)[xp.asarray(self.run[a:b] - r0)]
 
 
 def _real(xp, plan, v):
@@ -110,10 +108,12 @@ def encode(xp, v, wire: Wire, maxed=None):
     """(payload: uint8, every chunk's in island order; the dequantised values v as the others will read them;
     the chunks' byte counts) of v, the values the wire's Plan lays out."""
     x = _real(xp, wire.plan, v)
+    runs = wire.plan.ids.size
+    scale = wire.scales(xp, x, 0, (0, runs), (0, wire.plan.blocks), LEVELS[wire.fmt], maxed)    # one MAX for all
     parts, seen = [], []
     for c in wire.chunks:
-        a, b = c["v"]
-        p, s = wire.encode(xp, x[a:b], c, maxed)
+        (a, b), (r0, r1) = c["v"], c["runs"]
+        p, s = wire.encode(xp, x[a:b], c, scale[r0:r1])
         parts.append(p)
         seen.append(s)
     payload = xp.concatenate(parts) if parts else xp.zeros(0, dtype=np.uint8)
@@ -128,7 +128,9 @@ def mean_chunk(xp, received, wire: Wire, j: int, dtype, maxed=None):
     total = wire.decode(xp, received[:size], c, dtype)
     for i in range(1, wire.M):
         total += wire.decode(xp, received[i * size:(i + 1) * size], c, dtype)
-    return wire.encode(xp, total / np.dtype(dtype).type(wire.M), c, maxed)[0]
+    mean = total / np.dtype(dtype).type(wire.M)
+    scale = wire.scales(xp, mean, c["v"][0], c["runs"], c["span"], LEVELS[wire.fmt], maxed)
+    return wire.encode(xp, mean, c, scale)[0]
 
 
 def decode(xp, gathered, wire: Wire, dtype):
