@@ -1,8 +1,7 @@
 """The outer exchange's formats (DiLoCo's quantize): int8 or int4 per block of BLOCK values of each whole tensor
-(params/blocks.py) with one float32 scale (max |x| / 127 or / 7 over the block, wherever its values are held: a
-`maxed` callable takes the MAX over the island's ranks; round half to even; int4 packed two a byte as value + 8).
-A rank's payload: per island chunk (whole global blocks), each piece's codes padded to whole blocks, then a scale per
-run. Encoding, decoding, and an owner's mean of every island's copy of its chunk, re-encoded.
+(params/blocks.py), one float32 scale each (max |x| / 127 or / 7 over the block wherever it is held: `maxed` takes the
+island's MAX; round half to even; int4 two a byte as value + 8). A payload, per island chunk of whole global blocks:
+each piece's codes padded to whole blocks, then a scale per run. Encoding, decoding, an owner's re-encoded mean.
 """
 from __future__ import annotations
 
