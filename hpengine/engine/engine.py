@@ -33,7 +33,7 @@ from hpengine.params.init import init_parts
 from hpengine.strategies import make_grad_sync
 from hpengine.strategies.amp import Precision
 from hpengine.strategies.context import make_context
-from hpengine.strategies.diloco import Outer, fragment_of, fragment_slices
+from hpengine.strategies.diloco import Outer, block_max, fragment_of, fragment_plans, fragment_slices
 from hpengine.strategies.norm import GlobalNorm
 from hpengine.strategies.pipeline import PipelineExecutor
 
@@ -142,7 +142,11 @@ class Engine:
             return None
         p0 = self.master if self.master is not None else self.sync.owned_params()
         of = fragment_of(state.reference_order_specs(self.slots), dl.fragments)     # the whole model's tensors
-        return Outer(dl, self.mesh.comms[REPLICA], self.xp, p0, fragment_slices(parts, self.layout, of, dl.fragments))
+        plans = fragment_plans(parts, self.layout, of, dl.fragments) if dl.quantize != "none" else None
+        # int8/int4 blocks are whole tensors': their scales' MAX over the island's ranks holding parts of a tensor
+        cutting = [self.mesh.comms["tp"]] + ([self.mesh.comms["sharding"]] if self.res.partition == "flat" else [])
+        return Outer(dl, self.mesh.comms[REPLICA], self.xp, p0, fragment_slices(parts, self.layout, of, dl.fragments),
+                     plans, block_max(cutting))
 
     def _optimizer(self, seg):
         dtype = self.precision.master_dtype(self.be.dtype)

@@ -1,55 +1,85 @@
 """DiLoCo's outer exchange for the planner: the bytes one rank counts on the replica communicator per optimizer
 step (its owned pseudo-gradient once every inner_steps steps, per fragment, in the optimizer's dtype or in int8 /
-int4 blocks: an alltoallv of the chunks, an allgatherv of the averaged chunks) and the time a link takes for them
-(runtime.replica_link, else the cluster's link between nodes).
+int4 blocks of whole tensors: an alltoallv of the chunks, an allgatherv of the averaged chunks; the scales' MAX
+inside the island), and the time a link takes for them (runtime.replica_link, else the cluster's between nodes).
 """
 from __future__ import annotations
 
 from bisect import bisect_right
 
 from hpengine.config.tree import parse_link
+from hpengine.params.blocks import fragment_plan, tensor_blocks
 from hpengine.params.buffers import partition
 
 BLOCK = 256         # values per quantisation block, one float32 scale each (strategies/quantize.py)
 
 
-def payload_bytes(pieces, fmt: str) -> int:
-    """One island's payload for pieces of tensors (lengths), each from a block boundary: int8 one byte a value,
-    int4 half, padded to whole blocks, plus 4 bytes of scale per block."""
-    blocks = sum(-(-n // BLOCK) for n in pieces)
-    return blocks * BLOCK // (1 if fmt == "int8" else 2) + 4 * blocks
+def _fragments(lo: int, hi: int, sizes, fragments: int):
+    """Per fragment: its tensors (indices into sizes) and the pieces of them inside the owned range [lo, hi), each
+    (tensor, start, stop) inside the tensor. Which fragment a tensor joins is estimated from the stage's own tensors
+    (in min(F, tensors) groups; strategies/diloco.py groups the whole model's), which leaves a period's calls and its
+    tensors' pieces exact."""
+    starts = [r.start for r in partition(sizes, min(fragments, len(sizes)), "tensor")] if sizes else [0]
+    members, pieces, at = [[] for _ in range(fragments)], [[] for _ in range(fragments)], 0
+    for t, n in enumerate(sizes):
+        f = bisect_right(starts, at) - 1
+        members[f].append(t)
+        if max(lo, at) < min(hi, at + n):
+            pieces[f].append((t, max(lo, at) - at, min(hi, at + n) - at))
+        at += n
+    return members, pieces
 
 
 def fragment_pieces(lo: int, hi: int, sizes, fragments: int) -> list[list[int]]:
     """Per fragment, the lengths of the pieces of the stage's tensors (sizes: element counts in layout order) inside
-    the owned range [lo, hi). A fragment is a group of whole tensors of the whole model (strategies/diloco.py), so a
-    period moves every tensor's piece once, uncut; which call carries which is estimated here from the stage's own
-    tensors (in min(F, tensors) groups), which leaves the period's bytes and calls exact."""
-    starts = [r.start for r in partition(sizes, min(fragments, len(sizes)), "tensor")] if sizes else [0]
-    out, at = [[] for _ in range(fragments)], 0
-    for n in sizes:
-        if max(lo, at) < min(hi, at + n):
-            out[bisect_right(starts, at) - 1].append(min(hi, at + n) - max(lo, at))
-        at += n
+    the owned range [lo, hi) (a fragment is a group of whole tensors of the whole model, so a period moves every
+    tensor's piece once, uncut)."""
+    return [[b - a for _, a, b in fr] for fr in _fragments(lo, hi, sizes, fragments)[1]]
+
+
+def plans(owned: tuple[int, int], sizes, boxes, fragments: int) -> list:
+    """Per fragment, the rank's Plan of its pieces over the blocks of whole tensors (params/blocks.py; boxes: each
+    tensor's (spec, the global slices this rank holds), sizes' order)."""
+    members, pieces = _fragments(*owned, sizes, fragments)
+    out = []
+    for mem, fr in zip(members, pieces):
+        base, at = {}, 0
+        for t in mem:
+            base[t], at = at, at + tensor_blocks(boxes[t][0], BLOCK)
+        out.append(fragment_plan([(*boxes[t], a, b, base[t]) for t, a, b in fr], at, BLOCK))
     return out
 
 
-def exchanges(dl, islands: int, owned: tuple[int, int], sizes, item: int) -> list[tuple[str, int]]:
+def exchanges(dl, islands: int, owned: tuple[int, int], sizes, item: int, boxes) -> list[tuple[str, int]]:
     """(op, bytes as comm.py counts them) of each call one outer period makes: an allreduce of a fragment's owned
     pseudo-gradient in the optimizer's dtype (item bytes), or the island's payload sent out in chunks (alltoallv,
     counted as the whole payload) and the averaged chunks gathered (allgather of one payload's bytes; the chunks are
-    whole blocks of the same format); owned: (start, stop) of the rank's part of the stage, sizes: the stage's tensor
-    sizes."""
-    frags = fragment_pieces(*owned, sizes, dl.fragments)
+    the same pieces in the same format); owned: (start, stop) of the rank's part of the stage, sizes: the stage's
+    tensor sizes, boxes: plans()'."""
     if dl.quantize == "none":
-        return [("allreduce", sum(p) * item) for p in frags]
-    return [(op, payload_bytes(p, dl.quantize)) for p in frags for op in ("alltoallv", "allgather")]
+        return [("allreduce", sum(p) * item) for p in fragment_pieces(*owned, sizes, dl.fragments)]
+    return [(op, sum(p.counts(dl.quantize, islands, BLOCK))) for p in plans(owned, sizes, boxes, dl.fragments)
+            for op in ("alltoallv", "allgather")]
 
 
-def traffic(dl, islands: int, owned: tuple, sizes, item: int) -> dict:
+def block_max_traffic(dl, lay, island: int, owned: tuple, sizes, boxes) -> dict:
+    """{axis: {"allreduce": bytes per step}} of the int8/int4 scales' MAX inside an island (tp, and sharding when its
+    partition cuts tensors): a float32 per block of each fragment's tensors here when the island quantises its
+    values, and per block of its own chunk when it re-quantises the mean."""
+    axes = [a for a, on in (("tp", lay.tp > 1), ("sharding", lay.sh > 1 and lay.partition == "flat")) if on]
+    if dl.quantize == "none" or not axes:
+        return {}
+    per = 0
+    for p in plans(owned, sizes, boxes, dl.fragments):
+        lo, hi = p.block_span(island, lay.islands)
+        per += 4 * p.blocks + 4 * (hi - lo)
+    return {a: {"allreduce": per / dl.inner_steps} for a in axes}
+
+
+def traffic(dl, islands: int, owned: tuple, sizes, item: int, boxes) -> dict:
     """{op: bytes} per optimizer step on the replica communicator (a period's calls over inner_steps)."""
     out = {}
-    for op, b in exchanges(dl, islands, owned, sizes, item):
+    for op, b in exchanges(dl, islands, owned, sizes, item, boxes):
         out[op] = out.get(op, 0) + b / dl.inner_steps
     return out
 
@@ -64,10 +94,10 @@ def link_of(runtime, cluster) -> tuple[float, float, str]:
             f"the cluster's link between nodes ({cluster.inter_bw_gbs:g} GB/s, {cluster.inter_latency_us:g} us)")
 
 
-def seconds_per_step(dl, islands: int, owned: tuple, sizes, item: int, rate: float, latency: float) -> float:
+def seconds_per_step(dl, islands: int, owned: tuple, sizes, item: int, boxes, rate: float, latency: float) -> float:
     """The link's time for one period's calls (latency + bytes / rate each, as runtime.replica_link simulates it)
     over inner_steps: the mean cost per optimizer step, exposed unless overlap hides it under the inner steps."""
-    return sum(latency + b / rate for _, b in exchanges(dl, islands, owned, sizes, item)) / dl.inner_steps
+    return sum(latency + b / rate for _, b in exchanges(dl, islands, owned, sizes, item, boxes)) / dl.inner_steps
 
 
 def norm_traffic(dl, lay, models: int) -> dict:

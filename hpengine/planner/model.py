@@ -375,7 +375,8 @@ def for_rank(cfg, world: int, coords: dict, cluster=None) -> dict:
         item = 4 if lay.amp else precision(cfg.model, lay.amp)[3]
         M = cfg.train.models
         own = owned_range(st, lay, M, coords["sharding"])
-        _add_replica(out["traffic"], cfg, lay, own, st.sizes(M), item)
+        _add_replica(out["traffic"], cfg, lay, own, st.sizes(M), item, boxes(st, lay, M, coords["tp"]),
+                     coords.get("replica", 0))
         _add_outer(out["memory"], cfg.strategy.diloco, own, item)
     return out
 
@@ -387,13 +388,21 @@ def _add_outer(mem: dict, dl, own: tuple, item: int) -> None:
     mem["total"] = total + mem["outer"]
 
 
-def _add_replica(traffic: dict, cfg, lay: Resolved, own: tuple, sizes, item: int) -> None:
-    """DiLoCo's bytes per step into a stage's traffic: the exchange on `replica`, the outer metrics' norms."""
+def _add_replica(traffic: dict, cfg, lay: Resolved, own: tuple, sizes, item: int, held, island: int) -> None:
+    """DiLoCo's bytes per step into a stage's traffic: the exchange on `replica`, the outer metrics' norms, the
+    int8/int4 scales' MAX inside the island (held: boxes(); island: the rank's, whose chunk it re-quantises)."""
     dl = cfg.strategy.diloco
-    traffic["replica"] = plan_diloco.traffic(dl, lay.islands, own, sizes, item)
-    for axis, ops in plan_diloco.norm_traffic(dl, lay, cfg.train.models).items():
-        for op, b in ops.items():
-            traffic.setdefault(axis, {})[op] = traffic.get(axis, {}).get(op, 0) + b
+    traffic["replica"] = plan_diloco.traffic(dl, lay.islands, own, sizes, item, held)
+    for part in (plan_diloco.norm_traffic(dl, lay, cfg.train.models),
+                 plan_diloco.block_max_traffic(dl, lay, island, own, sizes, held)):
+        for axis, ops in part.items():
+            for op, b in ops.items():
+                traffic.setdefault(axis, {})[op] = traffic.get(axis, {}).get(op, 0) + b
+
+
+def boxes(st: StageFacts, lay: Resolved, models: int, tp_rank: int = 0) -> tuple:
+    """(spec, the global slices a tp rank holds) of each tensor of the stage, sizes' order (DiLoCo's blocks)."""
+    return tuple((sp, sp.tp_slices(tp_rank, lay.tp, 0, lay.ep)) for _ in range(models) for sp in st.specs)
 
 
 def replica_index(lay: Resolved, coords: dict) -> int:
@@ -431,9 +440,11 @@ def _replica(cfg, lay: Resolved, sts, per: list, out: dict, cluster) -> None:
     dl = cfg.strategy.diloco
     item = 4 if lay.amp else precision(cfg.model, lay.amp)[3]      # what the optimizer updates: the masters
     M = cfg.train.models
-    own = {r["stage"]: (owned_range(sts[r["stage"]], lay, M), sts[r["stage"]].sizes(M)) for r in per}
-    for r in per:
-        _add_replica(r["traffic"], cfg, lay, *own[r["stage"]], item)
+    own = {r["stage"]: (owned_range(sts[r["stage"]], lay, M), sts[r["stage"]].sizes(M), boxes(sts[r["stage"]], lay, M))
+           for r in per}
+    for r in per:      # the last island's chunk: the largest when the blocks do not divide evenly
+        o, sz, held = own[r["stage"]]
+        _add_replica(r["traffic"], cfg, lay, o, sz, item, held, lay.islands - 1)
         _add_outer(r["memory"], dl, own[r["stage"]][0], item)
     worst = max(per, key=lambda r: r["memory"]["total"])
     out["memory"], out["stage"] = worst["memory"], worst["stage"]
@@ -441,7 +452,8 @@ def _replica(cfg, lay: Resolved, sts, per: list, out: dict, cluster) -> None:
         rate, latency, name = plan_diloco.link_of(cfg.runtime, cluster)
         if not cfg.runtime.replica_link and cluster.spans_sites(lay.world):   # islands that meet across sites
             rate, latency, name = cluster.site_link()
-        secs = max(plan_diloco.seconds_per_step(dl, lay.islands, o, sz, item, rate, latency) for o, sz in own.values())
+        secs = max(plan_diloco.seconds_per_step(dl, lay.islands, o, sz, item, b, rate, latency)
+                   for o, sz, b in own.values())
         out["replica"] = {"link": name, "seconds_per_step": secs}
 
 

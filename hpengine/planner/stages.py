@@ -42,6 +42,7 @@ class StageFacts:
     #                        (over tp), count: the routed experts this rank holds; None: not one (optim.muon)
     state_values: tuple = ()  # (optimizer, its state values per element of each tensor, sizes' order, one model) for
     #                           each optimizer that declares them per tensor (optim.base.OptimizerKind.values)
+    specs: tuple = ()      # per tensor (sizes' order, one model): its ParamSpec (DiLoCo's blocks of whole tensors)
     attention: float = 1.0  # the share of the attention's score and value work packed documents leave
     #                         (planner/documents.py; 1: one document a row)
 
@@ -135,6 +136,7 @@ def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> StageFacts:
     st = build_stage(mcfg, res, s, 0, models=[model])
     slot, lay = st.slots[0], st.layout
     blocks, matmuls, replicated, expert, partial, expert_mm, unpacked, muon = [], [], [], [], [], 0, [], []
+    held = []
     values = {name: [] for name, k in OPTIMIZERS.items() if k.values is not None}
     depth, mtp_layers = capabilities(mcfg).mtp_depth, 0
     for name in slot.blocks:
@@ -156,6 +158,7 @@ def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> StageFacts:
             head = sum(n for sp, n in zip(specs, sizes) if sp.name == "lm_head.w") or read
             mm, mtp_layers = mm + depth * head, depth
         blocks.append((name, tuple(sizes)))
+        held += specs
         replicated += [sp.tp_dim is None for sp in specs]
         expert += [sp.ep_dim is not None and ep > 1 for sp in specs]
         partial += [sp.tp_dim is None and sp.tp_partial for sp in specs]
@@ -172,7 +175,8 @@ def _stage(mcfg, res, model, tp: int, ep: int, s: int) -> StageFacts:
                  sum(lay.ranges[t].size for t in set(st.tied.values())), tuple(replicated),
                  sum(lay.ranges[sp.name].size for sp in lay.specs if sp.ep_dim is not None and ep > 1),
                  tuple(expert), expert_mm=expert_mm, partial=tuple(partial), unpacked=tuple(unpacked),
-                 muon=tuple(muon), state_values=tuple((name, tuple(per)) for name, per in values.items()))
+                 muon=tuple(muon), state_values=tuple((name, tuple(per)) for name, per in values.items()),
+                 specs=tuple(held))
 
 
 def _muon_shape(spec, local) -> tuple:

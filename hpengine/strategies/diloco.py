@@ -8,10 +8,14 @@ from __future__ import annotations
 from bisect import bisect_right
 from math import prod
 
+from mpi4py import MPI
+
 from hpengine.dist.comm import testall, waitall
 from hpengine.device.precision import write_copy
+from hpengine.params.blocks import fragment_plan, tensor_blocks
 from hpengine.params.buffers import cut, partition
 from hpengine.strategies.diloco_exchange import QuantisedExchange
+from hpengine.strategies.quantize import BLOCK, Wire
 
 STATE = ("outer_param", "outer_momentum", "outer_residual")     # the checkpoint's names
 
@@ -19,12 +23,15 @@ STATE = ("outer_param", "outer_momentum", "outer_residual")     # the checkpoint
 class Outer:
     """The outer state over this rank's owned part (n elements, in the dtype of what the optimizer updates)."""
 
-    def __init__(self, dl, comm, xp, p0, fragments: list[list[tuple[int, int]]]):
+    def __init__(self, dl, comm, xp, p0, fragments: list[list[tuple[int, int]]], plans=None, maxed=None):
         """dl: the [strategy.diloco] table; comm: the replica Comm; p0: the owned values the run starts from;
-        fragments: per fragment, the (start, stop) slices of the owned array it holds here."""
+        fragments: per fragment, the (start, stop) slices of the owned array it holds here; plans: per fragment, how
+        they meet the blocks of whole tensors (params/blocks.py Plan; int8/int4 only); maxed: the MAX over the
+        island's ranks that share blocks, in place (None: each rank holds whole tensors)."""
         self.dl, self.comm, self.xp = dl, comm, xp
         self.H, self.M = dl.inner_steps, comm.size
-        self.fragments = fragments
+        self.fragments, self.maxed = fragments, maxed
+        self.plans = plans
         self.param = p0.copy()
         self.momentum = xp.zeros_like(p0) if dl.outer_momentum > 0 else None
         self.residual = xp.zeros_like(p0) if dl.quantize != "none" else None
@@ -85,8 +92,8 @@ class Outer:
                 self.flight[f] = (step, None, self.comm.allreduce_(delta))
             return drift
         v = delta + self._take(self.residual, idx)
-        segments = [e - a for a, e in idx]          # blocks from each tensor
-        ex = QuantisedExchange(self.comm, xp, dl.quantize, segments, v.dtype, bool(self.tau))
+        wire = Wire(self.plans[f], self.M, dl.quantize)     # its index arrays live as long as the exchange
+        ex = QuantisedExchange(self.comm, xp, wire, v.dtype, bool(self.tau), self.maxed)
         self._put(self.residual, idx, v - ex.start(v))
         self.flight[f] = (step, None, ex)
         return drift
@@ -180,3 +187,31 @@ def fragment_slices(parts, layout, of: dict[str, int], fragments: int) -> list[l
     for name in layout.names:
         out[of[name]] += [(at, at + r.size) for r, at in cut(parts, layout.ranges[name])]
     return [sorted(pieces) for pieces in out]
+
+
+def fragment_plans(parts, layout, of: dict[str, int], fragments: int):
+    """Per fragment, how the pieces fragment_slices gives (in its order) meet the quantisation blocks of whole
+    tensors: the fragment's tensors here numbered one after another in layout order, the same on every rank of the
+    island that holds this stage, whatever its tp slice or sharding share (params/blocks.py Plan)."""
+    base, pieces = [0] * fragments, [[] for _ in range(fragments)]
+    for name in layout.names:
+        f, spec, r0 = of[name], layout.by_name[name], layout.ranges[name].start
+        for r, at in cut(parts, layout.ranges[name]):
+            pieces[f].append((at, spec, layout.box(name), r.start - r0, r.stop - r0, base[f]))
+        base[f] += tensor_blocks(spec, BLOCK)
+    return [fragment_plan([p[1:] for p in sorted(ps, key=lambda p: p[0])], base[f], BLOCK)
+            for f, ps in enumerate(pieces)]
+
+
+def block_max(comms):
+    """The in-place MAX of a vector over these communicators one after another (the island's ranks that hold parts
+    of the same tensors: its tp group, and its sharding group where the partition cuts tensors), skipping those of
+    one rank; None when none is left (every rank holds whole tensors: no collective)."""
+    comms = [c for c in comms if c is not None and c.size > 1]
+    if not comms:
+        return None
+
+    def maxed(a):
+        for c in comms:
+            c.allreduce_(a, op=MPI.MAX)
+    return maxed

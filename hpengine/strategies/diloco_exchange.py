@@ -1,6 +1,7 @@
 """DiLoCo's quantised exchange of one fragment over the replica communicator, in two phases: an alltoallv sends chunk
 j of every island's int8/int4 payload to island j, which averages its M copies and re-encodes the mean; an allgatherv
-then gives every island every re-encoded chunk, so all hold the same bits. Blocking, or non-blocking in both phases.
+then gives every island every re-encoded chunk, so all hold the same bits. Blocking, or non-blocking in both phases
+(the scales' MAX inside the island, on its fast communicators, is blocking).
 """
 from __future__ import annotations
 
@@ -15,16 +16,17 @@ class QuantisedExchange:
     starts phase 2 with this island's chunk of the mean, mean() waits for that and decodes the whole mean. Every
     rank of the replica communicator calls them in the same order (non-blocking collectives match by order)."""
 
-    def __init__(self, comm, xp, fmt: str, segments, dtype, nonblocking: bool):
-        self.comm, self.xp, self.fmt, self.segments, self.dtype = comm, xp, fmt, segments, dtype
+    def __init__(self, comm, xp, wire: quantize.Wire, dtype, nonblocking: bool, maxed=None):
+        """wire: the fragment's payload layout on this rank (quantize.Wire); maxed: the MAX of a float32 vector over
+        the island's ranks that hold parts of the same blocks (in place; None: this rank holds them whole)."""
+        self.comm, self.xp, self.wire, self.dtype, self.maxed = comm, xp, wire, dtype, maxed
         self.nonblocking, self.M = nonblocking, comm.size
-        self.span = quantize.chunks(quantize.blocks_of(segments), self.M)[comm.rank]
         self.req = self.recv = self.gathered = None
 
     def start(self, v):
         """Phase 1 for v (this island's values with their error feedback); returns what the others will read of
         v (the residual is v minus it)."""
-        payload, seen, self.counts = quantize.encode(self.xp, v, self.fmt, self.segments, self.M)
+        payload, seen, self.counts = quantize.encode(self.xp, v, self.wire, self.maxed)
         mine = self.counts[self.comm.rank]
         self.recv = self.xp.empty(self.M * mine, dtype=np.uint8)
         args = (payload, self.counts, self.recv, [mine] * self.M)
@@ -40,8 +42,7 @@ class QuantisedExchange:
         if self.gathered is not None:
             return
         waitall([self.req])
-        a, b = self.span
-        chunk = quantize.mean_chunk(self.xp, self.recv, b - a, self.M, self.fmt, self.dtype)
+        chunk = quantize.mean_chunk(self.xp, self.recv, self.wire, self.comm.rank, self.dtype, self.maxed)
         self.recv = None
         displs = [sum(self.counts[:r]) for r in range(self.M)]
         self.gathered = self.xp.empty(sum(self.counts), dtype=np.uint8)
@@ -62,4 +63,4 @@ class QuantisedExchange:
         self.reduce()
         waitall([self.req])
         self.req = None
-        return quantize.decode(self.xp, self.gathered, self.segments, self.M, self.fmt, self.dtype)
+        return quantize.decode(self.xp, self.gathered, self.wire, self.dtype)

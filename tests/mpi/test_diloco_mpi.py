@@ -73,12 +73,20 @@ def test_inner_layouts_equal_islands_of_one_process(corpus, inner, fragments):
     assert_same_params(params, next(p for r in refs if r is not None for i, p in [r] if i == island))
 
 
-@pytest.mark.parametrize("inner", [SH2_3 + ["strategy.diloco.fragments=2"], PP2 + ["strategy.diloco.fragments=2"]],
-                         ids=["sharding2-stage3-fragments2", "pp2-fragments2"])
+FLAT = ["strategy.sharding.partition=flat"]
+
+
+@pytest.mark.parametrize("inner", [SH2_3 + ["strategy.diloco.fragments=2"], PP2 + ["strategy.diloco.fragments=2"],
+                                   TP2, TP2 + ["strategy.diloco.fragments=2"], SH2_3 + FLAT,
+                                   SH2_3 + FLAT + ["strategy.diloco.fragments=2"]],
+                         ids=["sharding2-stage3-fragments2", "pp2-fragments2", "tp2", "tp2-fragments2",
+                              "sharding2-stage3-flat", "sharding2-stage3-flat-fragments2"])
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_quantised_islands_follow_tensors_not_ranks(corpus, inner, quantize):
-    """int8/int4 blocks start at each tensor: 2 islands x (sharding 2 by tensors | pp 2), each in two fragments of
-    whole tensors, where each rank owns whole tensors, equal 2 islands of one process each."""
+    """int8/int4 blocks are each whole tensor's, wherever its values are held: 2 islands x (sharding 2 by tensors |
+    pp 2 | tp 2, a column slice strided in the tensor | sharding 2 cutting tensors at any element), in one or two
+    fragments of whole tensors, equal 2 islands of one process each (scales, codes and the owners' re-quantised
+    means alike)."""
     need(WORLD.Get_size() == 4, "2 islands of 2 ranks")
     knobs = DILOCO + ["strategy.diloco.inner_steps=2", f"strategy.diloco.quantize={quantize}"]
     frag = [k for k in inner if "fragments" in k]

@@ -62,9 +62,9 @@ def test_only_groups_that_cross_pay():
 @pytest.mark.parametrize("h", islands.INNER_STEPS)
 def test_diloco_candidate_replica_bytes_and_link_time(h, quantize):
     """Islands of dp 2 on each site, float32: a period moves the parameters once, 4 bytes each (allreduce), or
-    both islands' int8 payloads (a byte a value, each tensor padded to blocks of 128, plus 4 bytes a block); per
-    step that over H. The link takes 50 ms + period bytes / 0.125 GB/s once a period; the step adds that / H to
-    the island's own step."""
+    both islands' int8 payloads (a byte a value, each tensor padded to blocks of 256, plus 4 bytes a block); per
+    step that over H. The link takes 50 ms a call (one allreduce, or int8's two) + period bytes / 0.125 GB/s; the step
+    adds that / H to the island's own step."""
     cfg = load_config(None, MODEL)
     cluster = Cluster(**SITES)
     island_cfg, island_cluster = islands.island_search_inputs(cfg, cluster)
@@ -73,13 +73,14 @@ def test_diloco_candidate_replica_bytes_and_link_time(h, quantize):
                                        "strategy.data_parallel.degree=2"])
     island = resolve(inner, 2)
     c = islands.candidate(cfg, island_cfg, island, cluster, config_for, h, quantize)
-    n, blocks = sum(sizes(cfg)), sum(-(-k // 128) for k in sizes(cfg))
-    period = 4 * n if quantize == "none" else 2 * (128 * blocks + 4 * blocks)
+    n, blocks = sum(sizes(cfg)), sum(-(-k // 256) for k in sizes(cfg))
+    period = 4 * n if quantize == "none" else 2 * (256 * blocks + 4 * blocks)
     assert c["layout"].islands == 2 and c["layout"].dp == 2
     assert c["replica_bytes"] == pytest.approx(period / h, rel=1e-12)
-    assert c["time"]["replica"] == pytest.approx((LAT + period / RATE) / h, rel=1e-12)
+    calls = 1 if quantize == "none" else 2          # the int8 exchange's alltoallv and allgather each wait the latency
+    assert c["time"]["replica"] == pytest.approx((calls * LAT + period / RATE) / h, rel=1e-12)
     alone = predict_layout(inner, island, island_cluster)["time"]["step"]
-    assert c["time"]["step"] == pytest.approx(alone + (LAT + period / RATE) / h, rel=1e-12)
+    assert c["time"]["step"] == pytest.approx(alone + (calls * LAT + period / RATE) / h, rel=1e-12)
     sets = islands.settings(cfg, c["config"]).split()
     assert f"strategy.diloco.inner_steps={h}" in sets and "strategy.diloco.replicas=2" in sets
     again = load_config(None, MODEL + [s for s in sets if s != "--set"])     # what the user pastes

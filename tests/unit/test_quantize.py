@@ -30,21 +30,21 @@ def rounded(v, segments, levels):
 def test_chunked_mean_is_the_mean_rounded_twice(fmt, levels, M, segments):
     rng = np.random.default_rng(M)
     vs = [rng.standard_normal(sum(segments)) * 10.0 ** rng.integers(-3, 3, sum(segments)) for _ in range(M)]
-    sent = [quantize.encode(np, v, fmt, segments, M) for v in vs]
+    wire = quantize.Wire(quantize.plan_of(segments), M, fmt)
+    sent = [quantize.encode(np, v, wire) for v in vs]
     counts = sent[0][2]
     blocks = sum(-(-n // BLOCK) for n in segments)
-    assert counts == [(b - a) * (BLOCK if fmt == "int8" else BLOCK // 2) + 4 * (b - a)
-                      for a, b in quantize.chunks(blocks, M)]
-    assert max(counts) - min(counts) <= BLOCK + 4 and sum(counts) == quantize.payload_bytes(segments, fmt)
+    cuts = [(blocks * j // M, blocks * (j + 1) // M) for j in range(M)]
+    assert counts == [(b - a) * (BLOCK if fmt == "int8" else BLOCK // 2) + 4 * (b - a) for a, b in cuts]
+    assert max(counts) - min(counts) <= BLOCK + 4
     displs = np.cumsum([0] + counts)
     # the alltoallv: owner j receives chunk j of every island's payload, in island order
     chunks = []
     for j in range(M):
         received = np.concatenate([p[displs[j]:displs[j + 1]] for p, _, _ in sent])
-        a, b = quantize.chunks(blocks, M)[j]
-        chunks.append(quantize.mean_chunk(np, received, b - a, M, fmt, np.float64))
+        chunks.append(quantize.mean_chunk(np, received, wire, j, np.float64))
     assert [c.size for c in chunks] == counts
-    got = quantize.decode(np, np.concatenate(chunks), segments, M, fmt, np.float64)
+    got = quantize.decode(np, np.concatenate(chunks), wire, np.float64)
     first = [rounded(v, segments, levels) for v in vs]
     for (_, seen, _), want in zip(sent, first):
         assert np.array_equal(seen, want)
