@@ -111,9 +111,12 @@ def layout_change(cfg, resume, launched: dict) -> str | None:
         return None
     was = _launch_phrase(_earlier_launch(cfg, root, resume, world), world, "as")
     now = _launch_phrase(launched, launched["ranks"], "under")
-    return (f"resuming a run launched {was} ({_mesh_words(mesh)}) {now} ({_mesh_words(launched['mesh'])}): "
-            "the layout changes, the training does not (the same global batches, the same result as one "
-            "process up to rounding)")
+    islands = launched["mesh"].get("replica", 1)
+    same = ("the layout changes, the training does not (the same global batches, the same result as one process up "
+            "to rounding)") if islands == mesh.get("replica", 1) else (
+            f"from here on {islands} DiLoCo islands meet every {cfg.strategy.diloco.inner_steps} steps: the training "
+            "is no longer one process's" if islands > 1 else "the DiLoCo islands end")
+    return f"resuming a run launched {was} ({_mesh_words(mesh)}) {now} ({_mesh_words(launched['mesh'])}): {same}"
 
 
 def _launch_phrase(launched: dict | None, ranks: int, word: str) -> str:

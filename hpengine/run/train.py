@@ -418,6 +418,11 @@ def restore(eng, cfg, resume) -> int:
                 reader = checkpoint.Reader(path)         # checks the manifest's checksum and structure
                 reader.check_shapes(eng.true_shapes(), to_toml(eng.cfg))
                 check_same_tokenizer(reader.manifest.get("data"), eng.data)     # same inputs on every rank
+                islands = int(reader.manifest.get("layout", {}).get("replica", 1))
+                if islands > 1 and eng.outer is None:    # its optimizer state is the islands', one per island
+                    raise checkpoint.CheckpointError(
+                        f"it was written by {islands} DiLoCo islands: resume it with strategy.diloco.enable = true, "
+                        "or start a run from its outer parameters (hpengine ckpt export, then checkpoint.init_from)")
             except checkpoint.CheckpointError as exc:
                 raise checkpoint.CheckpointError(f"--resume {resume}: {exc}") from None
             return reader

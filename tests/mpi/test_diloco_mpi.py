@@ -14,7 +14,8 @@ from hpengine.dist.comm import waitall
 from hpengine.dist.link import SlowLink
 from hpengine.engine.rows import RowReader
 from hpengine.run.build import build
-from hpengine.run.train import save_state
+from hpengine.checkpoint.shards import CheckpointError
+from hpengine.run.train import restore, save_state
 
 WORLD = MPI.COMM_WORLD
 DILOCO = ["strategy.diloco.enable=true", "strategy.diloco.replicas=2"]
@@ -257,6 +258,19 @@ def test_resume_mid_period_under_another_inner_layout(corpus, root, quantize):
         eng.train_step(s)
     save_state(eng, root, 4, keep=2)
     assert_resumes_like(config(corpus, *knobs, *b), WORLD, root, straight, at=4, steps=2)
+
+
+def test_a_checkpoint_of_islands_is_refused_without_them(corpus, root):
+    """Each island's optimizer state is its own: a run without DiLoCo does not resume such a checkpoint; one line
+    says how to go on (with islands, or from the outer parameters)."""
+    need(WORLD.Get_size() % 2 == 0, "2 islands of equal size")
+    eng = build(config(corpus, *DILOCO, "strategy.diloco.inner_steps=1"), WORLD)
+    eng.train_step(0)
+    path = save_state(eng, root, 1, keep=1)
+    plain = build(config(corpus, "strategy.data_parallel.enable=true"), WORLD)
+    with pytest.raises(CheckpointError, match=r"written by 2 DiLoCo islands: resume it with strategy.diloco.enable "
+                                              r"= true, or start a run from its outer parameters"):
+        restore(plain, plain.cfg, path)
 
 
 def test_replica_link_takes_the_simulated_time(corpus):

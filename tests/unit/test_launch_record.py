@@ -105,3 +105,11 @@ def test_the_same_layout_says_nothing_and_an_unrelated_launch_json_is_not_named(
     # launch.json is of a later launch on 2 ranks that saved nothing: the checkpoint's own facts only
     assert layout_change(cfg, "latest", _now({})).startswith("resuming a run launched on 4 ranks (mesh dp=4) on 1 "
                                                              "rank (no parallel axes): ")
+
+
+def test_a_resume_into_or_out_of_diloco_islands_says_the_training_changes(tmp_path):
+    cfg = _saved(tmp_path, 4, {"dp": 4}, None)
+    cfg.strategy.diloco.inner_steps = 50
+    line = layout_change(cfg, "latest", _now({}, replica=4))
+    assert line.endswith(": from here on 4 DiLoCo islands meet every 50 steps: the training is no longer one "
+                         "process's"), line
