@@ -143,15 +143,20 @@ def test_a_rank_killed_while_a_checkpoint_is_written_is_survived_and_the_save_fi
     ckpts = out / "checkpoints"
     assert not list(ckpts.glob(".tmp-*")) and (ckpts / "latest").read_text().strip() == "step_00000006"
     for step in (3, 6):          # the cut save was written again, whole and the same as the uninterrupted run's
-        got, want = (Reader(d / "checkpoints" / f"step_{step:08d}") for d in (out, ref))
-        assert got.verify() == [] and got.step == step
-        for n, shape in want.manifest["shapes"].items():
-            for k in want.kinds:
-                box = tuple(slice(0, s) for s in shape)
-                np.testing.assert_allclose(got.read(k, n, box), want.read(k, n, box), rtol=1e-10, atol=1e-300)
-        got.close()
-        want.close()
+        _same_checkpoint(out, ref, step)
     _same_run(out, ref)
+
+
+def _same_checkpoint(out, ref, step: int) -> None:
+    """The checkpoint of `step` in run folder out is complete and holds what the uninterrupted run's holds."""
+    got, want = (Reader(d / "checkpoints" / f"step_{step:08d}") for d in (out, ref))
+    assert got.verify() == [] and got.step == step
+    for n, shape in want.manifest["shapes"].items():
+        for k in want.kinds:
+            box = tuple(slice(0, s) for s in shape)
+            np.testing.assert_allclose(got.read(k, n, box), want.read(k, n, box), rtol=1e-10, atol=1e-300)
+    got.close()
+    want.close()
 
 
 def test_two_successive_kills_take_two_spares(tmp_path, small_corpus):
@@ -224,14 +229,7 @@ def test_shrink_survives_a_rank_killed_while_a_checkpoint_is_written(tmp_path, s
     ckpts = out / "checkpoints"
     assert not list(ckpts.glob(".tmp-*")) and (ckpts / "latest").read_text().strip() == "step_00000006"
     # the cut save, written again by the 3 replicas, holds the state of step 3 as the uninterrupted run saved it
-    got, want = (Reader(d / "checkpoints" / "step_00000003") for d in (out, ref))
-    assert got.verify() == [] and got.step == 3
-    for n, shape in want.manifest["shapes"].items():
-        for k in want.kinds:
-            box = tuple(slice(0, s) for s in shape)
-            np.testing.assert_allclose(got.read(k, n, box), want.read(k, n, box), rtol=1e-10, atol=1e-300)
-    got.close()
-    want.close()
+    _same_checkpoint(out, ref, 3)
     _same_run(out, ref, atol=1e-13)
 
 
