@@ -263,8 +263,10 @@ def test_resume_mid_period_under_another_inner_layout(corpus, root, quantize):
 def test_a_checkpoint_of_islands_is_refused_without_them(corpus, root):
     """Each island's optimizer state is its own: a run without DiLoCo does not resume such a checkpoint; one line
     says how to go on (with islands, or from the outer parameters)."""
-    need(WORLD.Get_size() % 2 == 0, "2 islands of equal size")
-    eng = build(config(corpus, *DILOCO, "strategy.diloco.inner_steps=1"), WORLD)
+    n = WORLD.Get_size()
+    need(n % 2 == 0, "2 islands of equal size")
+    dp = ["strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n // 2}"]
+    eng = build(config(corpus, *DILOCO, "strategy.diloco.inner_steps=1", *dp), WORLD)
     eng.train_step(0)
     path = save_state(eng, root, 1, keep=1)
     plain = build(config(corpus, "strategy.data_parallel.enable=true"), WORLD)
