@@ -24,8 +24,11 @@ from hpengine.run.run_dir import trim_metrics
 
 log = logging.getLogger("hpengine")
 # tests: "WORLD_RANK@STEP,...": that process SIGKILLs itself as step STEP begins; "WORLD_RANK@save:STEP": once it
-# has written its shard of the checkpoint of step STEP
+# has written its shard of the checkpoint of step STEP (the one checkpoint.at_end asks for too);
+# "WORLD_RANK@eval:STEP": as the evaluation after step STEP begins; "WORLD_RANK@wait": a spare, as it starts
+# waiting; "WORLD_RANK@end": as the end-of-run barrier begins
 KILL_VAR = "HPENGINE_FAULT_KILL"
+KILL_POINTS = ("save", "eval")          # the kill points that name a step; "wait" and "end" name none
 
 
 class LeftMesh(Exception):
@@ -33,17 +36,20 @@ class LeftMesh(Exception):
 
 
 def kill_plan(env=None) -> dict:
-    """{world rank: (step, where)} from HPENGINE_FAULT_KILL ("1@3,4@save:5"; where: "step" or "save"); the fault
-    injection of the resilience tests."""
+    """{world rank: (step, where)} from HPENGINE_FAULT_KILL ("1@3,4@save:5,2@eval:3,5@wait,3@end"; where: "step",
+    "save", "eval", or "wait" and "end" with step 0); the fault injection of the resilience tests."""
     text = (os.environ if env is None else env).get(KILL_VAR, "").strip()
     plan = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         rank, _, step = item.partition("@")
         where, _, n = step.rpartition(":")
-        if not (rank.isdigit() and n.isdigit() and where in ("", "save")):
-            raise LaunchError(f"{KILL_VAR} = {text!r}: give WORLD_RANK@STEP or WORLD_RANK@save:STEP items separated "
-                              "by commas, e.g. 1@3,2@save:4")
-        plan[int(rank)] = (int(n), where or "step")
+        if step in ("wait", "end"):
+            where, n = "", "0"
+        if not (rank.isdigit() and n.isdigit() and where in ("", *KILL_POINTS)):
+            raise LaunchError(f"{KILL_VAR} = {text!r}: give WORLD_RANK@STEP, WORLD_RANK@save:STEP, "
+                              "WORLD_RANK@eval:STEP, WORLD_RANK@wait or WORLD_RANK@end items separated by commas, "
+                              "e.g. 1@3,2@save:4")
+        plan[int(rank)] = (int(n), step if step in ("wait", "end") else where or "step")
     return plan
 
 
@@ -92,6 +98,12 @@ class Resilience:
         """The test hook: this process dies as step `step` + 1 begins when HPENGINE_FAULT_KILL says so."""
         if self.kill_at == (step + 1, "step"):
             self._die(f"as step {step + 1} begins")
+
+    def before(self, where: str, step: int = 0) -> None:
+        """The test hook at the evaluation after step `step` ("eval") or the end-of-run barrier ("end")."""
+        if self.kill_at == (step, where):
+            self._die({"eval": f"as the evaluation after step {step} begins",
+                       "end": "as the end-of-run barrier begins"}[where])
 
     def save_hook(self, step: int):
         """The test hook inside a save: called once this rank's shard of step `step` is written (None: no kill)."""

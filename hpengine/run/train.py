@@ -202,6 +202,8 @@ def _train_loop(eng, cfg, world, start, guard, setup) -> dict:
                 tracer.lap("step", t, "step", step + 1)
                 if _eval_due(cfg, step):
                     watchdog.heartbeat(step + 1, "evaluate")
+                    if guard is not None:
+                        guard.before("eval", step + 1)
                     t = tracer.now()
                     with _fp_quiet():
                         _add_eval(m, eng.evaluate())

@@ -295,3 +295,25 @@ def _diloco_state(out):
     r.close()
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     return got, losses
+
+
+EVAL = [*DP4, "train.eval_every=3"]         # an evaluation after step 3, mid-run, and after the last step
+
+
+def _val_losses(out) -> list:
+    return [(r["step"], r["val_loss"]) for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines())
+            if "val_loss" in r]
+
+
+def test_a_rank_killed_during_evaluation_is_survived_and_the_evaluation_run_again(tmp_path, small_corpus, reference):
+    ref = reference(EVAL)
+    rc, text, out = _train(tmp_path, small_corpus, "ft", 5, [*EVAL, *SPARE, "resilience.spares=1"],
+                           HPENGINE_FAULT_KILL="1@eval:3")
+    assert rc == 0, text
+    assert "as the evaluation after step 3 begins" in text, text
+    assert re.search(r"hpengine: rank 1 \(dp1 sh0 pp0 tp0\) on \S+ died; a spare \(launch rank 4\) took its place; "
+                     r"training goes on from step 3 ", text), text
+    got, want = _val_losses(out), _val_losses(ref)
+    assert [s for s, _ in got] == [s for s, _ in want] == [3, 6], got
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-10, atol=0)
+    _same_run(out, ref)

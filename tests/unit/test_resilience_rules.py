@@ -27,8 +27,11 @@ def test_what_shrink_cannot_carry_is_refused_in_one_line(keys, named):
     assert named in str(e.value) and "\n" not in str(e.value)
 
 
-def test_kill_plan_reads_step_and_save_kills():
+def test_kill_plan_reads_step_save_eval_wait_and_end_kills():
     assert kill_plan({"HPENGINE_FAULT_KILL": "1@3, 4@save:5"}) == {1: (3, "step"), 4: (5, "save")}
+    assert kill_plan({"HPENGINE_FAULT_KILL": "2@eval:3,5@wait,3@end"}) == {2: (3, "eval"), 5: (0, "wait"),
+                                                                            3: (0, "end")}
     assert kill_plan({}) == {}
-    with pytest.raises(LaunchError, match="WORLD_RANK@save:STEP"):
-        kill_plan({"HPENGINE_FAULT_KILL": "1@later:3"})
+    for bad in ("1@later:3", "1@wait:2", "1@eval"):
+        with pytest.raises(LaunchError, match="WORLD_RANK@save:STEP"):
+            kill_plan({"HPENGINE_FAULT_KILL": bad})
