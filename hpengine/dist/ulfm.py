@@ -6,6 +6,7 @@ Only Open MPI 5 started with `mpirun --with-ft ulfm` has it switched on.
 from __future__ import annotations
 
 import os
+import time
 
 from mpi4py import MPI
 
@@ -91,16 +92,24 @@ def split_spares(world, spares: int):
     return world.Split(MPI.UNDEFINED if spare else 0, world.Get_rank())
 
 
-def wait_as_spare(world) -> bool:
+def wait_as_spare(world, poll_s: float = 0.005) -> bool:
     """A spare's wait: a barrier on world that the compute ranks enter only when the run ends (then False is
-    returned) and that a revoked world interrupts (a rank died: True)."""
+    returned) and that a revoked world interrupts (a rank died: True). A dead peer fails the barrier too; the
+    spare then waits for the compute ranks to revoke the world (they do when the death is theirs to recover
+    from; another spare's, at the run's end) and never starts a recovery alone."""
     try:
         world.Ibarrier().Wait()
         return False
     except MPI.Exception as exc:
-        if is_failure(exc, world):
-            return True
-        raise
+        if not is_failure(exc, world):
+            raise
+    while not world.Is_revoked():
+        try:
+            world.Iprobe(source=world.Get_rank(), tag=0)      # keeps MPI progressing: the revoke's notice comes in
+        except MPI.Exception:
+            pass
+        time.sleep(poll_s)
+    return True
 
 
 def release_spares(world) -> None:

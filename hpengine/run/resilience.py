@@ -75,7 +75,9 @@ class Resilience:
         self.origin = self.world.Get_rank()           # this process's rank at launch (the fault plan's key)
         self.kill_at = kill_plan().get(self.origin, (None, None))
         self.places = n - spares                      # the mesh's ranks: place p is world rank p at launch
-        self.hosts = self.world.allgather(socket.gethostname())[:self.places]     # the node of each place
+        hosts = self.world.allgather(socket.gethostname())
+        self.hosts = hosts[:self.places]              # the node of each place
+        self.waiting = {r: (r, hosts[r]) for r in range(self.places, n)}   # world rank of a spare: (launch rank, host)
         self.compute = ulfm.split_spares(self.world, spares)
         self.place = -1 if self.compute == MPI.COMM_NULL else self.compute.Get_rank()
         self.buddies = self._buddies()
@@ -117,6 +119,16 @@ class Resilience:
             h.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def finish(self) -> None:
+        """The run is over: a barrier of the mesh's ranks (nobody exits while a peer still watches it), then one
+        of every rank of the job, which lets the spares still waiting go home. A rank dead by then (a spare that
+        died while it waited too) fails it: the recovery, then this again. The mesh's barrier comes first so
+        that no rank revokes a communicator while a peer is still inside a collective on it."""
+        self.before("end")
+        if self.compute.Get_size() > 1:
+            self.compute.Barrier()
+        ulfm.release_spares(self.world)
+
     def commit(self, eng, steps: int) -> None:
         """This rank's state after `steps` optimizer steps, kept here and on its buddy (collective)."""
         self.mesh = eng.mesh
@@ -148,13 +160,15 @@ class Resilience:
     def copy_bytes(self) -> int:
         return self.buddies.nbytes() if self.buddies else 0
 
-    def release(self) -> None:
-        """The run is over: the spares still waiting are let go (collective on the world)."""
-        ulfm.release_spares(self.world)
-
     # --- a failure ---------------------------------------------------------------------------------------
     def wait(self) -> bool:
-        """A spare's wait; True when a rank died (then recover()), False when the run ended without it."""
+        """A spare's wait; True when a rank died (then recover()), False when the run ended without it. Its
+        supervisor is told first that the job survives this rank's death."""
+        record = {"rank": self.origin, "host": socket.gethostname(), "pid": os.getpid(), "ppid": os.getppid(),
+                  "coords": None, "prefix": "[spare]", "supervisor_pid": supervisor.parent_pid()}
+        supervisor.report(record, self.cfg.train.out_dir, survive=True)
+        if self.kill_at[1] == "wait":
+            self._die("as it starts waiting as a spare")
         return ulfm.wait_as_spare(self.world)
 
     def recover(self, comms=()):
@@ -170,17 +184,22 @@ class Resilience:
         small, members = ulfm.shrink(self.world, (self.place, *held, socket.gethostname(), self.origin,
                                                   self.saving))
         self.world, self.saving = small, -1
+        olds = {o for o, _ in members}
+        dead_spares = sorted(v for r, v in self.waiting.items() if r not in olds)     # (launch rank, host)
         alive = [m for m in members if m[1][0] >= 0]
         step = min(s for _, (_, s, *_) in alive)
         shift = alive[0][1][2]
         self.resave = max(m[1][5] for m in members)
         dead = sorted(set(range(self.places)) - {p for _, (p, *_) in alive})
-        if not dead:          # the same membership everywhere: every rank ends together
+        if not dead and not dead_spares:          # the same membership everywhere: every rank ends together
             _end_job(small, "hpengine: an MPI error stopped a step but every rank is alive, so no rank died; "
                      f"the job ends; {shrink.last_checkpoint(self.cfg)}")
         idle = sum(1 for _, (p, *_) in members if p < 0)
         if self.cfg.resilience.on_failure == "shrink" and idle < len(dead):
-            return self._shrink(small, members, dead, step, shift)
+            got = self._shrink(small, members, dead, step, shift)
+            self.recovery["dead_spares"] = [r for r, _ in dead_spares]
+            self.recovery["dead_spare_hosts"] = [h for _, h in dead_spares]
+            return got
         lost = [p for p in dead if (p + shift) % self.places in dead]
         if idle < len(dead) or lost:        # the same facts on every rank: every rank ends together
             _end_job(small, f"hpengine: mesh places {dead} died and " + (
@@ -199,8 +218,11 @@ class Resilience:
         for p, o in filled:
             self.hosts[p] = spare_host[o]
         self.buddies = self._buddies()
+        taken = {o for _, o in filled}
+        self.waiting = {i: (m[4], m[3]) for i, (o, m) in enumerate(members) if m[0] < 0 and o not in taken}
         self.recovery = {"recovered_step": step + 1, "dead_ranks": dead, "dead_hosts": dead_hosts,
-                         "spare_ranks": [launch_rank[o] for _, o in sorted(filled)]}
+                         "spare_ranks": [launch_rank[o] for _, o in sorted(filled)],
+                         "dead_spares": [r for r, _ in dead_spares], "dead_spare_hosts": [h for _, h in dead_spares]}
         return None if mine is None else (step, *mine, None)
 
     def _shrink(self, small, members, dead: list, step: int, shift: int):
@@ -232,6 +254,7 @@ class Resilience:
                          "left_ranks": sorted(launch_rank[p] for p in launch_rank if got.new[p] < 0), "root": 0}
         self.compute, self.place, self.places, self.cfg = compute, new, len(hosts), got.cfg
         self.hosts = [hosts[p] for p in range(len(hosts))]
+        self.waiting = {i: (m[4], m[3]) for i, (_, m) in enumerate(members) if m[0] < 0 or got.new[m[0]] < 0}
         self.buddies = self._buddies()
         return None if mine is None else (step, *mine, owners)
 
@@ -272,9 +295,15 @@ def rebuilt(cfg, guard, got):
         went = (f"a spare (launch rank {rec['spare_ranks'][i]}) took its place" if "shrunk" not in rec else
                 f"no spare: its replica left the mesh ({rec['shrunk']}; launch ranks {rec['left_ranks']} wait as "
                 "spares)")
+        goes = (f"training goes on from step {step + 1}" if step < cfg.train.steps else
+                f"all {step} steps were done: the run's end is run again")
         if eng.mesh.rank == 0:
-            faults.say(f"hpengine: rank {p} ({_coords(c)}) on {host} died; {went}; training goes on from step "
-                       f"{step + 1} ({rec['recovery_s']:.2f} s to recover)")
+            faults.say(f"hpengine: rank {p} ({_coords(c)}) on {host} died; {went}; {goes} "
+                       f"({rec['recovery_s']:.2f} s to recover)")
+    for r, host in zip(rec["dead_spares"], rec["dead_spare_hosts"]):
+        if eng.mesh.rank == 0:
+            faults.say(f"hpengine: the spare launch rank {r} on {host} died while it waited; the job goes on "
+                       "without it")
     return eng
 
 
@@ -292,14 +321,16 @@ def _coords(c: dict) -> str:
     return f"dp{c['dp']} sh{c['sharding']} pp{c['pp']} tp{c['tp']}"
 
 
-def rejoin(eng, cfg, world, setup, step: int, history: list, root: int, open_metrics) -> list:
+def rejoin(eng, cfg, world, setup, step: int, history: list, ends, root: int, open_metrics):
     """After a recovery, on every rank of the new mesh: the timers, progress and metrics file again (rank 0
-    may be new), metrics.jsonl and the history trimmed to `step` (a step run again is recorded once), the
-    history as the survivor ranked `root` has it (open_metrics: the loop's opener of metrics.jsonl)."""
+    may be new), metrics.jsonl and the history trimmed to `step` (a step run again is recorded once); returns
+    the history and `ends` (the loop's step saved last and stop request) as the survivor ranked `root` has them
+    (open_metrics: the loop's opener of metrics.jsonl)."""
     if setup.metrics_f:
         setup.metrics_f.close()
     trim_metrics(setup.out, step, world.Get_rank())
     setup.metrics_f = open_metrics(setup.out, True) if world.Get_rank() == 0 else None
     setup.prog = progress.begin(eng, cfg, world, step, compute_dtype(cfg), log)
     setup.tracer = trace.attach(eng, cfg)
-    return world.bcast([m for m in history if m["step"] <= step], root=root)
+    history, (saved, stop) = world.bcast(([m for m in history if m["step"] <= step], ends), root=root)
+    return history, saved, stop

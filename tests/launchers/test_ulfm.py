@@ -300,9 +300,12 @@ def _diloco_state(out):
 EVAL = [*DP4, "train.eval_every=3"]         # an evaluation after step 3, mid-run, and after the last step
 
 
-def _val_losses(out) -> list:
-    return [(r["step"], r["val_loss"]) for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines())
-            if "val_loss" in r]
+def _same_val_losses(out, ref) -> None:
+    """metrics.jsonl's val_loss rows: the same steps as the uninterrupted run's, the same losses (rtol 1e-10)."""
+    got, want = ([(r["step"], r["val_loss"]) for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+                  if "val_loss" in r] for d in (out, ref))
+    assert [s for s, _ in got] == [s for s, _ in want] == [3, 6], got
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-10, atol=0)
 
 
 def test_a_rank_killed_during_evaluation_is_survived_and_the_evaluation_run_again(tmp_path, small_corpus, reference):
@@ -313,7 +316,42 @@ def test_a_rank_killed_during_evaluation_is_survived_and_the_evaluation_run_agai
     assert "as the evaluation after step 3 begins" in text, text
     assert re.search(r"hpengine: rank 1 \(dp1 sh0 pp0 tp0\) on \S+ died; a spare \(launch rank 4\) took its place; "
                      r"training goes on from step 3 ", text), text
-    got, want = _val_losses(out), _val_losses(ref)
-    assert [s for s, _ in got] == [s for s, _ in want] == [3, 6], got
-    np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-10, atol=0)
+    _same_val_losses(out, ref)
+    _same_run(out, ref)
+
+
+@pytest.mark.parametrize("kills,took", [("5@wait", None), ("5@wait,1@4", 4)], ids=["alone", "then-a-rank"])
+def test_a_spare_that_dies_while_it_waits_is_named_and_the_run_goes_on(tmp_path, small_corpus, reference, kills,
+                                                                        took):
+    # launch rank 5, a spare, dies as it starts waiting; the mesh ranks learn of it at the end-of-run barrier, or
+    # at the recovery from launch rank 1's death, where the live spare (launch rank 4) takes rank 1's place
+    ref = reference(EVAL)
+    rc, text, out = _train(tmp_path, small_corpus, "ft", 6, [*EVAL, *SPARE, "resilience.spares=2"],
+                           HPENGINE_FAULT_KILL=kills)
+    assert rc == 0, text
+    assert "launch rank 5 SIGKILLs itself as it starts waiting as a spare" in text, text
+    assert len(re.findall(r"hpengine: the spare launch rank 5 on \S+ died while it waited; the job goes on without "
+                          r"it", text)) == 1, text
+    placed = re.findall(r"hpengine: rank (\d) \(\S+ \S+ \S+ \S+\) on \S+ died; a spare \(launch rank (\d)\)", text)
+    assert placed == ([] if took is None else [("1", "4")]), text
+    assert "Traceback" not in text, text
+    _same_val_losses(out, ref)
+    _same_run(out, ref)
+
+
+def test_deaths_in_the_final_save_and_the_end_of_run_barrier_are_survived(tmp_path, small_corpus, reference):
+    # launch rank 1 dies while the checkpoint.at_end save of step 6 is written: spare 4 takes its place and the
+    # save is written again; launch rank 2 dies as the end-of-run barrier begins: spare 5 takes its place
+    ref = reference(EVAL)
+    rc, text, out = _train(tmp_path, small_corpus, "ft", 6, [*EVAL, *SPARE, "resilience.spares=2"],
+                           HPENGINE_FAULT_KILL="1@save:6,2@end")
+    assert rc == 0, text
+    assert "after writing its shard of the checkpoint of step 6" in text and "as the end-of-run barrier begins" in text
+    for rank, spare in ((1, 4), (2, 5)):
+        assert re.search(rf"hpengine: rank {rank} \(dp{rank} sh0 pp0 tp0\) on \S+ died; a spare \(launch rank {spare}\) "
+                         r"took its place; all 6 steps were done: the run's end is run again", text), text
+    ckpts = out / "checkpoints"
+    assert not list(ckpts.glob(".tmp-*")) and (ckpts / "latest").read_text().strip() == "step_00000006"
+    assert Reader(ckpts).verify() == []
+    _same_val_losses(out, ref)
     _same_run(out, ref)
