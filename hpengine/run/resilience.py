@@ -148,7 +148,7 @@ class Resilience:
 
     def handles(self, exc: BaseException) -> bool:
         """Whether exc is (may be) a peer's death, which this job survives."""
-        return ulfm.is_failure(exc, self.world)
+        return ulfm.is_failure(exc, self.world, comms=(self.compute, self.world))
 
     def survivor(self) -> int:
         """The compute rank of the lowest mesh place that survived the last recovery (its history is the run's)."""
