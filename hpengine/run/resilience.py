@@ -4,6 +4,7 @@ in the dead rank's mesh place, the engine built again, its state from the buddy 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -77,7 +78,7 @@ class Resilience:
         self.places = n - spares                      # the mesh's ranks: place p is world rank p at launch
         hosts = self.world.allgather(socket.gethostname())
         self.hosts = hosts[:self.places]              # the node of each place
-        self.waiting = {r: (r, hosts[r]) for r in range(self.places, n)}   # world rank of a spare: (launch rank, host)
+        self.waiting = {r: (r, hosts[r]) for r in range(self.places, n)}   # a spare's world rank: (launch rank, host)
         self.compute = ulfm.split_spares(self.world, spares)
         self.place = -1 if self.compute == MPI.COMM_NULL else self.compute.Get_rank()
         self.buddies = self._buddies()
@@ -305,6 +306,18 @@ def rebuilt(cfg, guard, got):
             faults.say(f"hpengine: the spare launch rank {r} on {host} died while it waited; the job goes on "
                        "without it")
     return eng
+
+
+@contextlib.contextmanager
+def saving(guard, step: int):
+    """Around a checkpoint save of `step`: a failure inside it makes the recovery save that step again (guard:
+    the Resilience, or None without one); yields the save's test hook (None: no kill)."""
+    if guard is None:
+        yield None
+        return
+    guard.saving = step
+    yield guard.save_hook(step)
+    guard.saving = -1
 
 
 def _end_job(small, line: str) -> None:

@@ -241,12 +241,9 @@ def _train_loop(eng, cfg, world, start, guard, setup) -> dict:
                 held = periodic and bool(m.get("skipped")) and not stop
                 if (stop and stop != "SIGINT") or (periodic and not held):
                     watchdog.heartbeat(step + 1, "checkpoint", bytes_written)
-                    if guard is not None:
-                        guard.saving = step + 1       # a failure now: the recovery saves this step again
-                    save_checkpoint(eng, cfg, step + 1, saver, guard and guard.save_hook(step + 1))
+                    with resilience.saving(guard, step + 1) as hook:     # a failure now: saved again
+                        save_checkpoint(eng, cfg, step + 1, saver, hook)
                     saved, last_save = step + 1, _clock()
-                    if guard is not None:
-                        guard.saving = -1
             except Exception as exc:       # noqa: BLE001 - a dead peer is survived; anything else is raised again
                 if guard is None or not guard.handles(exc):
                     raise
@@ -318,11 +315,8 @@ def _save_at_end(eng, cfg, history, saved, stop, saver, watchdog, guard) -> int 
         return saved
     last = history[-1]["step"]
     watchdog.heartbeat(last, "checkpoint", bytes_written)
-    if guard is not None:
-        guard.saving = last       # a failure now: the recovery saves this step again
-    save_checkpoint(eng, cfg, last, saver, guard and guard.save_hook(last))
-    if guard is not None:
-        guard.saving = -1
+    with resilience.saving(guard, last) as hook:     # a failure now: the recovery saves this step again
+        save_checkpoint(eng, cfg, last, saver, hook)
     return last
 
 
