@@ -1,12 +1,12 @@
 """resilience.on_failure = "shrink": what the config accepts and refuses up front (one line naming the key), and
-the fault-injection plan the ULFM tests read."""
+the fault-injection plan the ULFM tests read, and the mark a save carries so that a recovery writes it again."""
 from __future__ import annotations
 
 import pytest
 
 from hpengine.config.load import ConfigError, load_config
 from hpengine.run.launch import LaunchError
-from hpengine.run.resilience import kill_plan
+from hpengine.run.resilience import kill_plan, saving
 
 SHRINK = ["resilience.on_failure='shrink'", "checkpoint.async=false"]
 
@@ -35,3 +35,20 @@ def test_kill_plan_reads_step_save_eval_wait_and_end_kills():
     for bad in ("1@later:3", "1@wait:2", "1@eval"):
         with pytest.raises(LaunchError, match="WORLD_RANK@save:STEP"):
             kill_plan({"HPENGINE_FAULT_KILL": bad})
+
+
+def test_a_save_is_marked_for_the_recovery_while_it_runs_and_stays_marked_when_it_fails():
+    class Guard:
+        saving = -1
+
+        def save_hook(self, step):
+            return f"hook {step}"
+    with saving(None, 3) as hook:          # no resilience: nothing to mark, no hook
+        assert hook is None
+    g = Guard()
+    with saving(g, 3) as hook:
+        assert (g.saving, hook) == (3, "hook 3")
+    assert g.saving == -1
+    with pytest.raises(OSError), saving(g, 6):
+        raise OSError("a peer died")
+    assert g.saving == 6                   # the recovery reads it: it writes the checkpoint of step 6 again
