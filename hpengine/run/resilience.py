@@ -203,7 +203,8 @@ class Resilience:
             return got
         lost = [p for p in dead if (p + shift) % self.places in dead]
         if idle < len(dead) or lost:        # the same facts on every rank: every rank ends together
-            _end_job(small, f"hpengine: mesh places {dead} died and " + (
+            spares = f" (and the waiting spares launch ranks {[r for r, _ in dead_spares]})" if dead_spares else ""
+            _end_job(small, f"hpengine: mesh places {dead}{spares} died and " + (
                 f"only {idle} spare(s) are left: start the job with more resilience.spares" if idle < len(dead)
                 else f"places {lost} died together with the places holding their buddy copies") +
                 f"; the job ends; {shrink.last_checkpoint(self.cfg)}")

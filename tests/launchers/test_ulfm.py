@@ -363,3 +363,17 @@ def test_a_spare_that_dies_while_it_waits_is_named_at_the_end_and_the_run_ends_a
                           r"it", text)) == 1, text
     assert "took its place" not in text and "Traceback" not in text, text
     _same_run(out, ref)
+
+
+def test_a_death_at_the_runs_end_with_no_live_spare_ends_the_job_in_one_line_naming_the_final_checkpoint(
+        tmp_path, small_corpus):
+    # dp 4 + 1 spare: the spare dies as it starts waiting, launch rank 1 as the end-of-run barrier begins, after the
+    # checkpoint.at_end save of step 6: no spare is left, and the line names that complete checkpoint
+    rc, text, out = _train(tmp_path, small_corpus, "ft", 5, [*DP4, *SPARE, "resilience.spares=1"],
+                           HPENGINE_FAULT_KILL="4@wait,1@end")
+    lines = [ln for ln in text.splitlines() if "spare(s) are left" in ln]
+    assert len(lines) == 1, text
+    assert lines[0].startswith("hpengine: mesh places [1] (and the waiting spares launch ranks [4]) died and only 0 "
+                               "spare(s) are left"), lines
+    assert lines[0].endswith(f"resume it from its last checkpoint, {out / 'checkpoints' / 'step_00000006'}"), lines
+    assert "Traceback" not in text and rc == 2, text
