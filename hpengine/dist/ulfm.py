@@ -6,6 +6,7 @@ Only Open MPI 5 started with `mpirun --with-ft ulfm` has it switched on.
 from __future__ import annotations
 
 import os
+import time
 
 from mpi4py import MPI
 
@@ -39,16 +40,31 @@ def missing(env=None) -> str:
     return ""
 
 
-def is_failure(exc: BaseException, world=None) -> bool:
+def is_failure(exc: BaseException, world=None, grace_s: float = 5.0, comms=()) -> bool:
     """Whether exc may be MPI's report of a dead peer (or of a communicator revoked because of one). A wait on
     several requests reports MPI_ERR_IN_STATUS, and the process may not know yet of the death that caused it:
     it counts too (a recovery that finds every rank alive ends the job, on every rank). A collective that Open
     MPI runs as rounds of point-to-point messages (libnbc) reports a dead peer as MPI_ERR_OTHER: it counts when
-    this process knows of a dead rank of `world`."""
+    this process knows of a dead rank of `world`, or learns of one within grace_s (the notice of a death can
+    come after the error it caused), or when one of `comms` is revoked (a peer began a recovery: libnbc reports
+    the revoked communicator as MPI_ERR_OTHER too)."""
     if not isinstance(exc, MPI.Exception):
         return False
     kind = exc.Get_error_class()
-    return kind in (*FAILED, MPI.ERR_IN_STATUS) or (kind == MPI.ERR_OTHER and world is not None and knows_dead(world))
+    if kind in (*FAILED, MPI.ERR_IN_STATUS):
+        return True
+    if kind != MPI.ERR_OTHER or world is None:
+        return False
+    end = time.monotonic() + grace_s
+    while not (knows_dead(world) or any(c != MPI.COMM_NULL and c.Is_revoked() for c in comms)):
+        if time.monotonic() > end:
+            return False
+        try:
+            world.Iprobe(source=world.Get_rank(), tag=0)      # keeps MPI progressing: the notice comes in
+        except MPI.Exception:
+            pass
+        time.sleep(0.005)
+    return True
 
 
 def knows_dead(world) -> bool:
@@ -91,16 +107,24 @@ def split_spares(world, spares: int):
     return world.Split(MPI.UNDEFINED if spare else 0, world.Get_rank())
 
 
-def wait_as_spare(world) -> bool:
+def wait_as_spare(world, poll_s: float = 0.005) -> bool:
     """A spare's wait: a barrier on world that the compute ranks enter only when the run ends (then False is
-    returned) and that a revoked world interrupts (a rank died: True)."""
+    returned) and that a revoked world interrupts (a rank died: True). A dead peer fails the barrier too; the
+    spare then waits for the compute ranks to revoke the world (they do when the death is theirs to recover
+    from; another spare's, at the run's end) and never starts a recovery alone."""
     try:
         world.Ibarrier().Wait()
         return False
     except MPI.Exception as exc:
-        if is_failure(exc, world):
-            return True
-        raise
+        if not is_failure(exc, world):
+            raise
+    while not world.Is_revoked():
+        try:
+            world.Iprobe(source=world.Get_rank(), tag=0)      # keeps MPI progressing: the revoke's notice comes in
+        except MPI.Exception:
+            pass
+        time.sleep(poll_s)
+    return True
 
 
 def release_spares(world) -> None:

@@ -4,6 +4,7 @@ in the dead rank's mesh place, the engine built again, its state from the buddy 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -24,8 +25,11 @@ from hpengine.run.run_dir import trim_metrics
 
 log = logging.getLogger("hpengine")
 # tests: "WORLD_RANK@STEP,...": that process SIGKILLs itself as step STEP begins; "WORLD_RANK@save:STEP": once it
-# has written its shard of the checkpoint of step STEP
+# has written its shard of the checkpoint of step STEP (the one checkpoint.at_end asks for too);
+# "WORLD_RANK@eval:STEP": as the evaluation after step STEP begins; "WORLD_RANK@wait": a spare, as it starts
+# waiting; "WORLD_RANK@end": as the end-of-run barrier begins
 KILL_VAR = "HPENGINE_FAULT_KILL"
+KILL_POINTS = ("save", "eval")          # the kill points that name a step; "wait" and "end" name none
 
 
 class LeftMesh(Exception):
@@ -33,17 +37,20 @@ class LeftMesh(Exception):
 
 
 def kill_plan(env=None) -> dict:
-    """{world rank: (step, where)} from HPENGINE_FAULT_KILL ("1@3,4@save:5"; where: "step" or "save"); the fault
-    injection of the resilience tests."""
+    """{world rank: (step, where)} from HPENGINE_FAULT_KILL ("1@3,4@save:5,2@eval:3,5@wait,3@end"; where: "step",
+    "save", "eval", or "wait" and "end" with step 0); the fault injection of the resilience tests."""
     text = (os.environ if env is None else env).get(KILL_VAR, "").strip()
     plan = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         rank, _, step = item.partition("@")
         where, _, n = step.rpartition(":")
-        if not (rank.isdigit() and n.isdigit() and where in ("", "save")):
-            raise LaunchError(f"{KILL_VAR} = {text!r}: give WORLD_RANK@STEP or WORLD_RANK@save:STEP items separated "
-                              "by commas, e.g. 1@3,2@save:4")
-        plan[int(rank)] = (int(n), where or "step")
+        if step in ("wait", "end"):
+            where, n = "", "0"
+        if not (rank.isdigit() and n.isdigit() and where in ("", *KILL_POINTS)):
+            raise LaunchError(f"{KILL_VAR} = {text!r}: give WORLD_RANK@STEP, WORLD_RANK@save:STEP, "
+                              "WORLD_RANK@eval:STEP, WORLD_RANK@wait or WORLD_RANK@end items separated by commas, "
+                              "e.g. 1@3,2@save:4")
+        plan[int(rank)] = (int(n), step if step in ("wait", "end") else where or "step")
     return plan
 
 
@@ -69,7 +76,9 @@ class Resilience:
         self.origin = self.world.Get_rank()           # this process's rank at launch (the fault plan's key)
         self.kill_at = kill_plan().get(self.origin, (None, None))
         self.places = n - spares                      # the mesh's ranks: place p is world rank p at launch
-        self.hosts = self.world.allgather(socket.gethostname())[:self.places]     # the node of each place
+        hosts = self.world.allgather(socket.gethostname())
+        self.hosts = hosts[:self.places]              # the node of each place
+        self.waiting = {r: (r, hosts[r]) for r in range(self.places, n)}   # a spare's world rank: (launch rank, host)
         self.compute = ulfm.split_spares(self.world, spares)
         self.place = -1 if self.compute == MPI.COMM_NULL else self.compute.Get_rank()
         self.buddies = self._buddies()
@@ -93,6 +102,12 @@ class Resilience:
         if self.kill_at == (step + 1, "step"):
             self._die(f"as step {step + 1} begins")
 
+    def before(self, where: str, step: int = 0) -> None:
+        """The test hook at the evaluation after step `step` ("eval") or the end-of-run barrier ("end")."""
+        if self.kill_at == (step, where):
+            self._die({"eval": f"as the evaluation after step {step} begins",
+                       "end": "as the end-of-run barrier begins"}[where])
+
     def save_hook(self, step: int):
         """The test hook inside a save: called once this rank's shard of step `step` is written (None: no kill)."""
         return (lambda: self._die(f"after writing its shard of the checkpoint of step {step}")) if (
@@ -104,6 +119,16 @@ class Resilience:
         for h in log.handlers:
             h.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def finish(self) -> None:
+        """The run is over: a barrier of the mesh's ranks (nobody exits while a peer still watches it), then one
+        of every rank of the job, which lets the spares still waiting go home. A rank dead by then (a spare that
+        died while it waited too) fails it: the recovery, then this again. The mesh's barrier comes first so
+        that no rank revokes a communicator while a peer is still inside a collective on it."""
+        self.before("end")
+        if self.compute.Get_size() > 1:
+            self.compute.Barrier()
+        ulfm.release_spares(self.world)
 
     def commit(self, eng, steps: int) -> None:
         """This rank's state after `steps` optimizer steps, kept here and on its buddy (collective)."""
@@ -124,7 +149,7 @@ class Resilience:
 
     def handles(self, exc: BaseException) -> bool:
         """Whether exc is (may be) a peer's death, which this job survives."""
-        return ulfm.is_failure(exc, self.world)
+        return ulfm.is_failure(exc, self.world, comms=(self.compute, self.world))
 
     def survivor(self) -> int:
         """The compute rank of the lowest mesh place that survived the last recovery (its history is the run's)."""
@@ -136,13 +161,15 @@ class Resilience:
     def copy_bytes(self) -> int:
         return self.buddies.nbytes() if self.buddies else 0
 
-    def release(self) -> None:
-        """The run is over: the spares still waiting are let go (collective on the world)."""
-        ulfm.release_spares(self.world)
-
     # --- a failure ---------------------------------------------------------------------------------------
     def wait(self) -> bool:
-        """A spare's wait; True when a rank died (then recover()), False when the run ended without it."""
+        """A spare's wait; True when a rank died (then recover()), False when the run ended without it. Its
+        supervisor is told first that the job survives this rank's death."""
+        record = {"rank": self.origin, "host": socket.gethostname(), "pid": os.getpid(), "ppid": os.getppid(),
+                  "coords": None, "prefix": "[spare]", "supervisor_pid": supervisor.parent_pid()}
+        supervisor.report(record, self.cfg.train.out_dir, survive=True)
+        if self.kill_at[1] == "wait":
+            self._die("as it starts waiting as a spare")
         return ulfm.wait_as_spare(self.world)
 
     def recover(self, comms=()):
@@ -158,20 +185,26 @@ class Resilience:
         small, members = ulfm.shrink(self.world, (self.place, *held, socket.gethostname(), self.origin,
                                                   self.saving))
         self.world, self.saving = small, -1
+        olds = {o for o, _ in members}
+        dead_spares = sorted(v for r, v in self.waiting.items() if r not in olds)     # (launch rank, host)
         alive = [m for m in members if m[1][0] >= 0]
         step = min(s for _, (_, s, *_) in alive)
         shift = alive[0][1][2]
         self.resave = max(m[1][5] for m in members)
         dead = sorted(set(range(self.places)) - {p for _, (p, *_) in alive})
-        if not dead:          # the same membership everywhere: every rank ends together
+        if not dead and not dead_spares:          # the same membership everywhere: every rank ends together
             _end_job(small, "hpengine: an MPI error stopped a step but every rank is alive, so no rank died; "
                      f"the job ends; {shrink.last_checkpoint(self.cfg)}")
         idle = sum(1 for _, (p, *_) in members if p < 0)
         if self.cfg.resilience.on_failure == "shrink" and idle < len(dead):
-            return self._shrink(small, members, dead, step, shift)
+            got = self._shrink(small, members, dead, step, shift)
+            self.recovery["dead_spares"] = [r for r, _ in dead_spares]
+            self.recovery["dead_spare_hosts"] = [h for _, h in dead_spares]
+            return got
         lost = [p for p in dead if (p + shift) % self.places in dead]
         if idle < len(dead) or lost:        # the same facts on every rank: every rank ends together
-            _end_job(small, f"hpengine: mesh places {dead} died and " + (
+            spares = f" (and the waiting spares launch ranks {[r for r, _ in dead_spares]})" if dead_spares else ""
+            _end_job(small, f"hpengine: mesh places {dead}{spares} died and " + (
                 f"only {idle} spare(s) are left: start the job with more resilience.spares" if idle < len(dead)
                 else f"places {lost} died together with the places holding their buddy copies") +
                 f"; the job ends; {shrink.last_checkpoint(self.cfg)}")
@@ -187,8 +220,11 @@ class Resilience:
         for p, o in filled:
             self.hosts[p] = spare_host[o]
         self.buddies = self._buddies()
+        taken = {o for _, o in filled}
+        self.waiting = {i: (m[4], m[3]) for i, (o, m) in enumerate(members) if m[0] < 0 and o not in taken}
         self.recovery = {"recovered_step": step + 1, "dead_ranks": dead, "dead_hosts": dead_hosts,
-                         "spare_ranks": [launch_rank[o] for _, o in sorted(filled)]}
+                         "spare_ranks": [launch_rank[o] for _, o in sorted(filled)],
+                         "dead_spares": [r for r, _ in dead_spares], "dead_spare_hosts": [h for _, h in dead_spares]}
         return None if mine is None else (step, *mine, None)
 
     def _shrink(self, small, members, dead: list, step: int, shift: int):
@@ -220,6 +256,7 @@ class Resilience:
                          "left_ranks": sorted(launch_rank[p] for p in launch_rank if got.new[p] < 0), "root": 0}
         self.compute, self.place, self.places, self.cfg = compute, new, len(hosts), got.cfg
         self.hosts = [hosts[p] for p in range(len(hosts))]
+        self.waiting = {i: (m[4], m[3]) for i, (_, m) in enumerate(members) if m[0] < 0 or got.new[m[0]] < 0}
         self.buddies = self._buddies()
         return None if mine is None else (step, *mine, owners)
 
@@ -260,10 +297,28 @@ def rebuilt(cfg, guard, got):
         went = (f"a spare (launch rank {rec['spare_ranks'][i]}) took its place" if "shrunk" not in rec else
                 f"no spare: its replica left the mesh ({rec['shrunk']}; launch ranks {rec['left_ranks']} wait as "
                 "spares)")
+        goes = (f"training goes on from step {step + 1}" if step < cfg.train.steps else
+                f"all {step} steps were done: the run's end is run again")
         if eng.mesh.rank == 0:
-            faults.say(f"hpengine: rank {p} ({_coords(c)}) on {host} died; {went}; training goes on from step "
-                       f"{step + 1} ({rec['recovery_s']:.2f} s to recover)")
+            faults.say(f"hpengine: rank {p} ({_coords(c)}) on {host} died; {went}; {goes} "
+                       f"({rec['recovery_s']:.2f} s to recover)")
+    for r, host in zip(rec["dead_spares"], rec["dead_spare_hosts"]):
+        if eng.mesh.rank == 0:
+            faults.say(f"hpengine: the spare launch rank {r} on {host} died while it waited; the job goes on "
+                       "without it")
     return eng
+
+
+@contextlib.contextmanager
+def saving(guard, step: int):
+    """Around a checkpoint save of `step`: a failure inside it makes the recovery save that step again (guard:
+    the Resilience, or None without one); yields the save's test hook (None: no kill)."""
+    if guard is None:
+        yield None
+        return
+    guard.saving = step
+    yield guard.save_hook(step)
+    guard.saving = -1
 
 
 def _end_job(small, line: str) -> None:
@@ -280,14 +335,16 @@ def _coords(c: dict) -> str:
     return f"dp{c['dp']} sh{c['sharding']} pp{c['pp']} tp{c['tp']}"
 
 
-def rejoin(eng, cfg, world, setup, step: int, history: list, root: int, open_metrics) -> list:
+def rejoin(eng, cfg, world, setup, step: int, history: list, ends, root: int, open_metrics):
     """After a recovery, on every rank of the new mesh: the timers, progress and metrics file again (rank 0
-    may be new), metrics.jsonl and the history trimmed to `step` (a step run again is recorded once), the
-    history as the survivor ranked `root` has it (open_metrics: the loop's opener of metrics.jsonl)."""
+    may be new), metrics.jsonl and the history trimmed to `step` (a step run again is recorded once); returns
+    the history and `ends` (the loop's step saved last and stop request) as the survivor ranked `root` has them
+    (open_metrics: the loop's opener of metrics.jsonl)."""
     if setup.metrics_f:
         setup.metrics_f.close()
     trim_metrics(setup.out, step, world.Get_rank())
     setup.metrics_f = open_metrics(setup.out, True) if world.Get_rank() == 0 else None
     setup.prog = progress.begin(eng, cfg, world, step, compute_dtype(cfg), log)
     setup.tracer = trace.attach(eng, cfg)
-    return world.bcast([m for m in history if m["step"] <= step], root=root)
+    history, (saved, stop) = world.bcast(([m for m in history if m["step"] <= step], ends), root=root)
+    return history, saved, stop

@@ -176,8 +176,9 @@ def _train_loop(eng, cfg, world, start, guard, setup) -> dict:
     out, launched, watchdog = setup.out, setup.launched, setup.watchdog
     history, stop, saved = [], None, None
     if setup.prog is None:             # a spare joining: the collectives every rank runs after a recovery
-        history = resilience.rejoin(eng, cfg, world, setup, start, history, guard.survivor(), _open_metrics)
-        saved = _resave(eng, cfg, guard, start, None)
+        history, saved, stop = resilience.rejoin(eng, cfg, world, setup, start, history, (saved, stop),
+                                                 guard.survivor(), _open_metrics)
+        saved = _resave(eng, cfg, guard, start, None) or saved
     elif guard is not None:
         guard.commit(eng, start)       # the buddy copies of the state training starts from
     launch.on_interrupt(setup.monitor.interrupted if setup.monitor else None)
@@ -190,8 +191,12 @@ def _train_loop(eng, cfg, world, start, guard, setup) -> dict:
         saver.warm(eng.state_pieces(copy=False)[0])       # the snapshot's memory, mapped while the first steps run
     step = start
     try:
-        while step < cfg.train.steps:
+        while True:
             try:
+                if step >= cfg.train.steps or stop:        # the run's end, run again after a recovery in it
+                    saved = _save_at_end(eng, cfg, history, saved, stop, saver, watchdog, guard)
+                    _last_barrier(world, history, start, saver, watchdog, guard)
+                    break
                 if guard is not None:
                     guard.before_step(step)
                 tracer = setup.tracer
@@ -202,6 +207,8 @@ def _train_loop(eng, cfg, world, start, guard, setup) -> dict:
                 tracer.lap("step", t, "step", step + 1)
                 if _eval_due(cfg, step):
                     watchdog.heartbeat(step + 1, "evaluate")
+                    if guard is not None:
+                        guard.before("eval", step + 1)
                     t = tracer.now()
                     with _fp_quiet():
                         _add_eval(m, eng.evaluate())
@@ -234,12 +241,9 @@ def _train_loop(eng, cfg, world, start, guard, setup) -> dict:
                 held = periodic and bool(m.get("skipped")) and not stop
                 if (stop and stop != "SIGINT") or (periodic and not held):
                     watchdog.heartbeat(step + 1, "checkpoint", bytes_written)
-                    if guard is not None:
-                        guard.saving = step + 1       # a failure now: the recovery saves this step again
-                    save_checkpoint(eng, cfg, step + 1, saver, guard and guard.save_hook(step + 1))
+                    with resilience.saving(guard, step + 1) as hook:     # a failure now: saved again
+                        save_checkpoint(eng, cfg, step + 1, saver, hook)
                     saved, last_save = step + 1, _clock()
-                    if guard is not None:
-                        guard.saving = -1
             except Exception as exc:       # noqa: BLE001 - a dead peer is survived; anything else is raised again
                 if guard is None or not guard.handles(exc):
                     raise
@@ -248,24 +252,15 @@ def _train_loop(eng, cfg, world, start, guard, setup) -> dict:
                     raise resilience.LeftMesh() from None
                 world, step, cfg = guard.compute, got[0], guard.cfg
                 eng = resilience.rebuilt(cfg, guard, got)
-                history = resilience.rejoin(eng, cfg, world, setup, step, history, guard.survivor(), _open_metrics)
+                history, saved, stop = resilience.rejoin(eng, cfg, world, setup, step, history, (saved, stop),
+                                                         guard.survivor(), _open_metrics)
                 saved = _resave(eng, cfg, guard, step, saver) or saved
                 continue
             if stop:
                 log.info("%s received: stopping cleanly after step %d of %d (%s)", stop, step + 1, cfg.train.steps,
                          "checkpoint saved" if saved == step + 1 else "no checkpoint: interrupted")
-                break
+                continue
             step += 1
-        if cfg.checkpoint.at_end and history and saved != history[-1]["step"] and stop != "SIGINT":
-            watchdog.heartbeat(history[-1]["step"], "checkpoint", bytes_written)
-            save_checkpoint(eng, cfg, history[-1]["step"], saver)    # the final model, for eval and --resume
-        if saver:
-            watchdog.heartbeat(history[-1]["step"] if history else start, "checkpoint", bytes_written)
-            saver.wait()             # the save in flight is published before the run ends
-        if world.Get_size() > 1:
-            world.Barrier()      # nobody exits (ends its process) while a peer still watches it
-        if guard is not None:
-            guard.release()      # the spares still waiting go home
     finally:
         eng.fence_updates(None)
         if saver:        # an error (a diverged step) left a save in flight: its writer ends before the process
@@ -311,6 +306,30 @@ def next_steps(cfg, out, stop=None, launched=None) -> str:
     data = shlex.quote(cfg.data.val_path) if cfg.data.val_path else "TOKENS.h5"   # hpengine data build ... --out
     return (f"run folder {q}; next: hpengine generate {ck}{model} --prompt 'def ' ; "
             f"hpengine eval {ck} --data {data} ; hpengine plot {q}")
+
+
+def _save_at_end(eng, cfg, history, saved, stop, saver, watchdog, guard) -> int | None:
+    """The final model's checkpoint that checkpoint.at_end asks for (for eval and --resume), unless the last step
+    is saved already or Ctrl-C stopped the run; the step saved last."""
+    if not (cfg.checkpoint.at_end and history and saved != history[-1]["step"] and stop != "SIGINT"):
+        return saved
+    last = history[-1]["step"]
+    watchdog.heartbeat(last, "checkpoint", bytes_written)
+    with resilience.saving(guard, last) as hook:     # a failure now: the recovery saves this step again
+        save_checkpoint(eng, cfg, last, saver, hook)
+    return last
+
+
+def _last_barrier(world, history, start, saver, watchdog, guard) -> None:
+    """The save in flight published, then nobody exits (ends its process) while a peer still watches it; with
+    resilience, the barrier is the whole job's and lets the spares still waiting go home."""
+    if saver:
+        watchdog.heartbeat(history[-1]["step"] if history else start, "checkpoint", bytes_written)
+        saver.wait()
+    if guard is not None:
+        guard.finish()
+    elif world.Get_size() > 1:
+        world.Barrier()
 
 
 def _resave(eng, cfg, guard, step: int, saver) -> int | None:

@@ -293,3 +293,85 @@ def _diloco_state(out):
     r.close()
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     return got, losses
+
+
+
+EVAL = [*DP4, "train.eval_every=3"]         # an evaluation after step 3, mid-run, and after the last step
+
+
+def _same_val_losses(out, ref) -> None:
+    """metrics.jsonl's val_loss rows: the same steps as the uninterrupted run's, the same losses (rtol 1e-10)."""
+    got, want = ([(r["step"], r["val_loss"]) for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+                  if "val_loss" in r] for d in (out, ref))
+    assert [s for s, _ in got] == [s for s, _ in want] == [3, 6], got
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-10, atol=0)
+
+
+def test_a_rank_killed_during_evaluation_is_survived_and_the_evaluation_run_again(tmp_path, small_corpus, reference):
+    # dp 4 + 1 spare: launch rank 1 dies as the evaluation after step 3 begins, the others wait in its collective
+    ref = reference(EVAL)
+    rc, text, out = _train(tmp_path, small_corpus, "ft", 5, [*EVAL, *SPARE, "resilience.spares=1"],
+                           HPENGINE_FAULT_KILL="1@eval:3")
+    assert rc == 0, text
+    assert "launch rank 1 SIGKILLs itself as the evaluation after step 3 begins" in text, text
+    assert re.search(r"hpengine: rank 1 \(dp1 sh0 pp0 tp0\) on \S+ died; a spare \(launch rank 4\) took its place; "
+                     r"training goes on from step 3 ", text), text
+    assert len(_recoveries(out)) == 1 and "Traceback" not in text, text
+    _same_val_losses(out, ref)
+    _same_run(out, ref)
+
+
+def test_deaths_in_evaluation_the_final_save_and_the_last_barrier_are_survived(tmp_path, small_corpus, reference):
+    # dp 4 + 4 spares: launch rank 7, a spare, dies as it starts waiting; launch rank 1 as the evaluation after
+    # step 3 begins (the step and its evaluation run again; the mesh ranks learn of the dead spare then); launch
+    # rank 2 once it has written its shard of the checkpoint.at_end save of step 6 (written again); launch rank 3
+    # as the end-of-run barrier begins. The live spares 4, 5, 6 take the three places in turn
+    ref = reference(EVAL)
+    rc, text, out = _train(tmp_path, small_corpus, "ft", 8, [*EVAL, *SPARE, "resilience.spares=4"],
+                           HPENGINE_FAULT_KILL="7@wait,1@eval:3,2@save:6,3@end")
+    assert rc == 0, text
+    for when in ("launch rank 7 SIGKILLs itself as it starts waiting as a spare",
+                 "launch rank 1 SIGKILLs itself as the evaluation after step 3 begins",
+                 "launch rank 2 SIGKILLs itself after writing its shard of the checkpoint of step 6",
+                 "launch rank 3 SIGKILLs itself as the end-of-run barrier begins"):
+        assert when in text, text
+    assert len(re.findall(r"hpengine: the spare launch rank 7 on \S+ died while it waited; the job goes on without "
+                          r"it", text)) == 1, text
+    goes = ["training goes on from step 3", *["all 6 steps were done: the run's end is run again"] * 2]
+    for (rank, spare), then in zip(((1, 4), (2, 5), (3, 6)), goes):
+        assert re.search(rf"hpengine: rank {rank} \(dp{rank} sh0 pp0 tp0\) on \S+ died; a spare \(launch rank "
+                         rf"{spare}\) took its place; {then} ", text), text
+    assert "Traceback" not in text, text
+    ckpts = out / "checkpoints"
+    assert not list(ckpts.glob(".tmp-*")) and (ckpts / "latest").read_text().strip() == "step_00000006"
+    _same_val_losses(out, ref)
+    _same_run(out, ref)
+
+
+def test_a_spare_that_dies_while_it_waits_is_named_at_the_end_and_the_run_ends_as_if_none_died(
+        tmp_path, small_corpus, reference):
+    # dp 4 + 2 spares: launch rank 5 dies as it starts waiting; the mesh ranks learn of it only at the end-of-run
+    # barrier, which it fails: the run's end is run again without it
+    ref = reference(DP4_12)
+    rc, text, out = _train(tmp_path, small_corpus, "ft", 6, [*DP4_12, *SPARE, "resilience.spares=2"],
+                           HPENGINE_FAULT_KILL="5@wait")
+    assert rc == 0, text
+    assert "launch rank 5 SIGKILLs itself as it starts waiting as a spare" in text, text
+    assert len(re.findall(r"hpengine: the spare launch rank 5 on \S+ died while it waited; the job goes on without "
+                          r"it", text)) == 1, text
+    assert "took its place" not in text and "Traceback" not in text, text
+    _same_run(out, ref)
+
+
+def test_a_death_at_the_runs_end_with_no_live_spare_ends_the_job_in_one_line_naming_the_final_checkpoint(
+        tmp_path, small_corpus):
+    # dp 4 + 1 spare: the spare dies as it starts waiting, launch rank 1 as the end-of-run barrier begins, after the
+    # checkpoint.at_end save of step 6: no spare is left, and the line names that complete checkpoint
+    rc, text, out = _train(tmp_path, small_corpus, "ft", 5, [*DP4, *SPARE, "resilience.spares=1"],
+                           HPENGINE_FAULT_KILL="4@wait,1@end")
+    lines = [ln for ln in text.splitlines() if "spare(s) are left" in ln]
+    assert len(lines) == 1, text
+    assert lines[0].startswith("hpengine: mesh places [1] (and the waiting spares launch ranks [4]) died and only 0 "
+                               "spare(s) are left"), lines
+    assert lines[0].endswith(f"resume it from its last checkpoint, {out / 'checkpoints' / 'step_00000006'}"), lines
+    assert "Traceback" not in text and rc == 2, text
