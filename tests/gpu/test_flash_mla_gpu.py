@@ -11,16 +11,10 @@ import pytest
 
 from hpengine.device import backend
 from hpengine.nn import Numerics, flash, flash_cuda
+from test_flash_gpu import TOL, close
 
 pytestmark = pytest.mark.skipif(not backend.cupy_usable(), reason="needs CuPy and a usable CUDA device")
 cp = backend.cupy_module() if backend.cupy_usable() else None
-TOL = {np.float64: 1e-11, np.float32: 2e-5}
-
-
-def close(dev, host, tol):
-    got, want = cp.asnumpy(dev).astype(np.float64), np.asarray(host, np.float64)
-    assert got.shape == want.shape
-    assert np.abs(got - want).max() <= tol * max(1.0, float(np.abs(want).max()))
 
 
 def inputs(seed, B, H, K, T, hd, dv, dtype):

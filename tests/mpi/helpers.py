@@ -5,7 +5,7 @@ from mpi4py import MPI
 
 from hpengine.config.load import load_config
 from hpengine.run.build import build
-from hpengine.run.train import restore
+from hpengine.run.train import restore, save_state
 
 TINY = ["model.kind=gpt", "model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.seq_len=8",
         "model.dtype=float64", "train.global_batch=8", "optim.warmup_steps=2", "optim.lr=1e-2",
@@ -50,6 +50,14 @@ def need(cond: bool, why: str):
 
 def assert_same(got, want, rtol=1e-10):
     np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-13)
+
+
+def saved_after(cfg, comm, root, steps: int):
+    """An engine of cfg over comm trained `steps` steps and its checkpoint saved in root; the checkpoint's path."""
+    eng = build(cfg, comm)
+    for s in range(steps):
+        eng.train_step(s)
+    return save_state(eng, root, steps, keep=2)
 
 
 def assert_resumes_like(cfg, comm, root, straight, at=2, steps=2):

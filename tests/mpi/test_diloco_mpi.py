@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import assert_resumes_like, assert_same, assert_same_params, config, need, reference, run
+from helpers import (assert_resumes_like, assert_same, assert_same_params, config, need, reference, run,
+                     saved_after)
 from hpengine.dist.comm import waitall
 from hpengine.dist.link import SlowLink
 from hpengine.engine.rows import RowReader
 from hpengine.run.build import build
 from hpengine.checkpoint.shards import CheckpointError
-from hpengine.run.train import restore, save_state
+from hpengine.run.train import restore
 
 WORLD = MPI.COMM_WORLD
 DILOCO = ["strategy.diloco.enable=true", "strategy.diloco.replicas=2"]
@@ -60,6 +61,13 @@ def test_inner_layouts_equal_islands_of_one_process(corpus, inner, fragments):
                       "optim.clip_grad_norm=0.5"]
     losses, params, eng = run(config(corpus, *knobs, *inner), WORLD, steps=4)
     assert len(eng.outer.fragments) == fragments
+    assert_islands_of_one_process(corpus, knobs, losses, params, eng)
+
+
+def assert_islands_of_one_process(corpus, knobs, losses, params, eng):
+    """The 4-rank run (losses, params, eng: 2 islands of 2 ranks, 4 steps) against 2 islands of one process each
+    with `knobs`, run on ranks 0 and 1: each island's losses, and each island's own parameters (mid-period under
+    streaming, where a fragment has trained since it met)."""
     pair = WORLD.Split(WORLD.Get_rank() // 2, WORLD.Get_rank())
     try:
         ref_l, ref_p, ref = run(config(corpus, *knobs), pair, steps=4)
@@ -92,18 +100,7 @@ def test_quantised_islands_follow_tensors_not_ranks(corpus, inner, quantize):
     knobs = DILOCO + ["strategy.diloco.inner_steps=2", f"strategy.diloco.quantize={quantize}"]
     frag = [k for k in inner if "fragments" in k]
     losses, params, eng = run(config(corpus, *knobs, *inner), WORLD, steps=4)
-    pair = WORLD.Split(WORLD.Get_rank() // 2, WORLD.Get_rank())
-    try:
-        ref_l, ref_p, ref = run(config(corpus, *knobs, *frag), pair, steps=4)
-        want = island_losses(ref_l, ref, pair)
-        refs = WORLD.allgather((pair.Get_rank(), ref_p) if WORLD.Get_rank() < 2 else None)
-    finally:
-        pair.Free()
-    got = island_losses(losses, eng, WORLD)
-    for i in (0, 1):
-        assert_same(got[i], want[i])
-    island = eng.mesh.coords["replica"]          # mid-period for one fragment: each island's own parameters
-    assert_same_params(params, next(p for r in refs if r is not None for i, p in [r] if i == island))
+    assert_islands_of_one_process(corpus, [*knobs, *frag], losses, params, eng)
 
 
 # ---- an independent model of the outer step ---------------------------------------------------------------
@@ -253,10 +250,7 @@ def test_resume_mid_period_under_another_inner_layout(corpus, root, quantize):
     a = ["strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n // 2}"]
     b = ["strategy.sharding.enable=true", f"strategy.sharding.degree={n // 2}", "strategy.sharding.stage=2"]
     straight = run(config(corpus, *knobs, *a), WORLD, steps=6)
-    eng = build(config(corpus, *knobs, *a), WORLD)
-    for s in range(4):
-        eng.train_step(s)
-    save_state(eng, root, 4, keep=2)
+    saved_after(config(corpus, *knobs, *a), WORLD, root, 4)
     assert_resumes_like(config(corpus, *knobs, *b), WORLD, root, straight, at=4, steps=2)
 
 
@@ -266,9 +260,7 @@ def test_a_checkpoint_of_islands_is_refused_without_them(corpus, root):
     n = WORLD.Get_size()
     need(n % 2 == 0, "2 islands of equal size")
     dp = ["strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n // 2}"]
-    eng = build(config(corpus, *DILOCO, "strategy.diloco.inner_steps=1", *dp), WORLD)
-    eng.train_step(0)
-    path = save_state(eng, root, 1, keep=1)
+    path = saved_after(config(corpus, *DILOCO, "strategy.diloco.inner_steps=1", *dp), WORLD, root, 1)
     plain = build(config(corpus, "strategy.data_parallel.enable=true"), WORLD)
     with pytest.raises(CheckpointError, match=r"written by 2 DiLoCo islands: resume it with strategy.diloco.enable "
                                               r"= true, or start a run from its outer parameters"):

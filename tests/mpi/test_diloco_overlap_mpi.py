@@ -6,9 +6,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import assert_resumes_like, assert_same, assert_same_params, config, need, run
-from hpengine.run.build import build
-from hpengine.run.train import save_state
+from helpers import assert_resumes_like, assert_same, assert_same_params, config, need, run, saved_after
 from test_diloco_mpi import DILOCO, fragment_slices_of, islands_and_their_engines, np_exchange, tensor_bounds
 
 WORLD = MPI.COMM_WORLD
@@ -62,8 +60,5 @@ def test_overlap_resumes_with_exchanges_on_the_wire(corpus, root, quantize):
                       "strategy.diloco.overlap=true"]
     a = ["strategy.data_parallel.enable=true", f"strategy.data_parallel.degree={n // 2}"]
     straight = run(config(corpus, *knobs, *a), WORLD, steps=8)
-    eng = build(config(corpus, *knobs, *a), WORLD)
-    for s in range(4):
-        eng.train_step(s)
-    save_state(eng, root, 4, keep=2)
+    saved_after(config(corpus, *knobs, *a), WORLD, root, 4)
     assert_resumes_like(config(corpus, *knobs, *a), WORLD, root, straight, at=4, steps=4)
